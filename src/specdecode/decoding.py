@@ -1,0 +1,281 @@
+"""The decode loop: target-only (autoregressive) and speculative decoding.
+
+One round is four named steps, as in Medusa's loop and gpt-fast's ``generate.py``:
+
+1. **draft**: the drafter proposes k <= γ tokens after the sequence;
+2. **verify**: one target forward over ``[pending token, d_1 .. d_k]`` gives k + 1
+   distributions; greedy or speculative-sampling verification accepts n of the
+   draft tokens and yields one more token (replacement or bonus);
+3. **accept**: the target's and the drafter's caches drop the k - n rejected
+   positions (no prompt is ever re-encoded);
+4. **emit**: the n + 1 new tokens are cut at EOS, a stop string or
+   ``max_new_tokens`` and handed to the caller.
+
+Autoregressive decoding is the same loop with k = 0: one target forward, one token.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from specdecode import kv_cache
+from specdecode.config import GenerationConfig
+from specdecode.drafters import Drafter
+from specdecode.errors import InvalidArgumentError
+from specdecode.sampling import Sampler, check_finite
+from specdecode.stats import SpecDecodingStats
+from specdecode.verification import greedy_verify, rejection_sample
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GenerationResult:
+    """What one generation produced.
+
+    Attributes:
+        token_ids: The new token ids (prompt excluded), EOS or stop string included.
+        text: ``token_ids`` decoded without special tokens ("" when no tokenizer was given).
+        finish_reason: "eos", "stop_string" or "length".
+        stats: Counts and timings.
+    """
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stats: SpecDecodingStats
+
+
+class _StopStrings:
+    """Finds the first token whose text completes a stop string, decoding only a tail window."""
+
+    def __init__(self, tokenizer, stop_strings: tuple[str, ...]) -> None:
+        if stop_strings and tokenizer is None:
+            raise InvalidArgumentError("stop_strings need a tokenizer; pass tokenizer= to the decoder")
+        self.tokenizer = tokenizer
+        self.stop_strings = stop_strings
+        # Every non-special token decodes to at least one character, so this many
+        # earlier tokens always cover a stop string that straddles a round.
+        self.lookback = max((len(s) for s in stop_strings), default=0)
+
+    def cut(self, generated: list[int], num_new: int) -> int | None:
+        """Number of generated tokens to keep if the last ``num_new`` complete a stop string, else None."""
+        if not self.stop_strings:
+            return None
+        start = max(len(generated) - num_new - self.lookback, 0)
+        decode = self.tokenizer.decode
+        if not any(s in decode(generated[start:]) for s in self.stop_strings):
+            return None
+        for end in range(len(generated) - num_new + 1, len(generated) + 1):
+            text = decode(generated[start:end])
+            if any(s in text for s in self.stop_strings):
+                return end
+        return len(generated)
+
+
+class GenerationStream:
+    """Iterates over verified tokens, one list per target forward, as soon as they exist.
+
+    After the iteration ends, ``token_ids``, ``finish_reason`` and ``stats`` hold the
+    outcome. Made by ``SpeculativeDecoder.stream``.
+    """
+
+    def __init__(self, decoder: SpeculativeDecoder, input_ids: torch.Tensor, config: GenerationConfig):
+        self._decoder = decoder
+        self._input_ids = input_ids
+        self.config = config
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.stats = SpecDecodingStats(num_prompt_tokens=int(input_ids.shape[1]))
+        self._started = False
+
+    def __iter__(self) -> Iterator[list[int]]:
+        if self._started:
+            raise RuntimeError("a GenerationStream can be iterated only once")
+        self._started = True
+        return self._run()
+
+    def _run(self) -> Iterator[list[int]]:
+        dec, config, stats = self._decoder, self.config, self.stats
+        stop = _StopStrings(dec.tokenizer, config.stop_strings)
+        eos = dec.eos_token_ids if config.stop_on_eos else frozenset()
+        state = _Round(dec, self._input_ids, config, stats)
+        t0 = time.perf_counter()
+        new = state.prefill()
+        stats.prefill_time_s = time.perf_counter() - t0
+        # Decode time counts the loop's own work, not the consumer's between yields.
+        while True:
+            t1 = time.perf_counter()
+            # emit: cut at EOS, the length budget and stop strings.
+            for i, token in enumerate(new):
+                if token in eos:
+                    new, self.finish_reason = new[: i + 1], "eos"
+                    break
+            room = config.max_new_tokens - len(self.token_ids)
+            if len(new) >= room:
+                new = new[:room]
+                self.finish_reason = self.finish_reason or "length"
+            self.token_ids.extend(new)
+            keep = stop.cut(self.token_ids, len(new))
+            if keep is not None:
+                new = new[: len(new) - (len(self.token_ids) - keep)]
+                del self.token_ids[keep:]
+                self.finish_reason = "stop_string"
+            stats.num_new_tokens = len(self.token_ids)
+            stats.decode_time_s += time.perf_counter() - t1
+            if new:
+                yield new
+            if self.finish_reason is not None:
+                break
+            t1 = time.perf_counter()
+            new = state.step(config.max_new_tokens - len(self.token_ids))
+            stats.decode_time_s += time.perf_counter() - t1
+        stats.num_draft_forwards = dec.drafter.num_forwards if dec.drafter is not None else 0
+
+
+class _Round:
+    """The mutable state of one generation: token buffer, target cache, sampler."""
+
+    def __init__(self, dec: SpeculativeDecoder, input_ids: torch.Tensor, config: GenerationConfig, stats):
+        self.dec = dec
+        self.stats = stats
+        self.config = config
+        self.gamma = config.num_speculative_tokens if dec.drafter is not None else 0
+        device = input_ids.device
+        n = input_ids.shape[1]
+        self.buf = torch.empty((1, n + config.max_new_tokens + self.gamma + 1), dtype=torch.long, device=device)
+        self.buf[:, :n] = input_ids
+        self.length = n  # tokens in buf; the last one, once generated, is in no cache yet
+        self.sampler = Sampler(config, dec.vocab_size, device)
+        self.cache = kv_cache.new_cache(dec.target)
+        self.num_cached = 0
+
+    def _choose(self, logits: torch.Tensor) -> int:
+        """One token from (1, V) logits."""
+        if self.sampler.greedy:
+            return int(self.sampler.argmax(logits)[0])
+        return int(self.sampler.sample(self.sampler.probs(logits))[0])
+
+    @torch.inference_mode()
+    def prefill(self) -> list[int]:
+        target, n = self.dec.target, self.length
+        logits = target(self.buf[:, :n], past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        check_finite(logits, "target model")
+        self.num_cached = n
+        token = self._choose(logits)
+        if self.dec.drafter is not None:
+            self.dec.drafter.begin(self.buf[:, :n], self.sampler, self.cache)
+        self.buf[0, n] = token
+        self.length = n + 1
+        return [token]
+
+    @torch.inference_mode()
+    def step(self, remaining: int) -> list[int]:
+        """One target forward; returns the 1 .. k + 1 tokens it confirms."""
+        L, buf, sampler, drafter = self.length, self.buf, self.sampler, self.dec.drafter
+        # draft (never more than the length budget can use)
+        k = min(self.gamma, remaining - 1)
+        draft = drafter.propose(buf[:, :L], k) if k > 0 else None
+        k = len(draft) if draft is not None else 0
+        if k:
+            buf[0, L : L + k] = draft.tokens
+        # verify
+        logits = self.dec.target(
+            buf[:, L - 1 : L + k], past_key_values=self.cache, use_cache=True
+        ).logits[0]
+        self.num_cached += k + 1
+        check_finite(logits, "target model")
+        if sampler.greedy:
+            if k:
+                ids = torch.cat([draft.tokens, sampler.argmax(logits)]).tolist()
+                verdict = greedy_verify(ids[:k], ids[k:])
+                new = ids[: verdict.num_accepted] + [verdict.next_token]
+            else:
+                new = [int(sampler.argmax(logits)[0])]
+                verdict = None
+        else:
+            probs = sampler.probs(logits)
+            if k:
+                verdict = rejection_sample(draft.tokens, draft.probs, probs, sampler)
+                new = draft.tokens[: verdict.num_accepted].tolist() + [verdict.next_token]
+            else:
+                new = [int(sampler.sample(probs)[0])]
+                verdict = None
+        accepted = verdict.num_accepted if verdict is not None else 0
+        # accept: roll both caches back to the confirmed tokens
+        self.length = L + accepted + 1
+        buf[0, self.length - 1] = new[-1]
+        self.num_cached = kv_cache.rollback(self.cache, self.num_cached, self.length - 1)
+        if drafter is not None:
+            drafter.rollback(self.length - 1)
+        self.stats.record_block(k, accepted)
+        return new
+
+
+class SpeculativeDecoder:
+    """Target-only or speculative decoding of one sequence (batch size 1).
+
+    Args:
+        target: The target model, a transformers causal LM in eval mode.
+        drafter: Proposes draft tokens; ``None`` gives plain autoregressive decoding
+            with a KV cache (the baseline).
+        eos_token_ids: Token ids that end generation.
+        tokenizer: Needed only for ``stop_strings`` and for ``GenerationResult.text``.
+
+    The output of greedy decoding equals target-only greedy decoding token for
+    token (in float32; in lower precision a multi-token forward may round
+    differently from a one-token forward). Sampling is distributed exactly as
+    sampling from the target (Leviathan et al. 2022).
+    """
+
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        drafter: Drafter | None = None,
+        *,
+        eos_token_ids: Iterable[int] = (),
+        tokenizer=None,
+    ) -> None:
+        self.target = target
+        self.drafter = drafter
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.vocab_size = int(target.get_output_embeddings().weight.shape[0])
+
+    def stream(self, input_ids: torch.Tensor | list[int], config: GenerationConfig | None = None) -> GenerationStream:
+        """Start a generation whose tokens arrive as they are verified.
+
+        Args:
+            input_ids: (1, n) or (n,) long prompt ids, n >= 1; or a list of ints.
+            config: Generation parameters; defaults to ``GenerationConfig()``.
+
+        Raises:
+            InvalidArgumentError: If the prompt is empty or has a batch size other than 1.
+        """
+        config = config or GenerationConfig()
+        device = self.target.device
+        if not isinstance(input_ids, torch.Tensor):
+            input_ids = torch.tensor(list(input_ids), dtype=torch.long)
+        if input_ids.dim() == 1:
+            input_ids = input_ids.unsqueeze(0)
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise InvalidArgumentError(
+                f"input_ids must have shape (1, n) (batch size 1), got {tuple(input_ids.shape)}"
+            )
+        if input_ids.shape[1] == 0:
+            raise InvalidArgumentError("the prompt is empty: it must contain at least one token")
+        return GenerationStream(self, input_ids.to(device=device, dtype=torch.long), config)
+
+    def generate(self, input_ids: torch.Tensor | list[int], config: GenerationConfig | None = None) -> GenerationResult:
+        """Run a generation to the end. Same arguments and errors as ``stream``."""
+        stream = self.stream(input_ids, config)
+        for _ in stream:
+            pass
+        text = self.tokenizer.decode(stream.token_ids, skip_special_tokens=True) if self.tokenizer else ""
+        return GenerationResult(stream.token_ids, text, stream.finish_reason, stream.stats)

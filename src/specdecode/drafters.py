@@ -1,0 +1,120 @@
+"""Drafters: what proposes the γ tokens the target model verifies.
+
+The split follows transformers' ``generation/candidate_generator.py``: a drafter
+only proposes; verification, acceptance and the target's cache are the decoder's.
+
+The protocol, per generation:
+
+1. ``begin(prompt_ids, sampler, target_cache)`` once, after the target's prefill.
+   ``target_cache`` is the target's ``DynamicCache`` holding the prompt; a
+   self-speculative drafter may append to it while drafting but must crop it back
+   before ``propose`` returns, so the target never reads draft-mode keys/values.
+2. Each round, ``propose(sequence, max_tokens)`` with the whole sequence so far
+   (prompt + generated tokens; its last token is not yet in any cache).
+3. After verification, ``rollback(num_valid)``: the first ``num_valid`` tokens of
+   the sequence are confirmed; any state a drafter holds past them is stale.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from specdecode import kv_cache
+from specdecode.sampling import Sampler, check_finite
+
+
+@dataclass(frozen=True)
+class Draft:
+    """One proposed block.
+
+    Attributes:
+        tokens: (k,) long, the drafted ids, 0 <= k <= max_tokens.
+        probs: (k, V) float32, the distributions they were sampled from when
+            sampling, or ``None`` (greedy decoding, or a deterministic drafter).
+    """
+
+    tokens: torch.Tensor
+    probs: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+class Drafter(abc.ABC):
+    """Base class of every drafter.
+
+    Attributes:
+        num_forwards: Model forwards this drafter ran in the current generation.
+    """
+
+    num_forwards: int = 0
+
+    @abc.abstractmethod
+    def begin(self, prompt_ids: torch.Tensor, sampler: Sampler, target_cache: DynamicCache) -> None:
+        """Start a new sequence. ``prompt_ids``: (1, n) long; ``target_cache`` holds its n positions."""
+
+    @abc.abstractmethod
+    def propose(self, sequence: torch.Tensor, max_tokens: int) -> Draft:
+        """Propose up to ``max_tokens`` (>= 1) tokens to follow ``sequence`` (1, L)."""
+
+    @abc.abstractmethod
+    def rollback(self, num_valid: int) -> None:
+        """Forget any state past the first ``num_valid`` tokens of the sequence."""
+
+
+class DraftModelDrafter(Drafter):
+    """A smaller model with the target's vocabulary drafts autoregressively.
+
+    Its KV cache holds every token of the sequence except the ones not yet fed:
+    after a block it lacks the pending token (and, after a fully accepted block,
+    the last draft token too); the next ``propose`` feeds those in one forward,
+    so no extra forward is spent re-syncing after a fully accepted block.
+
+    Args:
+        model: The draft model (a transformers causal LM), in eval mode, on the
+            target's device. Its vocabulary must map like the target's
+            (see ``specdecode.models.check_vocabularies``).
+    """
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+        self._cache = None
+        self._num_cached = 0
+        self._sampler: Sampler | None = None
+
+    @torch.inference_mode()
+    def begin(self, prompt_ids: torch.Tensor, sampler: Sampler, target_cache: DynamicCache) -> None:
+        self._sampler = sampler
+        self._cache = kv_cache.new_cache(self.model)
+        self.model(prompt_ids, past_key_values=self._cache, use_cache=True, logits_to_keep=1)
+        self._num_cached = prompt_ids.shape[1]
+        self.num_forwards = 1
+
+    @torch.inference_mode()
+    def propose(self, sequence: torch.Tensor, max_tokens: int) -> Draft:
+        sampler = self._sampler
+        feed = sequence[:, self._num_cached :]
+        tokens, probs = [], []
+        for _ in range(max_tokens):
+            logits = self.model(
+                feed, past_key_values=self._cache, use_cache=True, logits_to_keep=1
+            ).logits[:, -1]
+            self._num_cached += feed.shape[1]
+            check_finite(logits, "draft model")
+            if sampler.greedy:
+                token = sampler.argmax(logits)
+            else:
+                q = sampler.probs(logits)
+                token = sampler.sample(q)
+                probs.append(q)
+            tokens.append(token)
+            feed = token.view(1, 1)
+        self.num_forwards += max_tokens
+        return Draft(torch.cat(tokens), torch.cat(probs) if probs else None)
+
+    def rollback(self, num_valid: int) -> None:
+        self._num_cached = kv_cache.rollback(self._cache, self._num_cached, num_valid)

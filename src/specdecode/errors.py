@@ -1,0 +1,35 @@
+"""Exceptions raised by specdecode.
+
+Every error names the offending value and what would have been allowed, so a
+user can fix the call without reading the source.
+"""
+
+from __future__ import annotations
+
+
+class SpecDecodeError(Exception):
+    """Base class of every error specdecode raises on purpose."""
+
+
+class InvalidArgumentError(SpecDecodeError, ValueError):
+    """A parameter is outside its allowed range (e.g. ``top_p=1.5``)."""
+
+
+class ModelNotFoundError(SpecDecodeError, FileNotFoundError):
+    """A model name is not known, or a model file or folder does not exist."""
+
+
+class ChecksumMismatchError(SpecDecodeError):
+    """An assembled model file does not have the expected sha256."""
+
+
+class UnsupportedModelError(SpecDecodeError):
+    """transformers cannot load this architecture as a causal language model."""
+
+
+class VocabularyMismatchError(SpecDecodeError, ValueError):
+    """The draft model's tokenizer does not map tokens to the same ids as the target's."""
+
+
+class NonFiniteLogitsError(SpecDecodeError, RuntimeError):
+    """A model produced NaN or infinite logits (often a float16 overflow)."""

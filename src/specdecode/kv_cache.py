@@ -1,0 +1,35 @@
+"""KV-cache creation and rollback on top of transformers' ``DynamicCache``.
+
+Rollback after a rejection is ``DynamicCache.crop(-num_rejected)``. Sliding-window
+layers (Gemma 2/3, Mistral) drop old keys as they go, which would make a crop
+past the window impossible, so for models that have such layers the cache is
+put in transformers' "past recording" mode: every layer keeps what it needs
+until the next ``crop``, and each crop (including ``crop(0)``) trims it back
+to the window. Every forward of a speculative round is therefore followed by
+exactly one ``rollback`` call, also when nothing is rejected.
+"""
+
+from __future__ import annotations
+
+from transformers import DynamicCache, PreTrainedModel
+
+
+def new_cache(model: PreTrainedModel) -> DynamicCache:
+    """An empty cache laid out for ``model`` (sliding layers where its config has them)."""
+    cache = DynamicCache(config=model.config)
+    if any(getattr(layer, "is_sliding", False) for layer in cache.layers):
+        cache.activate_past_recording()
+    return cache
+
+
+def rollback(cache: DynamicCache, num_cached: int, num_valid: int) -> int:
+    """Drop cached positions past ``num_valid``; returns the new cached length.
+
+    Args:
+        cache: The cache to trim in place.
+        num_cached: Positions it holds now.
+        num_valid: Positions whose keys and values belong to confirmed tokens.
+    """
+    excess = max(num_cached - num_valid, 0)
+    cache.crop(-excess)
+    return num_cached - excess

@@ -1,0 +1,93 @@
+"""Turning logits into next-token distributions and tokens.
+
+Temperature, top-k and top-p are applied with transformers' own logits warpers,
+so the draft and the target distributions are shaped identically before the
+speculative-sampling test compares them.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from specdecode.config import GenerationConfig
+from specdecode.errors import NonFiniteLogitsError
+
+
+def check_finite(logits: torch.Tensor, who: str) -> None:
+    """Raise if ``logits`` holds NaN or infinity.
+
+    Args:
+        logits: Any-shaped raw model logits.
+        who: Which model produced them, for the message ("target model", "draft model").
+
+    Raises:
+        NonFiniteLogitsError: If any entry is NaN or +/-inf.
+    """
+    if not bool(torch.isfinite(logits).all()):
+        raise NonFiniteLogitsError(
+            f"the {who} produced non-finite logits (NaN or inf) in a {str(logits.dtype)} forward; "
+            "logits must be finite. Try --dtype float32 or bfloat16 instead of float16."
+        )
+
+
+class Sampler:
+    """Shapes logits into probabilities and draws tokens, for one generation.
+
+    Args:
+        config: Sampling parameters (temperature, top_k, top_p, seed).
+        vocab_size: V, the target model's logit width. Wider logits (a draft model
+            with more padding rows) are cut to V; narrower ones are padded with
+            zero probability, so draft and target distributions share one support.
+        device: Device of the ``torch.Generator``.
+    """
+
+    def __init__(self, config: GenerationConfig, vocab_size: int, device: torch.device | str) -> None:
+        self.greedy = config.greedy
+        self.vocab_size = vocab_size
+        self.generator = torch.Generator(device=device)
+        if config.seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(config.seed)
+        warpers = LogitsProcessorList()
+        if not self.greedy:
+            if config.temperature != 1.0:
+                warpers.append(TemperatureLogitsWarper(config.temperature))
+            if config.top_k > 0:
+                warpers.append(TopKLogitsWarper(top_k=config.top_k))
+            if config.top_p < 1.0:
+                warpers.append(TopPLogitsWarper(top_p=config.top_p))
+        self._warpers = warpers
+        self._no_ids = torch.empty(0, dtype=torch.long)
+
+    def _fit(self, logits: torch.Tensor) -> torch.Tensor:
+        width = logits.shape[-1]
+        if width > self.vocab_size:
+            return logits[..., : self.vocab_size]
+        if width < self.vocab_size:
+            pad = logits.new_full((*logits.shape[:-1], self.vocab_size - width), float("-inf"))
+            return torch.cat([logits, pad], dim=-1)
+        return logits
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Greedy tokens. ``logits``: (m, V') -> (m,) long."""
+        return self._fit(logits).argmax(dim=-1)
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """Warped distributions. ``logits``: (m, V') any float dtype -> (m, V) float32, rows sum to 1."""
+        scores = self._warpers(self._no_ids, self._fit(logits).float())
+        return torch.softmax(scores, dim=-1)
+
+    def sample(self, probs: torch.Tensor) -> torch.Tensor:
+        """Draw one token per row. ``probs``: (m, V) -> (m,) long, using this sampler's generator."""
+        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+
+    def uniform(self, n: int, device: torch.device) -> torch.Tensor:
+        """``n`` draws from U[0, 1) as a (n,) float32 tensor, from this sampler's generator."""
+        return torch.rand(n, generator=self.generator, device=device)
