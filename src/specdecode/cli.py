@@ -1,13 +1,17 @@
-"""Command line: ``specdecode generate ...``. The only module that prints."""
+"""Command line: ``specdecode generate ...`` and ``specdecode bench ...`` (parsed in ``specdecode.bench``).
+The only modules that print."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
 
+from specdecode import bench
 from specdecode.config import GenerationConfig
+from specdecode.draft_control import LENGTH_SCHEDULES, DraftControl
 from specdecode.errors import SpecDecodeError
 from specdecode.pipeline import DEFAULT_DRAFT, DEFAULT_TARGET, METHODS
 
@@ -33,6 +37,28 @@ def _add_generate(sub) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats) only")
+    g = p.add_argument_group("self-speculative and model-free drafting")
+    skip = g.add_mutually_exclusive_group()
+    skip.add_argument("--skip-layers", metavar="SPEC", default=None,
+                      help="layer-skip: sublayers the draft skips, e.g. 'attn=2,15,18;mlp=2,15,18'")
+    skip.add_argument("--skip-config", metavar="FILE", default=None,
+                      help='layer-skip: JSON file {"skip_set": {"attn": [...], "mlp": [...]}, ...} or bare')
+    g.add_argument("--exit-layer", type=int, metavar="N", default=None,
+                   help="early-exit: the draft runs the first N decoder layers (1..L-1)")
+    g.add_argument("--prompt-lookup-max-ngram", type=int, default=3, help="prompt-lookup: longest n-gram matched")
+    g.add_argument("--prompt-lookup-min-ngram", type=int, default=1, help="prompt-lookup: shortest n-gram matched")
+    c = p.add_argument_group("draft length control")
+    c.add_argument("--adaptive-draft-exit", action="store_true",
+                   help="Draft & Verify adaptive draft exit: stop drafting below a self-tuning confidence "
+                        "threshold (blocks up to --max-draft-tokens instead of -g)")
+    c.add_argument("--draft-exit-threshold", type=float, default=DraftControl.exit_threshold,
+                   help="initial adaptive draft-exit threshold")
+    c.add_argument("--max-draft-tokens", type=int, default=DraftControl.max_draft_tokens,
+                   help="most tokens per block with --adaptive-draft-exit")
+    c.add_argument("--draft-length-schedule", choices=LENGTH_SCHEDULES, default="constant",
+                   help="constant: -g tokens per block; heuristic: +2 after a fully accepted block, -1 otherwise")
+    c.add_argument("--confidence-gate", type=float, metavar="THRESHOLD", default=None,
+                   help="make a plain target step whenever the target's probability of its last token is below this")
 
 
 def _fmt(v) -> str:
@@ -59,6 +85,8 @@ def _print_stats(stats: dict, method: str, console) -> None:
         ("acceptance rate (accepted / drafted)", "acceptance_rate"),
         ("mean accepted tokens per target forward (incl. bonus)", "mean_accepted_tokens"),
         ("acceptance by draft position", "acceptance_by_position"),
+        ("final adaptive draft-exit threshold", "final_draft_threshold"),
+        ("gated steps (target confidence below the gate)", "num_gated_steps"),
         ("prefill time (s)", "prefill_time_s"),
         ("decode time (s)", "decode_time_s"),
         ("tokens/s (incl. prefill)", "tokens_per_s"),
@@ -67,6 +95,28 @@ def _print_stats(stats: dict, method: str, console) -> None:
     for label, key in rows:
         table.add_row(label, _fmt(stats.get(key)))
     console.print(table)
+
+
+def _check_method_options(args) -> None:
+    """Fail fast on method options that need no model to check."""
+    from specdecode.errors import InvalidArgumentError
+    from specdecode.layer_skip import SkipSet
+    from specdecode.prompt_lookup import PromptLookupDrafter
+
+    if args.skip_layers is not None:
+        SkipSet.parse(args.skip_layers)
+    if args.skip_config is not None:
+        SkipSet.from_json(args.skip_config)
+    if args.method == "layer-skip" and args.skip_layers is None and args.skip_config is None:
+        raise InvalidArgumentError(
+            "--method layer-skip needs a skip set: --skip-layers 'attn=2,15;mlp=3' or --skip-config FILE.json"
+        )
+    if args.method == "early-exit" and args.exit_layer is None:
+        raise InvalidArgumentError("--method early-exit needs --exit-layer N (the draft runs layers 0..N-1)")
+    if args.exit_layer is not None and args.exit_layer < 1:
+        raise InvalidArgumentError(f"--exit-layer {args.exit_layer} is out of range: it must be in 1..L-1")
+    if args.method == "prompt-lookup":
+        PromptLookupDrafter(args.prompt_lookup_max_ngram, args.prompt_lookup_min_ngram)
 
 
 def cmd_generate(args) -> int:
@@ -86,9 +136,25 @@ def cmd_generate(args) -> int:
     )
     if not args.prompt.strip():
         raise SpecDecodeError("the prompt is empty: pass some text with --prompt")
+    _check_method_options(args)  # before minutes of model loading
+    control = DraftControl(
+        adaptive_exit=args.adaptive_draft_exit,
+        exit_threshold=args.draft_exit_threshold,
+        max_draft_tokens=args.max_draft_tokens,
+        length_schedule=args.draft_length_schedule,
+        confidence_gate=args.confidence_gate,
+    )
+    options = dict(
+        skip_layers=args.skip_layers,
+        skip_config=args.skip_config,
+        exit_layer=args.exit_layer,
+        prompt_lookup_max_ngram=args.prompt_lookup_max_ngram,
+        prompt_lookup_min_ngram=args.prompt_lookup_min_ngram,
+        draft_control=control if control.active else None,
+    )
     draft = args.draft if args.method == "draft" else None
     gen = SpeculativeGenerator.from_pretrained(args.target, draft, dtype=args.dtype, device=args.device)
-    stream = gen.stream(args.prompt, config, method=args.method, chat=args.chat)
+    stream = gen.stream(args.prompt, config, method=args.method, chat=args.chat, **options)
     if args.json:
         for _ in stream:
             pass
@@ -100,6 +166,10 @@ def cmd_generate(args) -> int:
             "method": args.method,
             "target": args.target,
             "draft": draft,
+            "skip_layers": args.skip_layers,
+            "skip_config": args.skip_config,
+            "exit_layer": args.exit_layer,
+            "draft_control": dataclasses.asdict(control) if control.active else None,
             "dtype": str(gen.target.model.dtype).removeprefix("torch."),
             "device": str(gen.target.model.device),
             "stats": stream.stats.to_dict(),
@@ -121,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress (model loading) to stderr")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    bench.add_parser(sub)
     return parser
 
 
@@ -129,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        return {"generate": cmd_generate}[args.command](args)
+        return {"generate": cmd_generate, "bench": bench.run}[args.command](args)
     except SpecDecodeError as e:
         print(f"specdecode: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

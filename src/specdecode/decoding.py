@@ -2,7 +2,9 @@
 
 One round is four named steps, as in Medusa's loop and gpt-fast's ``generate.py``:
 
-1. **draft**: the drafter proposes k <= γ tokens after the sequence;
+1. **draft**: the drafter proposes k <= γ tokens after the sequence (an optional
+   ``DraftControl`` may change γ per round, end a block early when the draft is
+   unsure, or skip drafting after a low-confidence target token: ``draft_control``);
 2. **verify**: one target forward over ``[pending token, d_1 .. d_k]`` gives k + 1
    distributions; greedy or speculative-sampling verification accepts n of the
    draft tokens and yields one more token (replacement or bonus);
@@ -26,6 +28,7 @@ from transformers import PreTrainedModel
 
 from specdecode import kv_cache
 from specdecode.config import GenerationConfig
+from specdecode.draft_control import DraftControl, DraftController
 from specdecode.drafters import Drafter
 from specdecode.errors import InvalidArgumentError
 from specdecode.sampling import Sampler, check_finite
@@ -155,6 +158,21 @@ class _Round:
         self.sampler = Sampler(config, dec.vocab_size, device)
         self.cache = kv_cache.new_cache(dec.target)
         self.num_cached = 0
+        control = dec.draft_control
+        # Fresh per-generation state; None keeps the plain γ-per-round path.
+        self.control = (
+            DraftController(control, self.gamma)
+            if dec.drafter is not None and control is not None and control.active
+            else None
+        )
+        if self.control is not None and self.control.exit is not None:
+            stats.final_draft_threshold = self.control.exit.threshold
+
+    def _confidence(self, logits: torch.Tensor, probs: torch.Tensor | None, row: int, token: int) -> float:
+        """The target's probability of ``token`` at ``row`` (warped when sampling); one host sync."""
+        if probs is None:
+            return float(torch.softmax(logits[row].float(), dim=-1)[token])
+        return float(probs[row, token])
 
     def _choose(self, logits: torch.Tensor) -> int:
         """One token from (1, V) logits."""
@@ -167,8 +185,12 @@ class _Round:
         target, n = self.dec.target, self.length
         logits = target(self.buf[:, :n], past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits[:, -1]
         check_finite(logits, "target model")
-        self.num_cached = n
+        # Like every forward, the prefill is followed by a rollback (trims sliding layers).
+        self.num_cached = kv_cache.rollback(self.cache, n, n)
         token = self._choose(logits)
+        if self.control is not None and self.control.gate is not None:
+            probs = None if self.sampler.greedy else self.sampler.probs(logits)
+            self.control.gate.observe(self._confidence(logits, probs, 0, token))
         if self.dec.drafter is not None:
             self.dec.drafter.begin(self.buf[:, :n], self.sampler, self.cache)
         self.buf[0, n] = token
@@ -178,10 +200,21 @@ class _Round:
     @torch.inference_mode()
     def step(self, remaining: int) -> list[int]:
         """One target forward; returns the 1 .. k + 1 tokens it confirms."""
-        L, buf, sampler, drafter = self.length, self.buf, self.sampler, self.dec.drafter
+        L, buf, sampler, drafter, control = self.length, self.buf, self.sampler, self.dec.drafter, self.control
         # draft (never more than the length budget can use)
-        k = min(self.gamma, remaining - 1)
-        draft = drafter.propose(buf[:, :L], k) if k > 0 else None
+        if control is None:
+            k = min(self.gamma, remaining - 1)
+            draft = drafter.propose(buf[:, :L], k) if k > 0 else None
+        else:
+            if control.gated and remaining > 1:
+                self.stats.num_gated_steps += 1
+            cap = k = min(control.round_cap(), remaining - 1)
+            if k <= 0:
+                draft = None
+            elif control.exit is None:
+                draft = drafter.propose(buf[:, :L], k)
+            else:
+                draft = drafter.propose(buf[:, :L], k, exit_policy=control.exit)
         k = len(draft) if draft is not None else 0
         if k:
             buf[0, L : L + k] = draft.tokens
@@ -191,6 +224,7 @@ class _Round:
         ).logits[0]
         self.num_cached += k + 1
         check_finite(logits, "target model")
+        probs = None
         if sampler.greedy:
             if k:
                 ids = torch.cat([draft.tokens, sampler.argmax(logits)]).tolist()
@@ -215,6 +249,13 @@ class _Round:
         if drafter is not None:
             drafter.rollback(self.length - 1)
         self.stats.record_block(k, accepted)
+        if control is not None:
+            if k:
+                control.record(cap, k, accepted)
+                if control.exit is not None:
+                    self.stats.final_draft_threshold = control.exit.threshold
+            if control.gate is not None:
+                control.gate.observe(self._confidence(logits, probs, accepted, new[-1]))
         return new
 
 
@@ -227,6 +268,13 @@ class SpeculativeDecoder:
             with a KV cache (the baseline).
         eos_token_ids: Token ids that end generation.
         tokenizer: Needed only for ``stop_strings`` and for ``GenerationResult.text``.
+        draft_control: Per-round draft length policy (adaptive draft exit, heuristic
+            schedule, target-confidence gating); None drafts γ tokens every round.
+            Ignored without a drafter.
+
+    Raises:
+        InvalidArgumentError: If adaptive draft exit is asked of a drafter that gives
+            no probabilities (``drafter.supports_exit_policy`` is False).
 
     The output of greedy decoding equals target-only greedy decoding token for
     token (in float32; in lower precision a multi-token forward may round
@@ -241,9 +289,21 @@ class SpeculativeDecoder:
         *,
         eos_token_ids: Iterable[int] = (),
         tokenizer=None,
+        draft_control: DraftControl | None = None,
     ) -> None:
+        if (
+            draft_control is not None
+            and draft_control.adaptive_exit
+            and drafter is not None
+            and not getattr(drafter, "supports_exit_policy", False)
+        ):
+            raise InvalidArgumentError(
+                f"adaptive draft exit needs a drafter that gives probabilities (draft model, layer skip, "
+                f"early exit); {type(drafter).__name__} does not"
+            )
         self.target = target
         self.drafter = drafter
+        self.draft_control = draft_control
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.vocab_size = int(target.get_output_embeddings().weight.shape[0])

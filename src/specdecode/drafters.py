@@ -13,12 +13,20 @@ The protocol, per generation:
    (prompt + generated tokens; its last token is not yet in any cache).
 3. After verification, ``rollback(num_valid)``: the first ``num_valid`` tokens of
    the sequence are confirmed; any state a drafter holds past them is stale.
+
+A drafter whose class sets ``supports_exit_policy = True`` also accepts
+``propose(sequence, max_tokens, exit_policy=policy)``: after each drafted token it
+asks ``policy.should_stop(top_prob)`` with the draft distribution's top
+probability and ends the block when told to (Draft & Verify's adaptive draft
+exit, ``specdecode.draft_control.AdaptiveDraftExit``). The decoder passes the
+keyword only when adaptive exit is on, so other drafters need not accept it.
 """
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -44,14 +52,53 @@ class Draft:
         return int(self.tokens.shape[0])
 
 
+class ExitPolicy(Protocol):
+    """Decides, after each drafted token, whether the block ends there (``AdaptiveDraftExit``)."""
+
+    def should_stop(self, top_prob: float) -> bool:
+        """``top_prob``: the draft distribution's largest probability, in [0, 1]."""
+
+
+def draft_token(
+    sampler: Sampler, logits: torch.Tensor, probs: list, exit_policy: ExitPolicy | None = None
+) -> tuple[torch.Tensor, bool]:
+    """Pick one draft token from (1, V') logits; shared by the model-based drafters.
+
+    Greedy: the argmax. Sampling: a draw from ``sampler.probs(logits)``, whose (1, V)
+    row is appended to ``probs``. With an ``exit_policy`` the top probability of the
+    draft distribution (plain softmax when greedy, the warped one when sampling)
+    goes to ``exit_policy.should_stop``, which costs one host sync per token; without
+    one there is none.
+
+    Returns:
+        The (1,) long token and whether drafting should stop after it.
+    """
+    if sampler.greedy:
+        token = sampler.argmax(logits)
+        if exit_policy is None:
+            return token, False
+        top = float(torch.softmax(logits.float(), dim=-1).amax())
+    else:
+        q = sampler.probs(logits)
+        token = sampler.sample(q)
+        probs.append(q)
+        if exit_policy is None:
+            return token, False
+        top = float(q.amax())
+    return token, bool(exit_policy.should_stop(top))
+
+
 class Drafter(abc.ABC):
     """Base class of every drafter.
 
     Attributes:
         num_forwards: Model forwards this drafter ran in the current generation.
+        supports_exit_policy: Whether ``propose`` takes the ``exit_policy`` keyword
+            (drafters that produce distributions); False for deterministic drafters.
     """
 
     num_forwards: int = 0
+    supports_exit_policy: bool = False
 
     @abc.abstractmethod
     def begin(self, prompt_ids: torch.Tensor, sampler: Sampler, target_cache: DynamicCache) -> None:
@@ -80,6 +127,8 @@ class DraftModelDrafter(Drafter):
             (see ``specdecode.models.check_vocabularies``).
     """
 
+    supports_exit_policy = True
+
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model
         self._cache = None
@@ -95,7 +144,8 @@ class DraftModelDrafter(Drafter):
         self.num_forwards = 1
 
     @torch.inference_mode()
-    def propose(self, sequence: torch.Tensor, max_tokens: int) -> Draft:
+    def propose(self, sequence: torch.Tensor, max_tokens: int, exit_policy: ExitPolicy | None = None) -> Draft:
+        """Draft up to ``max_tokens`` tokens; ``exit_policy`` as in the module docstring."""
         sampler = self._sampler
         feed = sequence[:, self._num_cached :]
         tokens, probs = [], []
@@ -104,16 +154,13 @@ class DraftModelDrafter(Drafter):
                 feed, past_key_values=self._cache, use_cache=True, logits_to_keep=1
             ).logits[:, -1]
             self._num_cached += feed.shape[1]
+            self.num_forwards += 1
             check_finite(logits, "draft model")
-            if sampler.greedy:
-                token = sampler.argmax(logits)
-            else:
-                q = sampler.probs(logits)
-                token = sampler.sample(q)
-                probs.append(q)
+            token, stop = draft_token(sampler, logits, probs, exit_policy)
             tokens.append(token)
+            if stop:
+                break
             feed = token.view(1, 1)
-        self.num_forwards += max_tokens
         return Draft(torch.cat(tokens), torch.cat(probs) if probs else None)
 
     def rollback(self, num_valid: int) -> None:

@@ -33,3 +33,7 @@ class VocabularyMismatchError(SpecDecodeError, ValueError):
 
 class NonFiniteLogitsError(SpecDecodeError, RuntimeError):
     """A model produced NaN or infinite logits (often a float16 overflow)."""
+
+
+class DatasetError(SpecDecodeError, ValueError):
+    """A benchmark dataset is missing, unreadable or malformed (names the file and line)."""

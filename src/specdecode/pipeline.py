@@ -11,25 +11,37 @@ Example::
 
     for token_ids in gen.stream("Explain KV caches.", method="draft"):
         ...
+
+    # Self-speculative methods need no draft model:
+    gen = SpeculativeGenerator.from_pretrained(draft=None)
+    gen.generate("...", method="layer-skip", skip_layers="attn=2,15,18;mlp=2,15,18")
+    gen.generate("...", method="early-exit", exit_layer=8,
+                 draft_control=DraftControl(adaptive_exit=True))
+    gen.generate("...", method="prompt-lookup", prompt_lookup_max_ngram=3)
 """
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 
 from specdecode.config import GenerationConfig
 from specdecode.decoding import GenerationResult, GenerationStream, SpeculativeDecoder
+from specdecode.draft_control import DraftControl
 from specdecode.drafters import DraftModelDrafter, Drafter
+from specdecode.early_exit import EarlyExitDrafter
 from specdecode.errors import InvalidArgumentError
+from specdecode.layer_skip import LayerSkipDrafter, SkipSet
 from specdecode.models import LoadedModel, check_vocabularies, load_model
+from specdecode.prompt_lookup import PromptLookupDrafter
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
-METHODS = ("autoregressive", "draft")
+METHODS = ("autoregressive", "draft", "layer-skip", "early-exit", "prompt-lookup")
 
 
 def eos_token_ids(loaded: LoadedModel) -> set[int]:
@@ -47,7 +59,9 @@ class SpeculativeGenerator:
 
     Args:
         target: The loaded target model and tokenizer.
-        draft: The loaded draft model, needed for ``method="draft"``.
+        draft: The loaded draft model, needed only for ``method="draft"``; the
+            self-speculative methods ("layer-skip", "early-exit") draft with the
+            target, "prompt-lookup" with no model.
 
     Raises:
         VocabularyMismatchError: If the draft's tokenizer maps tokens differently.
@@ -70,7 +84,11 @@ class SpeculativeGenerator:
         device: str = "auto",
         cache_dir=None,
     ) -> SpeculativeGenerator:
-        """Load target and draft (see ``specdecode.models.load_model`` for specs and errors)."""
+        """Load target and draft (see ``specdecode.models.load_model`` for specs and errors).
+
+        ``draft=None`` loads no draft model: enough for every method but "draft"
+        ("autoregressive", "layer-skip", "early-exit", "prompt-lookup").
+        """
         t = load_model(target, dtype=dtype, device=device, cache_dir=cache_dir)
         d = load_model(draft, dtype=t.model.dtype, device=str(t.model.device), cache_dir=cache_dir) if draft else None
         return cls(t, d)
@@ -104,36 +122,137 @@ class SpeculativeGenerator:
                 ids = ids["input_ids"]
         else:
             ids = tok(prompt, add_special_tokens=True)["input_ids"]
+        if len(ids) == 0:
+            raise InvalidArgumentError(f"the prompt {prompt[:80]!r} encodes to no tokens with {self.target.name!r}'s tokenizer")
         return torch.tensor([list(ids)], dtype=torch.long, device=self.target.model.device)
 
-    def make_drafter(self, method: str) -> Drafter | None:
+    def make_drafter(
+        self,
+        method: str,
+        *,
+        skip_set: SkipSet | None = None,
+        skip_layers: str | None = None,
+        skip_config: str | Path | None = None,
+        exit_layer: int | None = None,
+        prompt_lookup_max_ngram: int = 3,
+        prompt_lookup_min_ngram: int = 1,
+    ) -> Drafter | None:
         """The drafter for ``method`` (None for autoregressive).
 
+        Args:
+            method: One of ``METHODS``.
+            skip_set, skip_layers, skip_config: The skip set of "layer-skip", given as a
+                ``SkipSet``, as text (``"attn=2,15;mlp=3"``) or as a JSON file (at most one).
+            exit_layer: N for "early-exit": the draft runs decoder layers 0..N-1 (1 <= N <= L-1).
+            prompt_lookup_max_ngram, prompt_lookup_min_ngram: n-gram sizes of "prompt-lookup"
+                (1 <= min <= max).
+
+        Options a method does not use are ignored, so one set of options can serve
+        several methods (as in ``specdecode bench``).
+
         Raises:
-            InvalidArgumentError: Unknown method, or "draft" without a draft model.
+            InvalidArgumentError: Unknown method; "draft" without a draft model;
+                "layer-skip" without a skip set, or with more than one; "early-exit"
+                without ``exit_layer``; or an option out of range.
         """
         if method == "autoregressive":
             return None
         if method == "draft":
             if self.draft is None:
-                raise InvalidArgumentError("method 'draft' needs a draft model; pass draft=...")
+                raise InvalidArgumentError(
+                    "method 'draft' needs a draft model; pass draft=... (or use 'layer-skip', 'early-exit' "
+                    "or 'prompt-lookup', which need none)"
+                )
             return DraftModelDrafter(self.draft.model)
+        if method == "layer-skip":
+            given = [v for v in (skip_set, skip_layers, skip_config) if v is not None]
+            if not given:
+                raise InvalidArgumentError(
+                    "method 'layer-skip' needs a skip set: pass skip_layers='attn=2,15;mlp=3' "
+                    "(--skip-layers), skip_config=FILE.json (--skip-config) or skip_set=SkipSet(...)"
+                )
+            if len(given) > 1:
+                raise InvalidArgumentError(
+                    "give the layer-skip skip set once: skip_set, skip_layers (--skip-layers) and "
+                    "skip_config (--skip-config) exclude each other"
+                )
+            if skip_layers is not None:
+                skip_set = SkipSet.parse(skip_layers)
+            elif skip_config is not None:
+                skip_set = SkipSet.from_json(skip_config)
+            logger.info("layer-skip drafting with skip set %s", skip_set)
+            return LayerSkipDrafter(self.target.model, skip_set)
+        if method == "early-exit":
+            if exit_layer is None:
+                raise InvalidArgumentError(
+                    "method 'early-exit' needs exit_layer=N (--exit-layer N): the draft runs the target's "
+                    "first N decoder layers, 1 <= N <= L-1"
+                )
+            return EarlyExitDrafter(self.target.model, exit_layer)
+        if method == "prompt-lookup":
+            return PromptLookupDrafter(prompt_lookup_max_ngram, prompt_lookup_min_ngram)
         raise InvalidArgumentError(f"unknown method {method!r}; allowed: {', '.join(METHODS)}")
 
-    def decoder(self, method: str = "draft") -> SpeculativeDecoder:
-        """A ``SpeculativeDecoder`` over the target with the drafter of ``method``."""
+    def decoder(
+        self,
+        method: str = "draft",
+        *,
+        draft_control: DraftControl | None = None,
+        skip_set: SkipSet | None = None,
+        skip_layers: str | None = None,
+        skip_config: str | Path | None = None,
+        exit_layer: int | None = None,
+        prompt_lookup_max_ngram: int = 3,
+        prompt_lookup_min_ngram: int = 1,
+    ) -> SpeculativeDecoder:
+        """A ``SpeculativeDecoder`` over the target with the drafter of ``method``.
+
+        Args:
+            method: One of ``METHODS``.
+            draft_control: Adaptive draft exit, length schedule and confidence gating
+                (``specdecode.draft_control.DraftControl``); ignored by "autoregressive".
+            skip_set .. prompt_lookup_min_ngram: See ``make_drafter``.
+
+        Raises:
+            InvalidArgumentError: See ``make_drafter``; also adaptive draft exit with
+                "prompt-lookup", whose drafts carry no probabilities.
+        """
+        drafter = self.make_drafter(
+            method,
+            skip_set=skip_set,
+            skip_layers=skip_layers,
+            skip_config=skip_config,
+            exit_layer=exit_layer,
+            prompt_lookup_max_ngram=prompt_lookup_max_ngram,
+            prompt_lookup_min_ngram=prompt_lookup_min_ngram,
+        )
         return SpeculativeDecoder(
-            self.target.model, self.make_drafter(method), eos_token_ids=self._eos, tokenizer=self.tokenizer
+            self.target.model, drafter, eos_token_ids=self._eos, tokenizer=self.tokenizer, draft_control=draft_control
         )
 
     def stream(
-        self, prompt: str, config: GenerationConfig | None = None, *, method: str = "draft", chat: bool | None = None
+        self,
+        prompt: str,
+        config: GenerationConfig | None = None,
+        *,
+        method: str = "draft",
+        chat: bool | None = None,
+        **options,
     ) -> GenerationStream:
-        """Tokens as they are verified: iterate to get lists of ids; ``.stats`` after the end."""
-        return self.decoder(method).stream(self.encode(prompt, chat), config)
+        """Tokens as they are verified: iterate to get lists of ids; ``.stats`` after the end.
+
+        ``options`` are the keywords of ``decoder`` (draft_control, skip_layers, exit_layer, ...).
+        """
+        return self.decoder(method, **options).stream(self.encode(prompt, chat), config)
 
     def generate(
-        self, prompt: str, config: GenerationConfig | None = None, *, method: str = "draft", chat: bool | None = None
+        self,
+        prompt: str,
+        config: GenerationConfig | None = None,
+        *,
+        method: str = "draft",
+        chat: bool | None = None,
+        **options,
     ) -> GenerationResult:
-        """Generate to the end; see ``SpeculativeDecoder.generate``."""
-        return self.decoder(method).generate(self.encode(prompt, chat), config)
+        """Generate to the end; see ``SpeculativeDecoder.generate``; ``options`` as in ``stream``."""
+        return self.decoder(method, **options).generate(self.encode(prompt, chat), config)

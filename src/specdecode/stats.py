@@ -22,6 +22,10 @@ class SpecDecodingStats:
         accepted_by_position: Entry i counts blocks whose token at position i was accepted.
         prefill_time_s: Seconds spent on the prompt (target and draft prefill).
         decode_time_s: Seconds from the end of the prefill to the last token.
+        final_draft_threshold: The adaptive draft-exit threshold after the last
+            block (``specdecode.draft_control``), or None when adaptive exit is off.
+        num_gated_steps: Steps the target-confidence gate made plain target steps
+            (no drafting) because the target's last token had low probability.
     """
 
     num_prompt_tokens: int = 0
@@ -35,6 +39,8 @@ class SpecDecodingStats:
     accepted_by_position: list[int] = field(default_factory=list)
     prefill_time_s: float = 0.0
     decode_time_s: float = 0.0
+    final_draft_threshold: float | None = None
+    num_gated_steps: int = 0
 
     def record_block(self, num_drafted: int, num_accepted: int) -> None:
         """Account one verification forward that checked ``num_drafted`` tokens."""

@@ -1,0 +1,123 @@
+"""Helpers shared by the self-speculative / prompt-lookup / draft-control tests."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from conftest import VOCAB
+from specdecode import GenerationConfig, SpeculativeDecoder
+from specdecode.drafters import Drafter
+from specdecode.sampling import Sampler
+
+
+@pytest.fixture(autouse=False)
+def one_thread():
+    """Tiny models run fastest single-threaded (and leave the other core alone)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def prompt_ids(length: int, seed: int, vocab: int = VOCAB) -> torch.Tensor:
+    """(1, length) random ids in 3..vocab-1 (no pad/bos/eos)."""
+    return torch.randint(3, vocab, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def cache_snapshot(cache) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(length, keys, values) of every layer, cloned."""
+    return [(layer.get_seq_length(), layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+
+
+def assert_same_cache(before, after) -> None:
+    assert len(before) == len(after)
+    for i, ((n0, k0, v0), (n1, k1, v1)) in enumerate(zip(before, after)):
+        assert n0 == n1, f"layer {i}: length {n0} -> {n1}"
+        assert k0.shape == k1.shape and torch.equal(k0, k1), f"layer {i}: keys changed"
+        assert v0.shape == v1.shape and torch.equal(v0, v1), f"layer {i}: values changed"
+
+
+def autoregressive(target, prompt, config: GenerationConfig) -> list[int]:
+    return SpeculativeDecoder(target).generate(prompt, config).token_ids
+
+
+# --- distribution tests -------------------------------------------------------------
+
+
+def exact_marginals(target, prompt: list[int], config: GenerationConfig, vocab: int) -> dict[str, torch.Tensor]:
+    """Exact laws of the first three sampled tokens under ``Sampler.probs`` warping.
+
+    Returns {"x1": (V,), "x2": (V,), "x3": (V,), "x1x2": (V, V)}: marginals and the
+    joint of the first two, by enumerating every prefix (V + V^2 sequences, batched).
+    """
+    sampler = Sampler(config, vocab, "cpu")
+    v = torch.arange(vocab)
+    with torch.inference_mode():
+        p = torch.tensor([prompt])
+        seq2 = torch.cat([p.repeat(vocab, 1), v[:, None]], 1)
+        seq3 = torch.cat([seq2.repeat_interleave(vocab, 0), v.repeat(vocab)[:, None]], 1)
+        p1, p2, p3 = (sampler.probs(target(s).logits[:, -1]).double() for s in (p, seq2, seq3))
+    j12 = p1[0][:, None] * p2
+    j123 = j12[:, :, None] * p3.view(vocab, vocab, vocab)
+    return {"x1": p1[0], "x2": j12.sum(0), "x3": j123.sum((0, 1)), "x1x2": j12}
+
+
+def sample_counts(decoder, prompt: list[int], config: GenerationConfig, n: int, vocab: int) -> dict[str, torch.Tensor]:
+    """Empirical frequencies of the same quantities from ``n`` seeded generations."""
+    firsts = torch.zeros((n, 3), dtype=torch.long)
+    for i in range(n):
+        ids = decoder.generate(prompt, dataclasses.replace(config, seed=10_000 + i)).token_ids
+        firsts[i] = torch.tensor(ids[:3])
+    freq = {f"x{j + 1}": torch.bincount(firsts[:, j], minlength=vocab).double() / n for j in range(3)}
+    freq["x1x2"] = torch.bincount(firsts[:, 0] * vocab + firsts[:, 1], minlength=vocab * vocab).double().view(
+        vocab, vocab
+    ) / n
+    return freq
+
+
+def violations(exact: dict, freq: dict, n: int, z: float = 4.5) -> list[str]:
+    """Cells whose frequency is more than z standard errors (+ one count) from the exact probability."""
+    bad = []
+    for key, p in exact.items():
+        f = freq[key]
+        tol = z * torch.sqrt(p * (1 - p) / n) + 1.0 / n
+        for idx in (torch.abs(f - p) > tol).nonzero().tolist():
+            bad.append(f"{key}{idx}: sampled {float(f[tuple(idx)]):.4f}, exact {float(p[tuple(idx)]):.4f}")
+    return bad
+
+
+class CacheCheckingDrafter(Drafter):
+    """Wraps a self-speculative drafter; asserts around every ``propose`` that the target
+    cache comes back tensor-equal (and held every token but the pending one)."""
+
+    supports_exit_policy = True
+
+    def __init__(self, inner: Drafter) -> None:
+        self.inner = inner
+        self.checked = 0
+        self._cache = None
+
+    @property
+    def num_forwards(self) -> int:
+        return self.inner.num_forwards
+
+    def begin(self, prompt_ids, sampler, target_cache) -> None:
+        self._cache = target_cache
+        self.inner.begin(prompt_ids, sampler, target_cache)
+
+    def propose(self, sequence, max_tokens, exit_policy=None):
+        before = cache_snapshot(self._cache)
+        assert before[0][0] == sequence.shape[1] - 1
+        if exit_policy is None:
+            draft = self.inner.propose(sequence, max_tokens)
+        else:
+            draft = self.inner.propose(sequence, max_tokens, exit_policy=exit_policy)
+        assert_same_cache(before, cache_snapshot(self._cache))
+        self.checked += 1
+        return draft
+
+    def rollback(self, num_valid) -> None:
+        self.inner.rollback(num_valid)

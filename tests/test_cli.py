@@ -1,0 +1,79 @@
+"""`specdecode generate` end to end on tiny models saved as folders."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import make_tiny_model, make_tiny_tokenizer
+from specdecode import GenerationConfig, SpeculativeDecoder
+from specdecode.cli import main
+
+
+@pytest.fixture(scope="module")
+def tiny_folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    tok = make_tiny_tokenizer()
+    target = make_tiny_model("llama", num_layers=3)
+    draft = make_tiny_model("llama", num_layers=1, seed=5)
+    for name, model in (("target", target), ("draft", draft)):
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+    return root / "target", root / "draft", target
+
+
+def _run(capsys, *args) -> tuple[int, str, str]:
+    code = main(["generate", *map(str, args)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_generate_json_matches_autoregressive(tiny_folders, capsys):
+    target_dir, draft_dir, target = tiny_folders
+    code, out, err = _run(
+        capsys, "--target", target_dir, "--draft", draft_dir, "--prompt", "w5 w9 w11", "--max-new-tokens", 12,
+        "--dtype", "float32", "--device", "cpu", "-g", 3, "--json",
+    )
+    assert code == 0, err
+    result = json.loads(out)  # stdout holds exactly one JSON object
+    expected = SpeculativeDecoder(target, eos_token_ids=[2]).generate(
+        torch.tensor([[5, 9, 11]]), GenerationConfig(max_new_tokens=12)
+    )
+    assert result["token_ids"] == expected.token_ids
+    stats = result["stats"]
+    assert stats["num_new_tokens"] == len(expected.token_ids)
+    assert stats["num_drafted_tokens"] >= stats["num_accepted_tokens"] >= 0
+    assert stats["mean_accepted_tokens_counts_bonus"] is True
+    for key in ("acceptance_rate", "acceptance_by_position", "prefill_time_s", "decode_time_s", "tokens_per_s"):
+        assert key in stats
+    assert result["dtype"] == "float32"
+
+
+def test_generate_streams_text_and_prints_stats(tiny_folders, capsys):
+    target_dir, _, _ = tiny_folders
+    code, out, err = _run(
+        capsys, "--target", target_dir, "--method", "autoregressive", "--prompt", "w5 w9", "--max-new-tokens", 6,
+        "--dtype", "float32",
+    )
+    assert code == 0, err
+    assert "w" in out and "acceptance rate" in out and "decode tokens/s" in out
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--prompt", ""], "the prompt is empty"),
+        (["--prompt", "w5", "--top-p", "1.5"], r"top_p must be in (0, 1], got 1.5"),
+        (["--prompt", "w5", "--temperature", "-1"], "temperature must be a finite number >= 0"),
+        (["--prompt", "w5", "--max-new-tokens", "0"], "max_new_tokens must be an integer >= 1, got 0"),
+        (["--prompt", "w5", "-g", "0"], "num_speculative_tokens (gamma) must be an integer >= 1, got 0"),
+        (["--prompt", "w5", "--target", "nope-model"], "unknown model 'nope-model'"),
+    ],
+)
+def test_bad_input_exits_nonzero_with_message(capsys, args, message):
+    code, out, err = _run(capsys, *args)
+    assert code == 2
+    assert message in err
+    assert out == ""
