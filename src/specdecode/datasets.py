@@ -43,7 +43,7 @@ DATASETS = (SPEC_BENCH, HUMANEVAL)
 # $SPECDECODE_SPEC_BENCH (a file path) is checked before these.
 SPEC_BENCH_LOCATIONS = (
     "data/spec_bench/question.jsonl",  # relative to the working directory, as in the Spec-Bench repository
-    "/work/shared/data/spec_bench/question.jsonl",
+    "../shared/data/spec_bench/question.jsonl",  # the project's shared data folder beside a checkout
 )
 SPEC_BENCH_URL = "https://github.com/hemingkx/Spec-Bench/blob/main/data/spec_bench/question.jsonl"
 
