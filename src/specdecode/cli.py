@@ -26,7 +26,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="apply the chat template (default: when the tokenizer has one)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=256, help="most tokens to generate (default 256)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0)

@@ -140,7 +140,8 @@ class DraftModelDrafter(Drafter):
         self._sampler = sampler
         self._cache = kv_cache.new_cache(self.model)
         self.model(prompt_ids, past_key_values=self._cache, use_cache=True, logits_to_keep=1)
-        self._num_cached = prompt_ids.shape[1]
+        n = prompt_ids.shape[1]
+        self._num_cached = kv_cache.rollback(self._cache, n, n)  # trims sliding layers, as after every forward
         self.num_forwards = 1
 
     @torch.inference_mode()
