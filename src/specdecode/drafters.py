@@ -88,6 +88,36 @@ def draft_token(
     return token, bool(exit_policy.should_stop(top))
 
 
+def draft_autoregressively(
+    model: PreTrainedModel,
+    cache: DynamicCache,
+    feed: torch.Tensor,
+    max_tokens: int,
+    sampler: Sampler,
+    exit_policy: ExitPolicy | None,
+    who: str,
+) -> Draft:
+    """The draft loop shared by the model-based drafters: up to ``max_tokens`` forwards of ``model``.
+
+    The first forward feeds ``feed`` (1, m), the tokens not yet in ``cache``; each later one
+    feeds the token just drafted. A block of k tokens thus runs k forwards and appends
+    m + k - 1 positions to ``cache``; the last draft token is not fed.
+
+    Raises:
+        NonFiniteLogitsError: If a forward gives NaN or infinite logits (``who`` names the model).
+    """
+    tokens, probs = [], []
+    for _ in range(max_tokens):
+        logits = model(feed, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        check_finite(logits, who)
+        token, stop = draft_token(sampler, logits, probs, exit_policy)
+        tokens.append(token)
+        if stop:
+            break
+        feed = token.view(1, 1)
+    return Draft(torch.cat(tokens), torch.cat(probs) if probs else None)
+
+
 class Drafter(abc.ABC):
     """Base class of every drafter.
 
@@ -147,22 +177,13 @@ class DraftModelDrafter(Drafter):
     @torch.inference_mode()
     def propose(self, sequence: torch.Tensor, max_tokens: int, exit_policy: ExitPolicy | None = None) -> Draft:
         """Draft up to ``max_tokens`` tokens; ``exit_policy`` as in the module docstring."""
-        sampler = self._sampler
         feed = sequence[:, self._num_cached :]
-        tokens, probs = [], []
-        for _ in range(max_tokens):
-            logits = self.model(
-                feed, past_key_values=self._cache, use_cache=True, logits_to_keep=1
-            ).logits[:, -1]
-            self._num_cached += feed.shape[1]
-            self.num_forwards += 1
-            check_finite(logits, "draft model")
-            token, stop = draft_token(sampler, logits, probs, exit_policy)
-            tokens.append(token)
-            if stop:
-                break
-            feed = token.view(1, 1)
-        return Draft(torch.cat(tokens), torch.cat(probs) if probs else None)
+        draft = draft_autoregressively(
+            self.model, self._cache, feed, max_tokens, self._sampler, exit_policy, "draft model"
+        )
+        self.num_forwards += len(draft)
+        self._num_cached += feed.shape[1] + len(draft) - 1
+        return draft
 
     def rollback(self, num_valid: int) -> None:
         self._num_cached = kv_cache.rollback(self._cache, self._num_cached, num_valid)

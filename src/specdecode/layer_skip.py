@@ -31,10 +31,9 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from specdecode import kv_cache
-from specdecode.drafters import Draft, Drafter, ExitPolicy, draft_token
+from specdecode.drafters import Draft, Drafter, ExitPolicy, draft_autoregressively
 from specdecode.errors import InvalidArgumentError, UnsupportedModelError
-from specdecode.sampling import Sampler, check_finite
+from specdecode.sampling import Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -381,42 +380,32 @@ class LayerSkipDrafter(Drafter):
         # (get_seq_length / get_mask_sizes of one layer per attention type), and
         # DynamicCache.crop removes the same count from every layer. The draft-mode
         # entries are wrong for the full model, so before returning we crop back by
-        # exactly what drafting appended (kv_cache.rollback): the verification forward
+        # exactly what drafting appended (_restore_cache): the verification forward
         # then sees the cache as it was and writes full-model entries for the same
         # positions. No crop happens between draft forwards: sliding-window layers are in
         # "past recording" mode (kv_cache.new_cache) and keep every entry until the one
         # crop, which also trims them back to the window; a crop(0) in between would drop
         # pre-draft entries still needed after the rollback.
         start = cache.get_seq_length()
-        num_cached = start
-        feed = sequence[:, start:]
-        tokens: list[torch.Tensor] = []
-        probs: list[torch.Tensor] = []
         try:
             with draft_mode(model, self.skip_set):
-                for _ in range(max_tokens):
-                    logits = model(feed, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-                    num_cached += feed.shape[1]
-                    self.num_forwards += 1
-                    check_finite(logits, "layer-skip draft")
-                    token, stop = draft_token(sampler, logits, probs, exit_policy)
-                    tokens.append(token)
-                    if stop:
-                        break
-                    feed = token.view(1, 1)
+                draft = draft_autoregressively(
+                    model, cache, sequence[:, start:], max_tokens, sampler, exit_policy, "layer-skip draft"
+                )
         finally:
-            _restore_cache(cache, start, num_cached)
-        return Draft(torch.cat(tokens), torch.cat(probs) if probs else None)
+            _restore_cache(cache, start)
+        self.num_forwards += len(draft)
+        return draft
 
     def rollback(self, num_valid: int) -> None:
         """Nothing to do: the decoder rolls back the shared target cache itself."""
 
 
-def _restore_cache(cache: DynamicCache, start: int, num_cached: int) -> None:
-    """Crop ``cache`` back to ``start`` positions after drafting appended up to ``num_cached``."""
-    if all(layer.get_seq_length() == num_cached for layer in cache.layers):
-        kv_cache.rollback(cache, num_cached, start)
-        return
-    # A forward failed midway (an exception): layers differ; crop each by its own excess.
+def _restore_cache(cache: DynamicCache, start: int) -> None:
+    """Crop every layer of ``cache`` back to ``start`` positions after drafting.
+
+    Each layer is cropped by its own excess: equal for all layers after a normal block,
+    and different after a forward that failed midway (an exception).
+    """
     for layer in cache.layers:
         layer.crop(-(layer.get_seq_length() - start))
