@@ -186,10 +186,10 @@ def test_resume_after_interrupt_skips_finished_records(generator, tmp_path, monk
     hf_original = bench._HFRunner.__call__
     second_prompt = tuple(generator.encode(PROMPTS[1].text)[0].tolist())
 
-    def interrupting(self, input_ids, max_new_tokens, seed):
+    def interrupting(self, input_ids, max_new_tokens, seed, prefix=None):
         if self.name == "autoregressive" and tuple(input_ids[0].tolist()) == second_prompt:
             raise KeyboardInterrupt  # Ctrl-C in the middle of prompt 2
-        return original(self, input_ids, max_new_tokens, seed)
+        return original(self, input_ids, max_new_tokens, seed, prefix)
 
     monkeypatch.setattr(bench._SpecdecodeRunner, "__call__", interrupting)
     with pytest.raises(KeyboardInterrupt):
@@ -200,10 +200,10 @@ def test_resume_after_interrupt_skips_finished_records(generator, tmp_path, monk
     assert not (tmp_path / "results.json").exists()
 
     def spy(original_call):
-        def call(self, input_ids, max_new_tokens, seed):
+        def call(self, input_ids, max_new_tokens, seed, prefix=None):
             if max_new_tokens == settings.max_new_tokens:  # not a warm-up
                 full_runs.append((self.name, tuple(input_ids[0].tolist())))
-            return original_call(self, input_ids, max_new_tokens, seed)
+            return original_call(self, input_ids, max_new_tokens, seed, prefix)
         return call
 
     monkeypatch.setattr(bench._SpecdecodeRunner, "__call__", spy(original))
@@ -320,6 +320,75 @@ def test_self_speculative_methods_get_their_options_through_the_real_pipeline(ta
     assert sum(ee["drafted_by_position"]) > 0 and 0.0 <= ee["acceptance_rate"] <= 1.0
     with pytest.raises(InvalidArgumentError, match="early-exit"):  # requested without its option
         run_bench(target_only, PROMPTS, ["early-exit"], BenchSettings(**SMALL), tmp_path / "o")
+
+
+def test_method_variants_carry_options_and_draft_control(target_only, tmp_path):
+    """Two early-exit depths, adaptive exit, gating and the heuristic schedule side by side in one run."""
+    methods = ["autoregressive", "early-exit:exit_layer=1", "early-exit:exit_layer=3+adaptive=0.3",
+               "layer-skip:skip_layers=attn=1,2;mlp=1+gated=0.9+heuristic", "prompt-lookup"]
+    results = run_bench(target_only, PROMPTS, methods, BenchSettings(**{**SMALL, "max_new_tokens": 12}), tmp_path)
+    described = results["methods"]
+    assert described["early-exit:exit_layer=1"]["drafter_options"] == {"exit_layer": 1}
+    assert described["early-exit:exit_layer=1"]["draft_control"] is None
+    adaptive = described["early-exit:exit_layer=3+adaptive=0.3"]
+    assert adaptive["base_method"] == "early-exit" and adaptive["drafter_options"] == {"exit_layer": 3}
+    assert adaptive["draft_control"]["adaptive_exit"] is True and adaptive["draft_control"]["exit_threshold"] == 0.3
+    ls = described["layer-skip:skip_layers=attn=1,2;mlp=1+gated=0.9+heuristic"]
+    assert ls["drafter_options"] == {"skip_layers": "attn=1,2;mlp=1"} and ls["drafter"] == "LayerSkipDrafter"
+    assert ls["draft_control"]["confidence_gate"] == 0.9 and ls["draft_control"]["length_schedule"] == "heuristic"
+    by_method = {}
+    for r in results["records"]:
+        by_method.setdefault(r["method"], []).append(r)
+        if r["method"] != "autoregressive":
+            assert r["exact_match"] is True, r["method"]  # float32: lossless whatever the control
+    # a random tiny model is unsure of nearly everything: a 0.9 gate turns most steps into plain steps
+    assert sum(r["gated_steps"] for r in by_method[methods[3]]) > 0
+    assert all(r["gated_steps"] == 0 for r in by_method[methods[1]])
+    assert all(r["final_draft_threshold"] is not None for r in by_method[methods[2]])
+    assert all(r["final_draft_threshold"] is None for r in by_method[methods[1]])
+
+
+@pytest.mark.parametrize("name, match", [
+    ("early-exit+fast", r"unknown modifier 'fast' .* allowed: adaptive, heuristic, gated"),
+    ("hf-generate+adaptive", r"'hf-generate' takes no options or modifiers"),
+    ("autoregressive:exit_layer=2", r"'autoregressive' takes no options or modifiers"),
+    ("early-exit:8", r"expected KEY=VALUE options after ':', got '8'"),
+    ("early-exit+gated=high", r"gated='high' .* needs a number in \(0, 1\)"),
+    ("early-exit+gated=1.5", r"confidence gate threshold"),
+    ("early-exit+heuristic=2", r"'heuristic' .* takes no value"),
+    ("warp-drive:x=1", r"unknown method 'warp-drive:x=1'; allowed: hf-generate"),
+])
+def test_bad_method_variants(name, match):
+    with pytest.raises(InvalidArgumentError, match=match):
+        bench.check_method_names([name])
+
+
+def test_prompt_cache_changes_no_token_and_is_recorded(generator, tmp_path):
+    """Every method starts from a copy of one encoded prefix; float32 outputs equal the uncached run's."""
+    methods = ["hf-generate", "autoregressive", "draft", "prompt-lookup"]
+    cached = run_bench(generator, PROMPTS, methods, BenchSettings(**SMALL), tmp_path / "a")
+    plain = run_bench(generator, PROMPTS, methods, BenchSettings(**SMALL, prompt_cache=False), tmp_path / "b")
+    tokens = {(r["method"], r["prompt_id"]): r["token_ids"] for r in plain["records"]}
+    for r in cached["records"]:
+        assert r["token_ids"] == tokens[(r["method"], r["prompt_id"])], r["method"]
+        assert r["prompt_cache_tokens"] == r["prompt_tokens"] - 1 and r["prompt_cache_s"] > 0
+    for r in plain["records"]:
+        assert r["prompt_cache_tokens"] == 0 and r["prompt_cache_s"] is None
+    for results in (cached, plain):
+        assert results["summary"]["hf-generate"]["overall"]["target_forwards_per_token"] == 1.0
+        assert results["summary"]["draft"]["overall"]["acceptance_rate"] == 1.0
+    assert cached["identity"]["prompt_cache"] is True and plain["identity"]["prompt_cache"] is False
+
+
+def test_prompt_cache_is_off_with_transformers_assisted_methods(generator, tmp_path):
+    """transformers' assisted step re-feeds the whole prompt on its first step, so those runs time whole prompts."""
+    results = run_bench(generator, PROMPTS[:1], ["autoregressive", "hf-assisted"], BenchSettings(**SMALL), tmp_path)
+    assert results["identity"]["prompt_cache"] is False
+    assert all(r["prompt_cache_tokens"] == 0 for r in results["records"])
+    assert results["summary"]["hf-assisted"]["overall"]["acceptance_rate"] == 1.0
+    with pytest.raises(InvalidArgumentError, match=r"hf-prompt-lookup cannot start from a cached prompt"):
+        run_bench(generator, PROMPTS[:1], ["autoregressive", "hf-prompt-lookup"],
+                  BenchSettings(**SMALL, prompt_cache=True), tmp_path / "b")
 
 
 class _OptionGenerator(SpeculativeGenerator):

@@ -168,3 +168,34 @@ def test_empty_prompt_and_bad_shape_raise():
         dec.generate([])
     with pytest.raises(InvalidArgumentError, match=r"shape \(1, n\)"):
         dec.generate(torch.ones(2, 3, dtype=torch.long))
+
+
+def test_prompt_cache_gives_the_same_output(arch):
+    """A prefix encoded once and copied into each generation changes nothing (float32), past the sliding window."""
+    import copy
+
+    from specdecode.layer_skip import LayerSkipDrafter, SkipSet
+
+    target = make_tiny_model(arch, num_layers=3)
+    draft = perturbed_copy(target, noise=0.3, seed=1)
+    config = GenerationConfig(max_new_tokens=16, num_speculative_tokens=3, stop_on_eos=False)
+    prompt = _prompt(13, 5)  # longer than the tiny models' sliding window (6)
+    for drafter in (None, DraftModelDrafter(draft), LayerSkipDrafter(target, SkipSet(attn=(1,), mlp=(1, 2)))):
+        dec = SpeculativeDecoder(target, drafter)
+        expected = dec.generate(prompt, config)
+        for m in (1, 6, 12):
+            cache = dec.prompt_cache(prompt[:, :m])
+            assert cache.get_seq_length() == m
+            result = dec.generate(prompt, config, prompt_cache=copy.deepcopy(cache))
+            assert result.token_ids == expected.token_ids, (arch, type(drafter).__name__, m)
+            assert result.stats.num_target_forwards == expected.stats.num_target_forwards
+            assert cache.get_seq_length() == m, "the copied-from cache must be left alone"
+
+
+def test_prompt_cache_must_leave_a_token_to_encode():
+    dec = SpeculativeDecoder(make_tiny_model("llama"))
+    prompt = _prompt(5, 0)
+    with pytest.raises(InvalidArgumentError, match=r"holds 5 tokens; it must hold 1..4 of the 5"):
+        dec.generate(prompt, prompt_cache=dec.prompt_cache(prompt))
+    with pytest.raises(InvalidArgumentError, match=r"prefix_ids must have shape \(1, m\) with m >= 1"):
+        dec.prompt_cache([])

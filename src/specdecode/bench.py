@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
+import dataclasses
 import hashlib
 import inspect
 import json
@@ -60,7 +62,9 @@ import torch
 from specdecode import pipeline
 from specdecode.config import GenerationConfig
 from specdecode.datasets import Prompt
+from specdecode import kv_cache
 from specdecode.decoding import SpeculativeDecoder
+from specdecode.draft_control import DraftControl
 from specdecode.errors import InvalidArgumentError
 
 logger = logging.getLogger(__name__)
@@ -91,12 +95,16 @@ class HFMethod:
         description: One line for the report.
         needs_draft: Passes the draft model as ``assistant_model``.
         generate_options: Extra ``transformers.GenerationConfig`` fields.
+        supports_prompt_cache: ``generate(past_key_values=...)`` continues from a cached
+            prompt prefix. False for transformers' assisted and prompt-lookup decoding
+            (5.x): their first step feeds the whole prompt again whatever the cache holds.
     """
 
     name: str
     description: str
     needs_draft: bool = False
     generate_options: Mapping[str, Any] = field(default_factory=dict)
+    supports_prompt_cache: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "generate_options", MappingProxyType(dict(self.generate_options)))
@@ -106,7 +114,7 @@ HF_METHODS = MappingProxyType(
     {
         m.name: m
         for m in (
-            HFMethod("hf-generate", "transformers generate, target only"),
+            HFMethod("hf-generate", "transformers generate, target only", supports_prompt_cache=True),
             HFMethod("hf-assisted", "transformers assisted generation (assistant_model=draft)", needs_draft=True),
             HFMethod("hf-prompt-lookup", "transformers prompt lookup decoding",
                      generate_options={"prompt_lookup_num_tokens": 10}),
@@ -145,6 +153,96 @@ DRAFTER_OPTIONS = (
 )
 
 
+# Modifiers a method name may carry after "+": the DraftControl they switch on.
+METHOD_MODIFIERS = MappingProxyType({
+    "adaptive": "Draft & Verify adaptive draft exit (adaptive=T: initial threshold T, default 0.6)",
+    "heuristic": "transformers' heuristic draft-length schedule (+2 after a fully accepted block, -1 otherwise)",
+    "gated": "target-confidence gating (gated=T: threshold T, default 0.5)",
+})
+DEFAULT_GATE_THRESHOLD = 0.5
+_OPTION_SPLIT = re.compile(r",(?=[A-Za-z_]\w*=)")
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One benchmarked method: a base method, drafter options and draft-control modifiers.
+
+    Written on the command line as ``BASE[:KEY=VALUE[,KEY=VALUE...]][+MODIFIER[=VALUE]...]``,
+    e.g. ``early-exit:exit_layer=8+adaptive`` or ``layer-skip:skip_config=best.json+gated=0.4``.
+    The whole string is the method's name in the records and tables; its options
+    override the run's ``BenchSettings.drafter_options``.
+
+    Attributes:
+        name: The full string.
+        base: A method of ``available_methods()``.
+        options: Keywords for the pipeline's ``decoder``/``make_drafter`` (values parsed as JSON
+            where they parse, else kept as strings).
+        draft_control: The ``DraftControl`` the modifiers build, or None.
+    """
+
+    name: str
+    base: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+    draft_control: DraftControl | None = None
+
+    @classmethod
+    def parse(cls, name: str) -> MethodSpec:
+        """Parse a method name.
+
+        Raises:
+            InvalidArgumentError: An unknown base method or modifier, a malformed option,
+                options or modifiers on a method that takes none (the transformers
+                methods, autoregressive), or a modifier value out of range.
+        """
+        head, *modifiers = name.split("+")
+        base, sep, option_text = head.partition(":")
+        allowed = available_methods()
+        if base not in allowed:
+            raise InvalidArgumentError(f"unknown method {base!r} in {name!r}; allowed: {', '.join(allowed)}")
+        options: dict[str, Any] = {}
+        if sep:
+            for item in _OPTION_SPLIT.split(option_text):
+                key, eq, value = item.partition("=")
+                if not eq or not key.isidentifier():
+                    raise InvalidArgumentError(
+                        f"method {name!r}: expected KEY=VALUE options after ':', got {item!r}"
+                    )
+                try:
+                    options[key] = json.loads(value)
+                except ValueError:
+                    options[key] = value
+        control: dict[str, Any] = {}
+        for modifier in modifiers:
+            key, eq, value = modifier.partition("=")
+            if key not in METHOD_MODIFIERS:
+                raise InvalidArgumentError(
+                    f"unknown modifier {key!r} in method {name!r}; allowed: {', '.join(METHOD_MODIFIERS)}"
+                )
+            number = None
+            if eq:
+                try:
+                    number = float(value)
+                except ValueError:
+                    raise InvalidArgumentError(
+                        f"modifier {key}={value!r} in method {name!r} needs a number in (0, 1)"
+                    ) from None
+                if key == "heuristic":
+                    raise InvalidArgumentError(f"modifier 'heuristic' in method {name!r} takes no value")
+            if key == "adaptive":
+                control["adaptive_exit"] = True
+                if number is not None:
+                    control["exit_threshold"] = number
+            elif key == "heuristic":
+                control["length_schedule"] = "heuristic"
+            else:
+                control["confidence_gate"] = DEFAULT_GATE_THRESHOLD if number is None else number
+        if (options or control) and (base in HF_METHODS or base == "autoregressive"):
+            raise InvalidArgumentError(
+                f"method {name!r}: {base!r} takes no options or modifiers (only specdecode's speculative methods do)"
+            )
+        return cls(name, base, MappingProxyType(options), DraftControl(**control) if control else None)
+
+
 def available_methods() -> list[str]:
     """Every method the bench knows now: the two baselines, the transformers variants, then ``pipeline.METHODS``."""
     names = ["hf-generate", "autoregressive", "hf-assisted", "hf-prompt-lookup", *pipeline.METHODS]
@@ -152,21 +250,25 @@ def available_methods() -> list[str]:
 
 
 def check_method_names(methods: Iterable[str]) -> list[str]:
-    """``methods`` without duplicates, in order.
+    """``methods`` without duplicates, in order; each may carry options and modifiers (``MethodSpec``).
 
     Raises:
-        InvalidArgumentError: An unknown name (the allowed ones are listed), or no method at all.
+        InvalidArgumentError: An unknown name (the allowed ones are listed), a bad option or
+            modifier, or no method at all.
     """
     methods = list(dict.fromkeys(methods))
     allowed = available_methods()
-    unknown = [m for m in methods if m not in allowed]
+    unknown = [m for m in methods if m.partition("+")[0].partition(":")[0] not in allowed]
     if unknown:
         raise InvalidArgumentError(
             f"unknown method{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
-            f"allowed: {', '.join(allowed)}"
+            f"allowed: {', '.join(allowed)} (each optionally as NAME:KEY=VALUE,...+MODIFIER, "
+            f"modifiers: {', '.join(METHOD_MODIFIERS)})"
         )
     if not methods:
         raise InvalidArgumentError(f"no methods to benchmark; allowed: {', '.join(allowed)}")
+    for m in methods:
+        MethodSpec.parse(m)
     return methods
 
 
@@ -189,6 +291,12 @@ class BenchSettings:
         warmup_tokens: Length of the warm-up generation of each method.
         drafter_options: Keywords forwarded to the pipeline's ``decoder``/``make_drafter``
             (e.g. ``{"exit_layer": 8}``).
+        prompt_cache: Encode each prompt but its last token once, outside the timing, and
+            give every method a copy of that target cache (``PromptPrefix``), as a server
+            with prefix caching would; each timed generation then encodes the last prompt
+            token and decodes. False: every method encodes the whole prompt inside its
+            timing. None (default): on when every method of the run supports it (not
+            ``hf-assisted``/``hf-prompt-lookup``, see ``HFMethod``), else off.
 
     Raises:
         InvalidArgumentError: A value outside its range.
@@ -201,6 +309,7 @@ class BenchSettings:
     seed: int = 0
     warmup_tokens: int = 8
     drafter_options: Mapping[str, Any] = field(default_factory=dict)
+    prompt_cache: bool | None = None
 
     def __post_init__(self) -> None:
         GenerationConfig(  # validates max_new_tokens, temperature, gamma
@@ -212,6 +321,8 @@ class BenchSettings:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidArgumentError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.prompt_cache not in (None, True, False):
+            raise InvalidArgumentError(f"prompt_cache must be True, False or None (auto), got {self.prompt_cache!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
             raise InvalidArgumentError(f"seed must be an integer >= 0, got {self.seed!r}")
         options = dict(self.drafter_options or {})
@@ -248,6 +359,7 @@ class BenchSettings:
             "seed": self.seed,
             "warmup_tokens": self.warmup_tokens,
             "drafter_options": dict(self.drafter_options),
+            "prompt_cache": self.prompt_cache,
         }
 
 
@@ -267,7 +379,46 @@ def run_identity(generator: pipeline.SpeculativeGenerator, settings: BenchSettin
         "num_speculative_tokens": settings.num_speculative_tokens,
         "seed": settings.seed,
         "drafter_options": dict(settings.drafter_options),
+        "prompt_cache": settings.prompt_cache,
     }
+
+
+@dataclass(frozen=True)
+class PromptPrefix:
+    """A prompt without its last token, encoded once by the target and shared by every method.
+
+    Each runner deep-copies a cache before its timed generation (the copy is not timed).
+
+    Attributes:
+        num_tokens: m, the prefix length (prompt length - 1).
+        cache: specdecode's target cache (``kv_cache.new_cache`` layout) of the m tokens.
+        hf_cache: The cache handed to transformers' ``generate`` (the same object unless
+            the model has sliding-window layers, whose specdecode layout differs).
+        seconds: Wall time of encoding the prefix.
+    """
+
+    num_tokens: int
+    cache: Any
+    hf_cache: Any
+    seconds: float
+
+    @classmethod
+    @torch.inference_mode()
+    def encode(cls, model, input_ids: torch.Tensor) -> PromptPrefix | None:
+        """Encode ``input_ids`` (1, n) but the last token; None when n == 1 (nothing to share)."""
+        from transformers import DynamicCache
+
+        m = int(input_ids.shape[1]) - 1
+        if m < 1:
+            return None
+        prefix = input_ids[:, :m]
+        t0 = time.perf_counter()
+        cache = SpeculativeDecoder(model).prompt_cache(prefix)
+        hf_cache = cache
+        if getattr(cache, "layers", None) and any(getattr(layer, "is_sliding", False) for layer in cache.layers):
+            hf_cache = DynamicCache(config=model.config)
+            model(prefix, past_key_values=hf_cache, use_cache=True, logits_to_keep=1)
+        return cls(m, cache, hf_cache, time.perf_counter() - t0)
 
 
 def _ids_digest(ids: torch.Tensor) -> str:
@@ -376,25 +527,36 @@ class _SpecdecodeRunner:
     """Runs one specdecode method through its ``SpeculativeDecoder`` (built once, reused)."""
 
     kind = "specdecode"
+    supports_prompt_cache = True
 
-    def __init__(self, name: str, decoder: SpeculativeDecoder, settings: BenchSettings) -> None:
+    def __init__(
+        self, name: str, decoder: SpeculativeDecoder, settings: BenchSettings, spec: MethodSpec | None = None
+    ) -> None:
         self.name = name
         self.decoder = decoder
         self.settings = settings
+        self.spec = spec or MethodSpec(name, name)
 
     def describe(self) -> dict:
         drafter = self.decoder.drafter
+        control = self.decoder.draft_control
+        options = {} if drafter is None else {**self.settings.drafter_options, **self.spec.options}
         return {
             "kind": self.kind,
+            "base_method": self.spec.base,
             "drafter": type(drafter).__name__ if drafter is not None else None,
             "num_speculative_tokens": self.settings.num_speculative_tokens if drafter is not None else None,
-            "drafter_options": dict(self.settings.drafter_options),
+            "drafter_options": options,
+            "draft_control": dataclasses.asdict(control) if control is not None and drafter is not None else None,
         }
 
-    def __call__(self, input_ids: torch.Tensor, max_new_tokens: int, seed: int) -> dict:
+    def __call__(
+        self, input_ids: torch.Tensor, max_new_tokens: int, seed: int, prefix: PromptPrefix | None = None
+    ) -> dict:
         config = self.settings.generation_config(max_new_tokens, seed)
+        cache = copy.deepcopy(prefix.cache) if prefix is not None else None  # outside the timing
         t0 = time.perf_counter()
-        stream = self.decoder.stream(input_ids, config)
+        stream = self.decoder.stream(input_ids, config, prompt_cache=cache)
         for _ in stream:
             pass
         seconds = time.perf_counter() - t0
@@ -413,6 +575,8 @@ class _SpecdecodeRunner:
             "drafted_by_position": list(s.drafted_by_position),
             "accepted_by_position": list(s.accepted_by_position),
             "prefill_s": s.prefill_time_s,
+            "final_draft_threshold": s.final_draft_threshold,
+            "gated_steps": s.num_gated_steps,
         }
 
 
@@ -439,6 +603,7 @@ class _HFRunner:
             pad = generator.tokenizer.pad_token_id
         self.pad = pad if pad is not None else (self.eos[0] if self.eos else None)
         self.assistant_settings = _hf_assistant_defaults() if self.assistant is not None else None
+        self.supports_prompt_cache = spec.supports_prompt_cache
 
     def generation_config(self, max_new_tokens: int):
         """The transformers ``GenerationConfig``: our settings, and neutral values for every
@@ -486,9 +651,18 @@ class _HFRunner:
             for k, v in saved.items():
                 setattr(gc, k, v)
 
-    def __call__(self, input_ids: torch.Tensor, max_new_tokens: int, seed: int) -> dict:
+    def __call__(
+        self, input_ids: torch.Tensor, max_new_tokens: int, seed: int, prefix: PromptPrefix | None = None
+    ) -> dict:
         config = self.generation_config(max_new_tokens)
         lengths: list[int] = []
+        if prefix is not None and not self.supports_prompt_cache:
+            raise InvalidArgumentError(f"method {self.name!r} cannot start from a cached prompt")
+        if prefix is not None:  # transformers encodes only the tokens its cache lacks
+            extra_cache = {"past_key_values": copy.deepcopy(prefix.hf_cache)}
+            num_prefix = prefix.num_tokens
+        else:
+            extra_cache, num_prefix = {}, 0
 
         def count(_module, args, kwargs):
             ids = kwargs.get("input_ids", args[0] if args else None)
@@ -497,6 +671,7 @@ class _HFRunner:
             lengths.append(int(ids.shape[1]) if ids is not None else 1)
 
         extra = {"assistant_model": self.assistant} if self.assistant is not None else {}
+        extra.update(extra_cache)
         n = int(input_ids.shape[1])
         handle = self.model.register_forward_pre_hook(count, with_kwargs=True)
         try:
@@ -515,7 +690,7 @@ class _HFRunner:
             tokens = tokens[:cut]
         finish = "eos" if cut is not None else ("length" if len(tokens) >= max_new_tokens else "other")
         forwards = len(lengths)
-        drafted = (lengths[0] - n if lengths else 0) + sum(k - 1 for k in lengths[1:])
+        drafted = (lengths[0] - (n - num_prefix) if lengths else 0) + sum(k - 1 for k in lengths[1:])
         return {
             "token_ids": tokens,
             "seconds": seconds,
@@ -530,6 +705,8 @@ class _HFRunner:
             "drafted_by_position": None,
             "accepted_by_position": None,
             "prefill_s": None,
+            "final_draft_threshold": None,
+            "gated_steps": None,
         }
 
 
@@ -587,8 +764,13 @@ def resolve_methods(
                     )
                 runners[name] = _HFRunner(spec, generator, settings)
             else:
-                options = {} if name == "autoregressive" else settings.drafter_options
-                runners[name] = _SpecdecodeRunner(name, build_decoder(generator, name, options), settings)
+                spec = MethodSpec.parse(name)
+                options = {} if spec.base == "autoregressive" else {**settings.drafter_options, **spec.options}
+                if spec.draft_control is not None:
+                    options["draft_control"] = spec.draft_control
+                runners[name] = _SpecdecodeRunner(
+                    name, build_decoder(generator, spec.base, options), settings, spec
+                )
         except InvalidArgumentError as e:
             if explicit:
                 raise
@@ -833,6 +1015,14 @@ def run_bench(
         dup = next(i for i in ids if ids.count(i) > 1)
         raise InvalidArgumentError(f"prompt ids must be unique; {dup!r} appears {ids.count(dup)} times")
     runners, skipped = resolve_methods(generator, methods, settings)
+    unsupported = [name for name, runner in runners.items() if not getattr(runner, "supports_prompt_cache", False)]
+    if settings.prompt_cache and unsupported:
+        raise InvalidArgumentError(
+            f"prompt_cache=True, but {', '.join(unsupported)} cannot start from a cached prompt (transformers "
+            "re-encodes the whole prompt on the first assisted step); leave prompt_cache unset (auto) or False"
+        )
+    if settings.prompt_cache is None:  # auto
+        settings = dataclasses.replace(settings, prompt_cache=not unsupported)
     encoded = {p.id: generator.encode(p.text, p.chat) for p in prompts}
     store = RecordStore(out_dir)
     resumed = store.check_settings(run_identity(generator, settings))
@@ -852,14 +1042,27 @@ def run_bench(
     if progress:
         progress(0, len(pending), "warm-up")
     todo_methods = list(dict.fromkeys(m for _, _, m in pending))
-    warm_ids = encoded[prompts[0].id]
+    model = generator.target.model
+    prefixes: dict[str, PromptPrefix | None] = {}  # only the current prompt's is kept
+
+    def prefix_of(prompt_id: str) -> PromptPrefix | None:
+        if not settings.prompt_cache:
+            return None
+        if prompt_id not in prefixes:
+            prefixes.clear()
+            prefixes[prompt_id] = PromptPrefix.encode(model, encoded[prompt_id])
+        return prefixes[prompt_id]
+
+    warm_id = pending[0][0].id if pending else prompts[0].id
     for name in todo_methods:  # one short generation each: first-call allocations, lazy inits
         logger.info("warm-up: %s", name)
-        runners[name](warm_ids, min(settings.warmup_tokens, settings.max_new_tokens), settings.seed)
+        runners[name](encoded[warm_id], min(settings.warmup_tokens, settings.max_new_tokens), settings.seed,
+                      prefix_of(warm_id))
     for i, (prompt, repeat, name) in enumerate(pending, start=1):
+        prefix = prefix_of(prompt.id)
         reset = _reset_peak_rss()
         seed = prompt_seed(settings.seed, prompt.id, repeat)
-        out = runners[name](encoded[prompt.id], settings.max_new_tokens, seed)
+        out = runners[name](encoded[prompt.id], settings.max_new_tokens, seed, prefix)
         new_tokens = len(out["token_ids"])
         record = {
             "method": name,
@@ -867,6 +1070,8 @@ def run_bench(
             "category": prompt.category,
             "repeat": repeat,
             "prompt_tokens": int(encoded[prompt.id].shape[1]),
+            "prompt_cache_tokens": prefix.num_tokens if prefix is not None else 0,
+            "prompt_cache_s": prefix.seconds if prefix is not None else None,
             "prompt_sha": prompt_sha[prompt.id],
             "new_tokens": new_tokens,
             "tokens_per_s": new_tokens / out["seconds"] if out["seconds"] > 0 else None,
@@ -900,9 +1105,12 @@ def run_bench(
 
 
 NOTES = MappingProxyType({
-    "tokens_per_s": "new tokens / wall seconds (time.perf_counter around one whole generation, prefill "
-    "included), aggregated as total new tokens / total seconds over the category's prompts for each repeat; "
-    "'tokens_per_s' is the median over repeats, 'tokens_per_s_min'/'_max' the spread",
+    "tokens_per_s": "new tokens / wall seconds (time.perf_counter around one whole generation), aggregated as total new tokens / total seconds over the category's prompts for each repeat; "
+    "'tokens_per_s' is the median over repeats, 'tokens_per_s_min'/'_max' the spread. With the prompt cache "
+    "(settings.prompt_cache, the default) every prompt but its last token is encoded once, untimed, and each "
+    "method starts from a copy of that target cache, so the time covers the last prompt token, the draft "
+    "model's own prompt encoding (method 'draft') and decoding; without it (and always when hf-assisted or "
+    "hf-prompt-lookup is in the run, which cannot start from a cache) the whole prompt is timed",
     "speedup": "tokens_per_s / tokens_per_s of the faster of hf-generate and autoregressive in the same category",
     "acceptance_rate": "accepted draft tokens / drafted tokens; transformers methods: estimated from the target's "
     "forward input lengths (drafted) and new tokens - target forwards (accepted)",
@@ -1176,7 +1384,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None, help="first N prompts overall (after the category limit)")
     p.add_argument("--methods", nargs="+", default=None,
                    help="methods to run (default: all whose requirements are met): "
-                   + ", ".join(available_methods()))
+                   + ", ".join(available_methods())
+                   + ". A specdecode method may carry options and draft-control modifiers: "
+                   "NAME[:KEY=VALUE,...][+MODIFIER[=VALUE]...], e.g. early-exit:exit_layer=8+adaptive; "
+                   "modifiers: " + "; ".join(f"{k}: {v}" for k, v in METHOD_MODIFIERS.items()))
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--num-speculative-tokens", "-g", type=int, default=GenerationConfig.num_speculative_tokens,
@@ -1186,6 +1397,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.add_argument("--repeats", type=int, default=1, help="runs per (method, prompt); tok/s is their median")
     p.add_argument("--warmup-tokens", type=int, default=8, help="length of each method's warm-up generation")
+    p.add_argument("--prompt-cache", action=argparse.BooleanOptionalAction, default=None,
+                   help="encode each prompt (but its last token) once, untimed, and start every method from a "
+                   "copy of that cache; default: on unless hf-assisted or hf-prompt-lookup is in the run "
+                   "(they cannot start from a cache); --no-prompt-cache times whole prompts")
     p.add_argument("--out", default="bench-out", help="results folder (resumable)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="chat template on/off (default: on for spec-bench and JSONL when the tokenizer has one, "
@@ -1230,6 +1445,7 @@ def run(args) -> int:
         seed=args.seed,
         warmup_tokens=args.warmup_tokens,
         drafter_options=_drafter_options(args),
+        prompt_cache=args.prompt_cache,
     )
     methods = _split_list(args.methods)
     if methods is not None:
@@ -1286,6 +1502,9 @@ __all__ = [
     "BenchSettings",
     "DrafterOption",
     "HFMethod",
+    "METHOD_MODIFIERS",
+    "MethodSpec",
+    "PromptPrefix",
     "RecordStore",
     "available_methods",
     "build_decoder",

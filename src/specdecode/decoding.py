@@ -24,7 +24,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 
 from specdecode import kv_cache
 from specdecode.config import GenerationConfig
@@ -89,9 +89,16 @@ class GenerationStream:
     outcome. Made by ``SpeculativeDecoder.stream``.
     """
 
-    def __init__(self, decoder: SpeculativeDecoder, input_ids: torch.Tensor, config: GenerationConfig):
+    def __init__(
+        self,
+        decoder: SpeculativeDecoder,
+        input_ids: torch.Tensor,
+        config: GenerationConfig,
+        prompt_cache: DynamicCache | None = None,
+    ):
         self._decoder = decoder
         self._input_ids = input_ids
+        self._prompt_cache = prompt_cache
         self.config = config
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
@@ -108,7 +115,7 @@ class GenerationStream:
         dec, config, stats = self._decoder, self.config, self.stats
         stop = _StopStrings(dec.tokenizer, config.stop_strings)
         eos = dec.eos_token_ids if config.stop_on_eos else frozenset()
-        state = _Round(dec, self._input_ids, config, stats)
+        state = _Round(dec, self._input_ids, config, stats, self._prompt_cache)
         t0 = time.perf_counter()
         new = state.prefill()
         stats.prefill_time_s = time.perf_counter() - t0
@@ -145,7 +152,14 @@ class GenerationStream:
 class _Round:
     """The mutable state of one generation: token buffer, target cache, sampler."""
 
-    def __init__(self, dec: SpeculativeDecoder, input_ids: torch.Tensor, config: GenerationConfig, stats):
+    def __init__(
+        self,
+        dec: SpeculativeDecoder,
+        input_ids: torch.Tensor,
+        config: GenerationConfig,
+        stats,
+        prompt_cache: DynamicCache | None = None,
+    ):
         self.dec = dec
         self.stats = stats
         self.config = config
@@ -156,8 +170,10 @@ class _Round:
         self.buf[:, :n] = input_ids
         self.length = n  # tokens in buf; the last one, once generated, is in no cache yet
         self.sampler = Sampler(config, dec.vocab_size, device)
-        self.cache = kv_cache.new_cache(dec.target)
-        self.num_cached = 0
+        if prompt_cache is None:
+            self.cache, self.num_cached = kv_cache.new_cache(dec.target), 0
+        else:  # holds the first num_cached prompt tokens (checked by SpeculativeDecoder.stream)
+            self.cache, self.num_cached = prompt_cache, prompt_cache.get_seq_length()
         control = dec.draft_control
         # Fresh per-generation state; None keeps the plain γ-per-round path.
         self.control = (
@@ -182,8 +198,8 @@ class _Round:
 
     @torch.inference_mode()
     def prefill(self) -> list[int]:
-        target, n = self.dec.target, self.length
-        logits = target(self.buf[:, :n], past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        target, n, m = self.dec.target, self.length, self.num_cached
+        logits = target(self.buf[:, m:n], past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits[:, -1]
         check_finite(logits, "target model")
         # Like every forward, the prefill is followed by a rollback (trims sliding layers).
         self.num_cached = kv_cache.rollback(self.cache, n, n)
@@ -308,15 +324,27 @@ class SpeculativeDecoder:
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.vocab_size = int(target.get_output_embeddings().weight.shape[0])
 
-    def stream(self, input_ids: torch.Tensor | list[int], config: GenerationConfig | None = None) -> GenerationStream:
+    def stream(
+        self,
+        input_ids: torch.Tensor | list[int],
+        config: GenerationConfig | None = None,
+        *,
+        prompt_cache: DynamicCache | None = None,
+    ) -> GenerationStream:
         """Start a generation whose tokens arrive as they are verified.
 
         Args:
             input_ids: (1, n) or (n,) long prompt ids, n >= 1; or a list of ints.
             config: Generation parameters; defaults to ``GenerationConfig()``.
+            prompt_cache: Optional target cache holding the first m tokens of the prompt,
+                1 <= m <= n - 1 (made by ``prompt_cache``); only tokens m..n-1 are then
+                encoded. It is used in place and extended, like ``past_key_values`` in
+                transformers' ``generate``: pass ``copy.deepcopy(cache)`` to reuse one
+                prefix across generations.
 
         Raises:
-            InvalidArgumentError: If the prompt is empty or has a batch size other than 1.
+            InvalidArgumentError: If the prompt is empty or has a batch size other than 1,
+                or ``prompt_cache`` holds no tokens or not fewer than n.
         """
         config = config or GenerationConfig()
         device = self.target.device
@@ -330,11 +358,56 @@ class SpeculativeDecoder:
             )
         if input_ids.shape[1] == 0:
             raise InvalidArgumentError("the prompt is empty: it must contain at least one token")
-        return GenerationStream(self, input_ids.to(device=device, dtype=torch.long), config)
+        if prompt_cache is not None:
+            m, n = prompt_cache.get_seq_length(), input_ids.shape[1]
+            if not 1 <= m <= n - 1:
+                raise InvalidArgumentError(
+                    f"prompt_cache holds {m} tokens; it must hold 1..{n - 1} of the {n} prompt tokens "
+                    "(at least the last prompt token is encoded by the generation itself)"
+                )
+        return GenerationStream(self, input_ids.to(device=device, dtype=torch.long), config, prompt_cache)
 
-    def generate(self, input_ids: torch.Tensor | list[int], config: GenerationConfig | None = None) -> GenerationResult:
+    @torch.inference_mode()
+    def prompt_cache(self, prefix_ids: torch.Tensor | list[int]) -> DynamicCache:
+        """Encode a prompt prefix once, for ``stream(..., prompt_cache=copy.deepcopy(cache))``.
+
+        Generations that share a prompt (a benchmark running several methods, a
+        server with a fixed system prompt) can then skip re-encoding it. Pass the
+        prompt without its last token: the generation encodes at least that one.
+
+        Args:
+            prefix_ids: (1, m) or (m,) long ids, m >= 1.
+
+        Returns:
+            A target cache holding the m positions (sliding layers laid out as in
+            ``kv_cache.new_cache``).
+
+        Raises:
+            InvalidArgumentError: If the prefix is empty or has a batch size other than 1.
+        """
+        if not isinstance(prefix_ids, torch.Tensor):
+            prefix_ids = torch.tensor(list(prefix_ids), dtype=torch.long)
+        if prefix_ids.dim() == 1:
+            prefix_ids = prefix_ids.unsqueeze(0)
+        if prefix_ids.dim() != 2 or prefix_ids.shape[0] != 1 or prefix_ids.shape[1] == 0:
+            raise InvalidArgumentError(
+                f"prefix_ids must have shape (1, m) with m >= 1, got {tuple(prefix_ids.shape)}"
+            )
+        cache = kv_cache.new_cache(self.target)
+        m = prefix_ids.shape[1]
+        self.target(prefix_ids.to(self.target.device), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        kv_cache.rollback(cache, m, m)  # trims sliding layers, as after every forward
+        return cache
+
+    def generate(
+        self,
+        input_ids: torch.Tensor | list[int],
+        config: GenerationConfig | None = None,
+        *,
+        prompt_cache: DynamicCache | None = None,
+    ) -> GenerationResult:
         """Run a generation to the end. Same arguments and errors as ``stream``."""
-        stream = self.stream(input_ids, config)
+        stream = self.stream(input_ids, config, prompt_cache=prompt_cache)
         for _ in stream:
             pass
         text = self.tokenizer.decode(stream.token_ids, skip_special_tokens=True) if self.tokenizer else ""
