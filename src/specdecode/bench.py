@@ -1349,10 +1349,14 @@ def plot_acceptance(summary: Mapping[str, Mapping[str, dict]], path: Path) -> No
 # command line (the only part of this module that writes to the terminal)
 
 
-def _split_list(values: Sequence[str] | None) -> list[str] | None:
+def _split_list(values: Sequence[str] | None, separator: str = ",") -> list[str] | None:
     if not values:
         return None
-    return [v for item in values for v in item.split(",") if v]
+    return [v for item in values for v in re.split(separator, item) if v]
+
+
+# Methods split on commas that start a new name, so "layer-skip:skip_layers=mlp=5,7" stays whole.
+_METHOD_SEPARATOR = r",(?=[A-Za-z])"
 
 
 def _parse_option(text: str) -> tuple[str, Any]:
@@ -1447,7 +1451,7 @@ def run(args) -> int:
         drafter_options=_drafter_options(args),
         prompt_cache=args.prompt_cache,
     )
-    methods = _split_list(args.methods)
+    methods = _split_list(args.methods, _METHOD_SEPARATOR)
     if methods is not None:
         methods = check_method_names(methods)
     prompts = load_prompts(
