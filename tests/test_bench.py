@@ -21,6 +21,7 @@ PROMPTS = [
     Prompt("t/2", "chat", "w30 w31 w32 w30 w31 w8"),
 ]
 SMALL = dict(max_new_tokens=6, warmup_tokens=2)
+SMALL_GAMMA = BenchSettings().num_speculative_tokens
 
 
 @pytest.fixture(scope="module")
@@ -324,12 +325,14 @@ def test_self_speculative_methods_get_their_options_through_the_real_pipeline(ta
 
 def test_method_variants_carry_options_and_draft_control(target_only, tmp_path):
     """Two early-exit depths, adaptive exit, gating and the heuristic schedule side by side in one run."""
-    methods = ["autoregressive", "early-exit:exit_layer=1", "early-exit:exit_layer=3+adaptive=0.3",
+    methods = ["autoregressive", "early-exit:exit_layer=1,num_speculative_tokens=2", "early-exit:exit_layer=3+adaptive=0.3",
                "layer-skip:skip_layers=attn=1,2;mlp=1+gated=0.9+heuristic", "prompt-lookup"]
     results = run_bench(target_only, PROMPTS, methods, BenchSettings(**{**SMALL, "max_new_tokens": 12}), tmp_path)
     described = results["methods"]
-    assert described["early-exit:exit_layer=1"]["drafter_options"] == {"exit_layer": 1}
-    assert described["early-exit:exit_layer=1"]["draft_control"] is None
+    first = described["early-exit:exit_layer=1,num_speculative_tokens=2"]
+    assert first["drafter_options"] == {"exit_layer": 1} and first["num_speculative_tokens"] == 2
+    assert first["draft_control"] is None
+    assert described["early-exit:exit_layer=3+adaptive=0.3"]["num_speculative_tokens"] == SMALL_GAMMA
     adaptive = described["early-exit:exit_layer=3+adaptive=0.3"]
     assert adaptive["base_method"] == "early-exit" and adaptive["drafter_options"] == {"exit_layer": 3}
     assert adaptive["draft_control"]["adaptive_exit"] is True and adaptive["draft_control"]["exit_threshold"] == 0.3
@@ -344,6 +347,7 @@ def test_method_variants_carry_options_and_draft_control(target_only, tmp_path):
     # a random tiny model is unsure of nearly everything: a 0.9 gate turns most steps into plain steps
     assert sum(r["gated_steps"] for r in by_method[methods[3]]) > 0
     assert all(r["gated_steps"] == 0 for r in by_method[methods[1]])
+    assert max(len(r["drafted_by_position"]) for r in by_method[methods[1]]) == 2  # its own gamma
     assert all(r["final_draft_threshold"] is not None for r in by_method[methods[2]])
     assert all(r["final_draft_threshold"] is None for r in by_method[methods[1]])
 
@@ -356,6 +360,7 @@ def test_method_variants_carry_options_and_draft_control(target_only, tmp_path):
     ("early-exit+gated=high", r"gated='high' .* needs a number in \(0, 1\)"),
     ("early-exit+gated=1.5", r"confidence gate threshold"),
     ("early-exit+heuristic=2", r"'heuristic' .* takes no value"),
+    ("early-exit:num_speculative_tokens=0", r"num_speculative_tokens"),
     ("warp-drive:x=1", r"unknown method 'warp-drive:x=1'; allowed: hf-generate"),
 ])
 def test_bad_method_variants(name, match):

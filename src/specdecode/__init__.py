@@ -16,6 +16,8 @@ from specdecode.errors import (
     ModelNotFoundError,
     NonFiniteLogitsError,
     SpecDecodeError,
+    StorageError,
+    StudyMismatchError,
     UnsupportedModelError,
     VocabularyMismatchError,
 )
@@ -50,6 +52,8 @@ __all__ = [
     "SpecDecodingStats",
     "SpeculativeDecoder",
     "SpeculativeGenerator",
+    "StorageError",
+    "StudyMismatchError",
     "UnsupportedModelError",
     "VocabularyMismatchError",
     "draft_mode",

@@ -170,7 +170,8 @@ class MethodSpec:
     Written on the command line as ``BASE[:KEY=VALUE[,KEY=VALUE...]][+MODIFIER[=VALUE]...]``,
     e.g. ``early-exit:exit_layer=8+adaptive`` or ``layer-skip:skip_config=best.json+gated=0.4``.
     The whole string is the method's name in the records and tables; its options
-    override the run's ``BenchSettings.drafter_options``.
+    override the run's ``BenchSettings.drafter_options``, except
+    ``num_speculative_tokens=N``, which sets this method's γ.
 
     Attributes:
         name: The full string.
@@ -178,12 +179,14 @@ class MethodSpec:
         options: Keywords for the pipeline's ``decoder``/``make_drafter`` (values parsed as JSON
             where they parse, else kept as strings).
         draft_control: The ``DraftControl`` the modifiers build, or None.
+        num_speculative_tokens: This method's γ, or None for the run's.
     """
 
     name: str
     base: str
     options: Mapping[str, Any] = field(default_factory=dict)
     draft_control: DraftControl | None = None
+    num_speculative_tokens: int | None = None
 
     @classmethod
     def parse(cls, name: str) -> MethodSpec:
@@ -240,7 +243,10 @@ class MethodSpec:
             raise InvalidArgumentError(
                 f"method {name!r}: {base!r} takes no options or modifiers (only specdecode's speculative methods do)"
             )
-        return cls(name, base, MappingProxyType(options), DraftControl(**control) if control else None)
+        gamma = options.pop("num_speculative_tokens", None)
+        if gamma is not None:
+            GenerationConfig(num_speculative_tokens=gamma)  # validates it
+        return cls(name, base, MappingProxyType(options), DraftControl(**control) if control else None, gamma)
 
 
 def available_methods() -> list[str]:
@@ -537,6 +543,9 @@ class _SpecdecodeRunner:
         self.settings = settings
         self.spec = spec or MethodSpec(name, name)
 
+    def _gamma(self) -> int:
+        return self.spec.num_speculative_tokens or self.settings.num_speculative_tokens
+
     def describe(self) -> dict:
         drafter = self.decoder.drafter
         control = self.decoder.draft_control
@@ -545,7 +554,7 @@ class _SpecdecodeRunner:
             "kind": self.kind,
             "base_method": self.spec.base,
             "drafter": type(drafter).__name__ if drafter is not None else None,
-            "num_speculative_tokens": self.settings.num_speculative_tokens if drafter is not None else None,
+            "num_speculative_tokens": self._gamma() if drafter is not None else None,
             "drafter_options": options,
             "draft_control": dataclasses.asdict(control) if control is not None and drafter is not None else None,
         }
@@ -553,7 +562,9 @@ class _SpecdecodeRunner:
     def __call__(
         self, input_ids: torch.Tensor, max_new_tokens: int, seed: int, prefix: PromptPrefix | None = None
     ) -> dict:
-        config = self.settings.generation_config(max_new_tokens, seed)
+        config = dataclasses.replace(
+            self.settings.generation_config(max_new_tokens, seed), num_speculative_tokens=self._gamma()
+        )
         cache = copy.deepcopy(prefix.cache) if prefix is not None else None  # outside the timing
         t0 = time.perf_counter()
         stream = self.decoder.stream(input_ids, config, prompt_cache=cache)

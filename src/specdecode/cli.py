@@ -1,5 +1,5 @@
-"""Command line: ``specdecode generate ...`` and ``specdecode bench ...`` (parsed in ``specdecode.bench``).
-The only modules that print."""
+"""Command line: ``specdecode generate ...``, ``specdecode bench ...`` (parsed in ``specdecode.bench``)
+and ``specdecode search ...`` (the library part is ``specdecode.search``). The only modules that print."""
 
 from __future__ import annotations
 
@@ -186,12 +186,169 @@ def cmd_generate(args) -> int:
     return 0
 
 
+# Defaults of ``specdecode.search.SearchSettings`` (not imported here: optuna is an optional
+# dependency that ``generate`` and ``bench`` must not need); tests/test_search.py checks they agree.
+SEARCH_DEFAULTS = argparse.Namespace(
+    calibration="humaneval", num_prompts=4, prompt_offset=0, max_new_tokens=64, trials=100,
+    objective="modelled", sampler="tpe", min_skip_fraction=0.0, max_skip_fraction=1.0, max_gamma=12,
+    remeasure=3, timing_repeats=5, heartbeat_interval_s=10,
+)
+SEARCH_OBJECTIVES = ("modelled", "measured")
+SEARCH_SAMPLERS = ("tpe", "gp")
+
+
+def _add_search(sub) -> None:
+    d = SEARCH_DEFAULTS
+    p = sub.add_parser(
+        "search",
+        help="search the layer-skip set with Optuna (Bayesian optimisation; resumable, distributed)",
+        description="Search which attention/MLP sublayers the layer-skip drafter should skip. The study lives in "
+                    "a database: rerunning the same command resumes it, and several workers started with the same "
+                    "--storage and --study-name share it. Writes best.json (for generate --skip-config) and plots.",
+    )
+    p.add_argument("--target", default=DEFAULT_TARGET, help="offline model name, .gguf file, folder or hub id")
+    p.add_argument("--calibration", default=d.calibration, metavar="FILE|spec-bench[:CATEGORY]|humaneval",
+                   help=f"calibration prompts (default {d.calibration})")
+    p.add_argument("--num-prompts", type=int, default=d.num_prompts,
+                   help=f"calibration prompts used (default {d.num_prompts})")
+    p.add_argument("--prompt-offset", type=int, default=d.prompt_offset,
+                   help="skip this many calibration prompts first, e.g. to keep held-out prompts out (default 0)")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="override the dataset's chat-template default")
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens,
+                   help=f"tokens per greedy continuation / measured generation (default {d.max_new_tokens})")
+    p.add_argument("--trials", type=int, default=d.trials,
+                   help=f"finished trials the study should hold in total, over all runs and workers "
+                        f"(default {d.trials})")
+    p.add_argument("--timeout", type=float, default=None, metavar="S",
+                   help="stop starting trials after S seconds of optimisation (finished trials are kept)")
+    p.add_argument("--storage", default=None, metavar="URL",
+                   help="SQLAlchemy URL of the study database (default sqlite:///<folder of --out>/<study>.db)")
+    p.add_argument("--study-name", default=None, help="default <model>-<dtype>-<objective>")
+    p.add_argument("--objective", choices=SEARCH_OBJECTIVES, default=d.objective,
+                   help="modelled: teacher-forced acceptance and measured sublayer costs (fast); measured: real "
+                        f"decoding tokens/s (default {d.objective})")
+    p.add_argument("--sampler", choices=SEARCH_SAMPLERS, default=d.sampler,
+                   help=f"tpe: TPESampler; gp: GPSampler, needs scipy (default {d.sampler})")
+    p.add_argument("--min-skip-fraction", type=float, default=d.min_skip_fraction, metavar="F",
+                   help="fewest sublayers skipped, as a fraction of the 2L (default 0)")
+    p.add_argument("--max-skip-fraction", type=float, default=d.max_skip_fraction, metavar="F",
+                   help="most sublayers skipped, as a fraction of the 2L (default 1)")
+    p.add_argument("--max-gamma", type=int, default=d.max_gamma,
+                   help=f"largest gamma the modelled objective considers (default {d.max_gamma})")
+    p.add_argument("--num-speculative-tokens", "-g", type=int, default=None,
+                   help="gamma of measured decoding (default: 5 for --objective measured, each set's modelled "
+                        "best gamma when re-measuring)")
+    p.add_argument("--remeasure", type=int, default=d.remeasure, metavar="K",
+                   help=f"after a modelled search, decode the K best distinct sets for real; best.json takes the "
+                        f"best measured one (default {d.remeasure}; 0: the best modelled one)")
+    p.add_argument("--timing-repeats", type=int, default=d.timing_repeats,
+                   help=f"timed repeats of each cost measurement (default {d.timing_repeats})")
+    p.add_argument("--heartbeat-interval", type=int, default=d.heartbeat_interval_s, metavar="S",
+                   help=f"seconds between a running trial's heartbeats; a trial silent for 2x this is marked "
+                        f"failed and re-queued (default {d.heartbeat_interval_s})")
+    p.add_argument("--seed", type=int, default=None, help="sampler seed (default random; differ per worker)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--out", default="search-out/best.json", help="best.json path; plots go beside it")
+    p.add_argument("--plots", action=argparse.BooleanOptionalAction, default=True,
+                   help="write the plots beside best.json (default on)")
+
+
+def cmd_search(args) -> int:
+    """``specdecode search``: validate, load, run the study, write best.json and plots."""
+    from pathlib import Path
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from specdecode.models import load_model
+
+    try:
+        from specdecode import search
+    except ImportError as e:
+        raise SpecDecodeError(f"specdecode search needs optuna ({e}): pip install 'specdecode[search]'") from None
+
+    settings = search.SearchSettings(
+        trials=args.trials, objective=args.objective, sampler=args.sampler, timeout_s=args.timeout,
+        calibration=args.calibration, num_prompts=args.num_prompts, prompt_offset=args.prompt_offset,
+        chat=args.chat, max_new_tokens=args.max_new_tokens, max_gamma=args.max_gamma,
+        num_speculative_tokens=args.num_speculative_tokens, min_skip_fraction=args.min_skip_fraction,
+        max_skip_fraction=args.max_skip_fraction, remeasure=args.remeasure, seed=args.seed,
+        timing_repeats=args.timing_repeats, heartbeat_interval_s=args.heartbeat_interval,
+    )
+    if not args.verbose:
+        search.optuna.logging.set_verbosity(search.optuna.logging.WARNING)
+    # Everything that needs no model first: a bad URL or file fails in a second, not after the load.
+    storage = search.open_storage(args.storage, settings.heartbeat_interval_s) if args.storage else None
+    prompts = search.load_calibration_prompts(
+        settings.calibration, settings.num_prompts, offset=settings.prompt_offset, chat=settings.chat
+    )
+    err = Console(stderr=True)
+    with err.status(f"loading {args.target}"):
+        loaded = load_model(args.target, dtype=args.dtype, device=args.device)
+    dtype = str(loaded.model.dtype).removeprefix("torch.")
+    study_name = args.study_name or search.default_study_name(args.target, dtype, settings.objective)
+    out = Path(args.out)
+    if storage is None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        storage = search.open_storage(search.default_storage_url(out, study_name), settings.heartbeat_interval_s)
+    url = search.redact_url(str(storage.url))
+    runner = search.SkipSetSearch(loaded, settings, storage, study_name, prompts)
+    try:
+        with err.status(f"study {study_name!r}: calibrating (once per study)"):
+            runner.prepare()
+        best = runner.best_value()
+        bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                       TextColumn("best {task.fields[best]}"), TimeElapsedColumn(), console=err)
+        task = bar.add_task(f"{settings.objective} trials", total=settings.trials,
+                            completed=min(runner.num_finished(), settings.trials),
+                            best="-" if best is None else f"{best:.3f}x")
+
+        def on_trial(done: int, total: int, best_value: float | None) -> None:
+            bar.update(task, completed=min(done, total), best="-" if best_value is None else f"{best_value:.3f}x")
+
+        with bar:
+            runner.optimize(progress=on_trial)
+        remeasured = []
+        if settings.objective == "modelled" and settings.remeasure:
+            with err.status(f"re-measuring the {settings.remeasure} best sets by real decoding"):
+                remeasured = runner.remeasure()
+        result = runner.write_outputs(out, remeasured, plots=args.plots)
+    except KeyboardInterrupt:
+        err.print(f"interrupted: the finished trials are kept in {url} (study {study_name!r}); "
+                  "run the same command again to resume")
+        return 130
+    table = Table(title=f"specdecode search: {study_name} ({result['num_trials']} trials)")
+    for col in ("", "skip set", "gamma", "modelled", "measured", "acceptance (real)"):
+        table.add_column(col)
+    rows = result["remeasured"] or [{"trial": result["trial"], "attn": result["attn"], "mlp": result["mlp"],
+                                     "modelled": result["modelled"], "measured": result["measured"]}]
+    for r in rows:
+        m, mm = r["modelled"] or {}, r["measured"] or {}
+        table.add_row(
+            "best" if r["trial"] == result["trial"] else f"trial {r['trial']}",
+            f"attn={','.join(map(str, r['attn']))};mlp={','.join(map(str, r['mlp']))}",
+            str(mm.get("num_speculative_tokens") or m.get("best_gamma") or "-"),
+            "-" if m.get("speedup") is None else f"{m['speedup']:.3f}x (alpha {m['alpha']:.3f})",
+            "-" if mm.get("speedup") is None else f"{mm['speedup']:.3f}x",
+            _fmt(mm.get("acceptance_rate")),
+        )
+    console = Console()
+    console.print(table)
+    console.print(f"best.json selected by {result['selected_by']}; written: {', '.join(result['files'])}")
+    console.print(f"storage: {url}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdecode", description="Speculative decoding for Hugging Face models.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress (model loading) to stderr")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     bench.add_parser(sub)
+    _add_search(sub)
     return parser
 
 
@@ -200,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        return {"generate": cmd_generate, "bench": bench.run}[args.command](args)
+        return {"generate": cmd_generate, "bench": bench.run, "search": cmd_search}[args.command](args)
     except SpecDecodeError as e:
         print(f"specdecode: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -37,3 +37,11 @@ class NonFiniteLogitsError(SpecDecodeError, RuntimeError):
 
 class DatasetError(SpecDecodeError, ValueError):
     """A benchmark dataset is missing, unreadable or malformed (names the file and line)."""
+
+
+class StorageError(SpecDecodeError):
+    """An Optuna study storage (SQLAlchemy URL) cannot be opened (names the URL, password hidden)."""
+
+
+class StudyMismatchError(SpecDecodeError, ValueError):
+    """An existing search study was made for another model, layer count, dtype or search settings."""
