@@ -542,16 +542,18 @@ def test_cli_bench_end_to_end(model_folders, tmp_path, capsys):
                                                {"category": "b", "prompt": "w30 w31 w32"}])
     out = tmp_path / "out"
     argv = ["bench", "--target", str(target), "--draft", str(draft), "--dataset", data, "--dtype", "float32",
-            "--methods", "autoregressive,draft", "layer-skip:skip_layers=attn=1,2;mlp=0,3+adaptive,early-exit",
+            "--methods", "autoregressive,draft", "layer-skip:skip_layers=attn=1,2;mlp=0,3,num_speculative_tokens=2+adaptive,early-exit",
             "--exit-layer", "2", "--max-new-tokens", "5", "--warmup-tokens", "2",
             "--out", str(out), "--categories", "b"]
     assert cli.main(argv) == 0
     results = json.loads((out / "results.json").read_text())
     assert [r["prompt_id"] for r in results["records"]] == ["q.jsonl/2"] * 4
     assert list(results["methods"]) == [
-        "autoregressive", "draft", "layer-skip:skip_layers=attn=1,2;mlp=0,3+adaptive", "early-exit"]
-    assert results["methods"]["layer-skip:skip_layers=attn=1,2;mlp=0,3+adaptive"]["drafter_options"] == {
-        "exit_layer": 2, "skip_layers": "attn=1,2;mlp=0,3"}
+        "autoregressive", "draft", "layer-skip:skip_layers=attn=1,2;mlp=0,3,num_speculative_tokens=2+adaptive",
+        "early-exit"]
+    layer_skip = results["methods"]["layer-skip:skip_layers=attn=1,2;mlp=0,3,num_speculative_tokens=2+adaptive"]
+    assert layer_skip["drafter_options"] == {"exit_layer": 2, "skip_layers": "attn=1,2;mlp=0,3"}
+    assert layer_skip["num_speculative_tokens"] == 2
     assert results["run_info"]["dataset"] == data
     assert results["summary"]["draft"]["overall"]["acceptance_rate"] == 1.0
     assert "draft" in capsys.readouterr().out

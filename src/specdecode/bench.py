@@ -1366,8 +1366,10 @@ def _split_list(values: Sequence[str] | None, separator: str = ",") -> list[str]
     return [v for item in values for v in re.split(separator, item) if v]
 
 
-# Methods split on commas that start a new name, so "layer-skip:skip_layers=mlp=5,7" stays whole.
-_METHOD_SEPARATOR = r",(?=[A-Za-z])"
+def _method_separator() -> str:
+    """Commas followed by a method name: "layer-skip:skip_layers=mlp=5,7,num_speculative_tokens=1" stays whole."""
+    names = "|".join(re.escape(m) for m in sorted(available_methods(), key=len, reverse=True))
+    return rf",(?=(?:{names})(?:[:+,]|$))"
 
 
 def _parse_option(text: str) -> tuple[str, Any]:
@@ -1462,7 +1464,7 @@ def run(args) -> int:
         drafter_options=_drafter_options(args),
         prompt_cache=args.prompt_cache,
     )
-    methods = _split_list(args.methods, _METHOD_SEPARATOR)
+    methods = _split_list(args.methods, _method_separator())
     if methods is not None:
         methods = check_method_names(methods)
     prompts = load_prompts(
