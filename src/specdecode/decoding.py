@@ -275,6 +275,13 @@ class _Round:
         return new
 
 
+def _as_2d(ids: torch.Tensor | list[int]) -> torch.Tensor:
+    """A list of ints or an (n,) tensor as (1, n) long; other shapes unchanged (callers validate)."""
+    if not isinstance(ids, torch.Tensor):
+        ids = torch.tensor(list(ids), dtype=torch.long)
+    return ids.unsqueeze(0) if ids.dim() == 1 else ids
+
+
 class SpeculativeDecoder:
     """Target-only or speculative decoding of one sequence (batch size 1).
 
@@ -348,10 +355,7 @@ class SpeculativeDecoder:
         """
         config = config or GenerationConfig()
         device = self.target.device
-        if not isinstance(input_ids, torch.Tensor):
-            input_ids = torch.tensor(list(input_ids), dtype=torch.long)
-        if input_ids.dim() == 1:
-            input_ids = input_ids.unsqueeze(0)
+        input_ids = _as_2d(input_ids)
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise InvalidArgumentError(
                 f"input_ids must have shape (1, n) (batch size 1), got {tuple(input_ids.shape)}"
@@ -385,10 +389,7 @@ class SpeculativeDecoder:
         Raises:
             InvalidArgumentError: If the prefix is empty or has a batch size other than 1.
         """
-        if not isinstance(prefix_ids, torch.Tensor):
-            prefix_ids = torch.tensor(list(prefix_ids), dtype=torch.long)
-        if prefix_ids.dim() == 1:
-            prefix_ids = prefix_ids.unsqueeze(0)
+        prefix_ids = _as_2d(prefix_ids)
         if prefix_ids.dim() != 2 or prefix_ids.shape[0] != 1 or prefix_ids.shape[1] == 0:
             raise InvalidArgumentError(
                 f"prefix_ids must have shape (1, m) with m >= 1, got {tuple(prefix_ids.shape)}"
