@@ -332,7 +332,9 @@ def test_killed_search_resumes_with_its_trials(folders, tmp_path, capsys):
     finally:
         if proc.is_alive():
             proc.kill()
-    time.sleep(2.1)  # the killed trial's heartbeat is now older than the grace period (2 x 1 s)
+    # Older than the grace period (2 x 1 s): SQLite's CURRENT_TIMESTAMP, on both the heartbeat and the
+    # stale check, has 1 s resolution, so 2 s + 1 s + margin.
+    time.sleep(3.2)
     killed = _load_study(url, "kill")
     before = {t.number: (t.params, t.value) for t in killed.get_trials(states=(TrialState.COMPLETE,))}
     running = [t.number for t in killed.get_trials(states=(TrialState.RUNNING,))]

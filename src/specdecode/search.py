@@ -93,7 +93,8 @@ The study lives in an Optuna ``RDBStorage``: by default the SQLite file
 committed one by one, so killing a search (even with SIGKILL) loses only the trial
 in flight. Running trials send a heartbeat (every ``heartbeat_interval_s``); a trial
 silent for twice that (e.g. its worker was killed) is marked FAIL by the next worker
-that starts a trial after that grace period, and re-queued once with the same
+that starts a trial after that grace period (plus up to 1 s on SQLite, whose
+timestamps have 1 s resolution), and re-queued once with the same
 parameters (``RetryHeartbeatStaleTrialCallback``). A worker killed while making the
 one-off measurements is replaced after 3 heartbeats by the next one that starts.
 ``trials`` = N means N finished (COMPLETE or PRUNED) trials in the study in total
