@@ -166,6 +166,17 @@ def _decode(model, skip, prompt, gamma, n_new=40):
     return result, drafter.blocks
 
 
+def _decoded_with_teacher_forcing(model, skip, gamma, seeds=range(3)):
+    """Per seed: (real decoding's result, its draft blocks, its tokens, the teacher-forced
+    draft tokens over them, the prompt length)."""
+    for seed in seeds:
+        prompt = prompt_ids(8, seed)
+        result, blocks = _decode(model, skip, prompt, gamma=gamma)
+        out = result.token_ids
+        tf = teacher_forced_draft_tokens(model, skip, prompt[0].tolist(), out).tolist()
+        yield result, blocks, out, tf, prompt.shape[1]
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
 @pytest.mark.parametrize("part", ["attn", "mlp", "both"])
 def test_last_layer_teacher_forced_agreement_equals_real_acceptance(arch, part):
@@ -175,12 +186,7 @@ def test_last_layer_teacher_forced_agreement_equals_real_acceptance(arch, part):
     last = [3]
     skip = SkipSet(attn=last if part in ("attn", "both") else [], mlp=last if part in ("mlp", "both") else [])
     rates = []
-    for seed in range(3):
-        prompt = prompt_ids(8, seed)
-        result, blocks = _decode(model, skip, prompt, gamma=1)
-        out = result.token_ids
-        tf = teacher_forced_draft_tokens(model, skip, prompt[0].tolist(), out).tolist()
-        n = prompt.shape[1]
+    for result, blocks, out, tf, n in _decoded_with_teacher_forcing(model, skip, gamma=1):
         drafted = agreed = 0
         for length, tokens in blocks:
             g = length - n  # index in `out` of the drafted token; tf[g - 1] predicts out[g]
@@ -202,12 +208,7 @@ def test_last_layer_rounds_accept_the_leading_run_of_agreements():
     model = make_tiny_model("llama", num_layers=4)
     skip = SkipSet(attn=[3])
     partial = 0
-    for seed in range(3):
-        prompt = prompt_ids(8, seed)
-        result, blocks = _decode(model, skip, prompt, gamma=3)
-        out = result.token_ids
-        tf = teacher_forced_draft_tokens(model, skip, prompt[0].tolist(), out).tolist()
-        n = prompt.shape[1]
+    for result, blocks, out, tf, n in _decoded_with_teacher_forcing(model, skip, gamma=3):
         accepted_total = 0
         for length, tokens in blocks:
             g0 = length - n
