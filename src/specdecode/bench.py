@@ -47,7 +47,6 @@ import re
 import shlex
 import statistics
 import sys
-import tempfile
 import time
 import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -66,6 +65,7 @@ from specdecode import kv_cache
 from specdecode.decoding import SpeculativeDecoder
 from specdecode.draft_control import DraftControl
 from specdecode.errors import InvalidArgumentError
+from specdecode.files import write_atomic, write_text_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -868,22 +868,6 @@ def environment(generator: pipeline.SpeculativeGenerator) -> dict:
 # the results folder
 
 
-def _write_atomic(path: Path, write: Callable[[Path], None]) -> None:
-    """Write through ``write(tmp)`` to a temporary file next to ``path``, then rename it into place."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    _write_atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
-
-
 def record_key(record: Mapping[str, Any]) -> tuple[str, str, int]:
     """(method, prompt id, repeat): what makes a record unique."""
     return record["method"], record["prompt_id"], int(record["repeat"])
@@ -931,7 +915,7 @@ class RecordStore:
             )
         self.dir.mkdir(parents=True, exist_ok=True)
         payload = {"identity": dict(identity), "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-        _write_text_atomic(self.settings_path, json.dumps(payload, indent=2) + "\n")
+        write_text_atomic(self.settings_path, json.dumps(payload, indent=2) + "\n")
         return False
 
     def load(self) -> list[dict]:
@@ -1242,8 +1226,8 @@ def write_reports(out_dir: str | Path, records: list[dict], info: Mapping[str, A
         "generated_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "records": records,
     }
-    _write_text_atomic(out / RESULTS_JSON, json.dumps(results, indent=1) + "\n")
-    _write_text_atomic(out / RESULTS_MD, markdown_report(results))
+    write_text_atomic(out / RESULTS_JSON, json.dumps(results, indent=1) + "\n")
+    write_text_atomic(out / RESULTS_MD, markdown_report(results))
     categories = [c for c in info.get("categories", []) if any(c in s for s in summary["methods"].values())]
     plot_speedups(summary["methods"], categories, out / SPEEDUP_PNG)
     plot_acceptance(summary["methods"], out / ACCEPTANCE_PNG)
@@ -1306,7 +1290,7 @@ def markdown_report(results: Mapping[str, Any]) -> str:
 
 
 def _save_figure(fig, path: Path) -> None:
-    _write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
+    write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
 
 
 def plot_speedups(summary: Mapping[str, Mapping[str, dict]], categories: Sequence[str], path: Path) -> None:

@@ -156,6 +156,7 @@ from specdecode.errors import (
     StorageError,
     StudyMismatchError,
 )
+from specdecode.files import write_atomic, write_text_atomic
 from specdecode.layer_skip import SUBLAYERS, LayerSkipDrafter, SkipSet, decoder_layers, draft_mode
 from specdecode.models import LoadedModel
 from specdecode.pipeline import SpeculativeGenerator, eos_token_ids
@@ -1526,9 +1527,7 @@ class SkipSetSearch:
         out = Path(out)
         out.parent.mkdir(parents=True, exist_ok=True)
         result = self.result(remeasured)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-        os.replace(tmp, out)
+        write_text_atomic(out, json.dumps(result, indent=2) + "\n")
         files = [out]
         if plots:
             files += plot_study(self.study, out.parent, self.num_layers)
@@ -1600,7 +1599,7 @@ def plot_study(study: optuna.Study, out_dir: str | Path, num_layers: int) -> lis
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 ax = draw()
             fig = ax.figure
-            fig.savefig(out_dir / name, dpi=120, bbox_inches="tight")
+            write_atomic(out_dir / name, lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
             plt.close(fig)
             written.append(out_dir / name)
         except (ValueError, RuntimeError, ZeroDivisionError, IndexError) as e:
@@ -1624,7 +1623,8 @@ def plot_study(study: optuna.Study, out_dir: str | Path, num_layers: int) -> lis
             ax.set_title(f"fraction of the best {len(top)} of {len(ranked)} feasible trials skipping each sublayer",
                          fontsize="medium")
             fig.colorbar(im, ax=ax, fraction=0.03)
-            fig.savefig(out_dir / HEATMAP_PNG, dpi=120, bbox_inches="tight")
+            write_atomic(out_dir / HEATMAP_PNG,
+                         lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
             written.append(out_dir / HEATMAP_PNG)
         else:
             logger.warning("plot %s not drawn: no feasible completed trial", HEATMAP_PNG)
@@ -1635,7 +1635,8 @@ def plot_study(study: optuna.Study, out_dir: str | Path, num_layers: int) -> lis
         for name, draw in ((HISTORY_HTML, ov.plot_optimization_history), (IMPORTANCES_HTML, ov.plot_param_importances)):
             try:
                 # "directory": one plotly.min.js beside the pages, shared, and no network needed to view them.
-                draw(study).write_html(str(out_dir / name), include_plotlyjs="directory")
+                figure = draw(study)
+                write_atomic(out_dir / name, lambda tmp: figure.write_html(str(tmp), include_plotlyjs="directory"))
                 written.append(out_dir / name)
             except (ValueError, RuntimeError, ZeroDivisionError, IndexError) as e:
                 logger.warning("plot %s not drawn: %s", name, e)
