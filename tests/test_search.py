@@ -31,6 +31,7 @@ from specdecode.search import (  # noqa: E402
     expected_speedup,
     teacher_forced_draft_tokens,
 )
+import optuna  # noqa: E402
 from optuna.trial import TrialState  # noqa: E402
 
 from selfspec_helpers import prompt_ids  # noqa: E402
@@ -398,6 +399,36 @@ def test_two_workers_share_one_study(folders, tmp_path, capsys, monkeypatch, cap
                for log in logs) == 1
 
 
+def _claim_queued_trials(url, results):
+    study = optuna.load_study(study_name="queue", storage=search.open_storage(url))
+    claimed = []
+    while (trial_id := study._pop_waiting_trial_id()) is not None:  # what Study.ask does first
+        claimed.append(trial_id)
+    results.put(claimed)
+
+
+def test_workers_never_claim_the_same_queued_trial(tmp_path):
+    """SQLite ignores SELECT ... FOR UPDATE: without open_storage's BEGIN IMMEDIATE, about 5% of the
+    queued trials (seed sets, re-queued stale trials) were claimed by two workers, which then both ran
+    them and one failed with "Cannot tell a COMPLETE trial" (a CI failure of test_two_workers_share_one_study)."""
+    url = f"sqlite:///{tmp_path / 'queue.db'}"
+    study = optuna.create_study(study_name="queue", storage=search.open_storage(url))
+    queued = 120
+    for i in range(queued):
+        study.enqueue_trial({"x": i})
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    workers = [context.Process(target=_claim_queued_trials, args=(url, results), daemon=True) for _ in range(3)]
+    for w in workers:
+        w.start()
+    claimed = [results.get(timeout=120) for _ in workers]
+    for w in workers:
+        w.join(30)
+    ids = [i for c in claimed for i in c]
+    assert len(ids) == len(set(ids)), f"{len(ids) - len(set(ids))} queued trials were claimed twice"
+    assert len(ids) == queued
+
+
 # --- bounds, the GP sampler, the measured objective (library API) ----------------------------
 
 
@@ -456,6 +487,8 @@ def test_measured_objective_reports_each_prompt(folders, tmp_path):
         ("nosuchdialect://x/y", "cannot open storage 'nosuchdialect://x/y'"),
         ("sqlite:////nonexistent-dir-xyz/sub/study.db", "cannot open storage 'sqlite:////nonexistent-dir-xyz"),
         ("not a url", "not a database URL"),
+        ("sqlite://", "in-memory SQLite database"),
+        ("sqlite:///:memory:", "in-memory SQLite database"),
         ("postgresql://user:secret@127.0.0.1:1/db", "cannot open storage 'postgresql://user:***@127.0.0.1:1/db'"),
     ],
 )
@@ -464,7 +497,7 @@ def test_bad_storage_url_is_a_clear_error(folders, tmp_path, capsys, storage, me
     out, err = capsys.readouterr()
     assert code == 2 and message in err and out == ""
     assert "secret" not in err
-    with pytest.raises(StorageError, match="expected a SQLAlchemy URL"):
+    with pytest.raises(StorageError, match="expected a (SQLAlchemy URL|file)"):
         search.open_storage(storage)
 
 

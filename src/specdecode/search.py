@@ -95,7 +95,13 @@ in flight. Running trials send a heartbeat (every ``heartbeat_interval_s``); a t
 silent for twice that (e.g. its worker was killed) is marked FAIL by the next worker
 that starts a trial after that grace period (plus up to 1 s on SQLite, whose
 timestamps have 1 s resolution), and re-queued once with the same
-parameters (``RetryHeartbeatStaleTrialCallback``). A worker killed while making the
+parameters (``RetryHeartbeatStaleTrialCallback``); a worker killed in the
+milliseconds between starting a trial and its first heartbeat leaves that trial
+RUNNING for good (Optuna judges only trials with a heartbeat), which costs nothing
+but a RUNNING entry: it does not count toward ``trials``. On SQLite every transaction
+begins with ``BEGIN IMMEDIATE`` (``open_storage``): SQLite ignores the ``SELECT ... FOR
+UPDATE`` with which Optuna claims a queued trial, so two workers could otherwise both
+run one queued seed set or re-queued trial. A worker killed while making the
 one-off measurements is replaced after 3 heartbeats by the next one that starts.
 ``trials`` = N means N finished (COMPLETE or PRUNED) trials in the study in total
 (``MaxTrialsCallback``), so re-running the same command finishes the remainder,
@@ -860,8 +866,9 @@ def open_storage(url: str, heartbeat_interval_s: int = 10) -> optuna.storages.RD
             trial silent for twice that is marked FAIL and re-queued once.
 
     Raises:
-        StorageError: The URL is malformed, its driver is not installed, or the
-            database cannot be reached or created (the URL is named, password hidden).
+        StorageError: The URL is malformed, its driver is not installed, it names an
+            in-memory SQLite database, or the database cannot be reached or created (the
+            URL is named, password hidden).
         InvalidArgumentError: A heartbeat interval < 1.
     """
     import sqlalchemy.exc
@@ -871,20 +878,29 @@ def open_storage(url: str, heartbeat_interval_s: int = 10) -> optuna.storages.RD
     allowed = "a SQLAlchemy URL such as sqlite:///path/to/study.db or postgresql://user:password@host/dbname"
     if not isinstance(url, str) or "://" not in url:
         raise StorageError(f"cannot open storage {url!r}: not a database URL; expected {allowed}")
-    engine_kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
+    sqlite = url.startswith("sqlite")
+    if sqlite and _is_in_memory_sqlite(url):
+        raise StorageError(
+            f"cannot open storage {url!r}: an in-memory SQLite database is lost when the search ends and cannot "
+            f"be shared by workers; expected a file, sqlite:///path/to/study.db, or {allowed.split(' or ')[1]}"
+        )
+    engine_kwargs = {"connect_args": {"timeout": 60}} if sqlite else {}
     attempts = 5
     try:
         for attempt in range(attempts):
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                    return optuna.storages.RDBStorage(
+                    storage = optuna.storages.RDBStorage(
                         url,
                         engine_kwargs=engine_kwargs,
                         heartbeat_interval=heartbeat_interval_s,
                         grace_period=2 * heartbeat_interval_s,
                         heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=1),
                     )
+                if sqlite:
+                    _serialize_sqlite_transactions(storage.engine)
+                return storage
             except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.OperationalError) as e:
                 # Workers that start together on a new database race to create Optuna's tables
                 # ("table ... already exists", a duplicate alembic_version row, "database is
@@ -901,6 +917,42 @@ def open_storage(url: str, heartbeat_interval_s: int = 10) -> optuna.storages.RD
         if isinstance(e, ImportError) and e.__cause__ is not None:
             reason += f" ({e.__cause__})"
         raise StorageError(f"cannot open storage {redact_url(url)!r}: {reason}; expected {allowed}") from None
+
+
+def _is_in_memory_sqlite(url: str) -> bool:
+    """Whether a ``sqlite`` SQLAlchemy URL names an in-memory database (no file, ``:memory:``)."""
+    import sqlalchemy.engine
+    import sqlalchemy.exc
+
+    try:
+        parsed = sqlalchemy.engine.make_url(url)
+    except sqlalchemy.exc.ArgumentError:
+        return False  # malformed: RDBStorage reports it
+    return parsed.database in (None, "", ":memory:") or parsed.query.get("mode") == "memory"
+
+
+def _serialize_sqlite_transactions(engine) -> None:
+    """Make every transaction on a SQLite ``engine`` take the database's write lock at BEGIN.
+
+    Optuna claims a queued (WAITING) trial by reading its state and writing RUNNING, relying
+    on ``SELECT ... FOR UPDATE``, which SQLite ignores; Python's sqlite3 also starts the
+    transaction only at the write. Two workers could therefore both read WAITING and both
+    run the same trial (an enqueued seed set, or a stale trial re-queued), and the second
+    to finish fails with "Cannot tell a COMPLETE trial". With ``BEGIN IMMEDIATE`` the read
+    and the write are one serialised transaction (SQLAlchemy's documented pysqlite recipe).
+    Connections opened before this call are discarded so that all later ones follow it.
+    """
+    from sqlalchemy import event
+
+    def on_connect(dbapi_connection, _record) -> None:
+        dbapi_connection.isolation_level = None  # no implicit BEGIN from sqlite3; we emit our own
+
+    def on_begin(connection) -> None:
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+    event.listen(engine, "connect", on_connect)
+    event.listen(engine, "begin", on_begin)
+    engine.dispose()
 
 
 # ---------------------------------------------------------------------------------------------
