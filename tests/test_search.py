@@ -9,6 +9,7 @@ import multiprocessing
 import signal
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -325,8 +326,12 @@ def test_killed_search_resumes_with_its_trials(folders, tmp_path, capsys):
             except KeyError:  # the study does not exist yet
                 continue
             done = [t for t in trials if t.state == TrialState.COMPLETE]
-            if len(done) >= 2 and any(t.state == TrialState.RUNNING for t in trials):
-                break  # kill it mid-trial (each evaluation sleeps 0.3 s first)
+            # Kill it mid-trial (each evaluation sleeps 0.3 s first), once the running trial has sent its
+            # first heartbeat, which Optuna records just after the trial starts: a trial killed before
+            # that has no heartbeat, and Optuna never declares such a trial stale.
+            started = [t.datetime_start for t in trials if t.state == TrialState.RUNNING]
+            if len(done) >= 2 and started and (datetime.now() - started[0]).total_seconds() >= 0.15:
+                break
         assert proc.is_alive(), f"the worker ended (exit code {proc.exitcode}) before it could be killed"
         proc.kill()  # SIGKILL
         proc.join(30)
