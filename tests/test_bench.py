@@ -360,7 +360,7 @@ def test_method_variants_carry_options_and_draft_control(target_only, tmp_path):
     ("early-exit+gated=high", r"gated='high' .* needs a number in \(0, 1\)"),
     ("early-exit+gated=1.5", r"confidence gate threshold"),
     ("early-exit+heuristic=2", r"'heuristic' .* takes no value"),
-    ("early-exit:num_speculative_tokens=0", r"num_speculative_tokens"),
+    ("early-exit:num_speculative_tokens=0", r"num_speculative_tokens \(gamma\) must be an integer >= 1, got 0"),
     ("warp-drive:x=1", r"unknown method 'warp-drive:x=1'; allowed: hf-generate"),
 ])
 def test_bad_method_variants(name, match):

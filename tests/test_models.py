@@ -33,6 +33,8 @@ from specdecode.models import OfflineModel, assemble_gguf, check_vocabularies
     [
         (dict(max_new_tokens=0), r"max_new_tokens must be an integer >= 1, got 0"),
         (dict(num_speculative_tokens=0), r"num_speculative_tokens \(gamma\) must be an integer >= 1, got 0"),
+        (dict(num_speculative_tokens=True), r"num_speculative_tokens \(gamma\) must be an integer >= 1, got True"),
+        (dict(num_speculative_tokens=2.0), r"num_speculative_tokens \(gamma\) must be an integer >= 1, got 2.0"),
         (dict(temperature=-0.5), r"temperature must be a finite number >= 0 .* got -0.5"),
         (dict(top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
         (dict(top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),

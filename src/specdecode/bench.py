@@ -59,7 +59,7 @@ from typing import Any
 import torch
 
 from specdecode import pipeline
-from specdecode.config import GenerationConfig
+from specdecode.config import GenerationConfig, check_num_speculative_tokens
 from specdecode.datasets import Prompt
 from specdecode import kv_cache
 from specdecode.decoding import SpeculativeDecoder
@@ -245,7 +245,7 @@ class MethodSpec:
             )
         gamma = options.pop("num_speculative_tokens", None)
         if gamma is not None:
-            GenerationConfig(num_speculative_tokens=gamma)  # validates it
+            check_num_speculative_tokens(gamma)
         return cls(name, base, MappingProxyType(options), DraftControl(**control) if control else None, gamma)
 
 

@@ -42,11 +42,7 @@ class GenerationConfig:
             raise InvalidArgumentError(
                 f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}"
             )
-        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
-            raise InvalidArgumentError(
-                "num_speculative_tokens (gamma) must be an integer >= 1, "
-                f"got {self.num_speculative_tokens!r}"
-            )
+        check_num_speculative_tokens(self.num_speculative_tokens)
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise InvalidArgumentError(
                 f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}"
@@ -66,3 +62,14 @@ class GenerationConfig:
     def greedy(self) -> bool:
         """True when decoding takes the argmax (temperature 0)."""
         return self.temperature == 0.0
+
+
+def check_num_speculative_tokens(value: object) -> int:
+    """Return ``value`` if it is a valid γ (``num_speculative_tokens``): an integer >= 1.
+
+    Raises:
+        InvalidArgumentError: Not an integer (``bool`` included), or < 1; the message names the value.
+    """
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise InvalidArgumentError(f"num_speculative_tokens (gamma) must be an integer >= 1, got {value!r}")
+    return value
