@@ -65,7 +65,7 @@ from specdecode import kv_cache
 from specdecode.decoding import SpeculativeDecoder
 from specdecode.draft_control import DraftControl
 from specdecode.errors import InvalidArgumentError
-from specdecode.files import write_atomic, write_text_atomic
+from specdecode.files import write_png_atomic, write_text_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -1289,10 +1289,6 @@ def markdown_report(results: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _save_figure(fig, path: Path) -> None:
-    write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
-
-
 def plot_speedups(summary: Mapping[str, Mapping[str, dict]], categories: Sequence[str], path: Path) -> None:
     """Grouped bars: speedup of every method per category and overall (1.0 = baseline)."""
     from matplotlib.figure import Figure
@@ -1311,7 +1307,7 @@ def plot_speedups(summary: Mapping[str, Mapping[str, dict]], categories: Sequenc
     ax.set_ylabel("speedup vs faster baseline (×)")
     ax.set_title("Speedup by category")
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    _save_figure(fig, path)
+    write_png_atomic(fig, path)
 
 
 def plot_acceptance(summary: Mapping[str, Mapping[str, dict]], path: Path) -> None:
@@ -1337,7 +1333,7 @@ def plot_acceptance(summary: Mapping[str, Mapping[str, dict]], path: Path) -> No
     ax.set_ylabel("acceptance rate")
     ax.set_ylim(0, 1.05)
     ax.set_title("Acceptance by draft position")
-    _save_figure(fig, path)
+    write_png_atomic(fig, path)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -32,3 +32,8 @@ def write_atomic(path: str | Path, write: Callable[[Path], None]) -> None:
 def write_text_atomic(path: str | Path, text: str) -> None:
     """``write_atomic`` of UTF-8 text."""
     write_atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def write_png_atomic(figure, path: str | Path, dpi: int = 120) -> None:
+    """``write_atomic`` of a matplotlib ``Figure`` as PNG (tight bounding box, ``dpi`` dots per inch)."""
+    write_atomic(path, lambda tmp: figure.savefig(tmp, format="png", dpi=dpi, bbox_inches="tight"))

@@ -151,7 +151,7 @@ from optuna.trial import TrialState
 from transformers import DynamicCache
 
 from specdecode import kv_cache
-from specdecode.config import GenerationConfig
+from specdecode.config import GenerationConfig, check_num_speculative_tokens
 from specdecode.datasets import HUMANEVAL, SPEC_BENCH, Prompt, load_prompts, read_jsonl
 from specdecode.decoding import SpeculativeDecoder
 from specdecode.errors import (
@@ -162,7 +162,7 @@ from specdecode.errors import (
     StorageError,
     StudyMismatchError,
 )
-from specdecode.files import write_atomic, write_text_atomic
+from specdecode.files import write_atomic, write_png_atomic, write_text_atomic
 from specdecode.layer_skip import SUBLAYERS, LayerSkipDrafter, SkipSet, decoder_layers, draft_mode
 from specdecode.models import LoadedModel
 from specdecode.pipeline import SpeculativeGenerator, eos_token_ids
@@ -269,13 +269,8 @@ class SearchSettings:
             raise InvalidArgumentError(f"unknown sampler {self.sampler!r}; allowed: {', '.join(SAMPLERS)}")
         if self.timeout_s is not None and not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
             raise InvalidArgumentError(f"timeout must be a number of seconds > 0 (or unset), got {self.timeout_s!r}")
-        if self.num_speculative_tokens is not None and (
-            not _is_int(self.num_speculative_tokens) or self.num_speculative_tokens < 1
-        ):
-            raise InvalidArgumentError(
-                "num_speculative_tokens (gamma) must be an integer >= 1 (or unset), "
-                f"got {self.num_speculative_tokens!r}"
-            )
+        if self.num_speculative_tokens is not None:
+            check_num_speculative_tokens(self.num_speculative_tokens)
         for name in ("min_skip_fraction", "max_skip_fraction"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0.0 <= v <= 1.0):
@@ -292,6 +287,11 @@ class SearchSettings:
                 "calibration must be 'humaneval', 'spec-bench', 'spec-bench:CATEGORY' or a JSONL file, "
                 f"got {self.calibration!r}"
             )
+
+    @property
+    def measured_gamma(self) -> int:
+        """γ of the measured objective: ``num_speculative_tokens``, or ``GenerationConfig``'s default (5)."""
+        return self.num_speculative_tokens or GenerationConfig.num_speculative_tokens
 
     def skip_count_bounds(self, num_layers: int) -> tuple[int, int]:
         """(lo, hi): the allowed numbers of skipped sublayers for a model with ``num_layers`` layers.
@@ -1292,12 +1292,8 @@ class SkipSetSearch:
         return len(self.study.get_trials(deepcopy=False, states=FINISHED_STATES))
 
     def feasible_trials(self) -> list[optuna.trial.FrozenTrial]:
-        """COMPLETE trials inside the bounds, best value first."""
-        trials = [
-            t for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-            if all(v <= 0 for v in t.constraints.values()) and t.value is not None
-        ]
-        return sorted(trials, key=lambda t: (-t.value, t.number))
+        """COMPLETE trials inside the bounds, best value first (``feasible_trials``)."""
+        return feasible_trials(self.study)
 
     def best_value(self) -> float | None:
         """The best feasible value so far, or None."""
@@ -1387,7 +1383,7 @@ class SkipSetSearch:
         )
 
     def _measured(self, trial: optuna.Trial, skip: SkipSet) -> float:
-        gamma = self.settings.num_speculative_tokens or GenerationConfig.num_speculative_tokens
+        gamma = self.settings.measured_gamma
 
         def on_prompt(i: int, speedup: float) -> None:
             trial.report(speedup, i)
@@ -1540,7 +1536,7 @@ class SkipSetSearch:
         elif modelled is not None:
             gamma = modelled["best_gamma"]
         else:
-            gamma = self.settings.num_speculative_tokens or GenerationConfig.num_speculative_tokens
+            gamma = self.settings.measured_gamma
         skip = SkipSet(*params_to_skip_lists(best.params, self.num_layers))
         states = [t.state for t in self.study.get_trials(deepcopy=False)]
         return {
@@ -1585,6 +1581,15 @@ class SkipSetSearch:
             files += plot_study(self.study, out.parent, self.num_layers)
         result["files"] = [str(f) for f in files]
         return result
+
+
+def feasible_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    """The study's COMPLETE trials inside the skip-fraction bounds (every constraint <= 0), best value first."""
+    trials = [
+        t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+        if t.value is not None and all(v <= 0 for v in t.constraints.values())
+    ]
+    return sorted(trials, key=lambda t: (-t.value, t.number))
 
 
 def _failed_by_another_worker(e: BaseException) -> bool:
@@ -1640,10 +1645,7 @@ def plot_study(study: optuna.Study, out_dir: str | Path, num_layers: int) -> lis
 
     out_dir = Path(out_dir)
     written: list[Path] = []
-    feasible = [
-        t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-        if t.value is not None and all(v <= 0 for v in t.constraints.values())
-    ]
+    ranked = feasible_trials(study)
 
     def save_optuna(name: str, draw: Callable[[], Any]) -> None:
         try:
@@ -1651,7 +1653,7 @@ def plot_study(study: optuna.Study, out_dir: str | Path, num_layers: int) -> lis
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 ax = draw()
             fig = ax.figure
-            write_atomic(out_dir / name, lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
+            write_png_atomic(fig, out_dir / name)
             plt.close(fig)
             written.append(out_dir / name)
         except (ValueError, RuntimeError, ZeroDivisionError, IndexError) as e:
@@ -1662,8 +1664,7 @@ def plot_study(study: optuna.Study, out_dir: str | Path, num_layers: int) -> lis
 
     # Optuna's matplotlib plots call plt.style.use("ggplot"); the context undoes that for the caller.
     with plt.style.context("default"):
-        if feasible:
-            ranked = sorted(feasible, key=lambda t: -t.value)
+        if ranked:
             top = ranked[: max(5, math.ceil(0.1 * len(ranked)))]
             freq = skip_frequencies(top, num_layers)
             fig = Figure(figsize=(max(4.0, 0.35 * num_layers + 2.0), 2.6))
@@ -1675,8 +1676,7 @@ def plot_study(study: optuna.Study, out_dir: str | Path, num_layers: int) -> lis
             ax.set_title(f"fraction of the best {len(top)} of {len(ranked)} feasible trials skipping each sublayer",
                          fontsize="medium")
             fig.colorbar(im, ax=ax, fraction=0.03)
-            write_atomic(out_dir / HEATMAP_PNG,
-                         lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
+            write_png_atomic(fig, out_dir / HEATMAP_PNG)
             written.append(out_dir / HEATMAP_PNG)
         else:
             logger.warning("plot %s not drawn: no feasible completed trial", HEATMAP_PNG)
@@ -1708,6 +1708,7 @@ __all__ = [
     "default_storage_url",
     "default_study_name",
     "expected_speedup",
+    "feasible_trials",
     "greedy_continuations",
     "load_calibration_prompts",
     "measure_decode_costs",
