@@ -9,8 +9,8 @@ import torch
 
 from conftest import VOCAB
 from specdecode import GenerationConfig, SpeculativeDecoder
-from specdecode.drafters import Drafter
-from specdecode.sampling import Sampler
+from specdecode.engine.protocol import Drafter
+from specdecode.engine.sampling import Sampler
 
 
 @pytest.fixture(autouse=False)

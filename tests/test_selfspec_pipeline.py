@@ -10,13 +10,13 @@ from conftest import make_tiny_model, make_tiny_tokenizer
 from selfspec_helpers import one_thread  # noqa: F401
 from specdecode import GenerationConfig, InvalidArgumentError, SpeculativeGenerator
 from specdecode.cli import main
-from specdecode.draft_control import DraftControl
+from specdecode.drafters.control import DraftControl
 from specdecode.drafters import DraftModelDrafter
-from specdecode.early_exit import EarlyExitDrafter
-from specdecode.layer_skip import LayerSkipDrafter, SkipSet
+from specdecode.drafters.early_exit import EarlyExitDrafter
+from specdecode.drafters.layer_skip import LayerSkipDrafter, SkipSet
 from specdecode.models import LoadedModel
 from specdecode.pipeline import METHODS
-from specdecode.prompt_lookup import PromptLookupDrafter
+from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

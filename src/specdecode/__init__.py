@@ -2,13 +2,31 @@
 
 The output is the target model's own: greedy decoding gives the target's greedy
 tokens, sampling gives the target's sampling distribution, only sooner.
+
+Layers, each importing only those below it:
+
+- ``config``, ``errors``, ``files``: shared by all;
+- ``engine``: the decode loop, verification, sampling, KV cache, statistics;
+- ``drafters``: draft model, layer skip, early exit, prompt lookup, draft control;
+- ``models``: offline registry, GGUF assembly, dense cache, loading;
+- ``pipeline``: ``SpeculativeGenerator`` (text in, text out);
+- ``bench`` and ``search``: the benchmark and the skip-set search, built on the pipeline;
+- ``cli``: argument parsing for ``specdecode generate|bench|search``.
 """
 
 from specdecode.config import GenerationConfig
-from specdecode.decoding import GenerationResult, GenerationStream, SpeculativeDecoder
-from specdecode.draft_control import DraftControl
-from specdecode.drafters import Draft, DraftModelDrafter, Drafter
-from specdecode.early_exit import EarlyExitDrafter
+from specdecode.drafters import (
+    Draft,
+    DraftControl,
+    Drafter,
+    DraftModelDrafter,
+    EarlyExitDrafter,
+    LayerSkipDrafter,
+    PromptLookupDrafter,
+    SkipSet,
+    draft_mode,
+)
+from specdecode.engine import GenerationResult, GenerationStream, SpecDecodingStats, SpeculativeDecoder
 from specdecode.errors import (
     ChecksumMismatchError,
     DatasetError,
@@ -21,13 +39,9 @@ from specdecode.errors import (
     UnsupportedModelError,
     VocabularyMismatchError,
 )
-from specdecode.layer_skip import LayerSkipDrafter, SkipSet, draft_mode
 from specdecode.models import OFFLINE_MODELS, LoadedModel, load_model
 from specdecode.pipeline import SpeculativeGenerator
-from specdecode.prompt_lookup import PromptLookupDrafter
-from specdecode.stats import SpecDecodingStats
-
-__version__ = "0.1.0"
+from specdecode.version import __version__
 
 __all__ = [
     "OFFLINE_MODELS",

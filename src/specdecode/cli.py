@@ -1,5 +1,9 @@
-"""Command line: ``specdecode generate ...``, ``specdecode bench ...`` (parsed in ``specdecode.bench``)
-and ``specdecode search ...`` (the library part is ``specdecode.search``). The only modules that print."""
+"""Command line: argument parsing for ``specdecode generate|bench|search``.
+
+``generate`` streams ``SpeculativeGenerator`` output here; ``bench`` runs in
+``specdecode.bench.command`` and ``search`` in ``specdecode.search.command``. These
+and the two command modules are the only code that prints.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +12,11 @@ import dataclasses
 import json
 import logging
 import sys
+from typing import Any
 
 from specdecode import bench
 from specdecode.config import GenerationConfig
-from specdecode.draft_control import LENGTH_SCHEDULES, DraftControl
+from specdecode.drafters.control import LENGTH_SCHEDULES, DraftControl
 from specdecode.errors import SpecDecodeError
 from specdecode.pipeline import DEFAULT_DRAFT, DEFAULT_TARGET, METHODS
 
@@ -100,8 +105,8 @@ def _print_stats(stats: dict, method: str, console) -> None:
 def _check_method_options(args) -> None:
     """Fail fast on method options that need no model to check."""
     from specdecode.errors import InvalidArgumentError
-    from specdecode.layer_skip import SkipSet
-    from specdecode.prompt_lookup import PromptLookupDrafter
+    from specdecode.drafters.layer_skip import SkipSet
+    from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 
     if args.skip_layers is not None:
         SkipSet.parse(args.skip_layers)
@@ -187,7 +192,7 @@ def cmd_generate(args) -> int:
 
 
 # Defaults of ``specdecode.search.SearchSettings`` (not imported here: optuna is an optional
-# dependency that ``generate`` and ``bench`` must not need); tests/test_search.py checks they agree.
+# dependency that ``generate`` and ``bench`` must not need); tests/search/test_search_command.py checks they agree.
 SEARCH_DEFAULTS = argparse.Namespace(
     calibration="humaneval", num_prompts=4, prompt_offset=0, max_new_tokens=64, trials=100,
     objective="modelled", sampler="tpe", min_skip_fraction=0.0, max_skip_fraction=1.0, max_gamma=12,
@@ -255,91 +260,81 @@ def _add_search(sub) -> None:
                    help="write the plots beside best.json (default on)")
 
 
-def cmd_search(args) -> int:
-    """``specdecode search``: validate, load, run the study, write best.json and plots."""
-    from pathlib import Path
-
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Table
-
-    from specdecode.models import load_model
-
+def _run_search(args) -> int:
+    """Hand ``specdecode search`` to ``specdecode.search.command`` (optuna is an optional extra)."""
     try:
-        from specdecode import search
+        from specdecode.search import command as search_command
     except ImportError as e:
         raise SpecDecodeError(f"specdecode search needs optuna ({e}): pip install 'specdecode[search]'") from None
+    return search_command.run(args)
 
-    settings = search.SearchSettings(
-        trials=args.trials, objective=args.objective, sampler=args.sampler, timeout_s=args.timeout,
-        calibration=args.calibration, num_prompts=args.num_prompts, prompt_offset=args.prompt_offset,
-        chat=args.chat, max_new_tokens=args.max_new_tokens, max_gamma=args.max_gamma,
-        num_speculative_tokens=args.num_speculative_tokens, min_skip_fraction=args.min_skip_fraction,
-        max_skip_fraction=args.max_skip_fraction, remeasure=args.remeasure, seed=args.seed,
-        timing_repeats=args.timing_repeats, heartbeat_interval_s=args.heartbeat_interval,
-    )
-    if not args.verbose:
-        search.optuna.logging.set_verbosity(search.optuna.logging.WARNING)
-    # Everything that needs no model first: a bad URL or file fails in a second, not after the load.
-    storage = search.open_storage(args.storage, settings.heartbeat_interval_s) if args.storage else None
-    prompts = search.load_calibration_prompts(
-        settings.calibration, settings.num_prompts, offset=settings.prompt_offset, chat=settings.chat
-    )
-    err = Console(stderr=True)
-    with err.status(f"loading {args.target}"):
-        loaded = load_model(args.target, dtype=args.dtype, device=args.device)
-    dtype = str(loaded.model.dtype).removeprefix("torch.")
-    study_name = args.study_name or search.default_study_name(args.target, dtype, settings.objective)
-    out = Path(args.out)
-    if storage is None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        storage = search.open_storage(search.default_storage_url(out, study_name), settings.heartbeat_interval_s)
-    url = search.redact_url(str(storage.url))
-    runner = search.SkipSetSearch(loaded, settings, storage, study_name, prompts)
+
+def _run_bench(args) -> int:
+    from specdecode.bench import command as bench_command
+
+    return bench_command.run(args)
+
+
+# ---------------------------------------------------------------------------------------------
+# bench
+
+
+def _parse_option(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
     try:
-        with err.status(f"study {study_name!r}: calibrating (once per study)"):
-            runner.prepare()
-        best = runner.best_value()
-        bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                       TextColumn("best {task.fields[best]}"), TimeElapsedColumn(), console=err)
-        task = bar.add_task(f"{settings.objective} trials", total=settings.trials,
-                            completed=min(runner.num_finished(), settings.trials),
-                            best="-" if best is None else f"{best:.3f}x")
+        return key, json.loads(value)
+    except ValueError:
+        return key, value
 
-        def on_trial(done: int, total: int, best_value: float | None) -> None:
-            bar.update(task, completed=min(done, total), best="-" if best_value is None else f"{best_value:.3f}x")
 
-        with bar:
-            runner.optimize(progress=on_trial)
-        remeasured = []
-        if settings.objective == "modelled" and settings.remeasure:
-            with err.status(f"re-measuring the {settings.remeasure} best sets by real decoding"):
-                remeasured = runner.remeasure()
-        result = runner.write_outputs(out, remeasured, plots=args.plots)
-    except KeyboardInterrupt:
-        err.print(f"interrupted: the finished trials are kept in {url} (study {study_name!r}); "
-                  "run the same command again to resume")
-        return 130
-    table = Table(title=f"specdecode search: {study_name} ({result['num_trials']} trials)")
-    for col in ("", "skip set", "gamma", "modelled", "measured", "acceptance (real)"):
-        table.add_column(col)
-    rows = result["remeasured"] or [{"trial": result["trial"], "attn": result["attn"], "mlp": result["mlp"],
-                                     "modelled": result["modelled"], "measured": result["measured"]}]
-    for r in rows:
-        m, mm = r["modelled"] or {}, r["measured"] or {}
-        table.add_row(
-            "best" if r["trial"] == result["trial"] else f"trial {r['trial']}",
-            f"attn={','.join(map(str, r['attn']))};mlp={','.join(map(str, r['mlp']))}",
-            str(mm.get("num_speculative_tokens") or m.get("best_gamma") or "-"),
-            "-" if m.get("speedup") is None else f"{m['speedup']:.3f}x (alpha {m['alpha']:.3f})",
-            "-" if mm.get("speedup") is None else f"{mm['speedup']:.3f}x",
-            _fmt(mm.get("acceptance_rate")),
-        )
-    console = Console()
-    console.print(table)
-    console.print(f"best.json selected by {result['selected_by']}; written: {', '.join(result['files'])}")
-    console.print(f"storage: {url}")
-    return 0
+def _add_bench(sub) -> argparse.ArgumentParser:
+    """Register ``specdecode bench`` (run by ``specdecode.bench.command``)."""
+    p = sub.add_parser(
+        "bench",
+        help="time every decoding method on Spec-Bench, HumanEval or a JSONL file",
+        description="Benchmark decoding methods in one process on the same models, dtype and prompts. "
+        "Results go to --out; rerunning the same command resumes an interrupted run.",
+    )
+    p.add_argument("--target", default=DEFAULT_TARGET, help="offline model name, .gguf file, folder or hub id")
+    p.add_argument("--draft", default=None,
+                   help=f"draft model; default {DEFAULT_DRAFT} when --target is the default, "
+                   "else none; 'none' for no draft")
+    p.add_argument("--dataset", default="spec-bench",
+                   help="spec-bench, humaneval, or a .jsonl file with a 'prompt' or 'turns' field per line")
+    p.add_argument("--categories", nargs="+", default=None, help="categories to keep (space or comma separated)")
+    p.add_argument("--limit-per-category", type=int, default=None, help="first N prompts of each category")
+    p.add_argument("--limit", type=int, default=None, help="first N prompts overall (after the category limit)")
+    p.add_argument("--methods", nargs="+", default=None,
+                   help="methods to run (default: all whose requirements are met): "
+                   + ", ".join(bench.available_methods())
+                   + ". A specdecode method may carry options and draft-control modifiers: "
+                   "NAME[:KEY=VALUE,...][+MODIFIER[=VALUE]...], e.g. early-exit:exit_layer=8+adaptive; "
+                   "modifiers: " + "; ".join(f"{k}: {v}" for k, v in bench.METHOD_MODIFIERS.items()))
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--num-speculative-tokens", "-g", type=int, default=GenerationConfig.num_speculative_tokens,
+                   help="gamma of specdecode's speculative methods")
+    p.add_argument("--seed", type=int, default=0, help="base seed of sampling (temperature > 0)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--repeats", type=int, default=1, help="runs per (method, prompt); tok/s is their median")
+    p.add_argument("--warmup-tokens", type=int, default=8, help="length of each method's warm-up generation")
+    p.add_argument("--prompt-cache", action=argparse.BooleanOptionalAction, default=None,
+                   help="encode each prompt (but its last token) once, untimed, and start every method from a "
+                   "copy of that cache; default: on unless hf-assisted or hf-prompt-lookup is in the run "
+                   "(they cannot start from a cache); --no-prompt-cache times whole prompts")
+    p.add_argument("--out", default="bench-out", help="results folder (resumable)")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="chat template on/off (default: on for spec-bench and JSONL when the tokenizer has one, "
+                   "off for humaneval, whose stubs are completed raw)")
+    for opt in bench.DRAFTER_OPTIONS:
+        p.add_argument(opt.flag, dest=f"drafter_{opt.keyword}", type=opt.type, default=None, help=opt.help,
+                       metavar=opt.keyword.upper())
+    p.add_argument("--drafter-option", action="append", type=_parse_option, default=[], metavar="KEY=VALUE",
+                   help="any other keyword for the pipeline's decoder/make_drafter (VALUE parsed as JSON if it can be)")
+    return p
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -347,7 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress (model loading) to stderr")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
-    bench.add_parser(sub)
+    _add_bench(sub)
     _add_search(sub)
     return parser
 
@@ -357,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        return {"generate": cmd_generate, "bench": bench.run, "search": cmd_search}[args.command](args)
+        return {"generate": cmd_generate, "bench": _run_bench, "search": _run_search}[args.command](args)
     except SpecDecodeError as e:
         print(f"specdecode: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

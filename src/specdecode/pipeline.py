@@ -28,14 +28,14 @@ from pathlib import Path
 import torch
 
 from specdecode.config import GenerationConfig
-from specdecode.decoding import GenerationResult, GenerationStream, SpeculativeDecoder
-from specdecode.draft_control import DraftControl
+from specdecode.engine.decoder import GenerationResult, GenerationStream, SpeculativeDecoder
+from specdecode.drafters.control import DraftControl
 from specdecode.drafters import DraftModelDrafter, Drafter
-from specdecode.early_exit import EarlyExitDrafter
+from specdecode.drafters.early_exit import EarlyExitDrafter
 from specdecode.errors import InvalidArgumentError
-from specdecode.layer_skip import LayerSkipDrafter, SkipSet
+from specdecode.drafters.layer_skip import LayerSkipDrafter, SkipSet
 from specdecode.models import LoadedModel, check_vocabularies, load_model
-from specdecode.prompt_lookup import PromptLookupDrafter
+from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 
 logger = logging.getLogger(__name__)
 
@@ -210,7 +210,7 @@ class SpeculativeGenerator:
         Args:
             method: One of ``METHODS``.
             draft_control: Adaptive draft exit, length schedule and confidence gating
-                (``specdecode.draft_control.DraftControl``); ignored by "autoregressive".
+                (``specdecode.drafters.control.DraftControl``); ignored by "autoregressive".
             skip_set .. prompt_lookup_min_ngram: See ``make_drafter``.
 
         Raises:

@@ -1,0 +1,131 @@
+"""``specdecode bench``: time every decoding method on the same prompts, in one process.
+
+The target (and draft) are loaded once; every method runs with the same weights,
+dtype, prompts (encoded once) and generation settings. After a warm-up (one
+short generation per method), each method runs on every prompt, ``repeats``
+times, interleaved prompt by prompt so that slow drifts of the machine (heat,
+other load) hit every method alike.
+
+Methods:
+
+* ``hf-generate``: transformers ``model.generate`` on the target alone (greedy, or
+  sampling at the same temperature with top-k/top-p off), EOS from the target's
+  generation config, ``min_new_tokens`` unset.
+* ``hf-assisted``: ``generate(assistant_model=draft)``; the draft's
+  ``num_assistant_tokens``/``num_assistant_tokens_schedule``/
+  ``assistant_confidence_threshold`` are set to transformers' defaults (recorded
+  in results.json).
+* ``hf-prompt-lookup``: ``generate(prompt_lookup_num_tokens=10)``.
+* every method in ``specdecode.pipeline.METHODS`` (read at run time, so new
+  methods appear here without code), run through ``SpeculativeGenerator.decoder``.
+
+Speedups are relative to the *faster* of ``hf-generate`` and ``autoregressive``
+in the same category (``speedups``), with tokens/s aggregated as total new
+tokens / total seconds (``tokens_per_second``), so neither a slow baseline nor a
+few short outputs can flatter a method.
+
+Every finished (method, prompt, repeat) is appended to ``OUT/records.jsonl`` at
+once (flushed and fsynced). Running the same command again skips finished
+records; the reports are recomputed from all records of the run's plan. The
+run's settings live in ``OUT/settings.json``; resuming with different ones is refused.
+
+Modules:
+
+* ``methods``: what a method is (``MethodSpec``, ``HF_METHODS``, ``DRAFTER_OPTIONS``,
+  ``METHOD_MODIFIERS``, ``available_methods``) and how it runs (``build_decoder``,
+  ``resolve_methods`` and the runners);
+* ``settings``: ``BenchSettings``, how every method generates;
+* ``runner``: ``run_bench``, the run itself;
+* ``records``: the results folder (``RecordStore``, ``run_identity``, ``environment``);
+* ``report``: ``summarize``, ``speedups``, ``markdown_report`` and the plots;
+* ``datasets``: the prompt sets (Spec-Bench, HumanEval, JSONL), shared with ``specdecode search``;
+* ``command``: ``run``, the ``specdecode bench`` command (the only module here that prints).
+"""
+
+from specdecode.bench.command import run
+from specdecode.bench.methods import (
+    DEFAULT_GATE_THRESHOLD,
+    DRAFTER_OPTIONS,
+    HF_METHODS,
+    METHOD_MODIFIERS,
+    DrafterOption,
+    HFMethod,
+    MethodSpec,
+    PromptPrefix,
+    available_methods,
+    build_decoder,
+    check_method_names,
+    resolve_methods,
+)
+from specdecode.bench.records import (
+    CPU_FLAGS_OF_INTEREST,
+    RECORDS_FILE,
+    SETTINGS_FILE,
+    RecordStore,
+    environment,
+    record_key,
+    run_identity,
+)
+from specdecode.bench.report import (
+    ACCEPTANCE_PNG,
+    BASELINES,
+    NOTES,
+    OVERALL,
+    REFERENCE_METHOD,
+    RESULTS_JSON,
+    RESULTS_MD,
+    SPEEDUP_PNG,
+    first_divergence,
+    markdown_report,
+    plot_acceptance,
+    plot_speedups,
+    speedups,
+    summarize,
+    tokens_per_second,
+    write_reports,
+)
+from specdecode.bench.runner import ProgressCallback, prompt_seed, run_bench
+from specdecode.bench.settings import BenchSettings
+
+__all__ = [
+    "ACCEPTANCE_PNG",
+    "BASELINES",
+    "CPU_FLAGS_OF_INTEREST",
+    "DEFAULT_GATE_THRESHOLD",
+    "DRAFTER_OPTIONS",
+    "HF_METHODS",
+    "METHOD_MODIFIERS",
+    "NOTES",
+    "OVERALL",
+    "RECORDS_FILE",
+    "REFERENCE_METHOD",
+    "RESULTS_JSON",
+    "RESULTS_MD",
+    "SETTINGS_FILE",
+    "SPEEDUP_PNG",
+    "BenchSettings",
+    "DrafterOption",
+    "HFMethod",
+    "MethodSpec",
+    "ProgressCallback",
+    "PromptPrefix",
+    "RecordStore",
+    "available_methods",
+    "build_decoder",
+    "check_method_names",
+    "environment",
+    "first_divergence",
+    "markdown_report",
+    "plot_acceptance",
+    "plot_speedups",
+    "prompt_seed",
+    "record_key",
+    "resolve_methods",
+    "run",
+    "run_bench",
+    "run_identity",
+    "speedups",
+    "summarize",
+    "tokens_per_second",
+    "write_reports",
+]

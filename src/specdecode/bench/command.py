@@ -1,0 +1,116 @@
+"""The ``specdecode bench`` command: load the models, run ``run_bench``, print a summary.
+
+A command-line module: it prints (a status line and progress bar on stderr, the summary
+table on stdout, with rich). Its parser is ``specdecode.cli``'s ``_add_bench``, and
+``specdecode.cli`` calls ``run``.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from specdecode import pipeline
+from specdecode.bench.methods import DRAFTER_OPTIONS, available_methods, check_method_names
+from specdecode.bench.records import RECORDS_FILE, SETTINGS_FILE, RecordStore
+from specdecode.bench.report import (ACCEPTANCE_PNG, OVERALL, REFERENCE_METHOD, RESULTS_JSON, RESULTS_MD,
+                                     SPEEDUP_PNG, format_value)
+from specdecode.bench.runner import run_bench
+from specdecode.bench.settings import BenchSettings
+
+
+def _split_list(values: Sequence[str] | None, separator: str = ",") -> list[str] | None:
+    if not values:
+        return None
+    return [v for item in values for v in re.split(separator, item) if v]
+
+
+def _method_separator() -> str:
+    """Commas followed by a method name: "layer-skip:skip_layers=mlp=5,7,num_speculative_tokens=1" stays whole."""
+    names = "|".join(re.escape(m) for m in sorted(available_methods(), key=len, reverse=True))
+    return rf",(?=(?:{names})(?:[:+,]|$))"
+
+
+def _drafter_options(args) -> dict:
+    options = dict(args.drafter_option)
+    for opt in DRAFTER_OPTIONS:
+        value = getattr(args, f"drafter_{opt.keyword}")
+        if value is not None:
+            options[opt.keyword] = value
+    return options
+
+
+def _draft_spec(args) -> str | None:
+    if args.draft is None:
+        return pipeline.DEFAULT_DRAFT if args.target == pipeline.DEFAULT_TARGET else None
+    return None if args.draft.lower() in ("none", "") else args.draft
+
+
+def run(args) -> int:
+    """``specdecode bench``: load the models once, run ``run_bench``, print a summary. Returns the exit code."""
+    from rich.console import Console
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
+    from rich.table import Table
+
+    from specdecode.bench.datasets import load_prompts
+
+    settings = BenchSettings(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        num_speculative_tokens=args.num_speculative_tokens,
+        repeats=args.repeats,
+        seed=args.seed,
+        warmup_tokens=args.warmup_tokens,
+        drafter_options=_drafter_options(args),
+        prompt_cache=args.prompt_cache,
+    )
+    methods = _split_list(args.methods, _method_separator())
+    if methods is not None:
+        methods = check_method_names(methods)
+    prompts = load_prompts(
+        args.dataset,
+        categories=_split_list(args.categories),
+        limit_per_category=args.limit_per_category,
+        limit=args.limit,
+        chat=args.chat,
+    )
+    err = Console(stderr=True)
+    with err.status(f"loading {args.target}" + (f" and {_draft_spec(args)}" if _draft_spec(args) else "")):
+        generator = pipeline.SpeculativeGenerator.from_pretrained(
+            args.target, _draft_spec(args), dtype=args.dtype, device=args.device
+        )
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("ETA"), TimeRemainingColumn())
+    # A whole-run average for the ETA (rich's default averages the last 30 s only).
+    bar = Progress(*columns, console=err, speed_estimate_period=7 * 24 * 3600.0)
+    task = bar.add_task("bench", total=None)
+
+    def on_progress(done: int, total: int, description: str) -> None:
+        bar.update(task, completed=done, total=total, description=description)
+
+    info = {"dataset": args.dataset, "command_line": shlex.join(sys.argv), "chat": args.chat}
+    try:
+        with bar:
+            results = run_bench(generator, prompts, methods, settings, args.out, progress=on_progress,
+                                run_info=info)
+    except KeyboardInterrupt:
+        kept = len(RecordStore(args.out).load()) if Path(args.out, SETTINGS_FILE).is_file() else 0
+        err.print(f"interrupted: {kept} finished record(s) kept in {Path(args.out) / RECORDS_FILE}; "
+                  "run the same command again to resume")
+        return 130
+    table = Table(title=f"specdecode bench: {len(prompts)} prompts, {args.dataset}")
+    for col in ("method", "tok/s", "speedup", "acceptance", "τ", "exact match vs AR"):
+        table.add_column(col, justify="left" if col == "method" else "right")
+    for method, by_cat in results["summary"].items():
+        o = by_cat[OVERALL]
+        table.add_row(method, format_value(o["tokens_per_s"]), format_value(o["speedup"], "{:.2f}×"),
+                      format_value(o["acceptance_rate"], "{:.1%}"), format_value(o["mean_accepted_tokens"]),
+                      "ref" if method == REFERENCE_METHOD else format_value(o["exact_match_rate"], "{:.0%}"))
+    out = Console()
+    out.print(table)
+    out.print(f"results in {Path(args.out).resolve()}: {RESULTS_MD}, {RESULTS_JSON}, {SPEEDUP_PNG}, {ACCEPTANCE_PNG}")
+    return 0

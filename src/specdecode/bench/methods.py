@@ -1,0 +1,579 @@
+"""What a benchmarked method is and how it runs.
+
+The methods (``available_methods``): transformers' ``generate`` variants (``HFMethod``,
+``HF_METHODS``) and every method of ``specdecode.pipeline.METHODS``, each optionally
+with drafter options and draft-control modifiers (``MethodSpec``, ``METHOD_MODIFIERS``,
+``DRAFTER_OPTIONS``); the runners that time one generation of a method
+(``_SpecdecodeRunner``, ``_HFRunner``), built by ``resolve_methods``; and the prompt
+prefix a run shares between them (``PromptPrefix``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import inspect
+import json
+import logging
+import re
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from specdecode import pipeline
+from specdecode.bench.report import BASELINES
+from specdecode.bench.settings import BenchSettings
+from specdecode.config import check_num_speculative_tokens
+from specdecode.drafters.control import DraftControl
+from specdecode.engine.decoder import SpeculativeDecoder
+from specdecode.errors import InvalidArgumentError
+
+logger = logging.getLogger(__name__)
+
+# transformers' defaults for assisted generation (GenerationConfig._get_default_generation_params in 5.x),
+# used only if that private helper is gone.
+_HF_ASSISTANT_DEFAULTS = MappingProxyType(
+    {"num_assistant_tokens": 20, "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.4}
+)
+
+
+@dataclass(frozen=True)
+class HFMethod:
+    """A transformers ``generate`` variant benchmarked next to specdecode's methods.
+
+    Attributes:
+        name: Method name on the command line.
+        description: One line for the report.
+        needs_draft: Passes the draft model as ``assistant_model``.
+        generate_options: Extra ``transformers.GenerationConfig`` fields.
+        supports_prompt_cache: ``generate(past_key_values=...)`` continues from a cached
+            prompt prefix. False for transformers' assisted and prompt-lookup decoding
+            (5.x): their first step feeds the whole prompt again whatever the cache holds.
+    """
+
+    name: str
+    description: str
+    needs_draft: bool = False
+    generate_options: Mapping[str, Any] = field(default_factory=dict)
+    supports_prompt_cache: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "generate_options", MappingProxyType(dict(self.generate_options)))
+
+
+HF_METHODS = MappingProxyType(
+    {
+        m.name: m
+        for m in (
+            HFMethod("hf-generate", "transformers generate, target only", supports_prompt_cache=True),
+            HFMethod("hf-assisted", "transformers assisted generation (assistant_model=draft)", needs_draft=True),
+            HFMethod("hf-prompt-lookup", "transformers prompt lookup decoding",
+                     generate_options={"prompt_lookup_num_tokens": 10}),
+        )
+    }
+)
+
+
+@dataclass(frozen=True)
+class DrafterOption:
+    """A method-specific option forwarded to ``SpeculativeGenerator.decoder`` (or ``make_drafter``).
+
+    Adding an option is one line in ``DRAFTER_OPTIONS``; any other keyword can be
+    passed without code as ``--drafter-option KEY=VALUE``.
+
+    Attributes:
+        flag: Command-line flag.
+        keyword: Keyword argument of the pipeline's ``decoder``/``make_drafter``.
+        type: Parses the flag's value.
+        help: Help text.
+    """
+
+    flag: str
+    keyword: str
+    type: Callable[[str], Any]
+    help: str
+
+
+DRAFTER_OPTIONS = (
+    DrafterOption("--skip-layers", "skip_layers", str, "layer-skip: sublayers the draft pass skips, "
+                  "e.g. 'attn=2,15,18;mlp=2,15,18'"),
+    DrafterOption("--skip-config", "skip_config", str, "layer-skip: JSON file with the skip set"),
+    DrafterOption("--exit-layer", "exit_layer", int, "early-exit: the draft runs the target's first N decoder layers"),
+    DrafterOption("--prompt-lookup-max-ngram", "prompt_lookup_max_ngram", int, "prompt-lookup: longest n-gram matched"),
+    DrafterOption("--prompt-lookup-min-ngram", "prompt_lookup_min_ngram", int, "prompt-lookup: shortest n-gram matched"),
+)
+
+
+# Modifiers a method name may carry after "+": the DraftControl they switch on.
+METHOD_MODIFIERS = MappingProxyType({
+    "adaptive": "Draft & Verify adaptive draft exit (adaptive=T: initial threshold T, default 0.6)",
+    "heuristic": "transformers' heuristic draft-length schedule (+2 after a fully accepted block, -1 otherwise)",
+    "gated": "target-confidence gating (gated=T: threshold T, default 0.5)",
+})
+DEFAULT_GATE_THRESHOLD = 0.5
+_OPTION_SPLIT = re.compile(r",(?=[A-Za-z_]\w*=)")
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One benchmarked method: a base method, drafter options and draft-control modifiers.
+
+    Written on the command line as ``BASE[:KEY=VALUE[,KEY=VALUE...]][+MODIFIER[=VALUE]...]``,
+    e.g. ``early-exit:exit_layer=8+adaptive`` or ``layer-skip:skip_config=best.json+gated=0.4``.
+    The whole string is the method's name in the records and tables; its options
+    override the run's ``BenchSettings.drafter_options``, except
+    ``num_speculative_tokens=N``, which sets this method's γ.
+
+    Attributes:
+        name: The full string.
+        base: A method of ``available_methods()``.
+        options: Keywords for the pipeline's ``decoder``/``make_drafter`` (values parsed as JSON
+            where they parse, else kept as strings).
+        draft_control: The ``DraftControl`` the modifiers build, or None.
+        num_speculative_tokens: This method's γ, or None for the run's.
+    """
+
+    name: str
+    base: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+    draft_control: DraftControl | None = None
+    num_speculative_tokens: int | None = None
+
+    @classmethod
+    def parse(cls, name: str) -> MethodSpec:
+        """Parse a method name.
+
+        Raises:
+            InvalidArgumentError: An unknown base method or modifier, a malformed option,
+                options or modifiers on a method that takes none (the transformers
+                methods, autoregressive), or a modifier value out of range.
+        """
+        head, *modifiers = name.split("+")
+        base, sep, option_text = head.partition(":")
+        allowed = available_methods()
+        if base not in allowed:
+            raise InvalidArgumentError(f"unknown method {base!r} in {name!r}; allowed: {', '.join(allowed)}")
+        options: dict[str, Any] = {}
+        if sep:
+            for item in _OPTION_SPLIT.split(option_text):
+                key, eq, value = item.partition("=")
+                if not eq or not key.isidentifier():
+                    raise InvalidArgumentError(
+                        f"method {name!r}: expected KEY=VALUE options after ':', got {item!r}"
+                    )
+                try:
+                    options[key] = json.loads(value)
+                except ValueError:
+                    options[key] = value
+        control: dict[str, Any] = {}
+        for modifier in modifiers:
+            key, eq, value = modifier.partition("=")
+            if key not in METHOD_MODIFIERS:
+                raise InvalidArgumentError(
+                    f"unknown modifier {key!r} in method {name!r}; allowed: {', '.join(METHOD_MODIFIERS)}"
+                )
+            number = None
+            if eq:
+                try:
+                    number = float(value)
+                except ValueError:
+                    raise InvalidArgumentError(
+                        f"modifier {key}={value!r} in method {name!r} needs a number in (0, 1)"
+                    ) from None
+                if key == "heuristic":
+                    raise InvalidArgumentError(f"modifier 'heuristic' in method {name!r} takes no value")
+            if key == "adaptive":
+                control["adaptive_exit"] = True
+                if number is not None:
+                    control["exit_threshold"] = number
+            elif key == "heuristic":
+                control["length_schedule"] = "heuristic"
+            else:
+                control["confidence_gate"] = DEFAULT_GATE_THRESHOLD if number is None else number
+        if (options or control) and (base in HF_METHODS or base == "autoregressive"):
+            raise InvalidArgumentError(
+                f"method {name!r}: {base!r} takes no options or modifiers (only specdecode's speculative methods do)"
+            )
+        gamma = options.pop("num_speculative_tokens", None)
+        if gamma is not None:
+            check_num_speculative_tokens(gamma)
+        return cls(name, base, MappingProxyType(options), DraftControl(**control) if control else None, gamma)
+
+
+def available_methods() -> list[str]:
+    """Every method the bench knows now: the two baselines, the transformers variants, then ``pipeline.METHODS``."""
+    names = ["hf-generate", "autoregressive", "hf-assisted", "hf-prompt-lookup", *pipeline.METHODS]
+    return list(dict.fromkeys(names))
+
+
+def check_method_names(methods: Iterable[str]) -> list[str]:
+    """``methods`` without duplicates, in order; each may carry options and modifiers (``MethodSpec``).
+
+    Raises:
+        InvalidArgumentError: An unknown name (the allowed ones are listed), a bad option or
+            modifier, or no method at all.
+    """
+    methods = list(dict.fromkeys(methods))
+    allowed = available_methods()
+    unknown = [m for m in methods if m.partition("+")[0].partition(":")[0] not in allowed]
+    if unknown:
+        raise InvalidArgumentError(
+            f"unknown method{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+            f"allowed: {', '.join(allowed)} (each optionally as NAME:KEY=VALUE,...+MODIFIER, "
+            f"modifiers: {', '.join(METHOD_MODIFIERS)})"
+        )
+    if not methods:
+        raise InvalidArgumentError(f"no methods to benchmark; allowed: {', '.join(allowed)}")
+    for m in methods:
+        MethodSpec.parse(m)
+    return methods
+
+
+@dataclass(frozen=True)
+class PromptPrefix:
+    """A prompt without its last token, encoded once by the target and shared by every method.
+
+    Each runner deep-copies a cache before its timed generation (the copy is not timed).
+
+    Attributes:
+        num_tokens: m, the prefix length (prompt length - 1).
+        cache: specdecode's target cache (``specdecode.engine.kv_cache.new_cache`` layout) of the m tokens.
+        hf_cache: The cache handed to transformers' ``generate`` (the same object unless
+            the model has sliding-window layers, whose specdecode layout differs).
+        seconds: Wall time of encoding the prefix.
+    """
+
+    num_tokens: int
+    cache: Any
+    hf_cache: Any
+    seconds: float
+
+    @classmethod
+    @torch.inference_mode()
+    def encode(cls, model, input_ids: torch.Tensor) -> PromptPrefix | None:
+        """Encode ``input_ids`` (1, n) but the last token; None when n == 1 (nothing to share)."""
+        from transformers import DynamicCache
+
+        m = int(input_ids.shape[1]) - 1
+        if m < 1:
+            return None
+        prefix = input_ids[:, :m]
+        t0 = time.perf_counter()
+        cache = SpeculativeDecoder(model).prompt_cache(prefix)
+        hf_cache = cache
+        if getattr(cache, "layers", None) and any(getattr(layer, "is_sliding", False) for layer in cache.layers):
+            hf_cache = DynamicCache(config=model.config)
+            model(prefix, past_key_values=hf_cache, use_cache=True, logits_to_keep=1)
+        return cls(m, cache, hf_cache, time.perf_counter() - t0)
+
+
+# ---------------------------------------------------------------------------------------------
+# method runners
+
+
+def _accepted_keywords(fn: Callable) -> set[str] | None:
+    """Keyword names ``fn`` takes besides ``method`` (None: it takes any, via ``**kwargs``)."""
+    params = inspect.signature(fn).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {"method"}
+
+
+def build_decoder(
+    generator: pipeline.SpeculativeGenerator, method: str, options: Mapping[str, Any]
+) -> SpeculativeDecoder:
+    """The pipeline's decoder for ``method``, with the drafter options forwarded.
+
+    Options go to ``generator.decoder`` when it takes them, else to
+    ``generator.make_drafter``.
+
+    Raises:
+        InvalidArgumentError: The pipeline takes none of these options, or rejects the method
+            (unknown, or its requirements, such as a draft model, are not met).
+    """
+    if not options:
+        return generator.decoder(method)
+    wanted = set(options)
+    takes = _accepted_keywords(generator.decoder)
+    if takes is None or wanted <= takes:
+        return generator.decoder(method, **options)
+    takes = _accepted_keywords(generator.make_drafter)
+    if takes is not None and not wanted <= takes:
+        raise InvalidArgumentError(
+            f"drafter option(s) {', '.join(sorted(wanted - takes))} are not supported by this specdecode "
+            f"pipeline; SpeculativeGenerator.make_drafter takes: {', '.join(sorted(takes)) or 'no options'}"
+        )
+    return SpeculativeDecoder(
+        generator.target.model,
+        generator.make_drafter(method, **options),
+        eos_token_ids=pipeline.eos_token_ids(generator.target),
+        tokenizer=generator.tokenizer,
+    )
+
+
+class _SpecdecodeRunner:
+    """Runs one specdecode method through its ``SpeculativeDecoder`` (built once, reused)."""
+
+    kind = "specdecode"
+    supports_prompt_cache = True
+
+    def __init__(
+        self, name: str, decoder: SpeculativeDecoder, settings: BenchSettings, spec: MethodSpec | None = None
+    ) -> None:
+        self.name = name
+        self.decoder = decoder
+        self.settings = settings
+        self.spec = spec or MethodSpec(name, name)
+
+    def _gamma(self) -> int:
+        return self.spec.num_speculative_tokens or self.settings.num_speculative_tokens
+
+    def describe(self) -> dict:
+        drafter = self.decoder.drafter
+        control = self.decoder.draft_control
+        options = {} if drafter is None else {**self.settings.drafter_options, **self.spec.options}
+        return {
+            "kind": self.kind,
+            "base_method": self.spec.base,
+            "drafter": type(drafter).__name__ if drafter is not None else None,
+            "num_speculative_tokens": self._gamma() if drafter is not None else None,
+            "drafter_options": options,
+            "draft_control": dataclasses.asdict(control) if control is not None and drafter is not None else None,
+        }
+
+    def __call__(
+        self, input_ids: torch.Tensor, max_new_tokens: int, seed: int, prefix: PromptPrefix | None = None
+    ) -> dict:
+        config = dataclasses.replace(
+            self.settings.generation_config(max_new_tokens, seed), num_speculative_tokens=self._gamma()
+        )
+        cache = copy.deepcopy(prefix.cache) if prefix is not None else None  # outside the timing
+        t0 = time.perf_counter()
+        stream = self.decoder.stream(input_ids, config, prompt_cache=cache)
+        for _ in stream:
+            pass
+        seconds = time.perf_counter() - t0
+        s = stream.stats
+        return {
+            "token_ids": list(stream.token_ids),
+            "seconds": seconds,
+            "finish_reason": stream.finish_reason,
+            "target_forwards": s.num_target_forwards + 1,  # + the prefill
+            # τ counts the tokens of the decode-phase forwards (the prefill's token excluded), bonus included.
+            "verify_tokens": s.num_tokens_from_forwards,
+            "verify_forwards": s.num_target_forwards,
+            "drafted": s.num_drafted_tokens,
+            "accepted": s.num_accepted_tokens,
+            "draft_forwards": s.num_draft_forwards,
+            "drafted_by_position": list(s.drafted_by_position),
+            "accepted_by_position": list(s.accepted_by_position),
+            "prefill_s": s.prefill_time_s,
+            "final_draft_threshold": s.final_draft_threshold,
+            "gated_steps": s.num_gated_steps,
+        }
+
+
+class _HFRunner:
+    """Runs ``transformers`` ``generate`` on the target; counts target forwards with a pre-forward hook.
+
+    Drafted tokens are read off the target's forward input lengths (a verification
+    forward over the pending token and k candidates has k + 1 inputs; the first
+    forward also holds the prompt), accepted tokens as new tokens - forwards
+    (each forward adds its accepted tokens plus one).
+    """
+
+    kind = "transformers"
+
+    def __init__(self, spec: HFMethod, generator: pipeline.SpeculativeGenerator, settings: BenchSettings) -> None:
+        self.name = spec.name
+        self.spec = spec
+        self.settings = settings
+        self.model = generator.target.model
+        self.assistant = generator.draft.model if spec.needs_draft else None
+        self.eos = sorted(pipeline.eos_token_ids(generator.target))
+        pad = self.model.generation_config.pad_token_id
+        if pad is None:
+            pad = generator.tokenizer.pad_token_id
+        self.pad = pad if pad is not None else (self.eos[0] if self.eos else None)
+        self.assistant_settings = _hf_assistant_defaults() if self.assistant is not None else None
+        self.supports_prompt_cache = spec.supports_prompt_cache
+
+    def generation_config(self, max_new_tokens: int):
+        """The transformers ``GenerationConfig``: our settings, and neutral values for every
+        logits processor a model's own generation config could switch on (e.g. Qwen's
+        repetition_penalty 1.05, top_k 20, top_p 0.8)."""
+        from transformers import GenerationConfig as HFGenerationConfig
+
+        options: dict[str, Any] = {
+            "max_new_tokens": max_new_tokens,
+            "do_sample": not self.settings.greedy,
+            "eos_token_id": self.eos or None,
+            "pad_token_id": self.pad,
+            "repetition_penalty": 1.0,
+            "no_repeat_ngram_size": 0,
+            **self.spec.generate_options,
+        }
+        if not self.settings.greedy:
+            options.update(temperature=self.settings.temperature, top_k=0, top_p=1.0, typical_p=1.0,
+                           epsilon_cutoff=0.0, eta_cutoff=0.0)
+            if getattr(self.model.generation_config, "min_p", None) is not None:
+                options["min_p"] = 0.0
+        return HFGenerationConfig(**options)
+
+    def describe(self) -> dict:
+        config = self.generation_config(self.settings.max_new_tokens).to_diff_dict()
+        config.pop("transformers_version", None)
+        out = {"kind": self.kind, "description": self.spec.description, "generation_config": config}
+        if self.assistant_settings is not None:
+            out["assistant_generation_config"] = dict(self.assistant_settings)
+        return out
+
+    @contextlib.contextmanager
+    def _assistant_configured(self):
+        """Set the draft's assisted-generation fields to transformers' defaults, restoring them after."""
+        if self.assistant is None:
+            yield
+            return
+        gc = self.assistant.generation_config
+        saved = {k: getattr(gc, k, None) for k in self.assistant_settings}
+        for k, v in self.assistant_settings.items():
+            setattr(gc, k, v)
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                setattr(gc, k, v)
+
+    def __call__(
+        self, input_ids: torch.Tensor, max_new_tokens: int, seed: int, prefix: PromptPrefix | None = None
+    ) -> dict:
+        config = self.generation_config(max_new_tokens)
+        lengths: list[int] = []
+        if prefix is not None and not self.supports_prompt_cache:
+            raise InvalidArgumentError(f"method {self.name!r} cannot start from a cached prompt")
+        if prefix is not None:  # transformers encodes only the tokens its cache lacks
+            extra_cache = {"past_key_values": copy.deepcopy(prefix.hf_cache)}
+            num_prefix = prefix.num_tokens
+        else:
+            extra_cache, num_prefix = {}, 0
+
+        def count(_module, args, kwargs):
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            if ids is None and kwargs.get("inputs_embeds") is not None:
+                ids = kwargs["inputs_embeds"]
+            lengths.append(int(ids.shape[1]) if ids is not None else 1)
+
+        extra = {"assistant_model": self.assistant} if self.assistant is not None else {}
+        extra.update(extra_cache)
+        n = int(input_ids.shape[1])
+        handle = self.model.register_forward_pre_hook(count, with_kwargs=True)
+        try:
+            with self._assistant_configured(), _seeded(None if self.settings.greedy else seed, input_ids.device):
+                t0 = time.perf_counter()
+                out = self.model.generate(
+                    input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config, **extra
+                )
+                seconds = time.perf_counter() - t0
+        finally:
+            handle.remove()
+        tokens = out[0, n:].tolist()
+        eos = set(self.eos)
+        cut = next((i + 1 for i, t in enumerate(tokens) if t in eos), None)
+        if cut is not None:
+            tokens = tokens[:cut]
+        finish = "eos" if cut is not None else ("length" if len(tokens) >= max_new_tokens else "other")
+        forwards = len(lengths)
+        drafted = (lengths[0] - (n - num_prefix) if lengths else 0) + sum(k - 1 for k in lengths[1:])
+        return {
+            "token_ids": tokens,
+            "seconds": seconds,
+            "finish_reason": finish,
+            "target_forwards": forwards,
+            # Every transformers forward, the first included, verifies a block and adds its tokens.
+            "verify_tokens": len(tokens),
+            "verify_forwards": forwards,
+            "drafted": drafted,
+            "accepted": max(len(tokens) - forwards, 0) if drafted else 0,
+            "draft_forwards": None,
+            "drafted_by_position": None,
+            "accepted_by_position": None,
+            "prefill_s": None,
+            "final_draft_threshold": None,
+            "gated_steps": None,
+        }
+
+
+@contextlib.contextmanager
+def _seeded(seed: int | None, device: torch.device):
+    """Seed torch's global generator for one sampling generation and restore its state afterwards."""
+    if seed is None:
+        yield
+        return
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
+def _hf_assistant_defaults() -> dict:
+    from transformers import GenerationConfig as HFGenerationConfig
+
+    try:
+        defaults = HFGenerationConfig._get_default_generation_params()
+    except AttributeError:
+        defaults = {}
+    return {k: defaults.get(k, v) for k, v in _HF_ASSISTANT_DEFAULTS.items()}
+
+
+def resolve_methods(
+    generator: pipeline.SpeculativeGenerator,
+    methods: Sequence[str] | None,
+    settings: BenchSettings,
+) -> tuple[dict[str, Callable], dict[str, str]]:
+    """Build a runner for every method.
+
+    Args:
+        methods: The methods to run; ``None``: every available method whose requirements
+            (such as a draft model) are met; the others are skipped and reported.
+
+    Returns:
+        (method -> runner, skipped method -> reason).
+
+    Raises:
+        InvalidArgumentError: An unknown method, or a requested method whose requirements
+            are not met (e.g. it needs a draft model and none is loaded).
+    """
+    explicit = methods is not None
+    names = check_method_names(methods) if explicit else available_methods()
+    runners: dict[str, Callable] = {}
+    skipped: dict[str, str] = {}
+    for name in names:
+        try:
+            if name in HF_METHODS:
+                spec = HF_METHODS[name]
+                if spec.needs_draft and generator.draft is None:
+                    raise InvalidArgumentError(
+                        f"method {name!r} needs a draft model; pass --draft (draft=...) or leave {name!r} out"
+                    )
+                runners[name] = _HFRunner(spec, generator, settings)
+            else:
+                spec = MethodSpec.parse(name)
+                options = {} if spec.base == "autoregressive" else {**settings.drafter_options, **spec.options}
+                if spec.draft_control is not None:
+                    options["draft_control"] = spec.draft_control
+                runners[name] = _SpecdecodeRunner(
+                    name, build_decoder(generator, spec.base, options), settings, spec
+                )
+        except InvalidArgumentError as e:
+            if explicit:
+                raise
+            skipped[name] = str(e)
+            logger.info("skipping method %s: %s", name, e)
+    if not any(b in runners for b in BASELINES):
+        logger.warning("no baseline method (%s) in the run: speedups will be None", " or ".join(BASELINES))
+    return runners, skipped

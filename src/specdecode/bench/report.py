@@ -1,0 +1,309 @@
+"""Tables and plots of a run: speedups, throughput, acceptance and agreement.
+
+``summarize`` turns records into metrics per method and category (``NOTES`` defines
+them), ``write_reports`` writes results.json, results.md (``markdown_report``) and the
+two PNGs (``plot_speedups``, ``plot_acceptance``; matplotlib is imported when they run).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from specdecode.files import write_png_atomic, write_text_atomic
+
+BASELINES = ("hf-generate", "autoregressive")
+REFERENCE_METHOD = "autoregressive"  # token agreement is measured against its output
+OVERALL = "overall"
+RESULTS_JSON = "results.json"
+RESULTS_MD = "results.md"
+SPEEDUP_PNG = "speedup_by_category.png"
+ACCEPTANCE_PNG = "acceptance_by_position.png"
+
+
+def tokens_per_second(new_tokens: Sequence[int], seconds: Sequence[float]) -> float | None:
+    """Aggregate throughput: total new tokens / total seconds (not the mean of per-prompt rates).
+
+    Returns None when no time was spent.
+    """
+    total_s = math.fsum(seconds)
+    return sum(new_tokens) / total_s if total_s > 0 else None
+
+
+def speedups(
+    tokens_per_s: Mapping[str, float | None], baselines: Sequence[str] = BASELINES
+) -> tuple[dict[str, float | None], str | None]:
+    """Speedup of each method over the fastest baseline present.
+
+    Args:
+        tokens_per_s: Method name -> aggregated tokens/s (None: not measured).
+        baselines: The methods that may serve as baseline.
+
+    Returns:
+        (method -> tokens/s ÷ the fastest baseline's tokens/s, or None; the baseline's name,
+        or None when no baseline was measured).
+    """
+    measured = {b: tokens_per_s[b] for b in baselines if tokens_per_s.get(b)}
+    if not measured:
+        return {m: None for m in tokens_per_s}, None
+    ref = max(measured, key=measured.__getitem__)
+    return {m: (v / measured[ref] if v is not None else None) for m, v in tokens_per_s.items()}, ref
+
+
+def first_divergence(tokens: Sequence[int], reference: Sequence[int]) -> int | None:
+    """Index of the first position where ``tokens`` and ``reference`` differ (None: identical).
+
+    When one is a prefix of the other, the shorter length.
+    """
+    for i, (a, b) in enumerate(zip(tokens, reference)):
+        if a != b:
+            return i
+    return None if len(tokens) == len(reference) else min(len(tokens), len(reference))
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den else None
+
+
+NOTES = MappingProxyType({
+    "tokens_per_s": "new tokens / wall seconds (time.perf_counter around one whole generation), aggregated as total new tokens / total seconds over the category's prompts for each repeat; "
+    "'tokens_per_s' is the median over repeats, 'tokens_per_s_min'/'_max' the spread. With the prompt cache "
+    "(settings.prompt_cache, the default) every prompt but its last token is encoded once, untimed, and each "
+    "method starts from a copy of that target cache, so the time covers the last prompt token, the draft "
+    "model's own prompt encoding (method 'draft') and decoding; without it (and always when hf-assisted or "
+    "hf-prompt-lookup is in the run, which cannot start from a cache) the whole prompt is timed",
+    "speedup": "tokens_per_s / tokens_per_s of the faster of hf-generate and autoregressive in the same category",
+    "acceptance_rate": "accepted draft tokens / drafted tokens; transformers methods: estimated from the target's "
+    "forward input lengths (drafted) and new tokens - target forwards (accepted)",
+    "mean_accepted_tokens": "tau: tokens per verifying target forward, the bonus/replacement token COUNTED "
+    "(target-only decoding gives 1.0); specdecode excludes the prefill and its token, transformers methods "
+    "count every forward (their first forward verifies candidates together with the prompt)",
+    "target_forwards_per_token": "target forward passes (prefill included) / new tokens",
+    "agreement": "exact_match_rate: share of generations whose whole token sequence equals autoregressive's on "
+    "the same prompt and repeat; mean_first_divergence: mean index of the first differing token among the "
+    "others. In bfloat16 a k-token verification forward may round differently from a 1-token step, so greedy "
+    "outputs can diverge late; in float32 they must match. Under sampling (temperature > 0) outputs differ by "
+    "design and agreement says nothing about correctness",
+    "peak_rss_mb": "peak resident set size of the whole process in MB (both models included), max over the "
+    "category's generations; scope 'generation' when the kernel's peak mark was reset before each generation "
+    "(Linux), else the process-lifetime peak",
+})
+
+
+def _agreement(records: list[dict]) -> None:
+    """Annotate each record with ``exact_match`` and ``first_divergence`` vs. autoregressive's output."""
+    reference = {(r["prompt_id"], r["repeat"]): r["token_ids"] for r in records if r["method"] == REFERENCE_METHOD}
+    for r in records:
+        ref = reference.get((r["prompt_id"], r["repeat"]))
+        if ref is None or r["method"] == REFERENCE_METHOD:
+            r["exact_match"] = r["first_divergence"] = None
+        else:
+            r["first_divergence"] = first_divergence(r["token_ids"], ref)
+            r["exact_match"] = r["first_divergence"] is None
+
+
+def _sum_positions(records: Iterable[dict], key: str) -> list[int]:
+    total: list[int] = []
+    for r in records:
+        values = r.get(key) or []
+        if len(values) > len(total):
+            total.extend([0] * (len(values) - len(total)))
+        for i, v in enumerate(values):
+            total[i] += v
+    return total
+
+
+def summarize(records: Sequence[dict]) -> dict:
+    """Metrics per method, per category and overall (see ``NOTES``), speedups included.
+
+    Args:
+        records: Bench records (with ``exact_match``/``first_divergence`` set by the agreement pass).
+
+    Returns:
+        ``{"methods": {method: {category or "overall": metrics}}, "baselines": {category: baseline
+        method used for its speedups, or None}}``.
+    """
+    methods = list(dict.fromkeys(r["method"] for r in records))
+    categories = list(dict.fromkeys(r["category"] for r in records))
+    summary: dict[str, dict[str, dict]] = {m: {} for m in methods}
+    baselines: dict[str, str | None] = {}
+    for cat in [*categories, OVERALL]:
+        for m in methods:
+            rs = [r for r in records if r["method"] == m and (cat == OVERALL or r["category"] == cat)]
+            if rs:
+                summary[m][cat] = _metrics(rs)
+        tps = {m: summary[m][cat]["tokens_per_s"] for m in methods if cat in summary[m]}
+        sp, baselines[cat] = speedups(tps)
+        for m, v in sp.items():
+            summary[m][cat]["speedup"] = v
+    return {"methods": summary, "baselines": baselines}
+
+
+def _metrics(rs: list[dict]) -> dict:
+    by_repeat: dict[int, list[dict]] = {}
+    for r in rs:
+        by_repeat.setdefault(r["repeat"], []).append(r)
+    rates = [
+        v for v in (tokens_per_second([r["new_tokens"] for r in g], [r["seconds"] for r in g])
+                    for g in by_repeat.values()) if v is not None
+    ]
+    drafted = sum(r["drafted"] or 0 for r in rs)
+    compared = [r for r in rs if r.get("exact_match") is not None]
+    diverged = [r["first_divergence"] for r in compared if not r["exact_match"]]
+    new_tokens = sum(r["new_tokens"] for r in rs)
+    peaks = [r["peak_rss_mb"] for r in rs if r.get("peak_rss_mb") is not None]
+    drafted_pos = _sum_positions(rs, "drafted_by_position")
+    accepted_pos = _sum_positions(rs, "accepted_by_position")
+    return {
+        "prompts": len({r["prompt_id"] for r in rs}),
+        "generations": len(rs),
+        "new_tokens": new_tokens,
+        "seconds": math.fsum(r["seconds"] for r in rs),
+        "tokens_per_s": statistics.median(rates) if rates else None,
+        "tokens_per_s_min": min(rates) if rates else None,
+        "tokens_per_s_max": max(rates) if rates else None,
+        "speedup": None,
+        "acceptance_rate": _ratio(sum(r["accepted"] or 0 for r in rs), drafted) if drafted else None,
+        "mean_accepted_tokens": _ratio(sum(r["verify_tokens"] for r in rs), sum(r["verify_forwards"] for r in rs)),
+        "target_forwards_per_token": _ratio(sum(r["target_forwards"] for r in rs), new_tokens),
+        "exact_match_rate": len([r for r in compared if r["exact_match"]]) / len(compared) if compared else None,
+        "mean_first_divergence": statistics.fmean(diverged) if diverged else None,
+        "compared": len(compared),
+        "peak_rss_mb": max(peaks) if peaks else None,
+        "drafted_by_position": drafted_pos,
+        "accepted_by_position": accepted_pos,
+        "acceptance_by_position": [a / d if d else None for a, d in zip(accepted_pos, drafted_pos)],
+    }
+
+
+def write_reports(out_dir: str | Path, records: list[dict], info: Mapping[str, Any]) -> dict:
+    """Write results.json, results.md and the two PNGs from ``records``; returns results.json's content."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    records = [dict(r) for r in records]
+    _agreement(records)
+    summary = summarize(records)
+    results = {
+        **info,
+        "baseline": "per category, the faster (higher median tokens/s) of " + " and ".join(BASELINES),
+        "baselines_used": summary["baselines"],
+        "summary": summary["methods"],
+        "notes": dict(NOTES),
+        "generated_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "records": records,
+    }
+    write_text_atomic(out / RESULTS_JSON, json.dumps(results, indent=1) + "\n")
+    write_text_atomic(out / RESULTS_MD, markdown_report(results))
+    categories = [c for c in info.get("categories", []) if any(c in s for s in summary["methods"].values())]
+    plot_speedups(summary["methods"], categories, out / SPEEDUP_PNG)
+    plot_acceptance(summary["methods"], out / ACCEPTANCE_PNG)
+    return results
+
+
+def format_value(v, fmt: str = "{:.2f}", none: str = "–") -> str:
+    return none if v is None else fmt.format(v)
+
+
+def markdown_report(results: Mapping[str, Any]) -> str:
+    """A Spec-Bench-style leaderboard: methods × (category speedups, overall tokens/s, speedup, α, τ, agreement)."""
+    summary = results["summary"]
+    cats = [c for c in results.get("categories", []) if any(c in s for s in summary.values())]
+    ident, env = results.get("identity", {}), results.get("environment", {})
+    head = ["Method", *[f"{c} speedup" for c in cats], "Overall tok/s (min–max)", "Overall speedup",
+            "Acceptance α", "τ (incl. bonus)", "Fwd/token", "Exact match vs AR", "Peak RSS MB"]
+    lines = [
+        "# specdecode bench",
+        "",
+        f"Target `{ident.get('target')}`, draft `{ident.get('draft')}`, {ident.get('dtype')} on "
+        f"{ident.get('device')} ({env.get('cpu_model') or env.get('cuda_device') or '?'}, "
+        f"{env.get('torch_threads')} torch threads); max_new_tokens {ident.get('max_new_tokens')}, "
+        f"temperature {ident.get('temperature')}, γ {ident.get('num_speculative_tokens')}; "
+        f"{results.get('num_prompts')} prompts × {results.get('settings', {}).get('repeats')} repeat(s).",
+        "",
+        "Speedup: against the faster of hf-generate and autoregressive in each category "
+        f"(baseline used: {', '.join(f'{c}: {b}' for c, b in results.get('baselines_used', {}).items())}). "
+        "Tokens/s = total new tokens / total seconds, median over repeats.",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|",
+    ]
+    for method, by_cat in summary.items():
+        o = by_cat.get(OVERALL, {})
+        agree = "ref" if method == REFERENCE_METHOD else format_value(o.get("exact_match_rate"), "{:.0%}")
+        if o.get("mean_first_divergence") is not None:
+            agree += f" (1st diff @{o['mean_first_divergence']:.0f})"
+        row = [
+            f"`{method}`",
+            *[format_value(by_cat.get(c, {}).get("speedup"), "{:.2f}×") for c in cats],
+            f"{format_value(o.get('tokens_per_s'))} "
+            f"({format_value(o.get('tokens_per_s_min'))}–{format_value(o.get('tokens_per_s_max'))})",
+            format_value(o.get("speedup"), "{:.2f}×"),
+            format_value(o.get("acceptance_rate"), "{:.1%}"),
+            format_value(o.get("mean_accepted_tokens")),
+            format_value(o.get("target_forwards_per_token")),
+            agree,
+            format_value(o.get("peak_rss_mb"), "{:.0f}"),
+        ]
+        lines.append("| " + " | ".join(row) + " |")
+    skipped = results.get("skipped_methods") or {}
+    if skipped:
+        lines += ["", "Skipped: " + "; ".join(f"`{m}` ({why})" for m, why in skipped.items())]
+    hf = {m: d for m, d in results.get("methods", {}).items() if d.get("assistant_generation_config")}
+    for m, d in hf.items():
+        lines += ["", f"`{m}` assistant settings (transformers defaults): "
+                  + ", ".join(f"{k}={v}" for k, v in d["assistant_generation_config"].items())]
+    lines += ["", "Definitions:", ""] + [f"- **{k}**: {v}" for k, v in results.get("notes", {}).items()]
+    return "\n".join(lines) + "\n"
+
+
+def plot_speedups(summary: Mapping[str, Mapping[str, dict]], categories: Sequence[str], path: Path) -> None:
+    """Grouped bars: speedup of every method per category and overall (1.0 = baseline)."""
+    from matplotlib.figure import Figure
+
+    groups = [*categories, OVERALL]
+    methods = list(summary)
+    fig = Figure(figsize=(min(24.0, max(6.0, 0.25 * len(groups) * len(methods) + 2.0)), 4.5))
+    ax = fig.subplots()
+    width = 0.8 / max(1, len(methods))
+    for j, m in enumerate(methods):
+        xs = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(groups))]
+        ys = [(summary[m].get(c) or {}).get("speedup") or 0.0 for c in groups]
+        ax.bar(xs, ys, width, label=m)
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xticks(range(len(groups)), groups, rotation=30, ha="right")
+    ax.set_ylabel("speedup vs faster baseline (×)")
+    ax.set_title("Speedup by category")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    write_png_atomic(fig, path)
+
+
+def plot_acceptance(summary: Mapping[str, Mapping[str, dict]], path: Path) -> None:
+    """Acceptance rate by draft position (accepted ÷ drafted at position i) of every drafting method."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.0, 4.0))
+    ax = fig.subplots()
+    plotted = False
+    for m, by_cat in summary.items():
+        rates = (by_cat.get(OVERALL) or {}).get("acceptance_by_position") or []
+        if any(r is not None for r in rates):
+            xs = [i + 1 for i, r in enumerate(rates) if r is not None]
+            ax.plot(xs, [r for r in rates if r is not None], marker="o", label=m)
+            plotted = True
+    if plotted:
+        ax.legend(fontsize="small")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+    else:
+        ax.text(0.5, 0.5, "no method recorded drafted tokens by position", ha="center", va="center",
+                transform=ax.transAxes)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("Acceptance by draft position")
+    write_png_atomic(fig, path)

@@ -1,0 +1,99 @@
+"""How every benchmarked method generates: ``BenchSettings``."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from specdecode.config import GenerationConfig
+from specdecode.errors import InvalidArgumentError
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """How every method generates.
+
+    Attributes:
+        max_new_tokens: Tokens generated per prompt at most (>= 1).
+        temperature: 0 = greedy; > 0 samples (top-k and top-p off) for every method.
+        num_speculative_tokens: γ for specdecode's speculative methods (transformers'
+            methods use their own defaults, recorded in the results).
+        repeats: Runs of every (method, prompt); tokens/s is reported as the median
+            over repeats, with min and max.
+        seed: Base seed; each (prompt, repeat) derives its own, shared by all methods.
+        warmup_tokens: Length of the warm-up generation of each method.
+        drafter_options: Keywords forwarded to the pipeline's ``decoder``/``make_drafter``
+            (e.g. ``{"exit_layer": 8}``).
+        prompt_cache: Encode each prompt but its last token once, outside the timing, and
+            give every method a copy of that target cache (``PromptPrefix``), as a server
+            with prefix caching would; each timed generation then encodes the last prompt
+            token and decodes. False: every method encodes the whole prompt inside its
+            timing. None (default): on when every method of the run supports it (not
+            ``hf-assisted``/``hf-prompt-lookup``, see ``HFMethod``), else off.
+
+    Raises:
+        InvalidArgumentError: A value outside its range.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    num_speculative_tokens: int = GenerationConfig.num_speculative_tokens
+    repeats: int = 1
+    seed: int = 0
+    warmup_tokens: int = 8
+    drafter_options: Mapping[str, Any] = field(default_factory=dict)
+    prompt_cache: bool | None = None
+
+    def __post_init__(self) -> None:
+        GenerationConfig(  # validates max_new_tokens, temperature, gamma
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            num_speculative_tokens=self.num_speculative_tokens,
+        )
+        for name in ("repeats", "warmup_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidArgumentError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.prompt_cache not in (None, True, False):
+            raise InvalidArgumentError(f"prompt_cache must be True, False or None (auto), got {self.prompt_cache!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+            raise InvalidArgumentError(f"seed must be an integer >= 0, got {self.seed!r}")
+        options = dict(self.drafter_options or {})
+        for key, value in options.items():
+            if not isinstance(key, str) or not key.isidentifier():
+                raise InvalidArgumentError(f"drafter option names must be Python identifiers, got {key!r}")
+            try:
+                json.dumps(value)
+            except TypeError as e:
+                raise InvalidArgumentError(f"drafter option {key}={value!r} is not a JSON value") from e
+        object.__setattr__(self, "drafter_options", MappingProxyType(options))
+
+    @property
+    def greedy(self) -> bool:
+        """True when decoding takes the argmax (temperature 0)."""
+        return self.temperature == 0.0
+
+    def generation_config(self, max_new_tokens: int | None = None, seed: int | None = None) -> GenerationConfig:
+        """specdecode's ``GenerationConfig`` for one generation."""
+        return GenerationConfig(
+            max_new_tokens=max_new_tokens or self.max_new_tokens,
+            temperature=self.temperature,
+            num_speculative_tokens=self.num_speculative_tokens,
+            seed=None if self.greedy else seed,
+        )
+
+    def to_dict(self) -> dict:
+        """JSON-ready copy."""
+        return {
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "num_speculative_tokens": self.num_speculative_tokens,
+            "repeats": self.repeats,
+            "seed": self.seed,
+            "warmup_tokens": self.warmup_tokens,
+            "drafter_options": dict(self.drafter_options),
+            "prompt_cache": self.prompt_cache,
+        }

@@ -1,0 +1,51 @@
+"""Drafters: what proposes the tokens the target model verifies, and how many per round.
+
+- ``base``: the ``Drafter`` protocol and ``Draft`` (defined by the engine, re-exported),
+  ``draft_autoregressively`` shared by the model-based drafters;
+- ``draft_model``: ``DraftModelDrafter``, a smaller model with the target's vocabulary;
+- ``layer_skip``: Draft & Verify's self-speculative drafter (``SkipSet``, ``draft_mode``);
+- ``early_exit``: the first N layers, then the final norm and LM head;
+- ``prompt_lookup``: n-gram match against the prompt and the output, no model cost;
+- ``control``: adaptive draft exit, draft-length schedules, target-confidence gating
+  (``DraftControl``).
+
+Drafters import only the engine's protocol, sampler and cache helpers, never the decoder.
+"""
+
+from specdecode.drafters.base import Draft, Drafter, ExitPolicy, draft_autoregressively, draft_token
+from specdecode.drafters.control import (
+    LENGTH_SCHEDULES,
+    AdaptiveDraftExit,
+    ConfidenceGate,
+    DraftControl,
+    DraftController,
+    HeuristicDraftLength,
+)
+from specdecode.drafters.draft_model import DraftModelDrafter
+from specdecode.drafters.early_exit import EarlyExitDrafter, exit_skip_set
+from specdecode.drafters.layer_skip import SUBLAYERS, LayerSkipDrafter, SkipSet, decoder_layers, draft_mode
+from specdecode.drafters.prompt_lookup import PromptLookupDrafter, find_continuation
+
+__all__ = [
+    "LENGTH_SCHEDULES",
+    "SUBLAYERS",
+    "AdaptiveDraftExit",
+    "ConfidenceGate",
+    "Draft",
+    "DraftControl",
+    "DraftController",
+    "DraftModelDrafter",
+    "Drafter",
+    "EarlyExitDrafter",
+    "ExitPolicy",
+    "HeuristicDraftLength",
+    "LayerSkipDrafter",
+    "PromptLookupDrafter",
+    "SkipSet",
+    "decoder_layers",
+    "draft_autoregressively",
+    "draft_mode",
+    "draft_token",
+    "exit_skip_set",
+    "find_continuation",
+]

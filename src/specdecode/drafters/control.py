@@ -1,0 +1,282 @@
+"""How many tokens to draft each round: adaptive draft exit, length schedules, confidence gating.
+
+* **Adaptive draft exit** (Draft & Verify, Zhang et al. 2023, arXiv 2309.08168,
+  Sec. 3.3 "Adaptive Draft-Exiting Mechanism"): drafting stops after the first
+  token whose draft top probability is below a threshold ``th``; ``th`` follows
+  the acceptance rate. After each verification, with ``m`` a running matchness::
+
+      m   <- β1·m + (1 - β1)·(accepted / drafted)
+      th' =  th + ε   if m < α            (drafts fail: stop sooner)
+             th       elif drafted == max (no early exit happened)
+             th - ε   otherwise           (drafts pass: draft longer)
+      th  <- β2·th + (1 - β2)·th'
+
+* **Heuristic draft length** (transformers' ``num_assistant_tokens_schedule=
+  "heuristic"``): +2 after a fully accepted block, -1 otherwise, never below 1.
+
+* **Target-confidence gating** (the blog post "Using The Target Model's Confidence
+  Threshold To Decide Whether To Enable Speculative Decoding"): when the target's
+  probability of the token it just produced is below a threshold, the text is
+  hard to predict and a draft would likely be rejected, so the next step is a
+  plain target step (no drafting); drafting resumes once the target's confidence
+  is back at or above the threshold.
+
+``DraftControl`` holds the parameters (frozen, reusable); the decoder makes a fresh
+``DraftController`` with the mutable state for each generation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from specdecode.errors import InvalidArgumentError
+
+LENGTH_SCHEDULES = ("constant", "heuristic")
+
+
+def _check_unit(name: str, value: float, *, open_right: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or value > 1 or (open_right and value == 1):
+        allowed = "[0, 1)" if open_right else "[0, 1]"
+        raise InvalidArgumentError(f"{name} must be a number in {allowed}, got {value!r}")
+
+
+def _check_count(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidArgumentError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def _check_block(num_drafted: int, num_accepted: int) -> None:
+    if num_drafted < 1 or not 0 <= num_accepted <= num_drafted:
+        raise InvalidArgumentError(
+            f"a verified block needs num_drafted >= 1 and 0 <= num_accepted <= num_drafted, "
+            f"got num_drafted={num_drafted!r}, num_accepted={num_accepted!r}"
+        )
+
+
+class AdaptiveDraftExit:
+    """Draft & Verify's adaptive draft-exit threshold (see the module docstring).
+
+    Args:
+        threshold: Initial threshold on the draft's top probability, in [0, 1].
+        beta1: Smoothing of the matchness m, in [0, 1).
+        beta2: Smoothing of the threshold, in [0, 1].
+        epsilon: Threshold step, >= 0 (finite).
+        alpha: Target matchness, in [0, 1].
+        max_draft_tokens: γ_max, the most tokens drafted per block (>= 1).
+
+    Attributes:
+        threshold: The current threshold.
+        matchness: m, the smoothed accepted/drafted ratio (starts at 0, as in the paper's code).
+
+    Raises:
+        InvalidArgumentError: If a parameter is outside its range.
+    """
+
+    def __init__(
+        self,
+        threshold: float = 0.6,
+        *,
+        beta1: float = 0.5,
+        beta2: float = 0.9,
+        epsilon: float = 0.01,
+        alpha: float = 0.9,
+        max_draft_tokens: int = 12,
+    ) -> None:
+        _check_unit("draft exit threshold", threshold)
+        _check_unit("beta1", beta1, open_right=True)
+        _check_unit("beta2", beta2)
+        _check_unit("alpha", alpha)
+        if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not math.isfinite(epsilon) or epsilon < 0:
+            raise InvalidArgumentError(f"epsilon must be a finite number >= 0, got {epsilon!r}")
+        _check_count("max_draft_tokens", max_draft_tokens)
+        self.threshold = float(threshold)
+        self.beta1, self.beta2, self.epsilon, self.alpha = beta1, beta2, epsilon, alpha
+        self.max_draft_tokens = max_draft_tokens
+        self.matchness = 0.0
+
+    def should_stop(self, top_prob: float) -> bool:
+        """True when a drafted token's top probability is below the threshold (that token still counts)."""
+        return top_prob < self.threshold
+
+    def update(self, num_drafted: int, num_accepted: int, max_drafted: int | None = None) -> None:
+        """Account one verified block.
+
+        Args:
+            num_drafted: Tokens in the block (>= 1).
+            num_accepted: How many the target accepted (0..num_drafted).
+            max_drafted: The block's cap; ``num_drafted == max_drafted`` means the
+                threshold never stopped drafting. Defaults to ``max_draft_tokens``
+                (the decoder passes a smaller cap near the length budget).
+
+        Raises:
+            InvalidArgumentError: If the counts are inconsistent.
+        """
+        _check_block(num_drafted, num_accepted)
+        cap = self.max_draft_tokens if max_drafted is None else max_drafted
+        self.matchness = self.beta1 * self.matchness + (1 - self.beta1) * (num_accepted / num_drafted)
+        if self.matchness < self.alpha:
+            proposal = self.threshold + self.epsilon
+        elif num_drafted >= cap:
+            proposal = self.threshold
+        else:
+            proposal = self.threshold - self.epsilon
+        self.threshold = self.beta2 * self.threshold + (1 - self.beta2) * proposal
+
+
+class HeuristicDraftLength:
+    """transformers' "heuristic" schedule: +2 tokens after a fully accepted block, else -1 (min 1).
+
+    Args:
+        initial: Draft length of the first block (>= 1).
+        max_tokens: Optional upper bound (>= 1); None leaves it unbounded, as in transformers.
+
+    Attributes:
+        num_tokens: The draft length for the next block.
+
+    Raises:
+        InvalidArgumentError: If ``initial`` or ``max_tokens`` is below 1.
+    """
+
+    def __init__(self, initial: int, max_tokens: int | None = None) -> None:
+        _check_count("initial draft length", initial)
+        if max_tokens is not None:
+            _check_count("max draft length", max_tokens)
+        self.max_tokens = max_tokens
+        self.num_tokens = initial if max_tokens is None else min(initial, max_tokens)
+
+    def update(self, num_drafted: int, num_accepted: int) -> None:
+        """Account one verified block (``num_drafted`` >= 1, ``num_accepted`` <= num_drafted)."""
+        _check_block(num_drafted, num_accepted)
+        if num_accepted == num_drafted:
+            self.num_tokens += 2
+            if self.max_tokens is not None:
+                self.num_tokens = min(self.num_tokens, self.max_tokens)
+        else:
+            self.num_tokens = max(1, self.num_tokens - 1)
+
+
+class ConfidenceGate:
+    """Drafting is on while the target's probability of its last token is >= ``threshold``.
+
+    Args:
+        threshold: In [0, 1]; 0 never gates.
+
+    Attributes:
+        open: Whether the next step may draft (True until a low-confidence token is seen).
+
+    Raises:
+        InvalidArgumentError: If ``threshold`` is outside [0, 1].
+    """
+
+    def __init__(self, threshold: float) -> None:
+        _check_unit("confidence gate threshold", threshold)
+        self.threshold = float(threshold)
+        self.open = True
+
+    def observe(self, target_prob: float) -> None:
+        """Record the target's probability (its own, warped distribution) of the token it just produced."""
+        self.open = target_prob >= self.threshold
+
+
+@dataclass(frozen=True)
+class DraftControl:
+    """Per-round draft-length policy of a speculative decoder.
+
+    Attributes:
+        adaptive_exit: Turn on Draft & Verify's adaptive draft exit; the block cap is
+            then ``max_draft_tokens`` instead of ``GenerationConfig.num_speculative_tokens``.
+        exit_threshold, beta1, beta2, epsilon, alpha, max_draft_tokens: Its parameters
+            (see ``AdaptiveDraftExit``); defaults 0.6, 0.5, 0.9, 0.01, 0.9, 12.
+        length_schedule: "constant" (γ tokens each round) or "heuristic"
+            (``HeuristicDraftLength`` starting at γ, capped at ``max_draft_tokens``
+            when adaptive exit is on).
+        confidence_gate: Threshold of ``ConfidenceGate``, or None for no gating.
+
+    Raises:
+        InvalidArgumentError: If a value is outside its range.
+    """
+
+    adaptive_exit: bool = False
+    exit_threshold: float = 0.6
+    beta1: float = 0.5
+    beta2: float = 0.9
+    epsilon: float = 0.01
+    alpha: float = 0.9
+    max_draft_tokens: int = 12
+    length_schedule: str = "constant"
+    confidence_gate: float | None = None
+
+    def __post_init__(self) -> None:
+        self.new_exit()  # validates the exit parameters
+        if self.length_schedule not in LENGTH_SCHEDULES:
+            raise InvalidArgumentError(
+                f"unknown draft length schedule {self.length_schedule!r}; allowed: {', '.join(LENGTH_SCHEDULES)}"
+            )
+        if self.confidence_gate is not None:
+            ConfidenceGate(self.confidence_gate)
+
+    @property
+    def active(self) -> bool:
+        """Whether this differs from drafting γ tokens every round."""
+        return self.adaptive_exit or self.length_schedule != "constant" or self.confidence_gate is not None
+
+    def controller(self, gamma: int) -> DraftController:
+        """Fresh per-generation state for a decoder drafting ``gamma`` tokens per round by default."""
+        return DraftController(self, gamma)
+
+    def new_exit(self) -> AdaptiveDraftExit:
+        """A fresh ``AdaptiveDraftExit`` with these parameters."""
+        return AdaptiveDraftExit(
+            self.exit_threshold,
+            beta1=self.beta1,
+            beta2=self.beta2,
+            epsilon=self.epsilon,
+            alpha=self.alpha,
+            max_draft_tokens=self.max_draft_tokens,
+        )
+
+
+class DraftController:
+    """The per-generation state of a ``DraftControl``: what the decode loop asks each round.
+
+    Args:
+        control: The policy.
+        gamma: ``GenerationConfig.num_speculative_tokens``.
+
+    Attributes:
+        exit: The ``AdaptiveDraftExit`` (passed to ``Drafter.propose``), or None.
+        schedule: The ``HeuristicDraftLength``, or None.
+        gate: The ``ConfidenceGate``, or None.
+    """
+
+    def __init__(self, control: DraftControl, gamma: int) -> None:
+        self.exit = control.new_exit() if control.adaptive_exit else None
+        self.max_tokens = control.max_draft_tokens if control.adaptive_exit else gamma
+        self.schedule = (
+            HeuristicDraftLength(gamma, self.max_tokens if control.adaptive_exit else None)
+            if control.length_schedule == "heuristic"
+            else None
+        )
+        self.gate = ConfidenceGate(control.confidence_gate) if control.confidence_gate is not None else None
+
+    @property
+    def gated(self) -> bool:
+        """True when the confidence gate turns the next step into a plain target step."""
+        return self.gate is not None and not self.gate.open
+
+    def round_cap(self) -> int:
+        """Most tokens to draft in the next round (0 when gated)."""
+        if self.gated:
+            return 0
+        if self.schedule is not None:
+            return self.schedule.num_tokens
+        return self.max_tokens
+
+    def record(self, cap: int, num_drafted: int, num_accepted: int) -> None:
+        """After verifying a block of ``num_drafted`` >= 1 tokens drafted under ``cap``."""
+        if self.exit is not None:
+            self.exit.update(num_drafted, num_accepted, cap)
+        if self.schedule is not None:
+            self.schedule.update(num_drafted, num_accepted)

@@ -1,0 +1,56 @@
+"""The draft-model drafter: a smaller model with the target's vocabulary drafts autoregressively."""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from specdecode.drafters.base import Draft, Drafter, ExitPolicy, draft_autoregressively
+from specdecode.engine import kv_cache
+from specdecode.engine.sampling import Sampler
+
+
+class DraftModelDrafter(Drafter):
+    """A smaller model with the target's vocabulary drafts autoregressively.
+
+    Its KV cache holds every token of the sequence except the ones not yet fed:
+    after a block it lacks the pending token (and, after a fully accepted block,
+    the last draft token too); the next ``propose`` feeds those in one forward,
+    so no extra forward is spent re-syncing after a fully accepted block.
+
+    Args:
+        model: The draft model (a transformers causal LM), in eval mode, on the
+            target's device. Its vocabulary must map like the target's
+            (see ``specdecode.models.check_vocabularies``).
+    """
+
+    supports_exit_policy = True
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+        self._cache = None
+        self._num_cached = 0
+        self._sampler: Sampler | None = None
+
+    @torch.inference_mode()
+    def begin(self, prompt_ids: torch.Tensor, sampler: Sampler, target_cache: DynamicCache) -> None:
+        self._sampler = sampler
+        self._cache = kv_cache.new_cache(self.model)
+        self.model(prompt_ids, past_key_values=self._cache, use_cache=True, logits_to_keep=1)
+        n = prompt_ids.shape[1]
+        self._num_cached = kv_cache.rollback(self._cache, n, n)  # trims sliding layers, as after every forward
+        self.num_forwards = 1
+
+    @torch.inference_mode()
+    def propose(self, sequence: torch.Tensor, max_tokens: int, exit_policy: ExitPolicy | None = None) -> Draft:
+        """Draft up to ``max_tokens`` tokens; ``exit_policy`` as in the module docstring."""
+        feed = sequence[:, self._num_cached :]
+        draft = draft_autoregressively(
+            self.model, self._cache, feed, max_tokens, self._sampler, exit_policy, "draft model"
+        )
+        self.num_forwards += len(draft)
+        self._num_cached += feed.shape[1] + len(draft) - 1
+        return draft
+
+    def rollback(self, num_valid: int) -> None:
+        self._num_cached = kv_cache.rollback(self._cache, self._num_cached, num_valid)

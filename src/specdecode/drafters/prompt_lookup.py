@@ -1,0 +1,85 @@
+"""Prompt-lookup drafting: copy what followed an earlier occurrence of the last n-gram.
+
+Prompt lookup decoding (Saxena 2023, "Prompt Lookup Decoding",
+github.com/apoorvumang/prompt-lookup-decoding; transformers'
+``PromptLookupCandidateGenerator``) needs no model: when the sequence's last n
+tokens occurred before, in the prompt or in the text generated so far, the tokens
+that followed that occurrence are proposed. It pays off when the output quotes
+its input (code edits, summaries, retrieval answers).
+
+Differences from transformers: the most recent earlier occurrence wins (transformers
+takes the leftmost), as the nearest context is the likeliest to repeat; n is tried
+from ``max_ngram`` down to ``min_ngram``.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from specdecode.drafters.base import Draft, Drafter
+from specdecode.errors import InvalidArgumentError
+from specdecode.engine.sampling import Sampler
+
+
+def find_continuation(sequence: torch.Tensor, max_tokens: int, max_ngram: int, min_ngram: int) -> torch.Tensor:
+    """The tokens that followed the most recent earlier occurrence of the sequence's last n-gram.
+
+    Args:
+        sequence: (L,) long token ids.
+        max_tokens: Most tokens to return (>= 1).
+        max_ngram, min_ngram: n is tried from ``max_ngram`` down to ``min_ngram``
+            (n < L); the first n with a match decides.
+
+    Returns:
+        (k,) long, 0 <= k <= max_tokens: ``sequence[j + n : j + n + k]`` for the largest
+        start j < L - n whose n tokens equal the last n, or empty when none matches.
+    """
+    length = sequence.shape[0]
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        # Windows starting at 0 .. L-n-1: each has at least one token after it,
+        # and the sequence's own last n-gram (start L-n) is excluded.
+        windows = sequence[: length - 1].unfold(0, n, 1)
+        hits = (windows == sequence[length - n :]).all(dim=1).nonzero()
+        if hits.numel():
+            start = int(hits[-1, 0]) + n
+            return sequence[start : start + max_tokens].clone()  # not a view of the caller's buffer
+    return sequence[:0]
+
+
+class PromptLookupDrafter(Drafter):
+    """Proposes the continuation of the most recent earlier match of the last n-gram.
+
+    Deterministic, so ``Draft.probs`` is None (verification treats it as one-hot);
+    ``num_forwards`` stays 0. A round without a match proposes nothing, and the
+    decoder makes a plain target step.
+
+    Args:
+        max_ngram: Longest n-gram to match (>= min_ngram).
+        min_ngram: Shortest n-gram to match (>= 1).
+
+    Raises:
+        InvalidArgumentError: Unless 1 <= min_ngram <= max_ngram.
+    """
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        for name, v in (("min_ngram", min_ngram), ("max_ngram", max_ngram)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise InvalidArgumentError(f"prompt lookup {name} must be an integer >= 1, got {v!r}")
+        if min_ngram > max_ngram:
+            raise InvalidArgumentError(
+                f"prompt lookup min_ngram ({min_ngram}) must be <= max_ngram ({max_ngram}); "
+                "allowed: 1 <= min_ngram <= max_ngram"
+            )
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def begin(self, prompt_ids: torch.Tensor, sampler: Sampler, target_cache: DynamicCache) -> None:
+        self.num_forwards = 0
+
+    def propose(self, sequence: torch.Tensor, max_tokens: int) -> Draft:
+        """Up to ``max_tokens`` tokens copied from after the last n-gram's latest earlier match."""
+        return Draft(find_continuation(sequence[0], max_tokens, self.max_ngram, self.min_ngram))
+
+    def rollback(self, num_valid: int) -> None:
+        """Nothing to do: the drafter keeps no state."""

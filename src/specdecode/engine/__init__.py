@@ -1,0 +1,37 @@
+"""The engine: the decode loop and what it needs per token.
+
+- ``decoder``: ``SpeculativeDecoder``, ``GenerationStream``, ``GenerationResult``
+  (the four-step round: draft, verify, accept, emit);
+- ``protocol``: what the engine asks of a drafter (``Drafter``, ``Draft``,
+  ``ExitPolicy``) and of a draft-length policy (``DraftPolicy``); drafters live in
+  ``specdecode.drafters`` and reach the engine only through these;
+- ``verification``: greedy verification and speculative sampling's rejection step;
+- ``sampling``: the ``Sampler`` shared by target and drafters (temperature, top-k, top-p);
+- ``kv_cache``: cache creation and rollback;
+- ``stats``: ``SpecDecodingStats``.
+
+The engine imports nothing above it (no drafter, pipeline, bench or search).
+"""
+
+from specdecode.engine.decoder import GenerationResult, GenerationStream, SpeculativeDecoder
+from specdecode.engine.protocol import Draft, Drafter, DraftPolicy, ExitPolicy, RoundController
+from specdecode.engine.sampling import Sampler, check_finite
+from specdecode.engine.stats import SpecDecodingStats
+from specdecode.engine.verification import VerificationResult, greedy_verify, rejection_sample
+
+__all__ = [
+    "Draft",
+    "DraftPolicy",
+    "Drafter",
+    "ExitPolicy",
+    "GenerationResult",
+    "GenerationStream",
+    "RoundController",
+    "Sampler",
+    "SpecDecodingStats",
+    "SpeculativeDecoder",
+    "VerificationResult",
+    "check_finite",
+    "greedy_verify",
+    "rejection_sample",
+]

@@ -1,0 +1,416 @@
+"""The decode loop: target-only (autoregressive) and speculative decoding.
+
+One round is four named steps, as in Medusa's loop and gpt-fast's ``generate.py``:
+
+1. **draft**: the drafter proposes k <= γ tokens after the sequence (an optional
+   draft policy, ``specdecode.drafters.control.DraftControl``, may change γ per
+   round, end a block early when the draft is unsure, or skip drafting after a
+   low-confidence target token; the engine sees it through
+   ``engine.protocol.DraftPolicy``);
+2. **verify**: one target forward over ``[pending token, d_1 .. d_k]`` gives k + 1
+   distributions; greedy or speculative-sampling verification accepts n of the
+   draft tokens and yields one more token (replacement or bonus);
+3. **accept**: the target's and the drafter's caches drop the k - n rejected
+   positions (no prompt is ever re-encoded);
+4. **emit**: the n + 1 new tokens are cut at EOS, a stop string or
+   ``max_new_tokens`` and handed to the caller.
+
+Autoregressive decoding is the same loop with k = 0: one target forward, one token.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from specdecode.config import GenerationConfig
+from specdecode.engine import kv_cache
+from specdecode.engine.protocol import Drafter, DraftPolicy
+from specdecode.engine.sampling import Sampler, check_finite
+from specdecode.engine.stats import SpecDecodingStats
+from specdecode.engine.verification import greedy_verify, rejection_sample
+from specdecode.errors import InvalidArgumentError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GenerationResult:
+    """What one generation produced.
+
+    Attributes:
+        token_ids: The new token ids (prompt excluded), EOS or stop string included.
+        text: ``token_ids`` decoded without special tokens ("" when no tokenizer was given).
+        finish_reason: "eos", "stop_string" or "length".
+        stats: Counts and timings.
+    """
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stats: SpecDecodingStats
+
+
+class _StopStrings:
+    """Finds the first token whose text completes a stop string, decoding only a tail window."""
+
+    def __init__(self, tokenizer, stop_strings: tuple[str, ...]) -> None:
+        if stop_strings and tokenizer is None:
+            raise InvalidArgumentError("stop_strings need a tokenizer; pass tokenizer= to the decoder")
+        self.tokenizer = tokenizer
+        self.stop_strings = stop_strings
+        # Every non-special token decodes to at least one character, so this many
+        # earlier tokens always cover a stop string that straddles a round.
+        self.lookback = max((len(s) for s in stop_strings), default=0)
+
+    def cut(self, generated: list[int], num_new: int) -> int | None:
+        """Number of generated tokens to keep if the last ``num_new`` complete a stop string, else None."""
+        if not self.stop_strings:
+            return None
+        start = max(len(generated) - num_new - self.lookback, 0)
+        decode = self.tokenizer.decode
+        if not any(s in decode(generated[start:]) for s in self.stop_strings):
+            return None
+        for end in range(len(generated) - num_new + 1, len(generated) + 1):
+            text = decode(generated[start:end])
+            if any(s in text for s in self.stop_strings):
+                return end
+        return len(generated)
+
+
+class GenerationStream:
+    """Iterates over verified tokens, one list per target forward, as soon as they exist.
+
+    After the iteration ends, ``token_ids``, ``finish_reason`` and ``stats`` hold the
+    outcome. Made by ``SpeculativeDecoder.stream``.
+    """
+
+    def __init__(
+        self,
+        decoder: SpeculativeDecoder,
+        input_ids: torch.Tensor,
+        config: GenerationConfig,
+        prompt_cache: DynamicCache | None = None,
+    ):
+        self._decoder = decoder
+        self._input_ids = input_ids
+        self._prompt_cache = prompt_cache
+        self.config = config
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.stats = SpecDecodingStats(num_prompt_tokens=int(input_ids.shape[1]))
+        self._started = False
+
+    def __iter__(self) -> Iterator[list[int]]:
+        if self._started:
+            raise RuntimeError("a GenerationStream can be iterated only once")
+        self._started = True
+        return self._run()
+
+    def _run(self) -> Iterator[list[int]]:
+        dec, config, stats = self._decoder, self.config, self.stats
+        stop = _StopStrings(dec.tokenizer, config.stop_strings)
+        eos = dec.eos_token_ids if config.stop_on_eos else frozenset()
+        state = _Round(dec, self._input_ids, config, stats, self._prompt_cache)
+        t0 = time.perf_counter()
+        new = state.prefill()
+        stats.prefill_time_s = time.perf_counter() - t0
+        # Decode time counts the loop's own work, not the consumer's between yields.
+        while True:
+            t1 = time.perf_counter()
+            # emit: cut at EOS, the length budget and stop strings.
+            for i, token in enumerate(new):
+                if token in eos:
+                    new, self.finish_reason = new[: i + 1], "eos"
+                    break
+            room = config.max_new_tokens - len(self.token_ids)
+            if len(new) >= room:
+                new = new[:room]
+                self.finish_reason = self.finish_reason or "length"
+            self.token_ids.extend(new)
+            keep = stop.cut(self.token_ids, len(new))
+            if keep is not None:
+                new = new[: len(new) - (len(self.token_ids) - keep)]
+                del self.token_ids[keep:]
+                self.finish_reason = "stop_string"
+            stats.num_new_tokens = len(self.token_ids)
+            stats.decode_time_s += time.perf_counter() - t1
+            if new:
+                yield new
+            if self.finish_reason is not None:
+                break
+            t1 = time.perf_counter()
+            new = state.step(config.max_new_tokens - len(self.token_ids))
+            stats.decode_time_s += time.perf_counter() - t1
+        stats.num_draft_forwards = dec.drafter.num_forwards if dec.drafter is not None else 0
+
+
+class _Round:
+    """The mutable state of one generation: token buffer, target cache, sampler."""
+
+    def __init__(
+        self,
+        dec: SpeculativeDecoder,
+        input_ids: torch.Tensor,
+        config: GenerationConfig,
+        stats,
+        prompt_cache: DynamicCache | None = None,
+    ):
+        self.dec = dec
+        self.stats = stats
+        self.config = config
+        self.gamma = config.num_speculative_tokens if dec.drafter is not None else 0
+        device = input_ids.device
+        n = input_ids.shape[1]
+        self.buf = torch.empty((1, n + config.max_new_tokens + self.gamma + 1), dtype=torch.long, device=device)
+        self.buf[:, :n] = input_ids
+        self.length = n  # tokens in buf; the last one, once generated, is in no cache yet
+        self.sampler = Sampler(config, dec.vocab_size, device)
+        if prompt_cache is None:
+            self.cache, self.num_cached = kv_cache.new_cache(dec.target), 0
+        else:  # holds the first num_cached prompt tokens (checked by SpeculativeDecoder.stream)
+            self.cache, self.num_cached = prompt_cache, prompt_cache.get_seq_length()
+        control = dec.draft_control
+        # Fresh per-generation state; None keeps the plain γ-per-round path.
+        self.control = (
+            control.controller(self.gamma)
+            if dec.drafter is not None and control is not None and control.active
+            else None
+        )
+        if self.control is not None and self.control.exit is not None:
+            stats.final_draft_threshold = self.control.exit.threshold
+
+    def _confidence(self, logits: torch.Tensor, probs: torch.Tensor | None, row: int, token: int) -> float:
+        """The target's probability of ``token`` at ``row`` (warped when sampling); one host sync."""
+        if probs is None:
+            return float(torch.softmax(logits[row].float(), dim=-1)[token])
+        return float(probs[row, token])
+
+    def _choose(self, logits: torch.Tensor) -> int:
+        """One token from (1, V) logits."""
+        if self.sampler.greedy:
+            return int(self.sampler.argmax(logits)[0])
+        return int(self.sampler.sample(self.sampler.probs(logits))[0])
+
+    @torch.inference_mode()
+    def prefill(self) -> list[int]:
+        target, n, m = self.dec.target, self.length, self.num_cached
+        logits = target(self.buf[:, m:n], past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        check_finite(logits, "target model")
+        # Like every forward, the prefill is followed by a rollback (trims sliding layers).
+        self.num_cached = kv_cache.rollback(self.cache, n, n)
+        token = self._choose(logits)
+        if self.control is not None and self.control.gate is not None:
+            probs = None if self.sampler.greedy else self.sampler.probs(logits)
+            self.control.gate.observe(self._confidence(logits, probs, 0, token))
+        if self.dec.drafter is not None:
+            self.dec.drafter.begin(self.buf[:, :n], self.sampler, self.cache)
+        self.buf[0, n] = token
+        self.length = n + 1
+        return [token]
+
+    @torch.inference_mode()
+    def step(self, remaining: int) -> list[int]:
+        """One target forward; returns the 1 .. k + 1 tokens it confirms."""
+        L, buf, sampler, drafter, control = self.length, self.buf, self.sampler, self.dec.drafter, self.control
+        # draft (never more than the length budget can use)
+        if control is None:
+            k = min(self.gamma, remaining - 1)
+            draft = drafter.propose(buf[:, :L], k) if k > 0 else None
+        else:
+            if control.gated and remaining > 1:
+                self.stats.num_gated_steps += 1
+            cap = k = min(control.round_cap(), remaining - 1)
+            if k <= 0:
+                draft = None
+            elif control.exit is None:
+                draft = drafter.propose(buf[:, :L], k)
+            else:
+                draft = drafter.propose(buf[:, :L], k, exit_policy=control.exit)
+        k = len(draft) if draft is not None else 0
+        if k:
+            buf[0, L : L + k] = draft.tokens
+        # verify
+        logits = self.dec.target(
+            buf[:, L - 1 : L + k], past_key_values=self.cache, use_cache=True
+        ).logits[0]
+        self.num_cached += k + 1
+        check_finite(logits, "target model")
+        probs = None
+        if sampler.greedy:
+            if k:
+                ids = torch.cat([draft.tokens, sampler.argmax(logits)]).tolist()
+                verdict = greedy_verify(ids[:k], ids[k:])
+                new = ids[: verdict.num_accepted] + [verdict.next_token]
+            else:
+                new = [int(sampler.argmax(logits)[0])]
+                verdict = None
+        else:
+            probs = sampler.probs(logits)
+            if k:
+                verdict = rejection_sample(draft.tokens, draft.probs, probs, sampler)
+                new = draft.tokens[: verdict.num_accepted].tolist() + [verdict.next_token]
+            else:
+                new = [int(sampler.sample(probs)[0])]
+                verdict = None
+        accepted = verdict.num_accepted if verdict is not None else 0
+        # accept: roll both caches back to the confirmed tokens
+        self.length = L + accepted + 1
+        buf[0, self.length - 1] = new[-1]
+        self.num_cached = kv_cache.rollback(self.cache, self.num_cached, self.length - 1)
+        if drafter is not None:
+            drafter.rollback(self.length - 1)
+        self.stats.record_block(k, accepted)
+        if control is not None:
+            if k:
+                control.record(cap, k, accepted)
+                if control.exit is not None:
+                    self.stats.final_draft_threshold = control.exit.threshold
+            if control.gate is not None:
+                control.gate.observe(self._confidence(logits, probs, accepted, new[-1]))
+        return new
+
+
+def _as_2d(ids: torch.Tensor | list[int]) -> torch.Tensor:
+    """A list of ints or an (n,) tensor as (1, n) long; other shapes unchanged (callers validate)."""
+    if not isinstance(ids, torch.Tensor):
+        ids = torch.tensor(list(ids), dtype=torch.long)
+    return ids.unsqueeze(0) if ids.dim() == 1 else ids
+
+
+class SpeculativeDecoder:
+    """Target-only or speculative decoding of one sequence (batch size 1).
+
+    Args:
+        target: The target model, a transformers causal LM in eval mode.
+        drafter: Proposes draft tokens; ``None`` gives plain autoregressive decoding
+            with a KV cache (the baseline).
+        eos_token_ids: Token ids that end generation.
+        tokenizer: Needed only for ``stop_strings`` and for ``GenerationResult.text``.
+        draft_control: Per-round draft length policy (adaptive draft exit, heuristic
+            schedule, target-confidence gating); None drafts γ tokens every round.
+            Ignored without a drafter.
+
+    Raises:
+        InvalidArgumentError: If adaptive draft exit is asked of a drafter that gives
+            no probabilities (``drafter.supports_exit_policy`` is False).
+
+    The output of greedy decoding equals target-only greedy decoding token for
+    token (in float32; in lower precision a multi-token forward may round
+    differently from a one-token forward). Sampling is distributed exactly as
+    sampling from the target (Leviathan et al. 2022).
+    """
+
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        drafter: Drafter | None = None,
+        *,
+        eos_token_ids: Iterable[int] = (),
+        tokenizer=None,
+        draft_control: DraftPolicy | None = None,
+    ) -> None:
+        if (
+            draft_control is not None
+            and draft_control.adaptive_exit
+            and drafter is not None
+            and not getattr(drafter, "supports_exit_policy", False)
+        ):
+            raise InvalidArgumentError(
+                f"adaptive draft exit needs a drafter that gives probabilities (draft model, layer skip, "
+                f"early exit); {type(drafter).__name__} does not"
+            )
+        self.target = target
+        self.drafter = drafter
+        self.draft_control = draft_control
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.vocab_size = int(target.get_output_embeddings().weight.shape[0])
+
+    def stream(
+        self,
+        input_ids: torch.Tensor | list[int],
+        config: GenerationConfig | None = None,
+        *,
+        prompt_cache: DynamicCache | None = None,
+    ) -> GenerationStream:
+        """Start a generation whose tokens arrive as they are verified.
+
+        Args:
+            input_ids: (1, n) or (n,) long prompt ids, n >= 1; or a list of ints.
+            config: Generation parameters; defaults to ``GenerationConfig()``.
+            prompt_cache: Optional target cache holding the first m tokens of the prompt,
+                1 <= m <= n - 1 (made by ``prompt_cache``); only tokens m..n-1 are then
+                encoded. It is used in place and extended, like ``past_key_values`` in
+                transformers' ``generate``: pass ``copy.deepcopy(cache)`` to reuse one
+                prefix across generations.
+
+        Raises:
+            InvalidArgumentError: If the prompt is empty or has a batch size other than 1,
+                or ``prompt_cache`` holds no tokens or not fewer than n.
+        """
+        config = config or GenerationConfig()
+        device = self.target.device
+        input_ids = _as_2d(input_ids)
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise InvalidArgumentError(
+                f"input_ids must have shape (1, n) (batch size 1), got {tuple(input_ids.shape)}"
+            )
+        if input_ids.shape[1] == 0:
+            raise InvalidArgumentError("the prompt is empty: it must contain at least one token")
+        if prompt_cache is not None:
+            m, n = prompt_cache.get_seq_length(), input_ids.shape[1]
+            if not 1 <= m <= n - 1:
+                raise InvalidArgumentError(
+                    f"prompt_cache holds {m} tokens; it must hold 1..{n - 1} of the {n} prompt tokens "
+                    "(at least the last prompt token is encoded by the generation itself)"
+                )
+        return GenerationStream(self, input_ids.to(device=device, dtype=torch.long), config, prompt_cache)
+
+    @torch.inference_mode()
+    def prompt_cache(self, prefix_ids: torch.Tensor | list[int]) -> DynamicCache:
+        """Encode a prompt prefix once, for ``stream(..., prompt_cache=copy.deepcopy(cache))``.
+
+        Generations that share a prompt (a benchmark running several methods, a
+        server with a fixed system prompt) can then skip re-encoding it. Pass the
+        prompt without its last token: the generation encodes at least that one.
+
+        Args:
+            prefix_ids: (1, m) or (m,) long ids, m >= 1.
+
+        Returns:
+            A target cache holding the m positions (sliding layers laid out as in
+            ``kv_cache.new_cache``).
+
+        Raises:
+            InvalidArgumentError: If the prefix is empty or has a batch size other than 1.
+        """
+        prefix_ids = _as_2d(prefix_ids)
+        if prefix_ids.dim() != 2 or prefix_ids.shape[0] != 1 or prefix_ids.shape[1] == 0:
+            raise InvalidArgumentError(
+                f"prefix_ids must have shape (1, m) with m >= 1, got {tuple(prefix_ids.shape)}"
+            )
+        cache = kv_cache.new_cache(self.target)
+        m = prefix_ids.shape[1]
+        self.target(prefix_ids.to(self.target.device), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        kv_cache.rollback(cache, m, m)  # trims sliding layers, as after every forward
+        return cache
+
+    def generate(
+        self,
+        input_ids: torch.Tensor | list[int],
+        config: GenerationConfig | None = None,
+        *,
+        prompt_cache: DynamicCache | None = None,
+    ) -> GenerationResult:
+        """Run a generation to the end. Same arguments and errors as ``stream``."""
+        stream = self.stream(input_ids, config, prompt_cache=prompt_cache)
+        for _ in stream:
+            pass
+        text = self.tokenizer.decode(stream.token_ids, skip_special_tokens=True) if self.tokenizer else ""
+        return GenerationResult(stream.token_ids, text, stream.finish_reason, stream.stats)

@@ -1,0 +1,38 @@
+"""Models: the offline registry, GGUF assembly with checksum, the dense cache, and loading.
+
+- ``registry``: ``OFFLINE_MODELS`` (packaged GGUF files) and the cache folder;
+- ``gguf``: joining an offline model's chunks into one checked GGUF file;
+- ``dense_cache``: the de-quantized copy written once, atomically;
+- ``loading``: ``load_model`` for every kind of spec, device and dtype choice,
+  ``check_vocabularies`` for a target/draft pair.
+"""
+
+from specdecode.models.dense_cache import CACHE_FORMAT_VERSION, dense_cache_valid, dense_dir, write_dense_cache
+from specdecode.models.gguf import assemble_gguf, chunk_paths
+from specdecode.models.loading import (
+    DTYPES,
+    LoadedModel,
+    check_vocabularies,
+    load_model,
+    resolve_device,
+    resolve_dtype,
+)
+from specdecode.models.registry import OFFLINE_MODELS, OfflineModel, default_cache_dir
+
+__all__ = [
+    "CACHE_FORMAT_VERSION",
+    "DTYPES",
+    "OFFLINE_MODELS",
+    "LoadedModel",
+    "OfflineModel",
+    "assemble_gguf",
+    "check_vocabularies",
+    "chunk_paths",
+    "default_cache_dir",
+    "dense_cache_valid",
+    "dense_dir",
+    "load_model",
+    "resolve_device",
+    "resolve_dtype",
+    "write_dense_cache",
+]

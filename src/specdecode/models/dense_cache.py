@@ -1,0 +1,58 @@
+"""The dense cache: a de-quantized model saved once (safetensors + config + tokenizer), written atomically.
+
+transformers loads a GGUF file by de-quantizing it to dense weights, which takes
+45-95 s on a 2-core CPU. The first load therefore writes a dense copy to the
+cache folder, and later loads read that in seconds. Every file is written under a
+temporary name and renamed into place only once complete, so an interrupted run
+never leaves a file that a later run trusts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel
+
+CACHE_FORMAT_VERSION = 1
+
+
+def dense_dir(cache_dir: Path, key: str, dtype: torch.dtype) -> Path:
+    """The dense copy's folder for model ``key`` in ``dtype`` under ``cache_dir``."""
+    return cache_dir / "dense" / f"{key}-{str(dtype).removeprefix('torch.')}"
+
+
+def write_dense_cache(model: PreTrainedModel, tokenizer, folder: Path, meta: dict) -> None:
+    """Write safetensors weights + config + tokenizer into ``folder``, atomically."""
+    from safetensors.torch import save_model
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".partial", dir=folder.parent))
+    try:
+        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        config["dtype"] = str(model.dtype).removeprefix("torch.")
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        model.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "specdecode.json").write_text(json.dumps({**meta, "format": CACHE_FORMAT_VERSION}, indent=2))
+        if folder.exists():  # another process finished first; theirs is as good as ours
+            return
+        os.replace(tmp, folder)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def dense_cache_valid(folder: Path) -> bool:
+    """Whether ``folder`` holds a complete dense copy written by this cache format."""
+    try:
+        meta = json.loads((folder / "specdecode.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return meta.get("format") == CACHE_FORMAT_VERSION and (folder / "model.safetensors").is_file()

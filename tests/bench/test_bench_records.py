@@ -1,0 +1,96 @@
+"""specdecode.bench.records: resuming a run from its results folder, and refusing one made otherwise."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench_helpers import PROMPTS, SMALL, _lines, generator, target_only  # noqa: F401
+from specdecode import bench
+from specdecode.bench import BenchSettings, run_bench
+from specdecode.bench import methods as bench_methods
+from specdecode.bench.datasets import Prompt
+from specdecode.errors import InvalidArgumentError
+
+
+def test_resume_after_interrupt_skips_finished_records(generator, tmp_path, monkeypatch):
+    methods = ["hf-generate", "autoregressive", "draft"]
+    settings = BenchSettings(**SMALL)
+    full_runs: list[tuple[str, tuple[int, ...]]] = []
+    original = bench_methods._SpecdecodeRunner.__call__
+    hf_original = bench_methods._HFRunner.__call__
+    second_prompt = tuple(generator.encode(PROMPTS[1].text)[0].tolist())
+
+    def interrupting(self, input_ids, max_new_tokens, seed, prefix=None):
+        if self.name == "autoregressive" and tuple(input_ids[0].tolist()) == second_prompt:
+            raise KeyboardInterrupt  # Ctrl-C in the middle of prompt 2
+        return original(self, input_ids, max_new_tokens, seed, prefix)
+
+    monkeypatch.setattr(bench_methods._SpecdecodeRunner, "__call__", interrupting)
+    with pytest.raises(KeyboardInterrupt):
+        run_bench(generator, PROMPTS, methods, settings, tmp_path)
+    kept = _lines(tmp_path / "records.jsonl")
+    assert [(r["method"], r["prompt_id"]) for r in kept] == [
+        ("hf-generate", "t/1"), ("autoregressive", "t/1"), ("draft", "t/1"), ("hf-generate", "t/2")]
+    assert not (tmp_path / "results.json").exists()
+
+    def spy(original_call):
+        def call(self, input_ids, max_new_tokens, seed, prefix=None):
+            if max_new_tokens == settings.max_new_tokens:  # not a warm-up
+                full_runs.append((self.name, tuple(input_ids[0].tolist())))
+            return original_call(self, input_ids, max_new_tokens, seed, prefix)
+        return call
+
+    monkeypatch.setattr(bench_methods._SpecdecodeRunner, "__call__", spy(original))
+    monkeypatch.setattr(bench_methods._HFRunner, "__call__", spy(hf_original))
+    results = run_bench(generator, PROMPTS, methods, settings, tmp_path)
+    assert full_runs == [("autoregressive", second_prompt), ("draft", second_prompt)]
+    lines = _lines(tmp_path / "records.jsonl")
+    keys = [(r["method"], r["prompt_id"], r["repeat"]) for r in lines]
+    assert len(keys) == len(set(keys)) == 6
+    assert lines[:4] == kept  # finished records untouched
+    assert len(results["records"]) == 6
+    reported = {(r["method"], r["prompt_id"]): r["seconds"] for r in results["records"]}
+    assert all(reported[(r["method"], r["prompt_id"])] == r["seconds"] for r in kept)  # not re-timed
+
+    # a third run has nothing left to do, and adding a repeat runs only the new repeat
+    full_runs.clear()
+    run_bench(generator, PROMPTS, methods, settings, tmp_path)
+    assert full_runs == []
+    run_bench(generator, PROMPTS, methods, BenchSettings(**SMALL, repeats=2), tmp_path)
+    assert len(full_runs) == 6
+    assert len(_lines(tmp_path / "records.jsonl")) == 12
+
+
+def test_torn_last_record_is_dropped(generator, tmp_path):
+    run_bench(generator, PROMPTS[:1], ["autoregressive"], BenchSettings(**SMALL), tmp_path)
+    path = tmp_path / "records.jsonl"
+    good = path.read_text()
+    path.write_text(good + '{"method": "hf-gen')  # killed mid-write
+    records = bench.RecordStore(tmp_path).load()
+    assert len(records) == 1 and path.read_text() == good
+
+
+@pytest.mark.parametrize(("change", "named"), [
+    (dict(max_new_tokens=5), "max_new_tokens: 6 there, 5 now"),
+    (dict(temperature=0.7), "temperature: 0.0 there, 0.7 now"),
+])
+def test_resume_refuses_other_settings(generator, tmp_path, change, named):
+    run_bench(generator, PROMPTS[:1], ["autoregressive"], BenchSettings(**SMALL), tmp_path)
+    before = (tmp_path / "records.jsonl").read_text()
+    with pytest.raises(InvalidArgumentError, match="different settings") as e:
+        run_bench(generator, PROMPTS[:1], ["autoregressive"], BenchSettings(**{**SMALL, **change}), tmp_path)
+    assert named in str(e.value)
+    assert (tmp_path / "records.jsonl").read_text() == before
+
+
+def test_resume_refuses_a_prompt_that_encodes_differently(generator, tmp_path):
+    run_bench(generator, PROMPTS[:1], ["autoregressive"], BenchSettings(**SMALL), tmp_path)
+    edited = Prompt("t/1", "code", "w5 w6")  # same id, other text (or another --chat setting)
+    with pytest.raises(InvalidArgumentError, match="'t/1' now encodes to different tokens"):
+        run_bench(generator, [edited], ["autoregressive"], BenchSettings(**SMALL), tmp_path)
+
+
+def test_resume_refuses_other_model(generator, target_only, tmp_path):
+    run_bench(generator, PROMPTS[:1], ["autoregressive"], BenchSettings(**SMALL), tmp_path)
+    with pytest.raises(InvalidArgumentError, match="draft: 'tiny-draft' there, None now"):
+        run_bench(target_only, PROMPTS[:1], ["autoregressive"], BenchSettings(**SMALL), tmp_path)

@@ -1,0 +1,99 @@
+"""Prompt-lookup drafting: hand-computed n-gram matches, validation, exactness."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from conftest import make_tiny_model
+from selfspec_helpers import (  # noqa: F401  (one_thread is a fixture)
+    autoregressive,
+    exact_marginals,
+    one_thread,
+    sample_counts,
+    violations,
+)
+from specdecode import GenerationConfig, InvalidArgumentError, SpeculativeDecoder
+from specdecode.drafters.prompt_lookup import PromptLookupDrafter, find_continuation
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _find(seq, max_tokens=3, max_ngram=3, min_ngram=1):
+    return find_continuation(torch.tensor(seq), max_tokens, max_ngram, min_ngram).tolist()
+
+
+def test_most_recent_match_wins():
+    #        0  1  2  3  4  5  6  7  8  9
+    seq = [5, 6, 7, 8, 5, 6, 9, 4, 5, 6]
+    # No earlier (4, 5, 6); (5, 6) occurs at 0 and 4 -> the latest, 4, is followed by 9, 4, 5.
+    assert _find(seq) == [9, 4, 5]
+    assert _find(seq, max_tokens=10) == [9, 4, 5, 6]  # up to the end of the sequence
+    assert _find(seq, max_tokens=1) == [9]
+
+
+def test_longer_ngram_is_tried_first():
+    #        0  1  2  3  4  5  6  7  8  9  10
+    seq = [1, 2, 3, 7, 9, 2, 3, 8, 1, 2, 3]
+    assert _find(seq, max_tokens=2, max_ngram=3) == [7, 9]  # (1, 2, 3) at 0
+    assert _find(seq, max_tokens=2, max_ngram=2) == [8, 1]  # (2, 3) latest at 5
+    assert _find(seq, max_tokens=2, max_ngram=1, min_ngram=1) == [8, 1]  # (3,) latest at 6
+
+
+def test_min_ngram_and_no_match():
+    assert _find([4, 1, 2, 9, 3]) == []  # 3 never occurred before
+    assert _find([4, 1, 2, 9, 2]) == [9, 2]  # (2,) at 2
+    assert _find([4, 1, 2, 9, 2], min_ngram=2) == []  # (9, 2) never occurred before
+    assert _find([7]) == []
+    assert _find([7, 7, 7], max_tokens=5) == [7]  # (7, 7) at 0, followed by the last 7
+
+
+def test_ngram_validation():
+    for kwargs, message in [
+        (dict(min_ngram=0), "min_ngram must be an integer >= 1, got 0"),
+        (dict(max_ngram=0), "max_ngram must be an integer >= 1, got 0"),
+        (dict(max_ngram=2, min_ngram=3), "min_ngram (3) must be <= max_ngram (2); allowed: 1 <= min_ngram <= max_ngram"),
+        (dict(max_ngram=2.5), "max_ngram must be an integer >= 1, got 2.5"),
+    ]:
+        with pytest.raises(InvalidArgumentError) as e:
+            PromptLookupDrafter(**kwargs)
+        assert message in str(e.value)
+
+
+def test_drafter_proposes_without_a_model():
+    drafter = PromptLookupDrafter(max_ngram=2)
+    drafter.begin(torch.tensor([[5, 6, 7]]), None, None)
+    seq = torch.tensor([[5, 6, 7, 8, 5, 6]])
+    draft = drafter.propose(seq, 3)
+    assert draft.tokens.tolist() == [7, 8, 5] and draft.probs is None
+    seq[0, 2] = 0  # the draft does not alias the caller's buffer
+    assert draft.tokens.tolist() == [7, 8, 5]
+    assert drafter.num_forwards == 0
+
+
+def test_greedy_equals_autoregressive(arch):
+    """A repetitive prompt gives matches; the output is still exactly the target's."""
+    model = make_tiny_model(arch, num_layers=2)
+    prompt = torch.tensor([[5, 9, 12, 7, 5, 9, 12, 7, 5, 9, 12, 7, 20, 21]])
+    for gamma in (2, 6):
+        config = GenerationConfig(max_new_tokens=30, num_speculative_tokens=gamma, stop_on_eos=False)
+        result = SpeculativeDecoder(model, PromptLookupDrafter()).generate(prompt, config)
+        assert result.token_ids == autoregressive(model, prompt, config), (arch, gamma)
+        assert result.stats.num_drafted_tokens > 0 and result.stats.num_draft_forwards == 0
+
+
+def test_sampling_preserves_target_distribution():
+    """Deterministic drafts (probs None, one-hot q) keep the target law of tokens 1-3."""
+    vocab, n = 8, 600
+    model = make_tiny_model("qwen2", num_layers=1, vocab_size=vocab, seed=2)
+    prompt = [5, 3, 6, 5, 3, 4, 6, 5, 7]
+    config = GenerationConfig(max_new_tokens=3, num_speculative_tokens=3, stop_on_eos=False, temperature=1.0)
+    dec = SpeculativeDecoder(model, PromptLookupDrafter(max_ngram=2))
+    freq = sample_counts(dec, prompt, config, n, vocab)
+    assert violations(exact_marginals(model, prompt, config, vocab), freq, n) == []
+    # The lookup drafted, and was accepted sometimes and rejected sometimes.
+    runs = [dec.generate(prompt, dataclasses.replace(config, seed=s)).stats for s in range(30)]
+    drafted = sum(r.num_drafted_tokens for r in runs)
+    assert 0 < sum(r.num_accepted_tokens for r in runs) < drafted

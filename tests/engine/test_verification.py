@@ -1,0 +1,132 @@
+"""Speculative sampling must be distributed exactly as target sampling (statistical tests).
+
+Tolerances come from the sample size: each cell's frequency must lie within
+Z standard errors sqrt(p (1 - p) / N) of its exact probability, with Z = 4.5
+(a per-cell false alarm rate of about 7e-6). Every test also runs a negative
+control that the same tolerance rejects, so the test can fail.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from conftest import make_tiny_model
+from helpers import perturbed_copy
+from specdecode import DraftModelDrafter, GenerationConfig, SpeculativeDecoder
+from specdecode.engine.sampling import Sampler
+from specdecode.engine.verification import VerificationResult as R, greedy_verify, rejection_sample
+
+Z = 4.5
+
+
+def _within(freq: torch.Tensor, exact: torch.Tensor, n: int) -> bool:
+    se = torch.sqrt(exact * (1 - exact) / n).clamp_min(1.0 / n)
+    return bool(((freq - exact).abs() <= Z * se).all())
+
+
+def test_greedy_verify_prefix_and_bonus():
+    assert greedy_verify([5, 6, 7], [5, 6, 7, 9]) == R(3, 9)
+    assert greedy_verify([5, 6, 7], [5, 8, 7, 9]) == R(1, 8)
+    assert greedy_verify([5], [4, 1]) == R(0, 4)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_rejection_sample_first_token_law(deterministic):
+    """Token emitted at the first draft position ~ p, whatever q is."""
+    V, N = 6, 30000
+    p = torch.tensor([[0.05, 0.40, 0.05, 0.30, 0.10, 0.10], [0.2, 0.2, 0.2, 0.2, 0.1, 0.1]])
+    q = torch.tensor([[0.30, 0.10, 0.30, 0.10, 0.10, 0.10]])
+    sampler = Sampler(GenerationConfig(temperature=1.0, seed=0), V, "cpu")
+    counts = torch.zeros(V)
+    drafted = torch.zeros(V)
+    fixed = torch.tensor([2])  # a deterministic drafter always proposes token 2
+    for _ in range(N):
+        d = fixed if deterministic else sampler.sample(q)
+        drafted[d] += 1
+        res = rejection_sample(d, None if deterministic else q, p, sampler)
+        counts[d[0] if res.num_accepted == 1 else res.next_token] += 1
+    assert _within(counts / N, p[0], N)
+    # Negative control: the drafted tokens alone follow q (or a point mass), not p.
+    assert not _within(drafted / N, p[0], N)
+
+
+def test_bonus_token_law_when_all_accepted():
+    """With q == p every draft is accepted and the bonus token follows p_gamma."""
+    V, N = 5, 20000
+    p = torch.tensor([[0.2, 0.2, 0.2, 0.2, 0.2], [0.5, 0.1, 0.1, 0.1, 0.2]])
+    sampler = Sampler(GenerationConfig(temperature=1.0, seed=1), V, "cpu")
+    counts = torch.zeros(V)
+    for _ in range(N):
+        d = sampler.sample(p[:1])
+        res = rejection_sample(d, p[:1], p, sampler)
+        assert res.num_accepted == 1
+        counts[res.next_token] += 1
+    assert _within(counts / N, p[1], N)
+    assert not _within(counts / N, p[0], N)
+
+
+def _exact_joint(target, prompt: torch.Tensor, config: GenerationConfig, steps: int) -> dict:
+    """Exact probability of every token sequence of length ``steps`` under target sampling."""
+    sampler = Sampler(config, target.config.vocab_size, "cpu")
+    V = target.config.vocab_size
+    joint = {}
+    with torch.inference_mode():
+        for seq in itertools.product(range(V), repeat=steps - 1):
+            ids = torch.cat([prompt, torch.tensor([seq], dtype=torch.long)], dim=1)
+            probs = sampler.probs(target(ids).logits[0, prompt.shape[1] - 1 :])
+            prefix = 1.0
+            for i, t in enumerate(seq):
+                prefix *= float(probs[i, t])
+            if prefix == 0.0:
+                continue
+            for t in range(V):
+                joint[(*seq, t)] = prefix * float(probs[-1, t])
+    return joint
+
+
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.85)], ids=["t1", "t0.7-topk5", "t1.3-topp"]
+)
+def test_speculative_sampling_matches_target_distribution(temperature, top_k, top_p):
+    V, N, steps = 8, 2000, 3
+    target = make_tiny_model("llama", num_layers=1, vocab_size=V, hidden_size=16, intermediate_size=32)
+    with torch.no_grad():
+        target.get_output_embeddings().weight.mul_(0.25)  # keep distributions spread out
+    draft = perturbed_copy(target, noise=2.0, seed=3)
+    prompt = torch.tensor([[3, 5, 4]])
+    base = dict(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=steps, stop_on_eos=False)
+    exact = _exact_joint(target, prompt, GenerationConfig(**base), steps)
+    # Marginal laws of the 2nd and 3rd tokens, which come out of verification.
+    cells = {}
+    for seq, pr in exact.items():
+        for pos in (1, 2):
+            cells[(pos, seq[pos])] = cells.get((pos, seq[pos]), 0.0) + pr
+        cells[("pair", seq[1], seq[2])] = cells.get(("pair", seq[1], seq[2]), 0.0) + pr
+    keys = sorted(cells, key=str)
+    want = torch.tensor([cells[k] for k in keys])
+
+    dec = SpeculativeDecoder(target, DraftModelDrafter(draft))
+    counts = torch.zeros(len(keys))
+    index = {k: i for i, k in enumerate(keys)}
+    rates = []
+    for seed in range(N):
+        res = dec.generate(prompt, GenerationConfig(**base, seed=seed, num_speculative_tokens=2))
+        s = res.token_ids
+        counts[index[(1, s[1])]] += 1
+        counts[index[(2, s[2])]] += 1
+        counts[index[("pair", s[1], s[2])]] += 1
+        rates.append(res.stats.acceptance_rate)
+    # Negative control: the draft's own law, which speculative sampling must not follow.
+    draft_law = torch.zeros(len(keys))
+    for seq, pr in _exact_joint(draft, prompt, GenerationConfig(**base), steps).items():
+        draft_law[index[(1, seq[1])]] += pr
+        draft_law[index[(2, seq[2])]] += pr
+        draft_law[index[("pair", seq[1], seq[2])]] += pr
+    mean_rate = sum(r for r in rates if r is not None) / len(rates)
+    assert 0.05 < mean_rate < 0.95, "the draft must be rejected often for this test to mean anything"
+    assert _within(counts / N, want, N)
+    assert not _within(draft_law, want, N)
