@@ -11,7 +11,7 @@ from selfspec_helpers import one_thread  # noqa: F401
 from specdecode import GenerationConfig, InvalidArgumentError, SpeculativeGenerator
 from specdecode.cli import main
 from specdecode.drafters.control import DraftControl
-from specdecode.drafters import DraftModelDrafter
+from specdecode.drafters import CascadeDrafter, DraftModelDrafter
 from specdecode.drafters.early_exit import EarlyExitDrafter
 from specdecode.drafters.layer_skip import LayerSkipDrafter, SkipSet
 from specdecode.models import LoadedModel
@@ -30,7 +30,7 @@ def generator():
 
 
 def test_methods_listed():
-    assert METHODS == ("autoregressive", "draft", "layer-skip", "early-exit", "prompt-lookup")
+    assert METHODS == ("autoregressive", "draft", "cascade", "layer-skip", "early-exit", "prompt-lookup")
 
 
 def test_make_drafter_for_every_method(generator, tmp_path):
@@ -45,6 +45,10 @@ def test_make_drafter_for_every_method(generator, tmp_path):
     assert isinstance(e, EarlyExitDrafter) and e.exit_layer == 2
     p = generator.make_drafter("prompt-lookup", prompt_lookup_max_ngram=4, prompt_lookup_min_ngram=2)
     assert isinstance(p, PromptLookupDrafter) and (p.max_ngram, p.min_ngram) == (4, 2)
+    with_draft = SpeculativeGenerator(generator.target, LoadedModel(make_tiny_model("qwen2", 2, seed=3),
+                                                                   generator.tokenizer, "tiny-draft"))
+    c = with_draft.make_drafter("cascade", prompt_lookup_max_ngram=4, prompt_lookup_min_ngram=2)
+    assert isinstance(c, CascadeDrafter) and (c.max_ngram, c.min_ngram) == (4, 2)
     # options another method uses are ignored (one option set can serve a whole benchmark)
     assert isinstance(generator.make_drafter("prompt-lookup", exit_layer=2, skip_layers="attn=1"), PromptLookupDrafter)
 
@@ -59,7 +63,9 @@ def test_make_drafter_for_every_method(generator, tmp_path):
         ("early-exit", dict(exit_layer=4), "exit layer 4 is out of range"),
         ("prompt-lookup", dict(prompt_lookup_min_ngram=3, prompt_lookup_max_ngram=2), "min_ngram (3) must be <="),
         ("draft", {}, "method 'draft' needs a draft model"),
-        ("medusa", {}, "unknown method 'medusa'; allowed: autoregressive, draft, layer-skip, early-exit, prompt-lookup"),
+        ("cascade", {}, "method 'cascade' needs a draft model"),
+        ("medusa", {}, "unknown method 'medusa'; allowed: autoregressive, draft, cascade, layer-skip, early-exit, "
+                       "prompt-lookup"),
     ],
 )
 def test_make_drafter_errors(generator, method, kwargs, message):

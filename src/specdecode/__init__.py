@@ -16,6 +16,7 @@ Layers, each importing only those below it:
 
 from specdecode.config import GenerationConfig
 from specdecode.drafters import (
+    CascadeDrafter,
     Draft,
     DraftControl,
     Drafter,
@@ -45,6 +46,7 @@ from specdecode.version import __version__
 
 __all__ = [
     "OFFLINE_MODELS",
+    "CascadeDrafter",
     "ChecksumMismatchError",
     "DatasetError",
     "Draft",

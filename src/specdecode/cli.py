@@ -26,7 +26,7 @@ EXIT_BAD_INPUT = 2
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate text from one prompt, speculatively or not")
     p.add_argument("--target", default=DEFAULT_TARGET, help="offline model name, .gguf file, folder or hub id")
-    p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model (method 'draft')")
+    p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model (methods 'draft' and 'cascade')")
     p.add_argument("--method", default="draft", choices=METHODS)
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
@@ -37,6 +37,14 @@ def _add_generate(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    b = p.add_argument_group("banned words (matched on the text, any tokenization; rollback and mask)")
+    b.add_argument("--banned-word", action="append", default=[], metavar="WORD",
+                   help="a word or phrase the output must never contain (repeatable)")
+    b.add_argument("--banned-words-file", metavar="FILE", default=None,
+                   help="UTF-8 text file with one banned word or phrase per line (blank lines ignored)")
+    b.add_argument("--banned-words-ignore-case", action="store_true", help="match banned words regardless of case")
+    b.add_argument("--banned-words-whole-word", action="store_true",
+                   help="match banned words only as whole words (a banned 'ass' does not block 'class')")
     p.add_argument("--num-speculative-tokens", "-g", type=int, default=GenerationConfig.num_speculative_tokens,
                    help="gamma: tokens drafted per target forward")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
@@ -50,8 +58,10 @@ def _add_generate(sub) -> None:
                       help='layer-skip: JSON file {"skip_set": {"attn": [...], "mlp": [...]}, ...} or bare')
     g.add_argument("--exit-layer", type=int, metavar="N", default=None,
                    help="early-exit: the draft runs the first N decoder layers (1..L-1)")
-    g.add_argument("--prompt-lookup-max-ngram", type=int, default=3, help="prompt-lookup: longest n-gram matched")
-    g.add_argument("--prompt-lookup-min-ngram", type=int, default=1, help="prompt-lookup: shortest n-gram matched")
+    g.add_argument("--prompt-lookup-max-ngram", type=int, default=3,
+                   help="prompt-lookup and cascade: longest n-gram matched")
+    g.add_argument("--prompt-lookup-min-ngram", type=int, default=1,
+                   help="prompt-lookup and cascade: shortest n-gram matched")
     c = p.add_argument_group("draft length control")
     c.add_argument("--adaptive-draft-exit", action="store_true",
                    help="Draft & Verify adaptive draft exit: stop drafting below a self-tuning confidence "
@@ -92,6 +102,8 @@ def _print_stats(stats: dict, method: str, console) -> None:
         ("acceptance by draft position", "acceptance_by_position"),
         ("final adaptive draft-exit threshold", "final_draft_threshold"),
         ("gated steps (target confidence below the gate)", "num_gated_steps"),
+        ("banned-word rollbacks", "num_banned_word_rollbacks"),
+        ("tokens discarded by banned-word rollbacks", "num_banned_word_discarded_tokens"),
         ("prefill time (s)", "prefill_time_s"),
         ("decode time (s)", "decode_time_s"),
         ("tokens/s (incl. prefill)", "tokens_per_s"),
@@ -120,7 +132,7 @@ def _check_method_options(args) -> None:
         raise InvalidArgumentError("--method early-exit needs --exit-layer N (the draft runs layers 0..N-1)")
     if args.exit_layer is not None and args.exit_layer < 1:
         raise InvalidArgumentError(f"--exit-layer {args.exit_layer} is out of range: it must be in 1..L-1")
-    if args.method == "prompt-lookup":
+    if args.method in ("prompt-lookup", "cascade"):
         PromptLookupDrafter(args.prompt_lookup_max_ngram, args.prompt_lookup_min_ngram)
 
 
@@ -128,8 +140,12 @@ def cmd_generate(args) -> int:
     import torch
     from transformers import TextStreamer
 
+    from specdecode.engine.banned_words import read_banned_words
     from specdecode.pipeline import SpeculativeGenerator
 
+    banned = list(args.banned_word)
+    if args.banned_words_file is not None:
+        banned += read_banned_words(args.banned_words_file)
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -138,6 +154,9 @@ def cmd_generate(args) -> int:
         seed=args.seed,
         num_speculative_tokens=args.num_speculative_tokens,
         stop_strings=tuple(args.stop),
+        banned_words=tuple(banned),
+        banned_words_ignore_case=args.banned_words_ignore_case,
+        banned_words_whole_word=args.banned_words_whole_word,
     )
     if not args.prompt.strip():
         raise SpecDecodeError("the prompt is empty: pass some text with --prompt")
@@ -157,7 +176,7 @@ def cmd_generate(args) -> int:
         prompt_lookup_min_ngram=args.prompt_lookup_min_ngram,
         draft_control=control if control.active else None,
     )
-    draft = args.draft if args.method == "draft" else None
+    draft = args.draft if args.method in ("draft", "cascade") else None
     gen = SpeculativeGenerator.from_pretrained(args.target, draft, dtype=args.dtype, device=args.device)
     stream = gen.stream(args.prompt, config, method=args.method, chat=args.chat, **options)
     if args.json:
@@ -332,6 +351,11 @@ def _add_bench(sub) -> argparse.ArgumentParser:
     for opt in bench.DRAFTER_OPTIONS:
         p.add_argument(opt.flag, dest=f"drafter_{opt.keyword}", type=opt.type, default=None, help=opt.help,
                        metavar=opt.keyword.upper())
+    p.add_argument("--banned-words-file", metavar="FILE", default=None,
+                   help="ban these words (one per line) in every specdecode method; transformers' methods "
+                   "are left out")
+    p.add_argument("--banned-words-ignore-case", action="store_true", help="match banned words regardless of case")
+    p.add_argument("--banned-words-whole-word", action="store_true", help="match banned words as whole words only")
     p.add_argument("--drafter-option", action="append", type=_parse_option, default=[], metavar="KEY=VALUE",
                    help="any other keyword for the pipeline's decoder/make_drafter (VALUE parsed as JSON if it can be)")
     return p

@@ -23,6 +23,12 @@ class GenerationConfig:
             Ignored by autoregressive decoding.
         stop_strings: Generation stops after the first token whose text completes one of these.
         stop_on_eos: Stop when the model emits one of its end-of-sequence tokens.
+        banned_words: Words or phrases the output must never contain, matched on the
+            text (any tokenization), with rollback and masking
+            (``specdecode.engine.banned_words``). Needs a tokenizer.
+        banned_words_ignore_case: Match banned words regardless of case.
+        banned_words_whole_word: Match banned words only as whole words (a banned
+            "ass" does not block "class").
 
     Raises:
         InvalidArgumentError: If a value is outside the range given above.
@@ -36,6 +42,9 @@ class GenerationConfig:
     num_speculative_tokens: int = 5
     stop_strings: tuple[str, ...] = field(default_factory=tuple)
     stop_on_eos: bool = True
+    banned_words: tuple[str, ...] = field(default_factory=tuple)
+    banned_words_ignore_case: bool = False
+    banned_words_whole_word: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -57,6 +66,9 @@ class GenerationConfig:
             raise InvalidArgumentError(
                 f"stop_strings must be non-empty strings, got {list(self.stop_strings)!r}"
             )
+        if isinstance(self.banned_words, str):
+            object.__setattr__(self, "banned_words", (self.banned_words,))
+        object.__setattr__(self, "banned_words", check_banned_words(self.banned_words, allow_empty=True))
 
     @property
     def greedy(self) -> bool:
@@ -73,3 +85,23 @@ def check_num_speculative_tokens(value: object) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise InvalidArgumentError(f"num_speculative_tokens (gamma) must be an integer >= 1, got {value!r}")
     return value
+
+
+def check_banned_words(words: object, *, allow_empty: bool = False) -> tuple[str, ...]:
+    """Return ``words`` as a tuple of distinct banned words, in order.
+
+    Raises:
+        InvalidArgumentError: If ``words`` is not a list of strings, a word is empty or
+            only whitespace, or (unless ``allow_empty``) there is no word at all.
+    """
+    if isinstance(words, (str, bytes)) or not hasattr(words, "__iter__"):
+        raise InvalidArgumentError(f"banned_words must be a list of strings, got {words!r}")
+    words = tuple(dict.fromkeys(words))
+    if not words and not allow_empty:
+        raise InvalidArgumentError("the banned-word list is empty: give at least one word")
+    for w in words:
+        if not isinstance(w, str) or not w.strip():
+            raise InvalidArgumentError(
+                f"a banned word must be a non-empty string with a non-space character, got {w!r}"
+            )
+    return words

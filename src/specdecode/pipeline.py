@@ -30,7 +30,7 @@ import torch
 from specdecode.config import GenerationConfig
 from specdecode.engine.decoder import GenerationResult, GenerationStream, SpeculativeDecoder
 from specdecode.drafters.control import DraftControl
-from specdecode.drafters import DraftModelDrafter, Drafter
+from specdecode.drafters import CascadeDrafter, DraftModelDrafter, Drafter
 from specdecode.drafters.early_exit import EarlyExitDrafter
 from specdecode.errors import InvalidArgumentError
 from specdecode.drafters.layer_skip import LayerSkipDrafter, SkipSet
@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
-METHODS = ("autoregressive", "draft", "layer-skip", "early-exit", "prompt-lookup")
+METHODS = ("autoregressive", "draft", "cascade", "layer-skip", "early-exit", "prompt-lookup")
 
 
 def eos_token_ids(loaded: LoadedModel) -> set[int]:
@@ -59,7 +59,7 @@ class SpeculativeGenerator:
 
     Args:
         target: The loaded target model and tokenizer.
-        draft: The loaded draft model, needed only for ``method="draft"``; the
+        draft: The loaded draft model, needed only for ``method="draft"`` and "cascade"; the
             self-speculative methods ("layer-skip", "early-exit") draft with the
             target, "prompt-lookup" with no model.
 
@@ -86,7 +86,7 @@ class SpeculativeGenerator:
     ) -> SpeculativeGenerator:
         """Load target and draft (see ``specdecode.models.load_model`` for specs and errors).
 
-        ``draft=None`` loads no draft model: enough for every method but "draft"
+        ``draft=None`` loads no draft model: enough for every method but "draft" and "cascade"
         ("autoregressive", "layer-skip", "early-exit", "prompt-lookup").
         """
         t = load_model(target, dtype=dtype, device=device, cache_dir=cache_dir)
@@ -145,24 +145,26 @@ class SpeculativeGenerator:
                 ``SkipSet``, as text (``"attn=2,15;mlp=3"``) or as a JSON file (at most one).
             exit_layer: N for "early-exit": the draft runs decoder layers 0..N-1 (1 <= N <= L-1).
             prompt_lookup_max_ngram, prompt_lookup_min_ngram: n-gram sizes of "prompt-lookup"
-                (1 <= min <= max).
+                and of the n-gram part of "cascade" (1 <= min <= max).
 
         Options a method does not use are ignored, so one set of options can serve
         several methods (as in ``specdecode bench``).
 
         Raises:
-            InvalidArgumentError: Unknown method; "draft" without a draft model;
+            InvalidArgumentError: Unknown method; "draft" or "cascade" without a draft model;
                 "layer-skip" without a skip set, or with more than one; "early-exit"
                 without ``exit_layer``; or an option out of range.
         """
         if method == "autoregressive":
             return None
-        if method == "draft":
+        if method in ("draft", "cascade"):
             if self.draft is None:
                 raise InvalidArgumentError(
-                    "method 'draft' needs a draft model; pass draft=... (or use 'layer-skip', 'early-exit' "
+                    f"method {method!r} needs a draft model; pass draft=... (or use 'layer-skip', 'early-exit' "
                     "or 'prompt-lookup', which need none)"
                 )
+            if method == "cascade":
+                return CascadeDrafter(self.draft.model, prompt_lookup_max_ngram, prompt_lookup_min_ngram)
             return DraftModelDrafter(self.draft.model)
         if method == "layer-skip":
             given = [v for v in (skip_set, skip_layers, skip_config) if v is not None]

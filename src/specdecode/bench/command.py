@@ -20,6 +20,7 @@ from specdecode.bench.report import (ACCEPTANCE_PNG, OVERALL, REFERENCE_METHOD, 
                                      SPEEDUP_PNG, format_value)
 from specdecode.bench.runner import run_bench
 from specdecode.bench.settings import BenchSettings
+from specdecode.engine.banned_words import read_banned_words
 
 
 def _split_list(values: Sequence[str] | None, separator: str = ",") -> list[str] | None:
@@ -67,6 +68,9 @@ def run(args) -> int:
         warmup_tokens=args.warmup_tokens,
         drafter_options=_drafter_options(args),
         prompt_cache=args.prompt_cache,
+        banned_words=tuple(read_banned_words(args.banned_words_file)) if args.banned_words_file else (),
+        banned_words_ignore_case=args.banned_words_ignore_case,
+        banned_words_whole_word=args.banned_words_whole_word,
     )
     methods = _split_list(args.methods, _method_separator())
     if methods is not None:

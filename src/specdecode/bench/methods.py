@@ -375,6 +375,8 @@ class _SpecdecodeRunner:
             "prefill_s": s.prefill_time_s,
             "final_draft_threshold": s.final_draft_threshold,
             "gated_steps": s.num_gated_steps,
+            "banned_word_rollbacks": s.num_banned_word_rollbacks,
+            "banned_word_discarded_tokens": s.num_banned_word_discarded_tokens,
         }
 
 
@@ -505,6 +507,8 @@ class _HFRunner:
             "prefill_s": None,
             "final_draft_threshold": None,
             "gated_steps": None,
+            "banned_word_rollbacks": None,
+            "banned_word_discarded_tokens": None,
         }
 
 
@@ -556,6 +560,11 @@ def resolve_methods(
         try:
             if name in HF_METHODS:
                 spec = HF_METHODS[name]
+                if settings.banned_words:
+                    raise InvalidArgumentError(
+                        f"method {name!r} cannot ban words (transformers masks token ids, not text); "
+                        "leave it out of a run with banned words"
+                    )
                 if spec.needs_draft and generator.draft is None:
                     raise InvalidArgumentError(
                         f"method {name!r} needs a draft model; pass --draft (draft=...) or leave {name!r} out"

@@ -47,6 +47,7 @@ def run_identity(generator: pipeline.SpeculativeGenerator, settings: BenchSettin
         "seed": settings.seed,
         "drafter_options": dict(settings.drafter_options),
         "prompt_cache": settings.prompt_cache,
+        **settings.banned_words_settings(),
     }
 
 

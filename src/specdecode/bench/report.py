@@ -176,6 +176,8 @@ def _metrics(rs: list[dict]) -> dict:
         "mean_first_divergence": statistics.fmean(diverged) if diverged else None,
         "compared": len(compared),
         "peak_rss_mb": max(peaks) if peaks else None,
+        "banned_word_rollbacks": sum(r.get("banned_word_rollbacks") or 0 for r in rs),
+        "banned_word_discarded_tokens": sum(r.get("banned_word_discarded_tokens") or 0 for r in rs),
         "drafted_by_position": drafted_pos,
         "accepted_by_position": accepted_pos,
         "acceptance_by_position": [a / d if d else None for a, d in zip(accepted_pos, drafted_pos)],

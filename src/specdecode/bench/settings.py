@@ -33,6 +33,9 @@ class BenchSettings:
             token and decodes. False: every method encodes the whole prompt inside its
             timing. None (default): on when every method of the run supports it (not
             ``hf-assisted``/``hf-prompt-lookup``, see ``HFMethod``), else off.
+        banned_words, banned_words_ignore_case, banned_words_whole_word: As in
+            ``GenerationConfig``; specdecode's methods only (transformers' cannot
+            match words on the text, so a run with banned words leaves them out).
 
     Raises:
         InvalidArgumentError: A value outside its range.
@@ -46,13 +49,18 @@ class BenchSettings:
     warmup_tokens: int = 8
     drafter_options: Mapping[str, Any] = field(default_factory=dict)
     prompt_cache: bool | None = None
+    banned_words: tuple[str, ...] = ()
+    banned_words_ignore_case: bool = False
+    banned_words_whole_word: bool = False
 
     def __post_init__(self) -> None:
-        GenerationConfig(  # validates max_new_tokens, temperature, gamma
+        config = GenerationConfig(  # validates max_new_tokens, temperature, gamma, banned words
             max_new_tokens=self.max_new_tokens,
             temperature=self.temperature,
             num_speculative_tokens=self.num_speculative_tokens,
+            banned_words=self.banned_words,
         )
+        object.__setattr__(self, "banned_words", config.banned_words)
         for name in ("repeats", "warmup_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -83,6 +91,9 @@ class BenchSettings:
             temperature=self.temperature,
             num_speculative_tokens=self.num_speculative_tokens,
             seed=None if self.greedy else seed,
+            banned_words=self.banned_words,
+            banned_words_ignore_case=self.banned_words_ignore_case,
+            banned_words_whole_word=self.banned_words_whole_word,
         )
 
     def to_dict(self) -> dict:
@@ -96,4 +107,15 @@ class BenchSettings:
             "warmup_tokens": self.warmup_tokens,
             "drafter_options": dict(self.drafter_options),
             "prompt_cache": self.prompt_cache,
+            **self.banned_words_settings(),
+        }
+
+    def banned_words_settings(self) -> dict:
+        """The banned-word settings, JSON-ready (empty when there are none)."""
+        if not self.banned_words:
+            return {}
+        return {
+            "banned_words": list(self.banned_words),
+            "banned_words_ignore_case": self.banned_words_ignore_case,
+            "banned_words_whole_word": self.banned_words_whole_word,
         }

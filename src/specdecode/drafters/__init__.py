@@ -3,6 +3,7 @@
 - ``base``: the ``Drafter`` protocol and ``Draft`` (defined by the engine, re-exported),
   ``draft_autoregressively`` shared by the model-based drafters;
 - ``draft_model``: ``DraftModelDrafter``, a smaller model with the target's vocabulary;
+- ``cascade``: ``CascadeDrafter``, a free n-gram match first, then the draft model;
 - ``layer_skip``: Draft & Verify's self-speculative drafter (``SkipSet``, ``draft_mode``);
 - ``early_exit``: the first N layers, then the final norm and LM head;
 - ``prompt_lookup``: n-gram match against the prompt and the output, no model cost;
@@ -13,6 +14,7 @@ Drafters import only the engine's protocol, sampler and cache helpers, never the
 """
 
 from specdecode.drafters.base import Draft, Drafter, ExitPolicy, draft_autoregressively, draft_token
+from specdecode.drafters.cascade import CascadeDrafter
 from specdecode.drafters.control import (
     LENGTH_SCHEDULES,
     AdaptiveDraftExit,
@@ -30,6 +32,7 @@ __all__ = [
     "LENGTH_SCHEDULES",
     "SUBLAYERS",
     "AdaptiveDraftExit",
+    "CascadeDrafter",
     "ConfidenceGate",
     "Draft",
     "DraftControl",

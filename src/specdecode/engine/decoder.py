@@ -13,7 +13,9 @@ One round is four named steps, as in Medusa's loop and gpt-fast's ``generate.py`
 3. **accept**: the target's and the drafter's caches drop the k - n rejected
    positions (no prompt is ever re-encoded);
 4. **emit**: the n + 1 new tokens are cut at EOS, a stop string or
-   ``max_new_tokens`` and handed to the caller.
+   ``max_new_tokens``, checked for banned words (``engine.banned_words``: on a
+   match, both caches rewind to where the word began and that token is masked
+   there), and handed to the caller.
 
 Autoregressive decoding is the same loop with k = 0: one target forward, one token.
 """
@@ -30,7 +32,8 @@ from transformers import DynamicCache, PreTrainedModel
 
 from specdecode.config import GenerationConfig
 from specdecode.engine import kv_cache
-from specdecode.engine.protocol import Drafter, DraftPolicy
+from specdecode.engine.banned_words import BannedWordMatcher, BannedWords
+from specdecode.engine.protocol import Draft, Drafter, DraftPolicy
 from specdecode.engine.sampling import Sampler, check_finite
 from specdecode.engine.stats import SpecDecodingStats
 from specdecode.engine.verification import greedy_verify, rejection_sample
@@ -46,7 +49,8 @@ class GenerationResult:
     Attributes:
         token_ids: The new token ids (prompt excluded), EOS or stop string included.
         text: ``token_ids`` decoded without special tokens ("" when no tokenizer was given).
-        finish_reason: "eos", "stop_string" or "length".
+        finish_reason: "eos", "stop_string", "length", or "banned_word" (a banned word could
+            not be avoided without taking back text already streamed; see ``GenerationStream``).
         stats: Counts and timings.
     """
 
@@ -88,6 +92,20 @@ class GenerationStream:
 
     After the iteration ends, ``token_ids``, ``finish_reason`` and ``stats`` hold the
     outcome. Made by ``SpeculativeDecoder.stream``.
+
+    With ``GenerationConfig.banned_words``, a list holds only tokens that can no longer
+    become part of a banned word (the tail that may still start one is held back), so
+    no prefix of the stream ever contains a banned word. ``forbidden_tokens`` then maps
+    each generated position (0 = the first new token) to the token ids masked there.
+
+    Semantics: under greedy decoding the output is the target's greedy output with
+    those (position, token) pairs masked, a deterministic function of the prompt and
+    the list. A mask holds for the prefix it was made for: rolling back to an earlier
+    position drops the masks after it. Under sampling, rolling back and masking is *not* exact conditioning of
+    the target's distribution on "contains no banned word": the masked token's
+    probability mass moves to the other tokens at that one position only, whereas
+    exact conditioning would reweight every earlier token by how likely its
+    continuations are to avoid the words (intractable without enumerating them).
     """
 
     def __init__(
@@ -104,6 +122,7 @@ class GenerationStream:
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
         self.stats = SpecDecodingStats(num_prompt_tokens=int(input_ids.shape[1]))
+        self.forbidden_tokens: dict[int, list[int]] = {}
         self._started = False
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -116,10 +135,20 @@ class GenerationStream:
         dec, config, stats = self._decoder, self.config, self.stats
         stop = _StopStrings(dec.tokenizer, config.stop_strings)
         eos = dec.eos_token_ids if config.stop_on_eos else frozenset()
-        state = _Round(dec, self._input_ids, config, stats, self._prompt_cache)
+        banned = (
+            BannedWords(
+                config.banned_words,
+                ignore_case=config.banned_words_ignore_case,
+                whole_word=config.banned_words_whole_word,
+            ).matcher(dec.tokenizer)
+            if config.banned_words
+            else None
+        )
+        state = _Round(dec, self._input_ids, config, stats, self._prompt_cache, banned)
         t0 = time.perf_counter()
         new = state.prefill()
         stats.prefill_time_s = time.perf_counter() - t0
+        released = 0  # tokens handed to the caller; with banned words, the rest may still be rolled back
         # Decode time counts the loop's own work, not the consumer's between yields.
         while True:
             t1 = time.perf_counter()
@@ -135,13 +164,16 @@ class GenerationStream:
             self.token_ids.extend(new)
             keep = stop.cut(self.token_ids, len(new))
             if keep is not None:
-                new = new[: len(new) - (len(self.token_ids) - keep)]
                 del self.token_ids[keep:]
                 self.finish_reason = "stop_string"
+            safe = len(self.token_ids)
+            if banned is not None:
+                safe = self._check_banned(banned, state, released)
             stats.num_new_tokens = len(self.token_ids)
             stats.decode_time_s += time.perf_counter() - t1
-            if new:
-                yield new
+            if safe > released:
+                yield self.token_ids[released:safe]
+                released = safe
             if self.finish_reason is not None:
                 break
             t1 = time.perf_counter()
@@ -149,9 +181,49 @@ class GenerationStream:
             stats.decode_time_s += time.perf_counter() - t1
         stats.num_draft_forwards = dec.drafter.num_forwards if dec.drafter is not None else 0
 
+    def _check_banned(self, banned: BannedWordMatcher, state: _Round, released: int) -> int:
+        """Match the new tokens; on a banned word, roll back and mask. Returns how many tokens are safe.
+
+        The output is cut back to the token where the word begins, that token is forbidden
+        at that position, and both caches go back there. Masks after the cut are dropped:
+        they were made for a prefix that no longer exists. Text already released to the
+        caller cannot change, so a word that began in it is cut at the first unreleased
+        token instead (that token is what completed or continued it). If the whole
+        vocabulary is then forbidden at a position, the cut backs off one more token
+        (never into the prompt, nor into released tokens); when nothing is left to change,
+        generation ends with ``finish_reason = "banned_word"``. Every rollback adds a mask
+        at the cut and drops only masks after it, so the masks grow in position order and
+        the loop ends.
+        """
+        ids, stats = self.token_ids, self.stats
+        banned.extend(ids[len(banned.token_ids) :])
+        cut = banned.violation(final=self.finish_reason is not None)
+        if cut is None:
+            return len(ids) if self.finish_reason is not None else banned.num_safe()
+        cut = max(cut, released)
+        stats.num_banned_word_rollbacks += 1
+        n = state.num_prompt_tokens
+        self.finish_reason = None
+        while released <= cut < len(ids):
+            state.forget_masks_after(n + cut)
+            for later in [p for p in self.forbidden_tokens if p > cut]:
+                del self.forbidden_tokens[later]
+            self.forbidden_tokens.setdefault(cut, []).append(ids[cut])
+            if not state.forbid(n + cut, ids[cut]):
+                break
+            cut -= 1  # every token is forbidden at n + cut: back off
+        else:
+            cut, self.finish_reason = released, "banned_word"
+        stats.num_banned_word_discarded_tokens += len(ids) - cut
+        del ids[cut:]
+        banned.truncate(cut)
+        if self.finish_reason is None:
+            state.rewind(n + cut)
+        return banned.num_safe() if self.finish_reason is None else len(ids)
+
 
 class _Round:
-    """The mutable state of one generation: token buffer, target cache, sampler."""
+    """The mutable state of one generation: token buffer, target cache, sampler, banned-word masks."""
 
     def __init__(
         self,
@@ -160,13 +232,17 @@ class _Round:
         config: GenerationConfig,
         stats,
         prompt_cache: DynamicCache | None = None,
+        banned: BannedWordMatcher | None = None,
     ):
         self.dec = dec
+        self.banned = banned
+        # Banned-word masks: position in buf -> token ids the target may not produce there.
+        self.forbidden: dict[int, list[int]] = {}
         self.stats = stats
         self.config = config
         self.gamma = config.num_speculative_tokens if dec.drafter is not None else 0
         device = input_ids.device
-        n = input_ids.shape[1]
+        n = self.num_prompt_tokens = input_ids.shape[1]
         self.buf = torch.empty((1, n + config.max_new_tokens + self.gamma + 1), dtype=torch.long, device=device)
         self.buf[:, :n] = input_ids
         self.length = n  # tokens in buf; the last one, once generated, is in no cache yet
@@ -184,6 +260,56 @@ class _Round:
         )
         if self.control is not None and self.control.exit is not None:
             stats.final_draft_threshold = self.control.exit.threshold
+
+    def forbid(self, position: int, token: int) -> bool:
+        """Mask ``token`` at buffer ``position`` from now on; True when no token is left there."""
+        tokens = self.forbidden.setdefault(position, [])
+        if token not in tokens:
+            tokens.append(token)
+        return len(tokens) >= self.dec.vocab_size
+
+    def forget_masks_after(self, position: int) -> None:
+        """Drop the banned-word masks of positions after ``position`` (their prefix is being rolled back)."""
+        for later in [p for p in self.forbidden if p > position]:
+            del self.forbidden[later]
+
+    def rewind(self, length: int) -> None:
+        """Go back to the first ``length`` tokens of the buffer (prompt included, ``length`` > prompt - 1).
+
+        The last of them becomes the pending token again; both caches drop what follows
+        (``kv_cache.rollback`` may empty a sliding-window cache, which the next forward
+        then refills from the buffer).
+        """
+        self.length = length
+        self.num_cached = kv_cache.rollback(self.cache, self.num_cached, length - 1)
+        if self.dec.drafter is not None:
+            self.dec.drafter.rollback(length - 1)
+
+    def _mask(self, logits: torch.Tensor, first_position: int) -> None:
+        """Apply the banned-word masks to (k + 1, V) ``logits`` whose row i predicts ``first_position + i``."""
+        for i in range(logits.shape[0]):
+            tokens = self.forbidden.get(first_position + i)
+            if tokens:
+                logits[i, tokens] = float("-inf")
+
+    def _cut_draft(self, draft: Draft, L: int) -> Draft:
+        """End a draft block before a banned word it would spell, or before a forbidden token."""
+        tokens = draft.tokens.tolist()
+        keep = len(tokens)
+        for i, token in enumerate(tokens):
+            if token in self.forbidden.get(L + i, ()):
+                keep = i
+                break
+        matcher = self.banned
+        committed = len(matcher.token_ids)
+        matcher.extend(tokens[:keep])
+        cut = matcher.violation()
+        matcher.truncate(committed)
+        if cut is not None:
+            keep = min(keep, max(cut - committed, 0))
+        if keep == len(tokens):
+            return draft
+        return Draft(draft.tokens[:keep], None if draft.probs is None else draft.probs[:keep])
 
     def _confidence(self, logits: torch.Tensor, probs: torch.Tensor | None, row: int, token: int) -> float:
         """The target's probability of ``token`` at ``row`` (warped when sampling); one host sync."""
@@ -232,15 +358,19 @@ class _Round:
                 draft = drafter.propose(buf[:, :L], k)
             else:
                 draft = drafter.propose(buf[:, :L], k, exit_policy=control.exit)
+        if draft is not None and self.banned is not None and len(draft):
+            draft = self._cut_draft(draft, L)
         k = len(draft) if draft is not None else 0
         if k:
             buf[0, L : L + k] = draft.tokens
-        # verify
+        # verify (the cache holds L - 1 positions, or fewer after a banned-word rewind emptied it)
         logits = self.dec.target(
-            buf[:, L - 1 : L + k], past_key_values=self.cache, use_cache=True
+            buf[:, self.num_cached : L + k], past_key_values=self.cache, use_cache=True, logits_to_keep=k + 1
         ).logits[0]
-        self.num_cached += k + 1
+        self.num_cached = L + k
         check_finite(logits, "target model")
+        if self.forbidden:
+            self._mask(logits, L)
         probs = None
         if sampler.greedy:
             if k:

@@ -7,6 +7,12 @@ put in transformers' "past recording" mode: every layer keeps what it needs
 until the next ``crop``, and each crop (including ``crop(0)``) trims it back
 to the window. Every forward of a speculative round is therefore followed by
 exactly one ``rollback`` call, also when nothing is rejected.
+
+A rollback deeper than one round (a banned-word rollback, ``engine.banned_words``)
+can reach past what a sliding layer kept: it holds the last ``window - 1``
+positions after a trim, so going back r more positions would leave its window r
+keys short. Then ``rollback`` empties the whole cache and returns 0, and the
+caller re-encodes the sequence (rare; exact either way).
 """
 
 from __future__ import annotations
@@ -29,7 +35,25 @@ def rollback(cache: DynamicCache, num_cached: int, num_valid: int) -> int:
         cache: The cache to trim in place.
         num_cached: Positions it holds now.
         num_valid: Positions whose keys and values belong to confirmed tokens.
+
+    Returns:
+        ``min(num_cached, num_valid)``; or 0 when a sliding-window layer no longer holds
+        every key the position after ``num_valid`` attends to, and the cache was emptied.
     """
     excess = max(num_cached - num_valid, 0)
+    if excess and _loses_window(cache, num_cached, num_valid):
+        cache.crop(-num_cached)
+        return 0
     cache.crop(-excess)
     return num_cached - excess
+
+
+def _loses_window(cache: DynamicCache, num_cached: int, num_valid: int) -> bool:
+    """Whether a sliding layer lacks keys that position ``num_valid`` attends to once cropped there."""
+    for layer in cache.layers:
+        if not getattr(layer, "is_sliding", False) or getattr(layer, "keys", None) is None:
+            continue
+        oldest_kept = num_cached - layer.keys.shape[-2]
+        if oldest_kept > max(0, num_valid - (layer.sliding_window - 1)):
+            return True
+    return False

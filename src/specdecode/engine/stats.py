@@ -26,6 +26,9 @@ class SpecDecodingStats:
             block (``specdecode.drafters.control``), or None when adaptive exit is off.
         num_gated_steps: Steps the target-confidence gate made plain target steps
             (no drafting) because the target's last token had low probability.
+        num_banned_word_rollbacks: Times a banned word completed and the output was
+            rolled back to where it began (``GenerationConfig.banned_words``).
+        num_banned_word_discarded_tokens: Tokens those rollbacks discarded.
     """
 
     num_prompt_tokens: int = 0
@@ -41,6 +44,8 @@ class SpecDecodingStats:
     decode_time_s: float = 0.0
     final_draft_threshold: float | None = None
     num_gated_steps: int = 0
+    num_banned_word_rollbacks: int = 0
+    num_banned_word_discarded_tokens: int = 0
 
     def record_block(self, num_drafted: int, num_accepted: int) -> None:
         """Account one verification forward that checked ``num_drafted`` tokens."""

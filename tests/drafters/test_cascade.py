@@ -1,0 +1,130 @@
+"""The cascade drafter: n-gram match first, then the draft model; exact greedy and sampling."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from conftest import make_tiny_model
+from helpers import perturbed_copy
+from selfspec_helpers import (  # noqa: F401  (one_thread is a fixture)
+    autoregressive,
+    exact_marginals,
+    one_thread,
+    sample_counts,
+    violations,
+)
+from specdecode import DraftControl, GenerationConfig, InvalidArgumentError, SpeculativeDecoder
+from specdecode.drafters import CascadeDrafter
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+REPETITIVE = [5, 9, 12, 7, 5, 9, 12, 7, 5, 9, 12, 7, 20, 21, 5, 9]
+
+
+class Spy(CascadeDrafter):
+    """Records how each block was made: (n-gram tokens, model tokens), and where it started."""
+
+    def __init__(self, *a, **k) -> None:
+        super().__init__(*a, **k)
+        self.blocks: list[tuple[int, int]] = []
+        self.drafts: list[tuple[int, list[int]]] = []  # (position of the first draft token, tokens)
+
+    def propose(self, sequence, max_tokens, exit_policy=None):
+        before = self.num_ngram_tokens
+        draft = super().propose(sequence, max_tokens, exit_policy)
+        m = self.num_ngram_tokens - before
+        self.blocks.append((m, len(draft) - m))
+        self.drafts.append((sequence.shape[1], draft.tokens.tolist()))
+        return draft
+
+
+def test_ngram_tokens_come_first_and_the_model_continues_after_them():
+    target = make_tiny_model("llama", num_layers=2)
+    draft = make_tiny_model("llama", num_layers=1, seed=4)
+    drafter = CascadeDrafter(draft, max_ngram=2)
+    seq = torch.tensor([[5, 6, 7, 8, 5, 6]])
+    from specdecode.engine.sampling import Sampler
+
+    sampler = Sampler(GenerationConfig(), target.config.vocab_size, "cpu")
+    drafter.begin(seq[:, :4], sampler, None)
+    block = drafter.propose(seq, 5)
+    # (5, 6) occurred at 0, followed by 7, 8, 5, 6: all four come from the match, then one from the model.
+    assert block.tokens[:4].tolist() == [7, 8, 5, 6]
+    with torch.no_grad():  # the model's token is its greedy choice after the match
+        expected = int(draft(torch.cat([seq, block.tokens[:4].view(1, -1)], dim=1)).logits[0, -1].argmax())
+    assert block.tokens[4:].tolist() == [expected]
+    assert drafter.num_ngram_tokens == 4 and drafter.num_forwards == 2  # prefill + one draft forward
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 8])
+def test_greedy_equals_autoregressive(arch, gamma):
+    """Blocks mix n-gram and model tokens, and some are rejected in the n-gram part."""
+    target = make_tiny_model(arch, num_layers=2)
+    draft = perturbed_copy(target, noise=0.5, seed=gamma)
+    prompt = torch.tensor([REPETITIVE])
+    config = GenerationConfig(max_new_tokens=30, num_speculative_tokens=gamma, stop_on_eos=False)
+    drafter = Spy(draft)
+    result = SpeculativeDecoder(target, drafter).generate(prompt, config)
+    assert result.token_ids == autoregressive(target, prompt, config), (arch, gamma)
+    assert any(m for m, _ in drafter.blocks) and any(k for _, k in drafter.blocks)
+    if arch == "llama" and gamma > 1:  # this model follows the repeats: blocks start with n-gram tokens
+        assert any(m and k for m, k in drafter.blocks), "no block mixed n-gram and model tokens"
+
+
+def test_greedy_exact_when_the_ngram_part_is_rejected():
+    """A prompt whose repeats the target does not follow: n-gram drafts get rejected, output stays exact."""
+    target = make_tiny_model("qwen2", num_layers=2, seed=1)
+    draft = perturbed_copy(target, noise=0.5, seed=7)
+    prompt = torch.tensor([[30, 31, 32, 33, 34, 35, 30, 31, 32, 33, 34, 35, 30]])
+    config = GenerationConfig(max_new_tokens=24, num_speculative_tokens=4, stop_on_eos=False)
+    drafter = Spy(draft)
+    result = SpeculativeDecoder(target, drafter).generate(prompt, config)
+    assert result.token_ids == autoregressive(target, prompt, config)
+    full = prompt[0].tolist() + result.token_ids
+    rejected_ngram_first = [
+        (start, tokens) for (start, tokens), (m, _) in zip(drafter.drafts, drafter.blocks)
+        if m and start < len(full) and tokens[0] != full[start]
+    ]
+    assert rejected_ngram_first, "no block had its first (n-gram) token rejected"
+
+
+def test_adaptive_exit_applies_to_the_model_part():
+    target = make_tiny_model("mistral", num_layers=2)
+    draft = perturbed_copy(target, noise=0.5, seed=2)
+    prompt = torch.tensor([REPETITIVE])
+    config = GenerationConfig(max_new_tokens=30, stop_on_eos=False)
+    dec = SpeculativeDecoder(target, CascadeDrafter(draft), draft_control=DraftControl(adaptive_exit=True))
+    assert dec.generate(prompt, config).token_ids == autoregressive(target, prompt, config)
+
+
+def test_sampling_preserves_target_distribution():
+    """Mixed blocks: one-hot rows for the n-gram part, the model's q for the rest."""
+    vocab, n = 8, 600
+    model = make_tiny_model("qwen2", num_layers=1, vocab_size=vocab, seed=2)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(0.25)  # spread-out distributions: rejections happen
+    draft = perturbed_copy(model, noise=2.0, seed=3)
+    prompt = [5, 3, 6, 5, 3, 4, 6, 5, 7]
+    # Tokens 2-3 come out of one verified block of up to 3 tokens; the lookup after the first
+    # token gives at most 2 (the prompt's last occurrence of it is near the end), the model the rest.
+    config = GenerationConfig(max_new_tokens=4, num_speculative_tokens=3, stop_on_eos=False, temperature=1.0)
+    dec = SpeculativeDecoder(model, CascadeDrafter(draft, max_ngram=2))
+    freq = sample_counts(dec, prompt, config, n, vocab)
+    exact = exact_marginals(model, prompt, config, vocab)
+    assert violations(exact, freq, n) == []
+    # Negative control: the draft model's own law is rejected by the same test.
+    assert violations(exact_marginals(draft, prompt, config, vocab), freq, n) != []
+    spy = Spy(draft, max_ngram=2)
+    spied = SpeculativeDecoder(model, spy)
+    runs = [spied.generate(prompt, dataclasses.replace(config, seed=s)).stats for s in range(30)]
+    drafted = sum(r.num_drafted_tokens for r in runs)
+    assert 0 < sum(r.num_accepted_tokens for r in runs) < drafted
+    assert any(m and k for m, k in spy.blocks), "no block mixed n-gram and model tokens"
+
+
+def test_bad_ngram_sizes_are_refused():
+    with pytest.raises(InvalidArgumentError, match="min_ngram \\(3\\) must be <= max_ngram \\(2\\)"):
+        CascadeDrafter(make_tiny_model("llama", num_layers=1), max_ngram=2, min_ngram=3)
