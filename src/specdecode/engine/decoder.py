@@ -122,8 +122,16 @@ class GenerationStream:
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
         self.stats = SpecDecodingStats(num_prompt_tokens=int(input_ids.shape[1]))
-        self.forbidden_tokens: dict[int, list[int]] = {}
+        self._state: _Round | None = None
         self._started = False
+
+    @property
+    def forbidden_tokens(self) -> dict[int, list[int]]:
+        """Banned-word masks: generated position (0 = the first new token) -> masked token ids."""
+        if self._state is None:
+            return {}
+        n = self._state.num_prompt_tokens
+        return {p - n: list(tokens) for p, tokens in sorted(self._state.forbidden.items())}
 
     def __iter__(self) -> Iterator[list[int]]:
         if self._started:
@@ -144,7 +152,7 @@ class GenerationStream:
             if config.banned_words
             else None
         )
-        state = _Round(dec, self._input_ids, config, stats, self._prompt_cache, banned)
+        state = self._state = _Round(dec, self._input_ids, config, stats, self._prompt_cache, banned)
         t0 = time.perf_counter()
         new = state.prefill()
         stats.prefill_time_s = time.perf_counter() - t0
@@ -206,9 +214,6 @@ class GenerationStream:
         self.finish_reason = None
         while released <= cut < len(ids):
             state.forget_masks_after(n + cut)
-            for later in [p for p in self.forbidden_tokens if p > cut]:
-                del self.forbidden_tokens[later]
-            self.forbidden_tokens.setdefault(cut, []).append(ids[cut])
             if not state.forbid(n + cut, ids[cut]):
                 break
             cut -= 1  # every token is forbidden at n + cut: back off
