@@ -18,9 +18,20 @@ from specdecode import bench
 from specdecode.config import GenerationConfig
 from specdecode.drafters.control import LENGTH_SCHEDULES, DraftControl
 from specdecode.errors import SpecDecodeError
+from specdecode.models.quantize import QUANTIZE_SCHEMES
 from specdecode.pipeline import DEFAULT_DRAFT, DEFAULT_TARGET, METHODS
 
 EXIT_BAD_INPUT = 2
+
+
+def _add_quantize_arguments(p: argparse.ArgumentParser) -> None:
+    """--quantize and --draft-quantize (generate and bench; search has its own, target-only)."""
+    p.add_argument("--quantize", default="none", choices=QUANTIZE_SCHEMES,
+                   help="weight-only quantized linear layers on CPU for target and draft: a different model "
+                   "from the unquantized one (default none)")
+    p.add_argument("--draft-quantize", default=None, choices=QUANTIZE_SCHEMES,
+                   help="quantization of the draft model alone (default: as --quantize); a quantized draft "
+                   "leaves the output unchanged")
 
 
 def _add_generate(sub) -> None:
@@ -48,6 +59,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--num-speculative-tokens", "-g", type=int, default=GenerationConfig.num_speculative_tokens,
                    help="gamma: tokens drafted per target forward")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    _add_quantize_arguments(p)
     p.add_argument("--device", default="auto")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats) only")
     g = p.add_argument_group("self-speculative and model-free drafting")
@@ -62,6 +74,9 @@ def _add_generate(sub) -> None:
                    help="prompt-lookup and cascade: longest n-gram matched")
     g.add_argument("--prompt-lookup-min-ngram", type=int, default=1,
                    help="prompt-lookup and cascade: shortest n-gram matched")
+    p.add_argument("--draft-vocab-size", type=int, metavar="K", default=None,
+                   help="draft and cascade: the draft model proposes only among the K most frequent tokens and "
+                        "computes those LM-head rows alone (FR-Spec); 0 or unset: the full head")
     c = p.add_argument_group("draft length control")
     c.add_argument("--adaptive-draft-exit", action="store_true",
                    help="Draft & Verify adaptive draft exit: stop drafting below a self-tuning confidence "
@@ -134,6 +149,20 @@ def _check_method_options(args) -> None:
         raise InvalidArgumentError(f"--exit-layer {args.exit_layer} is out of range: it must be in 1..L-1")
     if args.method in ("prompt-lookup", "cascade"):
         PromptLookupDrafter(args.prompt_lookup_max_ngram, args.prompt_lookup_min_ngram)
+    if args.draft_vocab_size is not None and args.draft_vocab_size < 0:
+        raise InvalidArgumentError(
+            f"--draft-vocab-size {args.draft_vocab_size} is out of range: use K in S..V (S special tokens, V the "
+            "vocabulary size) or 0 for the full head"
+        )
+    if args.draft_quantize is not None and args.method not in ("draft", "cascade"):
+        raise InvalidArgumentError(
+            f"--draft-quantize applies to --method draft or cascade (the draft model), not {args.method!r}; "
+            "use --quantize for the target"
+        )
+    if args.draft_vocab_size and args.method not in ("draft", "cascade"):
+        raise InvalidArgumentError(
+            f"--draft-vocab-size applies to --method draft or cascade (a draft model's head), not {args.method!r}"
+        )
 
 
 def cmd_generate(args) -> int:
@@ -176,8 +205,11 @@ def cmd_generate(args) -> int:
         prompt_lookup_min_ngram=args.prompt_lookup_min_ngram,
         draft_control=control if control.active else None,
     )
+    if args.draft_vocab_size:
+        options["draft_vocab_size"] = args.draft_vocab_size
     draft = args.draft if args.method in ("draft", "cascade") else None
-    gen = SpeculativeGenerator.from_pretrained(args.target, draft, dtype=args.dtype, device=args.device)
+    gen = SpeculativeGenerator.from_pretrained(args.target, draft, dtype=args.dtype, device=args.device,
+                                              quantize=args.quantize, draft_quantize=args.draft_quantize)
     stream = gen.stream(args.prompt, config, method=args.method, chat=args.chat, **options)
     if args.json:
         for _ in stream:
@@ -193,6 +225,7 @@ def cmd_generate(args) -> int:
             "skip_layers": args.skip_layers,
             "skip_config": args.skip_config,
             "exit_layer": args.exit_layer,
+            "draft_vocab_size": args.draft_vocab_size or None,
             "draft_control": dataclasses.asdict(control) if control.active else None,
             "dtype": str(gen.target.model.dtype).removeprefix("torch."),
             "device": str(gen.target.model.device),
@@ -273,6 +306,9 @@ def _add_search(sub) -> None:
                         f"failed and re-queued (default {d.heartbeat_interval_s})")
     p.add_argument("--seed", type=int, default=None, help="sampler seed (default random; differ per worker)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--quantize", default="none", choices=QUANTIZE_SCHEMES,
+                   help="weight-only quantized linear layers on CPU: a different model from the unquantized "
+                   "one, searched in its own study (default none)")
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default="search-out/best.json", help="best.json path; plots go beside it")
     p.add_argument("--plots", action=argparse.BooleanOptionalAction, default=True,
@@ -326,7 +362,8 @@ def _add_bench(sub) -> argparse.ArgumentParser:
     p.add_argument("--limit-per-category", type=int, default=None, help="first N prompts of each category")
     p.add_argument("--limit", type=int, default=None, help="first N prompts overall (after the category limit)")
     p.add_argument("--methods", nargs="+", default=None,
-                   help="methods to run (default: all whose requirements are met): "
+                   help="methods to run (default: all whose requirements are met, except llama-cpp, a "
+                   "reference column that runs only when named: pip install 'specdecode[llamacpp]'): "
                    + ", ".join(bench.available_methods())
                    + ". A specdecode method may carry options and draft-control modifiers: "
                    "NAME[:KEY=VALUE,...][+MODIFIER[=VALUE]...], e.g. early-exit:exit_layer=8+adaptive; "
@@ -337,6 +374,7 @@ def _add_bench(sub) -> argparse.ArgumentParser:
                    help="gamma of specdecode's speculative methods")
     p.add_argument("--seed", type=int, default=0, help="base seed of sampling (temperature > 0)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    _add_quantize_arguments(p)
     p.add_argument("--device", default="auto")
     p.add_argument("--repeats", type=int, default=1, help="runs per (method, prompt); tok/s is their median")
     p.add_argument("--warmup-tokens", type=int, default=8, help="length of each method's warm-up generation")

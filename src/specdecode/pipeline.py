@@ -31,10 +31,13 @@ from specdecode.config import GenerationConfig
 from specdecode.engine.decoder import GenerationResult, GenerationStream, SpeculativeDecoder
 from specdecode.drafters.control import DraftControl
 from specdecode.drafters import CascadeDrafter, DraftModelDrafter, Drafter
+from specdecode.drafters.draft_head import DraftHead
 from specdecode.drafters.early_exit import EarlyExitDrafter
 from specdecode.errors import InvalidArgumentError
 from specdecode.drafters.layer_skip import LayerSkipDrafter, SkipSet
 from specdecode.models import LoadedModel, check_vocabularies, load_model
+from specdecode.models.dense_cache import dense_cache_valid
+from specdecode.models.token_frequencies import TokenFrequencies, load_or_count, special_token_ids
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 
 logger = logging.getLogger(__name__)
@@ -62,14 +65,20 @@ class SpeculativeGenerator:
         draft: The loaded draft model, needed only for ``method="draft"`` and "cascade"; the
             self-speculative methods ("layer-skip", "early-exit") draft with the
             target, "prompt-lookup" with no model.
+        cache_dir: The cache folder the models were loaded with (None: the default), for what
+            is derived from the model files later (the bench's llama.cpp method assembles an
+            offline GGUF file there). The draft's token frequencies (``draft_vocab_size``) go
+            to its ``LoadedModel.dense_folder``.
 
     Raises:
         VocabularyMismatchError: If the draft's tokenizer maps tokens differently.
     """
 
-    def __init__(self, target: LoadedModel, draft: LoadedModel | None = None) -> None:
+    def __init__(self, target: LoadedModel, draft: LoadedModel | None = None, *, cache_dir=None) -> None:
         self.target = target
         self.draft = draft
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
+        self._token_frequencies: TokenFrequencies | None = None
         if draft is not None:
             check_vocabularies(target, draft)
         self._eos = eos_token_ids(target)
@@ -83,15 +92,23 @@ class SpeculativeGenerator:
         dtype: str | torch.dtype = "auto",
         device: str = "auto",
         cache_dir=None,
+        quantize: str = "none",
+        draft_quantize: str | None = None,
     ) -> SpeculativeGenerator:
         """Load target and draft (see ``specdecode.models.load_model`` for specs and errors).
+
+        ``quantize`` ("none", "int8", "int4"): weight-only quantized linear layers on CPU
+        (``specdecode.models.quantize``) for the target; ``draft_quantize`` for the draft
+        (None: the same as ``quantize``). A quantized draft with an unquantized target keeps
+        the output exactly the target's while making each draft step cheaper.
 
         ``draft=None`` loads no draft model: enough for every method but "draft" and "cascade"
         ("autoregressive", "layer-skip", "early-exit", "prompt-lookup").
         """
-        t = load_model(target, dtype=dtype, device=device, cache_dir=cache_dir)
-        d = load_model(draft, dtype=t.model.dtype, device=str(t.model.device), cache_dir=cache_dir) if draft else None
-        return cls(t, d)
+        t = load_model(target, dtype=dtype, device=device, cache_dir=cache_dir, quantize=quantize)
+        d = load_model(draft, dtype=t.model.dtype, device=str(t.model.device), cache_dir=cache_dir,
+                       quantize=quantize if draft_quantize is None else draft_quantize) if draft else None
+        return cls(t, d, cache_dir=cache_dir)
 
     @property
     def tokenizer(self):
@@ -136,6 +153,7 @@ class SpeculativeGenerator:
         exit_layer: int | None = None,
         prompt_lookup_max_ngram: int = 3,
         prompt_lookup_min_ngram: int = 1,
+        draft_vocab_size: int | None = None,
     ) -> Drafter | None:
         """The drafter for ``method`` (None for autoregressive).
 
@@ -146,15 +164,25 @@ class SpeculativeGenerator:
             exit_layer: N for "early-exit": the draft runs decoder layers 0..N-1 (1 <= N <= L-1).
             prompt_lookup_max_ngram, prompt_lookup_min_ngram: n-gram sizes of "prompt-lookup"
                 and of the n-gram part of "cascade" (1 <= min <= max).
+            draft_vocab_size: K for "draft" and "cascade": the draft model proposes only among
+                K frequent tokens and computes those LM-head rows alone (FR-Spec; see
+                ``draft_head``). 0 or None: the full head.
 
         Options a method does not use are ignored, so one set of options can serve
-        several methods (as in ``specdecode bench``).
+        several methods (as in ``specdecode bench``); ``draft_vocab_size`` is the exception,
+        refused by methods without a draft model.
 
         Raises:
             InvalidArgumentError: Unknown method; "draft" or "cascade" without a draft model;
                 "layer-skip" without a skip set, or with more than one; "early-exit"
-                without ``exit_layer``; or an option out of range.
+                without ``exit_layer``; ``draft_vocab_size`` with another method or out of
+                range; or an option out of range.
         """
+        if draft_vocab_size and method not in ("draft", "cascade"):
+            raise InvalidArgumentError(
+                f"draft_vocab_size={draft_vocab_size!r} (--draft-vocab-size) applies to the methods with a draft "
+                f"model, 'draft' and 'cascade', not to {method!r}"
+            )
         if method == "autoregressive":
             return None
         if method in ("draft", "cascade"):
@@ -163,9 +191,10 @@ class SpeculativeGenerator:
                     f"method {method!r} needs a draft model; pass draft=... (or use 'layer-skip', 'early-exit' "
                     "or 'prompt-lookup', which need none)"
                 )
+            head = self.draft_head(draft_vocab_size)
             if method == "cascade":
-                return CascadeDrafter(self.draft.model, prompt_lookup_max_ngram, prompt_lookup_min_ngram)
-            return DraftModelDrafter(self.draft.model)
+                return CascadeDrafter(self.draft.model, prompt_lookup_max_ngram, prompt_lookup_min_ngram, head)
+            return DraftModelDrafter(self.draft.model, head)
         if method == "layer-skip":
             given = [v for v in (skip_set, skip_layers, skip_config) if v is not None]
             if not given:
@@ -195,6 +224,59 @@ class SpeculativeGenerator:
             return PromptLookupDrafter(prompt_lookup_max_ngram, prompt_lookup_min_ngram)
         raise InvalidArgumentError(f"unknown method {method!r}; allowed: {', '.join(METHODS)}")
 
+    def draft_head(self, draft_vocab_size: int | None) -> DraftHead:
+        """The draft model's LM head for ``draft_vocab_size`` K: full for 0/None, else FR-Spec's K tokens.
+
+        The K tokens are every special and end-of-sequence token, then the best-ranked
+        others of ``token_frequencies()`` (``TokenFrequencies.top_ids``).
+
+        Raises:
+            InvalidArgumentError: No draft model, or K not an integer in S..V (S special tokens,
+                V the draft tokenizer's vocabulary), naming the value and the range.
+            VocabularyMismatchError: A stored frequency file was counted with another tokenizer.
+        """
+        if draft_vocab_size is None or (draft_vocab_size == 0 and not isinstance(draft_vocab_size, bool)):
+            return DraftHead.full()
+        if self.draft is None:
+            raise InvalidArgumentError("draft_vocab_size needs a draft model; pass draft=...")
+        tokenizer = self.draft.tokenizer
+        always = special_token_ids(tokenizer) | self._eos | eos_token_ids(self.draft)
+        vocab, low = len(tokenizer), max(1, len(always))
+        k = draft_vocab_size
+        if isinstance(k, bool) or not isinstance(k, int) or not low <= k <= vocab:
+            raise InvalidArgumentError(
+                f"draft_vocab_size {k!r} is out of range: allowed {low}..{vocab} (the draft tokenizer has {vocab} "
+                f"tokens, {len(always)} of them special or end-of-sequence tokens that are always kept), "
+                "or 0 / None for the full head"
+            )
+        freqs = self.token_frequencies()
+        ids = freqs.top_ids(k, always)
+        logger.info("truncated draft head: K = %d of %d tokens (%.4f of the frequency corpus's tokens)",
+                    k, vocab, freqs.coverage(ids))
+        return DraftHead.truncated(ids)
+
+    def token_frequencies(self) -> TokenFrequencies:
+        """The draft tokenizer's token frequencies: read from the draft's dense cache, else counted.
+
+        Counted once per generator on ``specdecode.models.token_frequencies.default_corpus`` and
+        stored next to the draft model's dense copy when it has one (GGUF and offline models),
+        so the next start reads them; other models count in memory each start.
+
+        Raises:
+            InvalidArgumentError: No draft model, or a stored file that cannot be read.
+            VocabularyMismatchError: A stored file was counted with another tokenizer.
+        """
+        if self.draft is None:
+            raise InvalidArgumentError("token frequencies are the draft model's; this generator has no draft model")
+        if self._token_frequencies is None:
+            self._token_frequencies = load_or_count(self.draft.tokenizer, self._draft_dense_folder())
+        return self._token_frequencies
+
+    def _draft_dense_folder(self) -> Path | None:
+        """The dense-cache folder of the draft model, or None (a folder or hub model has none)."""
+        folder = self.draft.dense_folder
+        return folder if folder is not None and dense_cache_valid(folder) else None
+
     def decoder(
         self,
         method: str = "draft",
@@ -206,6 +288,7 @@ class SpeculativeGenerator:
         exit_layer: int | None = None,
         prompt_lookup_max_ngram: int = 3,
         prompt_lookup_min_ngram: int = 1,
+        draft_vocab_size: int | None = None,
     ) -> SpeculativeDecoder:
         """A ``SpeculativeDecoder`` over the target with the drafter of ``method``.
 
@@ -213,7 +296,7 @@ class SpeculativeGenerator:
             method: One of ``METHODS``.
             draft_control: Adaptive draft exit, length schedule and confidence gating
                 (``specdecode.drafters.control.DraftControl``); ignored by "autoregressive".
-            skip_set .. prompt_lookup_min_ngram: See ``make_drafter``.
+            skip_set .. draft_vocab_size: See ``make_drafter``.
 
         Raises:
             InvalidArgumentError: See ``make_drafter``; also adaptive draft exit with
@@ -227,6 +310,7 @@ class SpeculativeGenerator:
             exit_layer=exit_layer,
             prompt_lookup_max_ngram=prompt_lookup_max_ngram,
             prompt_lookup_min_ngram=prompt_lookup_min_ngram,
+            draft_vocab_size=draft_vocab_size,
         )
         return SpeculativeDecoder(
             self.target.model, drafter, eos_token_ids=self._eos, tokenizer=self.tokenizer, draft_control=draft_control

@@ -18,6 +18,10 @@ Methods:
 * ``hf-prompt-lookup``: ``generate(prompt_lookup_num_tokens=10)``.
 * every method in ``specdecode.pipeline.METHODS`` (read at run time, so new
   methods appear here without code), run through ``SpeculativeGenerator.decoder``.
+* ``llama-cpp``: llama.cpp (``pip install 'specdecode[llamacpp]'``) on the target's
+  GGUF file, target only, with the same prompt ids, threads and greedy settings; a
+  reference column next to ours (``vs_llama_cpp``), never a speedup baseline, and run
+  only when named.
 
 Speedups are relative to the *faster* of ``hf-generate`` and ``autoregressive``
 in the same category (``speedups``), with tokens/s aggregated as total new
@@ -36,6 +40,7 @@ Modules:
   ``resolve_methods`` and the runners);
 * ``settings``: ``BenchSettings``, how every method generates;
 * ``runner``: ``run_bench``, the run itself;
+* ``llamacpp``: the ``llama-cpp`` reference method (``LlamaCppRunner``, ``gguf_file``);
 * ``records``: the results folder (``RecordStore``, ``run_identity``, ``environment``);
 * ``report``: ``summarize``, ``speedups``, ``markdown_report`` and the plots;
 * ``datasets``: the prompt sets (Spec-Bench, HumanEval, JSONL), shared with ``specdecode search``;
@@ -43,6 +48,7 @@ Modules:
 """
 
 from specdecode.bench.command import run
+from specdecode.bench.llamacpp import LlamaCppRunner, gguf_file
 from specdecode.bench.methods import (
     DEFAULT_GATE_THRESHOLD,
     DRAFTER_OPTIONS,
@@ -69,6 +75,7 @@ from specdecode.bench.records import (
 from specdecode.bench.report import (
     ACCEPTANCE_PNG,
     BASELINES,
+    LLAMA_CPP,
     NOTES,
     OVERALL,
     REFERENCE_METHOD,
@@ -94,6 +101,7 @@ __all__ = [
     "DEFAULT_GATE_THRESHOLD",
     "DRAFTER_OPTIONS",
     "HF_METHODS",
+    "LLAMA_CPP",
     "METHOD_MODIFIERS",
     "NOTES",
     "OVERALL",
@@ -106,6 +114,7 @@ __all__ = [
     "BenchSettings",
     "DrafterOption",
     "HFMethod",
+    "LlamaCppRunner",
     "MethodSpec",
     "ProgressCallback",
     "PromptPrefix",
@@ -115,6 +124,7 @@ __all__ = [
     "check_method_names",
     "environment",
     "first_divergence",
+    "gguf_file",
     "markdown_report",
     "plot_acceptance",
     "plot_speedups",

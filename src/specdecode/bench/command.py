@@ -7,6 +7,7 @@ table on stdout, with rich). Its parser is ``specdecode.cli``'s ``_add_bench``, 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import shlex
 import sys
@@ -14,13 +15,15 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from specdecode import pipeline
+from specdecode.bench.llamacpp import check_available
 from specdecode.bench.methods import DRAFTER_OPTIONS, available_methods, check_method_names
 from specdecode.bench.records import RECORDS_FILE, SETTINGS_FILE, RecordStore
-from specdecode.bench.report import (ACCEPTANCE_PNG, OVERALL, REFERENCE_METHOD, RESULTS_JSON, RESULTS_MD,
-                                     SPEEDUP_PNG, format_value)
+from specdecode.bench.report import (ACCEPTANCE_PNG, LLAMA_CPP, OVERALL, REFERENCE_METHOD, RESULTS_JSON,
+                                     RESULTS_MD, SPEEDUP_PNG, format_value)
 from specdecode.bench.runner import run_bench
 from specdecode.bench.settings import BenchSettings
 from specdecode.engine.banned_words import read_banned_words
+from specdecode.errors import InvalidArgumentError
 
 
 def _split_list(values: Sequence[str] | None, separator: str = ",") -> list[str] | None:
@@ -75,6 +78,10 @@ def run(args) -> int:
     methods = _split_list(args.methods, _method_separator())
     if methods is not None:
         methods = check_method_names(methods)
+    if args.draft_quantize is not None and _draft_spec(args) is None:
+        raise InvalidArgumentError("--draft-quantize needs a draft model (--draft); use --quantize for the target")
+    if methods is not None and LLAMA_CPP in methods:  # its extra and the target's GGUF file, before loading
+        settings = dataclasses.replace(settings, gguf_file=str(check_available(args.target)))
     prompts = load_prompts(
         args.dataset,
         categories=_split_list(args.categories),
@@ -85,7 +92,8 @@ def run(args) -> int:
     err = Console(stderr=True)
     with err.status(f"loading {args.target}" + (f" and {_draft_spec(args)}" if _draft_spec(args) else "")):
         generator = pipeline.SpeculativeGenerator.from_pretrained(
-            args.target, _draft_spec(args), dtype=args.dtype, device=args.device
+            args.target, _draft_spec(args), dtype=args.dtype, device=args.device, quantize=args.quantize,
+            draft_quantize=args.draft_quantize,
         )
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("ETA"), TimeRemainingColumn())
@@ -107,11 +115,14 @@ def run(args) -> int:
                   "run the same command again to resume")
         return 130
     table = Table(title=f"specdecode bench: {len(prompts)} prompts, {args.dataset}")
-    for col in ("method", "tok/s", "speedup", "acceptance", "τ", "exact match vs AR"):
+    llama = LLAMA_CPP in results["summary"]  # a reference column: our tok/s next to llama.cpp's
+    for col in ("method", "tok/s", "speedup", *(["vs llama.cpp"] if llama else []), "acceptance", "τ",
+                "exact match vs AR"):
         table.add_column(col, justify="left" if col == "method" else "right")
     for method, by_cat in results["summary"].items():
         o = by_cat[OVERALL]
         table.add_row(method, format_value(o["tokens_per_s"]), format_value(o["speedup"], "{:.2f}×"),
+                      *([format_value(o.get("vs_llama_cpp"), "{:.2f}×")] if llama else []),
                       format_value(o["acceptance_rate"], "{:.1%}"), format_value(o["mean_accepted_tokens"]),
                       "ref" if method == REFERENCE_METHOD else format_value(o["exact_match_rate"], "{:.0%}"))
     out = Console()

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from specdecode import pipeline
-from specdecode.bench.report import BASELINES
+from specdecode.bench.llamacpp import LlamaCppRunner
+from specdecode.bench.report import BASELINES, LLAMA_CPP
 from specdecode.bench.settings import BenchSettings
 from specdecode.config import check_num_speculative_tokens
 from specdecode.drafters.control import DraftControl
@@ -195,7 +196,7 @@ class MethodSpec:
                 control["length_schedule"] = "heuristic"
             else:
                 control["confidence_gate"] = DEFAULT_GATE_THRESHOLD if number is None else number
-        if (options or control) and (base in HF_METHODS or base == "autoregressive"):
+        if (options or control) and (base in HF_METHODS or base in ("autoregressive", LLAMA_CPP)):
             raise InvalidArgumentError(
                 f"method {name!r}: {base!r} takes no options or modifiers (only specdecode's speculative methods do)"
             )
@@ -206,8 +207,9 @@ class MethodSpec:
 
 
 def available_methods() -> list[str]:
-    """Every method the bench knows now: the two baselines, the transformers variants, then ``pipeline.METHODS``."""
-    names = ["hf-generate", "autoregressive", "hf-assisted", "hf-prompt-lookup", *pipeline.METHODS]
+    """Every method the bench knows now: the two baselines, the transformers variants, the llama.cpp
+    reference (``specdecode.bench.llamacpp``), then ``pipeline.METHODS``."""
+    names = ["hf-generate", "autoregressive", "hf-assisted", "hf-prompt-lookup", LLAMA_CPP, *pipeline.METHODS]
     return list(dict.fromkeys(names))
 
 
@@ -543,14 +545,16 @@ def resolve_methods(
 
     Args:
         methods: The methods to run; ``None``: every available method whose requirements
-            (such as a draft model) are met; the others are skipped and reported.
+            (such as a draft model) are met, but ``llama-cpp`` (a reference, run only when
+            named); the others are skipped and reported.
 
     Returns:
         (method -> runner, skipped method -> reason).
 
     Raises:
         InvalidArgumentError: An unknown method, or a requested method whose requirements
-            are not met (e.g. it needs a draft model and none is loaded).
+            are not met (no draft model loaded; llama-cpp-python missing or a non-GGUF target).
+        ModelNotFoundError, ChecksumMismatchError, UnsupportedModelError: ``llama-cpp``'s GGUF file.
     """
     explicit = methods is not None
     names = check_method_names(methods) if explicit else available_methods()
@@ -558,7 +562,11 @@ def resolve_methods(
     skipped: dict[str, str] = {}
     for name in names:
         try:
-            if name in HF_METHODS:
+            if name == LLAMA_CPP:  # a second engine and model in memory: only when asked for
+                if not explicit:
+                    raise InvalidArgumentError(f"{name!r} is a reference and runs only when named in the methods")
+                runners[name] = LlamaCppRunner(generator, settings)
+            elif name in HF_METHODS:
                 spec = HF_METHODS[name]
                 if settings.banned_words:
                     raise InvalidArgumentError(
@@ -572,7 +580,10 @@ def resolve_methods(
                 runners[name] = _HFRunner(spec, generator, settings)
             else:
                 spec = MethodSpec.parse(name)
-                options = {} if spec.base == "autoregressive" else {**settings.drafter_options, **spec.options}
+                run_wide = dict(settings.drafter_options)
+                if spec.base not in ("draft", "cascade"):  # a run-wide draft head is the draft model's alone
+                    run_wide.pop("draft_vocab_size", None)
+                options = {} if spec.base == "autoregressive" else {**run_wide, **spec.options}
                 if spec.draft_control is not None:
                     options["draft_control"] = spec.draft_control
                 runners[name] = _SpecdecodeRunner(

@@ -36,10 +36,14 @@ def run_identity(generator: pipeline.SpeculativeGenerator, settings: BenchSettin
     Repeats, prompts and methods are not part of it: a later run may add them.
     """
     model = generator.target.model
+    draft_quantize = generator.draft.quantize if generator.draft is not None else "none"
+    # Only quantized runs name their quantization, so folders made before it existed still resume.
+    quantized = {"quantize": generator.target.quantize, "draft_quantize": draft_quantize}
     return {
         "target": generator.target.name,
         "draft": generator.draft.name if generator.draft is not None else None,
         "dtype": str(model.dtype).removeprefix("torch."),
+        **({} if set(quantized.values()) == {"none"} else quantized),
         "device": str(model.device),
         "max_new_tokens": settings.max_new_tokens,
         "temperature": settings.temperature,
@@ -87,6 +91,11 @@ def environment(generator: pipeline.SpeculativeGenerator) -> dict:
         "cpus_usable": affinity,
         "torch_threads": torch.get_num_threads(),
         "dtype": str(model.dtype).removeprefix("torch."),
+        "quantization": {
+            role: summary.as_dict()
+            for role, loaded in (("target", generator.target), ("draft", generator.draft))
+            if loaded is not None and (summary := getattr(loaded.model, "specdecode_quantization", None)) is not None
+        },
         "device": str(model.device),
         "cuda_device": torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else None,
     }

@@ -20,6 +20,7 @@ from specdecode.files import write_png_atomic, write_text_atomic
 
 BASELINES = ("hf-generate", "autoregressive")
 REFERENCE_METHOD = "autoregressive"  # token agreement is measured against its output
+LLAMA_CPP = "llama-cpp"  # llama.cpp on the target's GGUF file: a reference column, never a speedup baseline
 OVERALL = "overall"
 RESULTS_JSON = "results.json"
 RESULTS_MD = "results.md"
@@ -47,9 +48,10 @@ def speedups(
 
     Returns:
         (method -> tokens/s ÷ the fastest baseline's tokens/s, or None; the baseline's name,
-        or None when no baseline was measured).
+        or None when no baseline was measured). ``LLAMA_CPP`` is never a baseline, even if
+        listed in ``baselines``: it runs another engine on quantized weights.
     """
-    measured = {b: tokens_per_s[b] for b in baselines if tokens_per_s.get(b)}
+    measured = {b: tokens_per_s[b] for b in baselines if b != LLAMA_CPP and tokens_per_s.get(b)}
     if not measured:
         return {m: None for m in tokens_per_s}, None
     ref = max(measured, key=measured.__getitem__)
@@ -78,7 +80,12 @@ NOTES = MappingProxyType({
     "method starts from a copy of that target cache, so the time covers the last prompt token, the draft "
     "model's own prompt encoding (method 'draft') and decoding; without it (and always when hf-assisted or "
     "hf-prompt-lookup is in the run, which cannot start from a cache) the whole prompt is timed",
-    "speedup": "tokens_per_s / tokens_per_s of the faster of hf-generate and autoregressive in the same category",
+    "speedup": "tokens_per_s / tokens_per_s of the faster of hf-generate and autoregressive in the same category "
+    "(never llama-cpp, a reference column)",
+    "vs_llama_cpp": "tokens_per_s / llama-cpp's tokens_per_s in the same category (when llama-cpp ran): llama.cpp "
+    "(llama-cpp-python) runs the target's GGUF file target-only with its quantized kernels, the same prompt ids, "
+    "EOS, max_new_tokens, greedy settings, thread count and timing; its weights differ from the de-quantized "
+    "target's, so its tokens may differ too",
     "acceptance_rate": "accepted draft tokens / drafted tokens; transformers methods: estimated from the target's "
     "forward input lengths (drafted) and new tokens - target forwards (accepted)",
     "mean_accepted_tokens": "tau: tokens per verifying target forward, the bonus/replacement token COUNTED "
@@ -142,6 +149,8 @@ def summarize(records: Sequence[dict]) -> dict:
         sp, baselines[cat] = speedups(tps)
         for m, v in sp.items():
             summary[m][cat]["speedup"] = v
+            llama = tps.get(LLAMA_CPP)
+            summary[m][cat]["vs_llama_cpp"] = tps[m] / llama if llama and tps[m] is not None else None
     return {"methods": summary, "baselines": baselines}
 
 
@@ -212,6 +221,14 @@ def format_value(v, fmt: str = "{:.2f}", none: str = "–") -> str:
     return none if v is None else fmt.format(v)
 
 
+def _quantized(ident: Mapping[str, Any]) -> str:
+    q, dq = ident.get("quantize", "none"), ident.get("draft_quantize", "none")
+    text = "" if q == "none" else f" with {q} weight-only quantized linear layers"
+    if dq != q:
+        text += f" (draft: {dq} weights)"
+    return text
+
+
 def markdown_report(results: Mapping[str, Any]) -> str:
     """A Spec-Bench-style leaderboard: methods × (category speedups, overall tokens/s, speedup, α, τ, agreement)."""
     summary = results["summary"]
@@ -219,10 +236,13 @@ def markdown_report(results: Mapping[str, Any]) -> str:
     ident, env = results.get("identity", {}), results.get("environment", {})
     head = ["Method", *[f"{c} speedup" for c in cats], "Overall tok/s (min–max)", "Overall speedup",
             "Acceptance α", "τ (incl. bonus)", "Fwd/token", "Exact match vs AR", "Peak RSS MB"]
+    llama = summary.get(LLAMA_CPP, {}).get(OVERALL)
+    if llama:
+        head.insert(head.index("Overall speedup") + 1, "vs llama.cpp")
     lines = [
         "# specdecode bench",
         "",
-        f"Target `{ident.get('target')}`, draft `{ident.get('draft')}`, {ident.get('dtype')} on "
+        f"Target `{ident.get('target')}`, draft `{ident.get('draft')}`, {ident.get('dtype')}{_quantized(ident)} on "
         f"{ident.get('device')} ({env.get('cpu_model') or env.get('cuda_device') or '?'}, "
         f"{env.get('torch_threads')} torch threads); max_new_tokens {ident.get('max_new_tokens')}, "
         f"temperature {ident.get('temperature')}, γ {ident.get('num_speculative_tokens')}; "
@@ -232,6 +252,16 @@ def markdown_report(results: Mapping[str, Any]) -> str:
         f"(baseline used: {', '.join(f'{c}: {b}' for c, b in results.get('baselines_used', {}).items())}). "
         "Tokens/s = total new tokens / total seconds, median over repeats.",
         "",
+    ]
+    if llama:
+        threads = results.get("methods", {}).get(LLAMA_CPP, {}).get("n_threads")
+        lines += [
+            f"`{LLAMA_CPP}` is a reference column, not a speedup baseline: llama.cpp runs the target's GGUF file "
+            f"target-only ({threads} threads) at {format_value(llama.get('tokens_per_s'))} tok/s overall; "
+            "vs llama.cpp = a method's overall tok/s ÷ llama-cpp's.",
+            "",
+        ]
+    lines += [
         "| " + " | ".join(head) + " |",
         "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|",
     ]
@@ -246,6 +276,7 @@ def markdown_report(results: Mapping[str, Any]) -> str:
             f"{format_value(o.get('tokens_per_s'))} "
             f"({format_value(o.get('tokens_per_s_min'))}–{format_value(o.get('tokens_per_s_max'))})",
             format_value(o.get("speedup"), "{:.2f}×"),
+            *([format_value(o.get("vs_llama_cpp"), "{:.2f}×")] if llama else []),
             format_value(o.get("acceptance_rate"), "{:.1%}"),
             format_value(o.get("mean_accepted_tokens")),
             format_value(o.get("target_forwards_per_token")),

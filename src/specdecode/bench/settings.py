@@ -36,6 +36,10 @@ class BenchSettings:
         banned_words, banned_words_ignore_case, banned_words_whole_word: As in
             ``GenerationConfig``; specdecode's methods only (transformers' cannot
             match words on the text, so a run with banned words leaves them out).
+        gguf_file: The GGUF file method ``llama-cpp`` runs (a ``.gguf`` path or an offline
+            model name; ``specdecode.bench.llamacpp``), which must be the target's own file;
+            None: the target's, found from its name (an offline model). ``specdecode bench``
+            sets it from ``--target``.
 
     Raises:
         InvalidArgumentError: A value outside its range.
@@ -52,6 +56,7 @@ class BenchSettings:
     banned_words: tuple[str, ...] = ()
     banned_words_ignore_case: bool = False
     banned_words_whole_word: bool = False
+    gguf_file: str | None = None
 
     def __post_init__(self) -> None:
         config = GenerationConfig(  # validates max_new_tokens, temperature, gamma, banned words
@@ -78,6 +83,10 @@ class BenchSettings:
             except TypeError as e:
                 raise InvalidArgumentError(f"drafter option {key}={value!r} is not a JSON value") from e
         object.__setattr__(self, "drafter_options", MappingProxyType(options))
+        if self.gguf_file is not None and (not isinstance(self.gguf_file, str) or not self.gguf_file.strip()):
+            raise InvalidArgumentError(
+                f"gguf_file must be a non-empty .gguf path or offline model name, got {self.gguf_file!r}"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -108,6 +117,7 @@ class BenchSettings:
             "drafter_options": dict(self.drafter_options),
             "prompt_cache": self.prompt_cache,
             **self.banned_words_settings(),
+            **({"gguf_file": self.gguf_file} if self.gguf_file is not None else {}),
         }
 
     def banned_words_settings(self) -> dict:

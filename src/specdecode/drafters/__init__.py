@@ -4,6 +4,8 @@
   ``draft_autoregressively`` shared by the model-based drafters;
 - ``draft_model``: ``DraftModelDrafter``, a smaller model with the target's vocabulary;
 - ``cascade``: ``CascadeDrafter``, a free n-gram match first, then the draft model;
+- ``draft_head``: ``DraftHead``, the draft model's LM head in full or cut to K frequent
+  tokens (FR-Spec), for the two drafters above;
 - ``layer_skip``: Draft & Verify's self-speculative drafter (``SkipSet``, ``draft_mode``);
 - ``early_exit``: the first N layers, then the final norm and LM head;
 - ``prompt_lookup``: n-gram match against the prompt and the output, no model cost;
@@ -23,6 +25,7 @@ from specdecode.drafters.control import (
     DraftController,
     HeuristicDraftLength,
 )
+from specdecode.drafters.draft_head import BoundDraftHead, DraftHead
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.early_exit import EarlyExitDrafter, exit_skip_set
 from specdecode.drafters.layer_skip import SUBLAYERS, LayerSkipDrafter, SkipSet, decoder_layers, draft_mode
@@ -32,10 +35,12 @@ __all__ = [
     "LENGTH_SCHEDULES",
     "SUBLAYERS",
     "AdaptiveDraftExit",
+    "BoundDraftHead",
     "CascadeDrafter",
     "ConfidenceGate",
     "Draft",
     "DraftControl",
+    "DraftHead",
     "DraftController",
     "DraftModelDrafter",
     "Drafter",

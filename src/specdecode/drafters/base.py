@@ -8,9 +8,12 @@ drafters share: ``draft_token`` and ``draft_autoregressively``.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from specdecode.drafters.draft_head import BoundDraftHead
 from specdecode.engine.protocol import Draft, Drafter, ExitPolicy
 from specdecode.engine.sampling import Sampler, check_finite
 
@@ -18,7 +21,11 @@ __all__ = ["Draft", "Drafter", "ExitPolicy", "draft_autoregressively", "draft_to
 
 
 def draft_token(
-    sampler: Sampler, logits: torch.Tensor, probs: list, exit_policy: ExitPolicy | None = None
+    sampler: Sampler,
+    logits: torch.Tensor,
+    probs: list,
+    exit_policy: ExitPolicy | None = None,
+    head: BoundDraftHead | None = None,
 ) -> tuple[torch.Tensor, bool]:
     """Pick one draft token from (1, V') logits; shared by the model-based drafters.
 
@@ -26,18 +33,20 @@ def draft_token(
     row is appended to ``probs``. With an ``exit_policy`` the top probability of the
     draft distribution (plain softmax when greedy, the warped one when sampling)
     goes to ``exit_policy.should_stop``, which costs one host sync per token; without
-    one there is none.
+    one there is none. With a truncated ``head`` (``specdecode.drafters.draft_head``)
+    the logits are (1, K), the token is mapped back to its vocabulary id, and the
+    distribution is the one over the K tokens (zero elsewhere in the (1, V) row).
 
     Returns:
         The (1,) long token and whether drafting should stop after it.
     """
     if sampler.greedy:
-        token = sampler.argmax(logits)
+        token = sampler.argmax(logits) if head is None else head.token(sampler, logits)
         if exit_policy is None:
             return token, False
         top = float(torch.softmax(logits.float(), dim=-1).amax())
     else:
-        q = sampler.probs(logits)
+        q = sampler.probs(logits) if head is None else head.probs(sampler, logits)
         token = sampler.sample(q)
         probs.append(q)
         if exit_policy is None:
@@ -54,23 +63,29 @@ def draft_autoregressively(
     sampler: Sampler,
     exit_policy: ExitPolicy | None,
     who: str,
+    head: BoundDraftHead | None = None,
 ) -> Draft:
     """The draft loop shared by the model-based drafters: up to ``max_tokens`` forwards of ``model``.
 
     The first forward feeds ``feed`` (1, m), the tokens not yet in ``cache``; each later one
     feeds the token just drafted. A block of k tokens thus runs k forwards and appends
-    m + k - 1 positions to ``cache``; the last draft token is not fed.
+    m + k - 1 positions to ``cache``; the last draft token is not fed. ``head`` (bound to
+    ``model``) restricts the logits to its K tokens (FR-Spec); None: the model's full head.
 
     Raises:
         NonFiniteLogitsError: If a forward gives NaN or infinite logits (``who`` names the model).
+        UnsupportedModelError: If a truncated head could not be applied (see ``BoundDraftHead.check_logits``).
     """
     tokens, probs = [], []
-    for _ in range(max_tokens):
-        logits = model(feed, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-        check_finite(logits, who)
-        token, stop = draft_token(sampler, logits, probs, exit_policy)
-        tokens.append(token)
-        if stop:
-            break
-        feed = token.view(1, 1)
+    with head.applied() if head is not None else nullcontext():
+        for _ in range(max_tokens):
+            logits = model(feed, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+            check_finite(logits, who)
+            if head is not None:
+                head.check_logits(logits)
+            token, stop = draft_token(sampler, logits, probs, exit_policy, head)
+            tokens.append(token)
+            if stop:
+                break
+            feed = token.view(1, 1)
     return Draft(torch.cat(tokens), torch.cat(probs) if probs else None)

@@ -23,6 +23,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from specdecode.drafters.base import Draft, Drafter, ExitPolicy
+from specdecode.drafters.draft_head import DraftHead
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter, find_continuation
 from specdecode.engine.sampling import Sampler
@@ -35,21 +36,25 @@ class CascadeDrafter(Drafter):
         model: The draft model (a transformers causal LM with the target's vocabulary),
             in eval mode, on the target's device.
         max_ngram, min_ngram: n-gram sizes of the match (1 <= min_ngram <= max_ngram).
+        head: The draft model's LM-head rows (``DraftModelDrafter``'s ``head``); the n-gram
+            part may propose any token, the model part only the head's.
 
     Attributes:
         num_forwards: Draft-model forwards in the current generation.
         num_ngram_tokens: Tokens the n-gram part proposed in the current generation.
 
     Raises:
-        InvalidArgumentError: Unless 1 <= min_ngram <= max_ngram.
+        InvalidArgumentError: Unless 1 <= min_ngram <= max_ngram; a truncated head's id past the model's rows.
     """
 
     supports_exit_policy = True
 
-    def __init__(self, model: PreTrainedModel, max_ngram: int = 3, min_ngram: int = 1) -> None:
+    def __init__(
+        self, model: PreTrainedModel, max_ngram: int = 3, min_ngram: int = 1, head: DraftHead | None = None
+    ) -> None:
         PromptLookupDrafter(max_ngram, min_ngram)  # validates the n-gram sizes
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
-        self._model = DraftModelDrafter(model)
+        self._model = DraftModelDrafter(model, head)
         self._sampler: Sampler | None = None
         self.num_ngram_tokens = 0
 

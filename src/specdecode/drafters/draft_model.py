@@ -6,6 +6,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from specdecode.drafters.base import Draft, Drafter, ExitPolicy, draft_autoregressively
+from specdecode.drafters.draft_head import DraftHead
 from specdecode.engine import kv_cache
 from specdecode.engine.sampling import Sampler
 
@@ -22,21 +23,31 @@ class DraftModelDrafter(Drafter):
         model: The draft model (a transformers causal LM), in eval mode, on the
             target's device. Its vocabulary must map like the target's
             (see ``specdecode.models.check_vocabularies``).
+        head: Which LM-head rows drafting computes (``DraftHead.full()`` when None, or
+            ``DraftHead.truncated(ids)``: FR-Spec's K frequent tokens). The rows are
+            gathered here, once.
+
+    Raises:
+        InvalidArgumentError: If a truncated head names a token id past the model's head rows.
+        UnsupportedModelError: If a truncated head is given and the model's LM head cannot be found.
     """
 
     supports_exit_policy = True
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, head: DraftHead | None = None) -> None:
         self.model = model
+        self.head = (head or DraftHead.full()).bind(model)
         self._cache = None
         self._num_cached = 0
         self._sampler: Sampler | None = None
 
     @torch.inference_mode()
     def begin(self, prompt_ids: torch.Tensor, sampler: Sampler, target_cache: DynamicCache) -> None:
+        self.head.check_vocab(sampler.vocab_size)
         self._sampler = sampler
         self._cache = kv_cache.new_cache(self.model)
-        self.model(prompt_ids, past_key_values=self._cache, use_cache=True, logits_to_keep=1)
+        with self.head.applied():  # the prefill's one row of logits is not used: spend K rows, not V
+            self.model(prompt_ids, past_key_values=self._cache, use_cache=True, logits_to_keep=1)
         n = prompt_ids.shape[1]
         self._num_cached = kv_cache.rollback(self._cache, n, n)  # trims sliding layers, as after every forward
         self.num_forwards = 1
@@ -46,7 +57,7 @@ class DraftModelDrafter(Drafter):
         """Draft up to ``max_tokens`` tokens; ``exit_policy`` as in the module docstring."""
         feed = sequence[:, self._num_cached :]
         draft = draft_autoregressively(
-            self.model, self._cache, feed, max_tokens, self._sampler, exit_policy, "draft model"
+            self.model, self._cache, feed, max_tokens, self._sampler, exit_policy, "draft model", self.head
         )
         self.num_forwards += len(draft)
         self._num_cached += feed.shape[1] + len(draft) - 1

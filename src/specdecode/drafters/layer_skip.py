@@ -219,8 +219,11 @@ class SkipSet:
         return f"attn={','.join(map(str, self.attn))};mlp={','.join(map(str, self.mlp))}"
 
 
-def _append_placeholder(cache, layer_idx: int, num_new: int, attn: torch.nn.Module) -> None:
-    """Append ``num_new`` zero keys/values to cache layer ``layer_idx`` so all layers keep one length."""
+def _append_placeholder(cache, layer_idx: int, hidden_states: torch.Tensor, attn: torch.nn.Module) -> None:
+    """Append zero keys/values for ``hidden_states``' (batch, tokens, hidden) positions to cache layer
+    ``layer_idx`` so all layers keep one length (dtype and device: the hidden states', which also holds
+    for a quantized attention whose weights are int8 buffers)."""
+    num_new = hidden_states.shape[1]
     if cache is None:
         return
     layer = cache.layers[layer_idx] if layer_idx < len(cache.layers) else None
@@ -232,8 +235,7 @@ def _append_placeholder(cache, layer_idx: int, num_new: int, attn: torch.nn.Modu
         config = attn.config
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(attn, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        p = next(attn.parameters())
-        zeros = torch.zeros((1, heads, num_new, head_dim), dtype=p.dtype, device=p.device)
+        zeros = hidden_states.new_zeros((1, heads, num_new, head_dim))
     cache.update(zeros, zeros, layer_idx)
 
 
@@ -247,7 +249,7 @@ def _skipped_attention(attn: torch.nn.Module, layer_idx: int) -> Callable:
     def forward(hidden_states, *args, **kwargs):
         # Zero output (adds nothing to the residual, also through Gemma's post-norm),
         # and a placeholder cache entry so this layer's length follows the others.
-        _append_placeholder(_cache_arg(kwargs), layer_idx, hidden_states.shape[1], attn)
+        _append_placeholder(_cache_arg(kwargs), layer_idx, hidden_states, attn)
         return torch.zeros_like(hidden_states), None
 
     return forward
@@ -259,7 +261,7 @@ def _skipped_mlp(hidden_states, *args, **kwargs):
 
 def _bypassed_layer(attn: torch.nn.Module, layer_idx: int) -> Callable:
     def forward(hidden_states, *args, **kwargs):
-        _append_placeholder(_cache_arg(kwargs), layer_idx, hidden_states.shape[1], attn)
+        _append_placeholder(_cache_arg(kwargs), layer_idx, hidden_states, attn)
         return hidden_states
 
     return forward

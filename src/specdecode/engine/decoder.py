@@ -465,7 +465,8 @@ class SpeculativeDecoder:
         self.draft_control = draft_control
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
-        self.vocab_size = int(target.get_output_embeddings().weight.shape[0])
+        head = target.get_output_embeddings()  # nn.Linear, or a quantized layer with out_features
+        self.vocab_size = int(getattr(head, "out_features", None) or head.weight.shape[0])
 
     def stream(
         self,

@@ -84,6 +84,22 @@ class Sampler:
         scores = self._warpers(self._no_ids, self._fit(logits).float())
         return torch.softmax(scores, dim=-1)
 
+    def probs_over(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Warped distributions over the tokens ``ids`` only (a truncated draft head, FR-Spec).
+
+        The same temperature / top-k / top-p as ``probs``, applied to the K logits; the
+        result is what ``probs`` gives for a full row that is -inf outside ``ids``.
+
+        Args:
+            logits: (m, K) any float dtype; column j is the logit of token ``ids[j]``.
+            ids: (K,) long, distinct ids in 0..V-1, on the logits' device.
+
+        Returns:
+            (m, V) float32, rows sum to 1, zero outside ``ids``.
+        """
+        q = torch.softmax(self._warpers(self._no_ids, logits.float()), dim=-1)
+        return q.new_zeros((q.shape[0], self.vocab_size)).index_copy_(1, ids, q)
+
     def sample(self, probs: torch.Tensor) -> torch.Tensor:
         """Draw one token per row. ``probs``: (m, V) -> (m,) long, using this sampler's generator."""
         return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)

@@ -4,7 +4,9 @@
 - ``gguf``: joining an offline model's chunks into one checked GGUF file;
 - ``dense_cache``: the de-quantized copy written once, atomically;
 - ``loading``: ``load_model`` for every kind of spec, device and dtype choice,
-  ``check_vocabularies`` for a target/draft pair.
+  ``check_vocabularies`` for a target/draft pair;
+- ``token_frequencies``: token counts on installed Python text for a truncated draft
+  head (FR-Spec), stored next to the draft model's dense copy.
 """
 
 from specdecode.models.dense_cache import CACHE_FORMAT_VERSION, dense_cache_valid, dense_dir, write_dense_cache
@@ -18,6 +20,7 @@ from specdecode.models.loading import (
     resolve_dtype,
 )
 from specdecode.models.registry import OFFLINE_MODELS, OfflineModel, default_cache_dir
+from specdecode.models.token_frequencies import TokenFrequencies, default_corpus, load_or_count
 
 __all__ = [
     "CACHE_FORMAT_VERSION",
@@ -25,13 +28,16 @@ __all__ = [
     "OFFLINE_MODELS",
     "LoadedModel",
     "OfflineModel",
+    "TokenFrequencies",
     "assemble_gguf",
     "check_vocabularies",
     "chunk_paths",
     "default_cache_dir",
+    "default_corpus",
     "dense_cache_valid",
     "dense_dir",
     "load_model",
+    "load_or_count",
     "resolve_device",
     "resolve_dtype",
     "write_dense_cache",

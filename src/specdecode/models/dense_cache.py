@@ -18,6 +18,9 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
+from specdecode.files import write_atomic
+from specdecode.models.quantize import QUANTIZER_VERSION
+
 CACHE_FORMAT_VERSION = 1
 
 
@@ -56,3 +59,34 @@ def dense_cache_valid(folder: Path) -> bool:
     except (OSError, ValueError):
         return False
     return meta.get("format") == CACHE_FORMAT_VERSION and (folder / "model.safetensors").is_file()
+
+
+def quantized_path(folder: Path, scheme: str) -> Path:
+    """Where the dense copy in ``folder`` keeps its ``scheme`` ("int8" / "int4") quantized weights."""
+    return folder / f"quantized-{scheme}.safetensors"
+
+
+def read_quantized(folder: Path, scheme: str) -> dict[str, torch.Tensor] | None:
+    """The cached quantized weights of the dense copy in ``folder``, or None when absent or stale."""
+    from safetensors import safe_open
+
+    path = quantized_path(folder, scheme)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            if (meta.get("format") != str(CACHE_FORMAT_VERSION) or meta.get("scheme") != scheme
+                    or meta.get("quantizer") != str(QUANTIZER_VERSION)):
+                return None  # written by another version of the quantizer: quantize again
+            # Each tensor is copied out of the file's memory map, one at a time, so the mapping
+            # (which would stay resident beside the copies) closes with the file.
+            return {name: f.get_tensor(name).clone() for name in f.keys()}
+    except (OSError, ValueError, RuntimeError):
+        return None
+
+
+def write_quantized(folder: Path, scheme: str, tensors: dict[str, torch.Tensor]) -> None:
+    """Save quantized weights next to the dense copy in ``folder``, atomically."""
+    from safetensors.torch import save_file
+
+    meta = {"format": str(CACHE_FORMAT_VERSION), "scheme": scheme, "quantizer": str(QUANTIZER_VERSION)}
+    write_atomic(quantized_path(folder, scheme), lambda tmp: save_file(tensors, str(tmp), metadata=meta))

@@ -31,7 +31,21 @@ from specdecode.errors import (
     UnsupportedModelError,
     VocabularyMismatchError,
 )
-from specdecode.models.dense_cache import dense_cache_valid, dense_dir, write_dense_cache
+from specdecode.models.dense_cache import (
+    dense_cache_valid,
+    dense_dir,
+    quantized_path,
+    read_quantized,
+    write_dense_cache,
+    write_quantized,
+)
+from specdecode.models.quantize import (
+    apply_quantized,
+    check_quantize,
+    quantization_of,
+    quantized_tensors,
+    release_freed_memory,
+)
 from specdecode.models.gguf import assemble_gguf
 from specdecode.models.registry import OFFLINE_MODELS, default_cache_dir
 
@@ -48,11 +62,22 @@ class LoadedModel:
         model: transformers causal LM in eval mode.
         tokenizer: Its tokenizer.
         name: The spec it was loaded from.
+        quantize: "none", or the weight-only quantization applied ("int8", "int4";
+            ``specdecode.models.quantize``).
+        dense_folder: The dense-cache folder the model was read from or written to (GGUF
+            files and offline models), where derived files (quantized weights, token
+            frequencies) are kept; None for a model folder or hub id.
     """
 
     model: PreTrainedModel
     tokenizer: object
     name: str
+    quantize: str = "none"
+    dense_folder: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.quantize == "none":  # a model quantized before it was wrapped says so itself
+            self.quantize = quantization_of(self.model)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,7 +154,7 @@ def _load_pretrained(source: str, dtype: torch.dtype, device: torch.device, **kw
 def _load_dense(dense: Path, key: str, dtype, device) -> LoadedModel:
     logger.info("loading dense copy %s", dense)
     model = _load_pretrained(str(dense), dtype, device)
-    return LoadedModel(model, AutoTokenizer.from_pretrained(str(dense)), key)
+    return LoadedModel(model, AutoTokenizer.from_pretrained(str(dense)), key, dense_folder=dense)
 
 
 def _load_gguf(folder: Path, filename: str, key: str, dtype, device, cache_dir: Path, meta: dict) -> LoadedModel:
@@ -145,7 +170,35 @@ def _load_gguf(folder: Path, filename: str, key: str, dtype, device, cache_dir: 
             raise
         raise UnsupportedModelError(f"transformers cannot load GGUF file {folder / filename}: {e}") from e
     write_dense_cache(model, tokenizer, dense, meta)
-    return LoadedModel(model, tokenizer, key)
+    return LoadedModel(model, tokenizer, key, dense_folder=dense)
+
+
+def _quantize(loaded: LoadedModel, scheme: str, dense: Path | None) -> LoadedModel:
+    """Apply ``scheme`` to ``loaded``; with a dense copy folder, reuse or write its quantized weights."""
+    if scheme == "none":
+        return loaded
+    tensors = read_quantized(dense, scheme) if dense is not None else None
+    if tensors is not None:
+        try:
+            apply_quantized(loaded.model, tensors, scheme)
+        except InvalidArgumentError as e:
+            raise InvalidArgumentError(
+                f"{e}; the cached file {quantized_path(dense, scheme)} does not belong to this model: delete it "
+                "and it will be made again"
+            ) from e
+    else:
+        logger.info("quantizing %s to %s (once per dense copy)", loaded.name, scheme)
+        tensors = quantized_tensors(loaded.model, scheme)
+        if dense is not None:
+            try:
+                write_quantized(dense, scheme, tensors)
+            except OSError as e:  # the model in memory is fine; only the next start pays again
+                logger.warning("could not cache the %s weights in %s (%s); the next start quantizes again",
+                               scheme, dense, e)
+        apply_quantized(loaded.model, tensors, scheme)
+    loaded.quantize = scheme
+    release_freed_memory()
+    return loaded
 
 
 def load_model(
@@ -154,6 +207,7 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "auto",
     cache_dir: str | Path | None = None,
+    quantize: str = "none",
 ) -> LoadedModel:
     """Load a model and its tokenizer for decoding.
 
@@ -162,15 +216,19 @@ def load_model(
         dtype: "auto", "float32", "bfloat16" or "float16" (CUDA only); see ``resolve_dtype``.
         device: "auto", "cpu", "cuda", "cuda:N".
         cache_dir: Where assembled GGUF files and dense copies live (default ``default_cache_dir()``).
+        quantize: "none", "int8" or "int4": weight-only quantized linear layers on CPU
+            (``specdecode.models.quantize``). For a GGUF file or offline model the quantized
+            weights are cached with the dense copy, so only the first start quantizes.
 
     Raises:
         ModelNotFoundError: Unknown name, missing file or folder, or chunk packages not installed.
         ChecksumMismatchError: An assembled offline model fails its sha256.
         UnsupportedModelError: transformers cannot load the architecture.
-        InvalidArgumentError: A bad dtype or device.
+        InvalidArgumentError: A bad dtype, device or quantize (int8/int4 need the CPU).
     """
     dev = device if isinstance(device, torch.device) else resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    check_quantize(quantize, dev)
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     if not isinstance(spec, str) or not spec.strip():
         raise ModelNotFoundError(f"model spec must be a non-empty string, got {spec!r}")
@@ -178,10 +236,11 @@ def load_model(
         entry = OFFLINE_MODELS[spec]
         dense = dense_dir(cache, entry.name, dt)
         if dense_cache_valid(dense):  # skip even the assembly and its hash
-            return _load_dense(dense, entry.name, dt, dev)
+            return _quantize(_load_dense(dense, entry.name, dt, dev), quantize, dense)
         gguf = assemble_gguf(entry, cache)
         meta = {"source": entry.name, "sha256": entry.sha256, "hub_id": entry.hub_id}
-        return _load_gguf(gguf.parent, gguf.name, entry.name, dt, dev, cache, meta)
+        loaded = _load_gguf(gguf.parent, gguf.name, entry.name, dt, dev, cache, meta)
+        return _quantize(loaded, quantize, dense)
     path = Path(spec).expanduser()
     if spec.endswith(".gguf"):
         if not path.is_file():
@@ -190,11 +249,14 @@ def load_model(
         ident = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
         key = f"{path.stem}-{ident}"
         meta = {"source": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-        return _load_gguf(path.resolve().parent, path.name, key, dt, dev, cache, meta)
+        loaded = _load_gguf(path.resolve().parent, path.name, key, dt, dev, cache, meta)
+        return _quantize(loaded, quantize, dense_dir(cache, key, dt))
     if path.is_dir():
         _check_config(str(path))
         model = _load_pretrained(str(path), dt, dev)
-        return LoadedModel(model, AutoTokenizer.from_pretrained(str(path)), spec)
+        dense = path if dense_cache_valid(path) else None  # a dense copy named as a folder keeps its cache
+        loaded = LoadedModel(model, AutoTokenizer.from_pretrained(str(path)), spec, dense_folder=dense)
+        return _quantize(loaded, quantize, dense)
     if spec.startswith((".", "/", "~")) or spec.count("/") > 1:
         raise ModelNotFoundError(f"model folder {spec!r} does not exist")
     if spec.count("/") != 1 or " " in spec:
@@ -204,7 +266,7 @@ def load_model(
         )
     _check_config(spec)
     model = _load_pretrained(spec, dt, dev)
-    return LoadedModel(model, AutoTokenizer.from_pretrained(spec), spec)
+    return _quantize(LoadedModel(model, AutoTokenizer.from_pretrained(spec), spec), quantize, None)
 
 
 def _check_config(source: str) -> None:
@@ -239,7 +301,8 @@ def check_vocabularies(target: LoadedModel, draft: LoadedModel) -> None:
             f"{tv.get(diff)} in the target); the draft model must use the target's tokenizer"
         )
     for m in (target, draft):
-        width = m.model.get_output_embeddings().weight.shape[0]
+        head = m.model.get_output_embeddings()
+        width = getattr(head, "out_features", None) or head.weight.shape[0]
         if width < len(tv):
             raise VocabularyMismatchError(
                 f"model {m.name!r} has {width} output logits but its tokenizer has {len(tv)} tokens"

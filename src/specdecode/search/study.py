@@ -68,7 +68,7 @@ ATTR_REFERENCE = "specdecode:reference"
 ATTR_COSTS = "specdecode:costs"
 ATTR_MEASURED = "specdecode:measured:"  # + trial number
 # Identity keys that name the model; the rest are search settings.
-MODEL_KEYS = ("model", "model_type", "num_layers", "hidden_size", "vocab_size", "dtype")
+MODEL_KEYS = ("model", "model_type", "num_layers", "hidden_size", "vocab_size", "dtype", "quantize")
 
 
 def _constraint_violation(num_skipped: int, lo: int, hi: int, num_sublayers: int) -> float:
@@ -92,8 +92,10 @@ def model_identity(loaded: LoadedModel) -> dict:
         "model_type": getattr(cfg, "model_type", type(loaded.model).__name__),
         "num_layers": len(decoder_layers(loaded.model)),
         "hidden_size": getattr(cfg, "hidden_size", None),
-        "vocab_size": int(loaded.model.get_output_embeddings().weight.shape[0]),
+        "vocab_size": int(getattr(loaded.model.get_output_embeddings(), "out_features", None)
+                          or loaded.model.get_output_embeddings().weight.shape[0]),
         "dtype": str(loaded.model.dtype).removeprefix("torch."),
+        "quantize": getattr(loaded, "quantize", "none"),
     }
 
 
@@ -285,7 +287,8 @@ class SkipSetSearch:
         return study
 
     def _check_identity(self, stored: dict) -> None:
-        diffs = [k for k in self.identity if stored.get(k) != self.identity[k]]
+        # Studies made before quantization existed hold no "quantize": they were "none".
+        diffs = [k for k in self.identity if stored.get(k, "none" if k == "quantize" else None) != self.identity[k]]
         if not diffs:
             return
         where = f"study {self.study_name!r} in {redact_url(self.storage_url)!r}"

@@ -1,0 +1,255 @@
+"""Method ``llama-cpp``: the target's own GGUF file run by llama.cpp, target-only — a reference column.
+
+A CPU user who does not speculate runs the quantized GGUF file with llama.cpp. This
+method times exactly that next to specdecode's methods: the same GGUF file the target
+was de-quantized from, the same prompt token ids (our tokenizer and chat template, fed
+as ids, so llama.cpp tokenizes nothing), the same EOS ids and ``max_new_tokens``, as
+many threads as torch uses (``torch.get_num_threads()``), and the same timing as
+the other runners (``time.perf_counter`` around one whole generation, prompt
+evaluation included). Greedy decoding takes llama.cpp's greedy sampler (argmax) after
+neutral samplers only (repeat/frequency/presence penalties off); at temperature > 0,
+llama.cpp samples at that temperature with top-k, top-p, min-p and typical-p off,
+seeded with the prompt's seed (its random stream differs from torch's, so
+sampled outputs are not comparable token by token).
+
+It is a reference, never a speedup baseline (``specdecode.bench.report``): it runs
+quantized Q4 kernels, so it is a different model from the de-quantized target and
+its greedy tokens may differ from ours. The report puts our tok/s next to its.
+
+llama-cpp-python is an optional extra (``pip install 'specdecode[llamacpp]'``, built
+from source) and is imported only here, when the method is built.
+
+Source: llama-cpp-python (https://github.com/abetlen/llama-cpp-python), ``Llama.eval``
+and ``Llama.generate`` on token ids.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from specdecode import pipeline
+from specdecode.bench.report import LLAMA_CPP as METHOD
+from specdecode.bench.settings import BenchSettings
+from specdecode.errors import InvalidArgumentError, ModelNotFoundError, UnsupportedModelError
+from specdecode.models import OFFLINE_MODELS, assemble_gguf
+
+if TYPE_CHECKING:
+    from specdecode.bench.methods import PromptPrefix
+
+logger = logging.getLogger(__name__)
+
+INSTALL = "pip install 'specdecode[llamacpp]'"
+CONTEXT_STEP = 4096  # n_ctx grows in steps of this many tokens (KV cache memory: only what the prompts need)
+
+
+def import_llama_cpp():
+    """The ``llama_cpp`` module.
+
+    Raises:
+        InvalidArgumentError: llama-cpp-python is not installed (the message names the extra).
+    """
+    try:
+        import llama_cpp
+    except ImportError as e:
+        raise InvalidArgumentError(
+            f"method {METHOD!r} needs llama-cpp-python, which is not installed ({e}); install it with: "
+            f"{INSTALL} (it builds llama.cpp from source: cmake and a C++ compiler), or leave {METHOD!r} out"
+        ) from None
+    return llama_cpp
+
+
+def gguf_file(spec: str, cache_dir: str | Path | None = None) -> Path:
+    """The GGUF file a target spec names: an offline model's assembled file, or a ``.gguf`` path.
+
+    Args:
+        spec: A target spec (``specdecode.models.load_model``).
+        cache_dir: Where offline models are assembled (default ``default_cache_dir()``).
+
+    Raises:
+        InvalidArgumentError: ``spec`` is not a GGUF file (a model folder, a hub id, or a
+            model loaded without its file name).
+        ModelNotFoundError: The ``.gguf`` file does not exist, or an offline model's chunk
+            packages are not installed.
+        ChecksumMismatchError: An assembled offline model fails its sha256.
+    """
+    if spec in OFFLINE_MODELS:
+        return assemble_gguf(OFFLINE_MODELS[spec], Path(cache_dir) if cache_dir is not None else None)
+    if isinstance(spec, str) and spec.endswith(".gguf"):
+        path = Path(spec).expanduser()
+        if not path.is_file():
+            raise ModelNotFoundError(f"GGUF file {spec!r} for method {METHOD!r} does not exist")
+        return path.resolve()
+    raise InvalidArgumentError(
+        f"method {METHOD!r} runs the target's GGUF file, but target {spec!r} is not a GGUF file; use an offline "
+        f"model ({', '.join(OFFLINE_MODELS)}) or a .gguf path as the target (API: BenchSettings(gguf_file=...)), "
+        f"or leave {METHOD!r} out"
+    )
+
+
+def check_available(spec: str, cache_dir: str | Path | None = None) -> Path:
+    """``gguf_file(spec, cache_dir)`` once llama-cpp-python is known to import: the checks of
+    ``LlamaCppRunner``, early.
+
+    Raises:
+        InvalidArgumentError, ModelNotFoundError, ChecksumMismatchError: As ``gguf_file`` and
+            ``import_llama_cpp``.
+    """
+    if spec not in OFFLINE_MODELS:
+        gguf_file(spec, cache_dir)  # the cheap checks (not a GGUF, missing file) before the import
+    import_llama_cpp()
+    return gguf_file(spec, cache_dir)
+
+
+class LlamaCppRunner:
+    """Times one llama.cpp generation of the target's GGUF file (the bench's runner interface).
+
+    The model is loaded once (``llama_cpp.Llama``, ``logits_all=False``); its context grows
+    (a reload, outside the timing) when a prompt + ``max_new_tokens`` does not fit.
+
+    Args:
+        generator: Gives the EOS ids and, unless ``settings.gguf_file`` is set, the target
+            spec (an offline model name) whose GGUF file is run.
+        settings: The run's settings (temperature, banned words, ``gguf_file``).
+
+    Raises:
+        InvalidArgumentError: Banned words (llama.cpp cannot match them), a target that is not
+            a GGUF file, or llama-cpp-python not installed.
+        ModelNotFoundError, ChecksumMismatchError: As ``gguf_file``.
+        UnsupportedModelError: llama.cpp cannot load the file.
+    """
+
+    kind = "llama.cpp"
+    supports_prompt_cache = True
+    name = METHOD
+
+    def __init__(self, generator: pipeline.SpeculativeGenerator, settings: BenchSettings) -> None:
+        if settings.banned_words:
+            raise InvalidArgumentError(
+                f"method {METHOD!r} cannot ban words (llama.cpp samples token ids); leave it out of a run with "
+                "banned words"
+            )
+        self.settings = settings
+        self.path = check_available(settings.gguf_file or generator.target.name, generator.cache_dir)
+        self.llama_cpp = import_llama_cpp()
+        self.eos = frozenset(pipeline.eos_token_ids(generator.target))
+        self.n_threads = torch.get_num_threads()
+        self.llm = None
+        self._load(CONTEXT_STEP)
+
+    def _load(self, n_ctx: int) -> None:
+        if self.llm is not None:
+            self.llm.close()
+            self.llm = None
+        logger.info("llama.cpp: loading %s (n_ctx %d, %d threads)", self.path, n_ctx, self.n_threads)
+        try:
+            self.llm = self.llama_cpp.Llama(
+                model_path=str(self.path), n_ctx=n_ctx, n_threads=self.n_threads,
+                n_threads_batch=self.n_threads, logits_all=False, n_gpu_layers=0, verbose=False,
+            )
+        except ValueError as e:
+            raise UnsupportedModelError(f"llama.cpp cannot load GGUF file {self.path}: {e}") from e
+
+    @property
+    def n_ctx(self) -> int:
+        return int(self.llm.n_ctx())
+
+    def sampling(self) -> dict[str, Any]:
+        """The ``Llama.generate`` sampler arguments: greedy (argmax) or plain temperature sampling."""
+        neutral = {"top_p": 1.0, "min_p": 0.0, "typical_p": 1.0, "repeat_penalty": 1.0,
+                   "frequency_penalty": 0.0, "presence_penalty": 0.0, "mirostat_mode": 0}
+        if self.settings.greedy:
+            return {**neutral, "temp": 0.0, "top_k": 1}
+        return {**neutral, "temp": self.settings.temperature, "top_k": 0}
+
+    def describe(self) -> dict:
+        info = self.llama_cpp.llama_print_system_info()
+        return {
+            "kind": self.kind,
+            "description": "llama.cpp (llama-cpp-python), the target's GGUF file, target only; a reference, "
+            "not a speedup baseline",
+            "gguf_file": str(self.path),
+            "llama_cpp_python": getattr(self.llama_cpp, "__version__", None),
+            "n_threads": self.n_threads,
+            "n_ctx": self.n_ctx,
+            "n_batch": self.llm.n_batch,
+            "sampling": self.sampling(),
+            "system_info": info.decode(errors="replace").strip() if isinstance(info, bytes) else info,
+        }
+
+    def _prepare(self, ids: Sequence[int], max_new_tokens: int) -> None:
+        """Check the ids against the GGUF vocabulary and grow the context if needed (untimed)."""
+        vocab = int(self.llm.n_vocab())
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidArgumentError(
+                f"prompt token id {bad} is outside the vocabulary of {self.path} ({vocab} tokens); the target's "
+                "tokenizer must come from the same GGUF file"
+            )
+        needed = len(ids) + max_new_tokens
+        if needed > self.n_ctx:
+            self._load(CONTEXT_STEP * math.ceil(needed / CONTEXT_STEP))
+
+    def __call__(
+        self, input_ids: torch.Tensor, max_new_tokens: int, seed: int, prefix: PromptPrefix | None = None
+    ) -> dict:
+        """Generate from ``input_ids`` (1, n) until an EOS id or ``max_new_tokens`` tokens.
+
+        With ``prefix`` (its m = n - 1 tokens), llama.cpp evaluates those m tokens outside
+        the timing, as the other runners start from a copy of the prompt cache; else the
+        whole prompt is evaluated inside it.
+
+        Returns:
+            The bench record fields (``token_ids`` with the EOS token included, ``seconds``;
+            one target forward per token, no drafting).
+        """
+        ids = [int(t) for t in input_ids[0].tolist()]
+        self._prepare(ids, max_new_tokens)
+        llm = self.llm
+        llm.reset()  # n_tokens = 0: the next eval drops the whole KV cache (no prefix reuse across calls)
+        if not self.settings.greedy:
+            llm.set_seed(seed)
+        m = prefix.num_tokens if prefix is not None else 0
+        if m:
+            llm.eval(ids[:m])  # untimed, like the other runners' prompt-cache copy
+        tokens: list[int] = []
+        first_token_s = None
+        finish = "length"
+        t0 = time.perf_counter()
+        stream = llm.generate(ids[m:], reset=False, **self.sampling())
+        for token in stream:
+            tokens.append(int(token))
+            if first_token_s is None:
+                first_token_s = time.perf_counter() - t0
+            if token in self.eos:
+                finish = "eos"
+                break
+            if len(tokens) >= max_new_tokens:
+                break
+        seconds = time.perf_counter() - t0
+        stream.close()
+        n = len(tokens)
+        return {
+            "token_ids": tokens,
+            "seconds": seconds,
+            "finish_reason": finish,
+            "target_forwards": n,  # the prompt evaluation gives the first token, one eval per later token
+            "verify_tokens": max(n - 1, 0),  # τ = 1 as for autoregressive: the prompt's token excluded
+            "verify_forwards": max(n - 1, 0),
+            "drafted": 0,
+            "accepted": 0,
+            "draft_forwards": None,
+            "drafted_by_position": None,
+            "accepted_by_position": None,
+            "prefill_s": first_token_s,
+            "final_draft_threshold": None,
+            "gated_steps": None,
+            "banned_word_rollbacks": None,
+            "banned_word_discarded_tokens": None,
+        }
