@@ -1,4 +1,4 @@
-"""Test-only drafters and model surgery."""
+"""Test-only drafters, model surgery, and running the CLI on tiny model folders."""
 
 from __future__ import annotations
 
@@ -7,6 +7,23 @@ import copy
 import torch
 
 from specdecode.drafters import Draft, Drafter, DraftModelDrafter
+
+
+def save_tiny_folders(root, tokenizer, target, draft):
+    """Save ``target`` and ``draft`` (with ``tokenizer``) as model folders root/target and root/draft."""
+    for name, model in (("target", target), ("draft", draft)):
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    return root / "target", root / "draft"
+
+
+def run_generate(capsys, *args) -> tuple[int, str, str]:
+    """``specdecode generate ARGS``: (exit status, stdout, stderr)."""
+    from specdecode.cli import main
+
+    code = main(["generate", *map(str, args)])
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 def perturbed_copy(model: torch.nn.Module, noise: float, seed: int = 0) -> torch.nn.Module:

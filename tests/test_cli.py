@@ -8,26 +8,18 @@ import pytest
 import torch
 
 from conftest import make_tiny_model, make_tiny_tokenizer
+from helpers import run_generate, save_tiny_folders
 from specdecode import GenerationConfig, SpeculativeDecoder
-from specdecode.cli import main
 
 
 @pytest.fixture(scope="module")
 def tiny_folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    tok = make_tiny_tokenizer()
     target = make_tiny_model("llama", num_layers=3)
     draft = make_tiny_model("llama", num_layers=1, seed=5)
-    for name, model in (("target", target), ("draft", draft)):
-        model.save_pretrained(root / name)
-        tok.save_pretrained(root / name)
-    return root / "target", root / "draft", target
+    return (*save_tiny_folders(tmp_path_factory.mktemp("models"), make_tiny_tokenizer(), target, draft), target)
 
 
-def _run(capsys, *args) -> tuple[int, str, str]:
-    code = main(["generate", *map(str, args)])
-    out, err = capsys.readouterr()
-    return code, out, err
+_run = run_generate
 
 
 def test_generate_json_matches_autoregressive(tiny_folders, capsys):

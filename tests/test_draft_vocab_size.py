@@ -8,11 +8,10 @@ import pytest
 import torch
 
 from conftest import make_tiny_model, make_tiny_tokenizer
-from helpers import perturbed_copy
+from helpers import perturbed_copy, run_generate, save_tiny_folders
 from selfspec_helpers import one_thread  # noqa: F401
 from specdecode import GenerationConfig, InvalidArgumentError, SpeculativeDecoder, SpeculativeGenerator
 from specdecode.bench.methods import MethodSpec, build_decoder
-from specdecode.cli import main
 from specdecode.drafters import CascadeDrafter, DraftModelDrafter
 from specdecode.models import LoadedModel, load_model, write_dense_cache
 from specdecode.models import token_frequencies as tf
@@ -125,20 +124,12 @@ def test_a_run_wide_draft_head_reaches_only_the_draft_model_methods(generator, s
 
 @pytest.fixture(scope="module")
 def tiny_folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    tok = make_tiny_tokenizer()
     target = make_tiny_model("llama", num_layers=3)
     draft = perturbed_copy(target, 0.5, seed=2)
-    for name, model in (("target", target), ("draft", draft)):
-        model.save_pretrained(root / name)
-        tok.save_pretrained(root / name)
-    return root / "target", root / "draft", target
+    return (*save_tiny_folders(tmp_path_factory.mktemp("models"), make_tiny_tokenizer(), target, draft), target)
 
 
-def _run(capsys, *args) -> tuple[int, str, str]:
-    code = main(["generate", *map(str, args)])
-    out, err = capsys.readouterr()
-    return code, out, err
+_run = run_generate
 
 
 def test_cli_generate_with_draft_vocab_size(tiny_folders, capsys, small_corpus):

@@ -34,7 +34,7 @@ from specdecode.config import GenerationConfig
 from specdecode.engine import kv_cache
 from specdecode.engine.banned_words import BannedWordMatcher, BannedWords
 from specdecode.engine.protocol import Draft, Drafter, DraftPolicy
-from specdecode.engine.sampling import Sampler, check_finite
+from specdecode.engine.sampling import Sampler, check_finite, logits_width
 from specdecode.engine.stats import SpecDecodingStats
 from specdecode.engine.verification import greedy_verify, rejection_sample
 from specdecode.errors import InvalidArgumentError
@@ -465,8 +465,7 @@ class SpeculativeDecoder:
         self.draft_control = draft_control
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
-        head = target.get_output_embeddings()  # nn.Linear, or a quantized layer with out_features
-        self.vocab_size = int(getattr(head, "out_features", None) or head.weight.shape[0])
+        self.vocab_size = logits_width(target)
 
     def stream(
         self,

@@ -19,6 +19,17 @@ from specdecode.config import GenerationConfig
 from specdecode.errors import NonFiniteLogitsError
 
 
+def logits_width(model: torch.nn.Module) -> int:
+    """V, the number of logits ``model`` gives per position: its output embedding's rows.
+
+    The output embedding is an ``nn.Linear`` or a weight-only quantized layer
+    (``specdecode.models.quantize``); both carry ``out_features``, and a module with only a
+    (V, H) ``weight`` also counts.
+    """
+    head = model.get_output_embeddings()
+    return int(getattr(head, "out_features", None) or head.weight.shape[0])
+
+
 def check_finite(logits: torch.Tensor, who: str) -> None:
     """Raise if ``logits`` holds NaN or infinity.
 

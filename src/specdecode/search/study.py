@@ -29,6 +29,7 @@ from transformers import DynamicCache
 from specdecode.bench.datasets import HUMANEVAL, SPEC_BENCH, Prompt
 from specdecode.drafters.layer_skip import SUBLAYERS, SkipSet, decoder_layers
 from specdecode.engine.decoder import SpeculativeDecoder
+from specdecode.engine.sampling import logits_width
 from specdecode.errors import (
     InvalidArgumentError,
     NonFiniteLogitsError,
@@ -92,8 +93,7 @@ def model_identity(loaded: LoadedModel) -> dict:
         "model_type": getattr(cfg, "model_type", type(loaded.model).__name__),
         "num_layers": len(decoder_layers(loaded.model)),
         "hidden_size": getattr(cfg, "hidden_size", None),
-        "vocab_size": int(getattr(loaded.model.get_output_embeddings(), "out_features", None)
-                          or loaded.model.get_output_embeddings().weight.shape[0]),
+        "vocab_size": logits_width(loaded.model),
         "dtype": str(loaded.model.dtype).removeprefix("torch."),
         "quantize": getattr(loaded, "quantize", "none"),
     }
