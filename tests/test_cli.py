@@ -69,3 +69,32 @@ def test_bad_input_exits_nonzero_with_message(capsys, args, message):
     assert code == 2
     assert message in err
     assert out == ""
+
+
+@pytest.mark.parametrize("flag, expected", [([], None), (["--no-compile"], False), (["--compile"], True)])
+def test_generate_passes_compile_to_the_pipeline(tiny_folders, capsys, monkeypatch, flag, expected):
+    """--compile/--no-compile reach SpeculativeGenerator.decoder as compile= (unset: None, the device default).
+
+    The decoder is built eager whatever was asked: this tests the flag, not the fast path.
+    """
+    from specdecode.pipeline import SpeculativeGenerator
+
+    asked = []
+    original = SpeculativeGenerator.decoder
+
+    def decoder(self, method="draft", **options):
+        asked.append(options.pop("compile", "missing"))
+        return original(self, method, **options, compile=False)
+
+    monkeypatch.setattr(SpeculativeGenerator, "decoder", decoder)
+    target_dir, _, target = tiny_folders
+    code, out, err = _run(capsys, "--target", target_dir, "--method", "autoregressive", "--prompt", "w5 w9 w11",
+                          "--max-new-tokens", 5, "--dtype", "float32", "--json", *flag)
+    assert code == 0, err
+    assert asked == [expected]
+    result = json.loads(out)
+    assert result["compile"] is expected
+    reference = SpeculativeDecoder(target, eos_token_ids=[2]).generate(
+        torch.tensor([[5, 9, 11]]), GenerationConfig(max_new_tokens=5)
+    )
+    assert result["token_ids"] == reference.token_ids

@@ -61,6 +61,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     _add_quantize_arguments(p)
     p.add_argument("--device", default="auto")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="the fast path: static KV cache and compiled forwards (compiled on first use); "
+                   "default: the device's default")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats) only")
     g = p.add_argument_group("self-speculative and model-free drafting")
     skip = g.add_mutually_exclusive_group()
@@ -204,6 +207,7 @@ def cmd_generate(args) -> int:
         prompt_lookup_max_ngram=args.prompt_lookup_max_ngram,
         prompt_lookup_min_ngram=args.prompt_lookup_min_ngram,
         draft_control=control if control.active else None,
+        compile=args.compile,  # None: the pipeline's device default
     )
     if args.draft_vocab_size:
         options["draft_vocab_size"] = args.draft_vocab_size
@@ -227,6 +231,7 @@ def cmd_generate(args) -> int:
             "exit_layer": args.exit_layer,
             "draft_vocab_size": args.draft_vocab_size or None,
             "draft_control": dataclasses.asdict(control) if control.active else None,
+            "compile": args.compile,
             "dtype": str(gen.target.model.dtype).removeprefix("torch."),
             "device": str(gen.target.model.device),
             "stats": stream.stats.to_dict(),
@@ -367,6 +372,7 @@ def _add_bench(sub) -> argparse.ArgumentParser:
                    + ", ".join(bench.available_methods())
                    + ". A specdecode method may carry options and draft-control modifiers: "
                    "NAME[:KEY=VALUE,...][+MODIFIER[=VALUE]...], e.g. early-exit:exit_layer=8+adaptive; "
+                   "every specdecode method, autoregressive included, takes compile=0|1 (the fast path); "
                    "modifiers: " + "; ".join(f"{k}: {v}" for k, v in bench.METHOD_MODIFIERS.items()))
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -377,7 +383,12 @@ def _add_bench(sub) -> argparse.ArgumentParser:
     _add_quantize_arguments(p)
     p.add_argument("--device", default="auto")
     p.add_argument("--repeats", type=int, default=1, help="runs per (method, prompt); tok/s is their median")
-    p.add_argument("--warmup-tokens", type=int, default=8, help="length of each method's warm-up generation")
+    p.add_argument("--warmup-tokens", type=int, default=8,
+                   help="length of each method's warm-up generation (timed and reported as warm-up seconds: "
+                   "compilation happens there)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="the fast path (static KV cache, compiled forwards) on or off for every specdecode method "
+                   "whose name sets no compile option (NAME:compile=0|1); default: the device's default")
     p.add_argument("--prompt-cache", action=argparse.BooleanOptionalAction, default=None,
                    help="encode each prompt (but its last token) once, untimed, and start every method from a "
                    "copy of that cache; default: on unless hf-assisted or hf-prompt-lookup is in the run "

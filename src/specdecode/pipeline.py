@@ -29,6 +29,7 @@ import torch
 
 from specdecode.config import GenerationConfig
 from specdecode.engine.decoder import GenerationResult, GenerationStream, SpeculativeDecoder
+from specdecode.engine.fast_path import ModelRunner, resolve_compile
 from specdecode.drafters.control import DraftControl
 from specdecode.drafters import CascadeDrafter, DraftModelDrafter, Drafter
 from specdecode.drafters.draft_head import DraftHead
@@ -79,6 +80,9 @@ class SpeculativeGenerator:
         self.draft = draft
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         self._token_frequencies: TokenFrequencies | None = None
+        # ModelRunners (compiled forwards, static caches), kept for the generator's life so
+        # later decoders reuse them: (role, compile, detail) -> runner.
+        self._runners: dict[tuple, ModelRunner] = {}
         if draft is not None:
             check_vocabularies(target, draft)
         self._eos = eos_token_ids(target)
@@ -154,6 +158,7 @@ class SpeculativeGenerator:
         prompt_lookup_max_ngram: int = 3,
         prompt_lookup_min_ngram: int = 1,
         draft_vocab_size: int | None = None,
+        compile: bool | None = None,
     ) -> Drafter | None:
         """The drafter for ``method`` (None for autoregressive).
 
@@ -167,6 +172,7 @@ class SpeculativeGenerator:
             draft_vocab_size: K for "draft" and "cascade": the draft model proposes only among
                 K frequent tokens and computes those LM-head rows alone (FR-Spec; see
                 ``draft_head``). 0 or None: the full head.
+            compile: The fast path for the drafter's forwards (see ``decoder``).
 
         Options a method does not use are ignored, so one set of options can serve
         several methods (as in ``specdecode bench``); ``draft_vocab_size`` is the exception,
@@ -192,9 +198,12 @@ class SpeculativeGenerator:
                     "or 'prompt-lookup', which need none)"
                 )
             head = self.draft_head(draft_vocab_size)
+            runner = self.runner("draft", compile, draft_vocab_size or 0)
             if method == "cascade":
-                return CascadeDrafter(self.draft.model, prompt_lookup_max_ngram, prompt_lookup_min_ngram, head)
-            return DraftModelDrafter(self.draft.model, head)
+                return CascadeDrafter(
+                    self.draft.model, prompt_lookup_max_ngram, prompt_lookup_min_ngram, head, runner
+                )
+            return DraftModelDrafter(self.draft.model, head, runner)
         if method == "layer-skip":
             given = [v for v in (skip_set, skip_layers, skip_config) if v is not None]
             if not given:
@@ -212,17 +221,40 @@ class SpeculativeGenerator:
             elif skip_config is not None:
                 skip_set = SkipSet.from_json(skip_config)
             logger.info("layer-skip drafting with skip set %s", skip_set)
-            return LayerSkipDrafter(self.target.model, skip_set)
+            return LayerSkipDrafter(self.target.model, skip_set, self.runner("layer-skip", compile, str(skip_set)))
         if method == "early-exit":
             if exit_layer is None:
                 raise InvalidArgumentError(
                     "method 'early-exit' needs exit_layer=N (--exit-layer N): the draft runs the target's "
                     "first N decoder layers, 1 <= N <= L-1"
                 )
-            return EarlyExitDrafter(self.target.model, exit_layer)
+            return EarlyExitDrafter(self.target.model, exit_layer, self.runner("early-exit", compile, exit_layer))
         if method == "prompt-lookup":
             return PromptLookupDrafter(prompt_lookup_max_ngram, prompt_lookup_min_ngram)
         raise InvalidArgumentError(f"unknown method {method!r}; allowed: {', '.join(METHODS)}")
+
+    def runner(self, role: str, compile: bool | None, detail: object = None) -> ModelRunner:
+        """The generator's ``ModelRunner`` for ``role``, made on first use and kept.
+
+        Args:
+            role: "target" (the decoder's forwards), "draft" (the draft model), "layer-skip" or
+                "early-exit" (the target in draft mode).
+            compile: As in ``decoder``; None resolves to the device default.
+            detail: What else tells runners apart: the skip set, the exit layer, the draft head size.
+
+        Raises:
+            InvalidArgumentError: A bad ``compile``, or "draft" without a draft model.
+        """
+        model = self.draft.model if role == "draft" and self.draft is not None else self.target.model
+        if role == "draft" and self.draft is None:
+            raise InvalidArgumentError("the draft runner needs a draft model; pass draft=...")
+        compile = resolve_compile(compile, model.device)
+        key = (role, compile, detail)
+        if key not in self._runners:
+            buckets = {"target": (1,), "draft": (1, 2, 4, 8)}.get(role, (1,))
+            name = {"target": "target model", "draft": "draft model"}.get(role, f"{role} draft")
+            self._runners[key] = ModelRunner(model, compile=compile, buckets=buckets, name=name)
+        return self._runners[key]
 
     def draft_head(self, draft_vocab_size: int | None) -> DraftHead:
         """The draft model's LM head for ``draft_vocab_size`` K: full for 0/None, else FR-Spec's K tokens.
@@ -289,11 +321,15 @@ class SpeculativeGenerator:
         prompt_lookup_max_ngram: int = 3,
         prompt_lookup_min_ngram: int = 1,
         draft_vocab_size: int | None = None,
+        compile: bool | None = None,
     ) -> SpeculativeDecoder:
         """A ``SpeculativeDecoder`` over the target with the drafter of ``method``.
 
         Args:
             method: One of ``METHODS``.
+            compile: The fast path (static KV cache, compiled forwards; ``specdecode.engine.fast_path``)
+                on or off; None: the device's default (``fast_path.default_compile``). Compiled
+                forwards are kept per model in this generator and reused by later decoders.
             draft_control: Adaptive draft exit, length schedule and confidence gating
                 (``specdecode.drafters.control.DraftControl``); ignored by "autoregressive".
             skip_set .. draft_vocab_size: See ``make_drafter``.
@@ -311,9 +347,11 @@ class SpeculativeGenerator:
             prompt_lookup_max_ngram=prompt_lookup_max_ngram,
             prompt_lookup_min_ngram=prompt_lookup_min_ngram,
             draft_vocab_size=draft_vocab_size,
+            compile=compile,
         )
         return SpeculativeDecoder(
-            self.target.model, drafter, eos_token_ids=self._eos, tokenizer=self.tokenizer, draft_control=draft_control
+            self.target.model, drafter, eos_token_ids=self._eos, tokenizer=self.tokenizer, draft_control=draft_control,
+            runner=self.runner("target", compile),
         )
 
     def stream(

@@ -58,3 +58,38 @@ def test_cli_bench_errors(model_folders, tmp_path, capsys):
     assert cli.main(["bench", "--target", str(target), "--draft", "none", "--dataset", data, "--dtype", "float32",
                      "--methods", "draft", "--out", str(tmp_path / "o")]) == 2
     assert "needs a draft model" in capsys.readouterr().err
+
+
+def test_cli_bench_compile_flag_and_variants(model_folders, tmp_path, capsys, monkeypatch):
+    """--no-compile is the run-wide setting (in the run identity); a method's compile=1 overrides it.
+
+    The decoders are built eager whatever was asked: this tests the plumbing, not the fast path.
+    """
+    from specdecode.pipeline import SpeculativeGenerator
+
+    asked = []
+    original = SpeculativeGenerator.decoder
+
+    def decoder(self, method="draft", **options):
+        asked.append((method, options.pop("compile", "missing")))
+        return original(self, method, **options, compile=False)
+
+    monkeypatch.setattr(SpeculativeGenerator, "decoder", decoder)
+    monkeypatch.setenv("COLUMNS", "200")  # rich drops the table's columns on a narrow terminal
+    target, _ = model_folders
+    data = _write_jsonl(tmp_path / "q.jsonl", [{"prompt": "w5 w9 w12"}])
+    out = tmp_path / "out"
+    argv = ["bench", "--target", str(target), "--draft", "none", "--dataset", data, "--dtype", "float32",
+            "--methods", "autoregressive,autoregressive:compile=1", "--no-compile", "--max-new-tokens", "4",
+            "--warmup-tokens", "2", "--out", str(out)]
+    assert cli.main(argv) == 0
+    assert asked == [("autoregressive", False), ("autoregressive", True)]
+    results = json.loads((out / "results.json").read_text())
+    assert results["identity"]["compile"] is False
+    assert results["methods"]["autoregressive:compile=1"]["compile"] is True
+    assert all(results["methods"][m]["warmup_s"] > 0 for m in results["methods"])
+    printed = capsys.readouterr().out
+    assert "warm-up s" in printed and "autoregressive:compile=1" in printed
+    # a folder made without the setting is not one made with it
+    assert cli.main([*argv[:-1], str(out), "--compile"]) == 2
+    assert "compile: False there, True now" in capsys.readouterr().err

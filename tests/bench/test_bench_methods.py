@@ -99,6 +99,11 @@ def test_method_variants_carry_options_and_draft_control(target_only, tmp_path):
     ("early-exit+heuristic=2", r"'heuristic' .* takes no value"),
     ("early-exit:num_speculative_tokens=0", r"num_speculative_tokens \(gamma\) must be an integer >= 1, got 0"),
     ("warp-drive:x=1", r"unknown method 'warp-drive:x=1'; allowed: hf-generate"),
+    ("autoregressive:compile=2", r"'autoregressive:compile=2': compile=2 is not allowed; use compile=0 or compile=1"),
+    ("draft:compile=yes", r"compile='yes' is not allowed; use compile=0 or compile=1 \(or false/true\)"),
+    ("autoregressive:compile=1,exit_layer=2", r"'autoregressive' takes no options or modifiers but compile=0\|1"),
+    ("autoregressive:compile=1+adaptive", r"'autoregressive' takes no options or modifiers but compile=0\|1"),
+    ("hf-generate:compile=1", r"'hf-generate' takes no options or modifiers .* use 'hf-generate-static'"),
 ])
 def test_bad_method_variants(name, match):
     with pytest.raises(InvalidArgumentError, match=match):
@@ -132,3 +137,66 @@ class _PlainGenerator(SpeculativeGenerator):
 
     def make_drafter(self, method: str):
         return super().make_drafter(method)
+
+
+@pytest.mark.parametrize("name, base, compile_, gamma", [
+    ("autoregressive:compile=0", "autoregressive", False, None),
+    ("autoregressive:compile=1", "autoregressive", True, None),
+    ("autoregressive:compile=true", "autoregressive", True, None),
+    ("draft:compile=False,num_speculative_tokens=2", "draft", False, 2),
+    ("early-exit:exit_layer=2", "early-exit", None, None),
+])
+def test_compile_option_parses(name, base, compile_, gamma):
+    spec = bench.MethodSpec.parse(name)
+    assert (spec.base, spec.compile, spec.num_speculative_tokens) == (base, compile_, gamma)
+    assert "compile" not in spec.options  # a setting of the decoder, not a drafter option
+
+
+class _CompileRecordingGenerator(SpeculativeGenerator):
+    """Records the ``compile`` each decoder is asked for, and builds it eager (the fast path is not under test)."""
+
+    def __init__(self, target, draft=None) -> None:
+        super().__init__(target, draft)
+        self.asked: list[tuple[str, object]] = []
+
+    def decoder(self, method: str = "draft", **options):
+        self.asked.append((method, options.pop("compile", "unset")))
+        return super().decoder(method, **options, compile=False)
+
+
+@pytest.mark.parametrize("run_wide", [None, False, True])
+def test_compile_reaches_the_decoder(generator, run_wide):
+    """A method's compile=0|1 wins; otherwise the run-wide setting; unset stays unset (the device default)."""
+    gen = _CompileRecordingGenerator(generator.target, generator.draft)
+    methods = ["autoregressive", "autoregressive:compile=0", "autoregressive:compile=1", "draft:compile=0", "draft"]
+    runners, _ = bench.resolve_methods(gen, methods, BenchSettings(**SMALL, compile=run_wide))
+    default = "unset" if run_wide is None else run_wide
+    assert gen.asked == [("autoregressive", default), ("autoregressive", False), ("autoregressive", True),
+                         ("draft", False), ("draft", default)]
+    described = {name: runner.describe() for name, runner in runners.items()}
+    assert described["autoregressive:compile=1"]["compile"] is True
+    assert described["autoregressive"]["compile"] is run_wide
+    assert described["draft:compile=0"]["drafter_options"] == {}
+
+
+def test_compile_setting_validation_and_identity(generator):
+    with pytest.raises(InvalidArgumentError, match="compile must be True, False or None"):
+        BenchSettings(compile=1)
+    with pytest.raises(InvalidArgumentError, match="drafter option compile=1: .* NAME:compile=0|1"):
+        BenchSettings(drafter_options={"compile": 1})
+    # only a run that sets the fast path names it, so folders made before the setting still resume
+    assert "compile" not in bench.run_identity(generator, BenchSettings(**SMALL))
+    assert bench.run_identity(generator, BenchSettings(**SMALL, compile=False))["compile"] is False
+    assert BenchSettings(**SMALL, compile=True).to_dict()["compile"] is True
+
+
+def test_hf_generate_static_compiles_on_every_device(target_only):
+    runners, _ = bench.resolve_methods(target_only, ["hf-generate-static"], BenchSettings(**SMALL), max_positions=40)
+    described = runners["hf-generate-static"].describe()
+    config = described["generation_config"]
+    assert config["cache_implementation"] == "static" and config["max_cache_len"] == 40
+    assert config["compile_config"]["compile_all_devices"] is True
+    assert config["compile_config"]["backend"] == "inductor"
+    hf_config = runners["hf-generate-static"].generation_config(6)
+    assert hf_config.compile_config._compile_all_devices is True  # what makes generate compile on CPU
+    assert runners["hf-generate-static"].supports_prompt_cache

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from specdecode import bench
 from specdecode.bench import first_divergence, speedups, tokens_per_second
 
 
@@ -35,3 +36,15 @@ def test_first_divergence():
     assert first_divergence([9, 2, 3], [1, 2, 3]) == 0
     assert first_divergence([1, 2], [1, 2, 3]) == 2  # a prefix diverges where it ends
     assert first_divergence([1, 2, 3, 4], [1, 2, 3]) == 3
+
+
+def test_every_target_only_method_is_a_baseline():
+    """hf-generate-static and autoregressive's compile variants count; speculative methods and llama.cpp do not."""
+    assert bench.is_baseline("hf-generate-static") and bench.is_baseline("autoregressive:compile=1")
+    assert not bench.is_baseline("draft") and not bench.is_baseline("draft:compile=1")
+    assert not bench.is_baseline("llama-cpp")
+    sp, base = speedups({"hf-generate": 10.0, "hf-generate-static": 20.0, "autoregressive:compile=0": 8.0,
+                         "autoregressive:compile=1": 25.0, "draft": 50.0, "llama-cpp": 60.0})
+    assert base == "autoregressive:compile=1" and sp["draft"] == pytest.approx(2.0)
+    sp, base = speedups({"hf-generate": 10.0, "hf-generate-static": 20.0, "autoregressive": 12.5, "draft": 30.0})
+    assert base == "hf-generate-static" and sp["draft"] == pytest.approx(1.5)

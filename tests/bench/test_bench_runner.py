@@ -8,9 +8,13 @@ import math
 import pytest
 
 from bench_helpers import PROMPTS, SMALL, _lines, generator  # noqa: F401
+from conftest import make_tiny_model, make_tiny_tokenizer
 from specdecode import bench
 from specdecode.bench import BenchSettings, run_bench
+from specdecode.bench.datasets import Prompt
 from specdecode.errors import InvalidArgumentError
+from specdecode.models import LoadedModel
+from specdecode.pipeline import SpeculativeGenerator
 
 
 def test_bench_writes_reports_with_the_right_fields(generator, tmp_path):
@@ -141,3 +145,66 @@ def test_prompt_cache_is_off_with_transformers_assisted_methods(generator, tmp_p
     with pytest.raises(InvalidArgumentError, match=r"hf-prompt-lookup cannot start from a cached prompt"):
         run_bench(generator, PROMPTS[:1], ["autoregressive", "hf-prompt-lookup"],
                   BenchSettings(**SMALL, prompt_cache=True), tmp_path / "b")
+
+
+def test_hf_generate_static_gives_hf_generate_tokens_and_compiles_in_the_warmup(generator, tmp_path):
+    """transformers' static cache + compiled forward (compiled on CPU too), from the prompt cache and
+    from whole prompts: float32 greedy tokens equal hf-generate's; the compile time shows in warmup_s."""
+    from torch._dynamo.utils import counters
+
+    methods = ["hf-generate", "hf-generate-static", "autoregressive"]
+    graphs_after_warmup = []
+
+    def progress(done, total, what):
+        if done == 1:  # the warm-ups are over
+            graphs_after_warmup.append(counters["stats"]["unique_graphs"])
+
+    eager = dict(SMALL, compile=False)  # our own loop eager: only transformers compiles here
+    cached = run_bench(generator, PROMPTS, methods, BenchSettings(**eager), tmp_path / "a", progress=progress)
+    assert counters["stats"]["unique_graphs"] == graphs_after_warmup[0]  # no prompt compiled anything
+    plain = run_bench(generator, PROMPTS, methods, BenchSettings(**eager, prompt_cache=False), tmp_path / "b")
+    assert cached["identity"]["prompt_cache"] is True and plain["identity"]["prompt_cache"] is False
+    for results in (cached, plain):
+        tokens = {(r["method"], r["prompt_id"]): r["token_ids"] for r in results["records"]}
+        for p in PROMPTS:
+            assert tokens[("hf-generate-static", p.id)] == tokens[("hf-generate", p.id)], p.id
+        static = results["methods"]["hf-generate-static"]
+        assert static["forward_compiled"] is True
+        assert static["generation_config"]["cache_implementation"] == "static"
+        longest = max(len(p.text.split()) for p in PROMPTS)
+        assert static["generation_config"]["max_cache_len"] == longest + SMALL["max_new_tokens"]
+        assert results["summary"]["hf-generate-static"]["overall"]["target_forwards_per_token"] == 1.0
+        assert results["baselines_used"]["overall"] in methods
+        for m in methods:
+            assert results["methods"][m]["warmup_s"] > 0
+    # the first run compiled in its warm-up, so its warm-up took longer than any of its timed generations
+    static_records = [r for r in cached["records"] if r["method"] == "hf-generate-static"]
+    assert cached["methods"]["hf-generate-static"]["warmup_s"] > max(r["seconds"] for r in static_records)
+    md = (tmp_path / "a" / "results.md").read_text()
+    assert "| Peak RSS MB | Warm-up s |" in md
+    row = next(line for line in md.splitlines() if line.startswith("| `hf-generate-static` |"))
+    assert row.rstrip(" |").split("| ")[-1] == f"{cached['methods']['hf-generate-static']['warmup_s']:.1f}"
+
+
+def test_warmup_s_is_none_for_a_method_with_nothing_left_to_run(generator, tmp_path):
+    settings = BenchSettings(**SMALL)
+    first = run_bench(generator, PROMPTS[:1], ["autoregressive"], settings, tmp_path)
+    assert first["methods"]["autoregressive"]["warmup_s"] > 0
+    again = run_bench(generator, PROMPTS[:1], ["autoregressive", "prompt-lookup"], settings, tmp_path)
+    assert again["methods"]["autoregressive"]["warmup_s"] is None  # resumed: all its records were done
+    assert again["methods"]["prompt-lookup"]["warmup_s"] > 0
+
+
+def test_a_prompt_past_the_context_length_is_refused_before_anything_runs(tmp_path):
+    """max_position_embeddings 16: 7 prompt tokens + 10 new ones = 17 positions, one too many."""
+    tok = make_tiny_tokenizer()
+    short = SpeculativeGenerator(LoadedModel(make_tiny_model("qwen2", 2, max_position_embeddings=16), tok, "short"))
+    prompts = [Prompt("fits", "a", "w5 w9 w12"), Prompt("long", "a", "w5 w9 w12 w7 w5 w9 w12")]
+    with pytest.raises(InvalidArgumentError, match=r"prompt 'long': the prompt has 7 tokens and max_new_tokens is "
+                                                   r"10: 17 positions, past the model's context length of 16"):
+        run_bench(short, prompts, ["hf-generate", "autoregressive"], BenchSettings(max_new_tokens=10),
+                  tmp_path / "o")
+    assert not (tmp_path / "o").exists()  # nothing written, nothing run
+    results = run_bench(short, prompts, ["hf-generate", "autoregressive"],
+                        BenchSettings(max_new_tokens=9, warmup_tokens=2), tmp_path / "ok")  # 16: exactly fits
+    assert len(results["records"]) == 4

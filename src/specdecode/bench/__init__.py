@@ -1,8 +1,10 @@
 """``specdecode bench``: time every decoding method on the same prompts, in one process.
 
 The target (and draft) are loaded once; every method runs with the same weights,
-dtype, prompts (encoded once) and generation settings. After a warm-up (one
-short generation per method), each method runs on every prompt, ``repeats``
+dtype, prompts (encoded once) and generation settings. Every prompt plus
+``max_new_tokens`` must fit the target's context length, checked before anything
+runs. After a warm-up (one short generation per method, timed and reported as
+``warmup_s``: compilation happens there), each method runs on every prompt, ``repeats``
 times, interleaved prompt by prompt so that slow drifts of the machine (heat,
 other load) hit every method alike.
 
@@ -11,19 +13,24 @@ Methods:
 * ``hf-generate``: transformers ``model.generate`` on the target alone (greedy, or
   sampling at the same temperature with top-k/top-p off), EOS from the target's
   generation config, ``min_new_tokens`` unset.
+* ``hf-generate-static``: the same with transformers' ``StaticCache`` and the decode
+  forward compiled (``cache_implementation="static"`` and a ``CompileConfig``, on every
+  device; compiled in the warm-up), also a baseline.
 * ``hf-assisted``: ``generate(assistant_model=draft)``; the draft's
   ``num_assistant_tokens``/``num_assistant_tokens_schedule``/
   ``assistant_confidence_threshold`` are set to transformers' defaults (recorded
   in results.json).
 * ``hf-prompt-lookup``: ``generate(prompt_lookup_num_tokens=10)``.
 * every method in ``specdecode.pipeline.METHODS`` (read at run time, so new
-  methods appear here without code), run through ``SpeculativeGenerator.decoder``.
+  methods appear here without code), run through ``SpeculativeGenerator.decoder``,
+  with the fast path as ``BenchSettings.compile`` or the method's ``compile=0|1`` says.
 * ``llama-cpp``: llama.cpp (``pip install 'specdecode[llamacpp]'``) on the target's
   GGUF file, target only, with the same prompt ids, threads and greedy settings; a
   reference column next to ours (``vs_llama_cpp``), never a speedup baseline, and run
   only when named.
 
-Speedups are relative to the *faster* of ``hf-generate`` and ``autoregressive``
+Speedups are relative to the *fastest* target-only baseline (``hf-generate``,
+``hf-generate-static``, ``autoregressive`` and its compile variants; ``BASELINES``)
 in the same category (``speedups``), with tokens/s aggregated as total new
 tokens / total seconds (``tokens_per_second``), so neither a slow baseline nor a
 few short outputs can flatter a method.
@@ -35,9 +42,11 @@ run's settings live in ``OUT/settings.json``; resuming with different ones is re
 
 Modules:
 
-* ``methods``: what a method is (``MethodSpec``, ``HF_METHODS``, ``DRAFTER_OPTIONS``,
+* ``methods``: what a method is (``MethodSpec``, ``DRAFTER_OPTIONS``,
   ``METHOD_MODIFIERS``, ``available_methods``) and how it runs (``build_decoder``,
   ``resolve_methods`` and the runners);
+* ``hf_methods``: transformers' ``generate`` variants (``HFMethod``, ``HF_METHODS``) and
+  their runner;
 * ``settings``: ``BenchSettings``, how every method generates;
 * ``runner``: ``run_bench``, the run itself;
 * ``llamacpp``: the ``llama-cpp`` reference method (``LlamaCppRunner``, ``gguf_file``);
@@ -48,14 +57,13 @@ Modules:
 """
 
 from specdecode.bench.command import run
+from specdecode.bench.hf_methods import HF_METHODS, HFMethod
 from specdecode.bench.llamacpp import LlamaCppRunner, gguf_file
 from specdecode.bench.methods import (
     DEFAULT_GATE_THRESHOLD,
     DRAFTER_OPTIONS,
-    HF_METHODS,
     METHOD_MODIFIERS,
     DrafterOption,
-    HFMethod,
     MethodSpec,
     PromptPrefix,
     available_methods,
@@ -83,6 +91,7 @@ from specdecode.bench.report import (
     RESULTS_MD,
     SPEEDUP_PNG,
     first_divergence,
+    is_baseline,
     markdown_report,
     plot_acceptance,
     plot_speedups,
@@ -125,6 +134,7 @@ __all__ = [
     "environment",
     "first_divergence",
     "gguf_file",
+    "is_baseline",
     "markdown_report",
     "plot_acceptance",
     "plot_speedups",

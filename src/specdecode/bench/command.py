@@ -74,6 +74,7 @@ def run(args) -> int:
         banned_words=tuple(read_banned_words(args.banned_words_file)) if args.banned_words_file else (),
         banned_words_ignore_case=args.banned_words_ignore_case,
         banned_words_whole_word=args.banned_words_whole_word,
+        compile=args.compile,
     )
     methods = _split_list(args.methods, _method_separator())
     if methods is not None:
@@ -117,14 +118,15 @@ def run(args) -> int:
     table = Table(title=f"specdecode bench: {len(prompts)} prompts, {args.dataset}")
     llama = LLAMA_CPP in results["summary"]  # a reference column: our tok/s next to llama.cpp's
     for col in ("method", "tok/s", "speedup", *(["vs llama.cpp"] if llama else []), "acceptance", "τ",
-                "exact match vs AR"):
+                "exact match vs AR", "warm-up s"):
         table.add_column(col, justify="left" if col == "method" else "right")
     for method, by_cat in results["summary"].items():
         o = by_cat[OVERALL]
         table.add_row(method, format_value(o["tokens_per_s"]), format_value(o["speedup"], "{:.2f}×"),
                       *([format_value(o.get("vs_llama_cpp"), "{:.2f}×")] if llama else []),
                       format_value(o["acceptance_rate"], "{:.1%}"), format_value(o["mean_accepted_tokens"]),
-                      "ref" if method == REFERENCE_METHOD else format_value(o["exact_match_rate"], "{:.0%}"))
+                      "ref" if method == REFERENCE_METHOD else format_value(o["exact_match_rate"], "{:.0%}"),
+                      format_value(results["methods"].get(method, {}).get("warmup_s"), "{:.1f}"))
     out = Console()
     out.print(table)
     out.print(f"results in {Path(args.out).resolve()}: {RESULTS_MD}, {RESULTS_JSON}, {SPEEDUP_PNG}, {ACCEPTANCE_PNG}")

@@ -1,16 +1,15 @@
 """What a benchmarked method is and how it runs.
 
 The methods (``available_methods``): transformers' ``generate`` variants (``HFMethod``,
-``HF_METHODS``) and every method of ``specdecode.pipeline.METHODS``, each optionally
-with drafter options and draft-control modifiers (``MethodSpec``, ``METHOD_MODIFIERS``,
-``DRAFTER_OPTIONS``); the runners that time one generation of a method
-(``_SpecdecodeRunner``, ``_HFRunner``), built by ``resolve_methods``; and the prompt
-prefix a run shares between them (``PromptPrefix``).
+``HF_METHODS``, run by ``_HFRunner``; all three in ``specdecode.bench.hf_methods``) and
+every method of ``specdecode.pipeline.METHODS``, each optionally with drafter options and
+draft-control modifiers (``MethodSpec``, ``METHOD_MODIFIERS``, ``DRAFTER_OPTIONS``); the
+runners that time one generation of a method (``_SpecdecodeRunner``, ``_HFRunner``), built
+by ``resolve_methods``; and the prompt prefix a run shares between them (``PromptPrefix``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import inspect
@@ -26,8 +25,9 @@ from typing import Any
 import torch
 
 from specdecode import pipeline
+from specdecode.bench.hf_methods import HF_METHODS, HFMethod, _HFRunner  # HFMethod: re-exported, as before
 from specdecode.bench.llamacpp import LlamaCppRunner
-from specdecode.bench.report import BASELINES, LLAMA_CPP
+from specdecode.bench.report import BASELINES, LLAMA_CPP, is_baseline
 from specdecode.bench.settings import BenchSettings
 from specdecode.config import check_num_speculative_tokens
 from specdecode.drafters.control import DraftControl
@@ -35,49 +35,6 @@ from specdecode.engine.decoder import SpeculativeDecoder
 from specdecode.errors import InvalidArgumentError
 
 logger = logging.getLogger(__name__)
-
-# transformers' defaults for assisted generation (GenerationConfig._get_default_generation_params in 5.x),
-# used only if that private helper is gone.
-_HF_ASSISTANT_DEFAULTS = MappingProxyType(
-    {"num_assistant_tokens": 20, "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.4}
-)
-
-
-@dataclass(frozen=True)
-class HFMethod:
-    """A transformers ``generate`` variant benchmarked next to specdecode's methods.
-
-    Attributes:
-        name: Method name on the command line.
-        description: One line for the report.
-        needs_draft: Passes the draft model as ``assistant_model``.
-        generate_options: Extra ``transformers.GenerationConfig`` fields.
-        supports_prompt_cache: ``generate(past_key_values=...)`` continues from a cached
-            prompt prefix. False for transformers' assisted and prompt-lookup decoding
-            (5.x): their first step feeds the whole prompt again whatever the cache holds.
-    """
-
-    name: str
-    description: str
-    needs_draft: bool = False
-    generate_options: Mapping[str, Any] = field(default_factory=dict)
-    supports_prompt_cache: bool = False
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "generate_options", MappingProxyType(dict(self.generate_options)))
-
-
-HF_METHODS = MappingProxyType(
-    {
-        m.name: m
-        for m in (
-            HFMethod("hf-generate", "transformers generate, target only", supports_prompt_cache=True),
-            HFMethod("hf-assisted", "transformers assisted generation (assistant_model=draft)", needs_draft=True),
-            HFMethod("hf-prompt-lookup", "transformers prompt lookup decoding",
-                     generate_options={"prompt_lookup_num_tokens": 10}),
-        )
-    }
-)
 
 
 @dataclass(frozen=True)
@@ -128,7 +85,11 @@ class MethodSpec:
     e.g. ``early-exit:exit_layer=8+adaptive`` or ``layer-skip:skip_config=best.json+gated=0.4``.
     The whole string is the method's name in the records and tables; its options
     override the run's ``BenchSettings.drafter_options``, except
-    ``num_speculative_tokens=N``, which sets this method's γ.
+    ``num_speculative_tokens=N``, which sets this method's γ, and ``compile=0|1``
+    (also ``false|true``), which turns the fast path (static KV cache, compiled forwards)
+    off or on for this method, overriding ``BenchSettings.compile``. ``compile`` is the
+    only option ``autoregressive`` takes, so one run can hold ``autoregressive:compile=0``
+    and ``autoregressive:compile=1``.
 
     Attributes:
         name: The full string.
@@ -137,6 +98,8 @@ class MethodSpec:
             where they parse, else kept as strings).
         draft_control: The ``DraftControl`` the modifiers build, or None.
         num_speculative_tokens: This method's γ, or None for the run's.
+        compile: The fast path on (True) or off (False) for this method, or None for the run's
+            setting.
     """
 
     name: str
@@ -144,6 +107,7 @@ class MethodSpec:
     options: Mapping[str, Any] = field(default_factory=dict)
     draft_control: DraftControl | None = None
     num_speculative_tokens: int | None = None
+    compile: bool | None = None
 
     @classmethod
     def parse(cls, name: str) -> MethodSpec:
@@ -152,7 +116,8 @@ class MethodSpec:
         Raises:
             InvalidArgumentError: An unknown base method or modifier, a malformed option,
                 options or modifiers on a method that takes none (the transformers
-                methods, autoregressive), or a modifier value out of range.
+                methods; autoregressive takes ``compile`` alone), a ``compile`` value other
+                than 0, 1, false or true, or a modifier value out of range.
         """
         head, *modifiers = name.split("+")
         base, sep, option_text = head.partition(":")
@@ -196,20 +161,44 @@ class MethodSpec:
                 control["length_schedule"] = "heuristic"
             else:
                 control["confidence_gate"] = DEFAULT_GATE_THRESHOLD if number is None else number
-        if (options or control) and (base in HF_METHODS or base in ("autoregressive", LLAMA_CPP)):
+        compile_ = _parse_compile(name, options.pop("compile")) if "compile" in options else None
+        if (options or control or compile_ is not None) and (base in HF_METHODS or base == LLAMA_CPP):
             raise InvalidArgumentError(
-                f"method {name!r}: {base!r} takes no options or modifiers (only specdecode's speculative methods do)"
+                f"method {name!r}: {base!r} takes no options or modifiers (only specdecode's methods do; "
+                "for transformers' compiled static-cache decoding use 'hf-generate-static')"
+            )
+        if (options or control) and base == "autoregressive":
+            raise InvalidArgumentError(
+                f"method {name!r}: 'autoregressive' takes no options or modifiers but compile=0|1 "
+                "(only specdecode's speculative methods do)"
             )
         gamma = options.pop("num_speculative_tokens", None)
         if gamma is not None:
             check_num_speculative_tokens(gamma)
-        return cls(name, base, MappingProxyType(options), DraftControl(**control) if control else None, gamma)
+        return cls(name, base, MappingProxyType(options), DraftControl(**control) if control else None, gamma,
+                   compile_)
+
+
+def _parse_compile(name: str, value: Any) -> bool:
+    """The ``compile`` option of method ``name``: 0/1/false/true (any case) -> bool.
+
+    Raises:
+        InvalidArgumentError: Any other value (named, with the allowed ones).
+    """
+    if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    raise InvalidArgumentError(
+        f"method {name!r}: compile={value!r} is not allowed; use compile=0 or compile=1 (or false/true)"
+    )
 
 
 def available_methods() -> list[str]:
-    """Every method the bench knows now: the two baselines, the transformers variants, the llama.cpp
-    reference (``specdecode.bench.llamacpp``), then ``pipeline.METHODS``."""
-    names = ["hf-generate", "autoregressive", "hf-assisted", "hf-prompt-lookup", LLAMA_CPP, *pipeline.METHODS]
+    """Every method the bench knows now: the target-only baselines (``BASELINES``), the transformers
+    variants, the llama.cpp reference (``specdecode.bench.llamacpp``), then ``pipeline.METHODS``."""
+    names = ["hf-generate", "autoregressive", "hf-generate-static", "hf-assisted", "hf-prompt-lookup", LLAMA_CPP,
+             *pipeline.METHODS]
     return list(dict.fromkeys(names))
 
 
@@ -346,6 +335,8 @@ class _SpecdecodeRunner:
             "num_speculative_tokens": self._gamma() if drafter is not None else None,
             "drafter_options": options,
             "draft_control": dataclasses.asdict(control) if control is not None and drafter is not None else None,
+            # The fast path as requested (None: the pipeline's device default).
+            "compile": self.spec.compile if self.spec.compile is not None else self.settings.compile,
         }
 
     def __call__(
@@ -382,164 +373,12 @@ class _SpecdecodeRunner:
         }
 
 
-class _HFRunner:
-    """Runs ``transformers`` ``generate`` on the target; counts target forwards with a pre-forward hook.
-
-    Drafted tokens are read off the target's forward input lengths (a verification
-    forward over the pending token and k candidates has k + 1 inputs; the first
-    forward also holds the prompt), accepted tokens as new tokens - forwards
-    (each forward adds its accepted tokens plus one).
-    """
-
-    kind = "transformers"
-
-    def __init__(self, spec: HFMethod, generator: pipeline.SpeculativeGenerator, settings: BenchSettings) -> None:
-        self.name = spec.name
-        self.spec = spec
-        self.settings = settings
-        self.model = generator.target.model
-        self.assistant = generator.draft.model if spec.needs_draft else None
-        self.eos = sorted(pipeline.eos_token_ids(generator.target))
-        pad = self.model.generation_config.pad_token_id
-        if pad is None:
-            pad = generator.tokenizer.pad_token_id
-        self.pad = pad if pad is not None else (self.eos[0] if self.eos else None)
-        self.assistant_settings = _hf_assistant_defaults() if self.assistant is not None else None
-        self.supports_prompt_cache = spec.supports_prompt_cache
-
-    def generation_config(self, max_new_tokens: int):
-        """The transformers ``GenerationConfig``: our settings, and neutral values for every
-        logits processor a model's own generation config could switch on (e.g. Qwen's
-        repetition_penalty 1.05, top_k 20, top_p 0.8)."""
-        from transformers import GenerationConfig as HFGenerationConfig
-
-        options: dict[str, Any] = {
-            "max_new_tokens": max_new_tokens,
-            "do_sample": not self.settings.greedy,
-            "eos_token_id": self.eos or None,
-            "pad_token_id": self.pad,
-            "repetition_penalty": 1.0,
-            "no_repeat_ngram_size": 0,
-            **self.spec.generate_options,
-        }
-        if not self.settings.greedy:
-            options.update(temperature=self.settings.temperature, top_k=0, top_p=1.0, typical_p=1.0,
-                           epsilon_cutoff=0.0, eta_cutoff=0.0)
-            if getattr(self.model.generation_config, "min_p", None) is not None:
-                options["min_p"] = 0.0
-        return HFGenerationConfig(**options)
-
-    def describe(self) -> dict:
-        config = self.generation_config(self.settings.max_new_tokens).to_diff_dict()
-        config.pop("transformers_version", None)
-        out = {"kind": self.kind, "description": self.spec.description, "generation_config": config}
-        if self.assistant_settings is not None:
-            out["assistant_generation_config"] = dict(self.assistant_settings)
-        return out
-
-    @contextlib.contextmanager
-    def _assistant_configured(self):
-        """Set the draft's assisted-generation fields to transformers' defaults, restoring them after."""
-        if self.assistant is None:
-            yield
-            return
-        gc = self.assistant.generation_config
-        saved = {k: getattr(gc, k, None) for k in self.assistant_settings}
-        for k, v in self.assistant_settings.items():
-            setattr(gc, k, v)
-        try:
-            yield
-        finally:
-            for k, v in saved.items():
-                setattr(gc, k, v)
-
-    def __call__(
-        self, input_ids: torch.Tensor, max_new_tokens: int, seed: int, prefix: PromptPrefix | None = None
-    ) -> dict:
-        config = self.generation_config(max_new_tokens)
-        lengths: list[int] = []
-        if prefix is not None and not self.supports_prompt_cache:
-            raise InvalidArgumentError(f"method {self.name!r} cannot start from a cached prompt")
-        if prefix is not None:  # transformers encodes only the tokens its cache lacks
-            extra_cache = {"past_key_values": copy.deepcopy(prefix.hf_cache)}
-            num_prefix = prefix.num_tokens
-        else:
-            extra_cache, num_prefix = {}, 0
-
-        def count(_module, args, kwargs):
-            ids = kwargs.get("input_ids", args[0] if args else None)
-            if ids is None and kwargs.get("inputs_embeds") is not None:
-                ids = kwargs["inputs_embeds"]
-            lengths.append(int(ids.shape[1]) if ids is not None else 1)
-
-        extra = {"assistant_model": self.assistant} if self.assistant is not None else {}
-        extra.update(extra_cache)
-        n = int(input_ids.shape[1])
-        handle = self.model.register_forward_pre_hook(count, with_kwargs=True)
-        try:
-            with self._assistant_configured(), _seeded(None if self.settings.greedy else seed, input_ids.device):
-                t0 = time.perf_counter()
-                out = self.model.generate(
-                    input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config, **extra
-                )
-                seconds = time.perf_counter() - t0
-        finally:
-            handle.remove()
-        tokens = out[0, n:].tolist()
-        eos = set(self.eos)
-        cut = next((i + 1 for i, t in enumerate(tokens) if t in eos), None)
-        if cut is not None:
-            tokens = tokens[:cut]
-        finish = "eos" if cut is not None else ("length" if len(tokens) >= max_new_tokens else "other")
-        forwards = len(lengths)
-        drafted = (lengths[0] - (n - num_prefix) if lengths else 0) + sum(k - 1 for k in lengths[1:])
-        return {
-            "token_ids": tokens,
-            "seconds": seconds,
-            "finish_reason": finish,
-            "target_forwards": forwards,
-            # Every transformers forward, the first included, verifies a block and adds its tokens.
-            "verify_tokens": len(tokens),
-            "verify_forwards": forwards,
-            "drafted": drafted,
-            "accepted": max(len(tokens) - forwards, 0) if drafted else 0,
-            "draft_forwards": None,
-            "drafted_by_position": None,
-            "accepted_by_position": None,
-            "prefill_s": None,
-            "final_draft_threshold": None,
-            "gated_steps": None,
-            "banned_word_rollbacks": None,
-            "banned_word_discarded_tokens": None,
-        }
-
-
-@contextlib.contextmanager
-def _seeded(seed: int | None, device: torch.device):
-    """Seed torch's global generator for one sampling generation and restore its state afterwards."""
-    if seed is None:
-        yield
-        return
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        yield
-
-
-def _hf_assistant_defaults() -> dict:
-    from transformers import GenerationConfig as HFGenerationConfig
-
-    try:
-        defaults = HFGenerationConfig._get_default_generation_params()
-    except AttributeError:
-        defaults = {}
-    return {k: defaults.get(k, v) for k, v in _HF_ASSISTANT_DEFAULTS.items()}
-
-
 def resolve_methods(
     generator: pipeline.SpeculativeGenerator,
     methods: Sequence[str] | None,
     settings: BenchSettings,
+    *,
+    max_positions: int | None = None,
 ) -> tuple[dict[str, Callable], dict[str, str]]:
     """Build a runner for every method.
 
@@ -547,6 +386,11 @@ def resolve_methods(
         methods: The methods to run; ``None``: every available method whose requirements
             (such as a draft model) are met, but ``llama-cpp`` (a reference, run only when
             named); the others are skipped and reported.
+        settings: How every method generates; its ``compile`` applies to the specdecode
+            methods whose name sets no ``compile`` option (``MethodSpec``).
+        max_positions: The most positions one generation of the run needs (longest prompt
+            plus ``max_new_tokens``): the static-cache length of ``hf-generate-static``, fixed
+            so that no prompt recompiles it; None: sized per generation.
 
     Returns:
         (method -> runner, skipped method -> reason).
@@ -577,7 +421,7 @@ def resolve_methods(
                     raise InvalidArgumentError(
                         f"method {name!r} needs a draft model; pass --draft (draft=...) or leave {name!r} out"
                     )
-                runners[name] = _HFRunner(spec, generator, settings)
+                runners[name] = _HFRunner(spec, generator, settings, max_positions)
             else:
                 spec = MethodSpec.parse(name)
                 run_wide = dict(settings.drafter_options)
@@ -586,6 +430,9 @@ def resolve_methods(
                 options = {} if spec.base == "autoregressive" else {**run_wide, **spec.options}
                 if spec.draft_control is not None:
                     options["draft_control"] = spec.draft_control
+                compile_ = spec.compile if spec.compile is not None else settings.compile
+                if compile_ is not None:  # unset: the pipeline's device default
+                    options["compile"] = compile_
                 runners[name] = _SpecdecodeRunner(
                     name, build_decoder(generator, spec.base, options), settings, spec
                 )
@@ -594,6 +441,6 @@ def resolve_methods(
                 raise
             skipped[name] = str(e)
             logger.info("skipping method %s: %s", name, e)
-    if not any(b in runners for b in BASELINES):
+    if not any(is_baseline(name) for name in runners):
         logger.warning("no baseline method (%s) in the run: speedups will be None", " or ".join(BASELINES))
     return runners, skipped

@@ -52,6 +52,8 @@ def run_identity(generator: pipeline.SpeculativeGenerator, settings: BenchSettin
         "drafter_options": dict(settings.drafter_options),
         "prompt_cache": settings.prompt_cache,
         **settings.banned_words_settings(),
+        # Only runs that set the fast path name it, so folders made before the setting existed still resume.
+        **({"compile": settings.compile} if settings.compile is not None else {}),
     }
 
 

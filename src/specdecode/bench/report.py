@@ -18,7 +18,9 @@ from typing import Any
 
 from specdecode.files import write_png_atomic, write_text_atomic
 
-BASELINES = ("hf-generate", "autoregressive")
+# Target-only decoding, the speedup baselines: transformers' generate (eager and with a compiled
+# static cache) and our autoregressive loop (with any compile option, see ``is_baseline``).
+BASELINES = ("hf-generate", "hf-generate-static", "autoregressive")
 REFERENCE_METHOD = "autoregressive"  # token agreement is measured against its output
 LLAMA_CPP = "llama-cpp"  # llama.cpp on the target's GGUF file: a reference column, never a speedup baseline
 OVERALL = "overall"
@@ -37,6 +39,13 @@ def tokens_per_second(new_tokens: Sequence[int], seconds: Sequence[float]) -> fl
     return sum(new_tokens) / total_s if total_s > 0 else None
 
 
+def is_baseline(method: str, baselines: Sequence[str] = BASELINES) -> bool:
+    """Whether ``method`` may serve as speedup baseline: a name of ``baselines``, or one with
+    options (``autoregressive:compile=1``: target-only decoding whatever its options; the
+    transformers methods take none). Never ``LLAMA_CPP``."""
+    return method != LLAMA_CPP and (method in baselines or method.partition(":")[0] in baselines)
+
+
 def speedups(
     tokens_per_s: Mapping[str, float | None], baselines: Sequence[str] = BASELINES
 ) -> tuple[dict[str, float | None], str | None]:
@@ -44,14 +53,15 @@ def speedups(
 
     Args:
         tokens_per_s: Method name -> aggregated tokens/s (None: not measured).
-        baselines: The methods that may serve as baseline.
+        baselines: The methods that may serve as baseline, with their option variants
+            (``is_baseline``).
 
     Returns:
         (method -> tokens/s ÷ the fastest baseline's tokens/s, or None; the baseline's name,
         or None when no baseline was measured). ``LLAMA_CPP`` is never a baseline, even if
         listed in ``baselines``: it runs another engine on quantized weights.
     """
-    measured = {b: tokens_per_s[b] for b in baselines if b != LLAMA_CPP and tokens_per_s.get(b)}
+    measured = {m: v for m, v in tokens_per_s.items() if is_baseline(m, baselines) and v}
     if not measured:
         return {m: None for m in tokens_per_s}, None
     ref = max(measured, key=measured.__getitem__)
@@ -80,8 +90,12 @@ NOTES = MappingProxyType({
     "method starts from a copy of that target cache, so the time covers the last prompt token, the draft "
     "model's own prompt encoding (method 'draft') and decoding; without it (and always when hf-assisted or "
     "hf-prompt-lookup is in the run, which cannot start from a cache) the whole prompt is timed",
-    "speedup": "tokens_per_s / tokens_per_s of the faster of hf-generate and autoregressive in the same category "
-    "(never llama-cpp, a reference column)",
+    "speedup": "tokens_per_s / tokens_per_s of the fastest target-only baseline in the same category: hf-generate, "
+    "hf-generate-static (transformers' static cache with a compiled forward) or autoregressive (any of its "
+    "compile variants); never llama-cpp, a reference column",
+    "warmup_s": "wall seconds of each method's one warm-up generation (warmup_tokens tokens, before the timed "
+    "runs) in this call; compilation (hf-generate-static, specdecode's fast path) happens there and never in "
+    "tokens_per_s. None: the method had nothing left to run (resumed), so it was not warmed up",
     "vs_llama_cpp": "tokens_per_s / llama-cpp's tokens_per_s in the same category (when llama-cpp ran): llama.cpp "
     "(llama-cpp-python) runs the target's GGUF file target-only with its quantized kernels, the same prompt ids, "
     "EOS, max_new_tokens, greedy settings, thread count and timing; its weights differ from the de-quantized "
@@ -202,7 +216,8 @@ def write_reports(out_dir: str | Path, records: list[dict], info: Mapping[str, A
     summary = summarize(records)
     results = {
         **info,
-        "baseline": "per category, the faster (higher median tokens/s) of " + " and ".join(BASELINES),
+        "baseline": "per category, the fastest (highest median tokens/s) of " + ", ".join(BASELINES)
+        + " and their option variants (autoregressive:compile=0|1)",
         "baselines_used": summary["baselines"],
         "summary": summary["methods"],
         "notes": dict(NOTES),
@@ -235,7 +250,8 @@ def markdown_report(results: Mapping[str, Any]) -> str:
     cats = [c for c in results.get("categories", []) if any(c in s for s in summary.values())]
     ident, env = results.get("identity", {}), results.get("environment", {})
     head = ["Method", *[f"{c} speedup" for c in cats], "Overall tok/s (min–max)", "Overall speedup",
-            "Acceptance α", "τ (incl. bonus)", "Fwd/token", "Exact match vs AR", "Peak RSS MB"]
+            "Acceptance α", "τ (incl. bonus)", "Fwd/token", "Exact match vs AR", "Peak RSS MB", "Warm-up s"]
+    described = results.get("methods", {})
     llama = summary.get(LLAMA_CPP, {}).get(OVERALL)
     if llama:
         head.insert(head.index("Overall speedup") + 1, "vs llama.cpp")
@@ -245,12 +261,14 @@ def markdown_report(results: Mapping[str, Any]) -> str:
         f"Target `{ident.get('target')}`, draft `{ident.get('draft')}`, {ident.get('dtype')}{_quantized(ident)} on "
         f"{ident.get('device')} ({env.get('cpu_model') or env.get('cuda_device') or '?'}, "
         f"{env.get('torch_threads')} torch threads); max_new_tokens {ident.get('max_new_tokens')}, "
-        f"temperature {ident.get('temperature')}, γ {ident.get('num_speculative_tokens')}; "
+        f"temperature {ident.get('temperature')}, γ {ident.get('num_speculative_tokens')}"
+        f"{'' if 'compile' not in ident else ', compile ' + str(ident['compile']).lower()}; "
         f"{results.get('num_prompts')} prompts × {results.get('settings', {}).get('repeats')} repeat(s).",
         "",
-        "Speedup: against the faster of hf-generate and autoregressive in each category "
-        f"(baseline used: {', '.join(f'{c}: {b}' for c, b in results.get('baselines_used', {}).items())}). "
-        "Tokens/s = total new tokens / total seconds, median over repeats.",
+        "Speedup: against the fastest target-only baseline (hf-generate, hf-generate-static, autoregressive) in "
+        f"each category (baseline used: {', '.join(f'{c}: {b}' for c, b in results.get('baselines_used', {}).items())})"
+        ". Tokens/s = total new tokens / total seconds, median over repeats. Warm-up s: the method's warm-up "
+        "generation, where compilation happens (never in tok/s).",
         "",
     ]
     if llama:
@@ -282,6 +300,7 @@ def markdown_report(results: Mapping[str, Any]) -> str:
             format_value(o.get("target_forwards_per_token")),
             agree,
             format_value(o.get("peak_rss_mb"), "{:.0f}"),
+            format_value(described.get(method, {}).get("warmup_s"), "{:.1f}"),
         ]
         lines.append("| " + " | ".join(row) + " |")
     skipped = results.get("skipped_methods") or {}

@@ -8,6 +8,7 @@ import json
 import logging
 import re
 import sys
+import time
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
@@ -22,6 +23,7 @@ from specdecode.bench.methods import PromptPrefix, resolve_methods
 from specdecode.bench.records import RecordStore, environment, record_key, run_identity
 from specdecode.bench.report import write_reports
 from specdecode.bench.settings import BenchSettings
+from specdecode.engine import kv_cache
 from specdecode.errors import InvalidArgumentError
 
 logger = logging.getLogger(__name__)
@@ -94,11 +96,14 @@ def run_bench(
         run_info: Extra JSON-ready facts stored in results.json (e.g. dataset, command line).
 
     Returns:
-        The content of results.json.
+        The content of results.json; ``methods[name]["warmup_s"]`` is the wall time in seconds
+        of that method's warm-up generation (compilation included), None when it had nothing
+        left to run.
 
     Raises:
         InvalidArgumentError: Unknown or unusable methods, no prompts, duplicate prompt ids,
-            or an ``out_dir`` made with different settings.
+            a prompt whose tokens plus ``max_new_tokens`` exceed the target's context length
+            (checked before any generation), or an ``out_dir`` made with different settings.
         KeyboardInterrupt: Passed on; the records finished so far stay in records.jsonl.
     """
     settings = settings or BenchSettings()
@@ -109,7 +114,15 @@ def run_bench(
     if len(set(ids)) != len(ids):
         dup = next(i for i in ids if ids.count(i) > 1)
         raise InvalidArgumentError(f"prompt ids must be unique; {dup!r} appears {ids.count(dup)} times")
-    runners, skipped = resolve_methods(generator, methods, settings)
+    encoded = {p.id: generator.encode(p.text, p.chat) for p in prompts}
+    model = generator.target.model
+    for p in prompts:  # before anything runs: transformers' methods would run past the context silently
+        try:
+            kv_cache.check_context_length(model, int(encoded[p.id].shape[1]), settings.max_new_tokens)
+        except InvalidArgumentError as e:
+            raise InvalidArgumentError(f"prompt {p.id!r}: {e}") from None
+    max_positions = max(int(t.shape[1]) for t in encoded.values()) + settings.max_new_tokens
+    runners, skipped = resolve_methods(generator, methods, settings, max_positions=max_positions)
     unsupported = [name for name, runner in runners.items() if not getattr(runner, "supports_prompt_cache", False)]
     if settings.prompt_cache and unsupported:
         raise InvalidArgumentError(
@@ -118,7 +131,6 @@ def run_bench(
         )
     if settings.prompt_cache is None:  # auto
         settings = dataclasses.replace(settings, prompt_cache=not unsupported)
-    encoded = {p.id: generator.encode(p.text, p.chat) for p in prompts}
     store = RecordStore(out_dir)
     resumed = store.check_settings(run_identity(generator, settings))
     stored = store.load()
@@ -137,7 +149,6 @@ def run_bench(
     if progress:
         progress(0, len(pending), "warm-up")
     todo_methods = list(dict.fromkeys(m for _, _, m in pending))
-    model = generator.target.model
     prefixes: dict[str, PromptPrefix | None] = {}  # only the current prompt's is kept
 
     def prefix_of(prompt_id: str) -> PromptPrefix | None:
@@ -149,10 +160,14 @@ def run_bench(
         return prefixes[prompt_id]
 
     warm_id = pending[0][0].id if pending else prompts[0].id
-    for name in todo_methods:  # one short generation each: first-call allocations, lazy inits
+    warmup_s: dict[str, float] = {}
+    for name in todo_methods:  # one short generation each: first-call allocations, lazy inits, compilation
         logger.info("warm-up: %s", name)
-        runners[name](encoded[warm_id], min(settings.warmup_tokens, settings.max_new_tokens), settings.seed,
-                      prefix_of(warm_id))
+        prefix = prefix_of(warm_id)  # encoded outside the warm-up's time
+        t0 = time.perf_counter()
+        runners[name](encoded[warm_id], min(settings.warmup_tokens, settings.max_new_tokens), settings.seed, prefix)
+        warmup_s[name] = time.perf_counter() - t0
+        logger.info("warm-up of %s: %.2f s", name, warmup_s[name])
     for i, (prompt, repeat, name) in enumerate(pending, start=1):
         prefix = prefix_of(prompt.id)
         reset = _reset_peak_rss()
@@ -186,7 +201,7 @@ def run_bench(
         "environment": environment(generator),
         "identity": run_identity(generator, settings),
         "settings": settings.to_dict(),
-        "methods": {name: runner.describe() for name, runner in runners.items()},
+        "methods": {name: {**runner.describe(), "warmup_s": warmup_s.get(name)} for name, runner in runners.items()},
         "skipped_methods": skipped,
         "categories": list(dict.fromkeys(p.category for p in prompts)),
         "num_prompts": len(prompts),

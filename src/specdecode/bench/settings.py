@@ -40,6 +40,10 @@ class BenchSettings:
             model name; ``specdecode.bench.llamacpp``), which must be the target's own file;
             None: the target's, found from its name (an offline model). ``specdecode bench``
             sets it from ``--target``.
+        compile: The fast path (static KV cache, compiled forwards) on (True) or off (False)
+            for every specdecode method whose name sets no ``compile`` option
+            (``MethodSpec``); None (default): the pipeline's device default. Compilation
+            happens in each method's warm-up, reported as ``warmup_s``.
 
     Raises:
         InvalidArgumentError: A value outside its range.
@@ -57,6 +61,7 @@ class BenchSettings:
     banned_words_ignore_case: bool = False
     banned_words_whole_word: bool = False
     gguf_file: str | None = None
+    compile: bool | None = None
 
     def __post_init__(self) -> None:
         config = GenerationConfig(  # validates max_new_tokens, temperature, gamma, banned words
@@ -82,7 +87,16 @@ class BenchSettings:
                 json.dumps(value)
             except TypeError as e:
                 raise InvalidArgumentError(f"drafter option {key}={value!r} is not a JSON value") from e
+        if "compile" in options:
+            raise InvalidArgumentError(
+                f"drafter option compile={options['compile']!r}: the fast path is set with BenchSettings.compile "
+                "(--compile/--no-compile) or per method as NAME:compile=0|1, not as a drafter option"
+            )
         object.__setattr__(self, "drafter_options", MappingProxyType(options))
+        if self.compile is not None and not isinstance(self.compile, bool):
+            raise InvalidArgumentError(
+                f"compile must be True, False or None (the device default), got {self.compile!r}"
+            )
         if self.gguf_file is not None and (not isinstance(self.gguf_file, str) or not self.gguf_file.strip()):
             raise InvalidArgumentError(
                 f"gguf_file must be a non-empty .gguf path or offline model name, got {self.gguf_file!r}"
@@ -118,6 +132,7 @@ class BenchSettings:
             "prompt_cache": self.prompt_cache,
             **self.banned_words_settings(),
             **({"gguf_file": self.gguf_file} if self.gguf_file is not None else {}),
+            "compile": self.compile,
         }
 
     def banned_words_settings(self) -> dict:

@@ -8,12 +8,14 @@ drafters share: ``draft_token`` and ``draft_autoregressively``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import DynamicCache
 
 from specdecode.drafters.draft_head import BoundDraftHead
+from specdecode.engine.kv_cache import StaticKVCache
 from specdecode.engine.protocol import Draft, Drafter, ExitPolicy
 from specdecode.engine.sampling import Sampler, check_finite
 
@@ -56,8 +58,8 @@ def draft_token(
 
 
 def draft_autoregressively(
-    model: PreTrainedModel,
-    cache: DynamicCache,
+    forward: Callable[[torch.Tensor, object, int], torch.Tensor],
+    cache: DynamicCache | StaticKVCache,
     feed: torch.Tensor,
     max_tokens: int,
     sampler: Sampler,
@@ -65,12 +67,14 @@ def draft_autoregressively(
     who: str,
     head: BoundDraftHead | None = None,
 ) -> Draft:
-    """The draft loop shared by the model-based drafters: up to ``max_tokens`` forwards of ``model``.
+    """The draft loop shared by the model-based drafters: up to ``max_tokens`` forwards.
 
-    The first forward feeds ``feed`` (1, m), the tokens not yet in ``cache``; each later one
-    feeds the token just drafted. A block of k tokens thus runs k forwards and appends
-    m + k - 1 positions to ``cache``; the last draft token is not fed. ``head`` (bound to
-    ``model``) restricts the logits to its K tokens (FR-Spec); None: the model's full head.
+    ``forward(ids, cache, logits_to_keep)`` is the draft model's ``engine.fast_path.ModelRunner``
+    (eager, or the fast path on a static cache). The first forward feeds ``feed`` (1, m), the
+    tokens not yet in ``cache``; each later one feeds the token just drafted. A block of k
+    tokens thus runs k forwards and appends m + k - 1 positions to ``cache``; the last draft
+    token is not fed. ``head`` (bound to the draft model) restricts the logits to its K tokens
+    (FR-Spec); None: the model's full head.
 
     Raises:
         NonFiniteLogitsError: If a forward gives NaN or infinite logits (``who`` names the model).
@@ -79,7 +83,7 @@ def draft_autoregressively(
     tokens, probs = [], []
     with head.applied() if head is not None else nullcontext():
         for _ in range(max_tokens):
-            logits = model(feed, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+            logits = forward(feed, cache, 1)[:, -1]
             check_finite(logits, who)
             if head is not None:
                 head.check_logits(logits)

@@ -26,6 +26,7 @@ from specdecode.drafters.base import Draft, Drafter, ExitPolicy
 from specdecode.drafters.draft_head import DraftHead
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter, find_continuation
+from specdecode.engine.fast_path import ModelRunner
 from specdecode.engine.sampling import Sampler
 
 
@@ -38,6 +39,7 @@ class CascadeDrafter(Drafter):
         max_ngram, min_ngram: n-gram sizes of the match (1 <= min_ngram <= max_ngram).
         head: The draft model's LM-head rows (``DraftModelDrafter``'s ``head``); the n-gram
             part may propose any token, the model part only the head's.
+        runner: The draft model's ``ModelRunner`` (``DraftModelDrafter``'s ``runner``).
 
     Attributes:
         num_forwards: Draft-model forwards in the current generation.
@@ -50,17 +52,26 @@ class CascadeDrafter(Drafter):
     supports_exit_policy = True
 
     def __init__(
-        self, model: PreTrainedModel, max_ngram: int = 3, min_ngram: int = 1, head: DraftHead | None = None
+        self,
+        model: PreTrainedModel,
+        max_ngram: int = 3,
+        min_ngram: int = 1,
+        head: DraftHead | None = None,
+        runner: ModelRunner | None = None,
     ) -> None:
         PromptLookupDrafter(max_ngram, min_ngram)  # validates the n-gram sizes
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
-        self._model = DraftModelDrafter(model, head)
+        self._model = DraftModelDrafter(model, head, runner)
         self._sampler: Sampler | None = None
         self.num_ngram_tokens = 0
 
     @property
     def num_forwards(self) -> int:  # type: ignore[override]
         return self._model.num_forwards
+
+    @property
+    def compile_time_s(self) -> float:
+        return self._model.compile_time_s
 
     def begin(self, prompt_ids: torch.Tensor, sampler: Sampler, target_cache: DynamicCache) -> None:
         self._sampler = sampler

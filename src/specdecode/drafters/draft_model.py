@@ -8,6 +8,7 @@ from transformers import DynamicCache, PreTrainedModel
 from specdecode.drafters.base import Draft, Drafter, ExitPolicy, draft_autoregressively
 from specdecode.drafters.draft_head import DraftHead
 from specdecode.engine import kv_cache
+from specdecode.engine.fast_path import ModelRunner
 from specdecode.engine.sampling import Sampler
 
 
@@ -26,6 +27,10 @@ class DraftModelDrafter(Drafter):
         head: Which LM-head rows drafting computes (``DraftHead.full()`` when None, or
             ``DraftHead.truncated(ids)``: FR-Spec's K frequent tokens). The rows are
             gathered here, once.
+        runner: Runs the model's forwards (``engine.fast_path.ModelRunner`` of ``model``);
+            None makes one with the device's default ``compile``. Its fast path is used when
+            the target's cache is static (the decoder's fast path): the draft then gets a
+            static cache of the same capacity; with a dynamic target cache it runs eagerly.
 
     Raises:
         InvalidArgumentError: If a truncated head names a token id past the model's head rows.
@@ -34,8 +39,11 @@ class DraftModelDrafter(Drafter):
 
     supports_exit_policy = True
 
-    def __init__(self, model: PreTrainedModel, head: DraftHead | None = None) -> None:
+    def __init__(self, model: PreTrainedModel, head: DraftHead | None = None, runner: ModelRunner | None = None) -> None:
         self.model = model
+        # Widths: 1 or 2 per round (the pending token, plus the last draft token after a fully
+        # accepted block); the cascade feeds its n-gram tokens too (padded up to 4 or 8).
+        self.runner = runner if runner is not None else ModelRunner(model, buckets=(1, 2, 4, 8), name="draft model")
         self.head = (head or DraftHead.full()).bind(model)
         self._cache = None
         self._num_cached = 0
@@ -45,9 +53,12 @@ class DraftModelDrafter(Drafter):
     def begin(self, prompt_ids: torch.Tensor, sampler: Sampler, target_cache: DynamicCache) -> None:
         self.head.check_vocab(sampler.vocab_size)
         self._sampler = sampler
-        self._cache = kv_cache.new_cache(self.model)
+        if kv_cache.is_static(target_cache):
+            self._cache = self.runner.new_cache(target_cache.capacity)
+        else:
+            self._cache = kv_cache.new_cache(self.model)
         with self.head.applied():  # the prefill's one row of logits is not used: spend K rows, not V
-            self.model(prompt_ids, past_key_values=self._cache, use_cache=True, logits_to_keep=1)
+            self.runner(prompt_ids, self._cache, 1)
         n = prompt_ids.shape[1]
         self._num_cached = kv_cache.rollback(self._cache, n, n)  # trims sliding layers, as after every forward
         self.num_forwards = 1
@@ -57,11 +68,15 @@ class DraftModelDrafter(Drafter):
         """Draft up to ``max_tokens`` tokens; ``exit_policy`` as in the module docstring."""
         feed = sequence[:, self._num_cached :]
         draft = draft_autoregressively(
-            self.model, self._cache, feed, max_tokens, self._sampler, exit_policy, "draft model", self.head
+            self.runner, self._cache, feed, max_tokens, self._sampler, exit_policy, "draft model", self.head
         )
         self.num_forwards += len(draft)
         self._num_cached += feed.shape[1] + len(draft) - 1
         return draft
+
+    @property
+    def compile_time_s(self) -> float:
+        return self.runner.compile_time_s
 
     def rollback(self, num_valid: int) -> None:
         self._num_cached = kv_cache.rollback(self._cache, self._num_cached, num_valid)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from transformers import PreTrainedModel
 
+from specdecode.engine.fast_path import ModelRunner
 from specdecode.errors import InvalidArgumentError
 from specdecode.drafters.layer_skip import LayerSkipDrafter, SkipSet, decoder_layers
 
@@ -41,12 +42,13 @@ class EarlyExitDrafter(LayerSkipDrafter):
     Args:
         model: The target model (the one the decoder verifies with), in eval mode.
         exit_layer: N, how many leading decoder layers the draft runs, 1 <= N <= L - 1.
+        runner: Runs the draft forwards (see ``LayerSkipDrafter``).
 
     Raises:
         InvalidArgumentError: If ``exit_layer`` is outside 1..L-1.
         UnsupportedModelError: If the decoder layers cannot be found.
     """
 
-    def __init__(self, model: PreTrainedModel, exit_layer: int) -> None:
-        super().__init__(model, exit_skip_set(exit_layer, len(decoder_layers(model))))
+    def __init__(self, model: PreTrainedModel, exit_layer: int, runner: ModelRunner | None = None) -> None:
+        super().__init__(model, exit_skip_set(exit_layer, len(decoder_layers(model))), runner)
         self.exit_layer = exit_layer

@@ -32,6 +32,8 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from specdecode.drafters.base import Draft, Drafter, ExitPolicy, draft_autoregressively
+from specdecode.engine import kv_cache
+from specdecode.engine.fast_path import ModelRunner
 from specdecode.errors import InvalidArgumentError, UnsupportedModelError
 from specdecode.engine.sampling import Sampler
 
@@ -224,7 +226,7 @@ def _append_placeholder(cache, layer_idx: int, hidden_states: torch.Tensor, attn
     ``layer_idx`` so all layers keep one length (dtype and device: the hidden states', which also holds
     for a quantized attention whose weights are int8 buffers)."""
     num_new = hidden_states.shape[1]
-    if cache is None:
+    if cache is None or kv_cache.is_static(cache):  # a static cache's one position serves every layer
         return
     layer = cache.layers[layer_idx] if layer_idx < len(cache.layers) else None
     keys = getattr(layer, "keys", None) if getattr(layer, "is_initialized", False) else None
@@ -319,13 +321,18 @@ def draft_mode(model: PreTrainedModel, skip_set: SkipSet) -> Iterator[None]:
 class LayerSkipDrafter(Drafter):
     """Drafts with the target model itself, some sublayers skipped (Draft & Verify).
 
-    KV cache: the drafter has none of its own. It writes into the TARGET's
-    ``DynamicCache`` (given to ``begin``) and restores it before ``propose``
-    returns, so drafting costs no prefill and no extra memory beyond the block.
+    KV cache: the drafter has none of its own. It writes into the TARGET's cache
+    (given to ``begin``: a ``DynamicCache``, or the fast path's ``StaticKVCache``)
+    and restores it before ``propose`` returns, so drafting costs no prefill and no
+    extra memory beyond the block.
 
     Args:
         model: The target model (the one the decoder verifies with), in eval mode.
         skip_set: Sublayers skipped while drafting.
+        runner: Runs the draft-mode forwards (a ``ModelRunner`` of ``model``, not the
+            decoder's own: its compiled graphs are those of the skipped model, one set per
+            skip set); None makes one with the device's default ``compile``. Used on the fast
+            path when the target cache is static; eager otherwise.
 
     Raises:
         InvalidArgumentError: If a skip-set index is outside 0..L-1 (L decoder layers).
@@ -334,11 +341,12 @@ class LayerSkipDrafter(Drafter):
 
     supports_exit_policy = True
 
-    def __init__(self, model: PreTrainedModel, skip_set: SkipSet) -> None:
+    def __init__(self, model: PreTrainedModel, skip_set: SkipSet, runner: ModelRunner | None = None) -> None:
         self.num_layers = len(decoder_layers(model))
         skip_set.check(self.num_layers)
         self.model = model
         self.skip_set = skip_set
+        self.runner = runner if runner is not None else ModelRunner(model, buckets=(1,), name="layer-skip draft")
         self._cache: DynamicCache | None = None
         self._sampler: Sampler | None = None
 
@@ -371,7 +379,7 @@ class LayerSkipDrafter(Drafter):
         Returns:
             A ``Draft`` of k <= max_tokens tokens; ``probs`` (k, V) when sampling.
         """
-        cache, sampler, model = self._cache, self._sampler, self.model
+        cache, sampler = self._cache, self._sampler
         # KV cache sharing. The cache is the target's: it holds the confirmed positions
         # 0 .. L-2 with full-model keys/values, which are exactly what the draft pass
         # should attend to in its non-skipped layers (Draft & Verify reuses them too).
@@ -382,32 +390,29 @@ class LayerSkipDrafter(Drafter):
         # (get_seq_length / get_mask_sizes of one layer per attention type), and
         # DynamicCache.crop removes the same count from every layer. The draft-mode
         # entries are wrong for the full model, so before returning we crop back by
-        # exactly what drafting appended (_restore_cache): the verification forward
+        # exactly what drafting appended (kv_cache.truncate): the verification forward
         # then sees the cache as it was and writes full-model entries for the same
         # positions. No crop happens between draft forwards: sliding-window layers are in
         # "past recording" mode (kv_cache.new_cache) and keep every entry until the one
         # crop, which also trims them back to the window; a crop(0) in between would drop
         # pre-draft entries still needed after the rollback.
-        start = cache.get_seq_length()
+        # A static cache (the fast path) is simpler: one write position serves all layers,
+        # so skipped layers need no placeholders, and restoring is moving that position
+        # back. Its cache never empties, so it holds exactly L - 1 positions here.
+        start = sequence.shape[1] - 1 if kv_cache.is_static(cache) else cache.get_seq_length()
         try:
-            with draft_mode(model, self.skip_set):
+            with draft_mode(self.model, self.skip_set):
                 draft = draft_autoregressively(
-                    model, cache, sequence[:, start:], max_tokens, sampler, exit_policy, "layer-skip draft"
+                    self.runner, cache, sequence[:, start:], max_tokens, sampler, exit_policy, "layer-skip draft"
                 )
         finally:
-            _restore_cache(cache, start)
+            kv_cache.truncate(cache, start)
         self.num_forwards += len(draft)
         return draft
 
+    @property
+    def compile_time_s(self) -> float:
+        return self.runner.compile_time_s
+
     def rollback(self, num_valid: int) -> None:
         """Nothing to do: the decoder rolls back the shared target cache itself."""
-
-
-def _restore_cache(cache: DynamicCache, start: int) -> None:
-    """Crop every layer of ``cache`` back to ``start`` positions after drafting.
-
-    Each layer is cropped by its own excess: equal for all layers after a normal block,
-    and different after a forward that failed midway (an exception).
-    """
-    for layer in cache.layers:
-        layer.crop(-(layer.get_seq_length() - start))

@@ -32,6 +32,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from specdecode.config import GenerationConfig
 from specdecode.engine import kv_cache
+from specdecode.engine.fast_path import ModelRunner
 from specdecode.engine.banned_words import BannedWordMatcher, BannedWords
 from specdecode.engine.protocol import Draft, Drafter, DraftPolicy
 from specdecode.engine.sampling import Sampler, check_finite, logits_width
@@ -153,9 +154,12 @@ class GenerationStream:
             else None
         )
         state = self._state = _Round(dec, self._input_ids, config, stats, self._prompt_cache, banned)
-        t0 = time.perf_counter()
+        # Compilation (first calls of compiled forwards) is timed apart: warmup_s, never in prefill or decode.
+        c0, t0 = dec.compile_time_s(), time.perf_counter()
         new = state.prefill()
-        stats.prefill_time_s = time.perf_counter() - t0
+        warm = dec.compile_time_s() - c0
+        stats.warmup_s += warm
+        stats.prefill_time_s = time.perf_counter() - t0 - warm
         released = 0  # tokens handed to the caller; with banned words, the rest may still be rolled back
         # Decode time counts the loop's own work, not the consumer's between yields.
         while True:
@@ -184,9 +188,11 @@ class GenerationStream:
                 released = safe
             if self.finish_reason is not None:
                 break
-            t1 = time.perf_counter()
+            c0, t1 = dec.compile_time_s(), time.perf_counter()
             new = state.step(config.max_new_tokens - len(self.token_ids))
-            stats.decode_time_s += time.perf_counter() - t1
+            warm = dec.compile_time_s() - c0
+            stats.warmup_s += warm
+            stats.decode_time_s += time.perf_counter() - t1 - warm
         stats.num_draft_forwards = dec.drafter.num_forwards if dec.drafter is not None else 0
 
     def _check_banned(self, banned: BannedWordMatcher, state: _Round, released: int) -> int:
@@ -252,10 +258,19 @@ class _Round:
         self.buf[:, :n] = input_ids
         self.length = n  # tokens in buf; the last one, once generated, is in no cache yet
         self.sampler = Sampler(config, dec.vocab_size, device)
+        runner = dec.runner
+        if runner.compile and self.gamma:
+            runner.with_buckets((self.gamma + 1,))
+        # Positions written at most: the buffer, plus a verification padded to its bucket.
+        self.cache, self.num_cached = runner.new_cache(self.buf.shape[1] + self.gamma + 1), 0
         if prompt_cache is None:
-            self.cache, self.num_cached = kv_cache.new_cache(dec.target), 0
-        else:  # holds the first num_cached prompt tokens (checked by SpeculativeDecoder.stream)
+            pass
+        elif not kv_cache.is_static(self.cache):  # holds the first m prompt tokens (checked by stream)
             self.cache, self.num_cached = prompt_cache, prompt_cache.get_seq_length()
+        elif kv_cache.load_prefix(self.cache, prompt_cache, prompt_cache.get_seq_length()):
+            self.num_cached = prompt_cache.get_seq_length()
+        else:
+            logger.debug("prompt cache not usable by the static cache (a trimmed sliding layer): prompt re-encoded")
         control = dec.draft_control
         # Fresh per-generation state; None keeps the plain γ-per-round path.
         self.control = (
@@ -330,8 +345,8 @@ class _Round:
 
     @torch.inference_mode()
     def prefill(self) -> list[int]:
-        target, n, m = self.dec.target, self.length, self.num_cached
-        logits = target(self.buf[:, m:n], past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        n, m = self.length, self.num_cached
+        logits = self.dec.runner(self.buf[:, m:n], self.cache, 1)[:, -1]
         check_finite(logits, "target model")
         # Like every forward, the prefill is followed by a rollback (trims sliding layers).
         self.num_cached = kv_cache.rollback(self.cache, n, n)
@@ -369,9 +384,7 @@ class _Round:
         if k:
             buf[0, L : L + k] = draft.tokens
         # verify (the cache holds L - 1 positions, or fewer after a banned-word rewind emptied it)
-        logits = self.dec.target(
-            buf[:, self.num_cached : L + k], past_key_values=self.cache, use_cache=True, logits_to_keep=k + 1
-        ).logits[0]
+        logits = self.dec.runner(buf[:, self.num_cached : L + k], self.cache, k + 1)[0]
         self.num_cached = L + k
         check_finite(logits, "target model")
         if self.forbidden:
@@ -430,10 +443,17 @@ class SpeculativeDecoder:
         draft_control: Per-round draft length policy (adaptive draft exit, heuristic
             schedule, target-confidence gating); None drafts γ tokens every round.
             Ignored without a drafter.
+        compile: The fast path for the target's forwards (static KV cache, compiled
+            forwards; ``specdecode.engine.fast_path``); None: the device default (on for
+            CUDA, off for CPU). Ignored when ``runner`` is given. A drafter runs its own
+            model's forwards; ``SpeculativeGenerator`` gives it the same setting.
+        runner: The target's ``ModelRunner``, to reuse its compiled forwards and static
+            cache across decoders (``SpeculativeGenerator`` keeps one per model); None
+            makes one for this decoder.
 
     Raises:
         InvalidArgumentError: If adaptive draft exit is asked of a drafter that gives
-            no probabilities (``drafter.supports_exit_policy`` is False).
+            no probabilities (``drafter.supports_exit_policy`` is False), or a bad ``compile``.
 
     The output of greedy decoding equals target-only greedy decoding token for
     token (in float32; in lower precision a multi-token forward may round
@@ -449,6 +469,8 @@ class SpeculativeDecoder:
         eos_token_ids: Iterable[int] = (),
         tokenizer=None,
         draft_control: DraftPolicy | None = None,
+        compile: bool | None = None,
+        runner: ModelRunner | None = None,
     ) -> None:
         if (
             draft_control is not None
@@ -466,6 +488,12 @@ class SpeculativeDecoder:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.vocab_size = logits_width(target)
+        self.runner = runner if runner is not None else ModelRunner(target, compile=compile, name="target model")
+
+    def compile_time_s(self) -> float:
+        """Seconds the target's and the drafter's runners have spent compiling (``ModelRunner.compile_time_s``)."""
+        drafter = self.drafter.compile_time_s if self.drafter is not None else 0.0
+        return self.runner.compile_time_s + drafter
 
     def stream(
         self,
@@ -487,7 +515,8 @@ class SpeculativeDecoder:
 
         Raises:
             InvalidArgumentError: If the prompt is empty or has a batch size other than 1,
-                or ``prompt_cache`` holds no tokens or not fewer than n.
+                ``prompt_cache`` holds no tokens or not fewer than n, or n + ``max_new_tokens``
+                exceeds the target's context length (``kv_cache.check_context_length``).
         """
         config = config or GenerationConfig()
         device = self.target.device
@@ -498,6 +527,7 @@ class SpeculativeDecoder:
             )
         if input_ids.shape[1] == 0:
             raise InvalidArgumentError("the prompt is empty: it must contain at least one token")
+        kv_cache.check_context_length(self.target, int(input_ids.shape[1]), config.max_new_tokens)
         if prompt_cache is not None:
             m, n = prompt_cache.get_seq_length(), input_ids.shape[1]
             if not 1 <= m <= n - 1:

@@ -9,9 +9,12 @@ only proposes; verification, acceptance and the target's cache are the decoder's
 The protocol, per generation:
 
 1. ``begin(prompt_ids, sampler, target_cache)`` once, after the target's prefill.
-   ``target_cache`` is the target's ``DynamicCache`` holding the prompt; a
-   self-speculative drafter may append to it while drafting but must crop it back
-   before ``propose`` returns, so the target never reads draft-mode keys/values.
+   ``target_cache`` is the target's cache holding the prompt: a ``DynamicCache``,
+   or on the fast path a ``kv_cache.StaticKVCache`` (a drafter with a model of its
+   own then sizes its static cache by ``target_cache.capacity``). A
+   self-speculative drafter may append to it while drafting but must cut it back
+   (``kv_cache.truncate``) before ``propose`` returns, so the target never reads
+   draft-mode keys/values.
 2. Each round, ``propose(sequence, max_tokens)`` with the whole sequence so far
    (prompt + generated tokens; its last token is not yet in any cache).
 3. After verification, ``rollback(num_valid)``: the first ``num_valid`` tokens of
@@ -72,6 +75,11 @@ class Drafter(abc.ABC):
 
     num_forwards: int = 0
     supports_exit_policy: bool = False
+
+    @property
+    def compile_time_s(self) -> float:
+        """Seconds this drafter's forwards have spent compiling (fast path), over its life; 0 by default."""
+        return 0.0
 
     @abc.abstractmethod
     def begin(self, prompt_ids: torch.Tensor, sampler: Sampler, target_cache: DynamicCache) -> None:

@@ -22,6 +22,9 @@ class SpecDecodingStats:
         accepted_by_position: Entry i counts blocks whose token at position i was accepted.
         prefill_time_s: Seconds spent on the prompt (target and draft prefill).
         decode_time_s: Seconds from the end of the prefill to the last token.
+        warmup_s: Seconds spent compiling forwards of the fast path during this generation
+            (first calls of compiled widths; ``specdecode.engine.fast_path``), taken out of
+            ``prefill_time_s`` and ``decode_time_s`` so they never count in tokens/s.
         final_draft_threshold: The adaptive draft-exit threshold after the last
             block (``specdecode.drafters.control``), or None when adaptive exit is off.
         num_gated_steps: Steps the target-confidence gate made plain target steps
@@ -42,6 +45,7 @@ class SpecDecodingStats:
     accepted_by_position: list[int] = field(default_factory=list)
     prefill_time_s: float = 0.0
     decode_time_s: float = 0.0
+    warmup_s: float = 0.0
     final_draft_threshold: float | None = None
     num_gated_steps: int = 0
     num_banned_word_rollbacks: int = 0
@@ -98,7 +102,7 @@ class SpecDecodingStats:
 
     @property
     def total_time_s(self) -> float:
-        """Prefill plus decode, in seconds."""
+        """Prefill plus decode, in seconds (compilation, ``warmup_s``, excluded)."""
         return self.prefill_time_s + self.decode_time_s
 
     @property

@@ -1,0 +1,231 @@
+"""The fast path (static KV cache, compiled forwards) gives exactly the eager path's tokens.
+
+Two levels:
+
+* ``graphs=False`` runners keep the static cache (position rollback, padding-free) with eager
+  forwards: cheap, so every method, control and architecture is covered.
+* ``graphs=True`` runners compile with ``torch.compile`` (inductor on CPU, several seconds per
+  graph for these tiny models), over a smaller set. In float32 the compiled kernels gave the
+  eager tokens exactly on these models, so the reference is the eager autoregressive output;
+  a compiled kernel that rounded differently would fail here and show it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from conftest import VOCAB, make_tiny_model
+from helpers import CorruptingDrafter, perturbed_copy
+from specdecode import (
+    DraftControl,
+    DraftModelDrafter,
+    EarlyExitDrafter,
+    GenerationConfig,
+    InvalidArgumentError,
+    LayerSkipDrafter,
+    PromptLookupDrafter,
+    SkipSet,
+    SpeculativeDecoder,
+)
+from specdecode.drafters.cascade import CascadeDrafter
+from specdecode.engine import kv_cache
+from specdecode.engine.decoder import _Round
+from specdecode.engine.fast_path import STATIC_CACHE_STEP, ModelRunner, resolve_compile
+from specdecode.engine.stats import SpecDecodingStats
+
+PROMPTS = [(0, 1), (1, 5), (2, 13), (3, 29)]  # (seed, length): 13 and 29 cross the sliding window of 6
+
+
+def _prompt(length: int, seed: int) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _runners(target, draft, graphs: bool) -> dict:
+    return {
+        "target": ModelRunner(target, compile=True, graphs=graphs, name="target"),
+        "draft": ModelRunner(draft, compile=True, graphs=graphs, buckets=(1, 2, 4, 8), name="draft"),
+        "skip": ModelRunner(target, compile=True, graphs=graphs, name="layer-skip"),
+    }
+
+
+def _drafters(target, draft, runners) -> dict:
+    return {
+        "autoregressive": lambda: None,
+        "draft": lambda: DraftModelDrafter(draft, runner=runners["draft"]),
+        "cascade": lambda: CascadeDrafter(draft, runner=runners["draft"]),
+        "layer-skip": lambda: LayerSkipDrafter(target, SkipSet(attn=(1,), mlp=(1, 2)), runner=runners["skip"]),
+        "early-exit": lambda: EarlyExitDrafter(target, 2, runner=runners["skip"]),
+        "prompt-lookup": lambda: PromptLookupDrafter(),
+    }
+
+
+@pytest.mark.parametrize("control", [None, "adaptive", "gate"])
+def test_static_cache_greedy_equals_autoregressive(arch, control):
+    """Every method, with adaptive exit or confidence gating, on the static cache (eager forwards)."""
+    target = make_tiny_model(arch, num_layers=3)
+    draft = perturbed_copy(target, noise=0.3, seed=1)
+    runners = _runners(target, draft, graphs=False)
+    policy = {
+        None: None,
+        "adaptive": DraftControl(adaptive_exit=True, exit_threshold=0.6),
+        "gate": DraftControl(confidence_gate=0.15),
+    }[control]
+    accepted_somewhere, gated = False, 0
+    for seed, length in PROMPTS:
+        prompt = _prompt(length, seed)
+        config = GenerationConfig(max_new_tokens=24, num_speculative_tokens=3, stop_on_eos=False)
+        expected = SpeculativeDecoder(target, compile=False).generate(prompt, config).token_ids
+        for name, make in _drafters(target, draft, runners).items():
+            drafter = make()
+            use = policy if drafter is not None and (policy is None or not policy.adaptive_exit
+                                                      or drafter.supports_exit_policy) else None
+            dec = SpeculativeDecoder(target, drafter, draft_control=use, runner=runners["target"])
+            result = dec.generate(prompt, config)
+            assert result.token_ids == expected, (arch, control, name, seed)
+            assert kv_cache.is_static(dec.runner._cache)
+            accepted_somewhere |= bool(result.stats.num_accepted_tokens)
+            gated += result.stats.num_gated_steps
+    assert runners["target"].num_eager_forwards > 0 and runners["target"].compile_time_s == 0.0
+    assert accepted_somewhere
+    assert (gated > 0) == (control == "gate")
+
+
+def test_static_cache_after_rollback_equals_fresh_forward(arch):
+    """After rejections, the positions a query can read hold what a fresh forward over the confirmed
+    tokens writes; rejected positions past them were left in place (never cropped), not read."""
+    target = make_tiny_model(arch)
+    prompt = _prompt(5, 5)
+    config = GenerationConfig(max_new_tokens=40, num_speculative_tokens=4, stop_on_eos=False)
+    runner = ModelRunner(target, compile=True, graphs=False)
+    dec = SpeculativeDecoder(target, CorruptingDrafter(perturbed_copy(target, 0.3), period=2), runner=runner)
+    state = _Round(dec, prompt, config, SpecDecodingStats())
+    state.prefill()
+    rejections = 0
+    for _ in range(8):
+        new = state.step(remaining=100)
+        rejections += len(new) < 5
+        n = state.length - 1  # tokens whose keys/values must be cached
+        assert int(state.cache.position) == state.num_cached == n
+        fresh = kv_cache.StaticKVCache(target, 64)
+        with torch.inference_mode():
+            target(state.buf[:, :n], past_key_values=fresh, use_cache=True)
+        for got, want in zip(state.cache.layers, fresh.layers):
+            torch.testing.assert_close(got.keys[:, :, :n], want.keys[:, :, :n], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got.values[:, :, :n], want.values[:, :, :n], rtol=1e-5, atol=1e-5)
+    assert rejections > 0
+
+
+def test_prompt_cache_on_the_static_cache(arch):
+    target = make_tiny_model(arch)
+    prompt = _prompt(12, 6)
+    config = GenerationConfig(max_new_tokens=16, num_speculative_tokens=3, stop_on_eos=False)
+    expected = SpeculativeDecoder(target, compile=False).generate(prompt, config).token_ids
+    runner = ModelRunner(target, compile=True, graphs=False)
+    dec = SpeculativeDecoder(target, DraftModelDrafter(perturbed_copy(target, 0.3)), runner=runner)
+    # 4 positions fit every layer (sliding windows of 6 keep them): copied; 11 do not (re-encoded).
+    for m in (4, 11):
+        assert dec.generate(prompt, config, prompt_cache=dec.prompt_cache(prompt[:, :m])).token_ids == expected
+
+
+def test_runner_reuses_and_grows_its_cache():
+    target = make_tiny_model("llama", max_position_embeddings=4096)
+    runner = ModelRunner(target, compile=True, graphs=False)
+    first = runner.new_cache(10)
+    assert first.capacity == STATIC_CACHE_STEP and runner.new_cache(STATIC_CACHE_STEP) is first
+    grown = runner.new_cache(STATIC_CACHE_STEP + 1)
+    assert grown is not first and grown.capacity == 2 * STATIC_CACHE_STEP
+    assert int(grown.position) == 0
+    # A generation longer than the first cache: it grows, and the output is unchanged.
+    prompt, config = _prompt(5, 1), GenerationConfig(max_new_tokens=8, stop_on_eos=False)
+    eager = SpeculativeDecoder(target, compile=False).generate(prompt, config).token_ids
+    assert SpeculativeDecoder(target, runner=runner).generate(prompt, config).token_ids == eager
+    assert not kv_cache.is_static(kv_cache.new_cache(target))
+    assert not kv_cache.is_static(ModelRunner(target, compile=False).new_cache(10))
+
+
+def test_compile_flag_and_defaults():
+    model = make_tiny_model("llama")
+    assert resolve_compile(None, "cpu") is False and resolve_compile(None, "cuda") is True
+    assert resolve_compile(True, "cpu") is True
+    with pytest.raises(InvalidArgumentError, match="compile must be True, False or None.*'yes'"):
+        ModelRunner(model, compile="yes")
+    with pytest.raises(InvalidArgumentError, match=r"buckets must be integers >= 1, got \(0,\)"):
+        ModelRunner(model, compile=True, buckets=(0,))
+    with pytest.raises(InvalidArgumentError, match="capacity must be an integer >= 1, got 0"):
+        kv_cache.StaticKVCache(model, 0)
+    assert SpeculativeDecoder(model).runner.compile is False  # CPU default
+
+
+def test_context_length_is_checked_before_any_work():
+    target = make_tiny_model("qwen2", max_position_embeddings=32)
+    dec = SpeculativeDecoder(target, compile=False)
+    with pytest.raises(InvalidArgumentError, match=r"prompt has 20 tokens and max_new_tokens is 13: 33 positions, "
+                                                   r"past the model's context length of 32.*at most 12"):
+        dec.generate(_prompt(20, 0), GenerationConfig(max_new_tokens=13))
+    assert len(dec.generate(_prompt(20, 0), GenerationConfig(max_new_tokens=12, stop_on_eos=False)).token_ids) == 12
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("arch_name", ["llama", "qwen2", "mistral", "gemma2", "gemma3"])
+def test_compiled_greedy_equals_autoregressive(arch_name, fresh_dynamo):
+    """torch.compile'd forwards: every method gives the eager autoregressive tokens, widths are
+    compiled once, and later prompts of other lengths recompile nothing."""
+    target = make_tiny_model(arch_name, num_layers=3)
+    draft = perturbed_copy(target, noise=0.3, seed=1)
+    runners = _runners(target, draft, graphs=True)
+    config = GenerationConfig(max_new_tokens=20, num_speculative_tokens=3, stop_on_eos=False)
+    drafters = _drafters(target, draft, runners)
+    adaptive = DraftControl(adaptive_exit=True, exit_threshold=0.6)
+    for i, (seed, length) in enumerate(PROMPTS[1:]):
+        prompt = _prompt(length, seed)
+        expected = SpeculativeDecoder(target, compile=False).generate(prompt, config).token_ids
+        graphs_before = counters["stats"]["unique_graphs"]
+        for name in ("autoregressive", "draft", "layer-skip", "prompt-lookup"):
+            control = adaptive if name in ("draft", "layer-skip") else None
+            dec = SpeculativeDecoder(target, drafters[name](), draft_control=control, runner=runners["target"])
+            result = dec.generate(prompt, config)
+            assert result.token_ids == expected, (arch_name, name, seed)
+            assert (result.stats.warmup_s > 0) == (i == 0 and name in ("autoregressive", "draft", "layer-skip")), \
+                (name, i, result.stats.warmup_s)
+        if i > 0:  # the first prompt compiled every width; a new prompt length compiles nothing
+            assert counters["stats"]["unique_graphs"] == graphs_before, arch_name
+    assert runners["target"].compile_time_s > 0 and runners["skip"].compile_time_s > 0
+
+
+def test_compiled_speculative_sampling_matches_target_distribution(fresh_dynamo):
+    """The statistical test of speculative sampling, with compiled forwards on a static cache."""
+    from test_verification import _exact_joint, _within
+
+    V, N, steps = 8, 1500, 3
+    target = make_tiny_model("llama", num_layers=1, vocab_size=V, hidden_size=16, intermediate_size=32)
+    with torch.no_grad():
+        target.get_output_embeddings().weight.mul_(0.25)
+    draft = perturbed_copy(target, noise=2.0, seed=3)
+    prompt = torch.tensor([[3, 5, 4]])
+    base = dict(temperature=1.0, max_new_tokens=steps, stop_on_eos=False)
+    exact = _exact_joint(target, prompt, GenerationConfig(**base), steps)
+    cells: dict = {}
+    for seq, pr in exact.items():
+        cells[("pair", seq[1], seq[2])] = cells.get(("pair", seq[1], seq[2]), 0.0) + pr
+    keys = sorted(cells, key=str)
+    index = {k: i for i, k in enumerate(keys)}
+    want = torch.tensor([cells[k] for k in keys])
+    runners = _runners(target, draft, graphs=True)
+    dec = SpeculativeDecoder(target, DraftModelDrafter(draft, runner=runners["draft"]), runner=runners["target"])
+    counts = torch.zeros(len(keys))
+    accepted = 0
+    for seed in range(N):
+        res = dec.generate(prompt, GenerationConfig(**base, seed=seed, num_speculative_tokens=2))
+        counts[index[("pair", res.token_ids[1], res.token_ids[2])]] += 1
+        accepted += res.stats.num_accepted_tokens
+    assert 0 < accepted < N * 2
+    assert _within(counts / N, want, N)
+    assert runners["target"].compile_time_s > 0
