@@ -25,6 +25,7 @@ from specdecode import (
     GenerationConfig,
     InvalidArgumentError,
     LayerSkipDrafter,
+    NonFiniteLogitsError,
     PromptLookupDrafter,
     SkipSet,
     SpeculativeDecoder,
@@ -124,9 +125,26 @@ def test_prompt_cache_on_the_static_cache(arch):
     expected = SpeculativeDecoder(target, compile=False).generate(prompt, config).token_ids
     runner = ModelRunner(target, compile=True, graphs=False)
     dec = SpeculativeDecoder(target, DraftModelDrafter(perturbed_copy(target, 0.3)), runner=runner)
+    # A plain generation first: the runner's cache then exists (allocated in inference mode).
+    assert dec.generate(prompt, config).token_ids == expected
     # 4 positions fit every layer (sliding windows of 6 keep them): copied; 11 do not (re-encoded).
-    for m in (4, 11):
+    for m in (11, 4):
         assert dec.generate(prompt, config, prompt_cache=dec.prompt_cache(prompt[:, :m])).token_ids == expected
+
+
+def test_interleaved_fast_path_streams_are_refused():
+    """Two generations on one runner share its static cache: the older one must not go on silently."""
+    target = make_tiny_model("llama")
+    runner = ModelRunner(target, compile=True, graphs=False)
+    draft_runner = ModelRunner(perturbed_copy(target, 0.3), compile=True, graphs=False)
+    config = GenerationConfig(max_new_tokens=10, num_speculative_tokens=3, stop_on_eos=False)
+    for drafter in (None, DraftModelDrafter(draft_runner.model, runner=draft_runner)):
+        dec = SpeculativeDecoder(target, drafter, runner=runner)
+        first = iter(dec.stream(_prompt(5, 0), config))
+        next(first)
+        dec.generate(_prompt(7, 1), config)  # takes the caches over and finishes
+        with pytest.raises(InvalidArgumentError, match="cannot be interleaved"):
+            next(first)
 
 
 def test_runner_reuses_and_grows_its_cache():
@@ -183,7 +201,8 @@ def test_compiled_greedy_equals_autoregressive(arch_name, fresh_dynamo):
     runners = _runners(target, draft, graphs=True)
     config = GenerationConfig(max_new_tokens=20, num_speculative_tokens=3, stop_on_eos=False)
     drafters = _drafters(target, draft, runners)
-    adaptive = DraftControl(adaptive_exit=True, exit_threshold=0.6)
+    adaptive = DraftControl(adaptive_exit=True, exit_threshold=0.6, max_draft_tokens=6)
+    generations, skip_rates = 0, []
     for i, (seed, length) in enumerate(PROMPTS[1:]):
         prompt = _prompt(length, seed)
         expected = SpeculativeDecoder(target, compile=False).generate(prompt, config).token_ids
@@ -192,12 +211,21 @@ def test_compiled_greedy_equals_autoregressive(arch_name, fresh_dynamo):
             control = adaptive if name in ("draft", "layer-skip") else None
             dec = SpeculativeDecoder(target, drafters[name](), draft_control=control, runner=runners["target"])
             result = dec.generate(prompt, config)
+            generations += 1
             assert result.token_ids == expected, (arch_name, name, seed)
+            if name == "layer-skip":
+                skip_rates.append(result.stats.acceptance_rate)
             assert (result.stats.warmup_s > 0) == (i == 0 and name in ("autoregressive", "draft", "layer-skip")), \
                 (name, i, result.stats.warmup_s)
         if i > 0:  # the first prompt compiled every width; a new prompt length compiles nothing
             assert counters["stats"]["unique_graphs"] == graphs_before, arch_name
     assert runners["target"].compile_time_s > 0 and runners["skip"].compile_time_s > 0
+    # Only prefills may run eagerly: every verification (widths 1..7, adaptive blocks of up to 6
+    # tokens) and every draft step went through a graph.
+    assert runners["target"].num_eager_forwards <= generations
+    assert runners["skip"].num_eager_forwards == 0
+    # The layer-skip graph is the skipped model's, not the full model's (which would accept all).
+    assert min(skip_rates) < 1.0
 
 
 def test_compiled_speculative_sampling_matches_target_distribution(fresh_dynamo):
@@ -229,3 +257,16 @@ def test_compiled_speculative_sampling_matches_target_distribution(fresh_dynamo)
     assert 0 < accepted < N * 2
     assert _within(counts / N, want, N)
     assert runners["target"].compile_time_s > 0
+
+
+@pytest.mark.parametrize("nan_in", ["target", "draft"])
+def test_non_finite_logits_found_in_the_rounds_one_sync(nan_in):
+    """Greedy rounds read the finiteness of target and draft logits with the tokens, in one host
+    sync; a NaN still raises, naming the model that produced it."""
+    target = make_tiny_model("llama")
+    draft = perturbed_copy(target, noise=0.3, seed=1)
+    with torch.no_grad():
+        (target if nan_in == "target" else draft).get_output_embeddings().weight[7, 0] = float("nan")
+    dec = SpeculativeDecoder(target, DraftModelDrafter(draft), compile=False)
+    with pytest.raises(NonFiniteLogitsError, match=f"the {nan_in} model produced non-finite logits"):
+        dec.generate(_prompt(4, 0), GenerationConfig(max_new_tokens=6, stop_on_eos=False))

@@ -77,14 +77,23 @@ def draft_autoregressively(
     (FR-Spec); None: the model's full head.
 
     Raises:
-        NonFiniteLogitsError: If a forward gives NaN or infinite logits (``who`` names the model).
+        NonFiniteLogitsError: If a forward gives NaN or infinite logits (``who`` names the model);
+            greedy without ``exit_policy``, the flag goes to ``Draft.finite`` for the decoder.
         UnsupportedModelError: If a truncated head could not be applied (see ``BoundDraftHead.check_logits``).
     """
     tokens, probs = [], []
+    # Greedy without an exit policy: finiteness is kept on the device (no host sync per draft
+    # forward) and read by the decoder with the round's other values; otherwise checked here.
+    deferred = sampler.greedy and exit_policy is None
+    finite = None
     with head.applied() if head is not None else nullcontext():
         for _ in range(max_tokens):
             logits = forward(feed, cache, 1)[:, -1]
-            check_finite(logits, who)
+            if deferred:
+                ok = torch.isfinite(logits).all()
+                finite = ok if finite is None else finite & ok
+            else:
+                check_finite(logits, who)
             if head is not None:
                 head.check_logits(logits)
             token, stop = draft_token(sampler, logits, probs, exit_policy, head)
@@ -92,4 +101,4 @@ def draft_autoregressively(
             if stop:
                 break
             feed = token.view(1, 1)
-    return Draft(torch.cat(tokens), torch.cat(probs) if probs else None)
+    return Draft(torch.cat(tokens), torch.cat(probs) if probs else None, finite, who)

@@ -101,7 +101,7 @@ class CascadeDrafter(Drafter):
             return model_part
         tokens = torch.cat([ngram, model_part.tokens])
         if model_part.probs is None:
-            return Draft(tokens)
+            return Draft(tokens, None, model_part.finite, model_part.who)
         return Draft(tokens, torch.cat([self._one_hot(ngram), model_part.probs]))
 
     def _one_hot(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,7 @@ class DraftModelDrafter(Drafter):
         self.runner = runner if runner is not None else ModelRunner(model, buckets=(1, 2, 4, 8), name="draft model")
         self.head = (head or DraftHead.full()).bind(model)
         self._cache = None
+        self._generation = 0
         self._num_cached = 0
         self._sampler: Sampler | None = None
 
@@ -57,6 +58,7 @@ class DraftModelDrafter(Drafter):
             self._cache = self.runner.new_cache(target_cache.capacity)
         else:
             self._cache = kv_cache.new_cache(self.model)
+        self._generation = getattr(self._cache, "generation", 0)
         with self.head.applied():  # the prefill's one row of logits is not used: spend K rows, not V
             self.runner(prompt_ids, self._cache, 1)
         n = prompt_ids.shape[1]
@@ -65,7 +67,13 @@ class DraftModelDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, sequence: torch.Tensor, max_tokens: int, exit_policy: ExitPolicy | None = None) -> Draft:
-        """Draft up to ``max_tokens`` tokens; ``exit_policy`` as in the module docstring."""
+        """Draft up to ``max_tokens`` tokens; ``exit_policy`` as in the module docstring.
+
+        Raises:
+            InvalidArgumentError: If another generation took over this drafter's static cache
+                (``ModelRunner.check_owner``).
+        """
+        self.runner.check_owner(self._cache, self._generation)
         feed = sequence[:, self._num_cached :]
         draft = draft_autoregressively(
             self.runner, self._cache, feed, max_tokens, self._sampler, exit_policy, "draft model", self.head

@@ -35,7 +35,7 @@ from specdecode.engine import kv_cache
 from specdecode.engine.fast_path import ModelRunner
 from specdecode.engine.banned_words import BannedWordMatcher, BannedWords
 from specdecode.engine.protocol import Draft, Drafter, DraftPolicy
-from specdecode.engine.sampling import Sampler, check_finite, logits_width
+from specdecode.engine.sampling import Sampler, check_finite, logits_width, raise_non_finite
 from specdecode.engine.stats import SpecDecodingStats
 from specdecode.engine.verification import greedy_verify, rejection_sample
 from specdecode.errors import InvalidArgumentError
@@ -258,19 +258,6 @@ class _Round:
         self.buf[:, :n] = input_ids
         self.length = n  # tokens in buf; the last one, once generated, is in no cache yet
         self.sampler = Sampler(config, dec.vocab_size, device)
-        runner = dec.runner
-        if runner.compile and self.gamma:
-            runner.with_buckets((self.gamma + 1,))
-        # Positions written at most: the buffer, plus a verification padded to its bucket.
-        self.cache, self.num_cached = runner.new_cache(self.buf.shape[1] + self.gamma + 1), 0
-        if prompt_cache is None:
-            pass
-        elif not kv_cache.is_static(self.cache):  # holds the first m prompt tokens (checked by stream)
-            self.cache, self.num_cached = prompt_cache, prompt_cache.get_seq_length()
-        elif kv_cache.load_prefix(self.cache, prompt_cache, prompt_cache.get_seq_length()):
-            self.num_cached = prompt_cache.get_seq_length()
-        else:
-            logger.debug("prompt cache not usable by the static cache (a trimmed sliding layer): prompt re-encoded")
         control = dec.draft_control
         # Fresh per-generation state; None keeps the plain γ-per-round path.
         self.control = (
@@ -280,6 +267,20 @@ class _Round:
         )
         if self.control is not None and self.control.exit is not None:
             stats.final_draft_threshold = self.control.exit.threshold
+        runner = dec.runner
+        if runner.compile and self.gamma:  # verification widths: γ + 1, and the policy's longest block + 1
+            runner.with_buckets((self.gamma + 1, getattr(self.control, "max_tokens", self.gamma) + 1))
+        # Positions written at most: the buffer, plus a verification padded to its bucket.
+        self.cache, self.num_cached = runner.new_cache(self.buf.shape[1] + runner.max_bucket), 0
+        self.generation = getattr(self.cache, "generation", 0)
+        if prompt_cache is None:
+            pass
+        elif not kv_cache.is_static(self.cache):  # holds the first m prompt tokens (checked by stream)
+            self.cache, self.num_cached = prompt_cache, prompt_cache.get_seq_length()
+        elif kv_cache.load_prefix(self.cache, prompt_cache, prompt_cache.get_seq_length()):
+            self.num_cached = prompt_cache.get_seq_length()
+        else:
+            logger.debug("prompt cache not usable by the static cache (a trimmed sliding layer): prompt re-encoded")
 
     def forbid(self, position: int, token: int) -> bool:
         """Mask ``token`` at buffer ``position`` from now on; True when no token is left there."""
@@ -329,7 +330,7 @@ class _Round:
             keep = min(keep, max(cut - committed, 0))
         if keep == len(tokens):
             return draft
-        return Draft(draft.tokens[:keep], None if draft.probs is None else draft.probs[:keep])
+        return Draft(draft.tokens[:keep], None if draft.probs is None else draft.probs[:keep], draft.finite, draft.who)
 
     def _confidence(self, logits: torch.Tensor, probs: torch.Tensor | None, row: int, token: int) -> float:
         """The target's probability of ``token`` at ``row`` (warped when sampling); one host sync."""
@@ -364,6 +365,7 @@ class _Round:
     def step(self, remaining: int) -> list[int]:
         """One target forward; returns the 1 .. k + 1 tokens it confirms."""
         L, buf, sampler, drafter, control = self.length, self.buf, self.sampler, self.dec.drafter, self.control
+        self.dec.runner.check_owner(self.cache, self.generation)
         # draft (never more than the length budget can use)
         if control is None:
             k = min(self.gamma, remaining - 1)
@@ -386,19 +388,30 @@ class _Round:
         # verify (the cache holds L - 1 positions, or fewer after a banned-word rewind emptied it)
         logits = self.dec.runner(buf[:, self.num_cached : L + k], self.cache, k + 1)[0]
         self.num_cached = L + k
-        check_finite(logits, "target model")
-        if self.forbidden:
-            self._mask(logits, L)
         probs = None
         if sampler.greedy:
+            # The round's one host sync: the draft, the target's choices and the finiteness flags.
+            finite = torch.isfinite(logits).all().view(1)  # before the banned-word masks add -inf
+            if self.forbidden:
+                self._mask(logits, L)
+            draft_finite = draft.finite.view(1) if k and draft.finite is not None else finite
+            ids = torch.cat([draft.tokens, sampler.argmax(logits)]) if k else sampler.argmax(logits)
+            ids = torch.cat([ids, finite.long(), draft_finite.long()]).tolist()
+            if not ids[-2]:
+                raise_non_finite("target model", logits.dtype)
+            if not ids[-1]:
+                raise_non_finite(draft.who, logits.dtype)
+            ids = ids[:-2]
             if k:
-                ids = torch.cat([draft.tokens, sampler.argmax(logits)]).tolist()
                 verdict = greedy_verify(ids[:k], ids[k:])
                 new = ids[: verdict.num_accepted] + [verdict.next_token]
             else:
-                new = [int(sampler.argmax(logits)[0])]
+                new = ids
                 verdict = None
         else:
+            check_finite(logits, "target model")
+            if self.forbidden:
+                self._mask(logits, L)
             probs = sampler.probs(logits)
             if k:
                 verdict = rejection_sample(draft.tokens, draft.probs, probs, sampler)

@@ -40,6 +40,10 @@ from specdecode.errors import InvalidArgumentError
 
 logger = logging.getLogger(__name__)
 
+#: Graph variants one runner may compile (widths x cache sizes x draft modes) before
+#: ``torch.compile`` raises instead of recompiling again.
+RECOMPILE_LIMIT = 32
+
 #: Positions a static cache is first allocated with, unless a generation needs more;
 #: it grows in steps of this many (a growth recompiles each bucket once).
 STATIC_CACHE_STEP = 1024
@@ -109,9 +113,17 @@ class ModelRunner:
         self.compile_time_s = 0.0
         self.num_eager_forwards = 0
         self._compiled: Callable | None = None
-        self._seen: set[tuple[int, int]] = set()  # (bucket, cache capacity) already compiled
+        self._calls: dict[tuple[int, int], int] = {}  # (bucket, cache capacity) -> calls so far
+        # First calls of a graph that compile or (CUDA graphs) record: timed as warm-up.
+        self._warm_calls = 2 if model.device.type == "cuda" else 1
+        self._warned_wide: set[int] = set()
         self._cache: kv_cache.StaticKVCache | None = None
         self._inputs: dict[int, torch.Tensor] = {}  # bucket -> its (1, bucket) input ids
+
+    @property
+    def max_bucket(self) -> int:
+        """The widest compiled forward (0 when nothing is compiled)."""
+        return self.buckets[-1] if self.buckets and self.compile else 0
 
     def with_buckets(self, buckets: tuple[int, ...]) -> None:
         """Add compiled widths (e.g. γ + 1 once γ is known); existing graphs are kept."""
@@ -136,8 +148,26 @@ class ModelRunner:
             self._cache = None  # free the old tensors first
             self._cache = kv_cache.StaticKVCache(self.model, capacity)
         self._cache.set_length(0)
+        self._cache.generation += 1
         return self._cache
 
+    def check_owner(self, cache, generation: int) -> None:
+        """Raise unless ``cache`` still belongs to the generation that took it as number ``generation``.
+
+        The fast path keeps one static cache per runner; a second generation started on the
+        same runner before the first finished (two interleaved streams) takes it over.
+
+        Raises:
+            InvalidArgumentError: If another generation took the cache since.
+        """
+        if kv_cache.is_static(cache) and cache.generation != generation:
+            raise InvalidArgumentError(
+                f"{self.name}: another generation started on the same fast-path runner and took over its static "
+                "cache; fast-path generations of one SpeculativeGenerator cannot be interleaved (finish a stream "
+                "before starting the next, or use compile=False)"
+            )
+
+    @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, cache, logits_to_keep: int) -> torch.Tensor:
         """One forward over ``ids`` (1, w), appended to ``cache`` after what it holds.
 
@@ -150,6 +180,10 @@ class ModelRunner:
         Returns:
             (1, logits_to_keep, V) logits. On the fast path they are a fresh tensor, safe
             to keep across later forwards (CUDA graphs reuse their output buffers).
+
+        Raises:
+            torch._dynamo.exc.FailOnRecompileLimitHit: If a runner's graphs keep recompiling
+                (more than ``RECOMPILE_LIMIT`` variants): loud, never a silent eager fallback.
         """
         w = ids.shape[1]
         static = kv_cache.is_static(cache)
@@ -158,6 +192,10 @@ class ModelRunner:
             bucket = next((b for b in self.buckets if b >= w), None)
         if bucket is None:  # eager: any cache, any width (the prefill and re-encodes on the fast path)
             self.num_eager_forwards += 1
+            if static and self.compile and self.buckets and w > self.buckets[-1] and w not in self._warned_wide:
+                self._warned_wide.add(w)
+                logger.debug("%s: a forward over %d tokens runs eagerly (widest compiled width %d)",
+                             self.name, w, self.buckets[-1])
             logits = self.model(ids, past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep).logits
             if static:
                 cache.advance(w)
@@ -170,7 +208,8 @@ class ModelRunner:
         if bucket > w:
             inputs[:, w:] = ids[:, -1:]
         key = (bucket, cache.capacity)
-        first = key not in self._seen
+        calls = self._calls.get(key, 0)
+        first = calls < self._warm_calls
         t0 = time.perf_counter() if first else 0.0
         if self._compiled is None:
             self._compiled = _compile(self.model)
@@ -179,11 +218,12 @@ class ModelRunner:
         logits = self._compiled(inputs, cache)[:, w - logits_to_keep : w].clone()
         cache.advance(w)
         if first:
-            self._seen.add(key)
+            self._calls[key] = calls + 1
             seconds = time.perf_counter() - t0
             self.compile_time_s += seconds
-            logger.info("%s: compiled width %d (cache of %d positions) in %.1f s", self.name, bucket,
-                        cache.capacity, seconds)
+            if calls == 0:
+                logger.info("%s: compiled width %d (cache of %d positions) in %.1f s", self.name, bucket,
+                            cache.capacity, seconds)
         return logits
 
 
@@ -193,6 +233,9 @@ def _compile(model: PreTrainedModel) -> Callable:
     def forward(ids: torch.Tensor, cache: kv_cache.StaticKVCache) -> torch.Tensor:
         return model(ids, past_key_values=cache, use_cache=True).logits
 
+    # Each runner keeps its own graphs and recompile budget (every runner compiles this same
+    # function), and fullgraph turns a graph break or an exhausted budget into an error.
+    options = dict(dynamic=False, fullgraph=True, isolate_recompiles=True, recompile_limit=RECOMPILE_LIMIT)
     if model.device.type == "cuda":
-        return torch.compile(forward, mode="reduce-overhead", dynamic=False)
-    return torch.compile(forward, dynamic=False)
+        return torch.compile(forward, mode="reduce-overhead", **options)
+    return torch.compile(forward, **options)

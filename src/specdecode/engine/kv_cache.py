@@ -86,6 +86,8 @@ class StaticKVCache(Cache):
             the next forward writes. ``get_seq_length()`` returns it, so transformers derives
             position ids from it without a host sync.
         capacity: As given.
+        generation: Counts the generations that took this cache (``ModelRunner.new_cache``),
+            so that a generation can tell when another one reused it under it.
 
     Raises:
         InvalidArgumentError: If ``capacity`` < 1.
@@ -96,6 +98,7 @@ class StaticKVCache(Cache):
             raise InvalidArgumentError(f"static cache capacity must be an integer >= 1, got {capacity!r}")
         config = model.config.get_text_config(decoder=True)
         self.capacity = capacity
+        self.generation = 0
         # An inference tensor, like the keys and values the first forward allocates (forwards
         # run under inference mode): compiled graphs then see one kind of tensor throughout.
         with torch.inference_mode():
@@ -163,6 +166,11 @@ def truncate(cache: DynamicCache | StaticKVCache, num_positions: int) -> None:
 def load_prefix(cache: StaticKVCache, prefix: DynamicCache, num_positions: int) -> bool:
     """Copy a dynamic cache's first ``num_positions`` into an empty static cache.
 
+    Args:
+        cache: The static cache to fill (its position is set to ``num_positions`` on success).
+        prefix: A dynamic cache of the same model (``SpeculativeDecoder.prompt_cache``).
+        num_positions: Positions ``prefix`` holds.
+
     Returns:
         True when copied (``cache`` then holds ``num_positions``); False, with ``cache``
         still holding no position, when a layer of ``prefix`` no longer holds them all (a sliding-window
@@ -175,6 +183,11 @@ def load_prefix(cache: StaticKVCache, prefix: DynamicCache, num_positions: int) 
         keys = getattr(layer, "keys", None)
         if keys is None or keys.dim() != 4 or keys.shape[-2] != num_positions:
             return False
+    with torch.inference_mode():  # the cache's tensors are inference tensors (see StaticKVCache)
+        return _copy_prefix(cache, layers, num_positions)
+
+
+def _copy_prefix(cache: StaticKVCache, layers, num_positions: int) -> bool:
     for src, dst in zip(layers, cache.layers):
         if not dst.is_initialized:
             dst.lazy_initialization(src.keys, src.values)

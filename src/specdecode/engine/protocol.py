@@ -37,6 +37,7 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache
 
+from specdecode.engine.kv_cache import StaticKVCache
 from specdecode.engine.sampling import Sampler
 
 
@@ -48,10 +49,16 @@ class Draft:
         tokens: (k,) long, the drafted ids, 0 <= k <= max_tokens.
         probs: (k, V) float32, the distributions they were sampled from when
             sampling, or ``None`` (greedy decoding, or a deterministic drafter).
+        finite: 0-dim bool tensor, whether every draft forward of the block gave finite
+            logits, left on the device so that the decoder reads it in the round's one host
+            sync; None when the drafter checked already (or ran no model).
+        who: The drafting model, for the error message when ``finite`` is False.
     """
 
     tokens: torch.Tensor
     probs: torch.Tensor | None = None
+    finite: torch.Tensor | None = None
+    who: str = "draft model"
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -82,7 +89,7 @@ class Drafter(abc.ABC):
         return 0.0
 
     @abc.abstractmethod
-    def begin(self, prompt_ids: torch.Tensor, sampler: Sampler, target_cache: DynamicCache) -> None:
+    def begin(self, prompt_ids: torch.Tensor, sampler: Sampler, target_cache: DynamicCache | StaticKVCache) -> None:
         """Start a new sequence. ``prompt_ids``: (1, n) long; ``target_cache`` holds its n positions."""
 
     @abc.abstractmethod
@@ -107,10 +114,14 @@ class RoundController(Protocol):
     Attributes:
         exit: An ``ExitPolicy`` passed to ``Drafter.propose``, or None.
         gate: A ``ConfidenceObserver`` fed after every target forward, or None.
+        max_tokens: The longest block ``round_cap`` gives with adaptive exit or a constant
+            length (the fast path compiles verification up to it + 1); a heuristic schedule
+            without adaptive exit may go past it, and those wider verifications run eagerly.
     """
 
     exit: ExitPolicy | None
     gate: ConfidenceObserver | None
+    max_tokens: int
 
     @property
     def gated(self) -> bool:

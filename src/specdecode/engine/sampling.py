@@ -41,10 +41,22 @@ def check_finite(logits: torch.Tensor, who: str) -> None:
         NonFiniteLogitsError: If any entry is NaN or +/-inf.
     """
     if not bool(torch.isfinite(logits).all()):
-        raise NonFiniteLogitsError(
-            f"the {who} produced non-finite logits (NaN or inf) in a {str(logits.dtype)} forward; "
-            "logits must be finite. Try --dtype float32 or bfloat16 instead of float16."
-        )
+        raise_non_finite(who, logits.dtype)
+
+
+def raise_non_finite(who: str, dtype: torch.dtype) -> None:
+    """Raise ``NonFiniteLogitsError`` for logits of ``who`` (a model name) computed in ``dtype``.
+
+    For callers that test finiteness on the device and read the flag with other values in
+    one host sync (the decoder's greedy round) instead of calling ``check_finite``.
+
+    Raises:
+        NonFiniteLogitsError: Always.
+    """
+    raise NonFiniteLogitsError(
+        f"the {who} produced non-finite logits (NaN or inf) in a {str(dtype)} forward; "
+        "logits must be finite. Try --dtype float32 or bfloat16 instead of float16."
+    )
 
 
 class Sampler:

@@ -34,6 +34,7 @@ from specdecode.config import GenerationConfig
 from specdecode.drafters.layer_skip import SUBLAYERS, LayerSkipDrafter, SkipSet, decoder_layers, draft_mode
 from specdecode.engine import kv_cache
 from specdecode.engine.decoder import SpeculativeDecoder
+from specdecode.engine.fast_path import ModelRunner
 from specdecode.errors import DatasetError, InvalidArgumentError
 
 logger = logging.getLogger(__name__)
@@ -221,7 +222,8 @@ def greedy_continuations(
         target forward with or without a drafter, and in bfloat16 on a CPU it can
         outweigh the decoding being measured).
     """
-    decoder = SpeculativeDecoder(model, None, eos_token_ids=eos)
+    # Eager decoding, also on CUDA: each trial's skip set would compile graphs of its own.
+    decoder = SpeculativeDecoder(model, None, eos_token_ids=eos, compile=False)
     config = GenerationConfig(max_new_tokens=max_new_tokens)
     out = []
     for ids in prompts:
@@ -524,7 +526,10 @@ def measure_speedup(
     Raises:
         NonFiniteLogitsError: If the draft's logits are NaN/inf (e.g. a float16 overflow).
     """
-    decoder = SpeculativeDecoder(model, LayerSkipDrafter(model, skip_set), eos_token_ids=eos)
+    # Eager on every device, like the reference: a fast-path graph per trial's skip set would cost
+    # more compile time than the trial measures.
+    drafter = LayerSkipDrafter(model, skip_set, ModelRunner(model, compile=False))
+    decoder = SpeculativeDecoder(model, drafter, eos_token_ids=eos, compile=False)
     config = GenerationConfig(max_new_tokens=max_new_tokens, num_speculative_tokens=num_speculative_tokens)
     decoder.generate(list(prompts[0]), GenerationConfig(max_new_tokens=warmup_tokens,
                                                         num_speculative_tokens=num_speculative_tokens))
