@@ -29,7 +29,7 @@ import torch
 
 from specdecode.config import GenerationConfig
 from specdecode.engine.decoder import GenerationResult, GenerationStream, SpeculativeDecoder
-from specdecode.engine.fast_path import ModelRunner, resolve_compile
+from specdecode.engine.fast_path import DRAFT_BUCKETS, ModelRunner, resolve_compile
 from specdecode.drafters.control import DraftControl
 from specdecode.drafters import CascadeDrafter, DraftModelDrafter, Drafter
 from specdecode.drafters.draft_head import DraftHead
@@ -251,7 +251,7 @@ class SpeculativeGenerator:
         compile = resolve_compile(compile, model.device)
         key = (role, compile, detail)
         if key not in self._runners:
-            buckets = {"target": (1,), "draft": (1, 2, 4, 8)}.get(role, (1,))
+            buckets = {"target": (1,), "draft": DRAFT_BUCKETS}.get(role, (1,))
             name = {"target": "target model", "draft": "draft model"}.get(role, f"{role} draft")
             self._runners[key] = ModelRunner(model, compile=compile, buckets=buckets, name=name)
         return self._runners[key]

@@ -33,7 +33,7 @@ from specdecode import (
 from specdecode.drafters.cascade import CascadeDrafter
 from specdecode.engine import kv_cache
 from specdecode.engine.decoder import _Round
-from specdecode.engine.fast_path import STATIC_CACHE_STEP, ModelRunner, resolve_compile
+from specdecode.engine.fast_path import DRAFT_BUCKETS, STATIC_CACHE_STEP, ModelRunner, resolve_compile
 from specdecode.engine.stats import SpecDecodingStats
 
 PROMPTS = [(0, 1), (1, 5), (2, 13), (3, 29)]  # (seed, length): 13 and 29 cross the sliding window of 6
@@ -46,7 +46,7 @@ def _prompt(length: int, seed: int) -> torch.Tensor:
 def _runners(target, draft, graphs: bool) -> dict:
     return {
         "target": ModelRunner(target, compile=True, graphs=graphs, name="target"),
-        "draft": ModelRunner(draft, compile=True, graphs=graphs, buckets=(1, 2, 4, 8), name="draft"),
+        "draft": ModelRunner(draft, compile=True, graphs=graphs, buckets=DRAFT_BUCKETS, name="draft"),
         "skip": ModelRunner(target, compile=True, graphs=graphs, name="layer-skip"),
     }
 

@@ -8,7 +8,7 @@ from transformers import DynamicCache, PreTrainedModel
 from specdecode.drafters.base import Draft, Drafter, ExitPolicy, draft_autoregressively
 from specdecode.drafters.draft_head import DraftHead
 from specdecode.engine import kv_cache
-from specdecode.engine.fast_path import ModelRunner
+from specdecode.engine.fast_path import DRAFT_BUCKETS, ModelRunner
 from specdecode.engine.sampling import Sampler
 
 
@@ -43,7 +43,7 @@ class DraftModelDrafter(Drafter):
         self.model = model
         # Widths: 1 or 2 per round (the pending token, plus the last draft token after a fully
         # accepted block); the cascade feeds its n-gram tokens too (padded up to 4 or 8).
-        self.runner = runner if runner is not None else ModelRunner(model, buckets=(1, 2, 4, 8), name="draft model")
+        self.runner = runner if runner is not None else ModelRunner(model, buckets=DRAFT_BUCKETS, name="draft model")
         self.head = (head or DraftHead.full()).bind(model)
         self._cache = None
         self._generation = 0
@@ -55,6 +55,7 @@ class DraftModelDrafter(Drafter):
         self.head.check_vocab(sampler.vocab_size)
         self._sampler = sampler
         if kv_cache.is_static(target_cache):
+            # Sized by the target, which leaves room for a draft forward padded to DRAFT_BUCKETS[-1].
             self._cache = self.runner.new_cache(target_cache.capacity)
         else:
             self._cache = kv_cache.new_cache(self.model)

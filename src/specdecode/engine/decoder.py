@@ -32,7 +32,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from specdecode.config import GenerationConfig
 from specdecode.engine import kv_cache
-from specdecode.engine.fast_path import ModelRunner
+from specdecode.engine.fast_path import DRAFT_BUCKETS, ModelRunner
 from specdecode.engine.banned_words import BannedWordMatcher, BannedWords
 from specdecode.engine.protocol import Draft, Drafter, DraftPolicy
 from specdecode.engine.sampling import Sampler, check_finite, logits_width, raise_non_finite
@@ -270,8 +270,10 @@ class _Round:
         runner = dec.runner
         if runner.compile and self.gamma:  # verification widths: γ + 1, and the policy's longest block + 1
             runner.with_buckets((self.gamma + 1, getattr(self.control, "max_tokens", self.gamma) + 1))
-        # Positions written at most: the buffer, plus a verification padded to its bucket.
-        self.cache, self.num_cached = runner.new_cache(self.buf.shape[1] + runner.max_bucket), 0
+        # Positions written at most: the buffer, plus a forward padded to its bucket (the target's, or
+        # a draft model's, whose static cache takes this capacity too).
+        room = max(runner.max_bucket, DRAFT_BUCKETS[-1]) if runner.compile else 0
+        self.cache, self.num_cached = runner.new_cache(self.buf.shape[1] + room), 0
         self.generation = getattr(self.cache, "generation", 0)
         if prompt_cache is None:
             pass

@@ -40,6 +40,10 @@ from specdecode.errors import InvalidArgumentError
 
 logger = logging.getLogger(__name__)
 
+#: Compiled widths of a draft model: 1 or 2 tokens per round, more when the cascade feeds
+#: its n-gram tokens. Target caches leave room for a forward padded to the widest.
+DRAFT_BUCKETS = (1, 2, 4, 8)
+
 #: Graph variants one runner may compile (widths x cache sizes x draft modes) before
 #: ``torch.compile`` raises instead of recompiling again.
 RECOMPILE_LIMIT = 32
