@@ -301,3 +301,22 @@ def test_skipped_attention_on_a_fresh_cache_of_a_quantized_model():
     with torch.inference_mode(), draft_mode(model, SkipSet(attn=(0,))):
         model(prompt_ids(5, seed=1), past_key_values=cache, use_cache=True)
     assert cache.get_seq_length() == 5 and cache.layers[0].keys.dtype == torch.float32
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_model_on_the_compiled_fast_path(scheme):
+    """The quantized linears trace under torch.compile (fullgraph) and give the eager tokens."""
+    from specdecode import SpeculativeDecoder
+    from specdecode.engine.fast_path import ModelRunner
+
+    torch._dynamo.reset()
+    model = make_tiny_model("llama", num_layers=2, hidden_size=64, intermediate_size=128, vocab_size=64)
+    quantize_model(model.to(torch.bfloat16), scheme)
+    prompt = torch.randint(3, 60, (1, 9), generator=torch.Generator().manual_seed(0))
+    config = GenerationConfig(max_new_tokens=12, stop_on_eos=False)
+    eager = SpeculativeDecoder(model, compile=False).generate(prompt, config).token_ids
+    runner = ModelRunner(model, compile=True)
+    result = SpeculativeDecoder(model, runner=runner).generate(prompt, config)
+    assert result.token_ids == eager
+    assert runner.compile_time_s > 0 and runner.num_eager_forwards == 1  # the prefill alone
+    torch._dynamo.reset()
