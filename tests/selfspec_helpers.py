@@ -13,6 +13,11 @@ from specdecode.engine.protocol import Drafter
 from specdecode.engine.sampling import Sampler
 
 
+# A prompt that repeats itself: n-gram matches make the cascade's and prompt lookup's blocks mix
+# matched and model-drafted tokens.
+REPETITIVE = [5, 9, 12, 7, 5, 9, 12, 7, 5, 9, 12, 7, 20, 21, 5, 9]
+
+
 @pytest.fixture(autouse=False)
 def one_thread():
     """Tiny models run fastest single-threaded (and leave the other core alone)."""

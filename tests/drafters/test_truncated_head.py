@@ -10,6 +10,7 @@ import torch
 from conftest import VOCAB, make_tiny_model
 from helpers import perturbed_copy
 from selfspec_helpers import (  # noqa: F401  (one_thread is a fixture)
+    REPETITIVE,
     autoregressive,
     exact_marginals,
     one_thread,
@@ -23,7 +24,6 @@ from specdecode.errors import UnsupportedModelError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-REPETITIVE = [5, 9, 12, 7, 5, 9, 12, 7, 5, 9, 12, 7, 20, 21, 5, 9]
 
 
 class Spy:

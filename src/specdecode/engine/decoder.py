@@ -269,20 +269,20 @@ class _Round:
             stats.final_draft_threshold = self.control.exit.threshold
         runner = dec.runner
         if runner.compile and self.gamma:  # verification widths: γ + 1, and the policy's longest block + 1
-            runner.with_buckets((self.gamma + 1, getattr(self.control, "max_tokens", self.gamma) + 1))
+            runner.with_buckets((self.gamma + 1, (self.control.max_tokens if self.control else self.gamma) + 1))
         # Positions written at most: the buffer, plus a forward padded to its bucket (the target's, or
         # a draft model's, whose static cache takes this capacity too).
         room = max(runner.max_bucket, DRAFT_BUCKETS[-1]) if runner.compile else 0
         self.cache, self.num_cached = runner.new_cache(self.buf.shape[1] + room), 0
         self.generation = getattr(self.cache, "generation", 0)
-        if prompt_cache is None:
-            pass
-        elif not kv_cache.is_static(self.cache):  # holds the first m prompt tokens (checked by stream)
-            self.cache, self.num_cached = prompt_cache, prompt_cache.get_seq_length()
-        elif kv_cache.load_prefix(self.cache, prompt_cache, prompt_cache.get_seq_length()):
-            self.num_cached = prompt_cache.get_seq_length()
-        else:
-            logger.debug("prompt cache not usable by the static cache (a trimmed sliding layer): prompt re-encoded")
+        if prompt_cache is not None:  # holds the first m prompt tokens (checked by stream)
+            m = prompt_cache.get_seq_length()
+            if not kv_cache.is_static(self.cache):
+                self.cache, self.num_cached = prompt_cache, m
+            elif kv_cache.load_prefix(self.cache, prompt_cache, m):
+                self.num_cached = m
+            else:
+                logger.debug("prompt cache not usable by the static cache (a trimmed sliding layer): re-encoded")
 
     def forbid(self, position: int, token: int) -> bool:
         """Mask ``token`` at buffer ``position`` from now on; True when no token is left there."""
