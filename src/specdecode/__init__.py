@@ -27,7 +27,14 @@ from specdecode.drafters import (
     SkipSet,
     draft_mode,
 )
-from specdecode.engine import GenerationResult, GenerationStream, SpecDecodingStats, SpeculativeDecoder
+from specdecode.engine import (
+    BatchedSpeculativeDecoder,
+    BatchEvent,
+    GenerationResult,
+    GenerationStream,
+    SpecDecodingStats,
+    SpeculativeDecoder,
+)
 from specdecode.errors import (
     ChecksumMismatchError,
     DatasetError,
@@ -46,6 +53,8 @@ from specdecode.version import __version__
 
 __all__ = [
     "OFFLINE_MODELS",
+    "BatchEvent",
+    "BatchedSpeculativeDecoder",
     "CascadeDrafter",
     "ChecksumMismatchError",
     "DatasetError",

@@ -394,6 +394,11 @@ def _add_bench(sub) -> argparse.ArgumentParser:
                    "copy of that cache; default: on unless hf-assisted or hf-prompt-lookup is in the run "
                    "(they cannot start from a cache); --no-prompt-cache times whole prompts")
     p.add_argument("--out", default="bench-out", help="results folder (resumable)")
+    p.add_argument("--batch-size", default=None, metavar="B[,B...]",
+                   help="throughput mode: decode each category's prompts B at a time with the batched engine, "
+                   "for each B of this comma list (e.g. 1,2,4,8); methods: " + ", ".join(bench.batch_methods())
+                   + ", as NAME[:KEY=VALUE,...][+MODIFIER], plus exit_rule=row|batch (with +adaptive) and "
+                   "decoder=single (the single-sequence decoder at B=1); writes batched_results.json/.md to --out")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="chat template on/off (default: on for spec-bench and JSONL when the tokenizer has one, "
                    "off for humaneval, whose stubs are completed raw)")

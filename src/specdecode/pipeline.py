@@ -28,6 +28,13 @@ from pathlib import Path
 import torch
 
 from specdecode.config import GenerationConfig
+from specdecode.drafters.batched import (
+    BatchDraftModelDrafter,
+    BatchEarlyExitDrafter,
+    BatchLayerSkipDrafter,
+    BatchPromptLookupDrafter,
+)
+from specdecode.engine.batched import BatchedSpeculativeDecoder
 from specdecode.engine.decoder import GenerationResult, GenerationStream, SpeculativeDecoder
 from specdecode.engine.fast_path import DRAFT_BUCKETS, ModelRunner, resolve_compile
 from specdecode.drafters.control import DraftControl
@@ -43,9 +50,43 @@ from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 
 logger = logging.getLogger(__name__)
 
+
+def _resolve_skip_set(skip_set: SkipSet | None, skip_layers: str | None, skip_config: str | Path | None) -> SkipSet:
+    """The one skip set given as a ``SkipSet``, as text or as a JSON file (see ``make_drafter``)."""
+    given = [v for v in (skip_set, skip_layers, skip_config) if v is not None]
+    if not given:
+        raise InvalidArgumentError(
+            "method 'layer-skip' needs a skip set: pass skip_layers='attn=2,15;mlp=3' "
+            "(--skip-layers), skip_config=FILE.json (--skip-config) or skip_set=SkipSet(...)"
+        )
+    if len(given) > 1:
+        raise InvalidArgumentError(
+            "give the layer-skip skip set once: skip_set, skip_layers (--skip-layers) and "
+            "skip_config (--skip-config) exclude each other"
+        )
+    if skip_layers is not None:
+        return SkipSet.parse(skip_layers)
+    if skip_config is not None:
+        return SkipSet.from_json(skip_config)
+    return skip_set
+
+
+def _check_exit_layer(exit_layer: int | None) -> None:
+    if exit_layer is None:
+        raise InvalidArgumentError(
+            "method 'early-exit' needs exit_layer=N (--exit-layer N): the draft runs the target's "
+            "first N decoder layers, 1 <= N <= L-1"
+        )
+
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 METHODS = ("autoregressive", "draft", "cascade", "layer-skip", "early-exit", "prompt-lookup")
+#: Methods with a batch mode (``SpeculativeGenerator.batch_decoder``).
+BATCH_METHODS = ("autoregressive", "draft", "layer-skip", "early-exit", "prompt-lookup")
+#: ``max_verify_tokens`` of batched decoding on a CPU: Qwen2.5-Coder 1.5B in bf16 on a 2-core
+#: AVX512-BF16 EPYC verified up to 12 tokens in about one step (160-170 ms) and 16 in 287 ms
+#: (``docs/benchmarks/batched_forward_cost.py``), so B rows draft at most 12 // B - 1 tokens.
+BATCH_VERIFY_TOKENS_CPU = 12
 
 
 def eos_token_ids(loaded: LoadedModel) -> set[int]:
@@ -205,29 +246,11 @@ class SpeculativeGenerator:
                 )
             return DraftModelDrafter(self.draft.model, head, runner)
         if method == "layer-skip":
-            given = [v for v in (skip_set, skip_layers, skip_config) if v is not None]
-            if not given:
-                raise InvalidArgumentError(
-                    "method 'layer-skip' needs a skip set: pass skip_layers='attn=2,15;mlp=3' "
-                    "(--skip-layers), skip_config=FILE.json (--skip-config) or skip_set=SkipSet(...)"
-                )
-            if len(given) > 1:
-                raise InvalidArgumentError(
-                    "give the layer-skip skip set once: skip_set, skip_layers (--skip-layers) and "
-                    "skip_config (--skip-config) exclude each other"
-                )
-            if skip_layers is not None:
-                skip_set = SkipSet.parse(skip_layers)
-            elif skip_config is not None:
-                skip_set = SkipSet.from_json(skip_config)
+            skip_set = _resolve_skip_set(skip_set, skip_layers, skip_config)
             logger.info("layer-skip drafting with skip set %s", skip_set)
             return LayerSkipDrafter(self.target.model, skip_set, self.runner("layer-skip", compile, str(skip_set)))
         if method == "early-exit":
-            if exit_layer is None:
-                raise InvalidArgumentError(
-                    "method 'early-exit' needs exit_layer=N (--exit-layer N): the draft runs the target's "
-                    "first N decoder layers, 1 <= N <= L-1"
-                )
+            _check_exit_layer(exit_layer)
             return EarlyExitDrafter(self.target.model, exit_layer, self.runner("early-exit", compile, exit_layer))
         if method == "prompt-lookup":
             return PromptLookupDrafter(prompt_lookup_max_ngram, prompt_lookup_min_ngram)
@@ -352,6 +375,75 @@ class SpeculativeGenerator:
         return SpeculativeDecoder(
             self.target.model, drafter, eos_token_ids=self._eos, tokenizer=self.tokenizer, draft_control=draft_control,
             runner=self.runner("target", compile),
+        )
+
+    def batch_decoder(
+        self,
+        method: str = "draft",
+        *,
+        max_batch_size: int = 8,
+        max_length: int = 2048,
+        num_speculative_tokens: int = 5,
+        draft_control: DraftControl | None = None,
+        exit_rule: str = "row",
+        max_verify_tokens: int | None | str = "auto",
+        skip_set: SkipSet | None = None,
+        skip_layers: str | None = None,
+        skip_config: str | Path | None = None,
+        exit_layer: int | None = None,
+        prompt_lookup_max_ngram: int = 3,
+        prompt_lookup_min_ngram: int = 1,
+    ) -> BatchedSpeculativeDecoder:
+        """A ``BatchedSpeculativeDecoder`` (many rows at once, continuous batching) for ``method``.
+
+        Args:
+            method: One of ``BATCH_METHODS`` ("cascade" has no batch mode).
+            max_batch_size, max_length, num_speculative_tokens, exit_rule: See
+                ``BatchedSpeculativeDecoder``.
+            draft_control: Per-row adaptive draft exit and gating; ignored by "autoregressive".
+            max_verify_tokens: See ``BatchedSpeculativeDecoder``; "auto": ``BATCH_VERIFY_TOKENS_CPU``
+                on a CPU (measured: a verification over more tokens costs more than one step), no
+                limit on other devices (not measured).
+            skip_set .. prompt_lookup_min_ngram: See ``make_drafter``.
+
+        Raises:
+            InvalidArgumentError: Unknown method or one without a batch mode; the errors of
+                ``make_drafter`` for a missing draft model, skip set or exit layer; a value
+                out of range.
+        """
+        target = self.target.model
+        if method == "autoregressive":
+            drafter = None
+        elif method == "draft":
+            if self.draft is None:
+                raise InvalidArgumentError("method 'draft' needs a draft model; pass draft=...")
+            drafter = BatchDraftModelDrafter(self.draft.model)
+        elif method == "layer-skip":
+            drafter = BatchLayerSkipDrafter(target, _resolve_skip_set(skip_set, skip_layers, skip_config))
+        elif method == "early-exit":
+            _check_exit_layer(exit_layer)
+            drafter = BatchEarlyExitDrafter(target, exit_layer)
+        elif method == "prompt-lookup":
+            drafter = BatchPromptLookupDrafter(prompt_lookup_max_ngram, prompt_lookup_min_ngram)
+        else:
+            raise InvalidArgumentError(
+                f"method {method!r} has no batch mode; allowed with a batch: {', '.join(BATCH_METHODS)}"
+            )
+        return BatchedSpeculativeDecoder(
+            target,
+            drafter,
+            max_batch_size=max_batch_size,
+            max_length=max_length,
+            num_speculative_tokens=num_speculative_tokens,
+            eos_token_ids=self._eos,
+            tokenizer=self.tokenizer,
+            draft_control=draft_control if drafter is not None else None,
+            exit_rule=exit_rule,
+            max_verify_tokens=(
+                (BATCH_VERIFY_TOKENS_CPU if target.device.type == "cpu" else None)
+                if max_verify_tokens == "auto"
+                else max_verify_tokens
+            ),
         )
 
     def stream(

@@ -53,9 +53,21 @@ Modules:
 * ``records``: the results folder (``RecordStore``, ``run_identity``, ``environment``);
 * ``report``: ``summarize``, ``speedups``, ``markdown_report`` and the plots;
 * ``datasets``: the prompt sets (Spec-Bench, HumanEval, JSONL), shared with ``specdecode search``;
+* ``batched``: ``--batch-size`` throughput mode (``run_batched_bench``): batched engine,
+  transformers ``generate`` on left-padded batches, batch-1 references; its own table;
 * ``command``: ``run``, the ``specdecode bench`` command (the only module here that prints).
 """
 
+from specdecode.bench.batched import (
+    BATCHED_JSON,
+    BATCHED_MD,
+    BatchMethod,
+    batch_methods,
+    batched_markdown,
+    parse_batch_sizes,
+    run_batched_bench,
+    write_batched_results,
+)
 from specdecode.bench.command import run
 from specdecode.bench.hf_methods import HF_METHODS, HFMethod
 from specdecode.bench.llamacpp import LlamaCppRunner, gguf_file
@@ -106,6 +118,8 @@ from specdecode.bench.settings import BenchSettings
 __all__ = [
     "ACCEPTANCE_PNG",
     "BASELINES",
+    "BATCHED_JSON",
+    "BATCHED_MD",
     "CPU_FLAGS_OF_INTEREST",
     "DEFAULT_GATE_THRESHOLD",
     "DRAFTER_OPTIONS",
@@ -120,6 +134,7 @@ __all__ = [
     "RESULTS_MD",
     "SETTINGS_FILE",
     "SPEEDUP_PNG",
+    "BatchMethod",
     "BenchSettings",
     "DrafterOption",
     "HFMethod",
@@ -129,6 +144,8 @@ __all__ = [
     "PromptPrefix",
     "RecordStore",
     "available_methods",
+    "batch_methods",
+    "batched_markdown",
     "build_decoder",
     "check_method_names",
     "environment",
@@ -139,13 +156,16 @@ __all__ = [
     "plot_acceptance",
     "plot_speedups",
     "prompt_seed",
+    "parse_batch_sizes",
     "record_key",
     "resolve_methods",
     "run",
+    "run_batched_bench",
     "run_bench",
     "run_identity",
     "speedups",
     "summarize",
     "tokens_per_second",
+    "write_batched_results",
     "write_reports",
 ]

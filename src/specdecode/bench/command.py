@@ -77,6 +77,8 @@ def run(args) -> int:
         compile=args.compile,
     )
     methods = _split_list(args.methods, _method_separator())
+    if getattr(args, "batch_size", None) is not None:
+        return _run_batched(args, settings, methods)
     if methods is not None:
         methods = check_method_names(methods)
     if args.draft_quantize is not None and _draft_spec(args) is None:
@@ -130,4 +132,57 @@ def run(args) -> int:
     out = Console()
     out.print(table)
     out.print(f"results in {Path(args.out).resolve()}: {RESULTS_MD}, {RESULTS_JSON}, {SPEEDUP_PNG}, {ACCEPTANCE_PNG}")
+    return 0
+
+
+def _run_batched(args, settings: BenchSettings, methods: list[str] | None) -> int:
+    """``specdecode bench --batch-size ...``: the throughput table of ``run_batched_bench``, printed and
+    written to --out (batched_results.json, batched_results.md). Returns the exit code."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from specdecode.bench.batched import (BATCHED_JSON, BATCHED_MD, TABLE_COLUMNS, BatchMethod, parse_batch_sizes,
+                                          run_batched_bench, table_rows, write_batched_results)
+    from specdecode.bench.datasets import load_prompts
+
+    sizes = parse_batch_sizes(args.batch_size)  # every check that needs no model, before loading one
+    for name in methods or ():
+        BatchMethod.parse(name)
+    if args.repeats != 1 or settings.banned_words or args.prompt_cache:
+        raise InvalidArgumentError("--batch-size runs each group once, whole prompts, no banned words: leave "
+                                   "--repeats, --prompt-cache and --banned-words-file out")
+    if args.draft_quantize is not None and _draft_spec(args) is None:
+        raise InvalidArgumentError("--draft-quantize needs a draft model (--draft); use --quantize for the target")
+    prompts = load_prompts(args.dataset, categories=_split_list(args.categories),
+                           limit_per_category=args.limit_per_category, limit=args.limit, chat=args.chat)
+    err = Console(stderr=True)
+    with err.status(f"loading {args.target}" + (f" and {_draft_spec(args)}" if _draft_spec(args) else "")):
+        generator = pipeline.SpeculativeGenerator.from_pretrained(
+            args.target, _draft_spec(args), dtype=args.dtype, device=args.device, quantize=args.quantize,
+            draft_quantize=args.draft_quantize,
+        )
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   console=err)
+    task = bar.add_task("bench", total=None)
+
+    def on_progress(done: int, total: int, description: str) -> None:
+        bar.update(task, completed=done, total=total, description=description)
+
+    try:
+        with bar:
+            records = run_batched_bench(generator, prompts, methods, sizes, settings, progress=on_progress)
+    except KeyboardInterrupt:
+        err.print("interrupted: batch mode keeps no partial results")
+        return 130
+    info = {"dataset": args.dataset, "command_line": shlex.join(sys.argv), "chat": args.chat}
+    write_batched_results(args.out, generator, prompts, settings, records, info)
+    table = Table(title=f"specdecode bench --batch-size: {len(prompts)} prompts per B, {args.dataset}")
+    for col in TABLE_COLUMNS:
+        table.add_column(col, justify="left" if col == "method" else "right")
+    for row in table_rows(records):
+        table.add_row(*row)
+    out = Console()
+    out.print(table)
+    out.print(f"results in {Path(args.out).resolve()}: {BATCHED_MD}, {BATCHED_JSON}")
     return 0

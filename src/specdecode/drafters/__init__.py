@@ -9,6 +9,8 @@
 - ``layer_skip``: Draft & Verify's self-speculative drafter (``SkipSet``, ``draft_mode``);
 - ``early_exit``: the first N layers, then the final norm and LM head;
 - ``prompt_lookup``: n-gram match against the prompt and the output, no model cost;
+- ``batched``: the batched engine's drafters (draft model, layer skip, early exit, prompt
+  lookup), every active row in one forward;
 - ``control``: adaptive draft exit, draft-length schedules, target-confidence gating
   (``DraftControl``).
 
@@ -16,6 +18,12 @@ Drafters import only the engine's protocol, sampler and cache helpers, never the
 """
 
 from specdecode.drafters.base import Draft, Drafter, ExitPolicy, draft_autoregressively, draft_token
+from specdecode.drafters.batched import (
+    BatchDraftModelDrafter,
+    BatchEarlyExitDrafter,
+    BatchLayerSkipDrafter,
+    BatchPromptLookupDrafter,
+)
 from specdecode.drafters.cascade import CascadeDrafter
 from specdecode.drafters.control import (
     LENGTH_SCHEDULES,
@@ -35,6 +43,10 @@ __all__ = [
     "LENGTH_SCHEDULES",
     "SUBLAYERS",
     "AdaptiveDraftExit",
+    "BatchDraftModelDrafter",
+    "BatchEarlyExitDrafter",
+    "BatchLayerSkipDrafter",
+    "BatchPromptLookupDrafter",
     "BoundDraftHead",
     "CascadeDrafter",
     "ConfidenceGate",

@@ -8,18 +8,30 @@
 - ``verification``: greedy verification and speculative sampling's rejection step;
 - ``sampling``: the ``Sampler`` shared by target and drafters (temperature, top-k, top-p);
 - ``kv_cache``: cache creation and rollback;
-- ``stats``: ``SpecDecodingStats``.
+- ``batched``: ``BatchedSpeculativeDecoder``, many rows at once with continuous batching,
+  on ``batch_cache.BatchKVCache`` (per-row positions and masks); its drafters implement
+  ``protocol.BatchDrafter``;
+- ``stopping``: stop strings;
+- ``stats``: ``SpecDecodingStats``, ``BatchStats``.
 
 The engine imports nothing above it (no drafter, pipeline, bench or search).
 """
 
+from specdecode.engine.batch_cache import BatchKVCache
+from specdecode.engine.batched import BatchedSpeculativeDecoder, BatchEvent
 from specdecode.engine.decoder import GenerationResult, GenerationStream, SpeculativeDecoder
-from specdecode.engine.protocol import Draft, Drafter, DraftPolicy, ExitPolicy, RoundController
+from specdecode.engine.protocol import BatchDraft, BatchDrafter, Draft, Drafter, DraftPolicy, ExitPolicy, RoundController
 from specdecode.engine.sampling import Sampler, check_finite
-from specdecode.engine.stats import SpecDecodingStats
+from specdecode.engine.stats import BatchStats, SpecDecodingStats
 from specdecode.engine.verification import VerificationResult, greedy_verify, rejection_sample
 
 __all__ = [
+    "BatchDraft",
+    "BatchDrafter",
+    "BatchEvent",
+    "BatchKVCache",
+    "BatchStats",
+    "BatchedSpeculativeDecoder",
     "Draft",
     "DraftPolicy",
     "Drafter",

@@ -37,6 +37,7 @@ from specdecode.engine.banned_words import BannedWordMatcher, BannedWords
 from specdecode.engine.protocol import Draft, Drafter, DraftPolicy
 from specdecode.engine.sampling import Sampler, check_finite, logits_width, raise_non_finite
 from specdecode.engine.stats import SpecDecodingStats
+from specdecode.engine.stopping import StopStrings
 from specdecode.engine.verification import greedy_verify, rejection_sample
 from specdecode.errors import InvalidArgumentError
 
@@ -59,33 +60,6 @@ class GenerationResult:
     text: str
     finish_reason: str
     stats: SpecDecodingStats
-
-
-class _StopStrings:
-    """Finds the first token whose text completes a stop string, decoding only a tail window."""
-
-    def __init__(self, tokenizer, stop_strings: tuple[str, ...]) -> None:
-        if stop_strings and tokenizer is None:
-            raise InvalidArgumentError("stop_strings need a tokenizer; pass tokenizer= to the decoder")
-        self.tokenizer = tokenizer
-        self.stop_strings = stop_strings
-        # Every non-special token decodes to at least one character, so this many
-        # earlier tokens always cover a stop string that straddles a round.
-        self.lookback = max((len(s) for s in stop_strings), default=0)
-
-    def cut(self, generated: list[int], num_new: int) -> int | None:
-        """Number of generated tokens to keep if the last ``num_new`` complete a stop string, else None."""
-        if not self.stop_strings:
-            return None
-        start = max(len(generated) - num_new - self.lookback, 0)
-        decode = self.tokenizer.decode
-        if not any(s in decode(generated[start:]) for s in self.stop_strings):
-            return None
-        for end in range(len(generated) - num_new + 1, len(generated) + 1):
-            text = decode(generated[start:end])
-            if any(s in text for s in self.stop_strings):
-                return end
-        return len(generated)
 
 
 class GenerationStream:
@@ -142,7 +116,7 @@ class GenerationStream:
 
     def _run(self) -> Iterator[list[int]]:
         dec, config, stats = self._decoder, self.config, self.stats
-        stop = _StopStrings(dec.tokenizer, config.stop_strings)
+        stop = StopStrings(dec.tokenizer, config.stop_strings)
         eos = dec.eos_token_ids if config.stop_on_eos else frozenset()
         banned = (
             BannedWords(

@@ -93,6 +93,9 @@ class StaticKVCache(Cache):
         InvalidArgumentError: If ``capacity`` < 1.
     """
 
+    #: Rolled back by position, never cropped (``is_static``).
+    rolls_back_by_position = True
+
     def __init__(self, model: PreTrainedModel, capacity: int) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise InvalidArgumentError(f"static cache capacity must be an integer >= 1, got {capacity!r}")
@@ -119,8 +122,9 @@ class StaticKVCache(Cache):
 
 
 def is_static(cache) -> bool:
-    """Whether ``cache`` is a ``StaticKVCache`` (rolled back by position) rather than cropped."""
-    return isinstance(cache, StaticKVCache)
+    """Whether ``cache`` is rolled back by position rather than cropped: a ``StaticKVCache``, or the
+    batched engine's ``batch_cache.BatchKVCache`` (whose skipped sublayers need no placeholders either)."""
+    return getattr(cache, "rolls_back_by_position", False)
 
 
 def rollback(cache: DynamicCache | StaticKVCache, num_cached: int, num_valid: int) -> int:

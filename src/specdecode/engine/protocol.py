@@ -150,3 +150,89 @@ class DraftPolicy(Protocol):
 
     def controller(self, gamma: int) -> RoundController:
         """Fresh per-generation state; ``gamma`` is ``GenerationConfig.num_speculative_tokens``."""
+
+
+# --- Batched decoding (``engine.batched``) ----------------------------------------------------
+
+#: How adaptive draft exit ends a batched block: "row" stops each row at its own first unsure
+#: token (the others go on); "batch" goes on until every row has met an unsure token, and every
+#: row keeps all it drafted (the verification forward is as wide either way).
+BATCH_EXIT_RULES = ("row", "batch")
+
+
+@dataclass(frozen=True)
+class BatchDraft:
+    """One proposed block per row of a batch.
+
+    Attributes:
+        tokens: (n, K) long on the model's device; row b's draft is ``tokens[b, :num_tokens[b]]``,
+            the rest is padding.
+        num_tokens: (n,) Python ints, k_b <= the row's ``max_tokens``.
+        probs: Per row, the (k_b, V) float32 draft distributions (sampling rows), or None
+            (greedy rows, deterministic drafters); None altogether when no row has any.
+        finite: 0-dim bool tensor, whether every draft forward gave finite logits (read in the
+            round's host sync), or None when already checked or no model ran.
+        who: The drafting model, for the error message when ``finite`` is False.
+    """
+
+    tokens: torch.Tensor
+    num_tokens: list[int]
+    probs: list[torch.Tensor | None] | None = None
+    finite: torch.Tensor | None = None
+    who: str = "draft model"
+
+
+class BatchDrafter(abc.ABC):
+    """Base class of drafters for the batched engine (``engine.batched.BatchedSpeculativeDecoder``).
+
+    Rows live in slots of the target's ``batch_cache.BatchKVCache``; the active rows always
+    fill slots 0 .. n - 1. Calls, in the engine's order:
+
+    1. ``bind(target_cache)`` once: a drafter with a model of its own makes a cache with the
+       same slots and capacity; a self-speculative one keeps the target's.
+    2. ``join(slot, prompt_ids, sampler)`` when a row joins, after the target's prefill.
+    3. Each round, ``propose(sequences, max_tokens, exits)`` for all active rows, in slot order.
+    4. After verification, ``rollback(num_valid)``: row b's first ``num_valid[b]`` tokens are
+       confirmed.
+    5. When a row leaves, ``move(src, dst, num_valid)``: the row in slot ``src`` now lives in
+       slot ``dst`` (``src`` is then free).
+
+    Attributes:
+        num_forwards: Model forwards run since ``bind``.
+        supports_exit_policy: Whether ``propose`` honours ``exits`` (drafters that give
+            probabilities).
+    """
+
+    num_forwards: int = 0
+    supports_exit_policy: bool = False
+    who: str = "draft model"
+
+    @abc.abstractmethod
+    def bind(self, target_cache) -> None:
+        """Attach to the engine's target ``BatchKVCache`` (slot count and capacity)."""
+
+    @abc.abstractmethod
+    def join(self, slot: int, prompt_ids: torch.Tensor, sampler: Sampler) -> None:
+        """A row starts in ``slot`` with (1, m) ``prompt_ids``; the target's cache holds them."""
+
+    @abc.abstractmethod
+    def propose(
+        self,
+        sequences: list[list[int]],
+        max_tokens: list[int],
+        exits: list[ExitPolicy | None] | None = None,
+        exit_rule: str = "row",
+    ) -> BatchDraft:
+        """Draft up to ``max_tokens[b]`` (>= 0) tokens after each row's sequence (its last token in no cache).
+
+        ``exits`` (one per row, or None) end a row's block after an unsure token, under
+        ``exit_rule`` (``BATCH_EXIT_RULES``).
+        """
+
+    @abc.abstractmethod
+    def rollback(self, num_valid: list[int]) -> None:
+        """Forget each row's state past its first ``num_valid[b]`` tokens."""
+
+    @abc.abstractmethod
+    def move(self, src: int, dst: int, num_valid: int) -> None:
+        """The row in slot ``src`` (``num_valid`` confirmed tokens) moves to slot ``dst``."""

@@ -5,8 +5,36 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 
+class _Rates:
+    """Rates derived alike for one generation and for a batched engine."""
+
+    #: Derived values ``to_dict`` adds to the counters.
+    DERIVED: tuple[str, ...] = ("acceptance_rate", "mean_accepted_tokens", "total_time_s", "tokens_per_s")
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted ÷ drafted tokens, or None when nothing was drafted."""
+        return self.num_accepted_tokens / self.num_drafted_tokens if self.num_drafted_tokens else None
+
+    @property
+    def total_time_s(self) -> float:
+        """Prefill plus decode, in seconds (compilation, ``warmup_s``, excluded)."""
+        return self.prefill_time_s + self.decode_time_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        """New tokens per second of wall time, prefill included."""
+        return self.num_new_tokens / self.total_time_s if self.total_time_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        """Every counter plus the derived rates, JSON-ready (τ counts the bonus token)."""
+        out = asdict(self)
+        out.update({name: getattr(self, name) for name in self.DERIVED}, mean_accepted_tokens_counts_bonus=True)
+        return out
+
+
 @dataclass
-class SpecDecodingStats:
+class SpecDecodingStats(_Rates):
     """Counts and timings of one generation.
 
     Attributes:
@@ -69,13 +97,6 @@ class SpecDecodingStats:
             self.accepted_by_position[i] += 1
 
     @property
-    def acceptance_rate(self) -> float | None:
-        """Accepted ÷ drafted tokens, or None when nothing was drafted."""
-        if self.num_drafted_tokens == 0:
-            return None
-        return self.num_accepted_tokens / self.num_drafted_tokens
-
-    @property
     def mean_accepted_tokens(self) -> float | None:
         """τ: tokens produced per target forward after the prefill, COUNTING the bonus
         (or replacement) token each forward adds. Autoregressive decoding gives 1.0."""
@@ -101,31 +122,46 @@ class SpecDecodingStats:
         return [a / d if d else 0.0 for a, d in zip(self.accepted_by_position, self.drafted_by_position)]
 
     @property
-    def total_time_s(self) -> float:
-        """Prefill plus decode, in seconds (compilation, ``warmup_s``, excluded)."""
-        return self.prefill_time_s + self.decode_time_s
-
-    @property
-    def tokens_per_s(self) -> float:
-        """New tokens per second of wall time, prefill included."""
-        return self.num_new_tokens / self.total_time_s if self.total_time_s > 0 else 0.0
-
-    @property
     def decode_tokens_per_s(self) -> float:
         """Tokens per second after the prefill (the first token comes from the prefill)."""
         return self.num_tokens_from_forwards / self.decode_time_s if self.decode_time_s > 0 else 0.0
 
-    def to_dict(self) -> dict:
-        """Every counter plus the derived rates, JSON-ready."""
-        out = asdict(self)
-        out.update(
-            acceptance_rate=self.acceptance_rate,
-            mean_accepted_tokens=self.mean_accepted_tokens,
-            mean_accepted_tokens_counts_bonus=True,
-            mean_accepted_draft_tokens=self.mean_accepted_draft_tokens,
-            acceptance_by_position=self.acceptance_by_position,
-            total_time_s=self.total_time_s,
-            tokens_per_s=self.tokens_per_s,
-            decode_tokens_per_s=self.decode_tokens_per_s,
-        )
-        return out
+    DERIVED = _Rates.DERIVED + ("mean_accepted_draft_tokens", "acceptance_by_position", "decode_tokens_per_s")
+
+
+@dataclass
+class BatchStats(_Rates):
+    """Counts and timings of a batched engine (``engine.batched``), over its life.
+
+    Attributes:
+        num_rounds: Decode rounds: target forwards over the whole batch (prefills excluded).
+        num_row_rounds: Sum over rounds of the rows in the batch (a row's verification each).
+        num_prefills: Rows prefilled (joined).
+        num_new_tokens: Tokens handed to callers, all rows.
+        num_drafted_tokens: Draft tokens verified, all rows.
+        num_accepted_tokens: Of those, accepted.
+        num_draft_forwards: Draft forwards in rounds, each over the whole batch (a draft model's
+            prefill of a joining row is not counted).
+        prefill_time_s: Seconds in prefills.
+        decode_time_s: Seconds in rounds.
+        max_rows: The most rows one round decoded.
+    """
+
+    num_rounds: int = 0
+    num_row_rounds: int = 0
+    num_prefills: int = 0
+    num_new_tokens: int = 0
+    num_drafted_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_draft_forwards: int = 0
+    prefill_time_s: float = 0.0
+    decode_time_s: float = 0.0
+    max_rows: int = 0
+
+    @property
+    def mean_accepted_tokens(self) -> float | None:
+        """τ per row: tokens a row gains per round, COUNTING the bonus token (accepted + 1 per row-round)."""
+        if not self.num_row_rounds:
+            return None
+        return (self.num_accepted_tokens + self.num_row_rounds) / self.num_row_rounds
+

@@ -1,0 +1,327 @@
+"""Drafters for the batched engine (``engine.batched``): every active row drafts in one forward.
+
+* ``BatchDraftModelDrafter``: a smaller model with its own ``BatchKVCache`` (same slots and
+  capacity as the target's). Like ``DraftModelDrafter``, each row's cache lacks the tokens not
+  yet fed (1, or 2 after a fully accepted block); the first forward of a round feeds them,
+  rows with one token padded on the right to two (the padding lands past the row's length).
+* ``BatchLayerSkipDrafter`` / ``BatchEarlyExitDrafter``: the target itself with a skip set
+  (Draft & Verify; LayerSkip's early exit), writing into the target's batch cache at each
+  row's next positions; the verification forward then overwrites them, so nothing is restored.
+* ``BatchPromptLookupDrafter``: per-row n-gram lookup (``prompt_lookup.find_continuation``).
+
+Adaptive draft exit under ``exit_rule``: "row" ends a row's block at its own first unsure
+token while the other rows go on (its later forwards are wasted on it); "batch" goes on until
+every row has been unsure, and each row keeps everything it drafted: the verification is as
+wide as the longest row either way, so the extra tokens cost the target nothing.
+
+The truncated draft head (FR-Spec) is not used in batch mode: the draft model drafts over its
+full vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from transformers import PreTrainedModel
+
+from specdecode.drafters.early_exit import exit_skip_set
+from specdecode.drafters.layer_skip import SkipSet, decoder_layers, draft_mode
+from specdecode.drafters.prompt_lookup import PromptLookupDrafter, find_continuation
+from specdecode.engine.batch_cache import BatchKVCache, batch_forward, to_device
+from specdecode.engine.protocol import BatchDraft, BatchDrafter, ExitPolicy
+from specdecode.engine.sampling import Sampler, check_finite
+from specdecode.errors import InvalidArgumentError
+
+__all__ = [
+    "BatchDraftModelDrafter",
+    "BatchEarlyExitDrafter",
+    "BatchLayerSkipDrafter",
+    "BatchPromptLookupDrafter",
+    "draft_batch",
+]
+
+
+def draft_batch(
+    forward: Callable[[torch.Tensor, list[int]], torch.Tensor],
+    first_logits: torch.Tensor,
+    next_starts: list[int],
+    max_tokens: list[int],
+    samplers: list[Sampler],
+    exits: list[ExitPolicy | None] | None,
+    exit_rule: str,
+    who: str,
+) -> tuple[BatchDraft, int]:
+    """The batched draft loop shared by the model drafters.
+
+    Args:
+        forward: ``forward(ids (n, 1), starts) -> (n, V)`` logits of one more token per row.
+        first_logits: (n, V) logits of each row's first draft token (the caller's first forward).
+        next_starts: Per row, the position the first drafted token is fed at.
+        max_tokens: Per row, the most tokens to keep (>= 0); the loop runs max(max_tokens) steps
+            at most.
+        samplers: Per row, its ``Sampler`` (greedy rows take the argmax).
+        exits: Per row, an ``ExitPolicy`` or None; None altogether: no adaptive exit.
+        exit_rule: "row" or "batch" (module docstring).
+        who: The drafting model, for errors.
+
+    Returns:
+        The draft, and S, the steps run (S - 1 drafted tokens were fed back).
+
+    Raises:
+        NonFiniteLogitsError: If a forward gives NaN or inf (checked on the host when sampling
+            or with exits; otherwise the flag goes to ``BatchDraft.finite``).
+    """
+    n, K = len(max_tokens), max(max_tokens)
+    if K < 1:
+        raise InvalidArgumentError(f"draft_batch needs some row with max_tokens >= 1, got {max_tokens}")
+    greedy = all(s.greedy for s in samplers)
+    deferred = greedy and exits is None
+    active = [c > 0 for c in max_tokens]
+    unsure = [False] * n
+    num = [0] * n
+    probs: list[list[torch.Tensor]] = [[] for _ in range(n)]
+    tokens: list[torch.Tensor] = []
+    finite = None
+    logits = first_logits
+    vocab = samplers[0].vocab_size
+    for i in range(K):
+        if deferred:
+            ok = torch.isfinite(logits).all()
+            finite = ok if finite is None else finite & ok
+        else:
+            check_finite(logits, who)
+        token = logits[:, :vocab].argmax(-1)
+        tops = None
+        if not greedy:
+            token, tops = token.clone(), []
+            for b, sampler in enumerate(samplers):
+                if sampler.greedy or not active[b]:
+                    if exits is not None:
+                        tops.append(torch.softmax(logits[b].float(), -1).amax())
+                    continue
+                q = sampler.probs(logits[b : b + 1])
+                token[b] = sampler.sample(q)[0]
+                probs[b].append(q)
+                if exits is not None:
+                    tops.append(q.amax())
+            tops = torch.stack(tops) if exits is not None else None
+        elif exits is not None:
+            tops = torch.softmax(logits.float(), -1).amax(-1)
+        tokens.append(token)
+        top = tops.tolist() if exits is not None else None  # one host sync per draft step with exits
+        for b in range(n):
+            if not active[b]:
+                continue
+            num[b] = i + 1
+            if i + 1 >= max_tokens[b]:
+                active[b] = False
+            elif top is not None and exits[b] is not None and exits[b].should_stop(top[b]):
+                unsure[b] = True
+                if exit_rule == "row":
+                    active[b] = False
+        if not any(active) or (exit_rule == "batch" and all(u or not a for u, a in zip(unsure, active))):
+            break
+        if i + 1 < K:
+            logits = forward(token.view(n, 1), [s + i for s in next_starts])
+    steps = len(tokens)
+    row_probs = [torch.cat(p) if p else None for p in probs]
+    draft = BatchDraft(
+        torch.stack(tokens, dim=1),
+        num,
+        row_probs if any(p is not None for p in row_probs) else None,
+        finite,
+        who,
+    )
+    return draft, steps
+
+
+class BatchDraftModelDrafter(BatchDrafter):
+    """A smaller model drafts for every row at once, from its own ``BatchKVCache``.
+
+    Args:
+        model: The draft model (vocabulary mapped like the target's; eager or SDPA attention).
+
+    Raises:
+        UnsupportedModelError: At ``bind``, if the model's attention cannot take batch masks.
+    """
+
+    supports_exit_policy = True
+    who = "draft model"
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+        self.cache: BatchKVCache | None = None
+        self._num_cached: list[int] = []
+        self._samplers: list[Sampler | None] = []
+
+    def bind(self, target_cache: BatchKVCache) -> None:
+        self.cache = BatchKVCache(self.model, target_cache.num_slots, target_cache.capacity)
+        self._num_cached = [0] * target_cache.num_slots
+        self._samplers = [None] * target_cache.num_slots
+        self.num_forwards = 0
+
+    @torch.inference_mode()
+    def join(self, slot: int, prompt_ids: torch.Tensor, sampler: Sampler) -> None:
+        batch_forward(self.model, self.cache, prompt_ids, slot, [0], 1)
+        self._num_cached[slot] = prompt_ids.shape[1]
+        self._samplers[slot] = sampler
+        self.num_forwards += 1
+
+    @torch.inference_mode()
+    def propose(self, sequences, max_tokens, exits=None, exit_rule="row") -> BatchDraft:
+        """Draft for every row; the first forward feeds each row's tokens not yet in the draft cache.
+
+        The rows' feeds are aligned on the right: a row with fewer new tokens than the widest
+        re-feeds some it already holds (same keys, rewritten in place), so every row's write ends
+        at its sequence length and none pads past it. Only a sequence shorter than the width pads
+        on the right (within the longest sequence's positions).
+        """
+        n = len(sequences)
+        lengths = [len(s) for s in sequences]
+        width = max(length - cached for length, cached in zip(lengths, self._num_cached[:n]))
+        starts = [max(length - width, 0) for length in lengths]
+        feeds = [s[start:] for s, start in zip(sequences, starts)]
+        ids = to_device([f + f[-1:] * (width - len(f)) for f in feeds], self.cache.device)
+        logits = batch_forward(self.model, self.cache, ids, 0, starts, width)
+        if all(len(f) == width for f in feeds):
+            first = logits[:, -1]
+        else:
+            last = to_device([len(f) - 1 for f in feeds], logits.device)
+            first = logits[torch.arange(n, device=logits.device), last]
+
+        def forward(token: torch.Tensor, at: list[int]) -> torch.Tensor:
+            return batch_forward(self.model, self.cache, token, 0, at, 1)[:, -1]
+
+        draft, steps = draft_batch(forward, first, lengths, max_tokens, self._samplers[:n], exits, exit_rule, self.who)
+        self.num_forwards += steps
+        for b in range(n):
+            self._num_cached[b] = lengths[b] + min(draft.num_tokens[b], steps - 1)
+        return draft
+
+    def rollback(self, num_valid: list[int]) -> None:
+        for b, valid in enumerate(num_valid):
+            self._num_cached[b] = min(self._num_cached[b], valid)
+
+    def move(self, src: int, dst: int, num_valid: int) -> None:
+        self.cache.move(src, dst, min(self._num_cached[src], num_valid))
+        self._num_cached[dst] = min(self._num_cached[src], num_valid)
+        self._samplers[dst] = self._samplers[src]
+        self._samplers[src] = None
+
+
+class BatchLayerSkipDrafter(BatchDrafter):
+    """The target itself, some sublayers skipped, drafts for every row (Draft & Verify, batched).
+
+    It writes into the target's batch cache at each row's next positions; the target's
+    verification overwrites them, and skipped sublayers need no placeholders (each row's
+    positions are given to every layer).
+
+    Args:
+        model: The target model.
+        skip_set: Sublayers skipped while drafting.
+
+    Raises:
+        InvalidArgumentError: If a skip-set index is out of range, or at ``bind`` if the cache
+            belongs to another model.
+    """
+
+    supports_exit_policy = True
+    who = "layer-skip draft"
+
+    def __init__(self, model: PreTrainedModel, skip_set: SkipSet) -> None:
+        skip_set.check(len(decoder_layers(model)))
+        self.model = model
+        self.skip_set = skip_set
+        self.cache: BatchKVCache | None = None
+        self._samplers: list[Sampler | None] = []
+
+    def bind(self, target_cache: BatchKVCache) -> None:
+        if target_cache.owner is not self.model:
+            raise InvalidArgumentError(
+                f"the {self.who}er must wrap the batched decoder's own target model: its cache belongs to another model"
+            )
+        self.cache = target_cache
+        self._samplers = [None] * target_cache.num_slots
+        self.num_forwards = 0
+
+    def join(self, slot: int, prompt_ids: torch.Tensor, sampler: Sampler) -> None:
+        self._samplers[slot] = sampler
+
+    @torch.inference_mode()
+    def propose(self, sequences, max_tokens, exits=None, exit_rule="row") -> BatchDraft:
+        n = len(sequences)
+        pending = to_device([s[-1:] for s in sequences], self.cache.device)
+        starts = [len(s) - 1 for s in sequences]  # the target cache holds len - 1 positions of each row
+
+        def forward(token: torch.Tensor, at: list[int]) -> torch.Tensor:
+            return batch_forward(self.model, self.cache, token, 0, at, 1)[:, -1]
+
+        with draft_mode(self.model, self.skip_set):
+            first = forward(pending, starts)
+            draft, steps = draft_batch(
+                forward, first, [s + 1 for s in starts], max_tokens, self._samplers[:n], exits, exit_rule, self.who
+            )
+        self.num_forwards += steps
+        return draft
+
+    def rollback(self, num_valid: list[int]) -> None:
+        """Nothing to do: the engine keeps the target rows' lengths."""
+
+    def move(self, src: int, dst: int, num_valid: int) -> None:
+        self._samplers[dst] = self._samplers[src]
+        self._samplers[src] = None
+
+
+class BatchEarlyExitDrafter(BatchLayerSkipDrafter):
+    """The target's first ``exit_layer`` layers, final norm and LM head draft for every row (LayerSkip).
+
+    Raises:
+        InvalidArgumentError: If ``exit_layer`` is outside 1..L-1.
+    """
+
+    who = "early-exit draft"
+
+    def __init__(self, model: PreTrainedModel, exit_layer: int) -> None:
+        super().__init__(model, exit_skip_set(exit_layer, len(decoder_layers(model))))
+        self.exit_layer = exit_layer
+
+
+class BatchPromptLookupDrafter(BatchDrafter):
+    """Per-row prompt lookup: each row copies what followed its last n-gram's latest earlier match.
+
+    Args:
+        max_ngram, min_ngram: As ``PromptLookupDrafter``.
+
+    Raises:
+        InvalidArgumentError: Unless 1 <= min_ngram <= max_ngram.
+    """
+
+    who = "prompt lookup"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        checked = PromptLookupDrafter(max_ngram, min_ngram)
+        self.max_ngram, self.min_ngram = checked.max_ngram, checked.min_ngram
+        self._device = None
+
+    def bind(self, target_cache: BatchKVCache) -> None:
+        self._device = target_cache.device
+        self.num_forwards = 0
+
+    def join(self, slot: int, prompt_ids: torch.Tensor, sampler: Sampler) -> None:
+        """Nothing to keep: the sequence is passed to every ``propose``."""
+
+    def propose(self, sequences, max_tokens, exits=None, exit_rule="row") -> BatchDraft:
+        found = [
+            find_continuation(torch.tensor(s), cap, self.max_ngram, self.min_ngram).tolist() if cap > 0 else []
+            for s, cap in zip(sequences, max_tokens)
+        ]
+        width = max(1, max(len(f) for f in found))
+        ids = to_device([f + [0] * (width - len(f)) for f in found], self._device)
+        return BatchDraft(ids, [len(f) for f in found], None, None, self.who)
+
+    def rollback(self, num_valid: list[int]) -> None:
+        """Nothing to do: no state."""
+
+    def move(self, src: int, dst: int, num_valid: int) -> None:
+        """Nothing to do: no state."""

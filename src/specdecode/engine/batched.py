@@ -1,0 +1,549 @@
+"""Batched speculative decoding: many sequences at once, each row advancing at its own rate.
+
+Each round (Medusa's four steps, for every active row at once):
+
+1. **draft**: the batch drafter (``engine.protocol.BatchDrafter``) proposes k_b <= γ
+   tokens per row; rows may draft different numbers (prompt lookup finds no match,
+   adaptive draft exit stops a row, a row is near its length budget);
+2. **verify**: ONE target forward over (n, K + 1), K = max k_b: row b feeds its pending
+   token and its draft, padded on the right. Each row continues at its own position
+   in the ``batch_cache.BatchKVCache`` (per-row position ids and attention masks), so
+   its logits are those it would get alone. Greedy rows accept the longest prefix
+   equal to the target's argmax; sampling rows run speculative sampling with their
+   own temperature, top-k, top-p and ``torch.Generator`` (Leviathan et al. 2022);
+3. **accept**: each row's length grows by its own n_b + 1; rejected and padded
+   positions stay in the cache past the row's length and are overwritten by the next
+   round (never copied);
+4. **emit**: each row's tokens are cut at EOS, its stop strings and its own
+   ``max_new_tokens``; finished rows leave.
+
+Continuous batching: ``add`` queues a request at any time; at the start of each
+``step`` queued requests join while slots are free (their prompt is prefilled alone,
+at batch size 1, into their slot), and after the round finished or cancelled rows
+leave. The last active row moves into a freed slot (one copy of its cache), so the
+active rows always occupy slots 0 .. n - 1 and every forward works on views.
+
+transformers' assisted generation refuses batches; vLLM batches speculative decoding
+with the same per-row accounting (its ``SpecDecodingStats`` names are used here).
+
+The number of draft tokens γ is an engine setting, as in vLLM: a request's
+``GenerationConfig.num_speculative_tokens`` is not used. Banned words and prompt
+caches are not supported in batch mode. Forwards run eagerly (no compiled graphs).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from specdecode.config import GenerationConfig, check_num_speculative_tokens
+from specdecode.engine import kv_cache
+from specdecode.engine.batch_cache import BatchKVCache, batch_forward, to_device
+from specdecode.engine.decoder import GenerationResult, _as_2d
+from specdecode.engine.protocol import BATCH_EXIT_RULES, BatchDraft, BatchDrafter, DraftPolicy
+from specdecode.engine.sampling import Sampler, check_finite, logits_width, raise_non_finite
+from specdecode.engine.stats import BatchStats, SpecDecodingStats
+from specdecode.engine.stopping import StopStrings
+from specdecode.engine.verification import rejection_sample
+from specdecode.errors import InvalidArgumentError, SpecDecodeError
+
+logger = logging.getLogger(__name__)
+
+#: Finished and cancelled request ids remembered, for clear errors on a repeated cancel.
+_FINISHED_MEMORY = 4096
+
+
+@dataclass
+class BatchEvent:
+    """What one ``step`` produced for one request.
+
+    Attributes:
+        request_id: As returned by ``add``.
+        token_ids: The request's new tokens this step (may be empty).
+        finish_reason: None while it runs; then "eos", "stop_string", "length", or "error" (its
+            prefill failed, or the target gave it NaN or infinite logits; see ``error``).
+        result: The whole generation once finished (None before).
+        error: What went wrong, when ``finish_reason`` is "error".
+    """
+
+    request_id: int
+    token_ids: list[int]
+    finish_reason: str | None = None
+    result: GenerationResult | None = None
+    error: str | None = None
+
+
+class _Row:
+    """One request's state: its sequence (prompt + accepted tokens), sampler, policy and output."""
+
+    def __init__(self, request_id: int, prompt: list[int], config: GenerationConfig, dec: BatchedSpeculativeDecoder):
+        self.request_id = request_id
+        self.config = config
+        self.tokens = list(prompt)  # the last one, once generated, is in no cache yet
+        self.num_prompt_tokens = len(prompt)
+        self.output: list[int] = []
+        self.sampler = Sampler(config, dec.vocab_size, dec.target.device)
+        self.controller = dec.draft_control.controller(dec.gamma) if dec.adaptive else None
+        self.stop = StopStrings(dec.tokenizer, config.stop_strings)
+        self.eos = dec.eos_token_ids if config.stop_on_eos else frozenset()
+        self.stats = SpecDecodingStats(num_prompt_tokens=len(prompt))
+        self.finish_reason: str | None = None
+        self.joined_at = time.perf_counter()
+
+    @property
+    def remaining(self) -> int:
+        return self.config.max_new_tokens - len(self.output)
+
+    def emit(self, new: list[int]) -> list[int]:
+        """Append verified tokens; cut at EOS, the length budget, a stop string. Returns what is new."""
+        self.tokens.extend(new)
+        for i, token in enumerate(new):
+            if token in self.eos:
+                new, self.finish_reason = new[: i + 1], "eos"
+                break
+        if len(new) >= self.remaining:
+            new = new[: self.remaining]
+            self.finish_reason = self.finish_reason or "length"
+        before = len(self.output)
+        self.output.extend(new)
+        keep = self.stop.cut(self.output, len(new))
+        if keep is not None:
+            del self.output[keep:]
+            self.finish_reason = "stop_string"
+        self.stats.num_new_tokens = len(self.output)
+        return self.output[before:]
+
+    def result(self, tokenizer) -> GenerationResult:
+        text = tokenizer.decode(self.output, skip_special_tokens=True) if tokenizer is not None else ""
+        return GenerationResult(list(self.output), text, self.finish_reason, self.stats)
+
+
+class BatchedSpeculativeDecoder:
+    """Target-only or speculative decoding of many sequences at once, with continuous batching.
+
+    Args:
+        target: The target model (transformers causal LM, eval mode, eager or SDPA attention).
+        drafter: A ``BatchDrafter`` (``specdecode.drafters.batched``); None decodes
+            autoregressively (the batched baseline).
+        max_batch_size: Rows decoded at once (>= 1); more requests wait in a queue.
+        max_length: Positions per row in the cache: a request needs its prompt plus
+            ``max_new_tokens`` plus the longest draft block + 1.
+        num_speculative_tokens: γ for every row (with adaptive draft exit, the policy's
+            ``max_draft_tokens`` is the longest block instead).
+        eos_token_ids: Token ids that end a row.
+        tokenizer: For stop strings and ``GenerationResult.text``.
+        draft_control: Per-row draft-length policy (``drafters.control.DraftControl``: adaptive
+            draft exit, heuristic length schedule, confidence gating); each row gets its own
+            controller. Blocks never exceed ``max_block`` (γ, or adaptive exit's
+            ``max_draft_tokens``), which sizes the cache's margin: a heuristic schedule that would
+            grow past it drafts ``max_block`` tokens. Under ``exit_rule="batch"`` a row's threshold
+            learns from every token it kept, also those drafted after its own unsure one.
+        exit_rule: With adaptive exit, "row" (a row stops at its own unsure token) or "batch"
+            (the block ends once every row has been unsure; all rows keep what they drafted).
+        max_verify_tokens: Most tokens one verification forward may take, or None (no limit).
+            Each round every row drafts at most ``max_verify_tokens // n - 1`` tokens (n rows),
+            so the block shrinks as the batch grows and speculation stops (plain batched
+            decoding) once ``n >= max_verify_tokens / 2``: a forward over more tokens than the
+            hardware verifies at about the cost of one step costs more than speculation saves
+            (``docs/benchmarks/batched_forward_cost.py`` measures the knee).
+
+    Raises:
+        InvalidArgumentError: On a value outside its range (named in the message), or adaptive
+            draft exit with a drafter that gives no probabilities.
+        UnsupportedModelError: If the target's attention cannot take the batch masks
+            (``batch_cache.BatchKVCache``).
+    """
+
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        drafter: BatchDrafter | None = None,
+        *,
+        max_batch_size: int = 8,
+        max_length: int = 2048,
+        num_speculative_tokens: int = 5,
+        eos_token_ids: Iterable[int] = (),
+        tokenizer=None,
+        draft_control: DraftPolicy | None = None,
+        exit_rule: str = "row",
+        max_verify_tokens: int | None = None,
+    ) -> None:
+        if max_verify_tokens is not None and (
+            isinstance(max_verify_tokens, bool) or not isinstance(max_verify_tokens, int) or max_verify_tokens < 1
+        ):
+            raise InvalidArgumentError(f"max_verify_tokens must be an integer >= 1 or None, got {max_verify_tokens!r}")
+        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise InvalidArgumentError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
+        if exit_rule not in BATCH_EXIT_RULES:
+            raise InvalidArgumentError(f"exit_rule must be one of {BATCH_EXIT_RULES}, got {exit_rule!r}")
+        self.gamma = check_num_speculative_tokens(num_speculative_tokens) if drafter is not None else 0
+        self.adaptive = drafter is not None and draft_control is not None and draft_control.active
+        if self.adaptive and draft_control.adaptive_exit and not drafter.supports_exit_policy:
+            raise InvalidArgumentError(
+                f"adaptive draft exit needs a drafter that gives probabilities; {type(drafter).__name__} does not"
+            )
+        self.target = target
+        self.drafter = drafter
+        self.draft_control = draft_control
+        self.exit_rule = exit_rule
+        self.max_verify_tokens = max_verify_tokens
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.vocab_size = logits_width(target)
+        self.max_batch_size = max_batch_size
+        probe = draft_control.controller(self.gamma) if self.adaptive else None
+        #: The longest block a round drafts (the verification is at most this + 1 wide).
+        self.max_block = probe.max_tokens if probe is not None else self.gamma
+        self.cache = BatchKVCache(target, max_batch_size, max_length)
+        self.max_length = max_length
+        if drafter is not None:
+            drafter.bind(self.cache)
+        self.stats = BatchStats()
+        self._rows: list[_Row] = []  # active, in slot order
+        self._waiting: deque[_Row] = deque()
+        self._finished: OrderedDict[int, str] = OrderedDict()
+        self._next_id = 0
+
+    # -- requests -----------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        """Rows in the batch now."""
+        return len(self._rows)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for a free slot."""
+        return len(self._waiting)
+
+    @property
+    def has_work(self) -> bool:
+        """Whether ``step`` has anything to do."""
+        return bool(self._rows or self._waiting)
+
+    def add(self, input_ids: torch.Tensor | Sequence[int], config: GenerationConfig | None = None) -> int:
+        """Queue a request; it joins the batch at the next ``step`` with a free slot.
+
+        Args:
+            input_ids: (1, n) or (n,) long prompt ids, or a list of ints, n >= 1.
+            config: Its generation parameters (per row: max_new_tokens, temperature, top_k,
+                top_p, seed, stop_strings, stop_on_eos).
+
+        Returns:
+            The request id, for ``cancel`` and ``BatchEvent.request_id``.
+
+        Raises:
+            InvalidArgumentError: If the prompt is empty, not one row, holds an id outside the
+                target's vocabulary, does not fit ``max_length`` or the model's context
+                length with its ``max_new_tokens``, or asks for banned words. The batch is
+                left unchanged.
+        """
+        config = config or GenerationConfig()
+        if isinstance(input_ids, torch.Tensor):
+            if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+                raise InvalidArgumentError(f"input_ids must hold integer token ids, got a {input_ids.dtype} tensor")
+        elif isinstance(input_ids, (str, bytes)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in input_ids
+        ):
+            raise InvalidArgumentError(
+                f"input_ids must be token ids (a list of ints or a long tensor), got {str(input_ids)[:80]!r}; "
+                "encode text with the tokenizer first"
+            )
+        ids = _as_2d(input_ids)
+        if ids.dim() != 2 or ids.shape[0] != 1:
+            raise InvalidArgumentError(f"a request's input_ids must have shape (1, n), got {tuple(ids.shape)}")
+        prompt = ids[0].tolist()
+        if not prompt:
+            raise InvalidArgumentError("the prompt is empty: it must contain at least one token")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidArgumentError(
+                f"token id {bad[0]} is outside the target model's vocabulary 0..{self.vocab_size - 1} "
+                "(a prompt tokenized for another model?)"
+            )
+        if config.banned_words:
+            raise InvalidArgumentError("banned_words are not supported by the batched decoder; use SpeculativeDecoder")
+        kv_cache.check_context_length(self.target, len(prompt), config.max_new_tokens)
+        need = len(prompt) + config.max_new_tokens + self.max_block + 1
+        if need > self.max_length:
+            raise InvalidArgumentError(
+                f"the prompt has {len(prompt)} tokens and max_new_tokens is {config.max_new_tokens}: with the "
+                f"longest draft block ({self.max_block}) + 1 it needs {need} cache positions, past the batch "
+                f"cache's max_length of {self.max_length}; allowed: prompt + max_new_tokens <= "
+                f"{self.max_length - self.max_block - 1}"
+            )
+        row = _Row(self._next_id, prompt, config, self)
+        self._next_id += 1
+        self._waiting.append(row)
+        return row.request_id
+
+    def cancel(self, request_id: int) -> None:
+        """Remove a request now (between rounds): queued, or running (its slot is freed).
+
+        Args:
+            request_id: As returned by ``add``.
+
+        Raises:
+            InvalidArgumentError: If the request already finished, was cancelled, or never existed;
+                other rows are untouched.
+        """
+        if isinstance(request_id, bool) or not isinstance(request_id, int):
+            raise InvalidArgumentError(f"request_id must be an int returned by add, got {request_id!r}")
+        for row in self._waiting:
+            if row.request_id == request_id:
+                self._waiting.remove(row)
+                self._forget(row, "cancelled")
+                return
+        for row in self._rows:
+            if row.request_id == request_id:
+                row.finish_reason = "cancelled"
+                self._retire()
+                return
+        if request_id in self._finished:
+            raise InvalidArgumentError(
+                f"request {request_id} is not running: it already ended ({self._finished[request_id]})"
+            )
+        raise InvalidArgumentError(f"request {request_id} is unknown (ids come from add)")
+
+    def generate(
+        self, prompts: Sequence[torch.Tensor | Sequence[int]], configs: GenerationConfig | Sequence | None = None
+    ) -> list[GenerationResult]:
+        """Decode ``prompts`` together to the end; results in the prompts' order.
+
+        Requests already in the engine run along; their events are not returned.
+
+        Args:
+            prompts: Each as ``add`` takes it.
+            configs: One ``GenerationConfig`` for all, or one per prompt (None: the defaults).
+
+        Returns:
+            One ``GenerationResult`` per prompt (``finish_reason`` "error" for a request whose
+            prefill failed or whose target logits were not finite).
+
+        Raises:
+            InvalidArgumentError: As ``add`` (nothing is queued then), or a ``configs`` list of
+                another length than ``prompts``.
+        """
+        if configs is None or isinstance(configs, GenerationConfig):
+            configs = [configs] * len(prompts)
+        if len(configs) != len(prompts):
+            raise InvalidArgumentError(f"got {len(prompts)} prompts but {len(configs)} configs")
+        ids = []
+        try:
+            for p, c in zip(prompts, configs):
+                ids.append(self.add(p, c))
+        except InvalidArgumentError:
+            for request_id in ids:
+                self.cancel(request_id)
+            raise
+        results: dict[int, GenerationResult] = {}
+        while self.has_work:
+            for event in self.step():
+                if event.result is not None:
+                    results[event.request_id] = event.result
+        return [results[i] for i in ids]
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[BatchEvent]:
+        """Admit queued requests into free slots (each prefilled alone, giving its first token), then
+        run one round over every row, new ones included; finished rows leave.
+
+        Returns:
+            One event per request that got tokens or finished in this step.
+
+        Raises:
+            NonFiniteLogitsError: If the draft model gives NaN or infinite logits (the target's
+                non-finite logits end only the rows concerned, with ``finish_reason="error"``).
+            InvalidArgumentError: If a prefill fails on its input; that request ends with
+                ``finish_reason="error"`` and the others are untouched.
+        """
+        events: dict[int, BatchEvent] = {}
+        self._admit(events)
+        self._retire()  # rows done at their first token (EOS, max_new_tokens=1) leave before the round
+        if self._rows:
+            self._round(events)
+            self._retire()
+        return list(events.values())
+
+    def _event(self, events: dict, row: _Row, new: list[int]) -> None:
+        event = events.setdefault(row.request_id, BatchEvent(row.request_id, []))
+        event.token_ids.extend(new)
+        if row.finish_reason is not None:
+            event.finish_reason = row.finish_reason
+            event.result = row.result(self.tokenizer)
+
+    def _choose(self, row: _Row, logits: torch.Tensor) -> int:
+        if row.sampler.greedy:
+            return int(row.sampler.argmax(logits)[0])
+        return int(row.sampler.sample(row.sampler.probs(logits))[0])
+
+    def _admit(self, events: dict) -> None:
+        while self._waiting and len(self._rows) < self.max_batch_size:
+            row = self._waiting.popleft()
+            slot = len(self._rows)
+            t0 = time.perf_counter()
+            prompt = torch.tensor([row.tokens], dtype=torch.long, device=self.target.device)
+            try:
+                logits = batch_forward(self.target, self.cache, prompt, slot, [0], 1)[:, -1]
+                check_finite(logits, "target model")
+                token = self._choose(row, logits)
+                if self.drafter is not None:
+                    self.drafter.join(slot, prompt, row.sampler)
+            except (SpecDecodeError, RuntimeError) as exc:  # the request ends; the batch goes on without it
+                self._fail(events, row, f"request {row.request_id} failed in its prefill: {type(exc).__name__}: {exc}")
+                continue
+            if row.controller is not None and row.controller.gate is not None:
+                probs = torch.softmax(logits.float(), -1) if row.sampler.greedy else row.sampler.probs(logits)
+                row.controller.gate.observe(float(probs[0, token]))
+            self._rows.append(row)
+            new = row.emit([token])
+            elapsed = time.perf_counter() - t0
+            row.stats.prefill_time_s = elapsed
+            self.stats.prefill_time_s += elapsed
+            self.stats.num_prefills += 1
+            self.stats.num_new_tokens += len(new)
+            self._event(events, row, new)
+
+    def _caps(self) -> list[int]:
+        """Per row, the most tokens to draft this round (its policy, its length budget, γ, and the
+        share of ``max_verify_tokens`` each of the n rows gets)."""
+        caps = []
+        share = self.max_block if self.max_verify_tokens is None else self.max_verify_tokens // len(self._rows) - 1
+        for row in self._rows:
+            cap = min(self.gamma, share)
+            if row.controller is not None:
+                if row.controller.gated and row.remaining > 1:
+                    row.stats.num_gated_steps += 1
+                cap = min(row.controller.round_cap(), self.max_block, share)
+            caps.append(max(0, min(cap, row.remaining - 1)))
+        return caps
+
+    def _round(self, events: dict) -> None:
+        rows, device = self._rows, self.target.device
+        t0 = time.perf_counter()
+        caps = self._caps() if self.drafter is not None else [0] * len(rows)
+        sequences = [row.tokens for row in rows]
+        draft: BatchDraft | None = None
+        n = len(rows)
+        k = [0] * n
+        forwards_before = self.drafter.num_forwards if self.drafter is not None else 0
+        if max(caps) > 0:
+            exits = [row.controller.exit for row in rows] if self.adaptive else None
+            if exits is not None and all(e is None for e in exits):
+                exits = None  # gating or a schedule only: no per-step host sync
+            draft = self.drafter.propose(sequences, caps, exits, self.exit_rule)
+            k = draft.num_tokens
+        K = max(k)
+        # verify: one forward, row b at its own position len_b - 1, padded on the right to K + 1.
+        pending = to_device([[s[-1]] for s in sequences], device)
+        ids = torch.cat([pending, draft.tokens[:, :K]], dim=1) if K else pending
+        logits = batch_forward(self.target, self.cache, ids, 0, [len(s) - 1 for s in sequences], K + 1)
+        logits = logits[..., : self.vocab_size] if logits.shape[-1] > self.vocab_size else logits
+        # The round's one host sync: drafts, the target's argmax, finiteness flags (per row).
+        finite = torch.isfinite(logits).flatten(1).all(1)
+        draft_finite = draft.finite.view(1) if draft is not None and draft.finite is not None else finite[:1]
+        parts = [ids[:, 1:].flatten()] if K else []
+        host = torch.cat([*parts, logits.argmax(-1).flatten(), finite.long(), draft_finite.long()]).tolist()
+        if not host[-1]:
+            raise_non_finite(draft.who, logits.dtype)
+        drafted = [host[b * K : (b + 1) * K] for b in range(n)]
+        argmax = host[n * K : n * K + n * (K + 1)]
+        row_finite = host[n * (2 * K + 1) : n * (2 * K + 2)]
+        gate_rows = []
+        for b, row in enumerate(rows):
+            kb = k[b]
+            if not row_finite[b]:
+                self._fail(events, row, f"the target model produced non-finite logits (NaN or inf) in a "
+                           f"{logits.dtype} forward for request {row.request_id}")
+                continue
+            if row.sampler.greedy:
+                wanted = argmax[b * (K + 1) : (b + 1) * (K + 1)]
+                a = 0
+                while a < kb and drafted[b][a] == wanted[a]:
+                    a += 1
+                new = drafted[b][:a] + [wanted[a]]
+            else:
+                probs = row.sampler.probs(logits[b, : kb + 1])
+                if kb:
+                    q = draft.probs[b] if draft.probs is not None else None
+                    verdict = rejection_sample(ids[b, 1 : kb + 1], q, probs, row.sampler)
+                    a, new = verdict.num_accepted, drafted[b][: verdict.num_accepted] + [verdict.next_token]
+                else:
+                    a, new = 0, [int(row.sampler.sample(probs[:1])[0])]
+            row.stats.record_block(kb, a)
+            if row.controller is not None:
+                if kb:
+                    row.controller.record(caps[b], kb, a)
+                if row.controller.exit is not None:
+                    row.stats.final_draft_threshold = row.controller.exit.threshold
+                if row.controller.gate is not None:
+                    gate_rows.append((b, a, new[-1]))
+            self.stats.num_drafted_tokens += kb
+            self.stats.num_accepted_tokens += a
+            out = row.emit(new)
+            self.stats.num_new_tokens += len(out)
+            self._event(events, row, out)
+        if gate_rows:
+            self._observe_gates(logits, gate_rows)
+        draft_forwards = 0
+        if self.drafter is not None:
+            self.drafter.rollback([len(row.tokens) - 1 for row in rows])
+            draft_forwards = self.drafter.num_forwards - forwards_before
+            self.stats.num_draft_forwards += draft_forwards
+        elapsed = time.perf_counter() - t0
+        self.stats.num_rounds += 1
+        self.stats.num_row_rounds += n
+        self.stats.max_rows = max(self.stats.max_rows, n)
+        self.stats.decode_time_s += elapsed
+        for row in rows:
+            row.stats.decode_time_s += elapsed
+            row.stats.num_draft_forwards += draft_forwards
+
+    def _observe_gates(self, logits: torch.Tensor, gate_rows: list[tuple[int, int, int]]) -> None:
+        """Feed confidence gates the target's probability of each row's new token (one host sync)."""
+        values = []
+        for b, a, token in gate_rows:
+            row = self._rows[b]
+            p = torch.softmax(logits[b, a].float(), -1) if row.sampler.greedy else row.sampler.probs(logits[b, a : a + 1])[0]
+            values.append(p[token])
+        for (b, _, _), p in zip(gate_rows, torch.stack(values).tolist()):
+            self._rows[b].controller.gate.observe(p)
+
+    def _retire(self) -> None:
+        """Finished rows leave; the last row moves into each freed slot, so slots stay 0 .. n - 1."""
+        rows = self._rows
+        for i in range(len(rows) - 1, -1, -1):
+            if rows[i].finish_reason is None:
+                continue
+            self._forget(rows[i], rows[i].finish_reason)
+            last = len(rows) - 1
+            if i != last:
+                valid = len(rows[last].tokens) - 1
+                self.cache.move(last, i, valid)
+                if self.drafter is not None:
+                    self.drafter.move(last, i, valid)
+                rows[i] = rows[last]
+            rows.pop()
+
+    def _fail(self, events: dict, row: _Row, message: str) -> None:
+        """End ``row`` with ``finish_reason="error"`` (it leaves at the next ``_retire``); logged."""
+        logger.warning("%s", message)
+        row.finish_reason = "error"
+        if row not in self._rows:
+            self._forget(row, "error")
+        self._event(events, row, [])
+        events[row.request_id].error = message
+
+    def _forget(self, row: _Row, reason: str) -> None:
+        row.finish_reason = reason
+        self._finished[row.request_id] = reason
+        while len(self._finished) > _FINISHED_MEMORY:
+            self._finished.popitem(last=False)
