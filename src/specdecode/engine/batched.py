@@ -51,7 +51,7 @@ from specdecode.engine.sampling import Sampler, check_finite, logits_width, rais
 from specdecode.engine.stats import BatchStats, SpecDecodingStats
 from specdecode.engine.stopping import StopStrings
 from specdecode.engine.verification import rejection_sample
-from specdecode.errors import InvalidArgumentError, SpecDecodeError
+from specdecode.errors import InvalidArgumentError
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +149,8 @@ class BatchedSpeculativeDecoder:
         max_verify_tokens: Most tokens one verification forward may take, or None (no limit).
             Each round every row drafts at most ``max_verify_tokens // n - 1`` tokens (n rows),
             so the block shrinks as the batch grows and speculation stops (plain batched
-            decoding) once ``n >= max_verify_tokens / 2``: a forward over more tokens than the
+            decoding, whose forward takes the n tokens whatever the limit) once
+            ``n >= max_verify_tokens / 2``: a forward over more tokens than the
             hardware verifies at about the cost of one step costs more than speculation saves
             (``docs/benchmarks/batched_forward_cost.py`` measures the knee).
 
@@ -327,26 +328,28 @@ class BatchedSpeculativeDecoder:
             prefill failed or whose target logits were not finite).
 
         Raises:
-            InvalidArgumentError: As ``add`` (nothing is queued then), or a ``configs`` list of
-                another length than ``prompts``.
+            InvalidArgumentError: As ``add``, or a ``configs`` list of another length than
+                ``prompts``. On any error this call's requests are cancelled (none stays queued).
         """
         if configs is None or isinstance(configs, GenerationConfig):
             configs = [configs] * len(prompts)
         if len(configs) != len(prompts):
             raise InvalidArgumentError(f"got {len(prompts)} prompts but {len(configs)} configs")
-        ids = []
+        ids: list[int] = []
+        results: dict[int, GenerationResult] = {}
         try:
             for p, c in zip(prompts, configs):
                 ids.append(self.add(p, c))
-        except InvalidArgumentError:
+            while self.has_work:
+                for event in self.step():
+                    if event.result is not None:
+                        results[event.request_id] = event.result
+        except BaseException:
+            live = {row.request_id for row in (*self._rows, *self._waiting)}
             for request_id in ids:
-                self.cancel(request_id)
+                if request_id in live:
+                    self.cancel(request_id)
             raise
-        results: dict[int, GenerationResult] = {}
-        while self.has_work:
-            for event in self.step():
-                if event.result is not None:
-                    results[event.request_id] = event.result
         return [results[i] for i in ids]
 
     # -- the loop -----------------------------------------------------------------------------
@@ -362,8 +365,9 @@ class BatchedSpeculativeDecoder:
         Raises:
             NonFiniteLogitsError: If the draft model gives NaN or infinite logits (the target's
                 non-finite logits end only the rows concerned, with ``finish_reason="error"``).
-            InvalidArgumentError: If a prefill fails on its input; that request ends with
-                ``finish_reason="error"`` and the others are untouched.
+
+        A request whose prefill raises, or whose target logits are not finite, ends alone with
+        ``finish_reason="error"`` (``BatchEvent.error`` says why); the others are untouched.
         """
         events: dict[int, BatchEvent] = {}
         self._admit(events)
@@ -397,7 +401,7 @@ class BatchedSpeculativeDecoder:
                 token = self._choose(row, logits)
                 if self.drafter is not None:
                     self.drafter.join(slot, prompt, row.sampler)
-            except (SpecDecodeError, RuntimeError) as exc:  # the request ends; the batch goes on without it
+            except Exception as exc:  # noqa: BLE001 -- the request ends ("error", logged); the batch goes on
                 self._fail(events, row, f"request {row.request_id} failed in its prefill: {type(exc).__name__}: {exc}")
                 continue
             if row.controller is not None and row.controller.gate is not None:
@@ -447,20 +451,22 @@ class BatchedSpeculativeDecoder:
         ids = torch.cat([pending, draft.tokens[:, :K]], dim=1) if K else pending
         logits = batch_forward(self.target, self.cache, ids, 0, [len(s) - 1 for s in sequences], K + 1)
         logits = logits[..., : self.vocab_size] if logits.shape[-1] > self.vocab_size else logits
-        # The round's one host sync: drafts, the target's argmax, finiteness flags (per row).
-        finite = torch.isfinite(logits).flatten(1).all(1)
-        draft_finite = draft.finite.view(1) if draft is not None and draft.finite is not None else finite[:1]
+        # The round's one host sync: drafts, the target's argmax, finiteness flags (per position).
+        finite = torch.isfinite(logits).all(-1).flatten()
+        draft_finite = draft.finite.view(1) if draft is not None and draft.finite is not None else finite.new_ones(1)
         parts = [ids[:, 1:].flatten()] if K else []
         host = torch.cat([*parts, logits.argmax(-1).flatten(), finite.long(), draft_finite.long()]).tolist()
         if not host[-1]:
+            if self.drafter is not None:  # the rows did not move: keep the drafter in step with them
+                self.drafter.rollback([len(row.tokens) - 1 for row in rows])
             raise_non_finite(draft.who, logits.dtype)
         drafted = [host[b * K : (b + 1) * K] for b in range(n)]
         argmax = host[n * K : n * K + n * (K + 1)]
-        row_finite = host[n * (2 * K + 1) : n * (2 * K + 2)]
+        flags = host[n * (2 * K + 1) : n * (3 * K + 2)]
         gate_rows = []
         for b, row in enumerate(rows):
             kb = k[b]
-            if not row_finite[b]:
+            if not all(flags[b * (K + 1) : b * (K + 1) + kb + 1]):  # the row's own positions, not padding
                 self._fail(events, row, f"the target model produced non-finite logits (NaN or inf) in a "
                            f"{logits.dtype} forward for request {row.request_id}")
                 continue
