@@ -10,6 +10,7 @@ Layers (each may import those listed for it, and itself):
     pipeline                   engine, drafters, models
     bench                      + pipeline
     search                     + pipeline, and bench's datasets only
+    serve                      + pipeline, and bench's datasets only (the soak driver's prompts)
     cli, the package root      anything
 """
 
@@ -47,12 +48,15 @@ ALLOWED = {
     "pipeline": BASE | {"engine", "drafters", "models"},
     "bench": BASE | {"engine", "drafters", "models", "pipeline"},
     "search": BASE | {"engine", "drafters", "models", "pipeline", "bench"},
+    "serve": BASE | {"engine", "drafters", "models", "pipeline", "bench"},
 }
 # Finer rules inside an allowed layer: (importer layer, imported module prefix, allowed?) — first match wins.
 FINER = (
     ("drafters", "specdecode.engine.decoder", False),  # drafters reach the engine through its protocol
     ("search", "specdecode.bench.datasets", True),
     ("search", "specdecode.bench", False),  # search shares bench's prompt sets, nothing else
+    ("serve", "specdecode.bench.datasets", True),
+    ("serve", "specdecode.bench", False),
 )
 
 

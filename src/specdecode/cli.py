@@ -1,8 +1,8 @@
-"""Command line: argument parsing for ``specdecode generate|bench|search``.
+"""Command line: argument parsing for ``specdecode generate|bench|search|serve``.
 
 ``generate`` streams ``SpeculativeGenerator`` output here; ``bench`` runs in
-``specdecode.bench.command`` and ``search`` in ``specdecode.search.command``. These
-and the two command modules are the only code that prints.
+``specdecode.bench.command``, ``search`` in ``specdecode.search.command`` and ``serve``
+in ``specdecode.serve.command``. These and the command modules are the only code that prints.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import dataclasses
 import json
 import logging
 import sys
+from pathlib import Path
 from typing import Any
 
 from specdecode import bench
@@ -415,6 +416,51 @@ def _add_bench(sub) -> argparse.ArgumentParser:
     return p
 
 
+def _add_serve(sub) -> None:
+    from specdecode.serve.command import add_arguments
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, SSE) on the batched engine")
+    add_arguments(p, default_target=DEFAULT_TARGET, default_draft=DEFAULT_DRAFT)
+
+
+def _run_serve(args) -> int:
+    from specdecode.serve.command import run
+
+    return run(args)
+
+
+def _add_soak(sub) -> None:
+    p = sub.add_parser("soak", help="load-test `specdecode serve`: concurrent streaming clients, latency, memory",
+                       description="Starts `specdecode serve SERVER_ARGS` on a free loopback port, runs the load, "
+                       "then stops it with SIGTERM. Exit status 0 only with zero errors, zero lost requests "
+                       "and a clean shutdown.")
+    p.add_argument("--clients", type=int, default=8, help="concurrent streaming clients (default 8)")
+    p.add_argument("--duration", type=float, default=600.0, help="seconds during which requests start (default 600)")
+    p.add_argument("--max-requests", type=int, default=100_000, help="most requests started in all")
+    p.add_argument("--max-tokens", default="32:128", help="LO:HI, each request's max_tokens drawn from it")
+    p.add_argument("--dataset", default="spec-bench", choices=("spec-bench", "humaneval"))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=float, default=60.0, help="seconds of RSS not counted for 'flat' (default 60)")
+    p.add_argument("--request-timeout", type=float, default=900.0, help="a request longer than this is lost")
+    p.add_argument("--out", default="soak", help="folder for soak.json, soak.md, metrics.txt, server.log")
+    p.add_argument("server_args", nargs=argparse.REMAINDER,
+                   help="after --: the arguments of `specdecode serve` (e.g. -- --method draft --dtype bfloat16)")
+
+
+def _run_soak(args) -> int:
+    from specdecode.serve.loadtest import SoakSettings, parse_token_range, passed, run_soak
+
+    server_args = args.server_args[1:] if args.server_args[:1] == ["--"] else args.server_args
+    settings = SoakSettings(
+        server_args=server_args, clients=args.clients, duration_s=args.duration, max_requests=args.max_requests,
+        max_tokens=parse_token_range(args.max_tokens), dataset=args.dataset, seed=args.seed,
+        warmup_s=args.warmup, request_timeout_s=args.request_timeout, out=args.out,
+    )
+    result = run_soak(settings)
+    print((Path(args.out) / "soak.md").read_text())
+    return 0 if passed(result) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdecode", description="Speculative decoding for Hugging Face models.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress (model loading) to stderr")
@@ -422,6 +468,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_bench(sub)
     _add_search(sub)
+    _add_serve(sub)
+    _add_soak(sub)
     return parser
 
 
@@ -430,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        return {"generate": cmd_generate, "bench": _run_bench, "search": _run_search}[args.command](args)
+        return {"generate": cmd_generate, "bench": _run_bench, "search": _run_search, "serve": _run_serve, "soak": _run_soak}[args.command](args)
     except SpecDecodeError as e:
         print(f"specdecode: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

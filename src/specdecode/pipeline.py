@@ -159,13 +159,15 @@ class SpeculativeGenerator:
     def tokenizer(self):
         return self.target.tokenizer
 
-    def encode(self, prompt: str, chat: bool | None = None) -> torch.Tensor:
+    def encode(self, prompt: str, chat: bool | None = None, *, device: torch.device | str | None = None) -> torch.Tensor:
         """Prompt text -> (1, n) ids on the target's device.
 
         Args:
             prompt: Non-empty text.
             chat: Wrap it as a user turn with the tokenizer's chat template (and the
                 assistant generation prompt). ``None`` uses the template when there is one.
+            device: Where to put the ids (default: the target's device; the server asks for
+                "cpu" so that reading them never waits on the device's stream).
 
         Raises:
             InvalidArgumentError: Empty prompt, or ``chat=True`` without a chat template.
@@ -177,16 +179,36 @@ class SpeculativeGenerator:
         if chat and not has_template:
             raise InvalidArgumentError(f"chat=True but {self.target.name!r} has no chat template; use chat=False")
         if chat or (chat is None and has_template):
-            ids = tok.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-        else:
-            ids = tok(prompt, add_special_tokens=True)["input_ids"]
+            return self.encode_messages([{"role": "user", "content": prompt}], device=device)
+        ids = tok(prompt, add_special_tokens=True)["input_ids"]
         if len(ids) == 0:
             raise InvalidArgumentError(f"the prompt {prompt[:80]!r} encodes to no tokens with {self.target.name!r}'s tokenizer")
-        return torch.tensor([list(ids)], dtype=torch.long, device=self.target.model.device)
+        return torch.tensor([list(ids)], dtype=torch.long, device=device or self.target.model.device)
+
+    def encode_messages(self, messages: list[dict], *, device: torch.device | str | None = None) -> torch.Tensor:
+        """A conversation -> (1, n) ids on the target's device, through the tokenizer's chat
+        template with the assistant generation prompt (as ``encode(prompt, chat=True)`` for one
+        user turn).
+
+        Args:
+            messages: ``[{"role": "system" | "user" | "assistant", "content": str}, ...]``, at
+                least one.
+            device: Where to put the ids (default: the target's device).
+
+        Raises:
+            InvalidArgumentError: No messages, or a model without a chat template.
+        """
+        if not messages:
+            raise InvalidArgumentError("messages is empty: pass at least one message")
+        tok = self.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise InvalidArgumentError(f"{self.target.name!r} has no chat template; send plain text instead")
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        if len(ids) == 0:
+            raise InvalidArgumentError(f"the messages encode to no tokens with {self.target.name!r}'s chat template")
+        return torch.tensor([list(ids)], dtype=torch.long, device=device or self.target.model.device)
 
     def make_drafter(
         self,

@@ -1,0 +1,9 @@
+"""An OpenAI-compatible HTTP server on the batched speculative engine (``specdecode serve``).
+
+Layers: ``engine_loop`` (one thread owns the models and steps the batched decoder),
+``text`` (token ids -> streamed text, stop sequences cut), ``schemas`` (pydantic request
+bodies), ``openai_format`` (response and error shapes), ``metrics`` (Prometheus),
+``app`` (FastAPI routes), ``command`` (the CLI, uvicorn). Needs the ``serve`` extra
+(FastAPI, uvicorn, sse-starlette, prometheus-client, pydantic); importing this package
+alone does not import them.
+"""

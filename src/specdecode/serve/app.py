@@ -1,0 +1,392 @@
+"""The OpenAI-compatible HTTP API (FastAPI) over the engine loop.
+
+Endpoints: ``GET /health`` (no key needed), ``GET /v1/models``, ``POST /v1/completions``,
+``POST /v1/chat/completions`` (SSE streaming via ``sse-starlette``, ending in
+``data: [DONE]``), ``GET /metrics`` (Prometheus text).
+
+Every error is answered with OpenAI's body ``{"error": {"message", "type", "param", "code"}}``:
+400 for bad input (pydantic validation included; FastAPI's default would be 422), 401 for a
+missing or wrong key, 404/405 for unknown routes, 411/413 for a body without a length or
+too large, 429 with ``Retry-After`` when the queue is full, 503 while shutting down, 500
+only for the server's own failures (logged).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import anyio
+from jinja2 import TemplateError
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from sse_starlette import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specdecode.config import GenerationConfig
+from specdecode.engine import kv_cache
+from specdecode.errors import InvalidArgumentError
+from specdecode.serve.engine_loop import Delivery, EngineLoop, EngineStoppedError, QueueFullError, RequestHandle
+from specdecode.serve.metrics import ServerMetrics
+from specdecode.serve.openai_format import FINISH_REASONS, ApiError, ResponseShape, error_body, speculative, usage
+from specdecode.serve.schemas import ChatCompletionRequest, CompletionRequest
+from specdecode.serve.text import TextAssembler
+
+logger = logging.getLogger(__name__)
+
+ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
+#: Temperatures below this are served as greedy decoding (vLLM's _SAMPLING_EPS).
+GREEDY_TEMPERATURE = 1e-5
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """What the HTTP layer enforces.
+
+    Attributes:
+        model_name: The id ``/v1/models`` lists (requests may name it or omit ``model``).
+        method: The speculative method, reported in each response's ``speculative`` field.
+        api_key: With a key, every endpoint but ``/health`` needs ``Authorization: Bearer KEY``.
+        max_prompt_tokens: Longest prompt accepted (tokens, after the chat template).
+        max_tokens_limit: Largest ``max_tokens`` accepted; also the cap of a chat request that
+            sends none (which otherwise gets the rest of its row's cache).
+        max_body_bytes: Largest request body (bytes).
+        shutdown_timeout_s: On SIGTERM, seconds running requests may take to finish before they
+            are cancelled.
+        retry_after_s: ``Retry-After`` seconds on a 429.
+
+    Raises:
+        InvalidArgumentError: On a limit below 1 (or a negative timeout).
+    """
+
+    model_name: str
+    method: str
+    api_key: str | None = None
+    max_prompt_tokens: int = 4096
+    max_tokens_limit: int = 4096
+    max_body_bytes: int = 1 << 20
+    shutdown_timeout_s: float = 30.0
+    retry_after_s: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("max_prompt_tokens", "max_tokens_limit", "max_body_bytes", "retry_after_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise InvalidArgumentError(f"{name} must be an integer >= 1, got {v!r}")
+        if not self.shutdown_timeout_s >= 0:
+            raise InvalidArgumentError(f"shutdown_timeout_s must be >= 0 seconds, got {self.shutdown_timeout_s!r}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise InvalidArgumentError("api_key must be a non-empty string or None")
+
+
+class _Guard:
+    """Pure ASGI middleware: body-size limits (before any byte is parsed) and per-endpoint counts."""
+
+    def __init__(self, app, settings: ServeSettings, metrics: ServerMetrics) -> None:
+        self.app, self.settings, self.metrics = app, settings, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
+        status: list[int] = []
+
+        async def counted_send(message) -> None:
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+            await send(message)
+
+        refusal = self._check_body(scope)
+        try:
+            if refusal is not None:
+                self.metrics.errors.labels(endpoint, refusal.type).inc()
+                await JSONResponse(refusal.body(), refusal.status)(scope, receive, counted_send)
+            else:
+                await self.app(scope, receive, counted_send)
+        finally:
+            self.metrics.requests.labels(endpoint, str(status[0] if status else 499)).inc()
+
+    def _check_body(self, scope) -> ApiError | None:
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return None
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length")
+        if length is None:
+            return ApiError(411, "a request body needs a Content-Length header (chunked bodies are not accepted)")
+        try:
+            n = int(length)
+        except ValueError:
+            return ApiError(400, f"bad Content-Length header {length.decode(errors='replace')!r}")
+        if n > self.settings.max_body_bytes:
+            return ApiError(413, f"the request body has {n} bytes; the most this server accepts is "
+                                 f"{self.settings.max_body_bytes}", code="request_too_large")
+        return None
+
+
+def create_app(generator, engine: EngineLoop, settings: ServeSettings, metrics: ServerMetrics) -> FastAPI:
+    """The FastAPI application; its lifespan starts ``engine`` and stops it on shutdown.
+
+    Args:
+        generator: A ``SpeculativeGenerator`` (its tokenizer, ``encode`` and ``encode_messages``
+            turn requests into ids exactly as ``specdecode generate`` does).
+        engine: The engine loop over the batched decoder (not started yet).
+        settings: Limits and the key.
+        metrics: Where to count.
+    """
+    tokenizer = generator.tokenizer
+    decoder = engine.decoder
+    # Positions a request may use: the row's cache (less a draft block) and the model's context.
+    model_context = kv_cache.context_length(decoder.target)
+    cache_room = decoder.max_length - decoder.max_block - 1
+
+    @asynccontextmanager
+    async def lifespan(app):
+        engine.start()
+        try:
+            yield
+        finally:
+            await engine.stop(settings.shutdown_timeout_s)
+
+    app = FastAPI(title="specdecode", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        if exc.status >= 400 and request.url.path in ENDPOINTS:
+            metrics.errors.labels(request.url.path, exc.type).inc()
+        return JSONResponse(exc.body(), exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        return await _api_error(request, _validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        metrics.errors.labels(request.url.path if request.url.path in ENDPOINTS else "other", kind).inc()
+        detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        message = f"{detail}: {request.method} {request.url.path}" if exc.status_code in (404, 405) else detail
+        return JSONResponse(error_body(message, kind), exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        logger.exception("unexpected error answering %s %s", request.method, request.url.path)
+        metrics.errors.labels(request.url.path if request.url.path in ENDPOINTS else "other", "server_error").inc()
+        return JSONResponse(error_body(f"internal server error ({type(exc).__name__})", "server_error"), 500)
+
+    async def authorize(request: Request) -> None:
+        if settings.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip().encode(), settings.api_key.encode()):
+            raise ApiError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'",
+                           "authentication_error", code="invalid_api_key")
+
+    @app.get("/health")
+    async def health():
+        if not engine.alive:
+            return JSONResponse({"status": "unavailable", "running": engine.running, "waiting": engine.waiting}, 503)
+        return {"status": "ok", "running": engine.running, "waiting": engine.waiting}
+
+    @app.get("/metrics", dependencies=[Depends(authorize)])
+    async def prometheus():
+        metrics.set_load(engine.running, engine.waiting)
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    async def models():
+        card = {"id": settings.model_name, "object": "model", "created": 0, "owned_by": "specdecode",
+                "max_model_len": decoder.max_length}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    async def completions(body: CompletionRequest, request: Request):
+        _check_common(body, settings)
+        if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], int):
+            ids = list(body.prompt)
+            if not ids:
+                raise ApiError(400, "the prompt is empty", param="prompt")
+        else:
+            text = body.prompt if isinstance(body.prompt, str) else (body.prompt[0] if body.prompt else "")
+            ids = _encode(lambda: generator.encode(text, chat=False, device="cpu"), "prompt")
+        return await _serve(request, body, ids, chat=False, param="prompt", max_tokens=body.max_tokens)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        _check_common(body, settings)
+        messages = [m.as_template_message() for m in body.messages]
+        ids = _encode(lambda: generator.encode_messages(messages, device="cpu"), "messages")
+        return await _serve(request, body, ids, chat=True, param="messages", max_tokens=body.requested_max_tokens)
+
+    async def _serve(request: Request, body, ids: list[int], *, chat: bool, param: str, max_tokens: int | None):
+        if len(ids) > settings.max_prompt_tokens:
+            raise ApiError(400, f"the prompt has {len(ids)} tokens; this server accepts at most "
+                                f"{settings.max_prompt_tokens}", param=param, code="context_length_exceeded")
+        room = (cache_room if model_context is None else min(cache_room, model_context)) - len(ids)
+        if max_tokens is None:
+            max_tokens = min(settings.max_tokens_limit, room)
+        elif max_tokens > settings.max_tokens_limit:
+            raise ApiError(400, f"max_tokens is {max_tokens}; this server allows at most {settings.max_tokens_limit}",
+                           param="max_tokens")
+        if max_tokens < 1 or max_tokens > room:
+            raise ApiError(400, f"a request may use {room + len(ids)} positions here (the model's context length "
+                                f"{model_context}, the server's --max-length {decoder.max_length} less "
+                                f"{decoder.max_block + 1} for a draft block); the prompt has {len(ids)} tokens and "
+                                f"max_tokens is {max_tokens}: reduce the prompt or max_tokens (at most {max(room, 0)} "
+                                "here)", param=param, code="context_length_exceeded")
+        # As vLLM: a temperature below GREEDY_TEMPERATURE is greedy decoding (logits / T would
+        # overflow to inf near 1e-38, and sampling at such T is argmax anyway).
+        temperature = 0.0 if body.temperature < GREEDY_TEMPERATURE else body.temperature
+        try:
+            config = GenerationConfig(max_new_tokens=max_tokens, temperature=temperature, top_k=max(body.top_k, 0),
+                                      top_p=body.top_p, seed=body.seed, stop_strings=body.stop_strings)
+        except InvalidArgumentError as e:
+            raise ApiError(400, str(e)) from e
+        try:
+            handle = await engine.submit(ids, config)
+        except QueueFullError as e:
+            raise ApiError(429, str(e), "rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(settings.retry_after_s)}) from e
+        except EngineStoppedError as e:
+            raise ApiError(503, str(e), "server_error", code="unavailable") from e
+        except InvalidArgumentError as e:
+            raise ApiError(400, str(e), param=param) from e
+        metrics.prompt_tokens.inc(len(ids))
+        shape = ResponseShape(chat, settings.model_name)
+        text = TextAssembler(tokenizer, config.stop_strings)
+        endpoint = request.url.path
+        if body.stream:
+            return EventSourceResponse(
+                _stream(handle, shape, text, body.include_usage, endpoint),
+                ping=15, shutdown_event=anyio.Event(), shutdown_grace_period=settings.shutdown_timeout_s + 5,
+            )
+        return await _complete(request, handle, shape, text, endpoint)
+
+    async def _deliveries(handle: RequestHandle, request: Request | None = None) -> AsyncIterator[Delivery]:
+        """The request's deliveries, observing latency metrics; ends after the final one. With
+        ``request``, a disconnected client cancels it: checked after every delivery (so within
+        one round) and every 0.25 s while none comes (a long prefill, a wait for a row).
+        ``Request.is_disconnected`` does not block: it reads a pending ``http.disconnect``."""
+        last = None
+        while True:
+            if request is None:
+                d = await handle.deliveries.get()
+            else:
+                try:
+                    d = await asyncio.wait_for(handle.deliveries.get(), 0.25)
+                except TimeoutError:
+                    d = None
+                if (d is None or d.finish_reason is None) and await request.is_disconnected():
+                    handle.cancel()
+                    return
+                if d is None:
+                    continue
+            if d.token_ids:
+                if last is None:
+                    metrics.ttft.observe(d.time_s - handle.submitted_s)
+                else:
+                    metrics.itl.observe(d.time_s - last)
+                last = d.time_s
+            if d.finish_reason is not None:
+                metrics.e2e.observe(d.time_s - handle.submitted_s)
+            yield d
+            if d.finish_reason is not None:
+                return
+
+    def _spec(d: Delivery) -> dict:
+        return speculative(d.result.stats if d.result is not None else None, settings.method, decoder.gamma)
+
+    def _failure(d: Delivery) -> ApiError:
+        if d.finish_reason == "cancelled":
+            return ApiError(503, "the server is shutting down; the request was cancelled", "server_error",
+                            code="server_shutdown")
+        return ApiError(500, f"generation failed: {d.error or 'unknown error'}", "server_error")
+
+    async def _complete(request: Request, handle: RequestHandle, shape: ResponseShape, text: TextAssembler,
+                        endpoint: str):
+        try:
+            async for d in _deliveries(handle, request):
+                text.push(d.token_ids, final=d.finish_reason is not None)
+                if d.finish_reason is None:
+                    continue
+                if d.finish_reason not in FINISH_REASONS:
+                    raise _failure(d)
+                return shape.full(text.text, FINISH_REASONS[d.finish_reason],
+                                  usage(len(handle.prompt_ids), len(text.token_ids)), _spec(d))
+            return Response(status_code=499)  # the client went away; nobody reads this
+        finally:
+            handle.cancel()
+
+    async def _stream(handle: RequestHandle, shape: ResponseShape, text: TextAssembler, include_usage: bool,
+                      endpoint: str):
+        try:
+            if shape.chat:
+                yield _data(shape.chunk(None, role=True, include_usage=include_usage))
+            async for d in _deliveries(handle):
+                final = d.finish_reason is not None
+                delta = text.push(d.token_ids, final=final)
+                if final and d.finish_reason not in FINISH_REASONS:
+                    err = _failure(d)
+                    metrics.errors.labels(endpoint, err.type).inc()
+                    yield _data(err.body())
+                    break
+                if delta or final:
+                    reason = FINISH_REASONS[d.finish_reason] if final else None
+                    extra = {"speculative": _spec(d)} if final else {}
+                    yield _data(shape.chunk(delta if delta or not shape.chat else None, reason,
+                                            include_usage=include_usage, **extra))
+                if final and include_usage:
+                    yield _data(shape.usage_chunk(usage(len(handle.prompt_ids), len(text.token_ids)), _spec(d)))
+            yield "[DONE]"
+        finally:
+            handle.cancel()
+
+    return _Guard(app, settings, metrics)
+
+
+def _data(obj: dict) -> str:
+    return json.dumps(obj, separators=(",", ":"))
+
+
+def _encode(encode, param: str) -> list[int]:
+    try:
+        return encode()[0].tolist()
+    except InvalidArgumentError as e:
+        raise ApiError(400, str(e), param=param) from e
+    except TemplateError as e:  # a chat template that refuses the conversation (e.g. roles out of order)
+        raise ApiError(400, f"the model's chat template refused these messages: {e}", param=param) from e
+
+
+def _check_common(body, settings: ServeSettings) -> None:
+    if body.model is not None and body.model != settings.model_name:
+        raise ApiError(404, f"the model {body.model!r} does not exist here; this server serves "
+                            f"{settings.model_name!r}", param="model", code="model_not_found")
+    bad = body.unsupported()
+    if bad is not None:
+        raise ApiError(400, bad[1], param=bad[0], code="unsupported_parameter")
+
+
+def _validation_error(exc: RequestValidationError) -> ApiError:
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        return ApiError(400, "the request body is not valid JSON", code="invalid_json")
+    if kind == "extra_forbidden":
+        return ApiError(400, f"Unrecognized request argument supplied: {param}", param=param,
+                        code="unrecognized_argument")
+    if kind == "missing":
+        return ApiError(400, f"{param!r} is a required property", param=param, code="missing_required_parameter")
+    value = first.get("input")
+    shown = json.dumps(value)[:80] if isinstance(value, (int, float, str, bool, type(None))) else type(value).__name__
+    return ApiError(400, f"invalid value for {param or 'the body'!r}: {shown} ({first.get('msg', kind)})",
+                    param=param, code="invalid_value")

@@ -1,0 +1,132 @@
+"""OpenAI's response and error shapes (``/v1/completions``, ``/v1/chat/completions``).
+
+Responses are plain dicts in the layout of OpenAI's API reference; the speculative
+statistics ride along in an extension field, ``speculative``, which OpenAI clients keep as
+an extra attribute and otherwise ignore.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from specdecode.engine.stats import SpecDecodingStats
+
+#: The engine's finish reasons -> OpenAI's.
+FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "length": "length"}
+
+
+class ApiError(Exception):
+    """An error answered with OpenAI's body ``{"error": {"message", "type", "param", "code"}}``.
+
+    Args:
+        status: HTTP status (4xx for the client's mistakes, 5xx for the server's).
+        message: What was wrong, naming the value and what is allowed.
+        type: OpenAI's error type ("invalid_request_error", "authentication_error",
+            "rate_limit_error", "server_error", ...).
+        param: The request field at fault, or None.
+        code: A machine-readable code ("context_length_exceeded", "invalid_api_key", ...) or None.
+        headers: Extra response headers (``Retry-After`` on 429).
+    """
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    """Unix seconds, for ``created``."""
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def speculative(stats: SpecDecodingStats | None, method: str, num_speculative_tokens: int) -> dict:
+    """The extension field: this request's speculative statistics.
+
+    ``acceptance_rate`` = accepted ÷ drafted tokens (None when nothing was drafted);
+    ``mean_accepted_tokens`` = τ, tokens per target forward COUNTING the bonus token.
+    """
+    out = {"method": method, "num_speculative_tokens": num_speculative_tokens}
+    if stats is None:
+        return out
+    out.update(
+        acceptance_rate=stats.acceptance_rate,
+        mean_accepted_tokens=stats.mean_accepted_tokens,
+        mean_accepted_tokens_counts_bonus=True,
+        num_drafted_tokens=stats.num_drafted_tokens,
+        num_accepted_tokens=stats.num_accepted_tokens,
+        num_target_forwards=stats.num_target_forwards,
+    )
+    return out
+
+
+class ResponseShape:
+    """Builds one request's response or stream chunks for either endpoint.
+
+    Args:
+        chat: ``/v1/chat/completions`` (else ``/v1/completions``).
+        model: The served model name.
+    """
+
+    def __init__(self, chat: bool, model: str) -> None:
+        self.chat = chat
+        self.model = model
+        self.id = new_id("chatcmpl" if chat else "cmpl")
+        self.created = now()
+
+    def _envelope(self, obj: str, choices: list, **extra) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices,
+                **extra}
+
+    def full(self, text: str, finish_reason: str, usage_: dict, spec: dict) -> dict:
+        """The non-streamed response."""
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": finish_reason}
+            return self._envelope("chat.completion", [choice], usage=usage_, system_fingerprint=None,
+                                  speculative=spec)
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return self._envelope("text_completion", [choice], usage=usage_, system_fingerprint=None, speculative=spec)
+
+    def chunk(self, text: str | None, finish_reason: str | None = None, *, role: bool = False,
+              include_usage: bool = False, **extra) -> dict:
+        """One streamed chunk with a text delta (``role``: the chat stream's first chunk)."""
+        if self.chat:
+            delta: dict = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            obj = "text_completion"
+        if include_usage:
+            extra.setdefault("usage", None)  # OpenAI: null on every chunk but the last
+        return self._envelope(obj, [choice], system_fingerprint=None, **extra)
+
+    def usage_chunk(self, usage_: dict, spec: dict) -> dict:
+        """The last chunk with ``stream_options.include_usage``: no choices, the usage."""
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return self._envelope(obj, [], system_fingerprint=None, usage=usage_, speculative=spec)

@@ -1,0 +1,170 @@
+"""Request bodies of the OpenAI API, validated with pydantic.
+
+Field names, types and ranges follow OpenAI's API reference for ``/v1/completions`` and
+``/v1/chat/completions``. Unknown fields are refused (as OpenAI does: "Unrecognized request
+argument supplied"); fields OpenAI has but this server cannot honour are accepted only at
+their neutral value (``unsupported`` lists them), so no request is silently answered with
+something else than it asked for. ``top_k`` is an extension (as in vLLM; 0 or -1 = off).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+#: OpenAI allows at most 4 stop sequences.
+MAX_STOP_SEQUENCES = 4
+
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+
+
+class _Request(BaseModel):
+    """Unknown fields are refused; an explicit ``null`` means the field's default (OpenAI's
+    reference marks these fields "or null")."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if not (v is None and k in fields and fields[k].default is not None)}
+
+
+class StreamOptions(_Request):
+    """``stream_options``: ``include_usage`` adds a last chunk with the usage."""
+
+    include_usage: bool = False
+
+
+class _Sampling(_Request):
+    """Fields shared by both endpoints."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1)
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    stop: str | list[str] | None = None
+    n: int = Field(default=1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # an end-user id for abuse monitoring; recorded nowhere
+    # Known to OpenAI, honoured here only at their neutral values:
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v):
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {len(stops)}")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must be non-empty strings")
+        return v
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(param, message) for the first field set to a value this server cannot honour."""
+        if self.n != 1:
+            return "n", f"n={self.n} is not supported: this server returns one choice per request (n=1)"
+        if self.stream_options is not None and not self.stream:
+            return "stream_options", "stream_options is only allowed with stream=true"
+        if self.presence_penalty or self.frequency_penalty:
+            param = "presence_penalty" if self.presence_penalty else "frequency_penalty"
+            return param, f"{param} is not supported (it would change the model's distribution); allowed: 0"
+        if self.logit_bias:
+            return "logit_bias", "logit_bias is not supported; allowed: null or {}"
+        return None
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``: a prompt as text, a one-element list of text, or token ids."""
+
+    prompt: str | list[str] | list[TokenId]
+    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) and len(self.prompt) != 1:
+            return "prompt", f"got {len(self.prompt)} prompts; this server takes one prompt per request"
+        if self.echo:
+            return "echo", "echo is not supported; allowed: false"
+        if self.logprobs is not None:
+            return "logprobs", "logprobs are not supported; allowed: null"
+        if self.best_of not in (None, 1):
+            return "best_of", f"best_of={self.best_of} is not supported; allowed: 1"
+        if self.suffix:
+            return "suffix", "suffix is not supported; allowed: null"
+        return super().unsupported()
+
+
+class TextPart(_Request):
+    """One text part of a message's ``content`` (other part types, e.g. images, are refused)."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    """One message of a conversation."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def as_template_message(self) -> dict[str, Any]:
+        """The message as a chat template takes it (text parts joined; "developer" as "system";
+        ``name``, when given, passed on for templates that use it)."""
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        message = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionRequest(_Sampling):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    response_format: dict | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.logprobs or self.top_logprobs is not None:
+            return "logprobs", "logprobs are not supported; allowed: false"
+        if self.tools:
+            return "tools", "tools (function calling) are not supported"
+        if self.tool_choice not in (None, "none"):
+            return "tool_choice", "tool_choice is not supported; allowed: null or 'none'"
+        if self.response_format and self.response_format.get("type") != "text":
+            return "response_format", "only response_format {'type': 'text'} is supported"
+        if self.max_tokens is not None and self.max_completion_tokens is not None and (
+            self.max_tokens != self.max_completion_tokens
+        ):
+            return "max_completion_tokens", "max_tokens and max_completion_tokens disagree; send one of them"
+        return super().unsupported()
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -1,0 +1,88 @@
+"""A real uvicorn server on a free loopback port, in a thread, over tiny float32 models."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+
+import torch
+
+from conftest import make_tiny_model, make_tiny_tokenizer
+from helpers import perturbed_copy, save_tiny_folders
+
+#: A word-level chat template for the tiny tokenizer (every word is in its vocabulary).
+CHAT_TEMPLATE = (
+    "{% if messages[0]['role'] == 'assistant' %}{{ raise_exception('the first message must not be the "
+    "assistant') }}{% endif %}{% for m in messages %}{% if m['role'] == 'system' %}w3 {% else %}w4 {% endif %}{{ m['content'] }} "
+    "{% endfor %}{% if add_generation_prompt %}w5{% endif %}"
+)
+
+
+def tiny_chat_folders(root):
+    """(target folder, draft folder): a tiny Llama target, a perturbed draft, a tokenizer with a chat template."""
+    target = make_tiny_model("llama", num_layers=4, seed=2)
+    draft = perturbed_copy(target, noise=0.1, seed=1)
+    tok = make_tiny_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    return save_tiny_folders(root, tok, target, draft)
+
+
+class GatedStep:
+    """Replaces ``decoder.step`` so a test decides when rounds run (``open``/``close``) and how
+    long each takes (``delay_s``)."""
+
+    def __init__(self, decoder, delay_s: float = 0.0) -> None:
+        self.decoder, self.delay_s = decoder, delay_s
+        self.gate = threading.Event()
+        self.gate.set()
+        self._step = decoder.step
+        decoder.step = self
+
+    def __call__(self):
+        while not self.gate.wait(0.05):
+            pass
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        return self._step()
+
+    def close(self) -> None:
+        self.gate.clear()
+
+    def open(self) -> None:
+        self.gate.set()
+
+
+@contextlib.contextmanager
+def running_server(generator, method: str = "draft", *, max_batch_size: int = 4, max_queue: int = 16,
+                   max_length: int = 256, delay_s: float = 0.0, **settings):
+    """Start ``specdecode.serve`` on 127.0.0.1:<free port>; yields (base_url, engine, gated step)."""
+    from specdecode.serve.app import ServeSettings
+    from specdecode.serve.command import build, make_uvicorn_server
+
+    decoder = generator.batch_decoder(method, max_batch_size=max_batch_size, max_length=max_length)
+    gate = GatedStep(decoder, delay_s)
+    settings = ServeSettings(**{"model_name": "tiny", "method": method, "shutdown_timeout_s": 2.0, **settings})
+    app, engine, _ = build(generator, decoder, max_queue=max_queue, settings=settings)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = make_uvicorn_server(app, engine, host="127.0.0.1", port=port, shutdown_timeout_s=2.0,
+                                 log_level="warning")
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    try:
+        with torch.inference_mode(False):
+            yield f"http://127.0.0.1:{port}", engine, gate
+    finally:
+        gate.open()
+        server.should_exit = True
+        thread.join(30)
+        sock.close()

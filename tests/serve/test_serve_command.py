@@ -1,0 +1,97 @@
+"""`specdecode serve` as a user runs it: bad options fail before loading; SIGTERM ends it cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from serve_helpers import tiny_chat_folders
+from specdecode.cli import main
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--max-queue", "-1"], "--max-queue must be >= 0"),
+        (["--max-batch-size", "0"], "--max-batch-size must be >= 1"),
+        (["--method", "early-exit"], "--exit-layer"),
+        (["--method", "layer-skip"], "--skip-layers"),
+        (["--max-verify-tokens", "many"], "'many'"),
+        (["--port", "70000"], "0..65535"),
+        (["--max-tokens-limit", "0", "--max-length", "64"], "max_tokens_limit must be an integer >= 1"),
+    ],
+)
+def test_bad_options_exit_2_before_loading_models(args, needle, capsys):
+    code = main(["serve", "--target", "/nonexistent/model", *args])
+    assert code == 2
+    assert needle in capsys.readouterr().err
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_finishes_or_cancels_requests_and_exits_cleanly(tmp_path):
+    target, draft = tiny_chat_folders(tmp_path)
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specdecode.cli", "serve", "--target", str(target), "--draft", str(draft),
+         "--dtype", "float32", "--device", "cpu", "--port", str(port), "--max-length", "1024",
+         "--shutdown-timeout", "1", "--log-level", "info"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
+            time.sleep(0.2)
+        lines: list[str] = []
+        errors: list[BaseException] = []
+
+        def read_stream():
+            body = {"prompt": "w5 w9 w11 w7", "max_tokens": 480, "stream": True, "temperature": 0.0}
+            try:
+                with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+                    assert r.status_code == 200, r.read()
+                    for line in r.iter_lines():
+                        if line.startswith("data: "):
+                            lines.append(line)
+            except BaseException as e:  # noqa: BLE001 -- reported by the test below
+                errors.append(e)
+
+        reader = threading.Thread(target=read_stream)
+        reader.start()
+        while not lines and reader.is_alive():
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        reader.join(30)
+        assert not reader.is_alive(), "the stream hung after SIGTERM"
+        assert errors == []
+        # uvicorn re-raises the signal after its graceful shutdown: the process ends as SIGTERM's
+        assert proc.wait(30) in (0, -signal.SIGTERM)
+        log = proc.stdout.read()
+        assert "Application shutdown complete" in log and "Traceback" not in log
+        # The stream ended properly: finished (a finish_reason) or cancelled with an error, then [DONE].
+        assert lines[-1] == "data: [DONE]"
+        assert '"finish_reason":"' in lines[-2] or "shutting down" in lines[-2]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,88 @@
+"""Streamed text: stop sequences cut as OpenAI does, partial matches and split characters held back."""
+
+from __future__ import annotations
+
+from specdecode.serve.text import TextAssembler
+
+
+class PieceTokenizer:
+    """Token i decodes to PIECES[i]; id 0 is special (skipped); ids 7 and 8 are the two UTF-8 halves of 'é'."""
+
+    PIECES = {0: "<eos>", 1: "Hello", 2: " wor", 3: "ld", 4: "!", 5: " EN", 6: "D", 7: b"\xc3", 8: b"\xa9"}
+
+    def decode(self, ids, skip_special_tokens=True):
+        data = b""
+        for i in ids:
+            if i == 0 and skip_special_tokens:
+                continue
+            piece = self.PIECES[i]
+            data += piece if isinstance(piece, bytes) else piece.encode()
+        return data.decode("utf-8", errors="replace")
+
+
+def stream(assembler: TextAssembler, deliveries: list[list[int]]) -> list[str]:
+    return [assembler.push(ids, final=i == len(deliveries) - 1) for i, ids in enumerate(deliveries)]
+
+
+def test_without_stop_strings_text_flows_as_decoded():
+    a = TextAssembler(PieceTokenizer())
+    assert stream(a, [[1], [2, 3], [4, 0]]) == ["Hello", " world", "!"]
+
+
+def test_a_stop_string_is_cut_and_nothing_after_it_is_sent():
+    a = TextAssembler(PieceTokenizer(), ("END",))
+    parts = stream(a, [[1, 2], [3, 5], [6, 4]])
+    assert "".join(parts) == "Hello world "
+    assert a.stopped and "END" not in "".join(parts)
+
+
+def test_a_possible_stop_prefix_is_held_back_then_released():
+    a = TextAssembler(PieceTokenizer(), ("ENDX",))
+    assert a.push([1, 5], final=False) == "Hello "  # " EN" could start "ENDX": "EN" waits
+    assert a.push([6], final=False) == ""  # "END" still could
+    assert a.push([4], final=True) == "END!"  # it did not: released at the end
+    assert a.text == "Hello END!" and not a.stopped
+
+
+def test_a_stop_string_spanning_deliveries_is_found():
+    a = TextAssembler(PieceTokenizer(), ("lo w",))
+    assert "".join(stream(a, [[1], [2], [3]])) == "Hel"
+
+
+def test_a_split_utf8_character_waits_for_its_second_byte():
+    a = TextAssembler(PieceTokenizer())
+    assert a.push([1, 7], final=False) == "Hello"
+    assert a.push([8], final=False) == "é"
+    assert a.push([4], final=True) == "!"
+
+
+class CleaningTokenizer(PieceTokenizer):
+    """Decodes like a tokenizer with ``clean_up_tokenization_spaces``: " 't" becomes "'t", so the
+    text of a longer prefix rewrites characters of a shorter one."""
+
+    PIECES = {**PieceTokenizer.PIECES, 9: " '", 10: "t"}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return super().decode(ids, skip_special_tokens).replace(" 't", "'t")
+
+
+def test_a_decode_that_rewrites_earlier_text_does_not_stall_the_stream():
+    a = TextAssembler(CleaningTokenizer())
+    parts = stream(a, [[1], [9], [10], [2, 3], [4]])
+    assert parts == ["Hello", " '", "t", " world", "!"]  # nothing sent is taken back, nothing is lost
+    assert a.text == "Hello 't world!"
+
+
+def test_each_push_decodes_only_the_new_window():
+    calls = []
+
+    class Counting(PieceTokenizer):
+        def decode(self, ids, skip_special_tokens=True):
+            calls.append(len(ids))
+            return super().decode(ids, skip_special_tokens)
+
+    a = TextAssembler(Counting())
+    for _ in range(50):
+        a.push([1, 2], final=False)
+    assert a.text == "Hello wor" * 50
+    assert max(calls) <= 4  # the previous delivery as context plus this one, never the whole output
