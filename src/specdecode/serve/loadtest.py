@@ -28,7 +28,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from specdecode.errors import InvalidArgumentError
+from specdecode.errors import InvalidArgumentError, SpecDecodeError
 from specdecode.files import write_text_atomic
 
 logger = logging.getLogger(__name__)
@@ -288,11 +288,17 @@ def run_soak(settings: SoakSettings) -> dict:
     """Start the server, run the load, stop it with SIGTERM; returns (and writes) the report.
 
     Raises:
+        SpecDecodeError: If the openai client (the ``dev`` extra) is not installed.
         RuntimeError: If the server does not become healthy within ``startup_timeout_s``
             (the message holds the end of its log).
     """
-    import httpx
-
+    try:
+        import httpx
+        import openai  # noqa: F401 -- the clients
+        import psutil  # noqa: F401 -- the server's RSS
+    except ImportError as e:
+        raise SpecDecodeError(f"specdecode soak needs the openai client ({e.name} is missing): "
+                              "pip install 'specdecode[serve,dev]'") from e
     from specdecode.bench.datasets import load_prompts
 
     out = Path(settings.out)
