@@ -16,6 +16,15 @@ PyTorch's CPU kernels for weight-only quantized matmul:
   the int4 kernel refuses (output rows not a multiple of 16, input not a multiple of
   the group size); ``QuantizationSummary`` counts and names them.
 
+The input embedding is replaced too, by ``Int8Embedding`` (per-row int8 as above, under
+both schemes): it is read a few rows per step, so its bytes cost memory, not time, and
+they are large (Qwen2.5-Coder's 151,936 x 1536 bf16 embedding is 0.47 GB, a quarter of
+the int4 1.5B's resident memory). When it is tied to the LM head it reads the int8
+head's own ``qweight`` / ``scales`` buffers, so it costs no bytes at all; an untied one
+is quantized on its own and stored with the other quantized tensors. An embedding
+subclass whose forward does more than a lookup (and a constant scale, as Gemma's
+``*ScaledWordEmbedding``) stays dense, named in ``QuantizationSummary.dense_modules``.
+
 Why not torchao: torchao 0.18's ``Int8WeightOnlyConfig`` is fast only under
 ``torch.compile`` with static shapes (one compiled graph per layer shape and token
 count: minutes of warm-up per process, and its tensor subclass defeats inductor's disk
@@ -49,11 +58,12 @@ from specdecode.errors import InvalidArgumentError
 logger = logging.getLogger(__name__)
 
 QUANTIZE_SCHEMES = ("none", "int8", "int4")
-QUANTIZER_VERSION = 2  # bump when the stored tensors would change; older cached files are then recomputed
+QUANTIZER_VERSION = 3  # bump when the stored tensors would change; older cached files are then recomputed
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 _ALIGNMENT = 64  # bytes; the CPU kernels read weights with aligned vector loads
 INT4_GROUP_SIZE = 32
 _INT4_ROW_MULTIPLE = 16  # the CPU int4 kernel packs output rows in blocks of 16
+_INT8_BLOCK_ROWS = 8192  # rows quantized at once: float32 temporaries of tens of MB, not GB
 
 
 def check_quantize(scheme: object, device: torch.device | None = None) -> str:
@@ -186,17 +196,75 @@ class Int4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 group {self.group_size}"
 
 
+class Int8Embedding(nn.Module):
+    """An input embedding with per-row symmetric int8 rows (``quantize_int8``'s scheme).
+
+    ``out = q[ids].to(s.dtype) * s[ids, None]``: the dequantized rows, in the scales' dtype,
+    then times ``embed_scale`` when the replaced module had one (Gemma's
+    ``*ScaledWordEmbedding`` multiply by ``embed_scale.to(weight.dtype)``, a few others by a
+    float; both are reproduced as they were).
+
+    It has no ``weight``: code that needs the dense matrix (resizing the vocabulary,
+    re-tying weights, training) does not apply to a quantized model.
+
+    Args:
+        qweight: (V, K) int8, values in [-127, 127]; may be a tied LM head's own buffer.
+        scales: (V,) in the activations' dtype; likewise.
+        padding_idx: Kept from the replaced embedding (it matters to training only).
+        embed_scale: None, a 0-d tensor or a float (see above).
+
+    Shapes: ids (...) integer, output (..., K) in the scales' dtype.
+    """
+
+    def __init__(
+        self, qweight: torch.Tensor, scales: torch.Tensor, padding_idx: int | None = None,
+        embed_scale: torch.Tensor | float | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = qweight.shape
+        self.padding_idx = padding_idx
+        self.register_buffer("qweight", _aligned(qweight))
+        self.register_buffer("scales", _aligned(scales))
+        if isinstance(embed_scale, torch.Tensor):
+            self.register_buffer("embed_scale", embed_scale.detach().clone(), persistent=False)
+        else:
+            self.embed_scale = embed_scale
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        flat = input_ids.reshape(-1)
+        rows = self.qweight.index_select(0, flat).to(self.scales.dtype) * self.scales.index_select(0, flat)[:, None]
+        if isinstance(self.embed_scale, torch.Tensor):
+            rows = rows * self.embed_scale.to(rows.dtype)
+        elif self.embed_scale is not None:
+            rows = rows * self.embed_scale
+        return rows.view(*input_ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        scale = "" if self.embed_scale is None else ", scaled"
+        return f"{self.num_embeddings}, {self.embedding_dim}, int8 per row{scale}"
+
+
 # ---------------------------------------------------------------------------------------------
 # quantizing weights (plain, portable tensors; the cache stores these)
 
 
 def quantize_int8(weight: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Per-output-channel symmetric int8 of a (N, K) weight: ``{"qweight": (N, K) int8, "scales": (N,) dtype}``."""
-    w = weight.detach().float()
-    # Round the scale to the dtype the kernel uses before choosing q (as for int4).
-    scales = (w.abs().amax(dim=1).clamp(min=1e-12) / 127.0).to(dtype).float()
-    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
-    return {"qweight": q, "scales": scales.to(dtype)}
+    """Per-output-channel symmetric int8 of a (N, K) weight: ``{"qweight": (N, K) int8, "scales": (N,) dtype}``.
+
+    Rows are independent, so they are quantized in blocks of ``_INT8_BLOCK_ROWS``: the
+    float32 temporaries of a whole vocabulary matrix would be gigabytes (measured: 3.1 GB
+    above the resident memory for Qwen2.5-Coder 1.5B's 151,936 x 1536 LM head).
+    """
+    n, k = weight.shape
+    q = torch.empty(n, k, dtype=torch.int8, device=weight.device)
+    scales = torch.empty(n, dtype=dtype, device=weight.device)
+    for start in range(0, n, _INT8_BLOCK_ROWS):
+        w = weight[start:start + _INT8_BLOCK_ROWS].detach().float()
+        # Round the scale to the dtype the kernel uses before choosing q (as for int4).
+        s = (w.abs().amax(dim=1).clamp(min=1e-12) / 127.0).to(dtype).float()
+        q[start:start + _INT8_BLOCK_ROWS] = torch.round(w / s[:, None]).clamp(-127, 127).to(torch.int8)
+        scales[start:start + _INT8_BLOCK_ROWS] = s.to(dtype)
+    return {"qweight": q, "scales": scales}
 
 
 def quantize_int4(weight: torch.Tensor, dtype: torch.dtype, group_size: int = INT4_GROUP_SIZE) -> dict[str, torch.Tensor]:
@@ -242,21 +310,29 @@ class QuantizationSummary:
         scheme: "int8" or "int4".
         layers: Number of linear layers per storage ("int8", "int4").
         int8_layers: Names of the layers kept at int8 under the int4 scheme, and why.
-        bytes_before, bytes_after: Bytes of the replaced layers' weights before and after (a
-            tied LM head's weight is not counted before: it stays as the input embedding).
-        tied_head: The LM head shared its weight with the input embedding, which keeps the
-            dense weight, so the int8 head is an extra copy.
+        embedding: "int8" when the input embedding became an ``Int8Embedding``, else "dense".
+        dense_modules: Names of the modules kept dense (an input embedding of an unknown
+            kind), and why.
+        bytes_before, bytes_after: Bytes of the replaced modules' weights before and after.
+            A tied weight counts once before, and an embedding sharing the int8 head's
+            buffers adds nothing after; when a tied embedding stays dense, the head's
+            weight is not counted before (it stays as the embedding).
+        tied_head: The LM head shared its weight with the input embedding; the
+            ``Int8Embedding`` then reads the int8 head's buffers (one copy for both).
     """
 
     scheme: str
     layers: dict[str, int] = field(default_factory=dict)
     int8_layers: dict[str, str] = field(default_factory=dict)
+    embedding: str = "dense"
+    dense_modules: dict[str, str] = field(default_factory=dict)
     bytes_before: int = 0
     bytes_after: int = 0
     tied_head: bool = False
 
     def as_dict(self) -> dict:
         return {"scheme": self.scheme, "layers": dict(self.layers), "int8_layers": dict(self.int8_layers),
+                "embedding": self.embedding, "dense_modules": dict(self.dense_modules),
                 "bytes_before": self.bytes_before, "bytes_after": self.bytes_after, "tied_head": self.tied_head}
 
 
@@ -279,26 +355,67 @@ def _int4_refusal(name: str, layer: nn.Linear, head_name: str | None, group_size
     return None
 
 
-def _is_tied(model: nn.Module, head: nn.Linear) -> bool:
-    get = getattr(model, "get_input_embeddings", None)
-    emb = get() if get else None
-    return emb is not None and getattr(emb, "weight", None) is head.weight
-
-
 def _head_name(model: nn.Module) -> str | None:
     get = getattr(model, "get_output_embeddings", None)
     head = get() if get else None
     return next((n for n, m in model.named_modules() if m is head), None) if head is not None else None
 
 
+def _input_embedding(model: nn.Module) -> tuple[str, nn.Module, str, nn.Module] | None:
+    """(qualified name, parent, attribute, module) of ``model.get_input_embeddings()``, or None without one."""
+    get = getattr(model, "get_input_embeddings", None)
+    try:
+        emb = get() if get else None
+    except NotImplementedError:  # transformers' default for a model without a base model
+        return None
+    if emb is None:
+        return None
+    for parent_name, parent in model.named_modules():
+        for attr, child in parent.named_children():
+            if child is emb:
+                return (f"{parent_name}.{attr}" if parent_name else attr), parent, attr, emb
+    return None
+
+
+def _embed_scale(emb: nn.Module) -> torch.Tensor | float | None:
+    """The constant a ``*ScaledWordEmbedding`` multiplies its rows by (a 0-d tensor or a number), else None."""
+    scale = getattr(emb, "embed_scale", None)
+    if isinstance(scale, torch.Tensor) and scale.numel() == 1:
+        return scale
+    if isinstance(scale, (int, float)) and not isinstance(scale, bool):
+        return float(scale)
+    return None
+
+
+def _embedding_refusal(emb: nn.Module) -> str | None:
+    """Why ``emb`` cannot become an ``Int8Embedding`` without changing what it computes, or None if it can."""
+    kind = type(emb).__name__
+    if not isinstance(emb, nn.Embedding):
+        return f"{kind} is not an nn.Embedding"
+    if type(emb) is not nn.Embedding and not (kind.endswith("ScaledWordEmbedding") and _embed_scale(emb) is not None):
+        return (f"{kind} may compute more than a row lookup; allowed: nn.Embedding and transformers' "
+                "*ScaledWordEmbedding (a lookup times a constant embed_scale)")
+    if emb.max_norm is not None:
+        return f"{kind} has max_norm={emb.max_norm}, which rescales rows on lookup; allowed: max_norm=None"
+    return None
+
+
+def _is_tied(model: nn.Module, head_name: str | None, emb: nn.Module) -> bool:
+    """Whether the LM head is a plain ``nn.Linear`` whose weight is the input embedding's."""
+    head = dict(model.named_modules()).get(head_name) if head_name is not None else None
+    return type(head) is nn.Linear and getattr(emb, "weight", None) is head.weight
+
+
 @torch.no_grad()
 def quantized_tensors(model: nn.Module, scheme: str) -> dict[str, torch.Tensor]:
-    """Quantize every ``nn.Linear`` weight of ``model`` without changing the model.
+    """Quantize every ``nn.Linear`` weight of ``model``, and its input embedding, without changing the model.
 
     Returns:
-        A flat dict ``"<layer>.<part>" -> tensor`` (parts as in ``quantize_int8`` /
-        ``quantize_int4``; ``"<layer>.int4"`` marks int4 layers), in the layers' dtype.
-        It is what the cache stores and ``apply_quantized`` reads.
+        A flat dict ``"<module>.<part>" -> tensor`` (parts as in ``quantize_int8`` /
+        ``quantize_int4``; ``"<layer>.int4"`` marks int4 layers), in the weights' dtype.
+        The input embedding has int8 parts of its own only when it is not tied to the LM
+        head (a tied one reads the int8 head's). It is what the cache stores and
+        ``apply_quantized`` reads.
 
     Raises:
         InvalidArgumentError: ``scheme`` is not "int8" or "int4".
@@ -314,18 +431,24 @@ def quantized_tensors(model: nn.Module, scheme: str) -> dict[str, torch.Tensor]:
         else:
             parts = quantize_int8(layer.weight, layer.weight.dtype)
         out.update({f"{name}.{part}": t for part, t in parts.items()})
+    found = _input_embedding(model)
+    if found is not None and _embedding_refusal(found[3]) is None and not _is_tied(model, head, found[3]):
+        name, emb = found[0], found[3]
+        out.update({f"{name}.{part}": t for part, t in quantize_int8(emb.weight, emb.weight.dtype).items()})
     return out
 
 
 def _own_remaining_tensors(model: nn.Module) -> None:
-    """Copy the tensors the quantized layers did not replace (embeddings, norms, biases) into memory of their own.
+    """Copy the tensors the quantized modules did not replace (norms, biases, a dense embedding) into memory of their own.
 
     transformers may load weights as views of the memory-mapped checkpoint file; the
     mapping, and with it every page of the dense weights read while quantizing, stays
     resident as long as any view of it lives. Copying the few remaining tensors lets the
-    mapping go, so the process holds the quantized model and not the dense one too.
+    mapping go, so the process holds the quantized model and not the dense one too. The
+    quantized modules are skipped: their buffers are already their own, and a tied
+    ``Int8Embedding`` shares the head's, which a copy would duplicate.
     """
-    quantized = (Int8Linear, Int4Linear)
+    quantized = (Int8Linear, Int4Linear, Int8Embedding)
     for module in model.modules():
         if isinstance(module, quantized):
             continue
@@ -336,9 +459,40 @@ def _own_remaining_tensors(model: nn.Module) -> None:
                 module._buffers[name] = buf.clone()
 
 
+def _replace_embedding(found: tuple[str, nn.Module, str, nn.Module], tensors: dict[str, torch.Tensor],
+                       shared: Int8Linear | None, summary: QuantizationSummary) -> None:
+    """Put an ``Int8Embedding`` in place of the input embedding: on ``shared``'s buffers, else on its own tensors."""
+    name, parent, attr, emb = found
+    v, k = emb.weight.shape
+    if shared is not None:
+        qweight, scales = shared.qweight, shared.scales
+    elif f"{name}.qweight" in tensors and f"{name}.scales" in tensors:
+        qweight, scales = tensors[f"{name}.qweight"], tensors[f"{name}.scales"]
+    else:
+        raise InvalidArgumentError(
+            f"the quantized weights do not match the input embedding {name!r} ({v}x{k}): they hold no "
+            f"{name}.qweight / {name}.scales for it"
+        )
+    if qweight.dtype != torch.int8 or tuple(qweight.shape) != (v, k) or tuple(scales.shape) != (v,):
+        raise InvalidArgumentError(
+            f"the quantized weights do not match the input embedding {name!r}: they are {qweight.dtype} "
+            f"{tuple(qweight.shape)} with scales {tuple(scales.shape)}, the embedding needs int8 ({v}, {k}) and ({v},)"
+        )
+    new = Int8Embedding(qweight, scales, emb.padding_idx, _embed_scale(emb))
+    if shared is None:  # a tied weight was counted with the head, and shared buffers cost nothing more
+        summary.bytes_before += emb.weight.numel() * emb.weight.element_size()
+        summary.bytes_after += sum(t.numel() * t.element_size() for t in (new.qweight, new.scales))
+    summary.embedding = "int8"
+    setattr(parent, attr, new)
+
+
 @torch.no_grad()
 def apply_quantized(model: nn.Module, tensors: dict[str, torch.Tensor], scheme: str) -> QuantizationSummary:
-    """Replace ``model``'s ``nn.Linear`` layers, in place, by ``Int8Linear`` / ``Int4Linear`` built from ``tensors``.
+    """Replace ``model``'s ``nn.Linear`` layers and input embedding, in place, by quantized modules built from ``tensors``.
+
+    The linears become ``Int8Linear`` / ``Int4Linear``; the input embedding an
+    ``Int8Embedding``, on the int8 LM head's buffers when the two were tied. An embedding
+    of a kind that is more than a lookup stays dense (``QuantizationSummary.dense_modules``).
 
     Args:
         model: A dense model on the CPU.
@@ -349,11 +503,15 @@ def apply_quantized(model: nn.Module, tensors: dict[str, torch.Tensor], scheme: 
         The summary, also stored as ``model.specdecode_quantization``.
 
     Raises:
-        InvalidArgumentError: ``tensors`` lacks a layer of the model or does not match its
-            shape (a stale or foreign cache).
+        InvalidArgumentError: ``tensors`` lacks a layer or the embedding of the model or does
+            not match its shape (a stale or foreign cache).
     """
     head = _head_name(model)
-    summary = QuantizationSummary(scheme)
+    found = _input_embedding(model)
+    tied = found is not None and _is_tied(model, head, found[3])
+    refusal = _embedding_refusal(found[3]) if found is not None else None
+    summary = QuantizationSummary(scheme, tied_head=tied)
+    new_head = None
     for name, parent, attr, layer in _linears(model):
         n, k = layer.weight.shape
         bias = layer.bias
@@ -375,23 +533,28 @@ def apply_quantized(model: nn.Module, tensors: dict[str, torch.Tensor], scheme: 
                 f"the layer is {n}x{k}"
             )
         summary.layers[kind] = summary.layers.get(kind, 0) + 1
-        if name == head and _is_tied(model, layer):
-            summary.int8_layers.setdefault(name, "LM head")
-            summary.tied_head = True  # its weight stays as the input embedding: nothing is freed
-        else:
+        if name == head:
+            new_head = new
+        if not (name == head and tied and refusal is not None):  # else the weight stays as the dense embedding
             summary.bytes_before += layer.weight.numel() * layer.weight.element_size()
         summary.bytes_after += sum(b.numel() * b.element_size() for b in new.buffers())
         setattr(parent, attr, new)
+    if found is not None and refusal is not None:
+        summary.dense_modules[found[0]] = refusal
+        logger.info("the input embedding %s stays dense: %s", found[0], refusal)
+    elif found is not None:
+        _replace_embedding(found, tensors, new_head if tied and isinstance(new_head, Int8Linear) else None, summary)
     _own_remaining_tensors(model)
     model.specdecode_quantization = summary
-    logger.info("quantized %s: %s, weights %.2f GB -> %.2f GB%s", type(model).__name__, summary.layers,
-                summary.bytes_before / 1e9, summary.bytes_after / 1e9,
-                " (the LM head was tied to the input embedding, which stays dense)" if summary.tied_head else "")
+    logger.info("quantized %s: %s, input embedding %s%s, weights %.2f GB -> %.2f GB", type(model).__name__,
+                summary.layers, summary.embedding,
+                " (on the LM head's int8 rows, to which it was tied)" if tied and summary.embedding == "int8" else "",
+                summary.bytes_before / 1e9, summary.bytes_after / 1e9)
     return summary
 
 
 def quantize_model(model: nn.Module, scheme: str) -> QuantizationSummary | None:
-    """Quantize ``model``'s linear layers in place (``quantized_tensors`` + ``apply_quantized``).
+    """Quantize ``model``'s linear layers and input embedding in place (``quantized_tensors`` + ``apply_quantized``).
 
     Args:
         model: A dense model on the CPU (float32 or bfloat16).
