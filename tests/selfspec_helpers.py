@@ -126,3 +126,14 @@ class CacheCheckingDrafter(Drafter):
 
     def rollback(self, num_valid) -> None:
         self.inner.rollback(num_valid)
+
+
+#: Every speculative method with the options it needs on the tiny 4-layer models (the
+#: quantized exactness tests run each of them).
+METHOD_OPTIONS = {
+    "draft": {},
+    "cascade": {},
+    "layer-skip": dict(skip_layers="attn=1;mlp=2"),
+    "early-exit": dict(exit_layer=2),
+    "prompt-lookup": {},
+}

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from conftest import make_tiny_model, make_tiny_tokenizer
-from selfspec_helpers import one_thread, prompt_ids  # noqa: F401
+from selfspec_helpers import METHOD_OPTIONS, one_thread, prompt_ids  # noqa: F401
 from specdecode import GenerationConfig, InvalidArgumentError, SpeculativeGenerator
 from specdecode.models import LoadedModel, load_model
 from specdecode.models.dense_cache import quantized_path, read_quantized, write_quantized
@@ -203,15 +203,6 @@ def _quantized_pair(arch: str, scheme: str) -> SpeculativeGenerator:
         assert not any(type(m) is nn.Linear for m in model.modules())  # it really is quantized
         assert summary.layers[scheme] > 0 and summary.bytes_after < summary.bytes_before / 2
     return SpeculativeGenerator(LoadedModel(target, tok, "tiny", scheme), LoadedModel(draft, tok, "tiny-draft", scheme))
-
-
-METHOD_OPTIONS = {
-    "draft": {},
-    "cascade": {},
-    "layer-skip": dict(skip_layers="attn=1;mlp=2"),
-    "early-exit": dict(exit_layer=2),
-    "prompt-lookup": {},
-}
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])

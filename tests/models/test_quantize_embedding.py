@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from conftest import VOCAB, make_tiny_model, make_tiny_tokenizer
-from selfspec_helpers import one_thread, prompt_ids  # noqa: F401
+from selfspec_helpers import METHOD_OPTIONS, one_thread, prompt_ids  # noqa: F401
 from specdecode import GenerationConfig, InvalidArgumentError, SpeculativeGenerator
 from specdecode.models import LoadedModel, dense_cache
 from specdecode.models.dense_cache import read_quantized, write_quantized
@@ -152,15 +152,6 @@ def test_an_embedding_that_is_more_than_a_lookup_stays_dense():
     assert model.get_input_embeddings() is odd and summary.embedding == "dense"
     assert "_ShiftedEmbedding may compute more than a row lookup" in summary.dense_modules["model.embed_tokens"]
     assert not any(type(m) is nn.Linear for m in model.modules())
-
-
-METHOD_OPTIONS = {
-    "draft": {},
-    "cascade": {},
-    "layer-skip": dict(skip_layers="attn=1;mlp=2"),
-    "early-exit": dict(exit_layer=2),
-    "prompt-lookup": {},
-}
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])

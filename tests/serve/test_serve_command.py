@@ -15,6 +15,7 @@ import pytest
 
 from serve_helpers import tiny_chat_folders
 from specdecode.cli import main
+from specdecode.serve.loadtest import wait_until_healthy
 
 
 @pytest.mark.parametrize(
@@ -53,15 +54,7 @@ def test_sigterm_finishes_or_cancels_requests_and_exits_cleanly(tmp_path):
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
-            time.sleep(0.2)
+        assert wait_until_healthy(url, proc, 120, poll_s=0.2), proc.stdout.read() if proc.poll() is not None else ""
         lines: list[str] = []
         errors: list[BaseException] = []
 

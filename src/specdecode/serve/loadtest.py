@@ -284,6 +284,23 @@ def _markdown(result: dict) -> str:
     return head + "| | |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
 
 
+def wait_until_healthy(url: str, proc: subprocess.Popen, timeout_s: float, poll_s: float = 0.5) -> bool:
+    """Poll ``url``/health until it answers 200 (True), or until ``proc`` exits or ``timeout_s``
+    seconds pass (False)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return True
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            return False
+        time.sleep(poll_s)
+
+
 def run_soak(settings: SoakSettings) -> dict:
     """Start the server, run the load, stop it with SIGTERM; returns (and writes) the report.
 
@@ -314,17 +331,9 @@ def run_soak(settings: SoakSettings) -> dict:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     headers = {"Authorization": f"Bearer {api_key}"}
     try:
-        deadline = time.monotonic() + settings.startup_timeout_s
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not start (exit {proc.poll()}); its log ends:\n"
-                                   f"{log_path.read_text()[-2000:]}")
-            time.sleep(1)
+        if not wait_until_healthy(url, proc, settings.startup_timeout_s):
+            raise RuntimeError(f"the server did not start (exit {proc.poll()}); its log ends:\n"
+                               f"{log_path.read_text()[-2000:]}")
         model = httpx.get(f"{url}/v1/models", headers=headers).json()["data"][0]["id"]
         logger.info("server up on %s (pid %d); %d clients for %.0f s", url, proc.pid, settings.clients,
                     settings.duration_s)
