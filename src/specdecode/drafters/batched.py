@@ -28,7 +28,14 @@ from transformers import PreTrainedModel
 from specdecode.drafters.early_exit import exit_skip_set
 from specdecode.drafters.layer_skip import SkipSet, decoder_layers, draft_mode
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter, find_continuation
-from specdecode.engine.batch_cache import BatchKVCache, batch_forward, to_device
+from specdecode.engine.batch_cache import (
+    BatchKVCache,
+    batch_forward,
+    batch_prefill,
+    to_device,
+    warm_up_forwards,
+    warm_up_widths,
+)
 from specdecode.engine.protocol import BatchDraft, BatchDrafter, ExitPolicy
 from specdecode.engine.sampling import Sampler, check_finite
 from specdecode.errors import InvalidArgumentError
@@ -156,14 +163,23 @@ class BatchDraftModelDrafter(BatchDrafter):
         self._samplers: list[Sampler | None] = []
 
     def bind(self, target_cache: BatchKVCache) -> None:
-        self.cache = BatchKVCache(self.model, target_cache.num_slots, target_cache.capacity)
+        self.cache = BatchKVCache(
+            self.model,
+            target_cache.num_slots,
+            target_cache.capacity,
+            prefill_chunk_tokens=target_cache.prefill_chunk_tokens,
+            prefill_pad_multiple=target_cache.prefill_pad_multiple,
+        )
         self._num_cached = [0] * target_cache.num_slots
         self._samplers = [None] * target_cache.num_slots
         self.num_forwards = 0
 
+    def warm_up(self, max_rows: int, max_block: int) -> None:
+        warm_up_forwards(self.model, self.cache, *warm_up_widths(self.cache, max_rows, max_block))
+
     @torch.inference_mode()
     def join(self, slot: int, prompt_ids: torch.Tensor, sampler: Sampler) -> None:
-        batch_forward(self.model, self.cache, prompt_ids, slot, [0], 1)
+        batch_prefill(self.model, self.cache, prompt_ids, slot)
         self._num_cached[slot] = prompt_ids.shape[1]
         self._samplers[slot] = sampler
         self.num_forwards += 1

@@ -19,6 +19,15 @@ last ``window`` of them), so stale, rejected and padding keys, which all lie pas
 p, are never read. Position ids are per row (``start[b] + t``), so every row's
 result is exactly what it would be alone.
 
+A prompt is prefilled (``batch_prefill``) in chunks of at most ``prefill_chunk_tokens``, the
+last one padded on the right to a multiple of ``prefill_pad_multiple``, so every forward takes
+one of a few fixed widths, which ``warm_up_forwards`` runs once before the first request. On a
+CPU, bf16 matmuls run through oneDNN, which JIT-compiles and caches kernels per input shape
+(0.3-0.6 MB each): a server prefilling every prompt length it was sent grew by 3-5 MB per
+request (``docs/benchmarks/2026-11-24-serve-soak.md``). The chunks are not slower: on the
+EPYC of that page a 1000-token bf16 prefill took 7.6 s in chunks of 256 against 8.0 s in one
+forward.
+
 The mask is a 4D float mask (0 where allowed, the dtype's minimum elsewhere),
 which transformers' eager and SDPA attention both take as given; a model whose
 config has ``layer_types`` (Gemma 2/3, Qwen2) gets one mask per attention type.
@@ -36,6 +45,11 @@ from specdecode.errors import InvalidArgumentError, UnsupportedModelError
 
 #: Attention implementations that take a prepared 4D float mask.
 SUPPORTED_ATTENTION = ("eager", "sdpa")
+#: Default longest prefill forward, in tokens (``BatchKVCache``).
+PREFILL_CHUNK_TOKENS = 256
+#: Default multiple a prefill chunk is padded to, in tokens (``BatchKVCache``).
+PREFILL_PAD_MULTIPLE = 16
+_EMBEDDING_ROWS_PER_LOOKUP = 8192
 
 
 class _Window:
@@ -89,14 +103,19 @@ class BatchKVCache(Cache):
             dtype, device and head shapes).
         num_slots: Rows it can hold at once (>= 1).
         capacity: Positions per row (>= 1).
+        prefill_chunk_tokens: The longest prefill forward, in tokens (``batch_prefill``).
+        prefill_pad_multiple: A prefill chunk is padded on the right to a multiple of this many
+            tokens (at most ``prefill_chunk_tokens``, which it must divide); 1 pads nothing.
 
     Attributes:
         owner: The model it was made for.
         device: That model's device.
-        num_slots, capacity: As given.
+        num_slots, capacity, prefill_chunk_tokens, prefill_pad_multiple: As given.
 
     Raises:
-        InvalidArgumentError: If ``num_slots`` or ``capacity`` is not an integer >= 1.
+        InvalidArgumentError: If ``num_slots``, ``capacity``, ``prefill_chunk_tokens`` or
+            ``prefill_pad_multiple`` is not an integer >= 1, or the pad multiple does not divide
+            the chunk.
         UnsupportedModelError: If the model's attention implementation is not eager or SDPA
             (they take a prepared 4D mask), or its config names an attention type other than
             full and sliding-window attention.
@@ -105,10 +124,30 @@ class BatchKVCache(Cache):
     #: Rolled back by position, never cropped; skipped sublayers need no placeholders.
     rolls_back_by_position = True
 
-    def __init__(self, model: PreTrainedModel, num_slots: int, capacity: int) -> None:
-        for name, value in (("num_slots", num_slots), ("capacity", capacity)):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        num_slots: int,
+        capacity: int,
+        *,
+        prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS,
+        prefill_pad_multiple: int = PREFILL_PAD_MULTIPLE,
+    ) -> None:
+        for name, value in (
+            ("num_slots", num_slots),
+            ("capacity", capacity),
+            ("prefill_chunk_tokens", prefill_chunk_tokens),
+            ("prefill_pad_multiple", prefill_pad_multiple),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidArgumentError(f"batch cache {name} must be an integer >= 1, got {value!r}")
+        if prefill_chunk_tokens % prefill_pad_multiple:
+            raise InvalidArgumentError(
+                f"prefill_pad_multiple ({prefill_pad_multiple}) must divide prefill_chunk_tokens "
+                f"({prefill_chunk_tokens}): allowed are its divisors"
+            )
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.prefill_pad_multiple = prefill_pad_multiple
         config = model.config.get_text_config(decoder=True)
         attn = getattr(config, "_attn_implementation", None) or "eager"
         if attn not in SUPPORTED_ATTENTION:
@@ -259,3 +298,85 @@ def batch_forward(
         logits_to_keep=logits_to_keep,
     )
     return out.logits
+
+
+def batch_prefill(model: PreTrainedModel, cache: BatchKVCache, prompt_ids: torch.Tensor, slot: int) -> torch.Tensor:
+    """Write one prompt into ``slot`` of ``cache``, in fixed-width chunks; return its last logits.
+
+    The prompt goes in chunks of ``cache.prefill_chunk_tokens``; the last chunk is padded on the
+    right (repeating its last token) to a multiple of ``cache.prefill_pad_multiple``, short of
+    the slot's capacity. The padding lands past the prompt, where the row's next forward
+    overwrites it before any query can see it (the module docstring), so the result is the
+    unpadded one up to the rounding of a different matmul width. This bounds the set of
+    forward shapes a stream of prompts produces (see the module docstring for why).
+
+    Args:
+        model: The model ``cache`` belongs to.
+        cache: Its batch cache.
+        prompt_ids: (1, n) long prompt ids, n >= 1.
+        slot: The slot the row takes (its cached length becomes n).
+
+    Returns:
+        (1, V) logits at the prompt's last token.
+
+    Raises:
+        InvalidArgumentError: As ``BatchKVCache.prepare`` (the prompt does not fit the slot).
+    """
+    n = prompt_ids.shape[1]
+    chunk, multiple = cache.prefill_chunk_tokens, cache.prefill_pad_multiple
+    logits = None
+    for start in range(0, n, chunk):
+        ids = prompt_ids[:, start : start + chunk]
+        real = ids.shape[1]
+        width = max(real, min(-(-real // multiple) * multiple, cache.capacity - start))
+        if width > real:
+            ids = torch.cat([ids, ids[:, -1:].expand(1, width - real)], dim=1)
+        logits = batch_forward(model, cache, ids, slot, [start], width - real + 1)[:, 0]
+    return logits
+
+
+def warm_up_widths(cache: BatchKVCache, max_rows: int, max_block: int) -> tuple[list[int], set[int]]:
+    """Token counts a forward over ``cache`` can take: ``(widths, logit_widths)``.
+
+    Args:
+        cache: A batch cache (its prefill chunk and pad multiple).
+        max_rows: Most rows of a decode-time forward.
+        max_block: Longest draft block; a row's forward takes at most ``max_block + 2`` tokens.
+
+    Returns:
+        Sorted forward widths, each at most ``cache.capacity``: the prefill chunks, 1 .. the pad
+        multiple, and rows x tokens per row of decode-time forwards. And the widths the LM
+        head takes: the decode-time ones, and 1 .. the pad multiple (a prefill keeps its
+        padding + 1 positions).
+    """
+    multiple, chunk = cache.prefill_pad_multiple, cache.prefill_chunk_tokens
+    decode = {b * w for b in range(1, max_rows + 1) for w in range(1, max_block + 3)}
+    logit_widths = decode | set(range(1, multiple + 1))
+    widths = logit_widths | set(range(multiple, chunk + 1, multiple))
+    return sorted(w for w in widths if w <= cache.capacity), logit_widths
+
+
+@torch.inference_mode()
+def warm_up_forwards(model: PreTrainedModel, cache: BatchKVCache, widths: Sequence[int], logit_widths: set[int]) -> None:
+    """One forward of (1, M) tokens into slot 0 for each M in ``widths`` (``warm_up_widths``).
+
+    On a CPU each new matmul shape JIT-compiles oneDNN kernels that stay cached (the module
+    docstring); running every shape once before the first request keeps resident memory flat
+    afterwards. Then it looks up every row of the input embedding once (a mapped weight file
+    becomes resident page by page). Slot 0 holds garbage afterwards, which a row's prefill
+    overwrites.
+
+    Raises:
+        InvalidArgumentError: As ``BatchKVCache.prepare`` (a width past the capacity).
+    """
+    for m in widths:
+        ids = torch.zeros((1, m), dtype=torch.long, device=cache.device)
+        batch_forward(model, cache, ids, 0, [0], m if m in logit_widths else 1)
+    # Weights loaded from a safetensors file are mapped, not copied: a row of the input embedding
+    # becomes resident when a prompt first holds its token. Look up every row once (up to
+    # 0.5 GB for a 150k x 1536 bf16 table), so resident memory does not creep up with each new
+    # token id a request brings.
+    embedding = model.get_input_embeddings()
+    rows = getattr(embedding, "num_embeddings", None)
+    for start in range(0, rows or 0, _EMBEDDING_ROWS_PER_LOOKUP):
+        embedding(torch.arange(start, min(rows, start + _EMBEDDING_ROWS_PER_LOOKUP), device=cache.device))

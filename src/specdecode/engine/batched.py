@@ -44,7 +44,16 @@ from transformers import PreTrainedModel
 
 from specdecode.config import GenerationConfig, check_num_speculative_tokens
 from specdecode.engine import kv_cache
-from specdecode.engine.batch_cache import BatchKVCache, batch_forward, to_device
+from specdecode.engine.batch_cache import (
+    PREFILL_CHUNK_TOKENS,
+    PREFILL_PAD_MULTIPLE,
+    BatchKVCache,
+    batch_forward,
+    batch_prefill,
+    to_device,
+    warm_up_forwards,
+    warm_up_widths,
+)
 from specdecode.engine.decoder import GenerationResult, _as_2d
 from specdecode.engine.protocol import BATCH_EXIT_RULES, BatchDraft, BatchDrafter, DraftPolicy
 from specdecode.engine.sampling import Sampler, check_finite, logits_width, raise_non_finite
@@ -153,6 +162,11 @@ class BatchedSpeculativeDecoder:
             ``n >= max_verify_tokens / 2``: a forward over more tokens than the
             hardware verifies at about the cost of one step costs more than speculation saves
             (``docs/benchmarks/batched_forward_cost.py`` measures the knee).
+        prefill_chunk_tokens, prefill_pad_multiple: A prompt (target and draft model) is
+            prefilled in forwards of at most ``prefill_chunk_tokens``, the last padded to a
+            multiple of ``prefill_pad_multiple`` (``batch_cache.batch_prefill``), so a server's
+            stream of prompt lengths gives a few forward shapes, and oneDNN's per-shape
+            kernels stop piling up on a CPU.
 
     Raises:
         InvalidArgumentError: On a value outside its range (named in the message), or adaptive
@@ -174,6 +188,8 @@ class BatchedSpeculativeDecoder:
         draft_control: DraftPolicy | None = None,
         exit_rule: str = "row",
         max_verify_tokens: int | None = None,
+        prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS,
+        prefill_pad_multiple: int = PREFILL_PAD_MULTIPLE,
     ) -> None:
         if max_verify_tokens is not None and (
             isinstance(max_verify_tokens, bool) or not isinstance(max_verify_tokens, int) or max_verify_tokens < 1
@@ -201,7 +217,13 @@ class BatchedSpeculativeDecoder:
         probe = draft_control.controller(self.gamma) if self.adaptive else None
         #: The longest block a round drafts (the verification is at most this + 1 wide).
         self.max_block = probe.max_tokens if probe is not None else self.gamma
-        self.cache = BatchKVCache(target, max_batch_size, max_length)
+        self.cache = BatchKVCache(
+            target,
+            max_batch_size,
+            max_length,
+            prefill_chunk_tokens=prefill_chunk_tokens,
+            prefill_pad_multiple=prefill_pad_multiple,
+        )
         self.max_length = max_length
         if drafter is not None:
             drafter.bind(self.cache)
@@ -283,6 +305,26 @@ class BatchedSpeculativeDecoder:
         self._next_id += 1
         self._waiting.append(row)
         return row.request_id
+
+    def warm_up(self) -> float:
+        """Run the target, and a draft model, once at every token count this engine's forwards can
+        take (``batch_cache.warm_up_widths``), before any request: on a CPU each new matmul shape
+        JIT-compiles oneDNN kernels that stay in memory, so a server's resident memory would
+        grow while rare shapes keep turning up. Returns the seconds it took.
+
+        Raises:
+            InvalidArgumentError: If requests are queued or running.
+        """
+        if self.has_work:
+            raise InvalidArgumentError("warm_up runs before any request: requests are queued or running")
+        t0 = time.perf_counter()
+        widths, logit_widths = warm_up_widths(self.cache, self.max_batch_size, self.max_block)
+        warm_up_forwards(self.target, self.cache, widths, logit_widths)
+        if self.drafter is not None:
+            self.drafter.warm_up(self.max_batch_size, self.max_block)
+        seconds = time.perf_counter() - t0
+        logger.info("warm-up: %d forward widths (%d..%d tokens) in %.1f s", len(widths), widths[0], widths[-1], seconds)
+        return seconds
 
     def cancel(self, request_id: int) -> None:
         """Remove a request now (between rounds): queued, or running (its slot is freed).
@@ -396,7 +438,7 @@ class BatchedSpeculativeDecoder:
             t0 = time.perf_counter()
             prompt = torch.tensor([row.tokens], dtype=torch.long, device=self.target.device)
             try:
-                logits = batch_forward(self.target, self.cache, prompt, slot, [0], 1)[:, -1]
+                logits = batch_prefill(self.target, self.cache, prompt, slot)
                 check_finite(logits, "target model")
                 token = self._choose(row, logits)
                 if self.drafter is not None:
@@ -477,13 +519,11 @@ class BatchedSpeculativeDecoder:
                     a += 1
                 new = drafted[b][:a] + [wanted[a]]
             else:
-                probs = row.sampler.probs(logits[b, : kb + 1])
-                if kb:
-                    q = draft.probs[b] if draft.probs is not None else None
-                    verdict = rejection_sample(ids[b, 1 : kb + 1], q, probs, row.sampler)
-                    a, new = verdict.num_accepted, drafted[b][: verdict.num_accepted] + [verdict.next_token]
-                else:
-                    a, new = 0, [int(row.sampler.sample(probs[:1])[0])]
+                try:
+                    a, new = self._sample_row(row, logits[b, : kb + 1], draft, b, ids[b, 1 : kb + 1], drafted[b])
+                except Exception as exc:  # noqa: BLE001 -- this row ends ("error", logged); the others go on
+                    self._fail(events, row, f"request {row.request_id} failed in its sampling: {type(exc).__name__}: {exc}")
+                    continue
             row.stats.record_block(kb, a)
             if row.controller is not None:
                 if kb:
@@ -512,6 +552,22 @@ class BatchedSpeculativeDecoder:
         for row in rows:
             row.stats.decode_time_s += elapsed
             row.stats.num_draft_forwards += draft_forwards
+
+    @staticmethod
+    def _sample_row(row: _Row, logits: torch.Tensor, draft: BatchDraft | None, b: int, proposed: torch.Tensor,
+                    drafted: list[int]) -> tuple[int, list[int]]:
+        """Speculative sampling of one row's block (Leviathan et al. 2022): (accepted, new tokens).
+
+        ``logits`` is (kb + 1, V), the target's at the row's kb drafted tokens ``proposed`` (kb,)
+        and after them; with kb = 0 it samples one token from the first position.
+        """
+        probs = row.sampler.probs(logits)
+        kb = proposed.shape[0]
+        if not kb:
+            return 0, [int(row.sampler.sample(probs[:1])[0])]
+        q = draft.probs[b] if draft.probs is not None else None
+        verdict = rejection_sample(proposed, q, probs, row.sampler)
+        return verdict.num_accepted, drafted[: verdict.num_accepted] + [verdict.next_token]
 
     def _observe_gates(self, logits: torch.Tensor, gate_rows: list[tuple[int, int, int]]) -> None:
         """Feed confidence gates the target's probability of each row's new token (one host sync)."""

@@ -236,3 +236,8 @@ class BatchDrafter(abc.ABC):
     @abc.abstractmethod
     def move(self, src: int, dst: int, num_valid: int) -> None:
         """The row in slot ``src`` (``num_valid`` confirmed tokens) moves to slot ``dst``."""
+
+    def warm_up(self, max_rows: int, max_block: int) -> None:
+        """Run a model of its own once at every width it can take (after ``bind``, before any
+        ``join``; ``batch_cache.warm_up_widths``). Nothing for drafters without one: a
+        self-speculative drafter's forwards take the target's shapes."""

@@ -53,6 +53,9 @@ def add_arguments(p: argparse.ArgumentParser, *, default_target: str, default_dr
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto")
     p.add_argument("--cache-dir", default=None, help="where assembled and dense models are cached")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="skip the start-up forwards at every width the engine uses (without them, a CPU "
+                        "server's memory grows while new matmul shapes turn up)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
 
 
@@ -148,6 +151,8 @@ def run(args) -> int:
         exit_layer=args.exit_layer, prompt_lookup_max_ngram=args.prompt_lookup_max_ngram,
         prompt_lookup_min_ngram=args.prompt_lookup_min_ngram,
     )
+    if not args.no_warmup:
+        decoder.warm_up()
     app, engine, _ = build(gen, decoder, max_queue=args.max_queue, settings=settings)
     server = make_uvicorn_server(app, engine, host=args.host, port=args.port,
                                  shutdown_timeout_s=args.shutdown_timeout, log_level=args.log_level)

@@ -1,0 +1,196 @@
+"""Chunked, padded prefills of the batched engine (``batch_cache.batch_prefill``), and a row's own
+sampling failure ending only that row."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from conftest import make_tiny_model
+from helpers import perturbed_copy
+from selfspec_helpers import one_thread  # noqa: F401 (a fixture)
+from specdecode import GenerationConfig, SpeculativeDecoder
+from specdecode.drafters.batched import BatchDraftModelDrafter, BatchPromptLookupDrafter
+from specdecode.engine.batch_cache import BatchKVCache
+from specdecode.engine.batched import BatchedSpeculativeDecoder
+from specdecode.errors import InvalidArgumentError
+
+# Lengths 1 .. 23: single chunks, exact multiples of the chunk, and tails; the longer ones cross
+# the sliding window (6) of the Mistral and Gemma test models.
+PROMPTS = [[(7 * i + 3 * j) % 44 + 3 for j in range(n)] for i, n in enumerate((1, 5, 8, 13, 16, 23))]
+
+
+def _alone(target, prompts, config) -> list[list[int]]:
+    dec = SpeculativeDecoder(target)
+    return [dec.generate(p, config).token_ids for p in prompts]
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("chunk,multiple", [(8, 4), (4, 1), (8, 8)])
+def test_chunked_padded_prefill_gives_each_row_its_tokens_alone(arch, chunk, multiple):
+    """Target and draft model both prefill in chunks: greedy float32 tokens equal target-only decoding."""
+    target = make_tiny_model(arch)
+    draft = perturbed_copy(target, noise=0.3, seed=1)
+    config = GenerationConfig(max_new_tokens=12, stop_on_eos=False)
+    expected = _alone(target, PROMPTS, config)
+    for make in (lambda: None, lambda: BatchDraftModelDrafter(draft)):
+        dec = BatchedSpeculativeDecoder(
+            target, make(), max_batch_size=3, max_length=48, num_speculative_tokens=3,
+            prefill_chunk_tokens=chunk, prefill_pad_multiple=multiple,
+        )
+        assert [r.token_ids for r in dec.generate(PROMPTS, config)] == expected
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_prefill_forwards_take_a_fixed_set_of_widths():
+    """Every prompt length from 1 to 40 prefills in forwards of width 4 or 8 (chunk 8, multiple 4),
+    for the target and the draft model; the default pads to multiples of 16."""
+    target = make_tiny_model("llama", num_layers=2)
+    draft = perturbed_copy(target, noise=0.3, seed=1)
+    widths = {"target": set(), "draft": set()}
+
+    def record(name):
+        def hook(module, args, kwargs):
+            widths[name].add(kwargs["input_ids"].shape[1])
+        return hook
+
+    handles = [target.register_forward_pre_hook(record("target"), with_kwargs=True),
+               draft.register_forward_pre_hook(record("draft"), with_kwargs=True)]
+    config = GenerationConfig(max_new_tokens=1, stop_on_eos=False)  # the prefill's token only: no round
+    try:
+        dec = BatchedSpeculativeDecoder(target, BatchDraftModelDrafter(draft), max_batch_size=2, max_length=64,
+                                        prefill_chunk_tokens=8, prefill_pad_multiple=4)
+        dec.generate([[3 + i % 44 for i in range(n)] for n in range(1, 41)], config)
+        assert widths == {"target": {4, 8}, "draft": {4, 8}}
+        for w in widths.values():
+            w.clear()
+        BatchedSpeculativeDecoder(target, max_batch_size=1, max_length=64).generate([[5] * 17, [6] * 40], config)
+        assert widths["target"] == {32, 48}
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_padding_stops_at_the_slot_capacity():
+    """A prompt whose padded chunk would pass ``max_length`` pads only up to it, and decodes right."""
+    target = make_tiny_model("qwen2", num_layers=2)
+    prompt = [3 + 2 * i for i in range(13)]
+    config = GenerationConfig(max_new_tokens=1, stop_on_eos=False)
+    dec = BatchedSpeculativeDecoder(target, max_batch_size=1, max_length=15, prefill_chunk_tokens=16,
+                                    prefill_pad_multiple=16)
+    assert dec.generate([prompt], config)[0].token_ids == _alone(target, [prompt], config)[0]
+
+
+def test_prefill_settings_are_validated():
+    target = make_tiny_model("llama", num_layers=2)
+    for kw, match in (
+        ({"prefill_chunk_tokens": 0}, "prefill_chunk_tokens must be an integer >= 1, got 0"),
+        ({"prefill_pad_multiple": True}, "prefill_pad_multiple must be an integer >= 1, got True"),
+        ({"prefill_chunk_tokens": 8, "prefill_pad_multiple": 3}, r"prefill_pad_multiple \(3\) must divide"),
+    ):
+        with pytest.raises(InvalidArgumentError, match=match):
+            BatchedSpeculativeDecoder(target, max_batch_size=1, max_length=16, **kw)
+        with pytest.raises(InvalidArgumentError, match=match):
+            BatchKVCache(target, 1, 16, **kw)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_sampling_failure_ends_only_its_row():
+    """One sampled row's warper raises in a round: that request ends with "error", the others finish."""
+    target = make_tiny_model("qwen2", num_layers=2)
+    prompts = PROMPTS[1:4]
+    base = GenerationConfig(max_new_tokens=10, stop_on_eos=False)
+    configs = [dataclasses.replace(base, temperature=0.8, seed=7 + r) for r in range(3)]
+    reference = BatchedSpeculativeDecoder(target, BatchPromptLookupDrafter(), max_batch_size=3, max_length=48)
+    expected = [r.token_ids for r in reference.generate(prompts, configs)]
+
+    dec = BatchedSpeculativeDecoder(target, BatchPromptLookupDrafter(), max_batch_size=3, max_length=48)
+    ids = [dec.add(p, c) for p, c in zip(prompts, configs)]
+    out = {i: [] for i in ids}
+    ended = {}
+    for ev in dec.step():  # the prefills and a first round
+        out[ev.request_id].extend(ev.token_ids)
+    broken = next(row for row in dec._rows if row.request_id == ids[1])
+
+    def fail(logits):
+        raise RuntimeError("warper failed")
+
+    broken.sampler.probs = fail
+    while dec.has_work:
+        for ev in dec.step():
+            out[ev.request_id].extend(ev.token_ids)
+            if ev.finish_reason:
+                ended[ev.request_id] = ev
+    assert ended[ids[1]].finish_reason == "error"
+    assert f"request {ids[1]} failed in its sampling: RuntimeError: warper failed" in ended[ids[1]].error
+    assert ended[ids[0]].finish_reason == ended[ids[2]].finish_reason == "length"
+    assert out[ids[0]] == expected[0] and out[ids[2]] == expected[2]
+    assert out[ids[1]] == expected[1][: len(out[ids[1]])] and len(out[ids[1]]) < len(expected[1])
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_warm_up_covers_every_forward_width_and_changes_no_output():
+    """After ``warm_up``, requests of many lengths (chunked prefills, 1-3 rows, drafts) run only
+    forward widths the warm-up already ran, for the target and the draft model, and decode
+    exactly as without it."""
+    target = make_tiny_model("gemma2", num_layers=2)
+    draft = perturbed_copy(target, noise=0.3, seed=1)
+    seen = {"target": [], "draft": []}
+
+    def record(name):
+        def hook(module, args, kwargs):
+            ids = kwargs["input_ids"]
+            seen[name].append((ids.shape[0] * ids.shape[1], kwargs["logits_to_keep"] * ids.shape[0]))
+        return hook
+
+    prompts = [[3 + (5 * i + j) % 44 for j in range(n)] for i, n in enumerate((1, 7, 16, 19, 33, 40, 4))]
+    config = GenerationConfig(max_new_tokens=9, stop_on_eos=False)
+    expected = _alone(target, prompts, config)
+    dec = BatchedSpeculativeDecoder(target, BatchDraftModelDrafter(draft), max_batch_size=3, max_length=64,
+                                    num_speculative_tokens=3, prefill_chunk_tokens=16, prefill_pad_multiple=4)
+    handles = [target.register_forward_pre_hook(record("target"), with_kwargs=True),
+               draft.register_forward_pre_hook(record("draft"), with_kwargs=True)]
+    try:
+        assert dec.warm_up() >= 0
+        warm = {name: set(calls) for name, calls in seen.items()}
+        for calls in seen.values():
+            calls.clear()
+        assert [r.token_ids for r in dec.generate(prompts, config)] == expected
+    finally:
+        for h in handles:
+            h.remove()
+    for name in ("target", "draft"):
+        tokens = {t for t, _ in warm[name]}
+        logits = {k for _, k in warm[name]}
+        used = set(seen[name])
+        assert {t for t, _ in used} <= tokens, name
+        assert {k for _, k in used} <= logits, name
+        assert len({t for t, _ in used}) > 5, name  # the requests really took many widths
+    dec.add([5, 6], config)
+    with pytest.raises(InvalidArgumentError, match="warm_up runs before any request"):
+        dec.warm_up()
+
+
+def test_warm_up_looks_up_every_embedding_row():
+    """The warm-up reads every row of the target's and the draft model's input embedding."""
+    target = make_tiny_model("qwen2", num_layers=1)
+    draft = perturbed_copy(target, noise=0.3, seed=1)
+    looked_up = {"target": set(), "draft": set()}
+
+    def record(name):
+        def hook(module, args):
+            looked_up[name].update(args[0].flatten().tolist())
+        return hook
+
+    handles = [target.get_input_embeddings().register_forward_pre_hook(record("target")),
+               draft.get_input_embeddings().register_forward_pre_hook(record("draft"))]
+    try:
+        BatchedSpeculativeDecoder(target, BatchDraftModelDrafter(draft), max_batch_size=1, max_length=32).warm_up()
+    finally:
+        for h in handles:
+            h.remove()
+    rows = set(range(target.get_input_embeddings().num_embeddings))
+    assert looked_up == {"target": rows, "draft": rows}
