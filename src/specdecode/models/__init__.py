@@ -7,6 +7,9 @@
   ``check_vocabularies`` for a target/draft pair;
 - ``token_frequencies``: token counts on installed Python text for a truncated draft
   head (FR-Spec), stored next to the draft model's dense copy.
+- ``quantize``: weight-only int8 / int4 linear layers on CPU and the quantized input
+  embedding (``quantized_embedding``: the int8 / int4 storage formats, ``Int8Embedding``,
+  ``Int4Embedding``).
 """
 
 from specdecode.models.dense_cache import CACHE_FORMAT_VERSION, dense_cache_valid, dense_dir, write_dense_cache

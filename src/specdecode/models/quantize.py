@@ -16,14 +16,17 @@ PyTorch's CPU kernels for weight-only quantized matmul:
   the int4 kernel refuses (output rows not a multiple of 16, input not a multiple of
   the group size); ``QuantizationSummary`` counts and names them.
 
-The input embedding is replaced too, by ``Int8Embedding`` (per-row int8 as above, under
-both schemes): it is read a few rows per step, so its bytes cost memory, not time, and
-they are large (Qwen2.5-Coder's 151,936 x 1536 bf16 embedding is 0.47 GB, a quarter of
-the int4 1.5B's resident memory). When it is tied to the LM head it reads the int8
-head's own ``qweight`` / ``scales`` buffers, so it costs no bytes at all; an untied one
-is quantized on its own and stored with the other quantized tensors. An embedding
-subclass whose forward does more than a lookup (and a constant scale, as Gemma's
-``*ScaledWordEmbedding``) stays dense, named in ``QuantizationSummary.dense_modules``.
+The input embedding is replaced too (``specdecode.models.quantized_embedding``): it is
+read a few rows per step, so its bytes cost memory, not time, and they are large
+(Qwen2.5-Coder's 151,936 x 1536 bf16 embedding is 0.47 GB, a quarter of the int4 1.5B's
+resident memory). When it is tied to the LM head it becomes an ``Int8Embedding`` on the
+int8 head's own ``qweight`` / ``scales`` buffers, so it costs no bytes at all (under
+both schemes: the head stays int8). An untied one is quantized on its own, in the
+scheme's format (``Int8Embedding``, or ``Int4Embedding`` in groups of 32 as the int4
+linears, int8 when its width is not a multiple of 32), and stored with the other
+quantized tensors. An embedding subclass whose forward does more than a lookup (and a
+constant scale, as Gemma's ``*ScaledWordEmbedding``) stays dense, named in
+``QuantizationSummary.dense_modules``.
 
 Why not torchao: torchao 0.18's ``Int8WeightOnlyConfig`` is fast only under
 ``torch.compile`` with static shapes (one compiled graph per layer shape and token
@@ -54,16 +57,28 @@ import torch
 from torch import nn
 
 from specdecode.errors import InvalidArgumentError
+from specdecode.models.quantized_embedding import (  # noqa: F401  (the formats are re-exported from here)
+    INT4_GROUP_SIZE,
+    INT4_GROUP_SIZES,
+    Int4Embedding,
+    Int8Embedding,
+    QuantizedEmbedding,
+    aligned,
+    build_embedding,
+    embedding_refusal,
+    embedding_tensors,
+    int4_embedding_refusal,
+    pack_nibbles,
+    quantize_int4,
+    quantize_int8,
+    unpack_nibbles,
+)
 
 logger = logging.getLogger(__name__)
 
 QUANTIZE_SCHEMES = ("none", "int8", "int4")
-QUANTIZER_VERSION = 3  # bump when the stored tensors would change; older cached files are then recomputed
-INT4_GROUP_SIZES = (32, 64, 128, 256)
-_ALIGNMENT = 64  # bytes; the CPU kernels read weights with aligned vector loads
-INT4_GROUP_SIZE = 32
+QUANTIZER_VERSION = 4  # bump when the stored tensors would change; older cached files are then recomputed
 _INT4_ROW_MULTIPLE = 16  # the CPU int4 kernel packs output rows in blocks of 16
-_INT8_BLOCK_ROWS = 8192  # rows quantized at once: float32 temporaries of tens of MB, not GB
 
 
 def check_quantize(scheme: object, device: torch.device | None = None) -> str:
@@ -91,16 +106,6 @@ def check_quantize(scheme: object, device: torch.device | None = None) -> str:
     return scheme
 
 
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """``t`` contiguous and starting on a 64-byte boundary, copied only if it is not.
-
-    Tensors read from a safetensors file start wherever the file puts them; the int8 kernel
-    segfaults on such a weight once a block of tokens is multiplied (seen at 200 tokens).
-    """
-    t = t.contiguous()
-    return t if t.data_ptr() % _ALIGNMENT == 0 else t.clone()
-
-
 class Int8Linear(nn.Module):
     """A linear layer with per-output-channel symmetric int8 weights.
 
@@ -117,8 +122,8 @@ class Int8Linear(nn.Module):
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = qweight.shape
-        self.register_buffer("qweight", _aligned(qweight))
-        self.register_buffer("scales", _aligned(scales))
+        self.register_buffer("qweight", aligned(qweight))
+        self.register_buffer("scales", aligned(scales))
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -177,9 +182,9 @@ class Int4Linear(nn.Module):
                 f"{tuple(scales.shape)} and {tuple(zeros.shape)}"
             )
         q = unpack_nibbles(nibbles).to(torch.int32)
-        self.register_buffer("packed", _aligned(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)))
+        self.register_buffer("packed", aligned(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)))
         # The kernel takes (K / g, N, 2): scale and zero per group and output row.
-        self.register_buffer("scales_and_zeros", _aligned(torch.stack([scales, zeros], dim=-1).transpose(0, 1)))
+        self.register_buffer("scales_and_zeros", aligned(torch.stack([scales, zeros], dim=-1).transpose(0, 1)))
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -196,112 +201,6 @@ class Int4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 group {self.group_size}"
 
 
-class Int8Embedding(nn.Module):
-    """An input embedding with per-row symmetric int8 rows (``quantize_int8``'s scheme).
-
-    ``out = q[ids].to(s.dtype) * s[ids, None]``: the dequantized rows, in the scales' dtype,
-    then times ``embed_scale`` when the replaced module had one (Gemma's
-    ``*ScaledWordEmbedding`` multiply by ``embed_scale.to(weight.dtype)``, a few others by a
-    float; both are reproduced as they were).
-
-    It has no ``weight``: code that needs the dense matrix (resizing the vocabulary,
-    re-tying weights, training) does not apply to a quantized model.
-
-    Args:
-        qweight: (V, K) int8, values in [-127, 127]; may be a tied LM head's own buffer.
-        scales: (V,) in the activations' dtype; likewise.
-        padding_idx: Kept from the replaced embedding (it matters to training only).
-        embed_scale: None, a 0-d tensor or a float (see above).
-
-    Shapes: ids (...) integer, output (..., K) in the scales' dtype.
-    """
-
-    def __init__(
-        self, qweight: torch.Tensor, scales: torch.Tensor, padding_idx: int | None = None,
-        embed_scale: torch.Tensor | float | None = None,
-    ) -> None:
-        super().__init__()
-        self.num_embeddings, self.embedding_dim = qweight.shape
-        self.padding_idx = padding_idx
-        self.register_buffer("qweight", _aligned(qweight))
-        self.register_buffer("scales", _aligned(scales))
-        if isinstance(embed_scale, torch.Tensor):
-            self.register_buffer("embed_scale", embed_scale.detach().clone(), persistent=False)
-        else:
-            self.embed_scale = embed_scale
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        flat = input_ids.reshape(-1)
-        rows = self.qweight.index_select(0, flat).to(self.scales.dtype) * self.scales.index_select(0, flat)[:, None]
-        if isinstance(self.embed_scale, torch.Tensor):
-            rows = rows * self.embed_scale.to(rows.dtype)
-        elif self.embed_scale is not None:
-            rows = rows * self.embed_scale
-        return rows.view(*input_ids.shape, self.embedding_dim)
-
-    def extra_repr(self) -> str:
-        scale = "" if self.embed_scale is None else ", scaled"
-        return f"{self.num_embeddings}, {self.embedding_dim}, int8 per row{scale}"
-
-
-# ---------------------------------------------------------------------------------------------
-# quantizing weights (plain, portable tensors; the cache stores these)
-
-
-def quantize_int8(weight: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Per-output-channel symmetric int8 of a (N, K) weight: ``{"qweight": (N, K) int8, "scales": (N,) dtype}``.
-
-    Rows are independent, so they are quantized in blocks of ``_INT8_BLOCK_ROWS``: the
-    float32 temporaries of a whole vocabulary matrix would be gigabytes (measured: 3.1 GB
-    above the resident memory for Qwen2.5-Coder 1.5B's 151,936 x 1536 LM head).
-    """
-    n, k = weight.shape
-    q = torch.empty(n, k, dtype=torch.int8, device=weight.device)
-    scales = torch.empty(n, dtype=dtype, device=weight.device)
-    for start in range(0, n, _INT8_BLOCK_ROWS):
-        w = weight[start:start + _INT8_BLOCK_ROWS].detach().float()
-        # Round the scale to the dtype the kernel uses before choosing q (as for int4).
-        s = (w.abs().amax(dim=1).clamp(min=1e-12) / 127.0).to(dtype).float()
-        q[start:start + _INT8_BLOCK_ROWS] = torch.round(w / s[:, None]).clamp(-127, 127).to(torch.int8)
-        scales[start:start + _INT8_BLOCK_ROWS] = s.to(dtype)
-    return {"qweight": q, "scales": scales}
-
-
-def quantize_int4(weight: torch.Tensor, dtype: torch.dtype, group_size: int = INT4_GROUP_SIZE) -> dict[str, torch.Tensor]:
-    """Per-group asymmetric int4 (min-max) of a (N, K) weight.
-
-    Returns ``{"nibbles": (N, K/2) uint8, "scales": (N, K/g) dtype, "zeros": (N, K/g) dtype}``
-    with ``w ≈ (q - 8) * scale + zero`` (the CPU int4 kernel's form).
-
-    Raises:
-        InvalidArgumentError: ``group_size`` not in ``INT4_GROUP_SIZES`` or not dividing K.
-    """
-    n, k = weight.shape
-    if group_size not in INT4_GROUP_SIZES or k % group_size:
-        raise InvalidArgumentError(
-            f"int4 group size {group_size!r} does not fit {k} inputs; allowed: a divisor of {k} among {INT4_GROUP_SIZES}"
-        )
-    w = weight.detach().float().view(n, k // group_size, group_size)
-    lo, hi = w.amin(dim=-1, keepdim=True), w.amax(dim=-1, keepdim=True)
-    scales = ((hi - lo) / 15.0).clamp(min=1e-8)
-    # Round the scale and zero to the dtype they are used in before choosing q, so q is
-    # chosen for the arithmetic the kernel does.
-    scales = scales.to(dtype).float()
-    zeros = (lo + 8.0 * scales).to(dtype).float()
-    q = torch.round((w - zeros) / scales + 8.0).clamp(0, 15).to(torch.uint8).view(n, k)
-    return {"nibbles": pack_nibbles(q), "scales": scales.view(n, -1).to(dtype), "zeros": zeros.view(n, -1).to(dtype)}
-
-
-def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
-    """(N, K) uint8 values in [0, 15] -> (N, K/2) uint8, even columns in the low nibble."""
-    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
-
-
-def unpack_nibbles(nibbles: torch.Tensor) -> torch.Tensor:
-    """Inverse of ``pack_nibbles``: (N, K/2) uint8 -> (N, K) uint8."""
-    return torch.stack([nibbles & 0x0F, nibbles >> 4], dim=-1).view(nibbles.shape[0], -1)
-
-
 @dataclass
 class QuantizationSummary:
     """What ``quantize_model`` / ``apply_quantized`` did to a model.
@@ -309,8 +208,10 @@ class QuantizationSummary:
     Attributes:
         scheme: "int8" or "int4".
         layers: Number of linear layers per storage ("int8", "int4").
-        int8_layers: Names of the layers kept at int8 under the int4 scheme, and why.
-        embedding: "int8" when the input embedding became an ``Int8Embedding``, else "dense".
+        int8_layers: Names of the modules kept at int8 under the int4 scheme (linears, and an
+            input embedding), and why.
+        embedding: "int8" / "int4" when the input embedding became an ``Int8Embedding`` /
+            ``Int4Embedding``, else "dense".
         dense_modules: Names of the modules kept dense (an input embedding of an unknown
             kind), and why.
         bytes_before, bytes_after: Bytes of the replaced modules' weights before and after.
@@ -377,29 +278,6 @@ def _input_embedding(model: nn.Module) -> tuple[str, nn.Module, str, nn.Module] 
     return None
 
 
-def _embed_scale(emb: nn.Module) -> torch.Tensor | float | None:
-    """The constant a ``*ScaledWordEmbedding`` multiplies its rows by (a 0-d tensor or a number), else None."""
-    scale = getattr(emb, "embed_scale", None)
-    if isinstance(scale, torch.Tensor) and scale.numel() == 1:
-        return scale
-    if isinstance(scale, (int, float)) and not isinstance(scale, bool):
-        return float(scale)
-    return None
-
-
-def _embedding_refusal(emb: nn.Module) -> str | None:
-    """Why ``emb`` cannot become an ``Int8Embedding`` without changing what it computes, or None if it can."""
-    kind = type(emb).__name__
-    if not isinstance(emb, nn.Embedding):
-        return f"{kind} is not an nn.Embedding"
-    if type(emb) is not nn.Embedding and not (kind.endswith("ScaledWordEmbedding") and _embed_scale(emb) is not None):
-        return (f"{kind} may compute more than a row lookup; allowed: nn.Embedding and transformers' "
-                "*ScaledWordEmbedding (a lookup times a constant embed_scale)")
-    if emb.max_norm is not None:
-        return f"{kind} has max_norm={emb.max_norm}, which rescales rows on lookup; allowed: max_norm=None"
-    return None
-
-
 def _is_tied(model: nn.Module, head_name: str | None, emb: nn.Module) -> bool:
     """Whether the LM head is a plain ``nn.Linear`` whose weight is the input embedding's."""
     head = dict(model.named_modules()).get(head_name) if head_name is not None else None
@@ -413,8 +291,9 @@ def quantized_tensors(model: nn.Module, scheme: str) -> dict[str, torch.Tensor]:
     Returns:
         A flat dict ``"<module>.<part>" -> tensor`` (parts as in ``quantize_int8`` /
         ``quantize_int4``; ``"<layer>.int4"`` marks int4 layers), in the weights' dtype.
-        The input embedding has int8 parts of its own only when it is not tied to the LM
-        head (a tied one reads the int8 head's). It is what the cache stores and
+        The input embedding has parts of its own (``embedding_tensors``: int4 under "int4"
+        where its width allows, else int8) only when it is not tied to the LM head (a tied
+        one reads the int8 head's). It is what the cache stores and
         ``apply_quantized`` reads.
 
     Raises:
@@ -432,9 +311,8 @@ def quantized_tensors(model: nn.Module, scheme: str) -> dict[str, torch.Tensor]:
             parts = quantize_int8(layer.weight, layer.weight.dtype)
         out.update({f"{name}.{part}": t for part, t in parts.items()})
     found = _input_embedding(model)
-    if found is not None and _embedding_refusal(found[3]) is None and not _is_tied(model, head, found[3]):
-        name, emb = found[0], found[3]
-        out.update({f"{name}.{part}": t for part, t in quantize_int8(emb.weight, emb.weight.dtype).items()})
+    if found is not None and embedding_refusal(found[3]) is None and not _is_tied(model, head, found[3]):
+        out.update(embedding_tensors(found[0], found[3].weight, scheme))
     return out
 
 
@@ -448,7 +326,7 @@ def _own_remaining_tensors(model: nn.Module) -> None:
     quantized modules are skipped: their buffers are already their own, and a tied
     ``Int8Embedding`` shares the head's, which a copy would duplicate.
     """
-    quantized = (Int8Linear, Int4Linear, Int8Embedding)
+    quantized = (Int8Linear, Int4Linear, QuantizedEmbedding)
     for module in model.modules():
         if isinstance(module, quantized):
             continue
@@ -461,28 +339,17 @@ def _own_remaining_tensors(model: nn.Module) -> None:
 
 def _replace_embedding(found: tuple[str, nn.Module, str, nn.Module], tensors: dict[str, torch.Tensor],
                        shared: Int8Linear | None, summary: QuantizationSummary) -> None:
-    """Put an ``Int8Embedding`` in place of the input embedding: on ``shared``'s buffers, else on its own tensors."""
+    """Put a quantized embedding in place of the input embedding: on ``shared``'s buffers, else on its own tensors."""
     name, parent, attr, emb = found
-    v, k = emb.weight.shape
-    if shared is not None:
-        qweight, scales = shared.qweight, shared.scales
-    elif f"{name}.qweight" in tensors and f"{name}.scales" in tensors:
-        qweight, scales = tensors[f"{name}.qweight"], tensors[f"{name}.scales"]
-    else:
-        raise InvalidArgumentError(
-            f"the quantized weights do not match the input embedding {name!r} ({v}x{k}): they hold no "
-            f"{name}.qweight / {name}.scales for it"
-        )
-    if qweight.dtype != torch.int8 or tuple(qweight.shape) != (v, k) or tuple(scales.shape) != (v,):
-        raise InvalidArgumentError(
-            f"the quantized weights do not match the input embedding {name!r}: they are {qweight.dtype} "
-            f"{tuple(qweight.shape)} with scales {tuple(scales.shape)}, the embedding needs int8 ({v}, {k}) and ({v},)"
-        )
-    new = Int8Embedding(qweight, scales, emb.padding_idx, _embed_scale(emb))
+    new = build_embedding(name, emb, tensors, shared)
     if shared is None:  # a tied weight was counted with the head, and shared buffers cost nothing more
         summary.bytes_before += emb.weight.numel() * emb.weight.element_size()
-        summary.bytes_after += sum(t.numel() * t.element_size() for t in (new.qweight, new.scales))
-    summary.embedding = "int8"
+        summary.bytes_after += sum(t.numel() * t.element_size() for t in new.buffers(recurse=False)
+                                   if t is not getattr(new, "embed_scale", None))
+    summary.embedding = "int4" if isinstance(new, Int4Embedding) else "int8"
+    if summary.scheme == "int4" and isinstance(new, Int8Embedding):
+        summary.int8_layers[name] = ("tied to the LM head: reads its int8 rows" if shared is not None
+                                     else int4_embedding_refusal(emb.weight.shape[1]) or "int8 in the cache")
     setattr(parent, attr, new)
 
 
@@ -491,7 +358,8 @@ def apply_quantized(model: nn.Module, tensors: dict[str, torch.Tensor], scheme: 
     """Replace ``model``'s ``nn.Linear`` layers and input embedding, in place, by quantized modules built from ``tensors``.
 
     The linears become ``Int8Linear`` / ``Int4Linear``; the input embedding an
-    ``Int8Embedding``, on the int8 LM head's buffers when the two were tied. An embedding
+    ``Int8Embedding`` on the int8 LM head's buffers when the two were tied, else an
+    ``Int8Embedding`` / ``Int4Embedding`` as stored in ``tensors``. An embedding
     of a kind that is more than a lookup stays dense (``QuantizationSummary.dense_modules``).
 
     Args:
@@ -509,7 +377,7 @@ def apply_quantized(model: nn.Module, tensors: dict[str, torch.Tensor], scheme: 
     head = _head_name(model)
     found = _input_embedding(model)
     tied = found is not None and _is_tied(model, head, found[3])
-    refusal = _embedding_refusal(found[3]) if found is not None else None
+    refusal = embedding_refusal(found[3]) if found is not None else None
     summary = QuantizationSummary(scheme, tied_head=tied)
     new_head = None
     for name, parent, attr, layer in _linears(model):
@@ -548,7 +416,7 @@ def apply_quantized(model: nn.Module, tensors: dict[str, torch.Tensor], scheme: 
     model.specdecode_quantization = summary
     logger.info("quantized %s: %s, input embedding %s%s, weights %.2f GB -> %.2f GB", type(model).__name__,
                 summary.layers, summary.embedding,
-                " (on the LM head's int8 rows, to which it was tied)" if tied and summary.embedding == "int8" else "",
+                " (on the LM head's int8 rows, to which it was tied)" if tied and summary.embedding != "dense" else "",
                 summary.bytes_before / 1e9, summary.bytes_after / 1e9)
     return summary
 
