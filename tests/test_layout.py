@@ -171,9 +171,7 @@ def test_imports_only_go_downward():
 
 
 # Modules allowed past about 600 lines, with the reason (splitting them would cut one idea in half).
-LONG_MODULES = {
-    "specdecode.search.study": "SkipSetSearch, one 540-line class: the study's trials, workers, resume and outputs",
-}
+LONG_MODULES: dict[str, str] = {}  # module -> why it may pass 650 lines (none now)
 
 
 def test_modules_stay_under_about_600_lines():

@@ -59,7 +59,7 @@ from specdecode.engine.protocol import BATCH_EXIT_RULES, BatchDraft, BatchDrafte
 from specdecode.engine.sampling import Sampler, check_finite, logits_width, raise_non_finite
 from specdecode.engine.stats import BatchStats, SpecDecodingStats
 from specdecode.engine.stopping import StopStrings
-from specdecode.engine.verification import rejection_sample
+from specdecode.engine.verification import sample_block
 from specdecode.errors import InvalidArgumentError
 
 logger = logging.getLogger(__name__)
@@ -520,7 +520,8 @@ class BatchedSpeculativeDecoder:
                 new = drafted[b][:a] + [wanted[a]]
             else:
                 try:
-                    a, new = self._sample_row(row, logits[b, : kb + 1], draft, b, ids[b, 1 : kb + 1], drafted[b])
+                    q = draft.probs[b] if draft is not None and draft.probs is not None else None
+                    a, new = sample_block(row.sampler, logits[b, : kb + 1], ids[b, 1 : kb + 1], q, drafted[b])
                 except Exception as exc:  # noqa: BLE001 -- this row ends ("error", logged); the others go on
                     self._fail(events, row, f"request {row.request_id} failed in its sampling: {type(exc).__name__}: {exc}")
                     continue
@@ -552,22 +553,6 @@ class BatchedSpeculativeDecoder:
         for row in rows:
             row.stats.decode_time_s += elapsed
             row.stats.num_draft_forwards += draft_forwards
-
-    @staticmethod
-    def _sample_row(row: _Row, logits: torch.Tensor, draft: BatchDraft | None, b: int, proposed: torch.Tensor,
-                    drafted: list[int]) -> tuple[int, list[int]]:
-        """Speculative sampling of one row's block (Leviathan et al. 2022): (accepted, new tokens).
-
-        ``logits`` is (kb + 1, V), the target's at the row's kb drafted tokens ``proposed`` (kb,)
-        and after them; with kb = 0 it samples one token from the first position.
-        """
-        probs = row.sampler.probs(logits)
-        kb = proposed.shape[0]
-        if not kb:
-            return 0, [int(row.sampler.sample(probs[:1])[0])]
-        q = draft.probs[b] if draft.probs is not None else None
-        verdict = rejection_sample(proposed, q, probs, row.sampler)
-        return verdict.num_accepted, drafted[: verdict.num_accepted] + [verdict.next_token]
 
     def _observe_gates(self, logits: torch.Tensor, gate_rows: list[tuple[int, int, int]]) -> None:
         """Feed confidence gates the target's probability of each row's new token (one host sync)."""

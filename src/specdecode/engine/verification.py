@@ -101,3 +101,26 @@ def rejection_sample(
         residual, total = p, p.sum()
     next_token = int(sampler.sample((residual / total).unsqueeze(0))[0])
     return VerificationResult(num_accepted, next_token)
+
+
+def sample_block(
+    sampler: Sampler, logits: torch.Tensor, proposed: torch.Tensor, draft_probs: torch.Tensor | None,
+    drafted: list[int],
+) -> tuple[int, list[int]]:
+    """Speculative sampling of one row's block from the target's logits (``rejection_sample``).
+
+    Args:
+        sampler: The row's sampler (its warpers and ``torch.Generator``).
+        logits: (k + 1, V') the target's logits at the k drafted tokens and after them.
+        proposed: (k,) long, the drafted tokens (k may be 0: one token sampled from row 0).
+        draft_probs: (k, V) the draft's q, or None for a deterministic drafter (one-hot q).
+        drafted: ``proposed`` as a list.
+
+    Returns:
+        (accepted draft tokens, the new tokens: the accepted ones and the replacement or bonus).
+    """
+    probs = sampler.probs(logits)
+    if not proposed.shape[0]:
+        return 0, [int(sampler.sample(probs[:1])[0])]
+    verdict = rejection_sample(proposed, draft_probs, probs, sampler)
+    return verdict.num_accepted, drafted[: verdict.num_accepted] + [verdict.next_token]

@@ -110,7 +110,7 @@ through Optuna's own distributed optimisation (each may finish one trial beyond 
 while the others stop). The study records the model and the search settings
 (``identity``); opening it with another model, layer count, dtype, objective or
 calibration is a ``StudyMismatchError``. The one-off measurements are claimed
-through a lease in the study (``_shared_once``: one worker computes, the others
+through a lease in the study (``shared_once``: one worker computes, the others
 wait), which assumes the workers' clocks agree within a few heartbeats.
 
 N workers against PostgreSQL: create an empty database once, then run the same
@@ -130,9 +130,10 @@ Modules
 -------
 ``objective`` (what a trial scores: the speedup model, the search space, calibration
 prompts, teacher-forced α, timings, real decoding), ``settings`` (``SearchSettings``),
-``storage`` (the study's database), ``study`` (``SkipSetSearch``: workers, resuming,
-results), ``plots``, and ``command`` (the ``specdecode search`` command, which prints;
-not imported here). Every public name is re-exported here.
+``storage`` (the study's database, and what every worker keeps in it), ``study``
+(``SkipSetSearch``: workers, resuming, results), ``results`` (the re-measured sets and
+best.json, for ``SkipSetSearch``), ``plots``, and ``command`` (the ``specdecode search``
+command, which prints; not imported here). Every public name is re-exported here.
 """
 
 from __future__ import annotations
@@ -163,20 +164,20 @@ from specdecode.search.plots import (
     skip_frequencies,
 )
 from specdecode.search.settings import OBJECTIVES, SAMPLERS, SearchSettings
-from specdecode.search.storage import default_storage_url, default_study_name, open_storage, redact_url
-from specdecode.search.study import (
+from specdecode.search.storage import (
     ATTR_COSTS,
     ATTR_IDENTITY,
     ATTR_MEASURED,
     ATTR_PROMPTS,
     ATTR_REFERENCE,
-    CONSTRAINT_KEY,
     FINISHED_STATES,
-    MODEL_KEYS,
     SearchState,
-    SkipSetSearch,
-    model_identity,
+    default_storage_url,
+    default_study_name,
+    open_storage,
+    redact_url,
 )
+from specdecode.search.study import CONSTRAINT_KEY, MODEL_KEYS, SkipSetSearch, model_identity
 
 __all__ = [
     "ATTR_COSTS",

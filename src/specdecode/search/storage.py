@@ -1,24 +1,47 @@
-"""Where a study lives: an Optuna RDB storage (SQLite file or any SQLAlchemy URL).
+"""Where a study lives: an Optuna RDB storage (SQLite file or any SQLAlchemy URL), and what a search keeps in it.
 
 ``open_storage`` opens one with trial heartbeats (and, on SQLite, serialised
 transactions, so that two workers never claim the same queued trial);
 ``default_storage_url`` and ``default_study_name`` give the defaults of
 ``specdecode search``; ``redact_url`` hides a password for logs, errors and best.json.
+
+The study's user attributes (``ATTR_*``) hold what every worker of a search shares:
+its identity, the calibration prompts, the target's continuations, the timings and
+the re-measured sets. ``shared_once`` has exactly one worker compute a missing one;
+``SearchState`` is what a worker has read of them.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
+import threading
 import time
+import uuid
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import optuna
+from optuna.trial import TrialState
 
 from specdecode.errors import InvalidArgumentError, StorageError
-from specdecode.search.objective import is_int
+from specdecode.search.objective import DecodeCosts, is_int
 
 logger = logging.getLogger(__name__)
+
+# Trials that count toward ``SearchSettings.trials`` (every worker's).
+FINISHED_STATES = (TrialState.COMPLETE, TrialState.PRUNED)
+
+# Study user attributes (JSON values shared by every worker of a study).
+ATTR_IDENTITY = "specdecode:identity"
+ATTR_PROMPTS = "specdecode:prompts"
+ATTR_REFERENCE = "specdecode:reference"
+ATTR_COSTS = "specdecode:costs"
+ATTR_MEASURED = "specdecode:measured:"  # + trial number
 
 
 def redact_url(url: str) -> str:
@@ -147,4 +170,78 @@ def _serialize_sqlite_transactions(engine) -> None:
     engine.dispose()
 
 
-__all__ = ["default_storage_url", "default_study_name", "model_label", "open_storage", "redact_url"]
+def shared_once(study: optuna.Study, key: str, compute: Callable[[], Any], beat_s: float, what: str) -> Any:
+    """The study user attribute ``key``, computed by exactly one worker if it is missing.
+
+    A worker claims the job by writing ``key + ":claim"`` (owner, time), waits a
+    moment, and computes only if its claim is still the one stored (a simultaneous
+    claimer's later write wins); while computing it refreshes the claim every
+    ``beat_s``. Others wait for the value, and take over a claim not refreshed for
+    3 × ``beat_s`` (its worker died).
+    """
+    claim_key = key + ":claim"
+    token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+    stale_s = 3.0 * beat_s
+    settle_s = min(1.0, beat_s)
+    waiting = False
+    while True:
+        attrs = study.user_attrs
+        if key in attrs:
+            if waiting:
+                logger.info("%s: using the one another worker stored", what)
+            return attrs[key]
+        claim = attrs.get(claim_key)
+        if isinstance(claim, dict) and claim.get("owner") == token:
+            break
+        if isinstance(claim, dict) and time.time() - float(claim.get("time", 0)) < stale_s:
+            if not waiting:
+                logger.info("%s: waiting for worker %s, which is measuring it", what, claim.get("owner"))
+                waiting = True
+            time.sleep(settle_s)
+            continue
+        study.set_user_attr(claim_key, {"owner": token, "time": time.time()})
+        time.sleep(settle_s)
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(beat_s):
+            study.set_user_attr(claim_key, {"owner": token, "time": time.time()})
+
+    thread = threading.Thread(target=beat, name=f"specdecode-claim-{key}", daemon=True)
+    thread.start()
+    try:
+        logger.info("%s: measuring (once for the study)", what)
+        value = compute()
+    finally:
+        stop.set()
+        thread.join()
+    study.set_user_attr(key, value)
+    return value
+
+
+@dataclass
+class SearchState:
+    """What a search has read from or stored in its study (shared by every worker)."""
+
+    prompts: list[list[int]] = field(default_factory=list)
+    prompt_labels: list[str] = field(default_factory=list)
+    reference: list[dict] = field(default_factory=list)
+    costs: DecodeCosts | None = None
+    target_agreement: float | None = None
+
+
+__all__ = [
+    "ATTR_COSTS",
+    "ATTR_IDENTITY",
+    "ATTR_MEASURED",
+    "ATTR_PROMPTS",
+    "ATTR_REFERENCE",
+    "FINISHED_STATES",
+    "SearchState",
+    "default_storage_url",
+    "default_study_name",
+    "model_label",
+    "open_storage",
+    "redact_url",
+    "shared_once",
+]

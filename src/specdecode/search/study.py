@@ -2,25 +2,21 @@
 
 ``SkipSetSearch`` opens (or creates) the study, checks that it was made for this model
 and these settings, gets the one-off measurements (made by one worker, stored in the
-study: ``_shared_once``), seeds it, runs trials until the study holds the requested
-number, re-measures the best sets and writes best.json. The docstring of
-``specdecode.search`` describes storage, resuming and several workers.
+study: ``storage.shared_once``), seeds it, runs trials until the study holds the
+requested number, re-measures the best sets and writes best.json (the work of these
+last two is in ``specdecode.search.results``). The docstring of ``specdecode.search``
+describes storage, resuming and several workers.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
-import threading
 import time
-import uuid
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import optuna
 from optuna.trial import TrialState
@@ -37,7 +33,6 @@ from specdecode.errors import (
     StorageError,
     StudyMismatchError,
 )
-from specdecode.files import write_text_atomic
 from specdecode.models import LoadedModel
 from specdecode.pipeline import SpeculativeGenerator, eos_token_ids
 from specdecode.search.objective import (
@@ -53,21 +48,25 @@ from specdecode.search.objective import (
     seed_skip_sets,
     skip_set_params,
 )
-from specdecode.search.plots import plot_study
+from specdecode.search.results import best_result, format_rate, remeasure_trials, top_distinct, write_outputs
 from specdecode.search.settings import SearchSettings
-from specdecode.search.storage import model_label, open_storage, redact_url
+from specdecode.search.storage import (
+    ATTR_COSTS,
+    ATTR_IDENTITY,
+    ATTR_PROMPTS,
+    ATTR_REFERENCE,
+    FINISHED_STATES,
+    SearchState,
+    shared_once,
+    model_label,
+    open_storage,
+    redact_url,
+)
 
 logger = logging.getLogger(__name__)
 
-FINISHED_STATES = (TrialState.COMPLETE, TrialState.PRUNED)
 CONSTRAINT_KEY = "skip_fraction"
 
-# Study user attributes (JSON values shared by every worker of a study).
-ATTR_IDENTITY = "specdecode:identity"
-ATTR_PROMPTS = "specdecode:prompts"
-ATTR_REFERENCE = "specdecode:reference"
-ATTR_COSTS = "specdecode:costs"
-ATTR_MEASURED = "specdecode:measured:"  # + trial number
 # Identity keys that name the model; the rest are search settings.
 MODEL_KEYS = ("model", "model_type", "num_layers", "hidden_size", "vocab_size", "dtype", "quantize")
 
@@ -97,66 +96,6 @@ def model_identity(loaded: LoadedModel) -> dict:
         "dtype": str(loaded.model.dtype).removeprefix("torch."),
         "quantize": getattr(loaded, "quantize", "none"),
     }
-
-
-def _shared_once(study: optuna.Study, key: str, compute: Callable[[], Any], beat_s: float, what: str) -> Any:
-    """The study user attribute ``key``, computed by exactly one worker if it is missing.
-
-    A worker claims the job by writing ``key + ":claim"`` (owner, time), waits a
-    moment, and computes only if its claim is still the one stored (a simultaneous
-    claimer's later write wins); while computing it refreshes the claim every
-    ``beat_s``. Others wait for the value, and take over a claim not refreshed for
-    3 × ``beat_s`` (its worker died).
-    """
-    claim_key = key + ":claim"
-    token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-    stale_s = 3.0 * beat_s
-    settle_s = min(1.0, beat_s)
-    waiting = False
-    while True:
-        attrs = study.user_attrs
-        if key in attrs:
-            if waiting:
-                logger.info("%s: using the one another worker stored", what)
-            return attrs[key]
-        claim = attrs.get(claim_key)
-        if isinstance(claim, dict) and claim.get("owner") == token:
-            break
-        if isinstance(claim, dict) and time.time() - float(claim.get("time", 0)) < stale_s:
-            if not waiting:
-                logger.info("%s: waiting for worker %s, which is measuring it", what, claim.get("owner"))
-                waiting = True
-            time.sleep(settle_s)
-            continue
-        study.set_user_attr(claim_key, {"owner": token, "time": time.time()})
-        time.sleep(settle_s)
-    stop = threading.Event()
-
-    def beat() -> None:
-        while not stop.wait(beat_s):
-            study.set_user_attr(claim_key, {"owner": token, "time": time.time()})
-
-    thread = threading.Thread(target=beat, name=f"specdecode-claim-{key}", daemon=True)
-    thread.start()
-    try:
-        logger.info("%s: measuring (once for the study)", what)
-        value = compute()
-    finally:
-        stop.set()
-        thread.join()
-    study.set_user_attr(key, value)
-    return value
-
-
-@dataclass
-class SearchState:
-    """What a search has read from or stored in its study (shared by every worker)."""
-
-    prompts: list[list[int]] = field(default_factory=list)
-    prompt_labels: list[str] = field(default_factory=list)
-    reference: list[dict] = field(default_factory=list)
-    costs: DecodeCosts | None = None
-    target_agreement: float | None = None
 
 
 class SkipSetSearch:
@@ -318,14 +257,14 @@ class SkipSetSearch:
         """
         study = self.open_study() if self.study is None else self.study
         beat = self.settings.heartbeat_interval_s
-        stored_prompts = _shared_once(study, ATTR_PROMPTS, self._encode_prompts, beat, "calibration prompts")
+        stored_prompts = shared_once(study, ATTR_PROMPTS, self._encode_prompts, beat, "calibration prompts")
         self.state.prompts = [list(p) for p in stored_prompts["ids"]]
         self.state.prompt_labels = list(stored_prompts["labels"])
-        self.state.reference = _shared_once(
+        self.state.reference = shared_once(
             study, ATTR_REFERENCE, self._reference, beat, "target's greedy continuations"
         )
         if self.settings.objective == "modelled":
-            costs = _shared_once(study, ATTR_COSTS, self._costs, beat, "decode-step and sublayer timings")
+            costs = shared_once(study, ATTR_COSTS, self._costs, beat, "decode-step and sublayer timings")
             self.state.costs = DecodeCosts.from_dict(costs["costs"])
             self.state.target_agreement = costs["target_agreement"]
             if len(self.state.costs.attn_s) != self.num_layers:
@@ -520,7 +459,7 @@ class SkipSetSearch:
             trial.set_user_attr(key, value)
         logger.info(
             "trial %d: %s  measured %.3f× (acceptance %s, γ=%d)", trial.number, skip, figures["speedup"],
-            _fmt(figures["acceptance_rate"]), gamma,
+            format_rate(figures["acceptance_rate"]), gamma,
         )
         return figures["speedup"]
 
@@ -573,20 +512,11 @@ class SkipSetSearch:
                     2 * self.settings.heartbeat_interval_s,
                 )
 
-    # -- results --------------------------------------------------------------------------
+    # -- results (specdecode.search.results) ------------------------------------------------
 
     def top_distinct(self, k: int) -> list[optuna.trial.FrozenTrial]:
         """The ``k`` best feasible COMPLETE trials with distinct skip sets."""
-        seen, out = set(), []
-        for t in self.feasible_trials():
-            key = tuple(sorted(t.params.items()))
-            if key in seen:
-                continue
-            seen.add(key)
-            out.append(t)
-            if len(out) == k:
-                break
-        return out
+        return top_distinct(self.study, k)
 
     def remeasure(self, progress: Callable[[int, int], None] | None = None) -> list[dict]:
         """Decode the ``settings.remeasure`` best modelled sets for real (modelled objective only).
@@ -602,27 +532,12 @@ class SkipSetSearch:
         if not self.state.reference:
             self.prepare()
         top = self.top_distinct(self.settings.remeasure)
-        out = []
-        for j, t in enumerate(top):
-            skip = SkipSet(*params_to_skip_lists(t.params, self.num_layers))
-            gamma = self.settings.num_speculative_tokens or int(t.user_attrs["best_gamma"])
-            key = f"{ATTR_MEASURED}{t.number}"
-            stored = self.study.user_attrs.get(key)
-            if stored is not None and stored.get("num_speculative_tokens") == gamma:
-                measured = stored
-            else:
-                logger.info("re-measuring trial %d (%s, modelled %.3f×) with γ=%d", t.number, skip, t.value, gamma)
-                measured = self.measure(skip, gamma)
-                self.study.set_user_attr(key, measured)
-            logger.info("trial %d: modelled %.3f×, measured %.3f× (acceptance %s)", t.number, t.value,
-                        measured["speedup"], _fmt(measured["acceptance_rate"]))
-            out.append({"trial": t.number, **skip.to_dict(), "modelled": _modelled_attrs(t), "measured": measured})
-            if progress is not None:
-                progress(j + 1, len(top))
-        return out
+        return remeasure_trials(
+            self.study, top, self.num_layers, self.settings.num_speculative_tokens, self.measure, progress
+        )
 
     def result(self, remeasured: list[dict] | None = None) -> dict:
-        """The best set and its figures, in the form written to best.json.
+        """The best set and its figures, in the form written to best.json (``best_result``).
 
         Selection: with re-measured sets (modelled objective), the best MEASURED
         speedup among them; otherwise the best objective value.
@@ -630,59 +545,10 @@ class SkipSetSearch:
         Raises:
             SpecDecodeError: No feasible completed trial yet.
         """
-        feasible = self.feasible_trials()
-        if not feasible:
-            raise SpecDecodeError(
-                f"study {self.study_name!r} has no completed trial inside the skip bounds yet: run more trials "
-                "or widen --min-skip-fraction/--max-skip-fraction"
-            )
-        by_number = {t.number: t for t in feasible}
-        if remeasured:
-            pick = max(remeasured, key=lambda r: (r["measured"]["speedup"], -r["trial"]))
-            best = by_number[pick["trial"]]
-            measured = pick["measured"]
-            selected_by = (
-                f"the best measured speedup among the {len(remeasured)} best modelled distinct sets (re-measured)"
-            )
-        else:
-            best = feasible[0]
-            measured = _measured_attrs(best) if self.settings.objective == "measured" else None
-            selected_by = f"the best {self.settings.objective} speedup"
-        modelled = _modelled_attrs(best) if self.settings.objective == "modelled" else None
-        if measured is not None:
-            gamma = measured["num_speculative_tokens"]
-        elif modelled is not None:
-            gamma = modelled["best_gamma"]
-        else:
-            gamma = self.settings.measured_gamma
-        skip = SkipSet(*params_to_skip_lists(best.params, self.num_layers))
-        states = [t.state for t in self.study.get_trials(deepcopy=False)]
-        return {
-            **skip.to_dict(),
-            "model": self.identity["model"],
-            "dtype": self.identity["dtype"],
-            "num_layers": self.num_layers,
-            "num_speculative_tokens": gamma,
-            "objective": self.settings.objective,
-            "selected_by": selected_by,
-            "trial": best.number,
-            "modelled": modelled,
-            "measured": measured,
-            "remeasured": remeasured or [],
-            "num_trials": sum(s in FINISHED_STATES for s in states),
-            "trial_states": {s.name.lower(): states.count(s) for s in TrialState if states.count(s)},
-            "num_infeasible": sum("infeasible" in t.user_attrs for t in self.study.get_trials(deepcopy=False)),
-            "study_name": self.study_name,
-            "storage": redact_url(self.storage_url),
-            "calibration": {
-                "source": self.identity["calibration"],
-                "prompts": self.state.prompt_labels,
-                "max_new_tokens": self.settings.max_new_tokens,
-                "target_teacher_forced_agreement": self.state.target_agreement,
-                "decode_step_ms": 1e3 * self.state.costs.step_s if self.state.costs else None,
-                "verify_ratios": list(self.state.costs.verify_ratios) if self.state.costs else None,
-            },
-        }
+        return best_result(
+            self.study, self.settings, self.state, identity=self.identity, num_layers=self.num_layers,
+            study_name=self.study_name, storage_url=self.storage_url, remeasured=remeasured,
+        )
 
     def write_outputs(self, out: str | Path, remeasured: list[dict] | None = None, plots: bool = True) -> dict:
         """Write best.json (``result``) at ``out`` and, with ``plots``, the plots beside it.
@@ -690,15 +556,7 @@ class SkipSetSearch:
         Returns:
             The result dict, with ``files``: the paths written.
         """
-        out = Path(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        result = self.result(remeasured)
-        write_text_atomic(out, json.dumps(result, indent=2) + "\n")
-        files = [out]
-        if plots:
-            files += plot_study(self.study, out.parent, self.num_layers)
-        result["files"] = [str(f) for f in files]
-        return result
+        return write_outputs(out, lambda: self.result(remeasured), self.study, self.num_layers, plots)
 
 
 def _failed_by_another_worker(e: BaseException) -> bool:
@@ -707,31 +565,9 @@ def _failed_by_another_worker(e: BaseException) -> bool:
     return isinstance(context, ValueError) and "Cannot tell a FAIL trial" in str(context)
 
 
-def _fmt(v) -> str:
-    return "-" if v is None else f"{v:.3f}"
-
-
-def _modelled_attrs(t: optuna.trial.FrozenTrial) -> dict:
-    keys = ("speedup", "alpha", "alpha_positions", "cost_ratio", "best_gamma", "speedup_v1", "best_gamma_v1")
-    return {k: t.user_attrs.get(k) for k in keys}
-
-
-def _measured_attrs(t: optuna.trial.FrozenTrial) -> dict:
-    keys = ("speedup", "tokens_per_s", "baseline_tokens_per_s", "acceptance_rate", "mean_accepted_tokens",
-            "num_speculative_tokens", "num_prompts", "decode_tokens", "decode_seconds")
-    return {k: t.user_attrs.get(k) for k in keys}
-
-
 __all__ = [
-    "ATTR_COSTS",
-    "ATTR_IDENTITY",
-    "ATTR_MEASURED",
-    "ATTR_PROMPTS",
-    "ATTR_REFERENCE",
     "CONSTRAINT_KEY",
-    "FINISHED_STATES",
     "MODEL_KEYS",
-    "SearchState",
     "SkipSetSearch",
     "model_identity",
 ]
