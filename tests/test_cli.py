@@ -71,6 +71,29 @@ def test_bad_input_exits_nonzero_with_message(capsys, args, message):
     assert out == ""
 
 
+@pytest.mark.parametrize("flags, method, adaptive", [
+    ([], "cascade", True),  # the defaults: the cascade with adaptive draft exit
+    (["--no-adaptive-draft-exit"], "cascade", None),
+    (["--method", "draft"], "draft", True),
+    (["--method", "draft", "--no-adaptive-draft-exit"], "draft", None),
+    (["--method", "prompt-lookup"], "prompt-lookup", None),  # no draft probabilities: off by default
+    (["--method", "autoregressive", "--adaptive-draft-exit"], "autoregressive", True),
+])
+def test_generate_defaults_to_the_cascade_with_adaptive_exit(tiny_folders, capsys, flags, method, adaptive):
+    target_dir, draft_dir, target = tiny_folders
+    code, out, err = _run(capsys, "--target", target_dir, "--draft", draft_dir, "--prompt", "w5 w9 w11 w5 w9",
+                          "--max-new-tokens", 10, "--dtype", "float32", "--json", *flags)
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["method"] == method
+    control = result["draft_control"]
+    assert (control and control["adaptive_exit"]) or None == adaptive
+    reference = SpeculativeDecoder(target, eos_token_ids=[2]).generate(
+        torch.tensor([[5, 9, 11, 5, 9]]), GenerationConfig(max_new_tokens=10)
+    )
+    assert result["token_ids"] == reference.token_ids
+
+
 @pytest.mark.parametrize("flag, expected", [([], None), (["--no-compile"], False), (["--compile"], True)])
 def test_generate_passes_compile_to_the_pipeline(tiny_folders, capsys, monkeypatch, flag, expected):
     """--compile/--no-compile reach SpeculativeGenerator.decoder as compile= (unset: None, the device default).

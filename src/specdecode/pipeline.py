@@ -221,6 +221,7 @@ class SpeculativeGenerator:
         prompt_lookup_max_ngram: int = 3,
         prompt_lookup_min_ngram: int = 1,
         draft_vocab_size: int | None = None,
+        ngram_check: bool = True,
         compile: bool | None = None,
     ) -> Drafter | None:
         """The drafter for ``method`` (None for autoregressive).
@@ -235,6 +236,8 @@ class SpeculativeGenerator:
             draft_vocab_size: K for "draft" and "cascade": the draft model proposes only among
                 K frequent tokens and computes those LM-head rows alone (FR-Spec; see
                 ``draft_head``). 0 or None: the full head.
+            ngram_check: "cascade": keep only the n-gram tokens the draft model agrees with
+                (``drafters.cascade``); False proposes the whole n-gram match.
             compile: The fast path for the drafter's forwards (see ``decoder``).
 
         Options a method does not use are ignored, so one set of options can serve
@@ -264,7 +267,7 @@ class SpeculativeGenerator:
             runner = self.runner("draft", compile, draft_vocab_size or 0)
             if method == "cascade":
                 return CascadeDrafter(
-                    self.draft.model, prompt_lookup_max_ngram, prompt_lookup_min_ngram, head, runner
+                    self.draft.model, prompt_lookup_max_ngram, prompt_lookup_min_ngram, head, runner, ngram_check
                 )
             return DraftModelDrafter(self.draft.model, head, runner)
         if method == "layer-skip":
@@ -366,6 +369,7 @@ class SpeculativeGenerator:
         prompt_lookup_max_ngram: int = 3,
         prompt_lookup_min_ngram: int = 1,
         draft_vocab_size: int | None = None,
+        ngram_check: bool = True,
         compile: bool | None = None,
     ) -> SpeculativeDecoder:
         """A ``SpeculativeDecoder`` over the target with the drafter of ``method``.
@@ -377,7 +381,7 @@ class SpeculativeGenerator:
                 forwards are kept per model in this generator and reused by later decoders.
             draft_control: Adaptive draft exit, length schedule and confidence gating
                 (``specdecode.drafters.control.DraftControl``); ignored by "autoregressive".
-            skip_set .. draft_vocab_size: See ``make_drafter``.
+            skip_set .. ngram_check: See ``make_drafter``.
 
         Raises:
             InvalidArgumentError: See ``make_drafter``; also adaptive draft exit with
@@ -392,6 +396,7 @@ class SpeculativeGenerator:
             prompt_lookup_max_ngram=prompt_lookup_max_ngram,
             prompt_lookup_min_ngram=prompt_lookup_min_ngram,
             draft_vocab_size=draft_vocab_size,
+            ngram_check=ngram_check,
             compile=compile,
         )
         return SpeculativeDecoder(

@@ -18,14 +18,15 @@ from selfspec_helpers import (  # noqa: F401  (one_thread is a fixture)
     violations,
 )
 from specdecode import DraftControl, GenerationConfig, InvalidArgumentError, SpeculativeDecoder
-from specdecode.drafters import CascadeDrafter
+from specdecode.drafters import CascadeDrafter, DraftModelDrafter
+from specdecode.engine.sampling import Sampler
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 
 class Spy(CascadeDrafter):
-    """Records how each block was made: (n-gram tokens, model tokens), and where it started."""
+    """Records how each block was made: (n-gram tokens kept, model tokens), and where it started."""
 
     def __init__(self, *a, **k) -> None:
         super().__init__(*a, **k)
@@ -41,13 +42,24 @@ class Spy(CascadeDrafter):
         return draft
 
 
-def test_ngram_tokens_come_first_and_the_model_continues_after_them():
+class DraftSpy(DraftModelDrafter):
+    """``draft``'s blocks, recorded as ``Spy.drafts``."""
+
+    def __init__(self, *a, **k) -> None:
+        super().__init__(*a, **k)
+        self.drafts: list[tuple[int, list[int]]] = []
+
+    def propose(self, sequence, max_tokens, exit_policy=None, first_logits=None):
+        draft = super().propose(sequence, max_tokens, exit_policy, first_logits)
+        self.drafts.append((sequence.shape[1], draft.tokens.tolist()))
+        return draft
+
+
+def test_unchecked_ngram_tokens_come_first_and_the_model_continues_after_them():
     target = make_tiny_model("llama", num_layers=2)
     draft = make_tiny_model("llama", num_layers=1, seed=4)
-    drafter = CascadeDrafter(draft, max_ngram=2)
+    drafter = CascadeDrafter(draft, max_ngram=2, ngram_check=False)
     seq = torch.tensor([[5, 6, 7, 8, 5, 6]])
-    from specdecode.engine.sampling import Sampler
-
     sampler = Sampler(GenerationConfig(), target.config.vocab_size, "cpu")
     drafter.begin(seq[:, :4], sampler, None)
     block = drafter.propose(seq, 5)
@@ -60,13 +72,13 @@ def test_ngram_tokens_come_first_and_the_model_continues_after_them():
 
 
 @pytest.mark.parametrize("gamma", [1, 3, 8])
-def test_greedy_equals_autoregressive(arch, gamma):
+def test_greedy_equals_autoregressive_unchecked(arch, gamma):
     """Blocks mix n-gram and model tokens, and some are rejected in the n-gram part."""
     target = make_tiny_model(arch, num_layers=2)
     draft = perturbed_copy(target, noise=0.5, seed=gamma)
     prompt = torch.tensor([REPETITIVE])
     config = GenerationConfig(max_new_tokens=30, num_speculative_tokens=gamma, stop_on_eos=False)
-    drafter = Spy(draft)
+    drafter = Spy(draft, ngram_check=False)
     result = SpeculativeDecoder(target, drafter).generate(prompt, config)
     assert result.token_ids == autoregressive(target, prompt, config), (arch, gamma)
     assert any(m for m, _ in drafter.blocks) and any(k for _, k in drafter.blocks)
@@ -74,13 +86,43 @@ def test_greedy_equals_autoregressive(arch, gamma):
         assert any(m and k for m, k in drafter.blocks), "no block mixed n-gram and model tokens"
 
 
-def test_greedy_exact_when_the_ngram_part_is_rejected():
-    """A prompt whose repeats the target does not follow: n-gram drafts get rejected, output stays exact."""
-    target = make_tiny_model("qwen2", num_layers=2, seed=1)
-    draft = perturbed_copy(target, noise=0.5, seed=7)
-    prompt = torch.tensor([[30, 31, 32, 33, 34, 35, 30, 31, 32, 33, 34, 35, 30]])
-    config = GenerationConfig(max_new_tokens=24, num_speculative_tokens=4, stop_on_eos=False)
-    drafter = Spy(draft)
+@pytest.mark.parametrize("gamma,noise", [(1, 0.5), (3, 0.0), (3, 0.5), (8, 0.0), (8, 0.5)])
+def test_checked_blocks_are_drafts_blocks_with_fewer_forwards(arch, gamma, noise):
+    """The n-gram check keeps only tokens the draft model would draft itself: greedy, every block
+    equals ``draft``'s, output equals autoregressive, and kept n-gram tokens save draft forwards."""
+    target = make_tiny_model(arch, num_layers=2)
+    draft = perturbed_copy(target, noise=noise, seed=gamma)
+    prompt = torch.tensor([REPETITIVE])
+    config = GenerationConfig(max_new_tokens=40, num_speculative_tokens=gamma, stop_on_eos=False)
+    cascade, plain = Spy(draft), DraftSpy(draft)
+    result = SpeculativeDecoder(target, cascade).generate(prompt, config)
+    assert result.token_ids == autoregressive(target, prompt, config), (arch, gamma)
+    reference = SpeculativeDecoder(target, plain).generate(prompt, config)
+    assert cascade.drafts == plain.drafts
+    kept = sum(m for m, _ in cascade.blocks)
+    if gamma == 3 and noise == 0.0:  # a copy of the target agrees with the repeats it makes itself
+        assert kept > 0, "the check kept no n-gram token"
+        assert cascade.num_forwards < reference.stats.num_draft_forwards
+        assert result.stats.num_draft_forwards < reference.stats.num_draft_forwards
+
+
+@pytest.mark.parametrize("ngram_check", [False, True])
+def test_greedy_exact_when_the_ngram_part_is_rejected(ngram_check):
+    """n-gram tokens the target does not follow get rejected, output stays exact. Unchecked: a
+    prompt whose repeats the target does not follow. Checked: a draft model that follows the
+    repeats of its own output more often than the (perturbed) target does."""
+    if ngram_check:
+        draft = make_tiny_model("llama", num_layers=2)
+        target = perturbed_copy(draft, noise=0.4, seed=0)
+        prompt = torch.tensor([REPETITIVE])
+        max_new_tokens = 30
+    else:
+        target = make_tiny_model("qwen2", num_layers=2, seed=1)
+        draft = perturbed_copy(target, noise=0.5, seed=7)
+        prompt = torch.tensor([[30, 31, 32, 33, 34, 35, 30, 31, 32, 33, 34, 35, 30]])
+        max_new_tokens = 24
+    config = GenerationConfig(max_new_tokens=max_new_tokens, num_speculative_tokens=4, stop_on_eos=False)
+    drafter = Spy(draft, ngram_check=ngram_check)
     result = SpeculativeDecoder(target, drafter).generate(prompt, config)
     assert result.token_ids == autoregressive(target, prompt, config)
     full = prompt[0].tolist() + result.token_ids
@@ -123,6 +165,38 @@ def test_sampling_preserves_target_distribution():
     drafted = sum(r.num_drafted_tokens for r in runs)
     assert 0 < sum(r.num_accepted_tokens for r in runs) < drafted
     assert any(m and k for m, k in spy.blocks), "no block mixed n-gram and model tokens"
+
+
+@pytest.mark.parametrize("width", [2, 3, 4])
+def test_check_keeps_the_leading_tokens_the_draft_would_draft(width):
+    """Hand-checked: the draft's own greedy tokens, then a wrong one. The check keeps exactly the
+    agreeing prefix across forwards of ``width`` tokens, and drafting goes on from its logits."""
+    draft = make_tiny_model("qwen2", num_layers=2, seed=3)
+    seq = torch.tensor([[3, 4, 5, 6, 7]])
+    greedy = autoregressive(draft, seq, GenerationConfig(max_new_tokens=9, stop_on_eos=False))
+    wrong = (greedy[6] + 1) % draft.config.vocab_size
+    candidates = torch.tensor(greedy[:6] + [wrong, greedy[7]])
+    drafter = DraftModelDrafter(draft)
+    drafter.begin(seq[:, :-1], Sampler(GenerationConfig(), draft.config.vocab_size, "cpu"), None)
+    a, row = drafter.check(seq, candidates, width=width)
+    assert a == 6
+    assert int(row.argmax()) == greedy[6]
+    assert drafter.num_forwards == 1 + -(-(1 + 7) // width)  # prefill, then the 1 + 7 tokens fed in widths
+    kept = torch.cat([seq, candidates[:a].view(1, -1)], dim=1)
+    block = drafter.propose(kept, 3, first_logits=row)
+    assert block.tokens.tolist() == greedy[6:9]
+
+
+def test_bad_check_arguments_are_refused():
+    draft = make_tiny_model("llama", num_layers=1)
+    with pytest.raises(InvalidArgumentError, match="ngram_check must be True or False, got 'yes'"):
+        CascadeDrafter(draft, ngram_check="yes")
+    drafter = DraftModelDrafter(draft)
+    drafter.begin(torch.tensor([[1, 2, 3]]), Sampler(GenerationConfig(), draft.config.vocab_size, "cpu"), None)
+    with pytest.raises(InvalidArgumentError, match="check width must be an integer >= 2, got 1"):
+        drafter.check(torch.tensor([[1, 2, 3, 4]]), torch.tensor([5]), width=1)
+    with pytest.raises(InvalidArgumentError, match="at least one candidate"):
+        drafter.check(torch.tensor([[1, 2, 3, 4]]), torch.tensor([], dtype=torch.long))
 
 
 def test_bad_ngram_sizes_are_refused():

@@ -34,8 +34,8 @@ class Spy:
         inner = drafter._model if isinstance(drafter, CascadeDrafter) else drafter
         propose = inner.propose
 
-        def recording(sequence, max_tokens, exit_policy=None):
-            draft = propose(sequence, max_tokens, exit_policy)
+        def recording(sequence, max_tokens, exit_policy=None, first_logits=None):
+            draft = propose(sequence, max_tokens, exit_policy, first_logits)
             self.model_tokens += draft.tokens.tolist()
             return draft
 

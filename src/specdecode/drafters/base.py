@@ -66,6 +66,7 @@ def draft_autoregressively(
     exit_policy: ExitPolicy | None,
     who: str,
     head: BoundDraftHead | None = None,
+    first_logits: torch.Tensor | None = None,
 ) -> Draft:
     """The draft loop shared by the model-based drafters: up to ``max_tokens`` forwards.
 
@@ -75,6 +76,11 @@ def draft_autoregressively(
     tokens thus runs k forwards and appends m + k - 1 positions to ``cache``; the last draft
     token is not fed. ``head`` (bound to the draft model) restricts the logits to its K tokens
     (FR-Spec); None: the model's full head.
+
+    ``first_logits`` ((1, V') or (1, K)): the first token's logits, already computed (the
+    cascade's n-gram check, ``DraftModelDrafter.check``); the first token then costs no
+    forward and ``feed`` (usually (1, 0)) is fed together with it. A block of k tokens then
+    runs k - 1 forwards and still appends m + k - 1 positions.
 
     Raises:
         NonFiniteLogitsError: If a forward gives NaN or infinite logits (``who`` names the model);
@@ -87,8 +93,8 @@ def draft_autoregressively(
     deferred = sampler.greedy and exit_policy is None
     finite = None
     with head.applied() if head is not None else nullcontext():
-        for _ in range(max_tokens):
-            logits = forward(feed, cache, 1)[:, -1]
+        for i in range(max_tokens):
+            logits = first_logits if i == 0 and first_logits is not None else forward(feed, cache, 1)[:, -1]
             if deferred:
                 ok = torch.isfinite(logits).all()
                 finite = ok if finite is None else finite & ok
@@ -100,5 +106,6 @@ def draft_autoregressively(
             tokens.append(token)
             if stop:
                 break
-            feed = token.view(1, 1)
+            fed_with_first = i == 0 and first_logits is not None and feed.shape[1]
+            feed = torch.cat([feed, token.view(1, 1)], dim=1) if fed_with_first else token.view(1, 1)
     return Draft(torch.cat(tokens), torch.cat(probs) if probs else None, finite, who)

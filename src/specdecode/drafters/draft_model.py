@@ -9,7 +9,12 @@ from specdecode.drafters.base import Draft, Drafter, ExitPolicy, draft_autoregre
 from specdecode.drafters.draft_head import DraftHead
 from specdecode.engine import kv_cache
 from specdecode.engine.fast_path import DRAFT_BUCKETS, ModelRunner
-from specdecode.engine.sampling import Sampler
+from specdecode.engine.sampling import Sampler, check_finite
+from specdecode.errors import InvalidArgumentError
+
+#: Tokens per forward of ``DraftModelDrafter.check``: the quantized CPU kernels cost about
+#: one token's time up to 4 rows and twice that at 5-8 (README, "Quantized weights on CPU").
+CHECK_WIDTH = 4
 
 
 class DraftModelDrafter(Drafter):
@@ -67,8 +72,13 @@ class DraftModelDrafter(Drafter):
         self.num_forwards = 1
 
     @torch.inference_mode()
-    def propose(self, sequence: torch.Tensor, max_tokens: int, exit_policy: ExitPolicy | None = None) -> Draft:
+    def propose(
+        self, sequence: torch.Tensor, max_tokens: int, exit_policy: ExitPolicy | None = None,
+        first_logits: torch.Tensor | None = None,
+    ) -> Draft:
         """Draft up to ``max_tokens`` tokens; ``exit_policy`` as in the module docstring.
+
+        ``first_logits``: the first token's (1, V') logits from ``check`` (no forward for it).
 
         Raises:
             InvalidArgumentError: If another generation took over this drafter's static cache
@@ -77,11 +87,72 @@ class DraftModelDrafter(Drafter):
         self.runner.check_owner(self._cache, self._generation)
         feed = sequence[:, self._num_cached :]
         draft = draft_autoregressively(
-            self.runner, self._cache, feed, max_tokens, self._sampler, exit_policy, "draft model", self.head
+            self.runner, self._cache, feed, max_tokens, self._sampler, exit_policy, "draft model", self.head,
+            first_logits,
         )
-        self.num_forwards += len(draft)
+        self.num_forwards += len(draft) - (first_logits is not None)
         self._num_cached += feed.shape[1] + len(draft) - 1
         return draft
+
+    @torch.inference_mode()
+    def check(
+        self, sequence: torch.Tensor, candidates: torch.Tensor, width: int = CHECK_WIDTH
+    ) -> tuple[int, torch.Tensor]:
+        """How many leading ``candidates`` the draft model itself would draft greedily after ``sequence``.
+
+        Forwards of at most ``width`` tokens feed the uncached tokens and then the candidates,
+        keeping a row of logits per candidate: row i is the draft's choice after
+        ``candidates[:i]``. Feeding stops at the first candidate that differs from the
+        draft's argmax (through ``head``), or when all are fed. A forward of up to 4 tokens
+        costs about one token's (the quantized CPU kernels work in blocks of 4 rows), so a
+        run of agreeing candidates costs about a forward per 4 instead of one per token.
+
+        The cache then holds ``sequence`` (but its last token) and the ``a`` agreeing
+        candidates, the rest rolled back; the next ``propose`` gets ``first_logits``, the
+        draft's logits after them, so the model continues the block with no extra forward.
+        Greedy agreement with the draft model is a deterministic function of the context,
+        so kept candidates stay point-mass proposals under sampling (exact verification).
+
+        Args:
+            sequence: (1, L) long, the sequence so far (its last token not yet cached).
+            candidates: (m,) long, m >= 1, proposed continuation (an n-gram match).
+            width: Most tokens per forward (>= 2).
+
+        Returns:
+            ``a`` (0 <= a <= m) and the (1, V') logits after ``sequence`` + ``candidates[:a]``.
+
+        Raises:
+            NonFiniteLogitsError: If a forward gives NaN or infinite logits.
+            InvalidArgumentError: See ``propose``; ``width`` < 2; empty ``candidates``.
+        """
+        if isinstance(width, bool) or not isinstance(width, int) or width < 2:
+            raise InvalidArgumentError(f"check width must be an integer >= 2, got {width!r}")
+        m = int(candidates.shape[0])
+        if m < 1:
+            raise InvalidArgumentError("check needs at least one candidate token")
+        self.runner.check_owner(self._cache, self._generation)
+        length = sequence.shape[1]
+        tokens = torch.cat([sequence, candidates.view(1, -1)], dim=1)
+        a, previous = 0, None  # previous: the last row of the previous forward (predicts candidates[a])
+        with self.head.applied():
+            while True:
+                start = self._num_cached
+                pending = length + a - start  # tokens before candidates[a] not yet cached (0 after the first)
+                end = min(m, a + max(1, width - pending))  # candidates [a, end) go in this forward
+                logits = self.runner(tokens[:, start:length + end], self._cache, end - a + (previous is None))[0]
+                self.num_forwards += 1
+                self._num_cached = length + end
+                check_finite(logits, "draft model")
+                self.head.check_logits(logits)
+                rows = logits if previous is None else torch.cat([previous, logits])  # (end - a + 1, V')
+                choice = self.head.token(self._sampler, rows[:-1])
+                matched = int((choice == candidates[a:end]).int().cumprod(0).sum())
+                a += matched
+                if a < end or end == m:
+                    break
+                previous = rows[-1:]
+        self._num_cached = kv_cache.rollback(self._cache, self._num_cached, length + a)
+        return a, rows[matched : matched + 1]
 
     @property
     def compile_time_s(self) -> float:
