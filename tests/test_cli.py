@@ -71,15 +71,19 @@ def test_bad_input_exits_nonzero_with_message(capsys, args, message):
     assert out == ""
 
 
-@pytest.mark.parametrize("flags, method, adaptive", [
-    ([], "cascade", True),  # the defaults: the cascade with adaptive draft exit
-    (["--no-adaptive-draft-exit"], "cascade", None),
-    (["--method", "draft"], "draft", True),
-    (["--method", "draft", "--no-adaptive-draft-exit"], "draft", None),
-    (["--method", "prompt-lookup"], "prompt-lookup", None),  # no draft probabilities: off by default
-    (["--method", "autoregressive", "--adaptive-draft-exit"], "autoregressive", True),
+@pytest.mark.parametrize("flags, method, adaptive, ngram_check", [
+    ([], "cascade", True, True),  # the defaults: the cascade, n-gram check and adaptive draft exit on
+    (["--no-adaptive-draft-exit"], "cascade", False, True),
+    (["--no-ngram-check"], "cascade", True, False),
+    (["-g", "3"], "cascade", False, True),  # an explicit gamma asks for fixed blocks
+    (["--quantize", "int8"], "cascade", False, True),  # quantized target: verifying > 4 tokens costs 2+ steps
+    (["--method", "draft"], "draft", True, None),
+    (["--method", "draft", "--no-adaptive-draft-exit"], "draft", False, None),
+    (["--method", "prompt-lookup"], "prompt-lookup", False, None),  # no draft probabilities: off by default
+    (["--method", "autoregressive", "--adaptive-draft-exit"], "autoregressive", True, None),
 ])
-def test_generate_defaults_to_the_cascade_with_adaptive_exit(tiny_folders, capsys, flags, method, adaptive):
+def test_generate_defaults_to_the_cascade_with_adaptive_exit(tiny_folders, capsys, flags, method, adaptive,
+                                                             ngram_check):
     target_dir, draft_dir, target = tiny_folders
     code, out, err = _run(capsys, "--target", target_dir, "--draft", draft_dir, "--prompt", "w5 w9 w11 w5 w9",
                           "--max-new-tokens", 10, "--dtype", "float32", "--json", *flags)
@@ -87,11 +91,13 @@ def test_generate_defaults_to_the_cascade_with_adaptive_exit(tiny_folders, capsy
     result = json.loads(out)
     assert result["method"] == method
     control = result["draft_control"]
-    assert (control and control["adaptive_exit"]) or None == adaptive
-    reference = SpeculativeDecoder(target, eos_token_ids=[2]).generate(
-        torch.tensor([[5, 9, 11, 5, 9]]), GenerationConfig(max_new_tokens=10)
-    )
-    assert result["token_ids"] == reference.token_ids
+    assert bool(control and control["adaptive_exit"]) is adaptive
+    assert result["ngram_check"] is ngram_check
+    if "--quantize" not in flags:  # a quantized target is another model
+        reference = SpeculativeDecoder(target, eos_token_ids=[2]).generate(
+            torch.tensor([[5, 9, 11, 5, 9]]), GenerationConfig(max_new_tokens=10)
+        )
+        assert result["token_ids"] == reference.token_ids
 
 
 @pytest.mark.parametrize("flag, expected", [([], None), (["--no-compile"], False), (["--compile"], True)])

@@ -23,9 +23,17 @@ from specdecode.models.quantize import QUANTIZE_SCHEMES
 from specdecode.pipeline import DEFAULT_DRAFT, DEFAULT_TARGET, METHODS
 
 EXIT_BAD_INPUT = 2
-# `generate` turns adaptive draft exit on by default for these methods: measured faster than a
-# fixed γ with an int4 or bf16 draft on HumanEval and Spec-Bench (README, "Cascade drafter").
+# `generate` turns adaptive draft exit on by default for these methods (see _adaptive_by_default).
 ADAPTIVE_BY_DEFAULT = ("draft", "cascade")
+
+
+def _adaptive_by_default(args) -> bool:
+    """Adaptive draft exit when --adaptive-draft-exit is not given: on for ``ADAPTIVE_BY_DEFAULT``
+    with an unquantized target and no explicit -g. Measured (docs/benchmarks/2026-11-25-cascade-tuning.md):
+    faster than a fixed γ = 5 with a bf16 target on HumanEval and Spec-Bench. With a quantized target
+    it was slower than γ = 3 (2026-11-23: verifying 5-12 tokens costs two to four steps there), and an
+    explicit -g asks for blocks of that length."""
+    return args.method in ADAPTIVE_BY_DEFAULT and args.quantize == "none" and args.num_speculative_tokens is None
 
 
 def _add_quantize_arguments(p: argparse.ArgumentParser) -> None:
@@ -61,8 +69,10 @@ def _add_generate(sub) -> None:
     b.add_argument("--banned-words-ignore-case", action="store_true", help="match banned words regardless of case")
     b.add_argument("--banned-words-whole-word", action="store_true",
                    help="match banned words only as whole words (a banned 'ass' does not block 'class')")
-    p.add_argument("--num-speculative-tokens", "-g", type=int, default=GenerationConfig.num_speculative_tokens,
-                   help="gamma: tokens drafted per target forward")
+    p.add_argument("--num-speculative-tokens", "-g", type=int, default=None,
+                   help=f"gamma: tokens drafted per target forward (default "
+                        f"{GenerationConfig.num_speculative_tokens}); given, it turns the default adaptive "
+                        "draft exit off")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     _add_quantize_arguments(p)
     p.add_argument("--device", default="auto")
@@ -91,8 +101,8 @@ def _add_generate(sub) -> None:
     c = p.add_argument_group("draft length control")
     c.add_argument("--adaptive-draft-exit", action=argparse.BooleanOptionalAction, default=None,
                    help="Draft & Verify adaptive draft exit: stop drafting below a self-tuning confidence "
-                        "threshold (blocks up to --max-draft-tokens instead of -g); default: on for the "
-                        f"draft-model methods ({', '.join(ADAPTIVE_BY_DEFAULT)}), off for the others")
+                        "threshold (blocks up to --max-draft-tokens instead of -g); default: on for "
+                        f"{' and '.join(ADAPTIVE_BY_DEFAULT)} with an unquantized target and no -g, else off")
     c.add_argument("--draft-exit-threshold", type=float, default=DraftControl.exit_threshold,
                    help="initial adaptive draft-exit threshold")
     c.add_argument("--max-draft-tokens", type=int, default=DraftControl.max_draft_tokens,
@@ -193,7 +203,8 @@ def cmd_generate(args) -> int:
         top_k=args.top_k,
         top_p=args.top_p,
         seed=args.seed,
-        num_speculative_tokens=args.num_speculative_tokens,
+        num_speculative_tokens=(GenerationConfig.num_speculative_tokens if args.num_speculative_tokens is None
+                                else args.num_speculative_tokens),
         stop_strings=tuple(args.stop),
         banned_words=tuple(banned),
         banned_words_ignore_case=args.banned_words_ignore_case,
@@ -202,9 +213,8 @@ def cmd_generate(args) -> int:
     if not args.prompt.strip():
         raise SpecDecodeError("the prompt is empty: pass some text with --prompt")
     _check_method_options(args)  # before minutes of model loading
-    adaptive = args.adaptive_draft_exit
     control = DraftControl(
-        adaptive_exit=args.method in ADAPTIVE_BY_DEFAULT if adaptive is None else adaptive,
+        adaptive_exit=_adaptive_by_default(args) if args.adaptive_draft_exit is None else args.adaptive_draft_exit,
         exit_threshold=args.draft_exit_threshold,
         max_draft_tokens=args.max_draft_tokens,
         length_schedule=args.draft_length_schedule,
@@ -242,6 +252,7 @@ def cmd_generate(args) -> int:
             "exit_layer": args.exit_layer,
             "draft_vocab_size": args.draft_vocab_size or None,
             "draft_control": dataclasses.asdict(control) if control.active else None,
+            "ngram_check": args.ngram_check if args.method == "cascade" else None,
             "compile": args.compile,
             "dtype": str(gen.target.model.dtype).removeprefix("torch."),
             "device": str(gen.target.model.device),

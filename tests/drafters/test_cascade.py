@@ -142,7 +142,8 @@ def test_adaptive_exit_applies_to_the_model_part():
     assert dec.generate(prompt, config).token_ids == autoregressive(target, prompt, config)
 
 
-def test_sampling_preserves_target_distribution():
+@pytest.mark.parametrize("ngram_check", [True, False])
+def test_sampling_preserves_target_distribution(ngram_check):
     """Mixed blocks: one-hot rows for the n-gram part, the model's q for the rest."""
     vocab, n = 8, 600
     model = make_tiny_model("qwen2", num_layers=1, vocab_size=vocab, seed=2)
@@ -153,13 +154,13 @@ def test_sampling_preserves_target_distribution():
     # Tokens 2-3 come out of one verified block of up to 3 tokens; the lookup after the first
     # token gives at most 2 (the prompt's last occurrence of it is near the end), the model the rest.
     config = GenerationConfig(max_new_tokens=4, num_speculative_tokens=3, stop_on_eos=False, temperature=1.0)
-    dec = SpeculativeDecoder(model, CascadeDrafter(draft, max_ngram=2))
+    dec = SpeculativeDecoder(model, CascadeDrafter(draft, max_ngram=2, ngram_check=ngram_check))
     freq = sample_counts(dec, prompt, config, n, vocab)
     exact = exact_marginals(model, prompt, config, vocab)
     assert violations(exact, freq, n) == []
     # Negative control: the draft model's own law is rejected by the same test.
     assert violations(exact_marginals(draft, prompt, config, vocab), freq, n) != []
-    spy = Spy(draft, max_ngram=2)
+    spy = Spy(draft, max_ngram=2, ngram_check=ngram_check)
     spied = SpeculativeDecoder(model, spy)
     runs = [spied.generate(prompt, dataclasses.replace(config, seed=s)).stats for s in range(30)]
     drafted = sum(r.num_drafted_tokens for r in runs)

@@ -149,6 +149,8 @@ def test_greedy_equals_autoregressive(arch, method, num_others):
     assert len(outside) >= len(expected) // 4, "the test needs target tokens outside K"
     assert spy.model_tokens and set(spy.model_tokens) <= set(ids)  # the model part proposes within K only
     assert result.stats.num_accepted_tokens > 0
+    if method == "cascade":  # the check kept n-gram tokens (within K) and continued from K-column logits
+        assert spy.drafter.num_ngram_tokens > 0
 
 
 def test_full_head_is_the_default_and_unchanged():

@@ -80,7 +80,7 @@ def draft_autoregressively(
     ``first_logits`` ((1, V') or (1, K)): the first token's logits, already computed (the
     cascade's n-gram check, ``DraftModelDrafter.check``); the first token then costs no
     forward and ``feed`` (usually (1, 0)) is fed together with it. A block of k tokens then
-    runs k - 1 forwards and still appends m + k - 1 positions.
+    runs k - 1 forwards and appends m + k - 1 positions (none for k = 1: nothing is fed).
 
     Raises:
         NonFiniteLogitsError: If a forward gives NaN or infinite logits (``who`` names the model);

@@ -15,8 +15,13 @@ model's tokens after it included. So the draft model first checks the match
 (``DraftModelDrafter.check``): it is fed the n-gram tokens, a few per forward, with a
 row of logits kept per token, and only the leading tokens that equal its own greedy
 choice stay; its logits after them give the next token, and it drafts on from there.
-Greedy, the block is then exactly the one ``draft`` would propose, but a run of agreeing
-n-gram tokens costs about one draft forward per 4 tokens instead of one per token.
+Greedy and without adaptive draft exit, the block is then the one ``draft`` would
+propose (up to rounding: a forward over several tokens may round differently from one
+over a single token), but a run of agreeing n-gram tokens costs about one draft forward
+per 4 tokens instead of one per token. With adaptive exit, agreeing n-gram tokens skip
+the confidence test (two sources agree), so blocks can be longer than ``draft``'s. With
+a truncated head (FR-Spec) an n-gram token outside its K tokens never agrees, so the
+check drops it.
 With ``ngram_check=False`` the whole match is proposed unchecked (the first design;
 kept to measure against).
 
@@ -49,8 +54,9 @@ class CascadeDrafter(Drafter):
         model: The draft model (a transformers causal LM with the target's vocabulary),
             in eval mode, on the target's device.
         max_ngram, min_ngram: n-gram sizes of the match (1 <= min_ngram <= max_ngram).
-        head: The draft model's LM-head rows (``DraftModelDrafter``'s ``head``); the n-gram
-            part may propose any token, the model part only the head's.
+        head: The draft model's LM-head rows (``DraftModelDrafter``'s ``head``); the model part
+            proposes only the head's tokens, and so does the n-gram part when checked (unchecked,
+            any token).
         runner: The draft model's ``ModelRunner`` (``DraftModelDrafter``'s ``runner``).
         ngram_check: Keep only the n-gram tokens the draft model agrees with (module
             docstring); False proposes the whole match.

@@ -91,7 +91,8 @@ class DraftModelDrafter(Drafter):
             first_logits,
         )
         self.num_forwards += len(draft) - (first_logits is not None)
-        self._num_cached += feed.shape[1] + len(draft) - 1
+        fed = 0 if first_logits is not None and len(draft) == 1 else feed.shape[1]  # no forward fed ``feed``
+        self._num_cached += fed + len(draft) - 1
         return draft
 
     @torch.inference_mode()
@@ -107,9 +108,9 @@ class DraftModelDrafter(Drafter):
         costs about one token's (the quantized CPU kernels work in blocks of 4 rows), so a
         run of agreeing candidates costs about a forward per 4 instead of one per token.
 
-        The cache then holds ``sequence`` (but its last token) and the ``a`` agreeing
-        candidates, the rest rolled back; the next ``propose`` gets ``first_logits``, the
-        draft's logits after them, so the model continues the block with no extra forward.
+        The cache then holds ``sequence`` and the ``a`` agreeing candidates, the rest rolled
+        back; the next ``propose`` gets ``first_logits``, the draft's logits after them, so
+        the model continues the block with no extra forward.
         Greedy agreement with the draft model is a deterministic function of the context,
         so kept candidates stay point-mass proposals under sampling (exact verification).
 
@@ -123,7 +124,9 @@ class DraftModelDrafter(Drafter):
 
         Raises:
             NonFiniteLogitsError: If a forward gives NaN or infinite logits.
-            InvalidArgumentError: See ``propose``; ``width`` < 2; empty ``candidates``.
+            InvalidArgumentError: See ``propose``; ``width`` < 2; empty ``candidates``; nothing of
+                ``sequence`` left to feed (its last token must not be cached yet).
+            UnsupportedModelError: A truncated head the model's forward does not apply.
         """
         if isinstance(width, bool) or not isinstance(width, int) or width < 2:
             raise InvalidArgumentError(f"check width must be an integer >= 2, got {width!r}")
@@ -132,6 +135,11 @@ class DraftModelDrafter(Drafter):
             raise InvalidArgumentError("check needs at least one candidate token")
         self.runner.check_owner(self._cache, self._generation)
         length = sequence.shape[1]
+        if self._num_cached >= length:
+            raise InvalidArgumentError(
+                f"check needs the sequence's last token uncached: the draft cache holds {self._num_cached} of its "
+                f"{length} tokens"
+            )
         tokens = torch.cat([sequence, candidates.view(1, -1)], dim=1)
         a, previous = 0, None  # previous: the last row of the previous forward (predicts candidates[a])
         with self.head.applied():
