@@ -37,6 +37,20 @@ def _tiny(arch: str, tied: bool, **kw) -> nn.Module:
     return model
 
 
+def _loaded_twice(tmp_path, arch: str, tied: bool, scheme: str):
+    """A tiny model saved to a folder, loaded and quantized through the loader twice (the second
+    time from the quantized file the first one cached in ``tmp_path / "dense"``)."""
+    from specdecode.models import loading
+
+    folder = tmp_path / "m"
+    _tiny(arch, tied, num_layers=2).save_pretrained(folder)
+    make_tiny_tokenizer().save_pretrained(folder)
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    return [loading._quantize(loading._load_dense(folder, "m", torch.float32, torch.device("cpu")), scheme, dense)
+            for _ in range(2)]
+
+
 def _dequant_int4(parts: dict[str, torch.Tensor], group: int = 32) -> torch.Tensor:
     """(q - 8) * s + z of the packed weight, element by element in float32 (written apart from the module's)."""
     q = unpack_nibbles(parts["nibbles"]).float()
@@ -141,19 +155,11 @@ def test_cache_round_trip_gives_the_same_logits(tmp_path, tied, scheme):
 
 def test_a_tied_model_saved_and_loaded_shares_its_int8_rows_after_the_cache(tmp_path):
     """Through the loader: from_pretrained re-ties the weights, and the cached file has no embedding of its own."""
-    from specdecode.models import loading
-
-    folder = tmp_path / "m"
-    _tiny("llama", True, num_layers=2).save_pretrained(folder)
-    make_tiny_tokenizer().save_pretrained(folder)
-    dense = tmp_path / "dense"
-    dense.mkdir()
-    a, b = [loading._quantize(loading._load_dense(folder, "m", torch.float32, torch.device("cpu")), "int8", dense)
-            for _ in range(2)]
+    a, b = _loaded_twice(tmp_path, "llama", True, "int8")
     for loaded in (a, b):
         emb, head = loaded.model.get_input_embeddings(), loaded.model.get_output_embeddings()
         assert isinstance(head, Int8Linear) and emb.qweight is head.qweight
-    assert not any(k.startswith("model.embed_tokens.") for k in read_quantized(dense, "int8"))
+    assert not any(k.startswith("model.embed_tokens.") for k in read_quantized(tmp_path / "dense", "int8"))
     x = prompt_ids(7, seed=3)
     with torch.inference_mode():
         assert torch.equal(a.model(x).logits, b.model(x).logits)
@@ -286,16 +292,8 @@ def test_greedy_speculative_equals_autoregressive_with_int4_embeddings():
 
 
 def test_an_untied_model_saved_and_loaded_keeps_its_int4_embedding_through_the_cache(tmp_path):
-    from specdecode.models import loading
-
-    folder = tmp_path / "m"
-    _tiny("qwen2", False, num_layers=2).save_pretrained(folder)
-    make_tiny_tokenizer().save_pretrained(folder)
-    dense = tmp_path / "dense"
-    dense.mkdir()
-    a, b = [loading._quantize(loading._load_dense(folder, "m", torch.float32, torch.device("cpu")), "int4", dense)
-            for _ in range(2)]  # the second one reads the cached file
-    stored = read_quantized(dense, "int4")
+    a, b = _loaded_twice(tmp_path, "qwen2", False, "int4")  # the second one reads the cached file
+    stored = read_quantized(tmp_path / "dense", "int4")
     assert stored["model.embed_tokens.nibbles"].dtype == torch.uint8 and int(stored["model.embed_tokens.int4"][0]) == 32
     for loaded in (a, b):
         emb = loaded.model.get_input_embeddings()
