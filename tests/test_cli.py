@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -127,3 +128,82 @@ def test_generate_passes_compile_to_the_pipeline(tiny_folders, capsys, monkeypat
         torch.tensor([[5, 9, 11]]), GenerationConfig(max_new_tokens=5)
     )
     assert result["token_ids"] == reference.token_ids
+
+
+@pytest.mark.parametrize("flags, quantize, draft_quantize", [
+    ([], "none", "int4"),  # the default on CPU: an int4 draft, the target's output unchanged
+    (["--method", "draft"], "none", "int4"),
+    (["--draft-quantize", "none"], "none", "none"),  # an explicit none keeps the draft dense
+    (["--draft-quantize", "int8"], "none", "int8"),
+    (["--quantize", "int8"], "int8", "int8"),  # a quantized target: the draft follows it
+    (["--method", "prompt-lookup"], "none", None),  # no draft model, and no --draft-quantize error
+    (["--method", "autoregressive"], "none", None),
+])
+def test_generate_quantizes_the_draft_to_int4_by_default_on_cpu(tiny_folders, capsys, caplog, flags, quantize,
+                                                               draft_quantize):
+    target_dir, draft_dir, target = tiny_folders
+    caplog.set_level(logging.INFO, logger="specdecode.cli")
+    code, out, err = _run(capsys, "--target", target_dir, "--draft", draft_dir, "--prompt", "w5 w9 w11 w5 w9",
+                          "--max-new-tokens", 10, "--dtype", "float32", "--device", "cpu", "--json", *flags)
+    assert code == 0, err
+    result = json.loads(out)
+    assert (result["quantize"], result["draft_quantize"]) == (quantize, draft_quantize)
+    assert ("--draft-quantize none keeps it dense" in caplog.text) is (flags in ([], ["--method", "draft"]))
+    if quantize == "none":  # a quantized draft leaves the target's output unchanged
+        reference = SpeculativeDecoder(target, eos_token_ids=[2]).generate(
+            torch.tensor([[5, 9, 11, 5, 9]]), GenerationConfig(max_new_tokens=10)
+        )
+        assert result["token_ids"] == reference.token_ids
+
+
+@pytest.mark.parametrize("flags, device, expected", [
+    ([], "cpu", "int4"),
+    (["--method", "draft"], "cpu", "int4"),
+    ([], "cuda", None),  # int4 runs on CPU only: the draft follows --quantize (none)
+    (["--draft-quantize", "none"], "cpu", None),  # given: the rule is not consulted
+    (["--quantize", "int4"], "cpu", None),
+    (["--method", "prompt-lookup"], "cpu", None),
+    (["--method", "early-exit", "--exit-layer", "1"], "cpu", None),
+])
+def test_draft_quantize_by_default_rule(flags, device, expected):
+    from specdecode.cli import _check_method_options, _draft_quantize_by_default, build_parser
+
+    args = build_parser().parse_args(["generate", "--prompt", "w5", *flags])
+    _check_method_options(args)  # the default never trips the --draft-quantize check
+    assert _draft_quantize_by_default(args, torch.device(device)) == expected
+
+
+def test_draft_quantize_default_needs_the_int4_kernel(monkeypatch):
+    """A torch build without the int4 CPU kernel keeps a dense draft rather than failing."""
+    from specdecode import cli
+    from specdecode.errors import InvalidArgumentError
+
+    def refuse(scheme, device=None):
+        raise InvalidArgumentError("no int4 kernel")
+
+    monkeypatch.setattr(cli, "check_quantize", refuse)
+    args = cli.build_parser().parse_args(["generate", "--prompt", "w5"])
+    assert cli._draft_quantize_by_default(args, torch.device("cpu")) is None
+
+
+def test_generate_on_cuda_keeps_the_draft_as_the_target(monkeypatch, capsys):
+    """The resolved device reaches the rule: on CUDA (faked, no GPU needed) from_pretrained gets
+    draft_quantize=None, so int4, which CUDA refuses, is never picked."""
+    from specdecode import cli
+    from specdecode.errors import SpecDecodeError
+    from specdecode.pipeline import SpeculativeGenerator
+
+    asked = []
+
+    def from_pretrained(target, draft, **kwargs):
+        asked.append((draft, kwargs["draft_quantize"]))
+        raise SpecDecodeError("stopped before loading")
+
+    monkeypatch.setattr(cli, "resolve_device", lambda device: torch.device("cuda"))
+    monkeypatch.setattr(SpeculativeGenerator, "from_pretrained", from_pretrained)
+    code, _, err = _run(capsys, "--prompt", "w5")
+    assert code == 2 and "stopped before loading" in err
+    assert asked == [(cli.DEFAULT_DRAFT, None)]
+    monkeypatch.setattr(cli, "resolve_device", lambda device: torch.device("cpu"))
+    _run(capsys, "--prompt", "w5")
+    assert asked[-1] == (cli.DEFAULT_DRAFT, "int4")  # the same call on CPU picks int4
