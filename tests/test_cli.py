@@ -63,6 +63,10 @@ def test_generate_streams_text_and_prints_stats(tiny_folders, capsys):
         (["--prompt", "w5", "--max-new-tokens", "0"], "max_new_tokens must be an integer >= 1, got 0"),
         (["--prompt", "w5", "-g", "0"], "num_speculative_tokens (gamma) must be an integer >= 1, got 0"),
         (["--prompt", "w5", "--target", "nope-model"], "unknown model 'nope-model'"),
+        (["--prompt", "w5", "--method", "prompt-lookup", "--draft-quantize-head", "int8"],
+         "--draft-quantize-head applies to --method draft or cascade (the draft model), not 'prompt-lookup'"),
+        (["--prompt", "w5", "--draft-quantize", "int8", "--draft-quantize-head", "int4"],
+         "an int4 LM head needs quantize='int4', but quantize='int8'"),
     ],
 )
 def test_bad_input_exits_nonzero_with_message(capsys, args, message):
@@ -78,6 +82,7 @@ def test_bad_input_exits_nonzero_with_message(capsys, args, message):
     (["--no-ngram-check"], "cascade", True, False),
     (["-g", "3"], "cascade", False, True),  # an explicit gamma asks for fixed blocks
     (["--quantize", "int8"], "cascade", False, True),  # quantized target: verifying > 4 tokens costs 2+ steps
+    (["--draft-quantize", "int4"], "cascade", True, True),  # an int4 draft (and int4 LM head): the same tokens
     (["--method", "draft"], "draft", True, None),
     (["--method", "draft", "--no-adaptive-draft-exit"], "draft", False, None),
     (["--method", "prompt-lookup"], "prompt-lookup", False, None),  # no draft probabilities: off by default

@@ -45,6 +45,7 @@ from specdecode.errors import InvalidArgumentError
 from specdecode.drafters.layer_skip import LayerSkipDrafter, SkipSet
 from specdecode.models import LoadedModel, check_vocabularies, load_model
 from specdecode.models.dense_cache import dense_cache_valid
+from specdecode.models.quantize import check_quantize, check_quantize_head
 from specdecode.models.token_frequencies import TokenFrequencies, load_or_count, special_token_ids
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 
@@ -139,6 +140,7 @@ class SpeculativeGenerator:
         cache_dir=None,
         quantize: str = "none",
         draft_quantize: str | None = None,
+        draft_quantize_head: str | None = None,
     ) -> SpeculativeGenerator:
         """Load target and draft (see ``specdecode.models.load_model`` for specs and errors).
 
@@ -147,12 +149,33 @@ class SpeculativeGenerator:
         (None: the same as ``quantize``). A quantized draft with an unquantized target keeps
         the output exactly the target's while making each draft step cheaper.
 
+        ``draft_quantize_head``: the draft's LM head storage ("int8", "int4"). None gives an
+        int4 draft an int4 head, any other draft the int8 default; "int8" keeps an int4
+        draft's head at int8 (the behaviour before the int4 head). The target's head stays
+        int8 under every scheme (its precision is the output's). A draft head's precision
+        changes acceptance only, and the int8 head was 36% of the int4 Qwen2.5-Coder 0.5B
+        draft's one-token forward (11.3 of 31 ms); measured on a 2-core EPYC with
+        avx512_bf16 and a bf16 1.5B target, the int4 head made cascade with adaptive exit
+        7.9% faster on 8 held-out HumanEval prompts (11.56 -> 12.47 tok/s, acceptance 84.6%
+        -> 84.2%) and 3.9% faster on 5 Spec-Bench prompts (8.00 -> 8.31, 65.2% -> 65.6%).
+
         ``draft=None`` loads no draft model: enough for every method but "draft" and "cascade"
         ("autoregressive", "layer-skip", "early-exit", "prompt-lookup").
+
+        Raises:
+            InvalidArgumentError: Besides ``load_model``'s: ``draft_quantize_head`` unknown, or
+                "int4" with a draft that is not int4 (checked before anything is loaded).
         """
+        draft_scheme = quantize if draft_quantize is None else draft_quantize
+        draft_head = draft_quantize_head
+        if draft:
+            check_quantize(draft_scheme)
+            if draft_head is None:
+                draft_head = "int4" if draft_scheme == "int4" else None
+            check_quantize_head(draft_head, draft_scheme)
         t = load_model(target, dtype=dtype, device=device, cache_dir=cache_dir, quantize=quantize)
         d = load_model(draft, dtype=t.model.dtype, device=str(t.model.device), cache_dir=cache_dir,
-                       quantize=quantize if draft_quantize is None else draft_quantize) if draft else None
+                       quantize=draft_scheme, quantize_head=draft_head) if draft else None
         return cls(t, d, cache_dir=cache_dir)
 
     @property

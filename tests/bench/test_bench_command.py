@@ -58,6 +58,9 @@ def test_cli_bench_errors(model_folders, tmp_path, capsys):
     assert cli.main(["bench", "--target", str(target), "--draft", "none", "--dataset", data, "--dtype", "float32",
                      "--methods", "draft", "--out", str(tmp_path / "o")]) == 2
     assert "needs a draft model" in capsys.readouterr().err
+    assert cli.main(["bench", "--target", str(target), "--draft", "none", "--dataset", data,
+                     "--draft-quantize-head", "int8", "--out", str(tmp_path / "o")]) == 2
+    assert "--draft-quantize-head needs a draft model (--draft)" in capsys.readouterr().err
 
 
 def test_cli_bench_compile_flag_and_variants(model_folders, tmp_path, capsys, monkeypatch):

@@ -94,3 +94,28 @@ def test_resume_refuses_other_model(generator, target_only, tmp_path):
     run_bench(generator, PROMPTS[:1], ["autoregressive"], BenchSettings(**SMALL), tmp_path)
     with pytest.raises(InvalidArgumentError, match="draft: 'tiny-draft' there, None now"):
         run_bench(target_only, PROMPTS[:1], ["autoregressive"], BenchSettings(**SMALL), tmp_path)
+
+
+def test_an_int4_draft_head_is_named_and_an_int8_head_keeps_old_folders_resumable(tmp_path):
+    """Before the int4 LM head every quantized head was int8: only an int4 head enters the identity."""
+    from conftest import make_tiny_model, make_tiny_tokenizer
+    from specdecode.models import LoadedModel
+    from specdecode.models.quantize import quantize_model
+    from specdecode.pipeline import SpeculativeGenerator
+
+    tok = make_tiny_tokenizer()
+    target = LoadedModel(make_tiny_model("qwen2", 2, seed=0), tok, "tiny-target")
+    identities = {}
+    for head in ("int8", "int4"):
+        draft = make_tiny_model("qwen2", 2, seed=0)
+        quantize_model(draft, "int4", head)
+        gen = SpeculativeGenerator(target, LoadedModel(draft, tok, "tiny-draft"))
+        identities[head] = bench.run_identity(gen, BenchSettings(**SMALL))
+    old, new = identities["int8"], identities["int4"]
+    assert old["draft_quantize"] == new["draft_quantize"] == "int4"
+    assert "draft_quantize_head" not in old and "quantize_head" not in old  # as the identity before the option
+    assert new["draft_quantize_head"] == "int4" and {k: v for k, v in new.items() if k != "draft_quantize_head"} == old
+    store = bench.RecordStore(tmp_path)
+    assert store.check_settings(old) is False and store.check_settings(old) is True  # resumes with the int8 head
+    with pytest.raises(InvalidArgumentError, match=r"draft_quantize_head: None there, 'int4' now"):
+        store.check_settings(new)  # another draft model: not mixed into the old folder's records

@@ -48,3 +48,14 @@ def test_every_target_only_method_is_a_baseline():
     assert base == "autoregressive:compile=1" and sp["draft"] == pytest.approx(2.0)
     sp, base = speedups({"hf-generate": 10.0, "hf-generate-static": 20.0, "autoregressive": 12.5, "draft": 30.0})
     assert base == "hf-generate-static" and sp["draft"] == pytest.approx(1.5)
+
+
+def test_the_quantization_line_names_an_int4_lm_head():
+    from specdecode.bench.report import _quantized
+
+    assert _quantized({}) == ""
+    assert _quantized({"quantize": "none", "draft_quantize": "int4"}) == " (draft: int4 weights)"  # int8 head
+    assert _quantized({"quantize": "none", "draft_quantize": "int4", "draft_quantize_head": "int4"}) == (
+        " (draft: int4 weights and LM head)")
+    assert _quantized({"quantize": "int4", "draft_quantize": "int4", "draft_quantize_head": "int4"}) == (
+        " with int4 weight-only quantized linear layers (draft: int4 weights and LM head)")

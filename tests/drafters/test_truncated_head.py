@@ -84,12 +84,14 @@ def test_bias_rows():
             torch.testing.assert_close(model(x).logits, full[..., ids])
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_a_quantized_head_cuts_its_own_rows(scheme):
-    """A weight-only quantized LM head (``specdecode.models.quantize``) gives its K rows through ``select_rows``."""
+@pytest.mark.parametrize("scheme, lm_head", [("int8", None), ("int4", None), ("int4", "int4")],
+                         ids=["int8", "int4", "int4-head-int4"])
+def test_a_quantized_head_cuts_its_own_rows(scheme, lm_head):
+    """A weight-only quantized LM head (``specdecode.models.quantize``) gives its K rows through ``select_rows``
+    (an int4 head: K = 4 rows, padded to the kernel's 16 and cut back)."""
     from specdecode.models import quantize
     model = make_tiny_model("qwen2", num_layers=1, hidden_size=64, intermediate_size=128).to(torch.bfloat16)
-    quantize.quantize_model(model, scheme)
+    assert quantize.quantize_model(model, scheme, lm_head).head == (lm_head or "int8")
     lm_head = model.get_output_embeddings()
     assert callable(getattr(lm_head, "select_rows", None)), type(lm_head)
     ids = [3, 9, 27, 40]

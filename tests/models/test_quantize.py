@@ -181,7 +181,7 @@ def test_second_load_reads_the_cache_instead_of_quantizing(tmp_path, monkeypatch
     dense.mkdir()
     calls = []
     real = loading.quantized_tensors
-    monkeypatch.setattr(loading, "quantized_tensors", lambda m, s: calls.append(s) or real(m, s))
+    monkeypatch.setattr(loading, "quantized_tensors", lambda m, s, h: calls.append(s) or real(m, s, h))
     a = loading._quantize(loading._load_dense(folder, "m", torch.float32, torch.device("cpu")), "int8", dense)
     b = loading._quantize(loading._load_dense(folder, "m", torch.float32, torch.device("cpu")), "int8", dense)
     assert calls == ["int8"] and a.quantize == b.quantize == "int8"
@@ -194,21 +194,25 @@ def test_second_load_reads_the_cache_instead_of_quantizing(tmp_path, monkeypatch
 # --- lossless decoding on the quantized model ------------------------------------------
 
 
-def _quantized_pair(arch: str, scheme: str) -> SpeculativeGenerator:
+def _quantized_pair(arch: str, scheme: str, draft_head: str | None = None) -> SpeculativeGenerator:
+    """Target and draft quantized with ``scheme``; the draft's LM head in ``draft_head`` (None: int8)."""
     tok = make_tiny_tokenizer()
     target = make_tiny_model(arch, num_layers=4, seed=0)
     draft = make_tiny_model(arch, num_layers=2, seed=5)
-    for model in (target, draft):
-        summary = quantize_model(model, scheme)
+    for model, head in ((target, None), (draft, draft_head)):
+        summary = quantize_model(model, scheme, head)
         assert not any(type(m) is nn.Linear for m in model.modules())  # it really is quantized
         assert summary.layers[scheme] > 0 and summary.bytes_after < summary.bytes_before / 2
+        assert summary.head == (head or "int8")
     return SpeculativeGenerator(LoadedModel(target, tok, "tiny", scheme), LoadedModel(draft, tok, "tiny-draft", scheme))
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_greedy_speculative_equals_the_quantized_models_autoregressive_output(arch, scheme):
-    """Float32 activations: every method reproduces the quantized target's own greedy tokens."""
-    gen = _quantized_pair(arch, scheme)
+@pytest.mark.parametrize("scheme, draft_head", [("int8", None), ("int4", None), ("int4", "int4")],
+                         ids=["int8", "int4", "int4-draft-head-int4"])
+def test_greedy_speculative_equals_the_quantized_models_autoregressive_output(arch, scheme, draft_head):
+    """Float32 activations: every method reproduces the quantized target's own greedy tokens (also with the
+    draft's LM head in int4, the default for an int4 draft)."""
+    gen = _quantized_pair(arch, scheme, draft_head)
     config = GenerationConfig(max_new_tokens=24, num_speculative_tokens=4, stop_on_eos=False)
     prompt = "w5 w9 w12 w7 w5 w9 w12 w7 w5 w30 w31"
     expected = gen.generate(prompt, config, method="autoregressive").token_ids
@@ -294,15 +298,18 @@ def test_skipped_attention_on_a_fresh_cache_of_a_quantized_model():
     assert cache.get_seq_length() == 5 and cache.layers[0].keys.dtype == torch.float32
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_quantized_model_on_the_compiled_fast_path(scheme):
-    """The quantized linears trace under torch.compile (fullgraph) and give the eager tokens."""
+@pytest.mark.parametrize("scheme, head", [("int8", None), ("int4", None), ("int4", "int4")],
+                         ids=["int8", "int4", "int4-tied-head-int4"])
+def test_quantized_model_on_the_compiled_fast_path(scheme, head):
+    """The quantized linears trace under torch.compile (fullgraph) and give the eager tokens (also an int4 LM
+    head with the tied embedding on its buffers' views)."""
     from specdecode import SpeculativeDecoder
     from specdecode.engine.fast_path import ModelRunner
 
     torch._dynamo.reset()
-    model = make_tiny_model("llama", num_layers=2, hidden_size=64, intermediate_size=128, vocab_size=64)
-    quantize_model(model.to(torch.bfloat16), scheme)
+    model = make_tiny_model("llama", num_layers=2, hidden_size=64, intermediate_size=128, vocab_size=64,
+                            tie_word_embeddings=head == "int4")
+    assert quantize_model(model.to(torch.bfloat16), scheme, head).head == (head or "int8")
     prompt = torch.randint(3, 60, (1, 9), generator=torch.Generator().manual_seed(0))
     config = GenerationConfig(max_new_tokens=12, stop_on_eos=False)
     eager = SpeculativeDecoder(model, compile=False).generate(prompt, config).token_ids

@@ -195,14 +195,16 @@ def test_an_embedding_that_is_more_than_a_lookup_stays_dense():
     assert not any(type(m) is nn.Linear for m in model.modules())
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_greedy_speculative_equals_autoregressive_on_tied_quantized_models(arch, scheme):
-    """The exactness test of test_quantize.py, on tied models (the embedding reads the int8 head)."""
+@pytest.mark.parametrize("scheme, draft_head", [("int8", None), ("int4", None), ("int4", "int4")],
+                         ids=["int8", "int4", "int4-draft-head-int4"])
+def test_greedy_speculative_equals_autoregressive_on_tied_quantized_models(arch, scheme, draft_head):
+    """The exactness test of test_quantize.py, on tied models (the embedding reads the int8 head, or the
+    draft's int4 head)."""
     tok = make_tiny_tokenizer()
     target, draft = _tiny(arch, True, num_layers=4, seed=0), _tiny(arch, True, num_layers=2, seed=5)
-    for model in (target, draft):
-        assert quantize_model(model, scheme).tied_head
-        assert isinstance(model.get_input_embeddings(), Int8Embedding)
+    for model, head in ((target, None), (draft, draft_head)):
+        assert quantize_model(model, scheme, head).tied_head
+        assert isinstance(model.get_input_embeddings(), Int4Embedding if head == "int4" else Int8Embedding)
     gen = SpeculativeGenerator(LoadedModel(target, tok, "tiny", scheme), LoadedModel(draft, tok, "tiny-draft", scheme))
     config = GenerationConfig(max_new_tokens=24, num_speculative_tokens=4, stop_on_eos=False)
     prompt = "w5 w9 w12 w7 w5 w9 w12 w7 w5 w30 w31"

@@ -53,6 +53,19 @@ def _draft_spec(args) -> str | None:
     return None if args.draft.lower() in ("none", "") else args.draft
 
 
+def _check_draft_flags(args) -> None:
+    """--draft-quantize and --draft-quantize-head need a draft model.
+
+    Raises:
+        InvalidArgumentError: One of them is given without a draft.
+    """
+    for flag in ("draft_quantize", "draft_quantize_head"):
+        if getattr(args, flag, None) is not None and _draft_spec(args) is None:
+            raise InvalidArgumentError(
+                f"--{flag.replace('_', '-')} needs a draft model (--draft); use --quantize for the target"
+            )
+
+
 def run(args) -> int:
     """``specdecode bench``: load the models once, run ``run_bench``, print a summary. Returns the exit code."""
     from rich.console import Console
@@ -81,8 +94,7 @@ def run(args) -> int:
         return _run_batched(args, settings, methods)
     if methods is not None:
         methods = check_method_names(methods)
-    if args.draft_quantize is not None and _draft_spec(args) is None:
-        raise InvalidArgumentError("--draft-quantize needs a draft model (--draft); use --quantize for the target")
+    _check_draft_flags(args)
     if methods is not None and LLAMA_CPP in methods:  # its extra and the target's GGUF file, before loading
         settings = dataclasses.replace(settings, gguf_file=str(check_available(args.target)))
     prompts = load_prompts(
@@ -96,7 +108,7 @@ def run(args) -> int:
     with err.status(f"loading {args.target}" + (f" and {_draft_spec(args)}" if _draft_spec(args) else "")):
         generator = pipeline.SpeculativeGenerator.from_pretrained(
             args.target, _draft_spec(args), dtype=args.dtype, device=args.device, quantize=args.quantize,
-            draft_quantize=args.draft_quantize,
+            draft_quantize=args.draft_quantize, draft_quantize_head=args.draft_quantize_head,
         )
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("ETA"), TimeRemainingColumn())
@@ -152,15 +164,14 @@ def _run_batched(args, settings: BenchSettings, methods: list[str] | None) -> in
     if args.repeats != 1 or settings.banned_words or args.prompt_cache:
         raise InvalidArgumentError("--batch-size runs each group once, whole prompts, no banned words: leave "
                                    "--repeats, --prompt-cache and --banned-words-file out")
-    if args.draft_quantize is not None and _draft_spec(args) is None:
-        raise InvalidArgumentError("--draft-quantize needs a draft model (--draft); use --quantize for the target")
+    _check_draft_flags(args)
     prompts = load_prompts(args.dataset, categories=_split_list(args.categories),
                            limit_per_category=args.limit_per_category, limit=args.limit, chat=args.chat)
     err = Console(stderr=True)
     with err.status(f"loading {args.target}" + (f" and {_draft_spec(args)}" if _draft_spec(args) else "")):
         generator = pipeline.SpeculativeGenerator.from_pretrained(
             args.target, _draft_spec(args), dtype=args.dtype, device=args.device, quantize=args.quantize,
-            draft_quantize=args.draft_quantize,
+            draft_quantize=args.draft_quantize, draft_quantize_head=args.draft_quantize_head,
         )
     bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                    console=err)

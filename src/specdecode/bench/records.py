@@ -39,11 +39,17 @@ def run_identity(generator: pipeline.SpeculativeGenerator, settings: BenchSettin
     draft_quantize = generator.draft.quantize if generator.draft is not None else "none"
     # Only quantized runs name their quantization, so folders made before it existed still resume.
     quantized = {"quantize": generator.target.quantize, "draft_quantize": draft_quantize}
+    # Likewise only an int4 LM head is named (before it existed every quantized head was int8): a
+    # folder of an int4 draft with the int8 head resumes with draft_quantize_head="int8"
+    # (--draft-quantize-head int8), not with the int4 head, which is another draft model.
+    roles = (("quantize_head", generator.target), ("draft_quantize_head", generator.draft))
+    heads = {key: "int4" for key, loaded in roles if loaded is not None and loaded.quantize_head == "int4"}
     return {
         "target": generator.target.name,
         "draft": generator.draft.name if generator.draft is not None else None,
         "dtype": str(model.dtype).removeprefix("torch."),
         **({} if set(quantized.values()) == {"none"} else quantized),
+        **heads,
         "device": str(model.device),
         "max_new_tokens": settings.max_new_tokens,
         "temperature": settings.temperature,

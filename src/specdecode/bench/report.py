@@ -239,8 +239,11 @@ def format_value(v, fmt: str = "{:.2f}", none: str = "–") -> str:
 def _quantized(ident: Mapping[str, Any]) -> str:
     q, dq = ident.get("quantize", "none"), ident.get("draft_quantize", "none")
     text = "" if q == "none" else f" with {q} weight-only quantized linear layers"
-    if dq != q:
-        text += f" (draft: {dq} weights)"
+    if ident.get("quantize_head") == "int4":
+        text += " (int4 LM head)"
+    dhead = " and LM head" if ident.get("draft_quantize_head") == "int4" else ""
+    if dq != q or (dhead and ident.get("quantize_head") != "int4"):
+        text += f" (draft: {dq} weights{dhead})"
     return text
 
 

@@ -61,21 +61,32 @@ def dense_cache_valid(folder: Path) -> bool:
     return meta.get("format") == CACHE_FORMAT_VERSION and (folder / "model.safetensors").is_file()
 
 
-def quantized_path(folder: Path, scheme: str) -> Path:
-    """Where the dense copy in ``folder`` keeps its ``scheme`` ("int8" / "int4") quantized weights."""
-    return folder / f"quantized-{scheme}.safetensors"
+def quantized_path(folder: Path, scheme: str, head: str = "int8") -> Path:
+    """Where the dense copy in ``folder`` keeps its ``scheme`` ("int8" / "int4") quantized weights.
+
+    ``head`` is the LM head's storage asked for (``quantized_tensors``'s ``head``): the default
+    "int8" keeps the file name it always had (``quantized-int4.safetensors``), an int4 head
+    has a file of its own (``quantized-int4-head-int4.safetensors``), so a target (int8 head)
+    and a draft (int4 head) of one model never read each other's.
+    """
+    suffix = "" if head == "int8" else f"-head-{head}"
+    return folder / f"quantized-{scheme}{suffix}.safetensors"
 
 
-def read_quantized(folder: Path, scheme: str) -> dict[str, torch.Tensor] | None:
-    """The cached quantized weights of the dense copy in ``folder``, or None when absent or stale."""
+def read_quantized(folder: Path, scheme: str, head: str = "int8") -> dict[str, torch.Tensor] | None:
+    """The cached quantized weights of the dense copy in ``folder``, or None when absent or stale.
+
+    A file whose metadata names another scheme, quantizer version or head is stale (a file
+    written before the head was recorded has an int8 head).
+    """
     from safetensors import safe_open
 
-    path = quantized_path(folder, scheme)
+    path = quantized_path(folder, scheme, head)
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
             if (meta.get("format") != str(CACHE_FORMAT_VERSION) or meta.get("scheme") != scheme
-                    or meta.get("quantizer") != str(QUANTIZER_VERSION)):
+                    or meta.get("quantizer") != str(QUANTIZER_VERSION) or meta.get("head", "int8") != head):
                 return None  # written by another version of the quantizer: quantize again
             # Each tensor is copied out of the file's memory map, one at a time, so the mapping
             # (which would stay resident beside the copies) closes with the file.
@@ -84,9 +95,9 @@ def read_quantized(folder: Path, scheme: str) -> dict[str, torch.Tensor] | None:
         return None
 
 
-def write_quantized(folder: Path, scheme: str, tensors: dict[str, torch.Tensor]) -> None:
-    """Save quantized weights next to the dense copy in ``folder``, atomically."""
+def write_quantized(folder: Path, scheme: str, tensors: dict[str, torch.Tensor], head: str = "int8") -> None:
+    """Save quantized weights (made with LM head storage ``head``) next to the dense copy in ``folder``, atomically."""
     from safetensors.torch import save_file
 
-    meta = {"format": str(CACHE_FORMAT_VERSION), "scheme": scheme, "quantizer": str(QUANTIZER_VERSION)}
-    write_atomic(quantized_path(folder, scheme), lambda tmp: save_file(tensors, str(tmp), metadata=meta))
+    meta = {"format": str(CACHE_FORMAT_VERSION), "scheme": scheme, "quantizer": str(QUANTIZER_VERSION), "head": head}
+    write_atomic(quantized_path(folder, scheme, head), lambda tmp: save_file(tensors, str(tmp), metadata=meta))

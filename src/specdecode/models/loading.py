@@ -42,6 +42,7 @@ from specdecode.models.dense_cache import (
 from specdecode.models.quantize import (
     apply_quantized,
     check_quantize,
+    check_quantize_head,
     quantization_of,
     quantized_tensors,
     release_freed_memory,
@@ -67,6 +68,8 @@ class LoadedModel:
         dense_folder: The dense-cache folder the model was read from or written to (GGUF
             files and offline models), where derived files (quantized weights, token
             frequencies) are kept; None for a model folder or hub id.
+        quantize_head: (read-only) The LM head's storage in a quantized model, "int8" or
+            "int4" (``QuantizationSummary.head``); None for an unquantized one.
     """
 
     model: PreTrainedModel
@@ -78,6 +81,12 @@ class LoadedModel:
     def __post_init__(self) -> None:
         if self.quantize == "none":  # a model quantized before it was wrapped says so itself
             self.quantize = quantization_of(self.model)
+
+    @property
+    def quantize_head(self) -> str | None:
+        """"int8" / "int4": the LM head's storage in a quantized model; None for an unquantized one."""
+        summary = getattr(self.model, "specdecode_quantization", None)
+        return summary.head if summary is not None else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,25 +182,26 @@ def _load_gguf(folder: Path, filename: str, key: str, dtype, device, cache_dir: 
     return LoadedModel(model, tokenizer, key, dense_folder=dense)
 
 
-def _quantize(loaded: LoadedModel, scheme: str, dense: Path | None) -> LoadedModel:
-    """Apply ``scheme`` to ``loaded``; with a dense copy folder, reuse or write its quantized weights."""
+def _quantize(loaded: LoadedModel, scheme: str, dense: Path | None, head: str | None = None) -> LoadedModel:
+    """Apply ``scheme`` (LM head: ``head``) to ``loaded``; with a dense copy folder, reuse or write its quantized file."""
     if scheme == "none":
         return loaded
-    tensors = read_quantized(dense, scheme) if dense is not None else None
+    head = check_quantize_head(head, scheme)
+    tensors = read_quantized(dense, scheme, head) if dense is not None else None
     if tensors is not None:
         try:
             apply_quantized(loaded.model, tensors, scheme)
         except InvalidArgumentError as e:
             raise InvalidArgumentError(
-                f"{e}; the cached file {quantized_path(dense, scheme)} does not belong to this model: delete it "
+                f"{e}; the cached file {quantized_path(dense, scheme, head)} does not belong to this model: delete it "
                 "and it will be made again"
             ) from e
     else:
-        logger.info("quantizing %s to %s (once per dense copy)", loaded.name, scheme)
-        tensors = quantized_tensors(loaded.model, scheme)
+        logger.info("quantizing %s to %s, LM head %s (once per dense copy)", loaded.name, scheme, head)
+        tensors = quantized_tensors(loaded.model, scheme, head)
         if dense is not None:
             try:
-                write_quantized(dense, scheme, tensors)
+                write_quantized(dense, scheme, tensors, head)
             except OSError as e:  # the model in memory is fine; only the next start pays again
                 logger.warning("could not cache the %s weights in %s (%s); the next start quantizes again",
                                scheme, dense, e)
@@ -208,6 +218,7 @@ def load_model(
     device: str | torch.device = "auto",
     cache_dir: str | Path | None = None,
     quantize: str = "none",
+    quantize_head: str | None = None,
 ) -> LoadedModel:
     """Load a model and its tokenizer for decoding.
 
@@ -219,16 +230,22 @@ def load_model(
         quantize: "none", "int8" or "int4": weight-only quantized linear layers on CPU
             (``specdecode.models.quantize``). For a GGUF file or offline model the quantized
             weights are cached with the dense copy, so only the first start quantizes.
+        quantize_head: The LM head's storage: "int8", "int4" (``quantize="int4"`` only), or
+            None for the scheme's default, int8 (``specdecode.models.quantize``;
+            ``SpeculativeGenerator.from_pretrained`` asks for int4 for an int4 draft). The two
+            heads are cached in different files.
 
     Raises:
         ModelNotFoundError: Unknown name, missing file or folder, or chunk packages not installed.
         ChecksumMismatchError: An assembled offline model fails its sha256.
         UnsupportedModelError: transformers cannot load the architecture.
-        InvalidArgumentError: A bad dtype, device or quantize (int8/int4 need the CPU).
+        InvalidArgumentError: A bad dtype, device, quantize (int8/int4 need the CPU) or
+            quantize_head (unknown, or "int4" without ``quantize="int4"``).
     """
     dev = device if isinstance(device, torch.device) else resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     check_quantize(quantize, dev)
+    check_quantize_head(quantize_head, quantize)
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     if not isinstance(spec, str) or not spec.strip():
         raise ModelNotFoundError(f"model spec must be a non-empty string, got {spec!r}")
@@ -236,11 +253,11 @@ def load_model(
         entry = OFFLINE_MODELS[spec]
         dense = dense_dir(cache, entry.name, dt)
         if dense_cache_valid(dense):  # skip even the assembly and its hash
-            return _quantize(_load_dense(dense, entry.name, dt, dev), quantize, dense)
+            return _quantize(_load_dense(dense, entry.name, dt, dev), quantize, dense, quantize_head)
         gguf = assemble_gguf(entry, cache)
         meta = {"source": entry.name, "sha256": entry.sha256, "hub_id": entry.hub_id}
         loaded = _load_gguf(gguf.parent, gguf.name, entry.name, dt, dev, cache, meta)
-        return _quantize(loaded, quantize, dense)
+        return _quantize(loaded, quantize, dense, quantize_head)
     path = Path(spec).expanduser()
     if spec.endswith(".gguf"):
         if not path.is_file():
@@ -250,13 +267,13 @@ def load_model(
         key = f"{path.stem}-{ident}"
         meta = {"source": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
         loaded = _load_gguf(path.resolve().parent, path.name, key, dt, dev, cache, meta)
-        return _quantize(loaded, quantize, dense_dir(cache, key, dt))
+        return _quantize(loaded, quantize, dense_dir(cache, key, dt), quantize_head)
     if path.is_dir():
         _check_config(str(path))
         model = _load_pretrained(str(path), dt, dev)
         dense = path if dense_cache_valid(path) else None  # a dense copy named as a folder keeps its cache
         loaded = LoadedModel(model, AutoTokenizer.from_pretrained(str(path)), spec, dense_folder=dense)
-        return _quantize(loaded, quantize, dense)
+        return _quantize(loaded, quantize, dense, quantize_head)
     if spec.startswith((".", "/", "~")) or spec.count("/") > 1:
         raise ModelNotFoundError(f"model folder {spec!r} does not exist")
     if spec.count("/") != 1 or " " in spec:
@@ -266,7 +283,7 @@ def load_model(
         )
     _check_config(spec)
     model = _load_pretrained(spec, dt, dev)
-    return _quantize(LoadedModel(model, AutoTokenizer.from_pretrained(spec), spec), quantize, None)
+    return _quantize(LoadedModel(model, AutoTokenizer.from_pretrained(spec), spec), quantize, None, quantize_head)
 
 
 def _check_config(source: str) -> None:

@@ -11,22 +11,33 @@ PyTorch's CPU kernels for weight-only quantized matmul:
 * ``int4``: per-group asymmetric int4 along the input dimension (groups of 32, as
   GGUF's Q4 block formats), ``w = (q - 8) * s + z`` with ``q`` in [0, 15], ``s =
   (max - min) / 15`` and ``z = min + 8 s`` per group;
-  ``torch.ops.aten._weight_int4pack_mm_for_cpu``. The LM head stays int8 (as llama.cpp's
-  Q4_K_M keeps its output matrix at higher precision), and so does any layer whose shape
-  the int4 kernel refuses (output rows not a multiple of 16, input not a multiple of
-  the group size); ``QuantizationSummary`` counts and names them.
+  ``torch.ops.aten._weight_int4pack_mm_for_cpu``. The LM head stays int8 by default (as
+  llama.cpp's Q4_K_M keeps its output matrix at higher precision), and so does any layer
+  whose shape the int4 kernel refuses (output rows not a multiple of 16, input not a
+  multiple of the group size); ``QuantizationSummary`` counts and names them.
+  ``head="int4"`` makes the LM head int4 too: the pipeline's default for an int4 *draft*
+  model, whose head's precision changes acceptance only, never the output (measured on a
+  2-core EPYC with avx512_bf16, bf16 1.5B target, int4 Qwen2.5-Coder 0.5B draft: the int8
+  151,936 x 896 head was 36% of the draft's one-token forward, 11.3 of 31 ms; the int4
+  head cut the forward by about 7 ms and made cascade with adaptive exit 7.9% faster on 8
+  held-out HumanEval prompts, 11.56 -> 12.47 tok/s at acceptance 84.6% -> 84.2%, and 3.9%
+  on 5 Spec-Bench prompts, 8.00 -> 8.31 tok/s at 65.2% -> 65.6%). An int4 head keeps its
+  nibbles beside the kernel's blocked layout, so it can cut rows (``Int4Linear.select_rows``,
+  the truncated draft head) and a tied embedding can read them; so it holds more memory
+  than the int8 head (at K = 896 in bf16, computed: 1.12x its bytes) while its forward
+  reads fewer (0.62x).
 
 The input embedding is replaced too (``specdecode.models.quantized_embedding``): it is
 read a few rows per step, so its bytes cost memory, not time, and they are large
 (Qwen2.5-Coder's 151,936 x 1536 bf16 embedding is 0.47 GB, a quarter of the int4 1.5B's
 resident memory). When it is tied to the LM head it becomes an ``Int8Embedding`` on the
-int8 head's own ``qweight`` / ``scales`` buffers, so it costs no bytes at all (under
-both schemes: the head stays int8). An untied one is quantized on its own, in the
-scheme's format (``Int8Embedding``, or ``Int4Embedding`` in groups of 32 as the int4
-linears, int8 when its width is not a multiple of 32), and stored with the other
-quantized tensors. An embedding subclass whose forward does more than a lookup (and a
-constant scale, as Gemma's ``*ScaledWordEmbedding``) stays dense, named in
-``QuantizationSummary.dense_modules``.
+int8 head's own ``qweight`` / ``scales`` buffers, or an ``Int4Embedding`` on an int4
+head's kept ``nibbles`` / ``scales`` / ``zeros``, so it costs no bytes at all. An untied
+one is quantized on its own, in the scheme's format (``Int8Embedding``, or
+``Int4Embedding`` in groups of 32 as the int4 linears, int8 when its width is not a
+multiple of 32), and stored with the other quantized tensors. An embedding subclass whose
+forward does more than a lookup (and a constant scale, as Gemma's
+``*ScaledWordEmbedding``) stays dense, named in ``QuantizationSummary.dense_modules``.
 
 Why not torchao: torchao 0.18's ``Int8WeightOnlyConfig`` is fast only under
 ``torch.compile`` with static shapes (one compiled graph per layer shape and token
@@ -77,6 +88,7 @@ from specdecode.models.quantized_embedding import (  # noqa: F401  (the formats 
 logger = logging.getLogger(__name__)
 
 QUANTIZE_SCHEMES = ("none", "int8", "int4")
+QUANTIZE_HEADS = ("int8", "int4")  # the LM head's storage; "int4" only under the int4 scheme
 QUANTIZER_VERSION = 4  # bump when the stored tensors would change; older cached files are then recomputed
 _INT4_ROW_MULTIPLE = 16  # the CPU int4 kernel packs output rows in blocks of 16
 
@@ -104,6 +116,29 @@ def check_quantize(scheme: object, device: torch.device | None = None) -> str:
             "(int4 needs torch >= 2.6); upgrade torch or use quantize='int8' or 'none'"
         )
     return scheme
+
+
+def check_quantize_head(head: object, scheme: str) -> str | None:
+    """The LM head's storage under ``scheme``: ``head``, or the scheme's default ("int8") for None.
+
+    Returns:
+        "int8" or "int4" for a quantized scheme; None for "none" (nothing is quantized; "int8"
+        is accepted there and means nothing).
+
+    Raises:
+        InvalidArgumentError: ``head`` is not None or one of ``QUANTIZE_HEADS``, or it is "int4"
+            with a scheme other than "int4" (the other linears would be int8 or dense).
+    """
+    if head is not None and head not in QUANTIZE_HEADS:
+        raise InvalidArgumentError(
+            f"unknown quantize head {head!r}; allowed: {', '.join(QUANTIZE_HEADS)} (or None: the scheme's default, int8)"
+        )
+    if head == "int4" and scheme != "int4":
+        raise InvalidArgumentError(
+            f"an int4 LM head needs quantize='int4', but quantize={scheme!r}; allowed head with {scheme!r}: "
+            "int8 (or None)"
+        )
+    return None if scheme == "none" else (head or "int8")
 
 
 class Int8Linear(nn.Module):
@@ -155,6 +190,11 @@ class Int4Linear(nn.Module):
         scales, zeros: (N, K / g) in the activations' dtype.
         bias: (N,) or None.
         group_size: g, one of ``INT4_GROUP_SIZES``; K must be a multiple of it and N of 16.
+        keep_rows: Also keep ``nibbles`` as a buffer (N x K/2 bytes more), so that rows can be
+            cut (``select_rows``) and read (a tied ``Int4Embedding``). The kernel's packed
+            layout is blocked across rows and cannot be indexed by row; ``scales`` and
+            ``zeros`` are always there, as (N, K / g) strided views of the kernel's
+            ``scales_and_zeros``. Used for the LM head only.
 
     Shapes: input (..., K), output (..., N), in the input's dtype.
 
@@ -165,7 +205,7 @@ class Int4Linear(nn.Module):
 
     def __init__(
         self, nibbles: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: torch.Tensor | None,
-        group_size: int = INT4_GROUP_SIZE,
+        group_size: int = INT4_GROUP_SIZE, *, keep_rows: bool = False,
     ) -> None:
         super().__init__()
         self.out_features = nibbles.shape[0]
@@ -185,7 +225,18 @@ class Int4Linear(nn.Module):
         self.register_buffer("packed", aligned(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)))
         # The kernel takes (K / g, N, 2): scale and zero per group and output row.
         self.register_buffer("scales_and_zeros", aligned(torch.stack([scales, zeros], dim=-1).transpose(0, 1)))
+        self.register_buffer("nibbles", aligned(nibbles) if keep_rows else None)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    @property
+    def scales(self) -> torch.Tensor:
+        """(N, K / g): a view of ``scales_and_zeros`` (no copy)."""
+        return self.scales_and_zeros[..., 0].t()
+
+    @property
+    def zeros(self) -> torch.Tensor:
+        """(N, K / g): a view of ``scales_and_zeros`` (no copy)."""
+        return self.scales_and_zeros[..., 1].t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
@@ -197,8 +248,60 @@ class Int4Linear(nn.Module):
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
 
+    def select_rows(self, ids: torch.Tensor) -> nn.Module:
+        """A new module computing only output rows ``ids`` ((R,) long), e.g. a truncated LM head.
+
+        The rows are cut from the kept source tensors and packed again, so the result computes
+        the same int4 weights as this layer. With R a multiple of 16 it is an ``Int4Linear`` of
+        those rows; otherwise (the kernel packs rows in blocks of 16) an
+        ``Int4LinearPaddedRows``: the rows padded to the next multiple of 16 with copies of
+        the last one, the padding's columns dropped from the output. Shapes: (..., K) ->
+        (..., R).
+
+        Raises:
+            InvalidArgumentError: The layer was built without ``keep_rows=True``, or ``ids`` is
+                not a non-empty 1-D tensor.
+        """
+        if self.nibbles is None:
+            raise InvalidArgumentError(
+                f"this Int4Linear ({self.out_features}x{self.in_features}) did not keep its rows (keep_rows=False): "
+                "its packed weight cannot be cut by row; build it with keep_rows=True (the LM head is built so)"
+            )
+        if ids.dim() != 1 or ids.numel() == 0:
+            raise InvalidArgumentError(
+                f"select_rows needs a non-empty 1-D tensor of row ids, got shape {tuple(ids.shape)}"
+            )
+        rows = ids.numel()
+        pad = -rows % _INT4_ROW_MULTIPLE
+        padded = ids if pad == 0 else torch.cat([ids, ids[-1:].expand(pad)])
+        bias = None if self.bias is None else self.bias[padded]
+        layer = Int4Linear(self.nibbles[padded], self.scales[padded], self.zeros[padded], bias, self.group_size)
+        return layer if pad == 0 else Int4LinearPaddedRows(layer, rows)
+
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int4 group {self.group_size}"
+        kept = ", rows kept" if self.nibbles is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 group {self.group_size}{kept}"
+
+
+class Int4LinearPaddedRows(nn.Module):
+    """The first ``rows`` outputs of an ``Int4Linear`` whose further rows are padding (``Int4Linear.select_rows``).
+
+    Args:
+        layer: The padded layer, (N', K) with N' a multiple of 16.
+        rows: R <= N', the rows that count.
+
+    Shapes: input (..., K), output (..., R), a view of the layer's (..., N') output.
+    """
+
+    def __init__(self, layer: Int4Linear, rows: int) -> None:
+        super().__init__()
+        self.layer, self.out_features, self.in_features = layer, rows, layer.in_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)[..., :self.out_features]
+
+    def extra_repr(self) -> str:
+        return f"out_features={self.out_features} of {self.layer.out_features} (padding rows dropped)"
 
 
 @dataclass
@@ -215,11 +318,15 @@ class QuantizationSummary:
         dense_modules: Names of the modules kept dense (an input embedding of an unknown
             kind), and why.
         bytes_before, bytes_after: Bytes of the replaced modules' weights before and after.
-            A tied weight counts once before, and an embedding sharing the int8 head's
-            buffers adds nothing after; when a tied embedding stays dense, the head's
-            weight is not counted before (it stays as the embedding).
-        tied_head: The LM head shared its weight with the input embedding; the
-            ``Int8Embedding`` then reads the int8 head's buffers (one copy for both).
+            A tied weight counts once before, and an embedding sharing the head's buffers
+            adds nothing after (an int4 head's count includes its kept ``nibbles``); when a
+            tied embedding stays dense, the head's weight is not counted before (it stays as
+            the embedding).
+        tied_head: The LM head shared its weight with the input embedding; the quantized
+            embedding then reads the head's buffers (one copy for both).
+        head: The LM head's storage, "int8" or "int4" (``quantized_tensors``'s ``head``, or
+            int8 where the int4 kernel refused its shape: named in ``int8_layers``); None
+            when the model has no ``nn.Linear`` LM head.
     """
 
     scheme: str
@@ -230,11 +337,13 @@ class QuantizationSummary:
     bytes_before: int = 0
     bytes_after: int = 0
     tied_head: bool = False
+    head: str | None = None
 
     def as_dict(self) -> dict:
         return {"scheme": self.scheme, "layers": dict(self.layers), "int8_layers": dict(self.int8_layers),
                 "embedding": self.embedding, "dense_modules": dict(self.dense_modules),
-                "bytes_before": self.bytes_before, "bytes_after": self.bytes_after, "tied_head": self.tied_head}
+                "bytes_before": self.bytes_before, "bytes_after": self.bytes_after, "tied_head": self.tied_head,
+                "head": self.head}
 
 
 def _linears(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, nn.Linear]]:
@@ -245,15 +354,17 @@ def _linears(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, nn.Linear]
                 yield (f"{parent_name}.{attr}" if parent_name else attr), parent, attr, child
 
 
-def _int4_refusal(name: str, layer: nn.Linear, head_name: str | None, group_size: int) -> str | None:
-    if name == head_name:
-        return "LM head (kept at int8, as Q4_K_M keeps the output matrix at higher precision)"
+def _int4_refusal(name: str, layer: nn.Linear, head_name: str | None, group_size: int,
+                  head: str = "int8") -> str | None:
+    """Why ``layer`` stays int8 under the int4 scheme (``head``: the LM head's asked-for storage), or None."""
     n, k = layer.weight.shape
-    if n % _INT4_ROW_MULTIPLE:
-        return f"{n} output rows is not a multiple of {_INT4_ROW_MULTIPLE}"
-    if k % group_size:
-        return f"{k} inputs is not a multiple of the group size {group_size}"
-    return None
+    shape = (f"{n} output rows is not a multiple of {_INT4_ROW_MULTIPLE}" if n % _INT4_ROW_MULTIPLE
+             else f"{k} inputs is not a multiple of the group size {group_size}" if k % group_size else None)
+    if name != head_name:
+        return shape
+    if head == "int8":
+        return "LM head (kept at int8, as Q4_K_M keeps the output matrix at higher precision)"
+    return None if shape is None else f"LM head: {shape} (the int4 kernel's limit)"
 
 
 def _head_name(model: nn.Module) -> str | None:
@@ -285,33 +396,45 @@ def _is_tied(model: nn.Module, head_name: str | None, emb: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def quantized_tensors(model: nn.Module, scheme: str) -> dict[str, torch.Tensor]:
+def quantized_tensors(model: nn.Module, scheme: str, head: str | None = "int8") -> dict[str, torch.Tensor]:
     """Quantize every ``nn.Linear`` weight of ``model``, and its input embedding, without changing the model.
+
+    Args:
+        model: A dense model.
+        scheme: "int8" or "int4".
+        head: The LM head's storage (``QUANTIZE_HEADS``; None: "int8"). "int4" needs the int4
+            scheme; a head whose shape the int4 kernel refuses stays int8 (logged, and named
+            in ``QuantizationSummary.int8_layers`` once applied).
 
     Returns:
         A flat dict ``"<module>.<part>" -> tensor`` (parts as in ``quantize_int8`` /
-        ``quantize_int4``; ``"<layer>.int4"`` marks int4 layers), in the weights' dtype.
-        The input embedding has parts of its own (``embedding_tensors``: int4 under "int4"
-        where its width allows, else int8) only when it is not tied to the LM head (a tied
-        one reads the int8 head's). It is what the cache stores and
+        ``quantize_int4``; ``"<layer>.int4"`` marks int4 layers, the head's too), in the
+        weights' dtype. The input embedding has parts of its own (``embedding_tensors``: int4
+        under "int4" where its width allows, else int8) only when it is not tied to the LM
+        head (a tied one reads the head's). It is what the cache stores and
         ``apply_quantized`` reads.
 
     Raises:
-        InvalidArgumentError: ``scheme`` is not "int8" or "int4".
+        InvalidArgumentError: ``scheme`` is not "int8" or "int4"; ``head`` is unknown, or
+            "int4" with the int8 scheme (``check_quantize_head``).
     """
     if scheme not in ("int8", "int4"):
         raise InvalidArgumentError(f"quantized_tensors needs scheme 'int8' or 'int4', got {scheme!r}")
-    head = _head_name(model)
+    head_storage = check_quantize_head(head, scheme)
+    head_name = _head_name(model)
     out: dict[str, torch.Tensor] = {}
     for name, _parent, _attr, layer in _linears(model):
-        if scheme == "int4" and _int4_refusal(name, layer, head, INT4_GROUP_SIZE) is None:
+        refusal = _int4_refusal(name, layer, head_name, INT4_GROUP_SIZE, head_storage) if scheme == "int4" else ""
+        if refusal is None:
             parts = quantize_int4(layer.weight, layer.weight.dtype)
             out[f"{name}.int4"] = torch.tensor([INT4_GROUP_SIZE], dtype=torch.int32)
         else:
+            if name == head_name and head_storage == "int4":
+                logger.info("the LM head %s stays int8: %s", name, refusal)
             parts = quantize_int8(layer.weight, layer.weight.dtype)
         out.update({f"{name}.{part}": t for part, t in parts.items()})
     found = _input_embedding(model)
-    if found is not None and embedding_refusal(found[3]) is None and not _is_tied(model, head, found[3]):
+    if found is not None and embedding_refusal(found[3]) is None and not _is_tied(model, head_name, found[3]):
         out.update(embedding_tensors(found[0], found[3].weight, scheme))
     return out
 
@@ -324,7 +447,7 @@ def _own_remaining_tensors(model: nn.Module) -> None:
     resident as long as any view of it lives. Copying the few remaining tensors lets the
     mapping go, so the process holds the quantized model and not the dense one too. The
     quantized modules are skipped: their buffers are already their own, and a tied
-    ``Int8Embedding`` shares the head's, which a copy would duplicate.
+    embedding shares the head's, which a copy would duplicate.
     """
     quantized = (Int8Linear, Int4Linear, QuantizedEmbedding)
     for module in model.modules():
@@ -338,7 +461,7 @@ def _own_remaining_tensors(model: nn.Module) -> None:
 
 
 def _replace_embedding(found: tuple[str, nn.Module, str, nn.Module], tensors: dict[str, torch.Tensor],
-                       shared: Int8Linear | None, summary: QuantizationSummary) -> None:
+                       shared: nn.Module | None, summary: QuantizationSummary) -> None:
     """Put a quantized embedding in place of the input embedding: on ``shared``'s buffers, else on its own tensors."""
     name, parent, attr, emb = found
     new = build_embedding(name, emb, tensors, shared)
@@ -357,10 +480,12 @@ def _replace_embedding(found: tuple[str, nn.Module, str, nn.Module], tensors: di
 def apply_quantized(model: nn.Module, tensors: dict[str, torch.Tensor], scheme: str) -> QuantizationSummary:
     """Replace ``model``'s ``nn.Linear`` layers and input embedding, in place, by quantized modules built from ``tensors``.
 
-    The linears become ``Int8Linear`` / ``Int4Linear``; the input embedding an
-    ``Int8Embedding`` on the int8 LM head's buffers when the two were tied, else an
-    ``Int8Embedding`` / ``Int4Embedding`` as stored in ``tensors``. An embedding
-    of a kind that is more than a lookup stays dense (``QuantizationSummary.dense_modules``).
+    The linears become ``Int8Linear`` / ``Int4Linear`` as ``tensors`` say (an int4 LM head
+    with ``keep_rows=True``); the input embedding, when the two were tied, an
+    ``Int8Embedding`` on the int8 LM head's buffers or an ``Int4Embedding`` on the int4
+    head's, else an ``Int8Embedding`` / ``Int4Embedding`` as stored in ``tensors``. An
+    embedding of a kind that is more than a lookup stays dense
+    (``QuantizationSummary.dense_modules``).
 
     Args:
         model: A dense model on the CPU.
@@ -386,13 +511,16 @@ def apply_quantized(model: nn.Module, tensors: dict[str, torch.Tensor], scheme: 
         try:
             if f"{name}.int4" in tensors:
                 g = int(tensors[f"{name}.int4"][0])
-                new = Int4Linear(tensors[f"{name}.nibbles"], tensors[f"{name}.scales"], tensors[f"{name}.zeros"], bias, g)
+                new = Int4Linear(tensors[f"{name}.nibbles"], tensors[f"{name}.scales"], tensors[f"{name}.zeros"], bias, g,
+                                 keep_rows=name == head)
                 kind = "int4"
             else:
                 new = Int8Linear(tensors[f"{name}.qweight"], tensors[f"{name}.scales"], bias)
                 kind = "int8"
-                if scheme == "int4":
-                    summary.int8_layers[name] = _int4_refusal(name, layer, head, INT4_GROUP_SIZE) or "int8 in the cache"
+                if scheme == "int4":  # the head: the kernel's refusal if any, else the int8 default's reason
+                    summary.int8_layers[name] = (_int4_refusal(name, layer, head, INT4_GROUP_SIZE, "int4")
+                                                 or _int4_refusal(name, layer, head, INT4_GROUP_SIZE)
+                                                 or "int8 in the cache")
         except (KeyError, RuntimeError) as e:
             raise InvalidArgumentError(f"the quantized weights do not match layer {name!r} ({n}x{k}): {e}") from e
         if (new.out_features, new.in_features) != (n, k):
@@ -402,7 +530,7 @@ def apply_quantized(model: nn.Module, tensors: dict[str, torch.Tensor], scheme: 
             )
         summary.layers[kind] = summary.layers.get(kind, 0) + 1
         if name == head:
-            new_head = new
+            new_head, summary.head = new, kind
         if not (name == head and tied and refusal is not None):  # else the weight stays as the dense embedding
             summary.bytes_before += layer.weight.numel() * layer.weight.element_size()
         summary.bytes_after += sum(b.numel() * b.element_size() for b in new.buffers())
@@ -411,30 +539,33 @@ def apply_quantized(model: nn.Module, tensors: dict[str, torch.Tensor], scheme: 
         summary.dense_modules[found[0]] = refusal
         logger.info("the input embedding %s stays dense: %s", found[0], refusal)
     elif found is not None:
-        _replace_embedding(found, tensors, new_head if tied and isinstance(new_head, Int8Linear) else None, summary)
+        _replace_embedding(found, tensors, new_head if tied else None, summary)
     _own_remaining_tensors(model)
     model.specdecode_quantization = summary
-    logger.info("quantized %s: %s, input embedding %s%s, weights %.2f GB -> %.2f GB", type(model).__name__,
-                summary.layers, summary.embedding,
-                " (on the LM head's int8 rows, to which it was tied)" if tied and summary.embedding != "dense" else "",
-                summary.bytes_before / 1e9, summary.bytes_after / 1e9)
+    logger.info("quantized %s: %s, LM head %s, input embedding %s%s, weights %.2f GB -> %.2f GB", type(model).__name__,
+                summary.layers, summary.head, summary.embedding,
+                f" (on the LM head's {summary.head} rows, to which it was tied)" if tied and summary.embedding != "dense"
+                else "", summary.bytes_before / 1e9, summary.bytes_after / 1e9)
     return summary
 
 
-def quantize_model(model: nn.Module, scheme: str) -> QuantizationSummary | None:
+def quantize_model(model: nn.Module, scheme: str, head: str | None = None) -> QuantizationSummary | None:
     """Quantize ``model``'s linear layers and input embedding in place (``quantized_tensors`` + ``apply_quantized``).
 
     Args:
         model: A dense model on the CPU (float32 or bfloat16).
         scheme: One of ``QUANTIZE_SCHEMES``; "none" leaves the model as it is and returns None.
+        head: The LM head's storage, "int8" or "int4" (int4 scheme only); None: "int8".
 
     Raises:
-        InvalidArgumentError: Unknown scheme, or a model not on the CPU.
+        InvalidArgumentError: Unknown scheme or head (``check_quantize_head``), or a model not
+            on the CPU.
     """
     check_quantize(scheme, next(model.parameters()).device)
+    head = check_quantize_head(head, scheme)
     if scheme == "none":
         return None
-    return apply_quantized(model, quantized_tensors(model, scheme), scheme)
+    return apply_quantized(model, quantized_tensors(model, scheme, head), scheme)
 
 
 def quantization_of(model: nn.Module) -> str:

@@ -12,7 +12,8 @@ The input embeddings read a few rows per step and de-quantize only those (a gath
 elementwise arithmetic; no matmul kernel): ``Int8Embedding`` (an untied embedding under
 ``--quantize int8``, or one tied to the int8 LM head, on the head's own buffers) and
 ``Int4Embedding`` (an untied embedding under ``--quantize int4``: 0.625 bytes per weight
-at g = 32, against 1 for int8). Both reproduce Gemma's ``*ScaledWordEmbedding`` constant
+at g = 32, against 1 for int8; or one tied to an int4 LM head, on the head's kept
+source tensors). Both reproduce Gemma's ``*ScaledWordEmbedding`` constant
 scale. ``embedding_refusal`` says which embedding modules they may replace.
 """
 
@@ -249,6 +250,10 @@ class Int4Embedding(QuantizedEmbedding):
         scales, zeros: (V, K/g) in the activations' dtype.
         group_size: g, one of ``INT4_GROUP_SIZES``; K must be a multiple of it.
         padding_idx, embed_scale: As ``QuantizedEmbedding``.
+        align: Copy the tensors to contiguous 64-byte aligned memory where they are not (the
+            default). False keeps them as they are: the views of a tied int4 LM head's buffers
+            (``Int4Linear(keep_rows=True)``: its ``nibbles``, and ``scales`` / ``zeros``,
+            strided views of the kernel's ``scales_and_zeros``), shared rather than copied.
 
     Shapes: ids (...) integer, output (..., K) in the scales' dtype.
 
@@ -261,7 +266,7 @@ class Int4Embedding(QuantizedEmbedding):
 
     def __init__(
         self, nibbles: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int = INT4_GROUP_SIZE,
-        padding_idx: int | None = None, embed_scale: torch.Tensor | float | None = None,
+        padding_idx: int | None = None, embed_scale: torch.Tensor | float | None = None, *, align: bool = True,
     ) -> None:
         if nibbles.dtype != torch.uint8 or nibbles.dim() != 2:
             raise InvalidArgumentError(
@@ -280,9 +285,10 @@ class Int4Embedding(QuantizedEmbedding):
             )
         super().__init__(v, k, padding_idx, embed_scale)
         self.group_size = group_size
-        self.register_buffer("nibbles", aligned(nibbles))
-        self.register_buffer("scales", aligned(scales))
-        self.register_buffer("zeros", aligned(zeros))
+        keep = aligned if align else (lambda t: t)
+        self.register_buffer("nibbles", keep(nibbles))
+        self.register_buffer("scales", keep(scales))
+        self.register_buffer("zeros", keep(zeros))
         self.storage = f"int4 group {group_size}"
 
     def rows(self, flat_ids: torch.Tensor) -> torch.Tensor:
@@ -318,7 +324,10 @@ def build_embedding(name: str, emb: nn.Embedding, tensors: dict[str, torch.Tenso
         name: Its qualified name, the prefix of its parts in ``tensors``.
         emb: The dense embedding (shape, ``padding_idx``, ``embed_scale``).
         tensors: The stored parts (``embedding_tensors``'s, among the linears').
-        shared: The int8 LM head it was tied to, whose ``qweight`` / ``scales`` it reads; or None.
+        shared: The LM head it was tied to, or None. An int4 head that kept its rows
+            (``Int4Linear(keep_rows=True)``) gives an ``Int4Embedding`` on its ``nibbles`` /
+            ``scales`` / ``zeros`` (the same ``quantize_int4`` layout, no copy); an int8 head an
+            ``Int8Embedding`` on its ``qweight`` / ``scales``.
 
     Raises:
         InvalidArgumentError: ``tensors`` hold no parts for it, or parts that do not fit it
@@ -328,7 +337,9 @@ def build_embedding(name: str, emb: nn.Embedding, tensors: dict[str, torch.Tenso
     pad, scale = emb.padding_idx, embed_scale_of(emb)
     mismatch = f"the quantized weights do not match the input embedding {name!r} ({v}x{k})"
     try:
-        if shared is not None:
+        if shared is not None and getattr(shared, "nibbles", None) is not None:
+            new = Int4Embedding(shared.nibbles, shared.scales, shared.zeros, shared.group_size, pad, scale, align=False)
+        elif shared is not None:
             new = Int8Embedding(shared.qweight, shared.scales, pad, scale)
         elif f"{name}.int4" in tensors:
             new = Int4Embedding(tensors[f"{name}.nibbles"], tensors[f"{name}.scales"], tensors[f"{name}.zeros"],
