@@ -318,3 +318,24 @@ def test_quantized_model_on_the_compiled_fast_path(scheme, head):
     assert result.token_ids == eager
     assert runner.compile_time_s > 0 and runner.num_eager_forwards == 1  # the prefill alone
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("rows", [64 * 3, 64 * 3 + 32, 64 * 2 + 48])
+def test_int4_packing_in_row_chunks_equals_one_shot_packing(monkeypatch, rows):
+    """Int4Linear packs PACK_ROWS rows at a time (bounded int32 temporary); the packed tensor and
+    the layer's output must equal one-shot packing, tails included."""
+    import specdecode.models.quantize as quantize_module
+
+    torch.manual_seed(0)
+    w = torch.randn(rows, 64, dtype=torch.bfloat16)
+    parts = quantize_int4(w, torch.bfloat16)
+    one_shot = Int4Linear(parts["nibbles"], parts["scales"], parts["zeros"], None, 32)
+    monkeypatch.setattr(quantize_module, "PACK_ROWS", 64)
+    chunked = Int4Linear(parts["nibbles"], parts["scales"], parts["zeros"], None, 32)
+    assert torch.equal(chunked.packed, one_shot.packed)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    assert torch.equal(chunked(x), one_shot(x))
+    # and both are the matmul with the de-quantized weight
+    dequant = ((unpack_nibbles(parts["nibbles"]).float() - 8).view(rows, 2, 32)
+               * parts["scales"].float()[..., None] + parts["zeros"].float()[..., None]).view(rows, 64)
+    torch.testing.assert_close(chunked(x).float(), x.float() @ dequant.T, rtol=2e-2, atol=5e-2)

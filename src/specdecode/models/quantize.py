@@ -91,6 +91,7 @@ QUANTIZE_SCHEMES = ("none", "int8", "int4")
 QUANTIZE_HEADS = ("int8", "int4")  # the LM head's storage; "int4" only under the int4 scheme
 QUANTIZER_VERSION = 4  # bump when the stored tensors would change; older cached files are then recomputed
 _INT4_ROW_MULTIPLE = 16  # the CPU int4 kernel packs output rows in blocks of 16
+PACK_ROWS = 4096  # rows packed at a time (a multiple of the kernel's 64-row blocks); see _pack_int4
 
 
 def check_quantize(scheme: object, device: torch.device | None = None) -> str:
@@ -179,6 +180,23 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel"
 
 
+def _pack_int4(nibbles: torch.Tensor) -> torch.Tensor:
+    """The CPU int4 kernel's packed weight ((N, K / 2) uint8, blocked layout) from (N, K / 2) nibbles.
+
+    The kernel's packing takes int32 values, 4 bytes per weight: for a 151,936 x 896 LM head
+    that is 545 MB at once. It packs rows in blocks of 64 (a tail in smaller blocks), so
+    packing ``PACK_ROWS`` rows at a time (a multiple of 64) gives the same tensor with a
+    bounded temporary (tested against one-shot packing).
+    """
+    n = nibbles.shape[0]
+    if n <= PACK_ROWS:
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_nibbles(nibbles).to(torch.int32), 1)
+    return torch.cat([
+        torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_nibbles(nibbles[i:i + PACK_ROWS]).to(torch.int32), 1)
+        for i in range(0, n, PACK_ROWS)
+    ])
+
+
 class Int4Linear(nn.Module):
     """A linear layer with per-group asymmetric int4 weights (groups along the input dimension).
 
@@ -221,8 +239,7 @@ class Int4Linear(nn.Module):
                 f"multiple of {_INT4_ROW_MULTIPLE} and scales/zeros of {n}x{k // group_size}; got "
                 f"{tuple(scales.shape)} and {tuple(zeros.shape)}"
             )
-        q = unpack_nibbles(nibbles).to(torch.int32)
-        self.register_buffer("packed", aligned(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)))
+        self.register_buffer("packed", aligned(_pack_int4(nibbles)))
         # The kernel takes (K / g, N, 2): scale and zero per group and output row.
         self.register_buffer("scales_and_zeros", aligned(torch.stack([scales, zeros], dim=-1).transpose(0, 1)))
         self.register_buffer("nibbles", aligned(nibbles) if keep_rows else None)
