@@ -66,7 +66,8 @@ def test_generate_streams_text_and_prints_stats(tiny_folders, capsys):
         (["--prompt", "w5", "--method", "prompt-lookup", "--draft-quantize-head", "int8"],
          "--draft-quantize-head applies to --method draft or cascade (the draft model), not 'prompt-lookup'"),
         (["--prompt", "w5", "--draft-quantize", "int8", "--draft-quantize-head", "int4"],
-         "an int4 LM head needs quantize='int4', but quantize='int8'"),
+         "--draft-quantize-head int4 needs an int4 draft (--draft-quantize int4); the draft here is int8 "
+         "(--draft-quantize int8)"),
     ],
 )
 def test_bad_input_exits_nonzero_with_message(capsys, args, message):
@@ -135,17 +136,18 @@ def test_generate_passes_compile_to_the_pipeline(tiny_folders, capsys, monkeypat
     assert result["token_ids"] == reference.token_ids
 
 
-@pytest.mark.parametrize("flags, quantize, draft_quantize", [
-    ([], "none", "int4"),  # the default on CPU: an int4 draft, the target's output unchanged
-    (["--method", "draft"], "none", "int4"),
-    (["--draft-quantize", "none"], "none", "none"),  # an explicit none keeps the draft dense
-    (["--draft-quantize", "int8"], "none", "int8"),
-    (["--quantize", "int8"], "int8", "int8"),  # a quantized target: the draft follows it
-    (["--method", "prompt-lookup"], "none", None),  # no draft model, and no --draft-quantize error
-    (["--method", "autoregressive"], "none", None),
+@pytest.mark.parametrize("flags, quantize, draft_quantize, head", [
+    ([], "none", "int4", "int4"),  # the default on CPU: an int4 draft (int4 LM head), the target's output unchanged
+    (["--method", "draft"], "none", "int4", "int4"),
+    (["--draft-quantize", "int4"], "none", "int4", "int4"),
+    (["--draft-quantize", "none"], "none", "none", None),  # an explicit none keeps the draft dense
+    (["--draft-quantize", "int8"], "none", "int8", "int8"),  # an int8 draft's head is int8
+    (["--quantize", "int8"], "int8", "int8", "int8"),  # a quantized target: the draft follows it
+    (["--method", "prompt-lookup"], "none", None, None),  # no draft model, and no --draft-quantize error
+    (["--method", "autoregressive"], "none", None, None),
 ])
 def test_generate_quantizes_the_draft_to_int4_by_default_on_cpu(tiny_folders, capsys, caplog, flags, quantize,
-                                                               draft_quantize):
+                                                               draft_quantize, head):
     target_dir, draft_dir, target = tiny_folders
     caplog.set_level(logging.INFO, logger="specdecode.cli")
     code, out, err = _run(capsys, "--target", target_dir, "--draft", draft_dir, "--prompt", "w5 w9 w11 w5 w9",
@@ -153,12 +155,71 @@ def test_generate_quantizes_the_draft_to_int4_by_default_on_cpu(tiny_folders, ca
     assert code == 0, err
     result = json.loads(out)
     assert (result["quantize"], result["draft_quantize"]) == (quantize, draft_quantize)
+    assert result["draft_quantize_head"] == head
     assert ("--draft-quantize none keeps it dense" in caplog.text) is (flags in ([], ["--method", "draft"]))
     if quantize == "none":  # a quantized draft leaves the target's output unchanged
         reference = SpeculativeDecoder(target, eos_token_ids=[2]).generate(
             torch.tensor([[5, 9, 11, 5, 9]]), GenerationConfig(max_new_tokens=10)
         )
         assert result["token_ids"] == reference.token_ids
+
+
+def test_generate_draft_quantize_head_int8_keeps_the_default_int4_drafts_head_int8(tiny_folders, capsys):
+    target_dir, draft_dir, target = tiny_folders
+    code, out, err = _run(capsys, "--target", target_dir, "--draft", draft_dir, "--prompt", "w5 w9 w11 w5 w9",
+                          "--max-new-tokens", 10, "--dtype", "float32", "--device", "cpu", "--json",
+                          "--draft-quantize-head", "int8")
+    assert code == 0, err
+    result = json.loads(out)
+    assert (result["quantize"], result["draft_quantize"], result["draft_quantize_head"]) == ("none", "int4", "int8")
+    reference = SpeculativeDecoder(target, eos_token_ids=[2]).generate(
+        torch.tensor([[5, 9, 11, 5, 9]]), GenerationConfig(max_new_tokens=10)
+    )
+    assert result["token_ids"] == reference.token_ids
+
+
+_INT4_HEAD = "--draft-quantize-head int4 needs an int4 draft (--draft-quantize int4); the draft here is "
+_DENSE = ": it has no quantized LM head, so the flag would be ignored; leave it out or quantize the draft " \
+         "(--draft-quantize int8 or int4)"
+
+
+@pytest.mark.parametrize("flags, device, kernel, message", [
+    (["--quantize", "int8", "--draft-quantize-head", "int4"], "cpu", True,
+     _INT4_HEAD + "int8 (it follows --quantize int8: the int4 default applies with --quantize none only)"),
+    (["--draft-quantize-head", "int4"], "cuda", True,
+     _INT4_HEAD + "dense (none: the int4 default applies on CPU only, and the device is cuda)"),
+    (["--draft-quantize-head", "int4"], "cpu", False,
+     _INT4_HEAD + "dense (none: the int4 default needs torch's int4 CPU kernel (torch >= 2.6), which torch "
+     f"{torch.__version__} lacks)"),
+    (["--draft-quantize", "none", "--draft-quantize-head", "int8"], "cpu", True,
+     "--draft-quantize-head int8 applies to a quantized draft, but the draft here is dense (none: --draft-quantize "
+     "none)" + _DENSE),
+    (["--method", "draft", "--draft-quantize-head", "int8"], "cuda", True,
+     "--draft-quantize-head int8 applies to a quantized draft, but the draft here is dense (none: the int4 default "
+     "applies on CPU only, and the device is cuda)" + _DENSE),
+])
+def test_generate_refuses_a_draft_quantize_head_the_draft_does_not_have(monkeypatch, capsys, flags, device, kernel,
+                                                                        message):
+    """In the flags' words and before anything loads: an int4 head needs an int4 draft, and a dense
+    draft would ignore any head, saying why generate's int4 default did not apply."""
+    from specdecode import cli
+    from specdecode.errors import InvalidArgumentError, SpecDecodeError
+    from specdecode.pipeline import SpeculativeGenerator
+
+    def from_pretrained(*args, **kwargs):
+        raise SpecDecodeError("loaded")
+
+    def no_kernel(scheme, device=None):
+        raise InvalidArgumentError("no int4 kernel")
+
+    monkeypatch.setattr(SpeculativeGenerator, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(cli, "resolve_device", lambda name: torch.device(device))
+    if not kernel:
+        monkeypatch.setattr(cli, "check_quantize", no_kernel)
+    code, out, err = _run(capsys, "--prompt", "w5", *flags)
+    assert code == 2 and out == ""
+    assert message in err
+    assert "loaded" not in err
 
 
 @pytest.mark.parametrize("flags, device, expected", [

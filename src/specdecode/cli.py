@@ -45,12 +45,15 @@ def _draft_quantize_by_default(args, device) -> str | None:
 
     A quantized draft leaves the output unchanged (every token is verified by the target) and
     makes each draft step cheaper. Measured on a 2-core EPYC with AVX512-BF16 and AVX512-VNNI (no
-    AMX), bf16 Qwen2.5-Coder 1.5B target, 0.5B draft: the draft's 1-token forward 93.7 ms (bf16) ->
-    35.2 ms (int4), c 0.42 -> 0.16 (2026-11-25); draft+adaptive 11.40 -> 18.53 tok/s on HumanEval and
-    7.35 -> 9.38 on Spec-Bench (2026-11-23, README "Quantized weights and llama.cpp"). The cost is
-    quantizing the draft on the first start (cached next to an offline model's dense copy). int4
-    runs on CPU only (check_quantize refuses it elsewhere), and a quantized target is already
-    followed by its draft. Only ``generate`` has this default: the Python API
+    AMX), bf16 Qwen2.5-Coder 1.5B target, 0.5B draft, all with the int4 draft's LM head at int8:
+    the draft's 1-token forward 93.7 ms (bf16) -> 35.2 ms (int4), c 0.42 -> 0.16 (2026-11-25);
+    draft+adaptive 11.40 -> 18.53 tok/s on HumanEval and 7.35 -> 9.38 on Spec-Bench (2026-11-23,
+    README "Quantized weights and llama.cpp"). Since 2026-11-25 an int4 draft's LM head is int4
+    too (``from_pretrained``'s draft_quantize_head=None), which is faster still (README
+    "Quantized weights on CPU"; --draft-quantize-head int8 keeps the int8 head measured above).
+    The cost is quantizing the draft on the first start (cached next to an offline model's dense
+    copy). int4 runs on CPU only (check_quantize refuses it elsewhere), and a quantized target is
+    already followed by its draft. Only ``generate`` has this default: the Python API
     (``SpeculativeGenerator.from_pretrained``) and ``bench`` keep draft_quantize=None (as quantize),
     since benchmarks name their settings, and ``serve`` loads both models unquantized.
 
@@ -58,15 +61,65 @@ def _draft_quantize_by_default(args, device) -> str | None:
         args: The parsed ``generate`` arguments.
         device: The resolved device (``resolve_device(args.device)``).
     """
-    if args.draft_quantize is not None or args.method not in ("draft", "cascade") or args.quantize != "none":
+    if args.draft_quantize is not None:
         return None
+    return "int4" if _why_no_int4_default(args, device) is None else None
+
+
+def _why_no_int4_default(args, device) -> str | None:
+    """Why ``generate``'s int4 draft default does not apply (for error messages), or None when it
+    applies. --draft-quantize is not consulted: given, there is no default to apply."""
+    if args.method not in ("draft", "cascade"):
+        return f"--method {args.method} has no draft model"
+    if args.quantize != "none":
+        return f"it follows --quantize {args.quantize}: the int4 default applies with --quantize none only"
     if device.type != "cpu":
-        return None
+        return f"the int4 default applies on CPU only, and the device is {device}"
     try:
         check_quantize("int4", device)  # a torch build without the int4 kernel (< 2.6) keeps a dense draft
     except InvalidArgumentError:
-        return None
-    return "int4"
+        import torch
+
+        return f"the int4 default needs torch's int4 CPU kernel (torch >= 2.6), which torch {torch.__version__} lacks"
+    return None
+
+
+def check_draft_quantize_head_flag(head: str | None, scheme: str, why: str) -> None:
+    """Refuse --draft-quantize-head ``head`` for a draft quantized as ``scheme`` (generate and bench).
+
+    An int4 head needs an int4 draft, and a dense ("none") draft has no quantized head, so any
+    --draft-quantize-head would be silently ignored there. ``why`` says where ``scheme`` came
+    from (the flags, or why generate's int4 default did not apply), in the flags' words.
+
+    Raises:
+        InvalidArgumentError: ``head`` is given and does not fit ``scheme``.
+    """
+    if head is None or scheme == "int4" or (scheme == "int8" and head == "int8"):
+        return
+    here = f"dense (none: {why})" if scheme == "none" else f"{scheme} ({why})"
+    if head == "int4":
+        raise InvalidArgumentError(
+            f"--draft-quantize-head int4 needs an int4 draft (--draft-quantize int4); the draft here is {here}"
+        )
+    raise InvalidArgumentError(
+        f"--draft-quantize-head {head} applies to a quantized draft, but the draft here is {here}: it has no "
+        "quantized LM head, so the flag would be ignored; leave it out or quantize the draft "
+        "(--draft-quantize int8 or int4)"
+    )
+
+
+def _check_generate_draft_head(args, draft_quantize: str | None) -> None:
+    """``generate``'s --draft-quantize-head against the draft's effective quantization
+    (``draft_quantize``: --draft-quantize or the int4 default; None: as --quantize)."""
+    if args.draft_quantize_head is None:
+        return
+    scheme = args.quantize if draft_quantize is None else draft_quantize
+    if args.draft_quantize is not None:
+        why = f"--draft-quantize {args.draft_quantize}"
+    else:
+        why = (_why_no_int4_default(args, resolve_device(args.device))
+               or f"as --quantize {args.quantize}")
+    check_draft_quantize_head_flag(args.draft_quantize_head, scheme, why)
 
 
 def _add_quantize_arguments(p: argparse.ArgumentParser, draft_default: str = "as --quantize") -> None:
@@ -79,8 +132,9 @@ def _add_quantize_arguments(p: argparse.ArgumentParser, draft_default: str = "as
                    help=f"quantization of the draft model alone (default: {draft_default}); a quantized draft "
                    "leaves the output unchanged")
     p.add_argument("--draft-quantize-head", default=None, choices=QUANTIZE_HEADS,
-                   help="the draft's LM head storage (default: int4 for an int4 draft, measured faster; int8 "
-                   "otherwise); int8 keeps an int4 draft's head as before")
+                   help="the LM head storage of a quantized draft (default: int4 for an int4 draft, measured "
+                   "faster; int8 for an int8 one); int4 needs an int4 draft, and a dense draft refuses the flag; "
+                   "int8 keeps an int4 draft's head as before")
 
 
 def _add_generate(sub) -> None:
@@ -278,6 +332,8 @@ def cmd_generate(args) -> int:
         if draft_quantize is not None:
             logger.info("quantizing the draft to %s by default on CPU (output unchanged, faster drafting; the "
                         "first start quantizes it); --draft-quantize none keeps it dense", draft_quantize)
+    if draft is not None:
+        _check_generate_draft_head(args, draft_quantize)  # in the flags' words, before loading
     gen = SpeculativeGenerator.from_pretrained(args.target, draft, dtype=args.dtype, device=args.device,
                                               quantize=args.quantize, draft_quantize=draft_quantize,
                                               draft_quantize_head=args.draft_quantize_head)

@@ -96,3 +96,64 @@ def test_cli_bench_compile_flag_and_variants(model_folders, tmp_path, capsys, mo
     # a folder made without the setting is not one made with it
     assert cli.main([*argv[:-1], str(out), "--compile"]) == 2
     assert "compile: False there, True now" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["bench", "batched"])
+def test_cli_bench_passes_the_draft_quantization_to_the_loader(model_folders, tmp_path, capsys, monkeypatch,
+                                                               batched):
+    """Both load sites (the per-prompt run and --batch-size) pass --draft-quantize and --draft-quantize-head on."""
+    from specdecode.errors import SpecDecodeError
+    from specdecode.pipeline import SpeculativeGenerator
+
+    asked = []
+
+    def from_pretrained(target, draft, **kwargs):
+        asked.append((draft, kwargs))
+        raise SpecDecodeError("stopped before loading")
+
+    monkeypatch.setattr(SpeculativeGenerator, "from_pretrained", from_pretrained)
+    target, draft = model_folders
+    data = _write_jsonl(tmp_path / "q.jsonl", [{"prompt": "w5 w9 w12"}])
+    argv = ["bench", "--target", str(target), "--draft", str(draft), "--dataset", data, "--dtype", "float32",
+            "--methods", "draft", "--out", str(tmp_path / "out"), *(["--batch-size", "1"] if batched else [])]
+    for flags, expected in ((["--draft-quantize", "int4", "--draft-quantize-head", "int8"], ("int4", "int8")),
+                            (["--quantize", "int4", "--draft-quantize-head", "int4"], (None, "int4")),
+                            ([], (None, None))):
+        assert cli.main([*argv, *flags]) == 2
+        assert "stopped before loading" in capsys.readouterr().err
+        draft_spec, kwargs = asked.pop()
+        assert draft_spec == str(draft)
+        assert (kwargs["draft_quantize"], kwargs["draft_quantize_head"]) == expected
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--quantize", "int8", "--draft-quantize-head", "int4"],
+     "--draft-quantize-head int4 needs an int4 draft (--draft-quantize int4); the draft here is int8 (as --quantize "
+     "int8)"),
+    (["--quantize", "int4", "--draft-quantize", "int8", "--draft-quantize-head", "int4"],
+     "--draft-quantize-head int4 needs an int4 draft (--draft-quantize int4); the draft here is int8 "
+     "(--draft-quantize int8)"),
+    (["--draft-quantize-head", "int4"],
+     "--draft-quantize-head int4 needs an int4 draft (--draft-quantize int4); the draft here is dense (none: as "
+     "--quantize none; unlike generate, bench quantizes the draft only when told)"),
+    (["--quantize", "int8", "--draft-quantize", "none", "--draft-quantize-head", "int8"],
+     "--draft-quantize-head int8 applies to a quantized draft, but the draft here is dense (none: --draft-quantize "
+     "none): it has no quantized LM head, so the flag would be ignored; leave it out or quantize the draft "
+     "(--draft-quantize int8 or int4)"),
+])
+@pytest.mark.parametrize("batched", [False, True], ids=["bench", "batched"])
+def test_cli_bench_refuses_a_draft_quantize_head_the_draft_does_not_have(model_folders, tmp_path, capsys,
+                                                                         monkeypatch, flags, message, batched):
+    from specdecode.errors import SpecDecodeError
+    from specdecode.pipeline import SpeculativeGenerator
+
+    def from_pretrained(*args, **kwargs):
+        raise SpecDecodeError("loaded")
+
+    monkeypatch.setattr(SpeculativeGenerator, "from_pretrained", from_pretrained)
+    target, draft = model_folders
+    data = _write_jsonl(tmp_path / "q.jsonl", [{"prompt": "w5 w9 w12"}])
+    assert cli.main(["bench", "--target", str(target), "--draft", str(draft), "--dataset", data, "--methods", "draft",
+                     "--out", str(tmp_path / "out"), *(["--batch-size", "1"] if batched else []), *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "loaded" not in err

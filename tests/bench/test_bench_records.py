@@ -117,5 +117,16 @@ def test_an_int4_draft_head_is_named_and_an_int8_head_keeps_old_folders_resumabl
     assert new["draft_quantize_head"] == "int4" and {k: v for k, v in new.items() if k != "draft_quantize_head"} == old
     store = bench.RecordStore(tmp_path)
     assert store.check_settings(old) is False and store.check_settings(old) is True  # resumes with the int8 head
-    with pytest.raises(InvalidArgumentError, match=r"draft_quantize_head: None there, 'int4' now"):
+    with pytest.raises(InvalidArgumentError) as refused:
         store.check_settings(new)  # another draft model: not mixed into the old folder's records
+    assert str(refused.value).endswith(
+        "(draft_quantize_head: None there, 'int4' now); resume with the same settings or use another --out folder; "
+        "folders made before the int4 LM head (an int4 draft, from --draft-quantize int4 or --quantize int4) resume "
+        "with --draft-quantize-head int8"
+    )
+    # the hint is for that change alone
+    other = bench.RecordStore(tmp_path / "other")
+    other.check_settings(new)
+    with pytest.raises(InvalidArgumentError, match=r"draft_quantize_head: 'int4' there, None now\); resume with the "
+                                                   r"same settings or use another --out folder$"):
+        other.check_settings(old)

@@ -130,14 +130,16 @@ def test_select_rows_gives_the_full_heads_columns(rows):
     h = torch.randn(2, 3, 32, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     with torch.no_grad():
         got, full = cut(h), head(h)
-    assert got.shape == (2, 3, rows) and torch.equal(got, full[..., ids])
+    # bf16 outputs of the kernel at another N: equal up to the summation order (a wrong row is far off)
+    assert got.shape == (2, 3, rows)
+    torch.testing.assert_close(got, full[..., ids], rtol=1e-2, atol=1e-2)
     # through the truncated draft head (FR-Spec), on the whole model
     x = prompt_ids(6, seed=3)
     with torch.no_grad():
         bound = DraftHead.truncated(ids).bind(model)
         with bound.applied():
             truncated = model(x).logits
-        assert torch.equal(truncated, model(x).logits[..., ids])
+        torch.testing.assert_close(truncated, model(x).logits[..., ids], rtol=1e-2, atol=1e-2)
 
 
 def test_select_rows_needs_the_kept_rows():
@@ -177,6 +179,25 @@ def test_cache_round_trip_and_the_two_heads_have_their_own_files(tmp_path):
     x = prompt_ids(9, seed=5)
     with torch.inference_mode():
         assert torch.equal(model(x).logits, fresh(x).logits)
+
+
+def test_a_cache_file_from_before_the_int4_head_is_read_for_the_int8_head_only(tmp_path):
+    """Files written before the head was recorded (metadata without "head") hold the int8 head."""
+    from safetensors.torch import save_file
+
+    from specdecode.models.dense_cache import CACHE_FORMAT_VERSION
+    from specdecode.models.quantize import QUANTIZER_VERSION
+
+    tensors = quantized_tensors(_tiny(tied=True), "int4")  # the int8 head, as every file before had
+    old_meta = {"format": str(CACHE_FORMAT_VERSION), "scheme": "int4", "quantizer": str(QUANTIZER_VERSION)}
+    save_file(tensors, str(quantized_path(tmp_path, "int4")), metadata=old_meta)
+    back = read_quantized(tmp_path, "int4")
+    assert back is not None and back.keys() == tensors.keys()
+    assert all(torch.equal(back[k], tensors[k]) for k in tensors)
+    assert read_quantized(tmp_path, "int4", head="int4") is None  # no file of the int4 head's name
+    # nor is it taken for the int4 head under that name: its metadata means an int8 head
+    quantized_path(tmp_path, "int4").replace(quantized_path(tmp_path, "int4", "int4"))
+    assert read_quantized(tmp_path, "int4", head="int4") is None
 
 
 def test_the_loader_caches_each_head_apart(tmp_path, monkeypatch):

@@ -54,16 +54,28 @@ def _draft_spec(args) -> str | None:
 
 
 def _check_draft_flags(args) -> None:
-    """--draft-quantize and --draft-quantize-head need a draft model.
+    """--draft-quantize and --draft-quantize-head need a draft model, and --draft-quantize-head
+    one quantized to fit it (the draft's quantization here: --draft-quantize, else --quantize).
 
     Raises:
-        InvalidArgumentError: One of them is given without a draft.
+        InvalidArgumentError: One of them is given without a draft; --draft-quantize-head int4
+            with a draft that is not int4, or any --draft-quantize-head with a dense draft.
     """
+    from specdecode.cli import check_draft_quantize_head_flag  # the message generate gives too
+
     for flag in ("draft_quantize", "draft_quantize_head"):
         if getattr(args, flag, None) is not None and _draft_spec(args) is None:
             raise InvalidArgumentError(
                 f"--{flag.replace('_', '-')} needs a draft model (--draft); use --quantize for the target"
             )
+    head = getattr(args, "draft_quantize_head", None)
+    if head is not None:
+        given = args.draft_quantize is not None
+        scheme = args.draft_quantize if given else args.quantize
+        why = f"--draft-quantize {scheme}" if given else f"as --quantize {scheme}"
+        if scheme == "none" and not given:
+            why += "; unlike generate, bench quantizes the draft only when told"
+        check_draft_quantize_head_flag(head, scheme, why)
 
 
 def run(args) -> int:

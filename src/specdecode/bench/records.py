@@ -144,9 +144,14 @@ class RecordStore:
             diff = [k for k in sorted(set(old) | set(identity)) if old.get(k) != identity.get(k)]
             if diff:
                 changes = "; ".join(f"{k}: {old.get(k)!r} there, {identity.get(k)!r} now" for k in diff)
+                hint = ""
+                if "draft_quantize_head" in diff and old.get("draft_quantize_head") is None:
+                    # an int4 draft got the int8 head before the int4 LM head existed (run_identity)
+                    hint = ("; folders made before the int4 LM head (an int4 draft, from --draft-quantize int4 "
+                            "or --quantize int4) resume with --draft-quantize-head int8")
                 raise InvalidArgumentError(
                     f"results folder {str(self.dir)!r} was made with different settings ({changes}); "
-                    "resume with the same settings or use another --out folder"
+                    f"resume with the same settings or use another --out folder{hint}"
                 )
             return True
         if self.records_path.exists():
