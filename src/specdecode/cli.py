@@ -84,30 +84,6 @@ def _why_no_int4_default(args, device) -> str | None:
     return None
 
 
-def check_draft_quantize_head_flag(head: str | None, scheme: str, why: str) -> None:
-    """Refuse --draft-quantize-head ``head`` for a draft quantized as ``scheme`` (generate and bench).
-
-    An int4 head needs an int4 draft, and a dense ("none") draft has no quantized head, so any
-    --draft-quantize-head would be silently ignored there. ``why`` says where ``scheme`` came
-    from (the flags, or why generate's int4 default did not apply), in the flags' words.
-
-    Raises:
-        InvalidArgumentError: ``head`` is given and does not fit ``scheme``.
-    """
-    if head is None or scheme == "int4" or (scheme == "int8" and head == "int8"):
-        return
-    here = f"dense (none: {why})" if scheme == "none" else f"{scheme} ({why})"
-    if head == "int4":
-        raise InvalidArgumentError(
-            f"--draft-quantize-head int4 needs an int4 draft (--draft-quantize int4); the draft here is {here}"
-        )
-    raise InvalidArgumentError(
-        f"--draft-quantize-head {head} applies to a quantized draft, but the draft here is {here}: it has no "
-        "quantized LM head, so the flag would be ignored; leave it out or quantize the draft "
-        "(--draft-quantize int8 or int4)"
-    )
-
-
 def _check_generate_draft_head(args, draft_quantize: str | None) -> None:
     """``generate``'s --draft-quantize-head against the draft's effective quantization
     (``draft_quantize``: --draft-quantize or the int4 default; None: as --quantize)."""
@@ -119,6 +95,8 @@ def _check_generate_draft_head(args, draft_quantize: str | None) -> None:
     else:
         why = (_why_no_int4_default(args, resolve_device(args.device))
                or f"as --quantize {args.quantize}")
+    from specdecode.bench.command import check_draft_quantize_head_flag  # the message bench gives too
+
     check_draft_quantize_head_flag(args.draft_quantize_head, scheme, why)
 
 

@@ -324,7 +324,7 @@ def test_quantized_model_on_the_compiled_fast_path(scheme, head):
 def test_int4_packing_in_row_chunks_equals_one_shot_packing(monkeypatch, rows):
     """Int4Linear packs PACK_ROWS rows at a time (bounded int32 temporary); the packed tensor and
     the layer's output must equal one-shot packing, tails included."""
-    import specdecode.models.quantize as quantize_module
+    import specdecode.models.quantized_linear as quantize_module
 
     torch.manual_seed(0)
     w = torch.randn(rows, 64, dtype=torch.bfloat16)

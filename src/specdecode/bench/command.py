@@ -53,6 +53,30 @@ def _draft_spec(args) -> str | None:
     return None if args.draft.lower() in ("none", "") else args.draft
 
 
+def check_draft_quantize_head_flag(head: str | None, scheme: str, why: str) -> None:
+    """Refuse --draft-quantize-head ``head`` for a draft quantized as ``scheme`` (generate and bench).
+
+    An int4 head needs an int4 draft, and a dense ("none") draft has no quantized head, so any
+    --draft-quantize-head would be silently ignored there. ``why`` says where ``scheme`` came
+    from (the flags, or why generate's int4 default did not apply), in the flags' words.
+
+    Raises:
+        InvalidArgumentError: ``head`` is given and does not fit ``scheme``.
+    """
+    if head is None or scheme == "int4" or (scheme == "int8" and head == "int8"):
+        return
+    here = f"dense (none: {why})" if scheme == "none" else f"{scheme} ({why})"
+    if head == "int4":
+        raise InvalidArgumentError(
+            f"--draft-quantize-head int4 needs an int4 draft (--draft-quantize int4); the draft here is {here}"
+        )
+    raise InvalidArgumentError(
+        f"--draft-quantize-head {head} applies to a quantized draft, but the draft here is {here}: it has no "
+        "quantized LM head, so the flag would be ignored; leave it out or quantize the draft "
+        "(--draft-quantize int8 or int4)"
+    )
+
+
 def _check_draft_flags(args) -> None:
     """--draft-quantize and --draft-quantize-head need a draft model, and --draft-quantize-head
     one quantized to fit it (the draft's quantization here: --draft-quantize, else --quantize).
@@ -61,8 +85,6 @@ def _check_draft_flags(args) -> None:
         InvalidArgumentError: One of them is given without a draft; --draft-quantize-head int4
             with a draft that is not int4, or any --draft-quantize-head with a dense draft.
     """
-    from specdecode.cli import check_draft_quantize_head_flag  # the message generate gives too
-
     for flag in ("draft_quantize", "draft_quantize_head"):
         if getattr(args, flag, None) is not None and _draft_spec(args) is None:
             raise InvalidArgumentError(
