@@ -137,3 +137,21 @@ METHOD_OPTIONS = {
     "early-exit": dict(exit_layer=2),
     "prompt-lookup": {},
 }
+
+
+def saved_model_with_quantizer_log(tmp_path, monkeypatch, model, record) -> tuple:
+    """Save ``model`` (and a tiny tokenizer) to ``tmp_path/m``, make an empty dense-copy folder
+    ``tmp_path/dense``, and log every ``loading.quantized_tensors(model, scheme, head)`` call as
+    ``record(scheme, head)`` in the returned list. Returns (folder, dense folder, calls)."""
+    from conftest import make_tiny_tokenizer
+    from specdecode.models import loading
+
+    folder = tmp_path / "m"
+    model.save_pretrained(folder)
+    make_tiny_tokenizer().save_pretrained(folder)
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    calls: list = []
+    real = loading.quantized_tensors
+    monkeypatch.setattr(loading, "quantized_tensors", lambda m, s, h: calls.append(record(s, h)) or real(m, s, h))
+    return folder, dense, calls

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from conftest import make_tiny_model, make_tiny_tokenizer
-from selfspec_helpers import METHOD_OPTIONS, one_thread, prompt_ids  # noqa: F401
+from selfspec_helpers import METHOD_OPTIONS, one_thread, prompt_ids, saved_model_with_quantizer_log  # noqa: F401
 from specdecode import GenerationConfig, InvalidArgumentError, SpeculativeGenerator
 from specdecode.models import LoadedModel, load_model
 from specdecode.models.dense_cache import quantized_path, read_quantized, write_quantized
@@ -174,14 +174,7 @@ def test_second_load_reads_the_cache_instead_of_quantizing(tmp_path, monkeypatch
     from specdecode.models import loading
 
     model = make_tiny_model("qwen2", num_layers=2)
-    folder = tmp_path / "m"
-    model.save_pretrained(folder)
-    make_tiny_tokenizer().save_pretrained(folder)
-    dense = tmp_path / "dense"
-    dense.mkdir()
-    calls = []
-    real = loading.quantized_tensors
-    monkeypatch.setattr(loading, "quantized_tensors", lambda m, s, h: calls.append(s) or real(m, s, h))
+    folder, dense, calls = saved_model_with_quantizer_log(tmp_path, monkeypatch, model, lambda s, h: s)
     a = loading._quantize(loading._load_dense(folder, "m", torch.float32, torch.device("cpu")), "int8", dense)
     b = loading._quantize(loading._load_dense(folder, "m", torch.float32, torch.device("cpu")), "int8", dense)
     assert calls == ["int8"] and a.quantize == b.quantize == "int8"

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from conftest import VOCAB, make_tiny_model, make_tiny_tokenizer
-from selfspec_helpers import one_thread, prompt_ids  # noqa: F401
+from selfspec_helpers import one_thread, prompt_ids, saved_model_with_quantizer_log  # noqa: F401
 from specdecode import InvalidArgumentError, SpeculativeGenerator
 from specdecode.drafters import DraftHead
 from specdecode.models import load_model
@@ -204,14 +204,7 @@ def test_the_loader_caches_each_head_apart(tmp_path, monkeypatch):
     """A target (int8 head) and a draft (int4 head) of one dense copy: two files, each read back by its own kind."""
     from specdecode.models import loading
 
-    folder = tmp_path / "m"
-    _tiny(tied=True).save_pretrained(folder)
-    make_tiny_tokenizer().save_pretrained(folder)
-    dense = tmp_path / "dense"
-    dense.mkdir()
-    calls = []
-    real = loading.quantized_tensors
-    monkeypatch.setattr(loading, "quantized_tensors", lambda m, s, h: calls.append(h) or real(m, s, h))
+    folder, dense, calls = saved_model_with_quantizer_log(tmp_path, monkeypatch, _tiny(tied=True), lambda s, h: h)
 
     def load(head):
         loaded = loading._load_dense(folder, "m", torch.float32, torch.device("cpu"))
