@@ -9,6 +9,7 @@ import torch
 
 from conftest import VOCAB
 from specdecode import GenerationConfig, SpeculativeDecoder
+from specdecode.drafters import DraftModelDrafter
 from specdecode.engine.protocol import Drafter
 from specdecode.engine.sampling import Sampler
 
@@ -141,10 +142,11 @@ METHOD_OPTIONS = {
 
 def saved_model_with_quantizer_log(tmp_path, monkeypatch, model, record) -> tuple:
     """Save ``model`` (and a tiny tokenizer) to ``tmp_path/m``, make an empty dense-copy folder
-    ``tmp_path/dense``, and log every ``loading.quantized_tensors(model, scheme, head)`` call as
-    ``record(scheme, head)`` in the returned list. Returns (folder, dense folder, calls)."""
+    ``tmp_path/dense``, and log every ``loading.quantized_tensors(model, scheme, head, group_size=g)``
+    call as ``record(scheme, head, g)`` in the returned list. Returns (folder, dense folder, calls)."""
     from conftest import make_tiny_tokenizer
     from specdecode.models import loading
+    from specdecode.models.quantize import INT4_GROUP_SIZE
 
     folder = tmp_path / "m"
     model.save_pretrained(folder)
@@ -153,5 +155,46 @@ def saved_model_with_quantizer_log(tmp_path, monkeypatch, model, record) -> tupl
     dense.mkdir()
     calls: list = []
     real = loading.quantized_tensors
-    monkeypatch.setattr(loading, "quantized_tensors", lambda m, s, h: calls.append(record(s, h)) or real(m, s, h))
+
+    def logged(m, scheme, head="int8", group_size=INT4_GROUP_SIZE):
+        calls.append(record(scheme, head, group_size))
+        return real(m, scheme, head, group_size=group_size)
+
+    monkeypatch.setattr(loading, "quantized_tensors", logged)
     return folder, dense, calls
+
+
+def quantized_pair(arch: str, scheme: str, draft_head: str | None = None, group_size: int | None = None,
+                   **model_kw):
+    """A ``SpeculativeGenerator`` on tiny ``arch`` models (target 4 layers, draft 2; ``model_kw`` for
+    ``make_tiny_model``), both quantized with ``scheme`` in int4 groups of ``group_size`` (None: 32);
+    the draft's LM head in ``draft_head`` (None: int8)."""
+    from torch import nn
+
+    from conftest import make_tiny_model, make_tiny_tokenizer
+    from specdecode import SpeculativeGenerator
+    from specdecode.models import LoadedModel
+    from specdecode.models.quantize import quantize_model
+
+    tok = make_tiny_tokenizer()
+    target = make_tiny_model(arch, num_layers=4, seed=0, **model_kw)
+    draft = make_tiny_model(arch, num_layers=2, seed=5, **model_kw)
+    for model, head in ((target, None), (draft, draft_head)):
+        summary = quantize_model(model, scheme, head, group_size)
+        assert not any(type(m) is nn.Linear for m in model.modules())  # it really is quantized
+        assert summary.layers[scheme] > 0 and summary.bytes_after < summary.bytes_before / 2
+        assert summary.head == (head or "int8")
+    return SpeculativeGenerator(LoadedModel(target, tok, "tiny", scheme), LoadedModel(draft, tok, "tiny-draft", scheme))
+
+
+class DraftSpy(DraftModelDrafter):
+    """A ``DraftModelDrafter`` that records each block as (position of its first token, tokens)."""
+
+    def __init__(self, *a, **k) -> None:
+        super().__init__(*a, **k)
+        self.drafts: list[tuple[int, list[int]]] = []
+
+    def propose(self, sequence, max_tokens, exit_policy=None, first_logits=None):
+        draft = super().propose(sequence, max_tokens, exit_policy, first_logits)
+        self.drafts.append((sequence.shape[1], draft.tokens.tolist()))
+        return draft

@@ -68,6 +68,16 @@ def test_generate_streams_text_and_prints_stats(tiny_folders, capsys):
         (["--prompt", "w5", "--draft-quantize", "int8", "--draft-quantize-head", "int4"],
          "--draft-quantize-head int4 needs an int4 draft (--draft-quantize int4); the draft here is int8 "
          "(--draft-quantize int8)"),
+        (["--prompt", "w5", "--method", "prompt-lookup", "--quantize-group-size", "64"],
+         "--quantize-group-size 64 applies to int4 weights, but neither model is int4: the target is dense (--quantize "
+         "none) and there is no draft model (--method prompt-lookup loads none); leave it out, or make one of them "
+         "int4 (--quantize int4 or --draft-quantize int4)"),
+        (["--prompt", "w5", "--draft-quantize", "none", "--quantize-group-size", "128"],
+         "--quantize-group-size 128 applies to int4 weights, but neither model is int4: the target is dense "
+         "(--quantize none) and the draft dense (--draft-quantize none); leave it out"),
+        (["--prompt", "w5", "--quantize", "int8", "--quantize-group-size", "64"],
+         "but neither model is int4: the target is int8 (--quantize int8) and the draft int8 (it follows --quantize "
+         "int8: the int4 default applies with --quantize none only); leave it out"),
     ],
 )
 def test_bad_input_exits_nonzero_with_message(capsys, args, message):
@@ -149,13 +159,14 @@ def test_generate_passes_compile_to_the_pipeline(tiny_folders, capsys, monkeypat
 def test_generate_quantizes_the_draft_to_int4_by_default_on_cpu(tiny_folders, capsys, caplog, flags, quantize,
                                                                draft_quantize, head):
     target_dir, draft_dir, target = tiny_folders
-    caplog.set_level(logging.INFO, logger="specdecode.cli")
+    caplog.set_level(logging.INFO, logger="specdecode.generate_command")
     code, out, err = _run(capsys, "--target", target_dir, "--draft", draft_dir, "--prompt", "w5 w9 w11 w5 w9",
                           "--max-new-tokens", 10, "--dtype", "float32", "--device", "cpu", "--json", *flags)
     assert code == 0, err
     result = json.loads(out)
     assert (result["quantize"], result["draft_quantize"]) == (quantize, draft_quantize)
     assert result["draft_quantize_head"] == head
+    assert result["quantize_group_size"] == (32 if "int4" in (quantize, draft_quantize) else None)
     assert ("--draft-quantize none keeps it dense" in caplog.text) is (flags in ([], ["--method", "draft"]))
     if quantize == "none":  # a quantized draft leaves the target's output unchanged
         reference = SpeculativeDecoder(target, eos_token_ids=[2]).generate(
@@ -202,7 +213,7 @@ def test_generate_refuses_a_draft_quantize_head_the_draft_does_not_have(monkeypa
                                                                         message):
     """In the flags' words and before anything loads: an int4 head needs an int4 draft, and a dense
     draft would ignore any head, saying why generate's int4 default did not apply."""
-    from specdecode import cli
+    from specdecode import generate_command
     from specdecode.errors import InvalidArgumentError, SpecDecodeError
     from specdecode.pipeline import SpeculativeGenerator
 
@@ -213,9 +224,9 @@ def test_generate_refuses_a_draft_quantize_head_the_draft_does_not_have(monkeypa
         raise InvalidArgumentError("no int4 kernel")
 
     monkeypatch.setattr(SpeculativeGenerator, "from_pretrained", from_pretrained)
-    monkeypatch.setattr(cli, "resolve_device", lambda name: torch.device(device))
+    monkeypatch.setattr(generate_command, "resolve_device", lambda name: torch.device(device))
     if not kernel:
-        monkeypatch.setattr(cli, "check_quantize", no_kernel)
+        monkeypatch.setattr(generate_command, "check_quantize", no_kernel)
     code, out, err = _run(capsys, "--prompt", "w5", *flags)
     assert code == 2 and out == ""
     assert message in err
@@ -232,7 +243,8 @@ def test_generate_refuses_a_draft_quantize_head_the_draft_does_not_have(monkeypa
     (["--method", "early-exit", "--exit-layer", "1"], "cpu", None),
 ])
 def test_draft_quantize_by_default_rule(flags, device, expected):
-    from specdecode.cli import _check_method_options, _draft_quantize_by_default, build_parser
+    from specdecode.cli import build_parser
+    from specdecode.generate_command import _check_method_options, _draft_quantize_by_default
 
     args = build_parser().parse_args(["generate", "--prompt", "w5", *flags])
     _check_method_options(args)  # the default never trips the --draft-quantize check
@@ -241,21 +253,21 @@ def test_draft_quantize_by_default_rule(flags, device, expected):
 
 def test_draft_quantize_default_needs_the_int4_kernel(monkeypatch):
     """A torch build without the int4 CPU kernel keeps a dense draft rather than failing."""
-    from specdecode import cli
+    from specdecode import cli, generate_command
     from specdecode.errors import InvalidArgumentError
 
     def refuse(scheme, device=None):
         raise InvalidArgumentError("no int4 kernel")
 
-    monkeypatch.setattr(cli, "check_quantize", refuse)
+    monkeypatch.setattr(generate_command, "check_quantize", refuse)
     args = cli.build_parser().parse_args(["generate", "--prompt", "w5"])
-    assert cli._draft_quantize_by_default(args, torch.device("cpu")) is None
+    assert generate_command._draft_quantize_by_default(args, torch.device("cpu")) is None
 
 
 def test_generate_on_cuda_keeps_the_draft_as_the_target(monkeypatch, capsys):
     """The resolved device reaches the rule: on CUDA (faked, no GPU needed) from_pretrained gets
     draft_quantize=None, so int4, which CUDA refuses, is never picked."""
-    from specdecode import cli
+    from specdecode import generate_command as cli
     from specdecode.errors import SpecDecodeError
     from specdecode.pipeline import SpeculativeGenerator
 
@@ -273,3 +285,86 @@ def test_generate_on_cuda_keeps_the_draft_as_the_target(monkeypatch, capsys):
     monkeypatch.setattr(cli, "resolve_device", lambda device: torch.device("cpu"))
     _run(capsys, "--prompt", "w5")
     assert asked[-1] == (cli.DEFAULT_DRAFT, "int4")  # the same call on CPU picks int4
+
+
+@pytest.mark.parametrize("flags, draft_quantize", [
+    ([], "int4"),  # generate's default int4 draft (the target dense) takes the group size
+    (["--method", "draft", "--quantize", "int4", "-g", "3"], "int4"),  # both int4: both take it
+    (["--method", "prompt-lookup", "--quantize", "int4"], None),  # the int4 target alone
+])
+def test_generate_quantize_group_size_reaches_every_int4_model(tiny_folders, capsys, monkeypatch, flags,
+                                                              draft_quantize):
+    from specdecode.pipeline import SpeculativeGenerator
+
+    loaded = []
+    original = SpeculativeGenerator.from_pretrained.__func__
+
+    def from_pretrained(cls, *args, **kwargs):
+        loaded.append(original(cls, *args, **kwargs))
+        return loaded[-1]
+
+    monkeypatch.setattr(SpeculativeGenerator, "from_pretrained", classmethod(from_pretrained))
+    target_dir, draft_dir, target = tiny_folders
+    code, out, err = _run(capsys, "--target", target_dir, "--draft", draft_dir, "--prompt", "w5 w9 w11 w5 w9",
+                          "--max-new-tokens", 10, "--dtype", "float32", "--device", "cpu", "--json",
+                          "--quantize-group-size", 64, *flags)
+    assert code == 0, err
+    result = json.loads(out)
+    assert (result["quantize_group_size"], result["draft_quantize"]) == (64, draft_quantize)
+    gen = loaded.pop()
+    int4 = [m for m in (gen.target, gen.draft) if m is not None and m.quantize == "int4"]
+    assert int4 and all(m.quantize_group_size == 64 for m in int4)
+    # the tiny models' 64-input down_proj is int4 in groups of 64 (their 32-wide layers stay int8)
+    assert all(m.model.model.layers[0].mlp.down_proj.group_size == 64 for m in int4)
+    if "--quantize" not in flags:  # an int4 draft leaves the target's output unchanged
+        reference = SpeculativeDecoder(target, eos_token_ids=[2]).generate(
+            torch.tensor([[5, 9, 11, 5, 9]]), GenerationConfig(max_new_tokens=10)
+        )
+        assert result["token_ids"] == reference.token_ids
+
+
+@pytest.mark.parametrize("command", ["generate", "bench"])
+def test_an_unknown_quantize_group_size_is_refused_by_the_parser(capsys, command):
+    from specdecode.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main([command, *(["--prompt", "w5"] if command == "generate" else []), "--quantize-group-size", "48"])
+    assert exited.value.code == 2
+    assert "argument --quantize-group-size: invalid choice: 48 (choose from 32, 64, 128, 256)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, limit, window", [
+    ([], 512, None),  # the cascade with generate's int4 draft: the measured default
+    (["--draft-quantize", "none"], None, None),  # a dense draft: no default limit
+    (["--max-model-prompt-tokens", "0"], None, None),
+    (["--max-model-prompt-tokens", "3"], 3, None),  # the 5-token prompt is over it: no draft forward
+    (["--draft-context-window", "2"], 512, 2),
+])
+def test_generate_prompt_limit_and_context_window(tiny_folders, capsys, flags, limit, window):
+    target_dir, draft_dir, target = tiny_folders
+    code, out, err = _run(capsys, "--target", target_dir, "--draft", draft_dir, "--prompt", "w5 w9 w11 w5 w9",
+                          "--max-new-tokens", 10, "--dtype", "float32", "--device", "cpu", "--json", *flags)
+    assert code == 0, err
+    result = json.loads(out)
+    assert (result["max_model_prompt_tokens"], result["draft_context_window"]) == (limit, window)
+    assert (result["stats"]["num_draft_forwards"] == 0) is (limit == 3)
+    reference = SpeculativeDecoder(target, eos_token_ids=[2]).generate(
+        torch.tensor([[5, 9, 11, 5, 9]]), GenerationConfig(max_new_tokens=10)
+    )
+    assert result["token_ids"] == reference.token_ids
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-model-prompt-tokens", "-1"], "--max-model-prompt-tokens -1 is out of range: use N >= 1 (tokens), or 0 "
+                                          "for no limit"),
+    (["--method", "draft", "--max-model-prompt-tokens", "64"], "--max-model-prompt-tokens applies to --method "
+                                                               "cascade (its draft model), not 'draft'"),
+    (["--draft-context-window", "0"], "--draft-context-window 0 is out of range: use W >= 1 (tokens)"),
+    (["--method", "prompt-lookup", "--draft-context-window", "4"], "--draft-context-window applies to --method "
+                                                                   "draft or cascade (a draft model), not "
+                                                                   "'prompt-lookup'"),
+])
+def test_generate_refuses_bad_long_prompt_flags(capsys, flags, message):
+    code, out, err = _run(capsys, "--prompt", "w5", *flags)
+    assert code == 2 and out == ""
+    assert message in err

@@ -1,6 +1,6 @@
 """Milliseconds per target forward by number of tokens fed, for each --quantize value.
 
-Usage: OMP_NUM_THREADS=2 python docs/benchmarks/forward_cost.py qwen2.5-coder-1.5b-instruct,qwen2.5-coder-0.5b-instruct
+Usage: OMP_NUM_THREADS=2 python docs/benchmarks/forward_cost.py qwen2.5-coder-1.5b-instruct,qwen2.5-coder-0.5b-instruct [QUANTIZE,...] [GROUP_SIZE]
 Prints one line per model and quantization: the median of 7 forwards over a 200-token context.
 """
 import sys
@@ -34,6 +34,7 @@ def forward_ms(model, widths=(1, 2, 3, 4, 5, 6, 8, 16)) -> dict[int, float]:
 if __name__ == "__main__":
     for name in sys.argv[1].split(","):
         for q in (sys.argv[2].split(",") if len(sys.argv) > 2 else ["none", "int8", "int4"]):
-            model = load_model(name, dtype="bfloat16", quantize=q).model
-            print(name, q, "ms per forward by tokens fed:", forward_ms(model), flush=True)
+            group = int(sys.argv[3]) if len(sys.argv) > 3 and q == "int4" else None
+            model = load_model(name, dtype="bfloat16", quantize=q, quantize_group_size=group).model
+            print(name, q, f"group {group}" if group else "", "ms per forward by tokens fed:", forward_ms(model), flush=True)
             del model

@@ -45,7 +45,7 @@ from specdecode.errors import InvalidArgumentError
 from specdecode.drafters.layer_skip import LayerSkipDrafter, SkipSet
 from specdecode.models import LoadedModel, check_vocabularies, load_model
 from specdecode.models.dense_cache import dense_cache_valid
-from specdecode.models.quantize import check_quantize, check_quantize_head
+from specdecode.models.quantize import INT4_GROUP_SIZE, check_quantize, check_quantize_group_size, check_quantize_head
 from specdecode.models.token_frequencies import TokenFrequencies, load_or_count, special_token_ids
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 
@@ -141,6 +141,7 @@ class SpeculativeGenerator:
         quantize: str = "none",
         draft_quantize: str | None = None,
         draft_quantize_head: str | None = None,
+        quantize_group_size: int | None = None,
     ) -> SpeculativeGenerator:
         """Load target and draft (see ``specdecode.models.load_model`` for specs and errors).
 
@@ -161,12 +162,20 @@ class SpeculativeGenerator:
         -> 84.2%) and 3.9% faster on 5 Spec-Bench prompts (8.00 -> 8.31, 65.2% -> 65.6%;
         README "Quantized weights on CPU").
 
+        ``quantize_group_size``: inputs per scale and zero of the int4 weights, 32, 64, 128 or
+        256 (None: 32), for every int4 model of the pair: the target under ``quantize="int4"``,
+        the draft when it is int4 (also with a target that is not). Groups of 64 store 4.5
+        bits a weight instead of 5 (bf16 scale and zero per group) and fit the weights less
+        closely; a layer whose input width is not a multiple of the group size stays int8.
+
         ``draft=None`` loads no draft model: enough for every method but "draft" and "cascade"
         ("autoregressive", "layer-skip", "early-exit", "prompt-lookup").
 
         Raises:
             InvalidArgumentError: Besides ``load_model``'s: ``draft_quantize_head`` unknown, or
-                "int4" with a draft that is not int4 (checked before anything is loaded).
+                "int4" with a draft that is not int4; ``quantize_group_size`` not one of 32,
+                64, 128, 256, or other than 32 when neither model is int4 (checked before
+                anything is loaded).
         """
         draft_scheme = quantize if draft_quantize is None else draft_quantize
         draft_head = draft_quantize_head
@@ -175,9 +184,22 @@ class SpeculativeGenerator:
             if draft_head is None:
                 draft_head = "int4" if draft_scheme == "int4" else None
             check_quantize_head(draft_head, draft_scheme)
-        t = load_model(target, dtype=dtype, device=device, cache_dir=cache_dir, quantize=quantize)
+        schemes = (quantize, draft_scheme if draft else None)
+        group = check_quantize_group_size(quantize_group_size, "int4")
+        if group != INT4_GROUP_SIZE and "int4" not in schemes:
+            check_quantize(quantize)
+            draft_here = (f"draft_quantize={draft_quantize!r}" if draft_quantize is not None
+                          else f"as quantize={quantize!r}") if draft else "no draft model"
+            raise InvalidArgumentError(
+                f"quantize_group_size={group} applies to int4 weights, but neither the target "
+                f"(quantize={quantize!r}) nor the draft ({draft_here}) is int4; use quantize='int4' or "
+                "draft_quantize='int4', or leave quantize_group_size out"
+            )
+        t = load_model(target, dtype=dtype, device=device, cache_dir=cache_dir, quantize=quantize,
+                       quantize_group_size=group if quantize == "int4" else None)
         d = load_model(draft, dtype=t.model.dtype, device=str(t.model.device), cache_dir=cache_dir,
-                       quantize=draft_scheme, quantize_head=draft_head) if draft else None
+                       quantize=draft_scheme, quantize_head=draft_head,
+                       quantize_group_size=group if draft_scheme == "int4" else None) if draft else None
         return cls(t, d, cache_dir=cache_dir)
 
     @property
@@ -247,6 +269,8 @@ class SpeculativeGenerator:
         prompt_lookup_min_ngram: int = 1,
         draft_vocab_size: int | None = None,
         ngram_check: bool = True,
+        draft_context_window: int | None = None,
+        max_model_prompt_tokens: int | None = None,
         compile: bool | None = None,
     ) -> Drafter | None:
         """The drafter for ``method`` (None for autoregressive).
@@ -263,22 +287,40 @@ class SpeculativeGenerator:
                 ``draft_head``). 0 or None: the full head.
             ngram_check: "cascade": keep only the n-gram tokens the draft model agrees with
                 (``drafters.cascade``); False proposes the whole n-gram match.
+            draft_context_window: W for "draft" and "cascade": the draft model is prefilled
+                with the prompt's last W tokens only (``DraftModelDrafter``); None: the whole
+                prompt. The output is unchanged; acceptance can drop.
+            max_model_prompt_tokens: N for "cascade": a prompt of more than N tokens gets
+                n-gram matches alone, with no draft model and no draft prefill
+                (``drafters.cascade``); None: no limit.
             compile: The fast path for the drafter's forwards (see ``decoder``).
 
         Options a method does not use are ignored, so one set of options can serve
-        several methods (as in ``specdecode bench``); ``draft_vocab_size`` is the exception,
-        refused by methods without a draft model.
+        several methods (as in ``specdecode bench``); ``draft_vocab_size``,
+        ``draft_context_window`` and ``max_model_prompt_tokens`` are the exceptions, refused by
+        methods that do not use them.
 
         Raises:
             InvalidArgumentError: Unknown method; "draft" or "cascade" without a draft model;
                 "layer-skip" without a skip set, or with more than one; "early-exit"
-                without ``exit_layer``; ``draft_vocab_size`` with another method or out of
+                without ``exit_layer``; ``draft_vocab_size``, ``draft_context_window`` or
+                ``max_model_prompt_tokens`` with a method that does not use it, or out of
                 range; or an option out of range.
         """
         if draft_vocab_size and method not in ("draft", "cascade"):
             raise InvalidArgumentError(
                 f"draft_vocab_size={draft_vocab_size!r} (--draft-vocab-size) applies to the methods with a draft "
                 f"model, 'draft' and 'cascade', not to {method!r}"
+            )
+        if max_model_prompt_tokens is not None and method != "cascade":
+            raise InvalidArgumentError(
+                f"max_model_prompt_tokens={max_model_prompt_tokens!r} (--max-model-prompt-tokens) applies to the "
+                f"method 'cascade', not to {method!r}"
+            )
+        if draft_context_window is not None and method not in ("draft", "cascade"):
+            raise InvalidArgumentError(
+                f"draft_context_window={draft_context_window!r} (--draft-context-window) applies to the methods with "
+                f"a draft model, 'draft' and 'cascade', not to {method!r}"
             )
         if method == "autoregressive":
             return None
@@ -292,9 +334,10 @@ class SpeculativeGenerator:
             runner = self.runner("draft", compile, draft_vocab_size or 0)
             if method == "cascade":
                 return CascadeDrafter(
-                    self.draft.model, prompt_lookup_max_ngram, prompt_lookup_min_ngram, head, runner, ngram_check
+                    self.draft.model, prompt_lookup_max_ngram, prompt_lookup_min_ngram, head, runner, ngram_check,
+                    draft_context_window, max_model_prompt_tokens,
                 )
-            return DraftModelDrafter(self.draft.model, head, runner)
+            return DraftModelDrafter(self.draft.model, head, runner, draft_context_window)
         if method == "layer-skip":
             skip_set = _resolve_skip_set(skip_set, skip_layers, skip_config)
             logger.info("layer-skip drafting with skip set %s", skip_set)
@@ -395,6 +438,8 @@ class SpeculativeGenerator:
         prompt_lookup_min_ngram: int = 1,
         draft_vocab_size: int | None = None,
         ngram_check: bool = True,
+        draft_context_window: int | None = None,
+        max_model_prompt_tokens: int | None = None,
         compile: bool | None = None,
     ) -> SpeculativeDecoder:
         """A ``SpeculativeDecoder`` over the target with the drafter of ``method``.
@@ -406,7 +451,7 @@ class SpeculativeGenerator:
                 forwards are kept per model in this generator and reused by later decoders.
             draft_control: Adaptive draft exit, length schedule and confidence gating
                 (``specdecode.drafters.control.DraftControl``); ignored by "autoregressive".
-            skip_set .. ngram_check: See ``make_drafter``.
+            skip_set .. max_model_prompt_tokens: See ``make_drafter``.
 
         Raises:
             InvalidArgumentError: See ``make_drafter``; also adaptive draft exit with
@@ -422,6 +467,8 @@ class SpeculativeGenerator:
             prompt_lookup_min_ngram=prompt_lookup_min_ngram,
             draft_vocab_size=draft_vocab_size,
             ngram_check=ngram_check,
+            draft_context_window=draft_context_window,
+            max_model_prompt_tokens=max_model_prompt_tokens,
             compile=compile,
         )
         return SpeculativeDecoder(

@@ -101,7 +101,8 @@ def test_cli_bench_compile_flag_and_variants(model_folders, tmp_path, capsys, mo
 @pytest.mark.parametrize("batched", [False, True], ids=["bench", "batched"])
 def test_cli_bench_passes_the_draft_quantization_to_the_loader(model_folders, tmp_path, capsys, monkeypatch,
                                                                batched):
-    """Both load sites (the per-prompt run and --batch-size) pass --draft-quantize and --draft-quantize-head on."""
+    """Both load sites (the per-prompt run and --batch-size) pass --draft-quantize, --draft-quantize-head and
+    --quantize-group-size on."""
     from specdecode.errors import SpecDecodeError
     from specdecode.pipeline import SpeculativeGenerator
 
@@ -116,14 +117,16 @@ def test_cli_bench_passes_the_draft_quantization_to_the_loader(model_folders, tm
     data = _write_jsonl(tmp_path / "q.jsonl", [{"prompt": "w5 w9 w12"}])
     argv = ["bench", "--target", str(target), "--draft", str(draft), "--dataset", data, "--dtype", "float32",
             "--methods", "draft", "--out", str(tmp_path / "out"), *(["--batch-size", "1"] if batched else [])]
-    for flags, expected in ((["--draft-quantize", "int4", "--draft-quantize-head", "int8"], ("int4", "int8")),
-                            (["--quantize", "int4", "--draft-quantize-head", "int4"], (None, "int4")),
-                            ([], (None, None))):
+    for flags, expected in ((["--draft-quantize", "int4", "--draft-quantize-head", "int8"], ("int4", "int8", None)),
+                            (["--quantize", "int4", "--draft-quantize-head", "int4"], (None, "int4", None)),
+                            (["--draft-quantize", "int4", "--quantize-group-size", "64"], ("int4", None, 64)),
+                            (["--quantize", "int4", "--quantize-group-size", "256"], (None, None, 256)),
+                            ([], (None, None, None))):
         assert cli.main([*argv, *flags]) == 2
         assert "stopped before loading" in capsys.readouterr().err
         draft_spec, kwargs = asked.pop()
         assert draft_spec == str(draft)
-        assert (kwargs["draft_quantize"], kwargs["draft_quantize_head"]) == expected
+        assert (kwargs["draft_quantize"], kwargs["draft_quantize_head"], kwargs["quantize_group_size"]) == expected
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -140,10 +143,22 @@ def test_cli_bench_passes_the_draft_quantization_to_the_loader(model_folders, tm
      "--draft-quantize-head int8 applies to a quantized draft, but the draft here is dense (none: --draft-quantize "
      "none): it has no quantized LM head, so the flag would be ignored; leave it out or quantize the draft "
      "(--draft-quantize int8 or int4)"),
+    (["--quantize-group-size", "64"],
+     "--quantize-group-size 64 applies to int4 weights, but neither model is int4: the target is dense (--quantize "
+     "none) and the draft dense (as --quantize none; unlike generate, bench quantizes the draft only when told); "
+     "leave it out, or make one of them int4 (--quantize int4 or --draft-quantize int4)"),
+    (["--quantize", "int8", "--draft-quantize", "none", "--quantize-group-size", "256"],
+     "--quantize-group-size 256 applies to int4 weights, but neither model is int4: the target is int8 (--quantize "
+     "int8) and the draft dense (--draft-quantize none); leave it out"),
+    (["--draft", "none", "--quantize-group-size", "128"],
+     "--quantize-group-size 128 applies to int4 weights, but neither model is int4: the target is dense (--quantize "
+     "none) and there is no draft model (--draft none); leave it out"),
 ])
 @pytest.mark.parametrize("batched", [False, True], ids=["bench", "batched"])
-def test_cli_bench_refuses_a_draft_quantize_head_the_draft_does_not_have(model_folders, tmp_path, capsys,
-                                                                         monkeypatch, flags, message, batched):
+def test_cli_bench_refuses_quantize_flags_the_models_do_not_fit(model_folders, tmp_path, capsys, monkeypatch, flags,
+                                                                message, batched):
+    """Before loading, in the flags' words: --draft-quantize-head needs a draft quantized to fit it, and
+    --quantize-group-size other than 32 an int4 target or draft."""
     from specdecode.errors import SpecDecodeError
     from specdecode.pipeline import SpeculativeGenerator
 

@@ -130,3 +130,39 @@ def test_an_int4_draft_head_is_named_and_an_int8_head_keeps_old_folders_resumabl
     with pytest.raises(InvalidArgumentError, match=r"draft_quantize_head: 'int4' there, None now\); resume with the "
                                                    r"same settings or use another --out folder$"):
         other.check_settings(old)
+
+
+def test_an_int4_group_size_other_than_32_is_named_and_32_keeps_old_folders_resumable(tmp_path):
+    """Before the group size could be chosen every int4 model had groups of 32: only another size enters the
+    identity, and a folder made at one size does not resume at another."""
+    from conftest import make_tiny_model, make_tiny_tokenizer
+    from specdecode.models import LoadedModel
+    from specdecode.models.quantize import quantize_model
+    from specdecode.pipeline import SpeculativeGenerator
+
+    tok = make_tiny_tokenizer()
+
+    def identity(target_group: int | None, draft_group: int | None) -> dict:
+        models = []
+        for group, name in ((target_group, "tiny-target"), (draft_group, "tiny-draft")):
+            model = make_tiny_model("qwen2", 2, seed=0)
+            if group is not None:  # int8 heads: an int4 head would stay int8 at 64 here (32 inputs), at 32 not
+                quantize_model(model, "int4", "int8", group)
+            models.append(LoadedModel(model, tok, name))
+        return bench.run_identity(SpeculativeGenerator(*models), BenchSettings(**SMALL))
+
+    old, new = identity(32, 32), identity(64, 64)
+    assert old["quantize"] == new["quantize"] == "int4" and "quantize_group_size" not in old
+    assert new["quantize_group_size"] == 64 and {k: v for k, v in new.items() if k != "quantize_group_size"} == old
+    assert "quantize_group_size" not in identity(None, 32)
+    assert identity(None, 128)["quantize_group_size"] == 128  # an int4 draft alone (generate's default on CPU)
+    assert identity(64, 128)["quantize_group_size"] == {"target": 64, "draft": 128}  # grouped apart: by role
+    store = bench.RecordStore(tmp_path)
+    assert store.check_settings(old) is False and store.check_settings(old) is True
+    with pytest.raises(InvalidArgumentError, match=r"\(quantize_group_size: None there, 64 now\); resume with the same "
+                                                   r"settings or use another --out folder$"):
+        store.check_settings(new)
+    other = bench.RecordStore(tmp_path / "other")
+    other.check_settings(new)
+    with pytest.raises(InvalidArgumentError, match=r"\(quantize_group_size: 64 there, 128 now\)"):
+        other.check_settings(identity(128, 128))

@@ -11,6 +11,7 @@ from conftest import make_tiny_model
 from helpers import perturbed_copy
 from selfspec_helpers import (  # noqa: F401  (one_thread is a fixture)
     REPETITIVE,
+    DraftSpy,
     autoregressive,
     exact_marginals,
     one_thread,
@@ -38,19 +39,6 @@ class Spy(CascadeDrafter):
         draft = super().propose(sequence, max_tokens, exit_policy)
         m = self.num_ngram_tokens - before
         self.blocks.append((m, len(draft) - m))
-        self.drafts.append((sequence.shape[1], draft.tokens.tolist()))
-        return draft
-
-
-class DraftSpy(DraftModelDrafter):
-    """``draft``'s blocks, recorded as ``Spy.drafts``."""
-
-    def __init__(self, *a, **k) -> None:
-        super().__init__(*a, **k)
-        self.drafts: list[tuple[int, list[int]]] = []
-
-    def propose(self, sequence, max_tokens, exit_policy=None, first_logits=None):
-        draft = super().propose(sequence, max_tokens, exit_policy, first_logits)
         self.drafts.append((sequence.shape[1], draft.tokens.tolist()))
         return draft
 

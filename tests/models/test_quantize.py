@@ -9,8 +9,9 @@ import torch
 from torch import nn
 
 from conftest import make_tiny_model, make_tiny_tokenizer
-from selfspec_helpers import METHOD_OPTIONS, one_thread, prompt_ids, saved_model_with_quantizer_log  # noqa: F401
-from specdecode import GenerationConfig, InvalidArgumentError, SpeculativeGenerator
+from selfspec_helpers import (METHOD_OPTIONS, one_thread, prompt_ids, quantized_pair,  # noqa: F401
+                              saved_model_with_quantizer_log)
+from specdecode import GenerationConfig, InvalidArgumentError
 from specdecode.models import LoadedModel, load_model
 from specdecode.models.dense_cache import quantized_path, read_quantized, write_quantized
 from specdecode.models.quantize import (
@@ -174,7 +175,7 @@ def test_second_load_reads_the_cache_instead_of_quantizing(tmp_path, monkeypatch
     from specdecode.models import loading
 
     model = make_tiny_model("qwen2", num_layers=2)
-    folder, dense, calls = saved_model_with_quantizer_log(tmp_path, monkeypatch, model, lambda s, h: s)
+    folder, dense, calls = saved_model_with_quantizer_log(tmp_path, monkeypatch, model, lambda s, h, g: s)
     a = loading._quantize(loading._load_dense(folder, "m", torch.float32, torch.device("cpu")), "int8", dense)
     b = loading._quantize(loading._load_dense(folder, "m", torch.float32, torch.device("cpu")), "int8", dense)
     assert calls == ["int8"] and a.quantize == b.quantize == "int8"
@@ -187,25 +188,12 @@ def test_second_load_reads_the_cache_instead_of_quantizing(tmp_path, monkeypatch
 # --- lossless decoding on the quantized model ------------------------------------------
 
 
-def _quantized_pair(arch: str, scheme: str, draft_head: str | None = None) -> SpeculativeGenerator:
-    """Target and draft quantized with ``scheme``; the draft's LM head in ``draft_head`` (None: int8)."""
-    tok = make_tiny_tokenizer()
-    target = make_tiny_model(arch, num_layers=4, seed=0)
-    draft = make_tiny_model(arch, num_layers=2, seed=5)
-    for model, head in ((target, None), (draft, draft_head)):
-        summary = quantize_model(model, scheme, head)
-        assert not any(type(m) is nn.Linear for m in model.modules())  # it really is quantized
-        assert summary.layers[scheme] > 0 and summary.bytes_after < summary.bytes_before / 2
-        assert summary.head == (head or "int8")
-    return SpeculativeGenerator(LoadedModel(target, tok, "tiny", scheme), LoadedModel(draft, tok, "tiny-draft", scheme))
-
-
 @pytest.mark.parametrize("scheme, draft_head", [("int8", None), ("int4", None), ("int4", "int4")],
                          ids=["int8", "int4", "int4-draft-head-int4"])
 def test_greedy_speculative_equals_the_quantized_models_autoregressive_output(arch, scheme, draft_head):
     """Float32 activations: every method reproduces the quantized target's own greedy tokens (also with the
     draft's LM head in int4, the default for an int4 draft)."""
-    gen = _quantized_pair(arch, scheme, draft_head)
+    gen = quantized_pair(arch, scheme, draft_head)
     config = GenerationConfig(max_new_tokens=24, num_speculative_tokens=4, stop_on_eos=False)
     prompt = "w5 w9 w12 w7 w5 w9 w12 w7 w5 w30 w31"
     expected = gen.generate(prompt, config, method="autoregressive").token_ids

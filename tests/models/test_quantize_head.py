@@ -204,7 +204,7 @@ def test_the_loader_caches_each_head_apart(tmp_path, monkeypatch):
     """A target (int8 head) and a draft (int4 head) of one dense copy: two files, each read back by its own kind."""
     from specdecode.models import loading
 
-    folder, dense, calls = saved_model_with_quantizer_log(tmp_path, monkeypatch, _tiny(tied=True), lambda s, h: h)
+    folder, dense, calls = saved_model_with_quantizer_log(tmp_path, monkeypatch, _tiny(tied=True), lambda s, h, g: h)
 
     def load(head):
         loaded = loading._load_dense(folder, "m", torch.float32, torch.device("cpu"))

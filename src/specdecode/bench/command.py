@@ -24,6 +24,7 @@ from specdecode.bench.runner import run_bench
 from specdecode.bench.settings import BenchSettings
 from specdecode.engine.banned_words import read_banned_words
 from specdecode.errors import InvalidArgumentError
+from specdecode.models.quantize import INT4_GROUP_SIZE
 
 
 def _split_list(values: Sequence[str] | None, separator: str = ",") -> list[str] | None:
@@ -77,13 +78,48 @@ def check_draft_quantize_head_flag(head: str | None, scheme: str, why: str) -> N
     )
 
 
+def check_quantize_group_size_flag(group_size: int | None, quantize: str, draft: str | None, why: str) -> None:
+    """Refuse --quantize-group-size ``group_size`` (other than 32) when nothing is int4 (generate and bench).
+
+    The group size applies to every int4 model of the pair, so it needs the target
+    (--quantize ``quantize``) or the draft (quantized as ``draft``; None: there is no draft
+    model) to be int4; else it would be silently ignored. ``why`` says, in the flags' words,
+    where the draft's quantization (or its absence) came from.
+
+    Raises:
+        InvalidArgumentError: ``group_size`` is given, is not 32, and neither model is int4.
+    """
+    if group_size in (None, INT4_GROUP_SIZE) or "int4" in (quantize, draft):
+        return
+    storage = {"none": "dense"}
+    here = (f"there is no draft model ({why})" if draft is None
+            else f"the draft {storage.get(draft, draft)} ({why})")
+    raise InvalidArgumentError(
+        f"--quantize-group-size {group_size} applies to int4 weights, but neither model is int4: the target is "
+        f"{storage.get(quantize, quantize)} (--quantize {quantize}) and {here}; leave it out, or make one of them "
+        "int4 (--quantize int4 or --draft-quantize int4)"
+    )
+
+
+def _bench_draft_scheme(args) -> tuple[str, str]:
+    """The draft's quantization in bench (--draft-quantize, else --quantize) and where it came from, in flag words."""
+    given = args.draft_quantize is not None
+    scheme = args.draft_quantize if given else args.quantize
+    why = f"--draft-quantize {scheme}" if given else f"as --quantize {scheme}"
+    if scheme == "none" and not given:
+        why += "; unlike generate, bench quantizes the draft only when told"
+    return scheme, why
+
+
 def _check_draft_flags(args) -> None:
     """--draft-quantize and --draft-quantize-head need a draft model, and --draft-quantize-head
-    one quantized to fit it (the draft's quantization here: --draft-quantize, else --quantize).
+    one quantized to fit it (the draft's quantization here: --draft-quantize, else --quantize);
+    --quantize-group-size other than 32 needs an int4 target or draft.
 
     Raises:
         InvalidArgumentError: One of them is given without a draft; --draft-quantize-head int4
-            with a draft that is not int4, or any --draft-quantize-head with a dense draft.
+            with a draft that is not int4, or any --draft-quantize-head with a dense draft;
+            --quantize-group-size 64, 128 or 256 with neither model int4.
     """
     for flag in ("draft_quantize", "draft_quantize_head"):
         if getattr(args, flag, None) is not None and _draft_spec(args) is None:
@@ -92,12 +128,12 @@ def _check_draft_flags(args) -> None:
             )
     head = getattr(args, "draft_quantize_head", None)
     if head is not None:
-        given = args.draft_quantize is not None
-        scheme = args.draft_quantize if given else args.quantize
-        why = f"--draft-quantize {scheme}" if given else f"as --quantize {scheme}"
-        if scheme == "none" and not given:
-            why += "; unlike generate, bench quantizes the draft only when told"
-        check_draft_quantize_head_flag(head, scheme, why)
+        check_draft_quantize_head_flag(head, *_bench_draft_scheme(args))
+    if _draft_spec(args) is None:
+        draft, why = None, "--draft none" if args.draft is not None else "none by default with this --target"
+    else:
+        draft, why = _bench_draft_scheme(args)
+    check_quantize_group_size_flag(getattr(args, "quantize_group_size", None), args.quantize, draft, why)
 
 
 def run(args) -> int:
@@ -143,6 +179,7 @@ def run(args) -> int:
         generator = pipeline.SpeculativeGenerator.from_pretrained(
             args.target, _draft_spec(args), dtype=args.dtype, device=args.device, quantize=args.quantize,
             draft_quantize=args.draft_quantize, draft_quantize_head=args.draft_quantize_head,
+            quantize_group_size=args.quantize_group_size,
         )
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("ETA"), TimeRemainingColumn())
@@ -206,6 +243,7 @@ def _run_batched(args, settings: BenchSettings, methods: list[str] | None) -> in
         generator = pipeline.SpeculativeGenerator.from_pretrained(
             args.target, _draft_spec(args), dtype=args.dtype, device=args.device, quantize=args.quantize,
             draft_quantize=args.draft_quantize, draft_quantize_head=args.draft_quantize_head,
+            quantize_group_size=args.quantize_group_size,
         )
     bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                    console=err)

@@ -427,8 +427,11 @@ def resolve_methods(
             else:
                 spec = MethodSpec.parse(name)
                 run_wide = dict(settings.drafter_options)
-                if spec.base not in ("draft", "cascade"):  # a run-wide draft head is the draft model's alone
+                if spec.base not in ("draft", "cascade"):  # run-wide draft-model options are the draft model's alone
                     run_wide.pop("draft_vocab_size", None)
+                    run_wide.pop("draft_context_window", None)
+                if spec.base != "cascade":
+                    run_wide.pop("max_model_prompt_tokens", None)
                 options = {} if spec.base == "autoregressive" else {**run_wide, **spec.options}
                 if spec.draft_control is not None:
                     options["draft_control"] = spec.draft_control

@@ -22,6 +22,7 @@ from specdecode import pipeline
 from specdecode.bench.settings import BenchSettings
 from specdecode.errors import InvalidArgumentError
 from specdecode.files import write_text_atomic
+from specdecode.models.quantize import INT4_GROUP_SIZE
 
 logger = logging.getLogger(__name__)
 
@@ -44,12 +45,21 @@ def run_identity(generator: pipeline.SpeculativeGenerator, settings: BenchSettin
     # (--draft-quantize-head int8), not with the int4 head, which is another draft model.
     roles = (("quantize_head", generator.target), ("draft_quantize_head", generator.draft))
     heads = {key: "int4" for key, loaded in roles if loaded is not None and loaded.quantize_head == "int4"}
+    # And only an int4 group size other than 32 (every int4 model had groups of 32 before it could be
+    # chosen). from_pretrained gives the pair's int4 models one size; models grouped apart are named by role.
+    sizes = {role: loaded.quantize_group_size for role, loaded in (("target", generator.target),
+                                                                   ("draft", generator.draft))
+             if loaded is not None and loaded.quantize_group_size is not None}
+    distinct = set(sizes.values())
+    groups = ({} if distinct <= {INT4_GROUP_SIZE}
+              else {"quantize_group_size": distinct.pop() if len(distinct) == 1 else sizes})
     return {
         "target": generator.target.name,
         "draft": generator.draft.name if generator.draft is not None else None,
         "dtype": str(model.dtype).removeprefix("torch."),
         **({} if set(quantized.values()) == {"none"} else quantized),
         **heads,
+        **groups,
         "device": str(model.device),
         "max_new_tokens": settings.max_new_tokens,
         "temperature": settings.temperature,

@@ -25,6 +25,18 @@ check drops it.
 With ``ngram_check=False`` the whole match is proposed unchecked (the first design;
 kept to measure against).
 
+**Long prompts** (``max_model_prompt_tokens=N``): a prompt of more than N tokens skips
+the draft model for the whole generation. It is not prefilled, and the cascade proposes
+the n-gram match alone, unchecked, up to ``LONG_PROMPT_BLOCK`` (5) tokens a block: it is
+then ``prompt-lookup`` with its default γ. The reason is the draft model's prefill: an
+int4 draft on a CPU prefills at about twice a bf16 draft's cost per token, about 3.4 s
+for a 700-token prompt on a 2-core EPYC with AVX512-BF16. Long prompts are mostly
+documents to summarize or answer from, whose answers copy from them, where prompt lookup
+is strong anyway. On 6 held-out Spec-Bench prompts of 705-1154 tokens (summarization and
+rag), ``prompt-lookup`` beat the cascade on all 6, and n-gram blocks of up to the
+adaptive exit's 12 tokens were 5% slower than its 5 (more rejected tokens to verify;
+``docs/benchmarks/2026-11-25-cascade-long-prompts.md``).
+
 Verification sees one block. The n-gram part is deterministic: its rows of
 ``Draft.probs`` are one-hot when sampling, so speculative sampling accepts such a
 token with the target's probability and otherwise resamples from the target with
@@ -38,13 +50,18 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from specdecode.config import GenerationConfig
 from specdecode.drafters.base import Draft, Drafter, ExitPolicy
 from specdecode.drafters.draft_head import DraftHead
-from specdecode.drafters.draft_model import DraftModelDrafter
+from specdecode.drafters.draft_model import DraftModelDrafter, check_optional_count
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter, find_continuation
 from specdecode.engine.fast_path import ModelRunner
 from specdecode.engine.sampling import Sampler
 from specdecode.errors import InvalidArgumentError
+
+#: Most tokens per block when a long prompt leaves the cascade to its n-gram matches: prompt
+#: lookup's default γ.
+LONG_PROMPT_BLOCK = GenerationConfig.num_speculative_tokens
 
 
 class CascadeDrafter(Drafter):
@@ -60,13 +77,18 @@ class CascadeDrafter(Drafter):
         runner: The draft model's ``ModelRunner`` (``DraftModelDrafter``'s ``runner``).
         ngram_check: Keep only the n-gram tokens the draft model agrees with (module
             docstring); False proposes the whole match.
+        context_window: The draft model's context window (``DraftModelDrafter``): the n-gram
+            part still matches against the whole sequence.
+        max_model_prompt_tokens: N >= 1: a prompt of more than N tokens gets n-gram matches
+            alone, with no draft model (module docstring); None: the draft model always runs.
 
     Attributes:
         num_forwards: Draft-model forwards in the current generation.
         num_ngram_tokens: Tokens the n-gram part proposed (after the check) in the current generation.
 
     Raises:
-        InvalidArgumentError: Unless 1 <= min_ngram <= max_ngram; a truncated head's id past the model's rows.
+        InvalidArgumentError: Unless 1 <= min_ngram <= max_ngram; a truncated head's id past the model's rows;
+            ``context_window`` or ``max_model_prompt_tokens`` not None or an integer >= 1.
     """
 
     supports_exit_policy = True
@@ -79,19 +101,24 @@ class CascadeDrafter(Drafter):
         head: DraftHead | None = None,
         runner: ModelRunner | None = None,
         ngram_check: bool = True,
+        context_window: int | None = None,
+        max_model_prompt_tokens: int | None = None,
     ) -> None:
         PromptLookupDrafter(max_ngram, min_ngram)  # validates the n-gram sizes
         if not isinstance(ngram_check, bool):
             raise InvalidArgumentError(f"ngram_check must be True or False, got {ngram_check!r}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.ngram_check = ngram_check
-        self._model = DraftModelDrafter(model, head, runner)
+        self._model = DraftModelDrafter(model, head, runner, context_window)
+        self.max_model_prompt_tokens = check_optional_count("max_model_prompt_tokens", max_model_prompt_tokens,
+                                                            "no limit")
+        self.model_active = True  # False for this generation: the prompt was longer than max_model_prompt_tokens
         self._sampler: Sampler | None = None
         self.num_ngram_tokens = 0
 
     @property
     def num_forwards(self) -> int:  # type: ignore[override]
-        return self._model.num_forwards
+        return self._model.num_forwards if self.model_active else 0
 
     @property
     def compile_time_s(self) -> float:
@@ -99,7 +126,10 @@ class CascadeDrafter(Drafter):
 
     def begin(self, prompt_ids: torch.Tensor, sampler: Sampler, target_cache: DynamicCache) -> None:
         self._sampler = sampler
-        self._model.begin(prompt_ids, sampler, target_cache)
+        limit = self.max_model_prompt_tokens
+        self.model_active = limit is None or prompt_ids.shape[1] <= limit
+        if self.model_active:
+            self._model.begin(prompt_ids, sampler, target_cache)
         self.num_ngram_tokens = 0
 
     def propose(self, sequence: torch.Tensor, max_tokens: int, exit_policy: ExitPolicy | None = None) -> Draft:
@@ -114,6 +144,10 @@ class CascadeDrafter(Drafter):
             A ``Draft`` of k <= max_tokens tokens; ``probs`` (k, V) when sampling, with
             one-hot rows for the n-gram tokens.
         """
+        if not self.model_active:  # a long prompt: n-gram matches alone, as prompt lookup
+            ngram = find_continuation(sequence[0], min(max_tokens, LONG_PROMPT_BLOCK), self.max_ngram, self.min_ngram)
+            self.num_ngram_tokens += int(ngram.shape[0])
+            return Draft(ngram)
         ngram = find_continuation(sequence[0], max_tokens, self.max_ngram, self.min_ngram)
         m = int(ngram.shape[0])
         first_logits = None
@@ -138,4 +172,5 @@ class CascadeDrafter(Drafter):
         return rows.scatter_(1, tokens.unsqueeze(1), 1.0)
 
     def rollback(self, num_valid: int) -> None:
-        self._model.rollback(num_valid)
+        if self.model_active:
+            self._model.rollback(num_valid)

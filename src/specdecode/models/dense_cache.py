@@ -19,7 +19,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specdecode.files import write_atomic
-from specdecode.models.quantize import QUANTIZER_VERSION
+from specdecode.models.quantize import INT4_GROUP_SIZE, QUANTIZER_VERSION
 
 CACHE_FORMAT_VERSION = 1
 
@@ -61,32 +61,38 @@ def dense_cache_valid(folder: Path) -> bool:
     return meta.get("format") == CACHE_FORMAT_VERSION and (folder / "model.safetensors").is_file()
 
 
-def quantized_path(folder: Path, scheme: str, head: str = "int8") -> Path:
+def quantized_path(folder: Path, scheme: str, head: str = "int8", group_size: int = INT4_GROUP_SIZE) -> Path:
     """Where the dense copy in ``folder`` keeps its ``scheme`` ("int8" / "int4") quantized weights.
 
     ``head`` is the LM head's storage asked for (``quantized_tensors``'s ``head``): the default
     "int8" keeps the file name it always had (``quantized-int4.safetensors``), an int4 head
     has a file of its own (``quantized-int4-head-int4.safetensors``), so a target (int8 head)
-    and a draft (int4 head) of one model never read each other's.
+    and a draft (int4 head) of one model never read each other's. Likewise ``group_size``
+    (the int4 group size, ``quantized_tensors``'s): the default 32 keeps the names above,
+    another has files of its own (``quantized-int4-g64.safetensors``,
+    ``quantized-int4-head-int4-g64.safetensors``).
     """
-    suffix = "" if head == "int8" else f"-head-{head}"
+    suffix = ("" if head == "int8" else f"-head-{head}") + ("" if group_size == INT4_GROUP_SIZE else f"-g{group_size}")
     return folder / f"quantized-{scheme}{suffix}.safetensors"
 
 
-def read_quantized(folder: Path, scheme: str, head: str = "int8") -> dict[str, torch.Tensor] | None:
+def read_quantized(folder: Path, scheme: str, head: str = "int8",
+                   group_size: int = INT4_GROUP_SIZE) -> dict[str, torch.Tensor] | None:
     """The cached quantized weights of the dense copy in ``folder``, or None when absent or stale.
 
-    A file whose metadata names another scheme, quantizer version or head is stale (a file
-    written before the head was recorded has an int8 head).
+    A file whose metadata names another scheme, quantizer version, head or int4 group size
+    is stale (a file written before the head was recorded has an int8 head, one written
+    before the group size was recorded groups of 32).
     """
     from safetensors import safe_open
 
-    path = quantized_path(folder, scheme, head)
+    path = quantized_path(folder, scheme, head, group_size)
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
             if (meta.get("format") != str(CACHE_FORMAT_VERSION) or meta.get("scheme") != scheme
-                    or meta.get("quantizer") != str(QUANTIZER_VERSION) or meta.get("head", "int8") != head):
+                    or meta.get("quantizer") != str(QUANTIZER_VERSION) or meta.get("head", "int8") != head
+                    or meta.get("group_size", str(INT4_GROUP_SIZE)) != str(group_size)):
                 return None  # written by another version of the quantizer: quantize again
             # Each tensor is copied out of the file's memory map, one at a time, so the mapping
             # (which would stay resident beside the copies) closes with the file.
@@ -95,9 +101,13 @@ def read_quantized(folder: Path, scheme: str, head: str = "int8") -> dict[str, t
         return None
 
 
-def write_quantized(folder: Path, scheme: str, tensors: dict[str, torch.Tensor], head: str = "int8") -> None:
-    """Save quantized weights (made with LM head storage ``head``) next to the dense copy in ``folder``, atomically."""
+def write_quantized(folder: Path, scheme: str, tensors: dict[str, torch.Tensor], head: str = "int8",
+                    group_size: int = INT4_GROUP_SIZE) -> None:
+    """Save quantized weights (made with LM head storage ``head`` and int4 groups of ``group_size``) next to
+    the dense copy in ``folder``, atomically. The metadata records the group size of int4 files."""
     from safetensors.torch import save_file
 
-    meta = {"format": str(CACHE_FORMAT_VERSION), "scheme": scheme, "quantizer": str(QUANTIZER_VERSION), "head": head}
-    write_atomic(quantized_path(folder, scheme, head), lambda tmp: save_file(tensors, str(tmp), metadata=meta))
+    meta = {"format": str(CACHE_FORMAT_VERSION), "scheme": scheme, "quantizer": str(QUANTIZER_VERSION), "head": head,
+            **({"group_size": str(group_size)} if scheme == "int4" else {})}
+    write_atomic(quantized_path(folder, scheme, head, group_size),
+                 lambda tmp: save_file(tensors, str(tmp), metadata=meta))

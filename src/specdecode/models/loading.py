@@ -42,6 +42,7 @@ from specdecode.models.dense_cache import (
 from specdecode.models.quantize import (
     apply_quantized,
     check_quantize,
+    check_quantize_group_size,
     check_quantize_head,
     quantization_of,
     quantized_tensors,
@@ -70,6 +71,9 @@ class LoadedModel:
             frequencies) are kept; None for a model folder or hub id.
         quantize_head: (read-only) The LM head's storage in a quantized model, "int8" or
             "int4" (``QuantizationSummary.head``); None for an unquantized one.
+        quantize_group_size: (read-only) Inputs per scale and zero of an int4 model's int4
+            weights, 32, 64, 128 or 256 (``QuantizationSummary.group_size``); None unless the
+            model is int4.
     """
 
     model: PreTrainedModel
@@ -87,6 +91,12 @@ class LoadedModel:
         """"int8" / "int4": the LM head's storage in a quantized model; None for an unquantized one."""
         summary = getattr(self.model, "specdecode_quantization", None)
         return summary.head if summary is not None else None
+
+    @property
+    def quantize_group_size(self) -> int | None:
+        """The int4 group size of an int4 model (32, 64, 128 or 256); None for any other."""
+        summary = getattr(self.model, "specdecode_quantization", None)
+        return summary.group_size if summary is not None else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,30 +192,34 @@ def _load_gguf(folder: Path, filename: str, key: str, dtype, device, cache_dir: 
     return LoadedModel(model, tokenizer, key, dense_folder=dense)
 
 
-def _quantize(loaded: LoadedModel, scheme: str, dense: Path | None, head: str | None = None) -> LoadedModel:
-    """Apply ``scheme`` (LM head: ``head``) to ``loaded``; with a dense copy folder, reuse or write its quantized file."""
+def _quantize(loaded: LoadedModel, scheme: str, dense: Path | None, head: str | None = None,
+              group_size: int | None = None) -> LoadedModel:
+    """Apply ``scheme`` (LM head: ``head``; int4 groups of ``group_size``, None: 32) to ``loaded``; with a
+    dense copy folder, reuse or write its quantized file."""
     if scheme == "none":
         return loaded
     head = check_quantize_head(head, scheme)
-    tensors = read_quantized(dense, scheme, head) if dense is not None else None
+    group = check_quantize_group_size(group_size, scheme)
+    tensors = read_quantized(dense, scheme, head, group) if dense is not None else None
     if tensors is not None:
         try:
-            apply_quantized(loaded.model, tensors, scheme)
+            apply_quantized(loaded.model, tensors, scheme, group)
         except InvalidArgumentError as e:
             raise InvalidArgumentError(
-                f"{e}; the cached file {quantized_path(dense, scheme, head)} does not belong to this model: delete it "
-                "and it will be made again"
+                f"{e}; the cached file {quantized_path(dense, scheme, head, group)} does not belong to this model: "
+                "delete it and it will be made again"
             ) from e
     else:
-        logger.info("quantizing %s to %s, LM head %s (once per dense copy)", loaded.name, scheme, head)
-        tensors = quantized_tensors(loaded.model, scheme, head)
+        logger.info("quantizing %s to %s, LM head %s%s (once per dense copy)", loaded.name, scheme, head,
+                    f", int4 groups of {group}" if scheme == "int4" else "")
+        tensors = quantized_tensors(loaded.model, scheme, head, group_size=group)
         if dense is not None:
             try:
-                write_quantized(dense, scheme, tensors, head)
+                write_quantized(dense, scheme, tensors, head, group)
             except OSError as e:  # the model in memory is fine; only the next start pays again
                 logger.warning("could not cache the %s weights in %s (%s); the next start quantizes again",
                                scheme, dense, e)
-        apply_quantized(loaded.model, tensors, scheme)
+        apply_quantized(loaded.model, tensors, scheme, group)
     loaded.quantize = scheme
     release_freed_memory()
     return loaded
@@ -219,6 +233,7 @@ def load_model(
     cache_dir: str | Path | None = None,
     quantize: str = "none",
     quantize_head: str | None = None,
+    quantize_group_size: int | None = None,
 ) -> LoadedModel:
     """Load a model and its tokenizer for decoding.
 
@@ -234,18 +249,26 @@ def load_model(
             None for the scheme's default, int8 (``specdecode.models.quantize``;
             ``SpeculativeGenerator.from_pretrained`` asks for int4 for an int4 draft). The two
             heads are cached in different files.
+        quantize_group_size: Inputs per scale and zero of the int4 weights (``quantize="int4"``
+            only): 32, 64, 128 or 256, or None for 32. Larger groups store fewer bytes (bf16
+            scale and zero: 5 bits a weight at 32, 4.5 at 64) and approximate each weight less
+            closely; a layer whose input width is not a multiple of it stays int8. Each group
+            size is cached in its own file.
 
     Raises:
         ModelNotFoundError: Unknown name, missing file or folder, or chunk packages not installed.
         ChecksumMismatchError: An assembled offline model fails its sha256.
         UnsupportedModelError: transformers cannot load the architecture.
-        InvalidArgumentError: A bad dtype, device, quantize (int8/int4 need the CPU) or
-            quantize_head (unknown, or "int4" without ``quantize="int4"``).
+        InvalidArgumentError: A bad dtype, device, quantize (int8/int4 need the CPU),
+            quantize_head (unknown, or "int4" without ``quantize="int4"``) or
+            quantize_group_size (not one of 32, 64, 128, 256, or not 32 without
+            ``quantize="int4"``), all checked before anything is loaded.
     """
     dev = device if isinstance(device, torch.device) else resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     check_quantize(quantize, dev)
     check_quantize_head(quantize_head, quantize)
+    group = check_quantize_group_size(quantize_group_size, quantize)
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     if not isinstance(spec, str) or not spec.strip():
         raise ModelNotFoundError(f"model spec must be a non-empty string, got {spec!r}")
@@ -253,11 +276,11 @@ def load_model(
         entry = OFFLINE_MODELS[spec]
         dense = dense_dir(cache, entry.name, dt)
         if dense_cache_valid(dense):  # skip even the assembly and its hash
-            return _quantize(_load_dense(dense, entry.name, dt, dev), quantize, dense, quantize_head)
+            return _quantize(_load_dense(dense, entry.name, dt, dev), quantize, dense, quantize_head, group)
         gguf = assemble_gguf(entry, cache)
         meta = {"source": entry.name, "sha256": entry.sha256, "hub_id": entry.hub_id}
         loaded = _load_gguf(gguf.parent, gguf.name, entry.name, dt, dev, cache, meta)
-        return _quantize(loaded, quantize, dense, quantize_head)
+        return _quantize(loaded, quantize, dense, quantize_head, group)
     path = Path(spec).expanduser()
     if spec.endswith(".gguf"):
         if not path.is_file():
@@ -267,13 +290,13 @@ def load_model(
         key = f"{path.stem}-{ident}"
         meta = {"source": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
         loaded = _load_gguf(path.resolve().parent, path.name, key, dt, dev, cache, meta)
-        return _quantize(loaded, quantize, dense_dir(cache, key, dt), quantize_head)
+        return _quantize(loaded, quantize, dense_dir(cache, key, dt), quantize_head, group)
     if path.is_dir():
         _check_config(str(path))
         model = _load_pretrained(str(path), dt, dev)
         dense = path if dense_cache_valid(path) else None  # a dense copy named as a folder keeps its cache
         loaded = LoadedModel(model, AutoTokenizer.from_pretrained(str(path)), spec, dense_folder=dense)
-        return _quantize(loaded, quantize, dense, quantize_head)
+        return _quantize(loaded, quantize, dense, quantize_head, group)
     if spec.startswith((".", "/", "~")) or spec.count("/") > 1:
         raise ModelNotFoundError(f"model folder {spec!r} does not exist")
     if spec.count("/") != 1 or " " in spec:
@@ -283,7 +306,8 @@ def load_model(
         )
     _check_config(spec)
     model = _load_pretrained(spec, dt, dev)
-    return _quantize(LoadedModel(model, AutoTokenizer.from_pretrained(spec), spec), quantize, None, quantize_head)
+    return _quantize(LoadedModel(model, AutoTokenizer.from_pretrained(spec), spec), quantize, None, quantize_head,
+                     group)
 
 
 def _check_config(source: str) -> None:

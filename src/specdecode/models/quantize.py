@@ -8,8 +8,10 @@ PyTorch's CPU kernels for weight-only quantized matmul:
 * ``int8``: per-output-channel symmetric int8, ``w = q * s`` with ``q`` in [-127, 127]
   and ``s = max|w_row| / 127``; ``torch._weight_int8pack_mm`` (the kernel gpt-fast and
   torchao's former CPU int8 path use).
-* ``int4``: per-group asymmetric int4 along the input dimension (groups of 32, as
-  GGUF's Q4 block formats), ``w = (q - 8) * s + z`` with ``q`` in [0, 15], ``s =
+* ``int4``: per-group asymmetric int4 along the input dimension (groups of 32 by default,
+  as GGUF's Q4 block formats; ``group_size`` 64, 128 or 256 on request: a bf16 scale and
+  zero per group cost 0.125 bytes a weight at 32 and 0.0625 at 64, on top of the 0.5 of
+  the nibbles), ``w = (q - 8) * s + z`` with ``q`` in [0, 15], ``s =
   (max - min) / 15`` and ``z = min + 8 s`` per group;
   ``torch.ops.aten._weight_int4pack_mm_for_cpu``. The LM head stays int8 by default (as
   llama.cpp's Q4_K_M keeps its output matrix at higher precision), and so does any layer
@@ -34,8 +36,8 @@ resident memory). When it is tied to the LM head it becomes an ``Int8Embedding``
 int8 head's own ``qweight`` / ``scales`` buffers, or an ``Int4Embedding`` on an int4
 head's kept ``nibbles`` / ``scales`` / ``zeros``, so it costs no bytes at all. An untied
 one is quantized on its own, in the scheme's format (``Int8Embedding``, or
-``Int4Embedding`` in groups of 32 as the int4 linears, int8 when its width is not a
-multiple of 32), and stored with the other quantized tensors. An embedding subclass whose
+``Int4Embedding`` in the int4 linears' groups, int8 when its width is not a multiple of
+the group size), and stored with the other quantized tensors. An embedding subclass whose
 forward does more than a lookup (and a constant scale, as Gemma's
 ``*ScaledWordEmbedding``) stays dense, named in ``QuantizationSummary.dense_modules``.
 
@@ -148,6 +150,43 @@ def check_quantize_head(head: object, scheme: str) -> str | None:
     return None if scheme == "none" else (head or "int8")
 
 
+def check_quantize_group_size(group_size: object, scheme: str) -> int:
+    """The int4 group size under ``scheme``: ``group_size``, or ``INT4_GROUP_SIZE`` (32) for None.
+
+    Args:
+        group_size: Inputs per int4 scale and zero, one of ``INT4_GROUP_SIZES``, or None.
+        scheme: The quantization it is for (``QUANTIZE_SCHEMES``).
+
+    Returns:
+        The group size int4 weights get (32 for None). Under "int8" and "none" nothing is int4,
+        and only 32 (or None) is accepted.
+
+    Raises:
+        InvalidArgumentError: ``group_size`` is not None or one of ``INT4_GROUP_SIZES``, or it is
+            not 32 with a scheme other than "int4" (it would be ignored).
+    """
+    if group_size is None:
+        return INT4_GROUP_SIZE
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size not in INT4_GROUP_SIZES:
+        raise InvalidArgumentError(
+            f"unknown int4 group size {group_size!r}; allowed: {', '.join(map(str, INT4_GROUP_SIZES))} "
+            f"(or None: {INT4_GROUP_SIZE})"
+        )
+    if group_size != INT4_GROUP_SIZE and scheme != "int4":
+        raise InvalidArgumentError(
+            f"int4 group size {group_size} needs quantize='int4', but quantize={scheme!r}; allowed group size with "
+            f"{scheme!r}: {INT4_GROUP_SIZE} (or None)"
+        )
+    return int(group_size)
+
+
+def stored_group_size(tensors: dict[str, torch.Tensor]) -> int:
+    """The int4 group size of quantized ``tensors`` (``quantized_tensors``'s): their first ``"<module>.int4"``
+    marker's, or ``INT4_GROUP_SIZE`` when no module is int4."""
+    marker = next((t for name, t in tensors.items() if name.endswith(".int4")), None)
+    return int(marker[0]) if marker is not None else INT4_GROUP_SIZE
+
+
 @dataclass
 class QuantizationSummary:
     """What ``quantize_model`` / ``apply_quantized`` did to a model.
@@ -171,6 +210,8 @@ class QuantizationSummary:
         head: The LM head's storage, "int8" or "int4" (``quantized_tensors``'s ``head``, or
             int8 where the int4 kernel refused its shape: named in ``int8_layers``); None
             when the model has no ``nn.Linear`` LM head.
+        group_size: Inputs per scale and zero of the int4 modules (32, 64, 128 or 256) under
+            the int4 scheme, also when every module stayed int8; None under "int8".
     """
 
     scheme: str
@@ -182,12 +223,13 @@ class QuantizationSummary:
     bytes_after: int = 0
     tied_head: bool = False
     head: str | None = None
+    group_size: int | None = None
 
     def as_dict(self) -> dict:
         return {"scheme": self.scheme, "layers": dict(self.layers), "int8_layers": dict(self.int8_layers),
                 "embedding": self.embedding, "dense_modules": dict(self.dense_modules),
                 "bytes_before": self.bytes_before, "bytes_after": self.bytes_after, "tied_head": self.tied_head,
-                "head": self.head}
+                "head": self.head, "group_size": self.group_size}
 
 
 def _linears(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, nn.Linear]]:
@@ -240,7 +282,8 @@ def _is_tied(model: nn.Module, head_name: str | None, emb: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def quantized_tensors(model: nn.Module, scheme: str, head: str | None = "int8") -> dict[str, torch.Tensor]:
+def quantized_tensors(model: nn.Module, scheme: str, head: str | None = "int8",
+                      group_size: int | None = INT4_GROUP_SIZE) -> dict[str, torch.Tensor]:
     """Quantize every ``nn.Linear`` weight of ``model``, and its input embedding, without changing the model.
 
     Args:
@@ -249,29 +292,35 @@ def quantized_tensors(model: nn.Module, scheme: str, head: str | None = "int8") 
         head: The LM head's storage (``QUANTIZE_HEADS``; None: "int8"). "int4" needs the int4
             scheme; a head whose shape the int4 kernel refuses stays int8 (logged, and named
             in ``QuantizationSummary.int8_layers`` once applied).
+        group_size: Inputs per scale and zero of the int4 weights (``INT4_GROUP_SIZES``; None:
+            32), the linears', the head's and an untied embedding's alike; a module whose
+            input width is not a multiple of it stays int8 (refused shapes, as at 32).
 
     Returns:
         A flat dict ``"<module>.<part>" -> tensor`` (parts as in ``quantize_int8`` /
-        ``quantize_int4``; ``"<layer>.int4"`` marks int4 layers, the head's too), in the
-        weights' dtype. The input embedding has parts of its own (``embedding_tensors``: int4
-        under "int4" where its width allows, else int8) only when it is not tied to the LM
-        head (a tied one reads the head's). It is what the cache stores and
+        ``quantize_int4``; ``"<layer>.int4"`` marks int4 layers, the head's too, and holds
+        their group size), in the weights' dtype. The input embedding has parts of its own
+        (``embedding_tensors``: int4 under "int4" where its width allows, else int8) only
+        when it is not tied to the LM head (a tied one reads the head's). It is what the
+        cache stores and
         ``apply_quantized`` reads.
 
     Raises:
         InvalidArgumentError: ``scheme`` is not "int8" or "int4"; ``head`` is unknown, or
-            "int4" with the int8 scheme (``check_quantize_head``).
+            "int4" with the int8 scheme (``check_quantize_head``); ``group_size`` is unknown,
+            or not 32 with the int8 scheme (``check_quantize_group_size``).
     """
     if scheme not in ("int8", "int4"):
         raise InvalidArgumentError(f"quantized_tensors needs scheme 'int8' or 'int4', got {scheme!r}")
     head_storage = check_quantize_head(head, scheme)
+    group_size = check_quantize_group_size(group_size, scheme)
     head_name = _head_name(model)
     out: dict[str, torch.Tensor] = {}
     for name, _parent, _attr, layer in _linears(model):
-        refusal = _int4_refusal(name, layer, head_name, INT4_GROUP_SIZE, head_storage) if scheme == "int4" else ""
+        refusal = _int4_refusal(name, layer, head_name, group_size, head_storage) if scheme == "int4" else ""
         if refusal is None:
-            parts = quantize_int4(layer.weight, layer.weight.dtype)
-            out[f"{name}.int4"] = torch.tensor([INT4_GROUP_SIZE], dtype=torch.int32)
+            parts = quantize_int4(layer.weight, layer.weight.dtype, group_size)
+            out[f"{name}.int4"] = torch.tensor([group_size], dtype=torch.int32)
         else:
             if name == head_name and head_storage == "int4":
                 logger.info("the LM head %s stays int8: %s", name, refusal)
@@ -279,7 +328,7 @@ def quantized_tensors(model: nn.Module, scheme: str, head: str | None = "int8") 
         out.update({f"{name}.{part}": t for part, t in parts.items()})
     found = _input_embedding(model)
     if found is not None and embedding_refusal(found[3]) is None and not _is_tied(model, head_name, found[3]):
-        out.update(embedding_tensors(found[0], found[3].weight, scheme))
+        out.update(embedding_tensors(found[0], found[3].weight, scheme, group_size))
     return out
 
 
@@ -305,7 +354,7 @@ def _own_remaining_tensors(model: nn.Module) -> None:
 
 
 def _replace_embedding(found: tuple[str, nn.Module, str, nn.Module], tensors: dict[str, torch.Tensor],
-                       shared: nn.Module | None, summary: QuantizationSummary) -> None:
+                       shared: nn.Module | None, summary: QuantizationSummary, group_size: int) -> None:
     """Put a quantized embedding in place of the input embedding: on ``shared``'s buffers, else on its own tensors."""
     name, parent, attr, emb = found
     new = build_embedding(name, emb, tensors, shared)
@@ -316,12 +365,14 @@ def _replace_embedding(found: tuple[str, nn.Module, str, nn.Module], tensors: di
     summary.embedding = "int4" if isinstance(new, Int4Embedding) else "int8"
     if summary.scheme == "int4" and isinstance(new, Int8Embedding):
         summary.int8_layers[name] = ("tied to the LM head: reads its int8 rows" if shared is not None
-                                     else int4_embedding_refusal(emb.weight.shape[1]) or "int8 in the cache")
+                                     else int4_embedding_refusal(emb.weight.shape[1], group_size)
+                                     or "int8 in the cache")
     setattr(parent, attr, new)
 
 
 @torch.no_grad()
-def apply_quantized(model: nn.Module, tensors: dict[str, torch.Tensor], scheme: str) -> QuantizationSummary:
+def apply_quantized(model: nn.Module, tensors: dict[str, torch.Tensor], scheme: str,
+                    group_size: int | None = None) -> QuantizationSummary:
     """Replace ``model``'s ``nn.Linear`` layers and input embedding, in place, by quantized modules built from ``tensors``.
 
     The linears become ``Int8Linear`` / ``Int4Linear`` as ``tensors`` say (an int4 LM head
@@ -335,6 +386,10 @@ def apply_quantized(model: nn.Module, tensors: dict[str, torch.Tensor], scheme: 
         model: A dense model on the CPU.
         tensors: What ``quantized_tensors`` returned for this model (or its cached copy).
         scheme: "int8" or "int4" (recorded in the summary).
+        group_size: The int4 group size ``tensors`` were made with (recorded in the summary,
+            and named in the reasons a module stayed int8); None: read from their int4 markers
+            (``stored_group_size``; 32 when no module is int4). Each int4 module is built with
+            the group size its own marker holds.
 
     Returns:
         The summary, also stored as ``model.specdecode_quantization``.
@@ -347,7 +402,8 @@ def apply_quantized(model: nn.Module, tensors: dict[str, torch.Tensor], scheme: 
     found = _input_embedding(model)
     tied = found is not None and _is_tied(model, head, found[3])
     refusal = embedding_refusal(found[3]) if found is not None else None
-    summary = QuantizationSummary(scheme, tied_head=tied)
+    group = (stored_group_size(tensors) if group_size is None else group_size) if scheme == "int4" else None
+    summary = QuantizationSummary(scheme, tied_head=tied, group_size=group)
     new_head = None
     for name, parent, attr, layer in _linears(model):
         n, k = layer.weight.shape
@@ -362,8 +418,8 @@ def apply_quantized(model: nn.Module, tensors: dict[str, torch.Tensor], scheme: 
                 new = Int8Linear(tensors[f"{name}.qweight"], tensors[f"{name}.scales"], bias)
                 kind = "int8"
                 if scheme == "int4":  # the head: the kernel's refusal if any, else the int8 default's reason
-                    summary.int8_layers[name] = (_int4_refusal(name, layer, head, INT4_GROUP_SIZE, "int4")
-                                                 or _int4_refusal(name, layer, head, INT4_GROUP_SIZE)
+                    summary.int8_layers[name] = (_int4_refusal(name, layer, head, group, "int4")
+                                                 or _int4_refusal(name, layer, head, group)
                                                  or "int8 in the cache")
         except (KeyError, RuntimeError) as e:
             raise InvalidArgumentError(f"the quantized weights do not match layer {name!r} ({n}x{k}): {e}") from e
@@ -383,33 +439,39 @@ def apply_quantized(model: nn.Module, tensors: dict[str, torch.Tensor], scheme: 
         summary.dense_modules[found[0]] = refusal
         logger.info("the input embedding %s stays dense: %s", found[0], refusal)
     elif found is not None:
-        _replace_embedding(found, tensors, new_head if tied else None, summary)
+        _replace_embedding(found, tensors, new_head if tied else None, summary, group)
     _own_remaining_tensors(model)
     model.specdecode_quantization = summary
-    logger.info("quantized %s: %s, LM head %s, input embedding %s%s, weights %.2f GB -> %.2f GB", type(model).__name__,
-                summary.layers, summary.head, summary.embedding,
+    logger.info("quantized %s: %s%s, LM head %s, input embedding %s%s, weights %.2f GB -> %.2f GB",
+                type(model).__name__, summary.layers, f" (int4 groups of {group})" if group else "",
+                summary.head, summary.embedding,
                 f" (on the LM head's {summary.head} rows, to which it was tied)" if tied and summary.embedding != "dense"
                 else "", summary.bytes_before / 1e9, summary.bytes_after / 1e9)
     return summary
 
 
-def quantize_model(model: nn.Module, scheme: str, head: str | None = None) -> QuantizationSummary | None:
+def quantize_model(model: nn.Module, scheme: str, head: str | None = None,
+                   group_size: int | None = None) -> QuantizationSummary | None:
     """Quantize ``model``'s linear layers and input embedding in place (``quantized_tensors`` + ``apply_quantized``).
 
     Args:
         model: A dense model on the CPU (float32 or bfloat16).
         scheme: One of ``QUANTIZE_SCHEMES``; "none" leaves the model as it is and returns None.
         head: The LM head's storage, "int8" or "int4" (int4 scheme only); None: "int8".
+        group_size: Inputs per scale and zero of the int4 weights, one of ``INT4_GROUP_SIZES``
+            (int4 scheme only; ``quantized_tensors``); None: 32.
 
     Raises:
-        InvalidArgumentError: Unknown scheme or head (``check_quantize_head``), or a model not
-            on the CPU.
+        InvalidArgumentError: Unknown scheme, head (``check_quantize_head``) or group size
+            (``check_quantize_group_size``: also one other than 32 without the int4 scheme),
+            or a model not on the CPU.
     """
     check_quantize(scheme, next(model.parameters()).device)
     head = check_quantize_head(head, scheme)
+    group_size = check_quantize_group_size(group_size, scheme)
     if scheme == "none":
         return None
-    return apply_quantized(model, quantized_tensors(model, scheme, head), scheme)
+    return apply_quantized(model, quantized_tensors(model, scheme, head, group_size), scheme, group_size)
 
 
 def quantization_of(model: nn.Module) -> str:

@@ -12,9 +12,9 @@ The input embeddings read a few rows per step and de-quantize only those (a gath
 elementwise arithmetic; no matmul kernel): ``Int8Embedding`` (an untied embedding under
 ``--quantize int8``, or one tied to the int8 LM head, on the head's own buffers) and
 ``Int4Embedding`` (an untied embedding under ``--quantize int4``: 0.625 bytes per weight
-at g = 32, against 1 for int8; or one tied to an int4 LM head, on the head's kept
-source tensors). Both reproduce Gemma's ``*ScaledWordEmbedding`` constant
-scale. ``embedding_refusal`` says which embedding modules they may replace.
+at g = 32 and 0.5625 at g = 64 with bf16 scales and zeros, against 1 for int8; or one
+tied to an int4 LM head, on the head's kept source tensors). Both reproduce Gemma's
+``*ScaledWordEmbedding`` constant scale. ``embedding_refusal`` says which embedding modules they may replace.
 """
 
 from __future__ import annotations
@@ -296,24 +296,30 @@ class Int4Embedding(QuantizedEmbedding):
                                self.zeros.index_select(0, flat_ids))
 
 
-def embedding_tensors(name: str, weight: torch.Tensor, scheme: str) -> dict[str, torch.Tensor]:
+def embedding_tensors(name: str, weight: torch.Tensor, scheme: str,
+                      group_size: int = INT4_GROUP_SIZE) -> dict[str, torch.Tensor]:
     """The stored parts of an untied input embedding ``name`` with (V, K) ``weight`` under ``scheme``.
 
-    int4 (``quantize_int4`` at ``INT4_GROUP_SIZE``, with the ``"<name>.int4"`` group-size
-    marker the linears use) under "int4" when K is a multiple of the group size, else int8
-    (``quantize_int8``).
+    int4 (``quantize_int4`` in groups of ``group_size``, with the ``"<name>.int4"``
+    group-size marker the linears use) under "int4" when K is a multiple of the group size,
+    else int8 (``quantize_int8``).
+
+    Raises:
+        InvalidArgumentError: ``group_size`` is not one of ``INT4_GROUP_SIZES`` (int4 only).
     """
-    if scheme == "int4" and int4_embedding_refusal(weight.shape[1]) is None:
-        parts = quantize_int4(weight, weight.dtype, INT4_GROUP_SIZE)
-        parts["int4"] = torch.tensor([INT4_GROUP_SIZE], dtype=torch.int32)
+    if scheme == "int4" and group_size not in INT4_GROUP_SIZES:
+        raise InvalidArgumentError(f"int4 group size {group_size!r} is not supported; allowed: {INT4_GROUP_SIZES}")
+    if scheme == "int4" and int4_embedding_refusal(weight.shape[1], group_size) is None:
+        parts = quantize_int4(weight, weight.dtype, group_size)
+        parts["int4"] = torch.tensor([group_size], dtype=torch.int32)
     else:
         parts = quantize_int8(weight, weight.dtype)
     return {f"{name}.{part}": t for part, t in parts.items()}
 
 
-def int4_embedding_refusal(k: int) -> str | None:
-    """Why an untied embedding of width ``k`` stays int8 under the int4 scheme, or None if it becomes int4."""
-    return None if k % INT4_GROUP_SIZE == 0 else f"{k} inputs is not a multiple of the group size {INT4_GROUP_SIZE}"
+def int4_embedding_refusal(k: int, group_size: int = INT4_GROUP_SIZE) -> str | None:
+    """Why an untied embedding of width ``k`` stays int8 under int4 in groups of ``group_size``, or None."""
+    return None if k % group_size == 0 else f"{k} inputs is not a multiple of the group size {group_size}"
 
 
 def build_embedding(name: str, emb: nn.Embedding, tensors: dict[str, torch.Tensor],

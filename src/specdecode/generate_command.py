@@ -1,0 +1,411 @@
+"""``specdecode generate``: its arguments, the defaults it picks, and the command itself.
+
+``generate`` streams ``SpeculativeGenerator`` output to the terminal (or prints one JSON
+object); with ``specdecode.cli`` and the other command modules it is the only code that
+prints. Its defaults differ from the Python API's on purpose (the API and ``bench`` ask for
+everything by name): the cascade method, adaptive draft exit, an int4 draft on CPU, and a
+prompt limit for the draft model, each measured (see the constants' comments).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+
+from specdecode.config import GenerationConfig
+from specdecode.drafters.control import LENGTH_SCHEDULES, DraftControl
+from specdecode.errors import InvalidArgumentError, SpecDecodeError
+from specdecode.models.loading import resolve_device
+from specdecode.models.quantize import INT4_GROUP_SIZES, QUANTIZE_HEADS, QUANTIZE_SCHEMES, check_quantize
+from specdecode.pipeline import DEFAULT_DRAFT, DEFAULT_TARGET, METHODS
+
+logger = logging.getLogger(__name__)
+
+# `generate` turns adaptive draft exit on by default for these methods (see _adaptive_by_default).
+ADAPTIVE_BY_DEFAULT = ("draft", "cascade")
+# `generate`'s cascade with an int4 draft skips the draft model for prompts longer than this
+# (--max-model-prompt-tokens; see _prompt_limit_by_default): on 6 held-out Spec-Bench prompts of 705-1154
+# tokens prompt lookup beat the cascade on all 6, since the int4 draft's prefill costs ~3.4 s per 700 tokens;
+# on the 9 evaluation prompts over 512 tokens the limit was faster on 7 and on both categories
+# (docs/benchmarks/2026-11-25-cascade-long-prompts.md).
+MAX_MODEL_PROMPT_TOKENS = 512
+
+
+def _prompt_limit_by_default(args, draft_quantize: str | None) -> int | None:
+    """The cascade's prompt limit when --max-model-prompt-tokens is not given: ``MAX_MODEL_PROMPT_TOKENS``
+    for the cascade with an int4 draft (``draft_quantize``: the draft's quantization, None = as --quantize),
+    else no limit. The limit exists because the int4 draft's prefill costs about twice a bf16 one per token
+    on CPU (the only device int4 runs on); with a dense draft, or on CUDA, it was not measured."""
+    scheme = draft_quantize if draft_quantize is not None else args.quantize
+    return MAX_MODEL_PROMPT_TOKENS if args.method == "cascade" and scheme == "int4" else None
+
+
+def _adaptive_by_default(args) -> bool:
+    """Adaptive draft exit when --adaptive-draft-exit is not given: on for ``ADAPTIVE_BY_DEFAULT``
+    with an unquantized target and no explicit -g. Measured (docs/benchmarks/2026-11-25-cascade-tuning.md):
+    faster than a fixed γ = 5 with a bf16 target on HumanEval and Spec-Bench. With a quantized target
+    it was slower than γ = 3 (2026-11-23: verifying 5-12 tokens costs two to four steps there), and an
+    explicit -g asks for blocks of that length."""
+    return args.method in ADAPTIVE_BY_DEFAULT and args.quantize == "none" and args.num_speculative_tokens is None
+
+
+def _draft_quantize_by_default(args, device) -> str | None:
+    """The draft's quantization when --draft-quantize is not given: "int4" for draft and cascade
+    with an unquantized target on a CPU that has the int4 kernel, else None (= as --quantize).
+
+    A quantized draft leaves the output unchanged (every token is verified by the target) and
+    makes each draft step cheaper. Measured on a 2-core EPYC with AVX512-BF16 and AVX512-VNNI (no
+    AMX), bf16 Qwen2.5-Coder 1.5B target, 0.5B draft, all with the int4 draft's LM head at int8:
+    the draft's 1-token forward 93.7 ms (bf16) -> 35.2 ms (int4), c 0.42 -> 0.16 (2026-11-25);
+    draft+adaptive 11.40 -> 18.53 tok/s on HumanEval and 7.35 -> 9.38 on Spec-Bench (2026-11-23,
+    README "Quantized weights and llama.cpp"). Since 2026-11-25 an int4 draft's LM head is int4
+    too (``from_pretrained``'s draft_quantize_head=None), which is faster still (README
+    "Quantized weights on CPU"; --draft-quantize-head int8 keeps the int8 head measured above).
+    The cost is quantizing the draft on the first start (cached next to an offline model's dense
+    copy). int4 runs on CPU only (check_quantize refuses it elsewhere), and a quantized target is
+    already followed by its draft. Only ``generate`` has this default: the Python API
+    (``SpeculativeGenerator.from_pretrained``) and ``bench`` keep draft_quantize=None (as quantize),
+    since benchmarks name their settings, and ``serve`` loads both models unquantized.
+
+    Args:
+        args: The parsed ``generate`` arguments.
+        device: The resolved device (``resolve_device(args.device)``).
+    """
+    if args.draft_quantize is not None:
+        return None
+    return "int4" if _why_no_int4_default(args, device) is None else None
+
+
+def _why_no_int4_default(args, device) -> str | None:
+    """Why ``generate``'s int4 draft default does not apply (for error messages), or None when it
+    applies. --draft-quantize is not consulted: given, there is no default to apply."""
+    if args.method not in ("draft", "cascade"):
+        return f"--method {args.method} has no draft model"
+    if args.quantize != "none":
+        return f"it follows --quantize {args.quantize}: the int4 default applies with --quantize none only"
+    if device.type != "cpu":
+        return f"the int4 default applies on CPU only, and the device is {device}"
+    try:
+        check_quantize("int4", device)  # a torch build without the int4 kernel (< 2.6) keeps a dense draft
+    except InvalidArgumentError:
+        import torch
+
+        return f"the int4 default needs torch's int4 CPU kernel (torch >= 2.6), which torch {torch.__version__} lacks"
+    return None
+
+
+def _check_generate_quantize_flags(args, draft: str | None, draft_quantize: str | None) -> None:
+    """``generate``'s --draft-quantize-head and --quantize-group-size against the draft's effective
+    quantization (``draft``: the draft model or None; ``draft_quantize``: --draft-quantize or the int4
+    default; None: as --quantize), in the flags' words (the messages bench gives too)."""
+    from specdecode.bench.command import check_draft_quantize_head_flag, check_quantize_group_size_flag
+
+    scheme = (args.quantize if draft_quantize is None else draft_quantize) if draft is not None else None
+    if draft is None:
+        why = f"--method {args.method} loads none"
+    elif args.draft_quantize is not None:
+        why = f"--draft-quantize {args.draft_quantize}"
+    elif draft_quantize is not None:
+        why = "generate's default on CPU"
+    else:
+        why = _why_no_int4_default(args, resolve_device(args.device)) or f"as --quantize {args.quantize}"
+    if draft is not None and args.draft_quantize_head is not None:
+        check_draft_quantize_head_flag(args.draft_quantize_head, scheme, why)
+    check_quantize_group_size_flag(args.quantize_group_size, args.quantize, scheme, why)
+
+
+def add_quantize_arguments(p: argparse.ArgumentParser, draft_default: str = "as --quantize") -> None:
+    """--quantize, --draft-quantize and --draft-quantize-head (generate and bench; search has its own,
+    target-only). ``draft_default`` describes --draft-quantize's default in the help."""
+    p.add_argument("--quantize", default="none", choices=QUANTIZE_SCHEMES,
+                   help="weight-only quantized linear layers on CPU for target and draft: a different model "
+                   "from the unquantized one (default none)")
+    p.add_argument("--draft-quantize", default=None, choices=QUANTIZE_SCHEMES,
+                   help=f"quantization of the draft model alone (default: {draft_default}); a quantized draft "
+                   "leaves the output unchanged")
+    p.add_argument("--draft-quantize-head", default=None, choices=QUANTIZE_HEADS,
+                   help="the LM head storage of a quantized draft (default: int4 for an int4 draft, measured "
+                   "faster; int8 for an int8 one); int4 needs an int4 draft, and a dense draft refuses the flag; "
+                   "int8 keeps an int4 draft's head as before")
+    p.add_argument("--quantize-group-size", type=int, default=None, choices=INT4_GROUP_SIZES, metavar="G",
+                   help="inputs per scale and zero of the int4 weights of target and draft, whichever is int4: "
+                   f"{', '.join(map(str, INT4_GROUP_SIZES))} (default 32); 64 stores 4.5 bits a weight, not 5")
+
+
+def add_generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate text from one prompt, speculatively or not")
+    p.add_argument("--target", default=DEFAULT_TARGET, help="offline model name, .gguf file, folder or hub id")
+    p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model (methods 'draft' and 'cascade')")
+    p.add_argument("--method", default="cascade", choices=METHODS,
+                   help="default: cascade (n-gram match checked by the draft model, then the draft model)")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="apply the chat template (default: when the tokenizer has one)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="most tokens to generate (default 256)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    b = p.add_argument_group("banned words (matched on the text, any tokenization; rollback and mask)")
+    b.add_argument("--banned-word", action="append", default=[], metavar="WORD",
+                   help="a word or phrase the output must never contain (repeatable)")
+    b.add_argument("--banned-words-file", metavar="FILE", default=None,
+                   help="UTF-8 text file with one banned word or phrase per line (blank lines ignored)")
+    b.add_argument("--banned-words-ignore-case", action="store_true", help="match banned words regardless of case")
+    b.add_argument("--banned-words-whole-word", action="store_true",
+                   help="match banned words only as whole words (a banned 'ass' does not block 'class')")
+    p.add_argument("--num-speculative-tokens", "-g", type=int, default=None,
+                   help=f"gamma: tokens drafted per target forward (default "
+                        f"{GenerationConfig.num_speculative_tokens}); given, it turns the default adaptive "
+                        "draft exit off")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    add_quantize_arguments(p, draft_default="int4 on CPU for draft and cascade with --quantize none, for faster "
+                            "drafting ('none' keeps the draft dense); else as --quantize")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="the fast path: static KV cache and compiled forwards (compiled on first use); "
+                   "default: the device's default")
+    p.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats) only")
+    g = p.add_argument_group("self-speculative and model-free drafting")
+    skip = g.add_mutually_exclusive_group()
+    skip.add_argument("--skip-layers", metavar="SPEC", default=None,
+                      help="layer-skip: sublayers the draft skips, e.g. 'attn=2,15,18;mlp=2,15,18'")
+    skip.add_argument("--skip-config", metavar="FILE", default=None,
+                      help='layer-skip: JSON file {"skip_set": {"attn": [...], "mlp": [...]}, ...} or bare')
+    g.add_argument("--exit-layer", type=int, metavar="N", default=None,
+                   help="early-exit: the draft runs the first N decoder layers (1..L-1)")
+    g.add_argument("--prompt-lookup-max-ngram", type=int, default=3,
+                   help="prompt-lookup and cascade: longest n-gram matched")
+    g.add_argument("--prompt-lookup-min-ngram", type=int, default=1,
+                   help="prompt-lookup and cascade: shortest n-gram matched")
+    g.add_argument("--ngram-check", action=argparse.BooleanOptionalAction, default=True,
+                   help="cascade: keep only the n-gram tokens the draft model itself would draft (default); "
+                        "--no-ngram-check proposes the whole match")
+    p.add_argument("--draft-vocab-size", type=int, metavar="K", default=None,
+                   help="draft and cascade: the draft model proposes only among the K most frequent tokens and "
+                        "computes those LM-head rows alone (FR-Spec); 0 or unset: the full head")
+    p.add_argument("--max-model-prompt-tokens", type=int, metavar="N", default=None,
+                   help="cascade: prompts of more than N tokens skip the draft model (no draft prefill) and get "
+                        f"n-gram matches alone, as prompt-lookup; 0: no limit (default: {MAX_MODEL_PROMPT_TOKENS} "
+                        "with an int4 draft, measured, else no limit)")
+    p.add_argument("--draft-context-window", type=int, metavar="W", default=None,
+                   help="draft and cascade: prefill the draft model with the prompt's last W tokens only (a "
+                        "cheaper draft prefill on long prompts; output unchanged, acceptance may drop); unset: "
+                        "the whole prompt")
+    c = p.add_argument_group("draft length control")
+    c.add_argument("--adaptive-draft-exit", action=argparse.BooleanOptionalAction, default=None,
+                   help="Draft & Verify adaptive draft exit: stop drafting below a self-tuning confidence "
+                        "threshold (blocks up to --max-draft-tokens instead of -g); default: on for "
+                        f"{' and '.join(ADAPTIVE_BY_DEFAULT)} with an unquantized target and no -g, else off")
+    c.add_argument("--draft-exit-threshold", type=float, default=DraftControl.exit_threshold,
+                   help="initial adaptive draft-exit threshold")
+    c.add_argument("--max-draft-tokens", type=int, default=DraftControl.max_draft_tokens,
+                   help="most tokens per block with --adaptive-draft-exit")
+    c.add_argument("--draft-length-schedule", choices=LENGTH_SCHEDULES, default="constant",
+                   help="constant: -g tokens per block; heuristic: +2 after a fully accepted block, -1 otherwise")
+    c.add_argument("--confidence-gate", type=float, metavar="THRESHOLD", default=None,
+                   help="make a plain target step whenever the target's probability of its last token is below this")
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3f}"
+    if isinstance(v, list):
+        return "[" + ", ".join(_fmt(x) for x in v) + "]"
+    return str(v)
+
+
+def _print_stats(stats: dict, method: str, console) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"specdecode {method}", show_header=False)
+    rows = [
+        ("prompt tokens", "num_prompt_tokens"),
+        ("new tokens", "num_new_tokens"),
+        ("target forwards (after prefill)", "num_target_forwards"),
+        ("draft forwards", "num_draft_forwards"),
+        ("drafted tokens", "num_drafted_tokens"),
+        ("accepted tokens", "num_accepted_tokens"),
+        ("acceptance rate (accepted / drafted)", "acceptance_rate"),
+        ("mean accepted tokens per target forward (incl. bonus)", "mean_accepted_tokens"),
+        ("acceptance by draft position", "acceptance_by_position"),
+        ("final adaptive draft-exit threshold", "final_draft_threshold"),
+        ("gated steps (target confidence below the gate)", "num_gated_steps"),
+        ("banned-word rollbacks", "num_banned_word_rollbacks"),
+        ("tokens discarded by banned-word rollbacks", "num_banned_word_discarded_tokens"),
+        ("prefill time (s)", "prefill_time_s"),
+        ("decode time (s)", "decode_time_s"),
+        ("tokens/s (incl. prefill)", "tokens_per_s"),
+        ("decode tokens/s", "decode_tokens_per_s"),
+    ]
+    for label, key in rows:
+        table.add_row(label, _fmt(stats.get(key)))
+    console.print(table)
+
+
+def _check_method_options(args) -> None:
+    """Fail fast on method options that need no model to check."""
+    from specdecode.errors import InvalidArgumentError
+    from specdecode.drafters.layer_skip import SkipSet
+    from specdecode.drafters.prompt_lookup import PromptLookupDrafter
+
+    if args.skip_layers is not None:
+        SkipSet.parse(args.skip_layers)
+    if args.skip_config is not None:
+        SkipSet.from_json(args.skip_config)
+    if args.method == "layer-skip" and args.skip_layers is None and args.skip_config is None:
+        raise InvalidArgumentError(
+            "--method layer-skip needs a skip set: --skip-layers 'attn=2,15;mlp=3' or --skip-config FILE.json"
+        )
+    if args.method == "early-exit" and args.exit_layer is None:
+        raise InvalidArgumentError("--method early-exit needs --exit-layer N (the draft runs layers 0..N-1)")
+    if args.exit_layer is not None and args.exit_layer < 1:
+        raise InvalidArgumentError(f"--exit-layer {args.exit_layer} is out of range: it must be in 1..L-1")
+    if args.method in ("prompt-lookup", "cascade"):
+        PromptLookupDrafter(args.prompt_lookup_max_ngram, args.prompt_lookup_min_ngram)
+    if args.draft_vocab_size is not None and args.draft_vocab_size < 0:
+        raise InvalidArgumentError(
+            f"--draft-vocab-size {args.draft_vocab_size} is out of range: use K in S..V (S special tokens, V the "
+            "vocabulary size) or 0 for the full head"
+        )
+    for flag in ("draft_quantize", "draft_quantize_head"):
+        if getattr(args, flag) is not None and args.method not in ("draft", "cascade"):
+            raise InvalidArgumentError(
+                f"--{flag.replace('_', '-')} applies to --method draft or cascade (the draft model), not "
+                f"{args.method!r}; use --quantize for the target"
+            )
+    if args.draft_vocab_size and args.method not in ("draft", "cascade"):
+        raise InvalidArgumentError(
+            f"--draft-vocab-size applies to --method draft or cascade (a draft model's head), not {args.method!r}"
+        )
+    if args.max_model_prompt_tokens is not None:
+        if args.max_model_prompt_tokens < 0:
+            raise InvalidArgumentError(
+                f"--max-model-prompt-tokens {args.max_model_prompt_tokens} is out of range: use N >= 1 (tokens), or "
+                "0 for no limit"
+            )
+        if args.method != "cascade":
+            raise InvalidArgumentError(
+                f"--max-model-prompt-tokens applies to --method cascade (its draft model), not {args.method!r}"
+            )
+    if args.draft_context_window is not None:
+        if args.draft_context_window < 1:
+            raise InvalidArgumentError(
+                f"--draft-context-window {args.draft_context_window} is out of range: use W >= 1 (tokens), or leave "
+                "it out for the whole prompt"
+            )
+        if args.method not in ("draft", "cascade"):
+            raise InvalidArgumentError(
+                f"--draft-context-window applies to --method draft or cascade (a draft model), not {args.method!r}"
+            )
+
+
+def run_generate(args) -> int:
+    import torch
+    from transformers import TextStreamer
+
+    from specdecode.engine.banned_words import read_banned_words
+    from specdecode.pipeline import SpeculativeGenerator
+
+    banned = list(args.banned_word)
+    if args.banned_words_file is not None:
+        banned += read_banned_words(args.banned_words_file)
+    config = GenerationConfig(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        num_speculative_tokens=(GenerationConfig.num_speculative_tokens if args.num_speculative_tokens is None
+                                else args.num_speculative_tokens),
+        stop_strings=tuple(args.stop),
+        banned_words=tuple(banned),
+        banned_words_ignore_case=args.banned_words_ignore_case,
+        banned_words_whole_word=args.banned_words_whole_word,
+    )
+    if not args.prompt.strip():
+        raise SpecDecodeError("the prompt is empty: pass some text with --prompt")
+    _check_method_options(args)  # before minutes of model loading
+    control = DraftControl(
+        adaptive_exit=_adaptive_by_default(args) if args.adaptive_draft_exit is None else args.adaptive_draft_exit,
+        exit_threshold=args.draft_exit_threshold,
+        max_draft_tokens=args.max_draft_tokens,
+        length_schedule=args.draft_length_schedule,
+        confidence_gate=args.confidence_gate,
+    )
+    options = dict(
+        skip_layers=args.skip_layers,
+        skip_config=args.skip_config,
+        exit_layer=args.exit_layer,
+        prompt_lookup_max_ngram=args.prompt_lookup_max_ngram,
+        prompt_lookup_min_ngram=args.prompt_lookup_min_ngram,
+        ngram_check=args.ngram_check,
+        draft_control=control if control.active else None,
+        compile=args.compile,  # None: the pipeline's device default
+    )
+    if args.draft_vocab_size:
+        options["draft_vocab_size"] = args.draft_vocab_size
+    if args.draft_context_window is not None:
+        options["draft_context_window"] = args.draft_context_window
+    draft = args.draft if args.method in ("draft", "cascade") else None
+    draft_quantize = args.draft_quantize
+    if draft_quantize is None and draft is not None:
+        draft_quantize = _draft_quantize_by_default(args, resolve_device(args.device))
+        if draft_quantize is not None:
+            logger.info("quantizing the draft to %s by default on CPU (output unchanged, faster drafting; the "
+                        "first start quantizes it); --draft-quantize none keeps it dense", draft_quantize)
+    _check_generate_quantize_flags(args, draft, draft_quantize)  # in the flags' words, before loading
+    limit = (_prompt_limit_by_default(args, draft_quantize) if args.max_model_prompt_tokens is None
+             else args.max_model_prompt_tokens or None)
+    if limit is not None:
+        options["max_model_prompt_tokens"] = limit
+    gen = SpeculativeGenerator.from_pretrained(args.target, draft, dtype=args.dtype, device=args.device,
+                                              quantize=args.quantize, draft_quantize=draft_quantize,
+                                              draft_quantize_head=args.draft_quantize_head,
+                                              quantize_group_size=args.quantize_group_size)
+    stream = gen.stream(args.prompt, config, method=args.method, chat=args.chat, **options)
+    if args.json:
+        for _ in stream:
+            pass
+        text = gen.tokenizer.decode(stream.token_ids, skip_special_tokens=True)
+        out = {
+            "text": text,
+            "token_ids": stream.token_ids,
+            "finish_reason": stream.finish_reason,
+            "method": args.method,
+            "target": args.target,
+            "draft": draft,
+            "skip_layers": args.skip_layers,
+            "skip_config": args.skip_config,
+            "exit_layer": args.exit_layer,
+            "draft_vocab_size": args.draft_vocab_size or None,
+            "draft_context_window": args.draft_context_window,
+            "max_model_prompt_tokens": limit,
+            "draft_control": dataclasses.asdict(control) if control.active else None,
+            "ngram_check": args.ngram_check if args.method == "cascade" else None,
+            "compile": args.compile,
+            "quantize": gen.target.quantize,
+            "draft_quantize": gen.draft.quantize if gen.draft is not None else None,
+            "draft_quantize_head": gen.draft.quantize_head if gen.draft is not None else None,
+            "quantize_group_size": next((m.quantize_group_size for m in (gen.target, gen.draft)
+                                         if m is not None and m.quantize_group_size is not None), None),
+            "dtype": str(gen.target.model.dtype).removeprefix("torch."),
+            "device": str(gen.target.model.device),
+            "stats": stream.stats.to_dict(),
+        }
+        sys.stdout.write(json.dumps(out) + "\n")
+        return 0
+    from rich.console import Console
+
+    printer = TextStreamer(gen.tokenizer, skip_special_tokens=True)
+    for ids in stream:
+        printer.put(torch.tensor(ids))
+    printer.end()
+    _print_stats(stream.stats.to_dict(), args.method, Console(stderr=False))
+    return 0

@@ -1,0 +1,152 @@
+"""Long prompts: the draft model's context window, and the cascade's prompt limit; output stays exact."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from conftest import make_tiny_model
+from helpers import perturbed_copy
+from selfspec_helpers import (  # noqa: F401  (one_thread is a fixture)
+    REPETITIVE,
+    DraftSpy,
+    autoregressive,
+    exact_marginals,
+    one_thread,
+    sample_counts,
+    violations,
+)
+from specdecode import DraftControl, GenerationConfig, InvalidArgumentError, SpeculativeDecoder
+from specdecode.drafters import CascadeDrafter, DraftModelDrafter, PromptLookupDrafter
+from specdecode.engine.sampling import Sampler
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+LONG_PROMPT = [40, 41, 42, 43, 44, 45, 46, 47] + REPETITIVE  # 24 tokens
+
+
+def test_the_draft_sees_only_the_window():
+    """Hand-checked: with a window of 5 the draft cache holds 5 prompt tokens, and the block is what
+    the draft model drafts greedily from those 5 tokens alone (rotary positions: only distances count)."""
+    draft = make_tiny_model("llama", num_layers=2, seed=3)
+    prompt = torch.tensor([LONG_PROMPT])
+    sampler = Sampler(GenerationConfig(), draft.config.vocab_size, "cpu")
+    drafter = DraftModelDrafter(draft, context_window=5)
+    drafter.begin(prompt[:, :-1], sampler, None)
+    assert drafter._cache.get_seq_length() == 5
+    block = drafter.propose(prompt, 4)
+    alone = autoregressive(draft, prompt[:, -6:], GenerationConfig(max_new_tokens=4, stop_on_eos=False))
+    assert block.tokens.tolist() == alone
+    assert drafter._cache.get_seq_length() == 5 + 1 + 3  # the window, the pending token, 3 of 4 drafts fed
+    whole = autoregressive(draft, prompt, GenerationConfig(max_new_tokens=4, stop_on_eos=False))
+    assert alone != whole, "this check needs a prompt whose beginning changes the draft's tokens"
+    drafter.rollback(len(LONG_PROMPT) + 1)  # sequence positions: the prompt and one accepted token
+    assert drafter._cache.get_seq_length() == 5 + 1 + 1
+
+
+@pytest.mark.parametrize("method", ["draft", "cascade"])
+@pytest.mark.parametrize("window", [1, 6, 1000])
+def test_greedy_equals_autoregressive_with_a_window(arch, method, window):
+    """float32, every tiny architecture: a window changes the drafts, never the output; a window
+    longer than the prompt changes nothing."""
+    target = make_tiny_model(arch, num_layers=2)
+    draft = perturbed_copy(target, noise=0.3, seed=1)
+    prompt = torch.tensor([LONG_PROMPT])
+    config = GenerationConfig(max_new_tokens=30, num_speculative_tokens=4, stop_on_eos=False)
+
+    def run(context_window):
+        drafter = (DraftSpy(draft, context_window=context_window) if method == "draft"
+                   else CascadeDrafter(draft, context_window=context_window))
+        result = SpeculativeDecoder(target, drafter).generate(prompt, config)
+        return result, drafter
+
+    windowed, drafter = run(window)
+    assert windowed.token_ids == autoregressive(target, prompt, config), (arch, method, window)
+    whole, plain = run(None)
+    same = (windowed.stats.num_drafted_tokens, windowed.stats.num_accepted_tokens, windowed.stats.num_draft_forwards) \
+        == (whole.stats.num_drafted_tokens, whole.stats.num_accepted_tokens, whole.stats.num_draft_forwards)
+    if window == 1000:  # longer than the prompt: nothing changes
+        assert same and (method == "cascade" or drafter.drafts == plain.drafts)
+    elif window == 1 and method == "draft":
+        assert drafter.drafts != plain.drafts, "a 1-token window drafted as the whole prompt did"
+
+
+def test_sampling_with_a_window_preserves_target_distribution():
+    vocab, n = 8, 600
+    model = make_tiny_model("qwen2", num_layers=1, vocab_size=vocab, seed=2)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(0.25)  # spread-out distributions: rejections happen
+    draft = perturbed_copy(model, noise=2.0, seed=3)
+    prompt = [5, 3, 6, 5, 3, 4, 6, 5, 7]
+    config = GenerationConfig(max_new_tokens=4, num_speculative_tokens=3, stop_on_eos=False, temperature=1.0)
+    dec = SpeculativeDecoder(model, CascadeDrafter(draft, max_ngram=2, context_window=2))
+    freq = sample_counts(dec, prompt, config, n, vocab)
+    exact = exact_marginals(model, prompt, config, vocab)
+    assert violations(exact, freq, n) == []
+    assert violations(exact_marginals(draft, prompt, config, vocab), freq, n) != []  # the test can fail
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "256"])
+def test_bad_windows_are_refused(bad):
+    draft = make_tiny_model("llama", num_layers=1)
+    with pytest.raises(InvalidArgumentError, match=re.escape(f"context_window={bad!r} is out of range: allowed an "
+                                                             "integer >= 1 (tokens), or None for the whole prompt")):
+        DraftModelDrafter(draft, context_window=bad)
+    with pytest.raises(InvalidArgumentError, match="out of range"):
+        CascadeDrafter(draft, context_window=bad)
+
+
+@pytest.mark.parametrize("limit", [len(LONG_PROMPT) - 1, len(LONG_PROMPT)])
+def test_cascade_skips_the_draft_model_for_a_prompt_over_the_limit(arch, limit):
+    """Over the limit: no draft forward at all (not even the prefill) and prompt lookup's blocks;
+    at the limit: the cascade as without one. float32 output equals autoregressive either way."""
+    target = make_tiny_model(arch, num_layers=2)
+    draft = perturbed_copy(target, noise=0.3, seed=1)
+    calls = []
+    hook = draft.register_forward_hook(lambda *a: calls.append(1))
+    prompt = torch.tensor([LONG_PROMPT])
+    config = GenerationConfig(max_new_tokens=30, num_speculative_tokens=4, stop_on_eos=False)
+    try:
+        limited = SpeculativeDecoder(target, CascadeDrafter(draft, max_model_prompt_tokens=limit)).generate(prompt, config)
+        over = len(calls)
+        plain = SpeculativeDecoder(target, CascadeDrafter(draft)).generate(prompt, config)
+    finally:
+        hook.remove()
+    assert limited.token_ids == autoregressive(target, prompt, config)
+    if limit < len(LONG_PROMPT):
+        assert over == 0 and limited.stats.num_draft_forwards == 0
+        lookup = SpeculativeDecoder(target, PromptLookupDrafter()).generate(prompt, config)
+        assert (limited.stats.num_drafted_tokens, limited.stats.num_accepted_tokens) == (
+            lookup.stats.num_drafted_tokens, lookup.stats.num_accepted_tokens)
+        assert limited.stats.num_drafted_tokens > 0
+    else:
+        assert over > 0
+        assert (limited.stats.num_drafted_tokens, limited.stats.num_accepted_tokens,
+                limited.stats.num_draft_forwards) == (plain.stats.num_drafted_tokens, plain.stats.num_accepted_tokens,
+                                                      plain.stats.num_draft_forwards)
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 3.0])
+def test_bad_prompt_limits_are_refused(bad):
+    draft = make_tiny_model("llama", num_layers=1)
+    with pytest.raises(InvalidArgumentError, match=re.escape(
+            f"max_model_prompt_tokens={bad!r} is out of range: allowed an integer >= 1 (tokens), or None for no limit")):
+        CascadeDrafter(draft, max_model_prompt_tokens=bad)
+
+
+def test_long_prompt_blocks_are_prompt_lookups_at_gamma_5_even_with_adaptive_exit():
+    """Adaptive exit asks for up to 12 tokens a block; over the limit the cascade proposes at most 5,
+    exactly prompt lookup's blocks at γ = 5."""
+    target = make_tiny_model("llama", num_layers=2)
+    draft = perturbed_copy(target, noise=0.3, seed=1)
+    prompt = torch.tensor([LONG_PROMPT])
+    config = GenerationConfig(max_new_tokens=40, stop_on_eos=False)
+    limited = SpeculativeDecoder(target, CascadeDrafter(draft, max_model_prompt_tokens=8),
+                                 draft_control=DraftControl(adaptive_exit=True)).generate(prompt, config)
+    lookup = SpeculativeDecoder(target, PromptLookupDrafter()).generate(prompt, config)  # γ = 5
+    assert limited.token_ids == lookup.token_ids == autoregressive(target, prompt, config)
+    assert len(limited.stats.drafted_by_position) == 5  # the longest block had 5 tokens
+    assert (limited.stats.num_drafted_tokens, limited.stats.num_accepted_tokens) == (
+        lookup.stats.num_drafted_tokens, lookup.stats.num_accepted_tokens)
