@@ -56,6 +56,10 @@ def _drafters(target, draft, runners) -> dict:
         "autoregressive": lambda: None,
         "draft": lambda: DraftModelDrafter(draft, runner=runners["draft"]),
         "cascade": lambda: CascadeDrafter(draft, runner=runners["draft"]),
+        # the draft context window (prompts 13 and 29 are longer) and the cascade's prompt limit
+        "draft-window": lambda: DraftModelDrafter(draft, runner=runners["draft"], context_window=4),
+        "cascade-window": lambda: CascadeDrafter(draft, runner=runners["draft"], context_window=4),
+        "cascade-limit": lambda: CascadeDrafter(draft, runner=runners["draft"], max_model_prompt_tokens=10),
         "layer-skip": lambda: LayerSkipDrafter(target, SkipSet(attn=(1,), mlp=(1, 2)), runner=runners["skip"]),
         "early-exit": lambda: EarlyExitDrafter(target, 2, runner=runners["skip"]),
         "prompt-lookup": lambda: PromptLookupDrafter(),
