@@ -249,6 +249,17 @@ def _print_stats(stats: dict, method: str, console) -> None:
     console.print(table)
 
 
+# Flags that only some methods use: (flag, those methods, what the flag acts on, a hint); any other
+# method refuses them rather than ignoring them.
+_METHOD_FLAGS = (
+    ("draft_quantize", ("draft", "cascade"), "the draft model", "; use --quantize for the target"),
+    ("draft_quantize_head", ("draft", "cascade"), "the draft model", "; use --quantize for the target"),
+    ("draft_vocab_size", ("draft", "cascade"), "a draft model's head", ""),
+    ("max_model_prompt_tokens", ("cascade",), "its draft model", ""),
+    ("draft_context_window", ("draft", "cascade"), "a draft model", ""),
+)
+
+
 def _check_method_options(args) -> None:
     """Fail fast on method options that need no model to check."""
     from specdecode.errors import InvalidArgumentError
@@ -274,37 +285,24 @@ def _check_method_options(args) -> None:
             f"--draft-vocab-size {args.draft_vocab_size} is out of range: use K in S..V (S special tokens, V the "
             "vocabulary size) or 0 for the full head"
         )
-    for flag in ("draft_quantize", "draft_quantize_head"):
-        if getattr(args, flag) is not None and args.method not in ("draft", "cascade"):
-            raise InvalidArgumentError(
-                f"--{flag.replace('_', '-')} applies to --method draft or cascade (the draft model), not "
-                f"{args.method!r}; use --quantize for the target"
-            )
-    if args.draft_vocab_size and args.method not in ("draft", "cascade"):
+    if args.max_model_prompt_tokens is not None and args.max_model_prompt_tokens < 0:
         raise InvalidArgumentError(
-            f"--draft-vocab-size applies to --method draft or cascade (a draft model's head), not {args.method!r}"
+            f"--max-model-prompt-tokens {args.max_model_prompt_tokens} is out of range: use N >= 1 (tokens), or "
+            "0 for no limit"
         )
-    if args.max_model_prompt_tokens is not None:
-        if args.max_model_prompt_tokens < 0:
+    if args.draft_context_window is not None and args.draft_context_window < 1:
+        raise InvalidArgumentError(
+            f"--draft-context-window {args.draft_context_window} is out of range: use W >= 1 (tokens), or leave "
+            "it out for the whole prompt"
+        )
+    for flag, methods, what, hint in _METHOD_FLAGS:
+        value = getattr(args, flag)
+        given = bool(value) if flag == "draft_vocab_size" else value is not None  # --draft-vocab-size 0: the full head
+        if given and args.method not in methods:
             raise InvalidArgumentError(
-                f"--max-model-prompt-tokens {args.max_model_prompt_tokens} is out of range: use N >= 1 (tokens), or "
-                "0 for no limit"
+                f"--{flag.replace('_', '-')} applies to --method {' or '.join(methods)} ({what}), not "
+                f"{args.method!r}{hint}"
             )
-        if args.method != "cascade":
-            raise InvalidArgumentError(
-                f"--max-model-prompt-tokens applies to --method cascade (its draft model), not {args.method!r}"
-            )
-    if args.draft_context_window is not None:
-        if args.draft_context_window < 1:
-            raise InvalidArgumentError(
-                f"--draft-context-window {args.draft_context_window} is out of range: use W >= 1 (tokens), or leave "
-                "it out for the whole prompt"
-            )
-        if args.method not in ("draft", "cascade"):
-            raise InvalidArgumentError(
-                f"--draft-context-window applies to --method draft or cascade (a draft model), not {args.method!r}"
-            )
-
 
 def run_generate(args) -> int:
     import torch

@@ -53,7 +53,8 @@ from transformers import DynamicCache, PreTrainedModel
 from specdecode.config import GenerationConfig
 from specdecode.drafters.base import Draft, Drafter, ExitPolicy
 from specdecode.drafters.draft_head import DraftHead
-from specdecode.drafters.draft_model import DraftModelDrafter, check_optional_count
+from specdecode.drafters.control import check_optional_count
+from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter, find_continuation
 from specdecode.engine.fast_path import ModelRunner
 from specdecode.engine.sampling import Sampler

@@ -42,9 +42,27 @@ def _check_unit(name: str, value: float, *, open_right: bool = False) -> None:
         raise InvalidArgumentError(f"{name} must be a number in {allowed}, got {value!r}")
 
 
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def _check_count(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not _is_count(value):
         raise InvalidArgumentError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def check_optional_count(name: str, value: object, none_means: str) -> int | None:
+    """Return ``value`` if it is None or an integer >= 1 (a number of tokens; drafters' options).
+
+    Raises:
+        InvalidArgumentError: Anything else, naming ``name``, the value and the allowed range
+            (``none_means``: what None stands for).
+    """
+    if value is not None and not _is_count(value):
+        raise InvalidArgumentError(
+            f"{name}={value!r} is out of range: allowed an integer >= 1 (tokens), or None for {none_means}"
+        )
+    return value
 
 
 def _check_block(num_drafted: int, num_accepted: int) -> None:

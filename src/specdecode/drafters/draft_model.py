@@ -6,6 +6,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from specdecode.drafters.base import Draft, Drafter, ExitPolicy, draft_autoregressively
+from specdecode.drafters.control import check_optional_count
 from specdecode.drafters.draft_head import DraftHead
 from specdecode.engine import kv_cache
 from specdecode.engine.fast_path import DRAFT_BUCKETS, ModelRunner
@@ -194,19 +195,3 @@ class DraftModelDrafter(Drafter):
         """``kv_cache.rollback`` in sequence positions: the draft cache's are ``_offset`` fewer."""
         self._num_cached = self._offset + kv_cache.rollback(self._cache, num_cached - self._offset,
                                                             num_valid - self._offset)
-
-
-def check_optional_count(name: str, value: object, none_means: str) -> int | None:
-    """Return ``value`` if it is None or an integer >= 1 (a number of tokens).
-
-    Raises:
-        InvalidArgumentError: Anything else, naming ``name``, the value and the allowed range
-            (``none_means``: what None stands for).
-    """
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidArgumentError(
-            f"{name}={value!r} is out of range: allowed an integer >= 1 (tokens), or None for {none_means}"
-        )
-    return value

@@ -40,6 +40,17 @@ def aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % _ALIGNMENT == 0 else t.clone()
 
 
+def check_known_group_size(group_size: object) -> int:
+    """Return ``group_size`` if it is one of ``INT4_GROUP_SIZES``.
+
+    Raises:
+        InvalidArgumentError: It is not, naming it and the allowed sizes.
+    """
+    if group_size not in INT4_GROUP_SIZES:
+        raise InvalidArgumentError(f"int4 group size {group_size!r} is not supported; allowed: {INT4_GROUP_SIZES}")
+    return group_size
+
+
 def check_int4_group_size(group_size: object, k: int) -> int:
     """Return ``group_size`` if it is one of ``INT4_GROUP_SIZES`` and divides ``k`` (the row length).
 
@@ -273,8 +284,7 @@ class Int4Embedding(QuantizedEmbedding):
                 f"an int4 embedding needs nibbles (V, K/2) uint8; got {nibbles.dtype} {tuple(nibbles.shape)}"
             )
         v, k = nibbles.shape[0], nibbles.shape[1] * 2
-        if group_size not in INT4_GROUP_SIZES:
-            raise InvalidArgumentError(f"int4 group size {group_size!r} is not supported; allowed: {INT4_GROUP_SIZES}")
+        check_known_group_size(group_size)
         check_int4_group_size(group_size, k)
         if tuple(scales.shape) != (v, k // group_size) or tuple(zeros.shape) != tuple(scales.shape) \
                 or not scales.is_floating_point() or zeros.dtype != scales.dtype:
@@ -307,9 +317,7 @@ def embedding_tensors(name: str, weight: torch.Tensor, scheme: str,
     Raises:
         InvalidArgumentError: ``group_size`` is not one of ``INT4_GROUP_SIZES`` (int4 only).
     """
-    if scheme == "int4" and group_size not in INT4_GROUP_SIZES:
-        raise InvalidArgumentError(f"int4 group size {group_size!r} is not supported; allowed: {INT4_GROUP_SIZES}")
-    if scheme == "int4" and int4_embedding_refusal(weight.shape[1], group_size) is None:
+    if scheme == "int4" and check_known_group_size(group_size) and int4_embedding_refusal(weight.shape[1], group_size) is None:
         parts = quantize_int4(weight, weight.dtype, group_size)
         parts["int4"] = torch.tensor([group_size], dtype=torch.int32)
     else:

@@ -12,7 +12,12 @@ import torch
 from torch import nn
 
 from specdecode.errors import InvalidArgumentError
-from specdecode.models.quantized_embedding import INT4_GROUP_SIZE, INT4_GROUP_SIZES, aligned, unpack_nibbles
+from specdecode.models.quantized_embedding import (
+    INT4_GROUP_SIZE,
+    aligned,
+    check_known_group_size,
+    unpack_nibbles,
+)
 
 _INT4_ROW_MULTIPLE = 16  # the CPU int4 kernel packs output rows in blocks of 16
 PACK_ROWS = 4096  # rows packed at a time (a multiple of the kernel's 64-row blocks); see _pack_int4
@@ -106,8 +111,7 @@ class Int4Linear(nn.Module):
         self.in_features = nibbles.shape[1] * 2
         self.group_size = group_size
         n, k = self.out_features, self.in_features
-        if group_size not in INT4_GROUP_SIZES:
-            raise InvalidArgumentError(f"int4 group size {group_size!r} is not supported; allowed: {INT4_GROUP_SIZES}")
+        check_known_group_size(group_size)
         if k % group_size or n % _INT4_ROW_MULTIPLE or tuple(scales.shape) != (n, k // group_size) \
                 or tuple(zeros.shape) != tuple(scales.shape):
             raise InvalidArgumentError(
