@@ -20,7 +20,7 @@ from specdecode.drafters.control import LENGTH_SCHEDULES, DraftControl
 from specdecode.errors import InvalidArgumentError, SpecDecodeError
 from specdecode.models.loading import resolve_device
 from specdecode.models.quantize import INT4_GROUP_SIZES, QUANTIZE_HEADS, QUANTIZE_SCHEMES, check_quantize
-from specdecode.pipeline import DEFAULT_DRAFT, DEFAULT_TARGET, METHODS
+from specdecode.pipeline import DEFAULT_DRAFT, DEFAULT_TARGET, DRAFT_BACKENDS, METHODS
 
 logger = logging.getLogger(__name__)
 
@@ -36,11 +36,16 @@ MAX_MODEL_PROMPT_TOKENS = 512
 
 def _prompt_limit_by_default(args, draft_quantize: str | None) -> int | None:
     """The cascade's prompt limit when --max-model-prompt-tokens is not given: ``MAX_MODEL_PROMPT_TOKENS``
-    for the cascade with an int4 draft (``draft_quantize``: the draft's quantization, None = as --quantize),
-    else no limit. The limit exists because the int4 draft's prefill costs about twice a bf16 one per token
-    on CPU (the only device int4 runs on); with a dense draft, or on CUDA, it was not measured."""
+    for the cascade with an int4 draft (``draft_quantize``: the draft's quantization, None = as --quantize)
+    or a llama.cpp draft, else no limit. The limit exists because the int4 draft's prefill costs about twice
+    a bf16 one per token on CPU (the only device int4 runs on); the llama.cpp draft's costs about the same
+    as the int4 one's (Qwen2.5-Coder 0.5B Q4_K_M, 700 tokens: 3.1 s against 3.4 s, 2-core EPYC with
+    avx512_bf16), and on the 6 held-out long prompts the limit made its cascade faster too (4.92 against
+    4.28 tok/s; docs/benchmarks/2026-11-25-llama-cpp-draft.md). With a dense torch draft, or on CUDA, it
+    was not measured."""
     scheme = draft_quantize if draft_quantize is not None else args.quantize
-    return MAX_MODEL_PROMPT_TOKENS if args.method == "cascade" and scheme == "int4" else None
+    cheap_prefill = scheme == "int4" or args.draft_backend == "llama-cpp"
+    return MAX_MODEL_PROMPT_TOKENS if args.method == "cascade" and cheap_prefill else None
 
 
 def _adaptive_by_default(args) -> bool:
@@ -74,7 +79,7 @@ def _draft_quantize_by_default(args, device) -> str | None:
         args: The parsed ``generate`` arguments.
         device: The resolved device (``resolve_device(args.device)``).
     """
-    if args.draft_quantize is not None:
+    if args.draft_quantize is not None or args.draft_backend == "llama-cpp":
         return None
     return "int4" if _why_no_int4_default(args, device) is None else None
 
@@ -103,8 +108,19 @@ def _check_generate_quantize_flags(args, draft: str | None, draft_quantize: str 
     default; None: as --quantize), in the flags' words (the messages bench gives too)."""
     from specdecode.bench.command import check_draft_quantize_head_flag, check_quantize_group_size_flag
 
+    if args.draft_backend == "llama-cpp":
+        for flag in ("draft_quantize", "draft_quantize_head"):
+            if getattr(args, flag) is not None:
+                raise InvalidArgumentError(
+                    f"--{flag.replace('_', '-')} quantizes a torch draft; --draft-backend llama-cpp runs the draft's "
+                    "GGUF file with its own quantization: leave it out"
+                )
+        if draft is not None:
+            draft = None  # no torch draft: --quantize-group-size applies to an int4 target alone
     scheme = (args.quantize if draft_quantize is None else draft_quantize) if draft is not None else None
-    if draft is None:
+    if draft is None and args.draft_backend == "llama-cpp":
+        why = "--draft-backend llama-cpp keeps the GGUF file's quantization"
+    elif draft is None:
         why = f"--method {args.method} loads none"
     elif args.draft_quantize is not None:
         why = f"--draft-quantize {args.draft_quantize}"
@@ -191,7 +207,11 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--max-model-prompt-tokens", type=int, metavar="N", default=None,
                    help="cascade: prompts of more than N tokens skip the draft model (no draft prefill) and get "
                         f"n-gram matches alone, as prompt-lookup; 0: no limit (default: {MAX_MODEL_PROMPT_TOKENS} "
-                        "with an int4 draft, measured, else no limit)")
+                        "with an int4 or llama.cpp draft, measured, else no limit)")
+    p.add_argument("--draft-backend", choices=DRAFT_BACKENDS, default=None,
+                   help="draft and cascade: what runs the draft model: torch (default; quantized by --draft-quantize) "
+                        "or llama-cpp (its GGUF file in llama.cpp, faster on a CPU, measured; needs pip install "
+                        "'specdecode[llamacpp]')")
     p.add_argument("--draft-context-window", type=int, metavar="W", default=None,
                    help="draft and cascade: prefill the draft model with the prompt's last W tokens only (a "
                         "cheaper draft prefill on long prompts; output unchanged, acceptance may drop); unset: "
@@ -257,6 +277,7 @@ _METHOD_FLAGS = (
     ("draft_vocab_size", ("draft", "cascade"), "a draft model's head", ""),
     ("max_model_prompt_tokens", ("cascade",), "its draft model", ""),
     ("draft_context_window", ("draft", "cascade"), "a draft model", ""),
+    ("draft_backend", ("draft", "cascade"), "the draft model", ""),
 )
 
 
@@ -294,6 +315,11 @@ def _check_method_options(args) -> None:
         raise InvalidArgumentError(
             f"--draft-context-window {args.draft_context_window} is out of range: use W >= 1 (tokens), or leave "
             "it out for the whole prompt"
+        )
+    if args.draft_backend == "llama-cpp" and args.draft_vocab_size:
+        raise InvalidArgumentError(
+            f"--draft-vocab-size {args.draft_vocab_size} truncates a torch draft's LM head; --draft-backend llama-cpp "
+            "computes every logit: leave it out"
         )
     for flag, methods, what, hint in _METHOD_FLAGS:
         value = getattr(args, flag)
@@ -351,6 +377,8 @@ def run_generate(args) -> int:
         options["draft_vocab_size"] = args.draft_vocab_size
     if args.draft_context_window is not None:
         options["draft_context_window"] = args.draft_context_window
+    if args.draft_backend is not None:
+        options["draft_backend"] = args.draft_backend
     draft = args.draft if args.method in ("draft", "cascade") else None
     draft_quantize = args.draft_quantize
     if draft_quantize is None and draft is not None:
@@ -366,7 +394,8 @@ def run_generate(args) -> int:
     gen = SpeculativeGenerator.from_pretrained(args.target, draft, dtype=args.dtype, device=args.device,
                                               quantize=args.quantize, draft_quantize=draft_quantize,
                                               draft_quantize_head=args.draft_quantize_head,
-                                              quantize_group_size=args.quantize_group_size)
+                                              quantize_group_size=args.quantize_group_size,
+                                              draft_backend=args.draft_backend or "torch")
     stream = gen.stream(args.prompt, config, method=args.method, chat=args.chat, **options)
     if args.json:
         for _ in stream:
@@ -379,6 +408,7 @@ def run_generate(args) -> int:
             "method": args.method,
             "target": args.target,
             "draft": draft,
+            "draft_backend": (args.draft_backend or "torch") if draft is not None else None,
             "skip_layers": args.skip_layers,
             "skip_config": args.skip_config,
             "exit_layer": args.exit_layer,

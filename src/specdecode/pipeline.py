@@ -45,6 +45,13 @@ from specdecode.errors import InvalidArgumentError
 from specdecode.drafters.layer_skip import LayerSkipDrafter, SkipSet
 from specdecode.models import LoadedModel, check_vocabularies, load_model
 from specdecode.models.dense_cache import dense_cache_valid
+from specdecode.models.llama_cpp import (
+    LlamaCppModel,
+    LlamaCppModelRunner,
+    check_cpu_target,
+    load_llama_cpp_model,
+    load_with_llama_cpp_draft,
+)
 from specdecode.models.quantize import INT4_GROUP_SIZE, check_quantize, check_quantize_group_size, check_quantize_head
 from specdecode.models.token_frequencies import TokenFrequencies, load_or_count, special_token_ids
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
@@ -82,6 +89,9 @@ def _check_exit_layer(exit_layer: int | None) -> None:
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 METHODS = ("autoregressive", "draft", "cascade", "layer-skip", "early-exit", "prompt-lookup")
+#: What runs a draft model's forwards: transformers (and specdecode's quantized layers), or
+#: llama.cpp on the draft's GGUF file (``specdecode.models.llama_cpp``).
+DRAFT_BACKENDS = ("torch", "llama-cpp")
 #: Methods with a batch mode (``SpeculativeGenerator.batch_decoder``).
 BATCH_METHODS = ("autoregressive", "draft", "layer-skip", "early-exit", "prompt-lookup")
 #: ``max_verify_tokens`` of batched decoding on a CPU: Qwen2.5-Coder 1.5B in bf16 on a 2-core
@@ -112,15 +122,21 @@ class SpeculativeGenerator:
             is derived from the model files later (the bench's llama.cpp method assembles an
             offline GGUF file there). The draft's token frequencies (``draft_vocab_size``) go
             to its ``LoadedModel.dense_folder``.
+        llama_cpp_draft: A draft model run by llama.cpp (``models.llama_cpp.load_llama_cpp_model``),
+            for "draft" and "cascade" with ``draft_backend="llama-cpp"``; with a torch ``draft``
+            and none given, it is loaded from the draft's GGUF file when first asked for.
 
     Raises:
         VocabularyMismatchError: If the draft's tokenizer maps tokens differently.
     """
 
-    def __init__(self, target: LoadedModel, draft: LoadedModel | None = None, *, cache_dir=None) -> None:
+    def __init__(self, target: LoadedModel, draft: LoadedModel | None = None, *, cache_dir=None,
+                 llama_cpp_draft: LlamaCppModel | None = None) -> None:
         self.target = target
         self.draft = draft
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
+        self._llama_cpp_draft = llama_cpp_draft
+        self._llama_cpp_runner: LlamaCppModelRunner | None = None
         self._token_frequencies: TokenFrequencies | None = None
         # ModelRunners (compiled forwards, static caches), kept for the generator's life so
         # later decoders reuse them: (role, compile, detail) -> runner.
@@ -142,8 +158,14 @@ class SpeculativeGenerator:
         draft_quantize: str | None = None,
         draft_quantize_head: str | None = None,
         quantize_group_size: int | None = None,
+        draft_backend: str = "torch",
     ) -> SpeculativeGenerator:
         """Load target and draft (see ``specdecode.models.load_model`` for specs and errors).
+
+        ``draft_backend``: "torch" loads the draft as a transformers model; "llama-cpp" runs its
+        GGUF file (an offline model or a ``.gguf`` path) in llama.cpp (the ``llamacpp`` extra)
+        and loads no torch draft, so the draft quantization options do not apply (README, "A
+        llama.cpp draft": 21.5 ms a draft step there against 27.6 ms for the int4 torch draft).
 
         ``quantize`` ("none", "int8", "int4"): weight-only quantized linear layers on CPU
         (``specdecode.models.quantize``) for the target; ``draft_quantize`` for the draft
@@ -154,13 +176,8 @@ class SpeculativeGenerator:
         int4 draft an int4 head, any other draft the int8 default; "int8" keeps an int4
         draft's head at int8 (the behaviour before the int4 head). The target's head stays
         int8 under every scheme (its precision is the output's). A draft head's precision
-        changes acceptance only, and the int8 head was 36% of the int4 Qwen2.5-Coder 0.5B
-        draft's one-token forward (11.3 of 31 ms in the torch profiler, 20 one-token forwards
-        with 200 tokens of context); measured on 2026-11-25 on a 2-core EPYC with
-        avx512_bf16 and a bf16 1.5B target, the int4 head made cascade with adaptive exit
-        7.9% faster on 8 held-out HumanEval prompts (11.56 -> 12.47 tok/s, acceptance 84.6%
-        -> 84.2%) and 3.9% faster on 5 Spec-Bench prompts (8.00 -> 8.31, 65.2% -> 65.6%;
-        README "Quantized weights on CPU").
+        changes acceptance only; the int4 head made the cascade 4-8% faster (README,
+        "Quantized weights on CPU").
 
         ``quantize_group_size``: inputs per scale and zero of the int4 weights, 32, 64, 128 or
         256 (None: 32), for every int4 model of the pair: the target under ``quantize="int4"``,
@@ -175,8 +192,17 @@ class SpeculativeGenerator:
             InvalidArgumentError: Besides ``load_model``'s: ``draft_quantize_head`` unknown, or
                 "int4" with a draft that is not int4; ``quantize_group_size`` not one of 32,
                 64, 128, 256, or other than 32 when neither model is int4 (checked before
-                anything is loaded).
+                anything is loaded); an unknown ``draft_backend``; for "llama-cpp", those of
+                ``models.llama_cpp.load_with_llama_cpp_draft`` (VocabularyMismatchError too).
         """
+        if draft_backend not in DRAFT_BACKENDS:
+            raise InvalidArgumentError(f"unknown draft_backend {draft_backend!r}; allowed: {', '.join(DRAFT_BACKENDS)}")
+        if draft_backend == "llama-cpp":
+            t, d = load_with_llama_cpp_draft(target, draft, dtype=dtype, device=device, cache_dir=cache_dir,
+                                             quantize=quantize, draft_quantize=draft_quantize,
+                                             draft_quantize_head=draft_quantize_head,
+                                             quantize_group_size=quantize_group_size)
+            return cls(t, None, cache_dir=cache_dir, llama_cpp_draft=d)
         draft_scheme = quantize if draft_quantize is None else draft_quantize
         draft_head = draft_quantize_head
         if draft:
@@ -201,6 +227,24 @@ class SpeculativeGenerator:
                        quantize=draft_scheme, quantize_head=draft_head,
                        quantize_group_size=group if draft_scheme == "int4" else None) if draft else None
         return cls(t, d, cache_dir=cache_dir)
+
+    def llama_cpp_draft(self) -> LlamaCppModel:
+        """The draft model run by llama.cpp: the one given, or the torch draft's GGUF file, loaded once.
+
+        Raises:
+            InvalidArgumentError: No draft model; a torch draft that is not an offline model or
+                a ``.gguf`` file; llama-cpp-python not installed.
+            VocabularyMismatchError: The file's tokens differ from the target's.
+        """
+        check_cpu_target(self.target.model.device)
+        if self._llama_cpp_draft is None:
+            if self.draft is None:
+                raise InvalidArgumentError(
+                    "draft_backend='llama-cpp' needs a draft model; pass draft=... (an offline model or a .gguf file)"
+                )
+            self._llama_cpp_draft = load_llama_cpp_model(self.draft.name, self.target.tokenizer, self.cache_dir,
+                                                         name=self.draft.name)
+        return self._llama_cpp_draft
 
     @property
     def tokenizer(self):
@@ -272,6 +316,7 @@ class SpeculativeGenerator:
         draft_context_window: int | None = None,
         max_model_prompt_tokens: int | None = None,
         compile: bool | None = None,
+        draft_backend: str | None = None,
     ) -> Drafter | None:
         """The drafter for ``method`` (None for autoregressive).
 
@@ -294,19 +339,32 @@ class SpeculativeGenerator:
                 n-gram matches alone, with no draft model and no draft prefill
                 (``drafters.cascade``); None: no limit.
             compile: The fast path for the drafter's forwards (see ``decoder``).
+            draft_backend: "torch" or "llama-cpp" for "draft" and "cascade": what runs the draft
+                model (``from_pretrained``); None: "llama-cpp" when the generator has a llama.cpp
+                draft and no torch draft, else "torch". llama.cpp's forwards are never compiled.
 
         Options a method does not use are ignored, so one set of options can serve
         several methods (as in ``specdecode bench``); ``draft_vocab_size``,
-        ``draft_context_window`` and ``max_model_prompt_tokens`` are the exceptions, refused by
-        methods that do not use them.
+        ``draft_context_window``, ``max_model_prompt_tokens`` and ``draft_backend`` are the
+        exceptions, refused by methods that do not use them.
 
         Raises:
             InvalidArgumentError: Unknown method; "draft" or "cascade" without a draft model;
                 "layer-skip" without a skip set, or with more than one; "early-exit"
                 without ``exit_layer``; ``draft_vocab_size``, ``draft_context_window`` or
                 ``max_model_prompt_tokens`` with a method that does not use it, or out of
-                range; or an option out of range.
+                range; an unknown ``draft_backend``, one given to another method, or
+                "llama-cpp" with ``draft_vocab_size`` (llama.cpp computes every logit) or
+                without a GGUF draft; or an option out of range.
+            VocabularyMismatchError: A llama.cpp draft's tokens differ from the target's.
         """
+        if draft_backend is not None and draft_backend not in DRAFT_BACKENDS:
+            raise InvalidArgumentError(f"unknown draft_backend {draft_backend!r}; allowed: {', '.join(DRAFT_BACKENDS)}")
+        if draft_backend is not None and method not in ("draft", "cascade"):
+            raise InvalidArgumentError(
+                f"draft_backend={draft_backend!r} (--draft-backend) applies to the methods with a draft model, "
+                f"'draft' and 'cascade', not to {method!r}"
+            )
         if draft_vocab_size and method not in ("draft", "cascade"):
             raise InvalidArgumentError(
                 f"draft_vocab_size={draft_vocab_size!r} (--draft-vocab-size) applies to the methods with a draft "
@@ -325,19 +383,29 @@ class SpeculativeGenerator:
         if method == "autoregressive":
             return None
         if method in ("draft", "cascade"):
-            if self.draft is None:
+            if draft_backend is None:
+                draft_backend = "llama-cpp" if self.draft is None and self._llama_cpp_draft is not None else "torch"
+            if self.draft is None and draft_backend == "torch":
                 raise InvalidArgumentError(
                     f"method {method!r} needs a draft model; pass draft=... (or use 'layer-skip', 'early-exit' "
                     "or 'prompt-lookup', which need none)"
                 )
-            head = self.draft_head(draft_vocab_size)
-            runner = self.runner("draft", compile, draft_vocab_size or 0)
+            if draft_backend == "llama-cpp":
+                if draft_vocab_size:
+                    raise InvalidArgumentError(
+                        f"draft_vocab_size={draft_vocab_size!r} truncates a torch draft's LM head; the llama.cpp draft "
+                        "computes every logit: leave it out, or use draft_backend='torch'"
+                    )
+                model, head, runner = self.llama_cpp_draft(), None, self._llama_cpp_draft_runner()
+            else:
+                model, head = self.draft.model, self.draft_head(draft_vocab_size)
+                runner = self.runner("draft", compile, draft_vocab_size or 0)
             if method == "cascade":
                 return CascadeDrafter(
-                    self.draft.model, prompt_lookup_max_ngram, prompt_lookup_min_ngram, head, runner, ngram_check,
+                    model, prompt_lookup_max_ngram, prompt_lookup_min_ngram, head, runner, ngram_check,
                     draft_context_window, max_model_prompt_tokens,
                 )
-            return DraftModelDrafter(self.draft.model, head, runner, draft_context_window)
+            return DraftModelDrafter(model, head, runner, draft_context_window)
         if method == "layer-skip":
             skip_set = _resolve_skip_set(skip_set, skip_layers, skip_config)
             logger.info("layer-skip drafting with skip set %s", skip_set)
@@ -348,6 +416,12 @@ class SpeculativeGenerator:
         if method == "prompt-lookup":
             return PromptLookupDrafter(prompt_lookup_max_ngram, prompt_lookup_min_ngram)
         raise InvalidArgumentError(f"unknown method {method!r}; allowed: {', '.join(METHODS)}")
+
+    def _llama_cpp_draft_runner(self) -> LlamaCppModelRunner:
+        """The llama.cpp draft's runner, one per generator (its context is the draft's KV cache)."""
+        if self._llama_cpp_runner is None:
+            self._llama_cpp_runner = LlamaCppModelRunner(self.llama_cpp_draft(), name="llama.cpp draft model")
+        return self._llama_cpp_runner
 
     def runner(self, role: str, compile: bool | None, detail: object = None) -> ModelRunner:
         """The generator's ``ModelRunner`` for ``role``, made on first use and kept.
@@ -441,6 +515,7 @@ class SpeculativeGenerator:
         draft_context_window: int | None = None,
         max_model_prompt_tokens: int | None = None,
         compile: bool | None = None,
+        draft_backend: str | None = None,
     ) -> SpeculativeDecoder:
         """A ``SpeculativeDecoder`` over the target with the drafter of ``method``.
 
@@ -451,7 +526,7 @@ class SpeculativeGenerator:
                 forwards are kept per model in this generator and reused by later decoders.
             draft_control: Adaptive draft exit, length schedule and confidence gating
                 (``specdecode.drafters.control.DraftControl``); ignored by "autoregressive".
-            skip_set .. max_model_prompt_tokens: See ``make_drafter``.
+            skip_set .. max_model_prompt_tokens, draft_backend: See ``make_drafter``.
 
         Raises:
             InvalidArgumentError: See ``make_drafter``; also adaptive draft exit with
@@ -470,6 +545,7 @@ class SpeculativeGenerator:
             draft_context_window=draft_context_window,
             max_model_prompt_tokens=max_model_prompt_tokens,
             compile=compile,
+            draft_backend=draft_backend,
         )
         return SpeculativeDecoder(
             self.target.model, drafter, eos_token_ids=self._eos, tokenizer=self.tokenizer, draft_control=draft_control,
@@ -515,7 +591,8 @@ class SpeculativeGenerator:
             drafter = None
         elif method == "draft":
             if self.draft is None:
-                raise InvalidArgumentError("method 'draft' needs a draft model; pass draft=...")
+                raise InvalidArgumentError("batched method 'draft' needs a draft model run by torch (it has no "
+                                           "llama.cpp backend); pass draft=... with draft_backend='torch'")
             drafter = BatchDraftModelDrafter(self.draft.model)
         elif method == "layer-skip":
             drafter = BatchLayerSkipDrafter(target, _resolve_skip_set(skip_set, skip_layers, skip_config))

@@ -37,15 +37,16 @@ import torch
 from specdecode import pipeline
 from specdecode.bench.report import LLAMA_CPP as METHOD
 from specdecode.bench.settings import BenchSettings
-from specdecode.errors import InvalidArgumentError, ModelNotFoundError, UnsupportedModelError
-from specdecode.models import OFFLINE_MODELS, assemble_gguf
+from specdecode.errors import InvalidArgumentError, UnsupportedModelError
+from specdecode.models import OFFLINE_MODELS
+from specdecode.models import llama_cpp as models_llama_cpp
 
 if TYPE_CHECKING:
     from specdecode.bench.methods import PromptPrefix
 
 logger = logging.getLogger(__name__)
 
-INSTALL = "pip install 'specdecode[llamacpp]'"
+INSTALL = models_llama_cpp.INSTALL
 CONTEXT_STEP = 4096  # n_ctx grows in steps of this many tokens (KV cache memory: only what the prompts need)
 
 
@@ -55,14 +56,7 @@ def import_llama_cpp():
     Raises:
         InvalidArgumentError: llama-cpp-python is not installed (the message names the extra).
     """
-    try:
-        import llama_cpp
-    except ImportError as e:
-        raise InvalidArgumentError(
-            f"method {METHOD!r} needs llama-cpp-python, which is not installed ({e}); install it with: "
-            f"{INSTALL} (it builds llama.cpp from source: cmake and a C++ compiler), or leave {METHOD!r} out"
-        ) from None
-    return llama_cpp
+    return models_llama_cpp.import_llama_cpp(f"method {METHOD!r}", f", or leave {METHOD!r} out")
 
 
 def gguf_file(spec: str, cache_dir: str | Path | None = None) -> Path:
@@ -79,18 +73,11 @@ def gguf_file(spec: str, cache_dir: str | Path | None = None) -> Path:
             packages are not installed.
         ChecksumMismatchError: An assembled offline model fails its sha256.
     """
-    if spec in OFFLINE_MODELS:
-        return assemble_gguf(OFFLINE_MODELS[spec], Path(cache_dir) if cache_dir is not None else None)
-    if isinstance(spec, str) and spec.endswith(".gguf"):
-        path = Path(spec).expanduser()
-        if not path.is_file():
-            raise ModelNotFoundError(f"GGUF file {spec!r} for method {METHOD!r} does not exist")
-        return path.resolve()
-    raise InvalidArgumentError(
+    return models_llama_cpp.gguf_path(spec, cache_dir, user=f" for method {METHOD!r}", not_gguf=(
         f"method {METHOD!r} runs the target's GGUF file, but target {spec!r} is not a GGUF file; use an offline "
         f"model ({', '.join(OFFLINE_MODELS)}) or a .gguf path as the target (API: BenchSettings(gguf_file=...)), "
         f"or leave {METHOD!r} out"
-    )
+    ))
 
 
 def check_available(spec: str, cache_dir: str | Path | None = None) -> Path:

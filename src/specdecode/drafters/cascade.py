@@ -70,12 +70,12 @@ class CascadeDrafter(Drafter):
 
     Args:
         model: The draft model (a transformers causal LM with the target's vocabulary),
-            in eval mode, on the target's device.
+            in eval mode, on the target's device, or a ``models.llama_cpp.LlamaCppModel``.
         max_ngram, min_ngram: n-gram sizes of the match (1 <= min_ngram <= max_ngram).
         head: The draft model's LM-head rows (``DraftModelDrafter``'s ``head``); the model part
             proposes only the head's tokens, and so does the n-gram part when checked (unchecked,
             any token).
-        runner: The draft model's ``ModelRunner`` (``DraftModelDrafter``'s ``runner``).
+        runner: The draft model's ``ModelRunner`` or ``LlamaCppModelRunner`` (``DraftModelDrafter``'s).
         ngram_check: Keep only the n-gram tokens the draft model agrees with (module
             docstring); False proposes the whole match.
         context_window: The draft model's context window (``DraftModelDrafter``): the n-gram

@@ -43,11 +43,13 @@ class DraftModelDrafter(Drafter):
     Args:
         model: The draft model (a transformers causal LM), in eval mode, on the
             target's device. Its vocabulary must map like the target's
-            (see ``specdecode.models.check_vocabularies``).
+            (see ``specdecode.models.check_vocabularies``). Or a model whose ``runner``
+            runs it elsewhere (``models.llama_cpp.LlamaCppModel``; full head only).
         head: Which LM-head rows drafting computes (``DraftHead.full()`` when None, or
             ``DraftHead.truncated(ids)``: FR-Spec's K frequent tokens). The rows are
             gathered here, once.
-        runner: Runs the model's forwards (``engine.fast_path.ModelRunner`` of ``model``);
+        runner: Runs the model's forwards (``engine.fast_path.ModelRunner`` of ``model``, or
+            ``models.llama_cpp.LlamaCppModelRunner``, which keeps its own cache);
             None makes one with the device's default ``compile``. Its fast path is used when
             the target's cache is static (the decoder's fast path): the draft then gets a
             static cache of the same capacity; with a dynamic target cache it runs eagerly.
@@ -83,8 +85,10 @@ class DraftModelDrafter(Drafter):
         if kv_cache.is_static(target_cache):
             # Sized by the target, which leaves room for a draft forward padded to DRAFT_BUCKETS[-1].
             self._cache = self.runner.new_cache(target_cache.capacity)
-        else:
+        elif self.runner.compile:  # a dynamic target cache: the draft runs eagerly too
             self._cache = kv_cache.new_cache(self.model)
+        else:  # a DynamicCache (ModelRunner), or a runner's own (models.llama_cpp.LlamaCppModelRunner)
+            self._cache = self.runner.new_cache(prompt_ids.shape[1])
         self._generation = getattr(self._cache, "generation", 0)
         n = prompt_ids.shape[1]
         self._offset = max(0, n - self.context_window) if self.context_window is not None else 0
