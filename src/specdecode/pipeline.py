@@ -40,9 +40,9 @@ from specdecode.engine.fast_path import DRAFT_BUCKETS, ModelRunner, resolve_comp
 from specdecode.drafters.control import DraftControl
 from specdecode.drafters import CascadeDrafter, DraftModelDrafter, Drafter
 from specdecode.drafters.draft_head import DraftHead
-from specdecode.drafters.early_exit import EarlyExitDrafter
+from specdecode.drafters.early_exit import EarlyExitDrafter, check_exit_layer_given
 from specdecode.errors import InvalidArgumentError
-from specdecode.drafters.layer_skip import LayerSkipDrafter, SkipSet
+from specdecode.drafters.layer_skip import LayerSkipDrafter, SkipSet, resolve_skip_set
 from specdecode.models import LoadedModel, check_vocabularies, load_model
 from specdecode.models.dense_cache import dense_cache_valid
 from specdecode.models.llama_cpp import (
@@ -52,39 +52,12 @@ from specdecode.models.llama_cpp import (
     load_llama_cpp_model,
     load_with_llama_cpp_draft,
 )
-from specdecode.models.quantize import INT4_GROUP_SIZE, check_quantize, check_quantize_group_size, check_quantize_head
+from specdecode.models.quantize import resolve_pair_quantization
 from specdecode.models.token_frequencies import TokenFrequencies, load_or_count, special_token_ids
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 
 logger = logging.getLogger(__name__)
 
-
-def _resolve_skip_set(skip_set: SkipSet | None, skip_layers: str | None, skip_config: str | Path | None) -> SkipSet:
-    """The one skip set given as a ``SkipSet``, as text or as a JSON file (see ``make_drafter``)."""
-    given = [v for v in (skip_set, skip_layers, skip_config) if v is not None]
-    if not given:
-        raise InvalidArgumentError(
-            "method 'layer-skip' needs a skip set: pass skip_layers='attn=2,15;mlp=3' "
-            "(--skip-layers), skip_config=FILE.json (--skip-config) or skip_set=SkipSet(...)"
-        )
-    if len(given) > 1:
-        raise InvalidArgumentError(
-            "give the layer-skip skip set once: skip_set, skip_layers (--skip-layers) and "
-            "skip_config (--skip-config) exclude each other"
-        )
-    if skip_layers is not None:
-        return SkipSet.parse(skip_layers)
-    if skip_config is not None:
-        return SkipSet.from_json(skip_config)
-    return skip_set
-
-
-def _check_exit_layer(exit_layer: int | None) -> None:
-    if exit_layer is None:
-        raise InvalidArgumentError(
-            "method 'early-exit' needs exit_layer=N (--exit-layer N): the draft runs the target's "
-            "first N decoder layers, 1 <= N <= L-1"
-        )
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -92,6 +65,14 @@ METHODS = ("autoregressive", "draft", "cascade", "layer-skip", "early-exit", "pr
 #: What runs a draft model's forwards: transformers (and specdecode's quantized layers), or
 #: llama.cpp on the draft's GGUF file (``specdecode.models.llama_cpp``).
 DRAFT_BACKENDS = ("torch", "llama-cpp")
+#: Options refused by the methods that do not use them (``make_drafter``): keyword, those methods,
+#: and who they are in the message. draft_vocab_size 0 means the full head, so it counts when truthy.
+_METHOD_ONLY_OPTIONS = (
+    ("draft_backend", ("draft", "cascade"), "the methods with a draft model, 'draft' and 'cascade'"),
+    ("draft_vocab_size", ("draft", "cascade"), "the methods with a draft model, 'draft' and 'cascade'"),
+    ("max_model_prompt_tokens", ("cascade",), "the method 'cascade'"),
+    ("draft_context_window", ("draft", "cascade"), "the methods with a draft model, 'draft' and 'cascade'"),
+)
 #: Methods with a batch mode (``SpeculativeGenerator.batch_decoder``).
 BATCH_METHODS = ("autoregressive", "draft", "layer-skip", "early-exit", "prompt-lookup")
 #: ``max_verify_tokens`` of batched decoding on a CPU: Qwen2.5-Coder 1.5B in bf16 on a 2-core
@@ -203,24 +184,8 @@ class SpeculativeGenerator:
                                              draft_quantize_head=draft_quantize_head,
                                              quantize_group_size=quantize_group_size)
             return cls(t, None, cache_dir=cache_dir, llama_cpp_draft=d)
-        draft_scheme = quantize if draft_quantize is None else draft_quantize
-        draft_head = draft_quantize_head
-        if draft:
-            check_quantize(draft_scheme)
-            if draft_head is None:
-                draft_head = "int4" if draft_scheme == "int4" else None
-            check_quantize_head(draft_head, draft_scheme)
-        schemes = (quantize, draft_scheme if draft else None)
-        group = check_quantize_group_size(quantize_group_size, "int4")
-        if group != INT4_GROUP_SIZE and "int4" not in schemes:
-            check_quantize(quantize)
-            draft_here = (f"draft_quantize={draft_quantize!r}" if draft_quantize is not None
-                          else f"as quantize={quantize!r}") if draft else "no draft model"
-            raise InvalidArgumentError(
-                f"quantize_group_size={group} applies to int4 weights, but neither the target "
-                f"(quantize={quantize!r}) nor the draft ({draft_here}) is int4; use quantize='int4' or "
-                "draft_quantize='int4', or leave quantize_group_size out"
-            )
+        draft_scheme, draft_head, group = resolve_pair_quantization(
+            quantize, draft_quantize, draft_quantize_head, quantize_group_size, has_draft=bool(draft))
         t = load_model(target, dtype=dtype, device=device, cache_dir=cache_dir, quantize=quantize,
                        quantize_group_size=group if quantize == "int4" else None)
         d = load_model(draft, dtype=t.model.dtype, device=str(t.model.device), cache_dir=cache_dir,
@@ -360,26 +325,14 @@ class SpeculativeGenerator:
         """
         if draft_backend is not None and draft_backend not in DRAFT_BACKENDS:
             raise InvalidArgumentError(f"unknown draft_backend {draft_backend!r}; allowed: {', '.join(DRAFT_BACKENDS)}")
-        if draft_backend is not None and method not in ("draft", "cascade"):
-            raise InvalidArgumentError(
-                f"draft_backend={draft_backend!r} (--draft-backend) applies to the methods with a draft model, "
-                f"'draft' and 'cascade', not to {method!r}"
-            )
-        if draft_vocab_size and method not in ("draft", "cascade"):
-            raise InvalidArgumentError(
-                f"draft_vocab_size={draft_vocab_size!r} (--draft-vocab-size) applies to the methods with a draft "
-                f"model, 'draft' and 'cascade', not to {method!r}"
-            )
-        if max_model_prompt_tokens is not None and method != "cascade":
-            raise InvalidArgumentError(
-                f"max_model_prompt_tokens={max_model_prompt_tokens!r} (--max-model-prompt-tokens) applies to the "
-                f"method 'cascade', not to {method!r}"
-            )
-        if draft_context_window is not None and method not in ("draft", "cascade"):
-            raise InvalidArgumentError(
-                f"draft_context_window={draft_context_window!r} (--draft-context-window) applies to the methods with "
-                f"a draft model, 'draft' and 'cascade', not to {method!r}"
-            )
+        given = dict(draft_backend=draft_backend, draft_vocab_size=draft_vocab_size,
+                     max_model_prompt_tokens=max_model_prompt_tokens, draft_context_window=draft_context_window)
+        for keyword, methods, who in _METHOD_ONLY_OPTIONS:
+            value = given[keyword]
+            if (bool(value) if keyword == "draft_vocab_size" else value is not None) and method not in methods:
+                raise InvalidArgumentError(
+                    f"{keyword}={value!r} (--{keyword.replace('_', '-')}) applies to {who}, not to {method!r}"
+                )
         if method == "autoregressive":
             return None
         if method in ("draft", "cascade"):
@@ -407,11 +360,11 @@ class SpeculativeGenerator:
                 )
             return DraftModelDrafter(model, head, runner, draft_context_window)
         if method == "layer-skip":
-            skip_set = _resolve_skip_set(skip_set, skip_layers, skip_config)
+            skip_set = resolve_skip_set(skip_set, skip_layers, skip_config)
             logger.info("layer-skip drafting with skip set %s", skip_set)
             return LayerSkipDrafter(self.target.model, skip_set, self.runner("layer-skip", compile, str(skip_set)))
         if method == "early-exit":
-            _check_exit_layer(exit_layer)
+            check_exit_layer_given(exit_layer)
             return EarlyExitDrafter(self.target.model, exit_layer, self.runner("early-exit", compile, exit_layer))
         if method == "prompt-lookup":
             return PromptLookupDrafter(prompt_lookup_max_ngram, prompt_lookup_min_ngram)
@@ -595,9 +548,9 @@ class SpeculativeGenerator:
                                            "llama.cpp backend); pass draft=... with draft_backend='torch'")
             drafter = BatchDraftModelDrafter(self.draft.model)
         elif method == "layer-skip":
-            drafter = BatchLayerSkipDrafter(target, _resolve_skip_set(skip_set, skip_layers, skip_config))
+            drafter = BatchLayerSkipDrafter(target, resolve_skip_set(skip_set, skip_layers, skip_config))
         elif method == "early-exit":
-            _check_exit_layer(exit_layer)
+            check_exit_layer_given(exit_layer)
             drafter = BatchEarlyExitDrafter(target, exit_layer)
         elif method == "prompt-lookup":
             drafter = BatchPromptLookupDrafter(prompt_lookup_max_ngram, prompt_lookup_min_ngram)

@@ -52,3 +52,16 @@ class EarlyExitDrafter(LayerSkipDrafter):
     def __init__(self, model: PreTrainedModel, exit_layer: int, runner: ModelRunner | None = None) -> None:
         super().__init__(model, exit_skip_set(exit_layer, len(decoder_layers(model))), runner)
         self.exit_layer = exit_layer
+
+
+def check_exit_layer_given(exit_layer: int | None) -> None:
+    """Raise unless method "early-exit" got an exit layer (its range is checked by ``EarlyExitDrafter``).
+
+    Raises:
+        InvalidArgumentError: ``exit_layer`` is None.
+    """
+    if exit_layer is None:
+        raise InvalidArgumentError(
+            "method 'early-exit' needs exit_layer=N (--exit-layer N): the draft runs the target's "
+            "first N decoder layers, 1 <= N <= L-1"
+        )

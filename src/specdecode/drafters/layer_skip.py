@@ -416,3 +416,27 @@ class LayerSkipDrafter(Drafter):
 
     def rollback(self, num_valid: int) -> None:
         """Nothing to do: the decoder rolls back the shared target cache itself."""
+
+
+def resolve_skip_set(skip_set: SkipSet | None, skip_layers: str | None, skip_config: str | Path | None) -> SkipSet:
+    """The one skip set given as a ``SkipSet``, as text or as a JSON file (``SpeculativeGenerator.make_drafter``).
+
+    Raises:
+        InvalidArgumentError: None given, or more than one; ``SkipSet.parse`` / ``from_json``'s errors.
+    """
+    given = [v for v in (skip_set, skip_layers, skip_config) if v is not None]
+    if not given:
+        raise InvalidArgumentError(
+            "method 'layer-skip' needs a skip set: pass skip_layers='attn=2,15;mlp=3' "
+            "(--skip-layers), skip_config=FILE.json (--skip-config) or skip_set=SkipSet(...)"
+        )
+    if len(given) > 1:
+        raise InvalidArgumentError(
+            "give the layer-skip skip set once: skip_set, skip_layers (--skip-layers) and "
+            "skip_config (--skip-config) exclude each other"
+        )
+    if skip_layers is not None:
+        return SkipSet.parse(skip_layers)
+    if skip_config is not None:
+        return SkipSet.from_json(skip_config)
+    return skip_set

@@ -180,6 +180,41 @@ def check_quantize_group_size(group_size: object, scheme: str) -> int:
     return int(group_size)
 
 
+def resolve_pair_quantization(quantize: str, draft_quantize: str | None, draft_quantize_head: str | None,
+                              quantize_group_size: int | None, *, has_draft: bool) -> tuple[str, str | None, int]:
+    """The draft's scheme and head and the int4 group size of a target/draft pair
+    (``SpeculativeGenerator.from_pretrained``), checked before anything is loaded.
+
+    ``draft_quantize`` None follows ``quantize``; ``draft_quantize_head`` None gives an int4 draft
+    an int4 head, any other draft the int8 default (None); ``quantize_group_size`` None is 32.
+
+    Returns:
+        (draft scheme, draft head or None, group size).
+
+    Raises:
+        InvalidArgumentError: An unknown draft scheme or head, or a head the scheme cannot have;
+            a group size not one of 32, 64, 128, 256, or other than 32 when neither model is int4.
+    """
+    draft_scheme = quantize if draft_quantize is None else draft_quantize
+    draft_head = draft_quantize_head
+    if has_draft:
+        check_quantize(draft_scheme)
+        if draft_head is None:
+            draft_head = "int4" if draft_scheme == "int4" else None
+        check_quantize_head(draft_head, draft_scheme)
+    group = check_quantize_group_size(quantize_group_size, "int4")
+    if group != INT4_GROUP_SIZE and "int4" not in (quantize, draft_scheme if has_draft else None):
+        check_quantize(quantize)
+        draft_here = (f"draft_quantize={draft_quantize!r}" if draft_quantize is not None
+                      else f"as quantize={quantize!r}") if has_draft else "no draft model"
+        raise InvalidArgumentError(
+            f"quantize_group_size={group} applies to int4 weights, but neither the target "
+            f"(quantize={quantize!r}) nor the draft ({draft_here}) is int4; use quantize='int4' or "
+            "draft_quantize='int4', or leave quantize_group_size out"
+        )
+    return draft_scheme, draft_head, group
+
+
 def stored_group_size(tensors: dict[str, torch.Tensor]) -> int:
     """The int4 group size of quantized ``tensors`` (``quantized_tensors``'s): their first ``"<module>.int4"``
     marker's, or ``INT4_GROUP_SIZE`` when no module is int4."""
