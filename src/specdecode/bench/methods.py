@@ -359,8 +359,8 @@ class _SpecdecodeRunner:
             "warmup_s": s.warmup_s,
             "finish_reason": stream.finish_reason,
             "target_forwards": s.num_target_forwards + 1,  # + the prefill
-            # τ counts the tokens of the decode-phase forwards (the prefill's token excluded), bonus included.
-            "verify_tokens": s.num_tokens_from_forwards,
+            # τ (SpecDecodingStats.mean_accepted_tokens): accepted + one bonus token per verification.
+            "verify_tokens": s.num_accepted_tokens + s.num_target_forwards,
             "verify_forwards": s.num_target_forwards,
             "drafted": s.num_drafted_tokens,
             "accepted": s.num_accepted_tokens,

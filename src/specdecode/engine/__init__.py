@@ -12,7 +12,8 @@
   on ``batch_cache.BatchKVCache`` (per-row positions and masks); its drafters implement
   ``protocol.BatchDrafter``;
 - ``stopping``: stop strings;
-- ``stats``: ``SpecDecodingStats``, ``BatchStats``.
+- ``stats``: ``SpecDecodingStats``, one class for a generation and for a batched engine's
+  lifetime, with one definition of τ (``BatchStats`` is the same class, by its old name).
 
 The engine imports nothing above it (no drafter, pipeline, bench or search).
 """

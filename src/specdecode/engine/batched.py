@@ -57,7 +57,7 @@ from specdecode.engine.batch_cache import (
 from specdecode.engine.decoder import GenerationResult, _as_2d
 from specdecode.engine.protocol import BATCH_EXIT_RULES, BatchDraft, BatchDrafter, DraftPolicy
 from specdecode.engine.sampling import Sampler, check_finite, logits_width, raise_non_finite
-from specdecode.engine.stats import BatchStats, SpecDecodingStats
+from specdecode.engine.stats import SpecDecodingStats
 from specdecode.engine.stopping import StopStrings
 from specdecode.engine.verification import sample_block
 from specdecode.errors import InvalidArgumentError
@@ -227,7 +227,7 @@ class BatchedSpeculativeDecoder:
         self.max_length = max_length
         if drafter is not None:
             drafter.bind(self.cache)
-        self.stats = BatchStats()
+        self.stats = SpecDecodingStats()
         self._rows: list[_Row] = []  # active, in slot order
         self._waiting: deque[_Row] = deque()
         self._finished: OrderedDict[int, str] = OrderedDict()
@@ -453,8 +453,10 @@ class BatchedSpeculativeDecoder:
             new = row.emit([token])
             elapsed = time.perf_counter() - t0
             row.stats.prefill_time_s = elapsed
+            row.stats.num_prefills = 1
             self.stats.prefill_time_s += elapsed
             self.stats.num_prefills += 1
+            self.stats.num_prompt_tokens += row.num_prompt_tokens
             self.stats.num_new_tokens += len(new)
             self._event(events, row, new)
 
@@ -533,8 +535,7 @@ class BatchedSpeculativeDecoder:
                     row.stats.final_draft_threshold = row.controller.exit.threshold
                 if row.controller.gate is not None:
                     gate_rows.append((b, a, new[-1]))
-            self.stats.num_drafted_tokens += kb
-            self.stats.num_accepted_tokens += a
+            self.stats.record_block(kb, a)
             out = row.emit(new)
             self.stats.num_new_tokens += len(out)
             self._event(events, row, out)
@@ -546,11 +547,10 @@ class BatchedSpeculativeDecoder:
             draft_forwards = self.drafter.num_forwards - forwards_before
             self.stats.num_draft_forwards += draft_forwards
         elapsed = time.perf_counter() - t0
-        self.stats.num_rounds += 1
-        self.stats.num_row_rounds += n
-        self.stats.max_rows = max(self.stats.max_rows, n)
+        self.stats.record_round(n)
         self.stats.decode_time_s += elapsed
         for row in rows:
+            row.stats.record_round(n)
             row.stats.decode_time_s += elapsed
             row.stats.num_draft_forwards += draft_forwards
 

@@ -134,6 +134,7 @@ class GenerationStream:
         warm = dec.compile_time_s() - c0
         stats.warmup_s += warm
         stats.prefill_time_s = time.perf_counter() - t0 - warm
+        stats.num_prefills = 1
         released = 0  # tokens handed to the caller; with banned words, the rest may still be rolled back
         # Decode time counts the loop's own work, not the consumer's between yields.
         while True:
@@ -403,6 +404,7 @@ class _Round:
         if drafter is not None:
             drafter.rollback(self.length - 1)
         self.stats.record_block(k, accepted)
+        self.stats.record_round(1)
         if control is not None:
             if k:
                 control.record(cap, k, accepted)

@@ -546,7 +546,7 @@ def measure_speedup(
         drafted += stats.num_drafted_tokens
         accepted += stats.num_accepted_tokens
         forwards += stats.num_target_forwards
-        from_forwards += stats.num_tokens_from_forwards
+        from_forwards += stats.num_accepted_tokens + stats.num_target_forwards  # τ's numerator
         speedup = (tokens / seconds) / (base_tokens / base_seconds) if seconds > 0 and base_seconds > 0 else 0.0
         if on_prompt is not None:
             on_prompt(i, speedup)
