@@ -34,9 +34,9 @@ class Spy(CascadeDrafter):
         self.blocks: list[tuple[int, int]] = []
         self.drafts: list[tuple[int, list[int]]] = []  # (position of the first draft token, tokens)
 
-    def propose(self, sequence, max_tokens, exit_policy=None):
+    def propose(self, sequence, max_tokens, exit_policy=None, **kwargs):
         before = self.num_ngram_tokens
-        draft = super().propose(sequence, max_tokens, exit_policy)
+        draft = super().propose(sequence, max_tokens, exit_policy, **kwargs)
         m = self.num_ngram_tokens - before
         self.blocks.append((m, len(draft) - m))
         self.drafts.append((sequence.shape[1], draft.tokens.tolist()))

@@ -97,3 +97,21 @@ def test_sampling_preserves_target_distribution():
     runs = [dec.generate(prompt, dataclasses.replace(config, seed=s)).stats for s in range(30)]
     drafted = sum(r.num_drafted_tokens for r in runs)
     assert 0 < sum(r.num_accepted_tokens for r in runs) < drafted
+
+
+def test_host_matching_equals_tensor_matching():
+    """The decoder's host copy (a numpy array) gives the same continuation as the tensor."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(3)
+    for trial in range(200):
+        length = int(torch.randint(1, 40, (1,), generator=g))
+        seq = torch.randint(0, 4, (length,), generator=g)
+        for max_ngram, min_ngram in ((3, 1), (2, 2), (4, 2)):
+            want = find_continuation(seq, 5, max_ngram, min_ngram).tolist()
+            got = find_continuation(seq.numpy().astype(np.int64), 5, max_ngram, min_ngram)
+            assert isinstance(got, np.ndarray) and got.tolist() == want, (trial, seq.tolist(), max_ngram)
+    drafter = PromptLookupDrafter()
+    seq = torch.tensor([[5, 6, 7, 8, 5, 6]])
+    draft = drafter.propose(seq, 3, host_sequence=seq[0].numpy().copy())
+    assert draft.tokens.tolist() == [7, 8, 5] and draft.tokens.dtype == torch.long

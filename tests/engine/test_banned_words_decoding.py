@@ -385,8 +385,8 @@ class RecordingDrafter(DraftModelDrafter):
         super().__init__(model)
         self.proposed: list[list[int]] = []
 
-    def propose(self, sequence, max_tokens, exit_policy=None):
-        draft = super().propose(sequence, max_tokens, exit_policy)
+    def propose(self, sequence, max_tokens, exit_policy=None, **kwargs):
+        draft = super().propose(sequence, max_tokens, exit_policy, **kwargs)
         self.proposed.append(draft.tokens.tolist())
         return draft
 

@@ -36,8 +36,8 @@ class RecordingDrafter(LayerSkipDrafter):
         super().begin(prompt_ids, sampler, target_cache)
         self.blocks = []
 
-    def propose(self, sequence, max_tokens, exit_policy=None):
-        draft = super().propose(sequence, max_tokens, exit_policy)
+    def propose(self, sequence, max_tokens, exit_policy=None, **kwargs):
+        draft = super().propose(sequence, max_tokens, exit_policy, **kwargs)
         self.blocks.append((int(sequence.shape[1]), draft.tokens.tolist()))
         return draft
 

@@ -93,6 +93,7 @@ class CascadeDrafter(Drafter):
     """
 
     supports_exit_policy = True
+    uses_host_sequence = True
 
     def __init__(
         self,
@@ -133,38 +134,56 @@ class CascadeDrafter(Drafter):
             self._model.begin(prompt_ids, sampler, target_cache)
         self.num_ngram_tokens = 0
 
-    def propose(self, sequence: torch.Tensor, max_tokens: int, exit_policy: ExitPolicy | None = None) -> Draft:
+    def propose(
+        self,
+        sequence: torch.Tensor,
+        max_tokens: int,
+        exit_policy: ExitPolicy | None = None,
+        host_sequence: torch.Tensor | None = None,
+    ) -> Draft:
         """Up to ``max_tokens`` tokens: the n-gram continuation, then the draft model's.
 
         Args:
             sequence: (1, L) long, the sequence so far.
             max_tokens: Most tokens to propose (>= 1).
             exit_policy: Ends the model part early (adaptive draft exit).
+            host_sequence: The same tokens as an (L,) int64 numpy array (the decoder's host
+                copy): the n-gram match runs there, with no host sync.
 
         Returns:
             A ``Draft`` of k <= max_tokens tokens; ``probs`` (k, V) when sampling, with
             one-hot rows for the n-gram tokens.
         """
+        seq = sequence[0] if host_sequence is None else host_sequence
         if not self.model_active:  # a long prompt: n-gram matches alone, as prompt lookup
-            ngram = find_continuation(sequence[0], min(max_tokens, LONG_PROMPT_BLOCK), self.max_ngram, self.min_ngram)
+            ngram = find_continuation(seq, min(max_tokens, LONG_PROMPT_BLOCK), self.max_ngram, self.min_ngram)
             self.num_ngram_tokens += int(ngram.shape[0])
-            return Draft(ngram)
-        ngram = find_continuation(sequence[0], max_tokens, self.max_ngram, self.min_ngram)
+            return Draft(torch.as_tensor(ngram))
+        ngram = find_continuation(seq, max_tokens, self.max_ngram, self.min_ngram)
         m = int(ngram.shape[0])
+        if host_sequence is not None:  # to the draft model's device, without waiting
+            ngram = torch.from_numpy(ngram).to(sequence.device, non_blocking=True)
         first_logits = None
+        # Greedy without an exit policy, the check's finiteness flags join the draft's (read by the
+        # decoder in the round's one host sync); otherwise the check raises at once.
+        flags = [] if self._sampler.greedy and exit_policy is None else None
         if m and self.ngram_check:
-            m, first_logits = self._model.check(sequence, ngram)
+            m, first_logits = self._model.check(sequence, ngram, finite_out=flags)
             ngram = ngram[:m]
         self.num_ngram_tokens += m
-        if m == max_tokens:
-            return Draft(ngram)  # probs None: verification treats the block as one-hot
+        checked = torch.stack(flags).all() if flags else None
+        if m == max_tokens:  # probs None: verification treats the block as one-hot
+            return Draft(ngram, None, checked, "draft model")
         fed = torch.cat([sequence, ngram.unsqueeze(0)], dim=1) if m else sequence
         model_part = self._model.propose(fed, max_tokens - m, exit_policy, first_logits)
-        if not m:
+        finite = model_part.finite
+        if checked is not None:
+            finite = checked if finite is None else finite & checked
+        if not m:  # nothing was checked (no match)
             return model_part
         tokens = torch.cat([ngram, model_part.tokens])
         if model_part.probs is None:
-            return Draft(tokens, None, model_part.finite, model_part.who)
+            return Draft(tokens, None, finite, model_part.who)
         return Draft(tokens, torch.cat([self._one_hot(ngram), model_part.probs]))
 
     def _one_hot(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -123,7 +123,11 @@ class DraftModelDrafter(Drafter):
 
     @torch.inference_mode()
     def check(
-        self, sequence: torch.Tensor, candidates: torch.Tensor, width: int = CHECK_WIDTH
+        self,
+        sequence: torch.Tensor,
+        candidates: torch.Tensor,
+        width: int = CHECK_WIDTH,
+        finite_out: list | None = None,
     ) -> tuple[int, torch.Tensor]:
         """How many leading ``candidates`` the draft model itself would draft greedily after ``sequence``.
 
@@ -149,7 +153,9 @@ class DraftModelDrafter(Drafter):
             ``a`` (0 <= a <= m) and the (1, V') logits after ``sequence`` + ``candidates[:a]``.
 
         Raises:
-            NonFiniteLogitsError: If a forward gives NaN or infinite logits.
+            NonFiniteLogitsError: If a forward gives NaN or infinite logits (unless ``finite_out``
+                is given: each forward's finiteness, a 0-dim bool tensor, is then appended to it
+                for the caller to read with the round's other values, and nothing syncs here).
             InvalidArgumentError: See ``propose``; ``width`` < 2; empty ``candidates``; nothing of
                 ``sequence`` left to feed (its last token must not be cached yet).
             UnsupportedModelError: A truncated head the model's forward does not apply.
@@ -176,7 +182,10 @@ class DraftModelDrafter(Drafter):
                 logits = self.runner(tokens[:, start:length + end], self._cache, end - a + (previous is None))[0]
                 self.num_forwards += 1
                 self._num_cached = length + end
-                check_finite(logits, "draft model")
+                if finite_out is None:
+                    check_finite(logits, "draft model")
+                else:
+                    finite_out.append(torch.isfinite(logits).all())
                 self.head.check_logits(logits)
                 rows = logits if previous is None else torch.cat([previous, logits])  # (end - a + 1, V')
                 choice = self.head.token(self._sampler, rows[:-1])

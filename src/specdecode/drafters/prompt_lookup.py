@@ -14,7 +14,9 @@ from ``max_ngram`` down to ``min_ngram``.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+from numpy.lib.stride_tricks import sliding_window_view
 from transformers import DynamicCache
 
 from specdecode.drafters.base import Draft, Drafter
@@ -22,19 +24,23 @@ from specdecode.errors import InvalidArgumentError
 from specdecode.engine.sampling import Sampler
 
 
-def find_continuation(sequence: torch.Tensor, max_tokens: int, max_ngram: int, min_ngram: int) -> torch.Tensor:
+def find_continuation(sequence, max_tokens: int, max_ngram: int, min_ngram: int):
     """The tokens that followed the most recent earlier occurrence of the sequence's last n-gram.
 
     Args:
-        sequence: (L,) long token ids.
+        sequence: (L,) long token ids: a tensor, or an int64 numpy array (the decoder's host
+            copy, matched with numpy: no torch op, so no host sync whatever the device).
         max_tokens: Most tokens to return (>= 1).
         max_ngram, min_ngram: n is tried from ``max_ngram`` down to ``min_ngram``
             (n < L); the first n with a match decides.
 
     Returns:
         (k,) long, 0 <= k <= max_tokens: ``sequence[j + n : j + n + k]`` for the largest
-        start j < L - n whose n tokens equal the last n, or empty when none matches.
+        start j < L - n whose n tokens equal the last n, or empty when none matches; of the
+        input's kind (a new tensor or array, never a view of the input).
     """
+    if isinstance(sequence, np.ndarray):
+        return _find_continuation_host(sequence, max_tokens, max_ngram, min_ngram)
     length = sequence.shape[0]
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
         # Windows starting at 0 .. L-n-1: each has at least one token after it,
@@ -45,6 +51,18 @@ def find_continuation(sequence: torch.Tensor, max_tokens: int, max_ngram: int, m
             start = int(hits[-1, 0]) + n
             return sequence[start : start + max_tokens].clone()  # not a view of the caller's buffer
     return sequence[:0]
+
+
+def _find_continuation_host(sequence: np.ndarray, max_tokens: int, max_ngram: int, min_ngram: int) -> np.ndarray:
+    """``find_continuation`` on an (L,) int64 numpy array, with the same result."""
+    length = sequence.shape[0]
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        windows = sliding_window_view(sequence[: length - 1], n)
+        hits = np.flatnonzero((windows == sequence[length - n :]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return sequence[start : start + max_tokens].copy()
+    return sequence[:0].copy()
 
 
 class PromptLookupDrafter(Drafter):
@@ -74,12 +92,21 @@ class PromptLookupDrafter(Drafter):
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
 
+    uses_host_sequence = True
+
     def begin(self, prompt_ids: torch.Tensor, sampler: Sampler, target_cache: DynamicCache) -> None:
         self.num_forwards = 0
 
-    def propose(self, sequence: torch.Tensor, max_tokens: int) -> Draft:
-        """Up to ``max_tokens`` tokens copied from after the last n-gram's latest earlier match."""
-        return Draft(find_continuation(sequence[0], max_tokens, self.max_ngram, self.min_ngram))
+    def propose(self, sequence: torch.Tensor, max_tokens: int, host_sequence: np.ndarray | None = None) -> Draft:
+        """Up to ``max_tokens`` tokens copied from after the last n-gram's latest earlier match.
+
+        ``host_sequence``: the same tokens as ``sequence`` (1, L), as an (L,) int64 numpy array
+        (the decoder's host copy); the match then runs there, with no host sync, and the
+        draft's tokens are a CPU tensor.
+        """
+        if host_sequence is None:
+            return Draft(find_continuation(sequence[0], max_tokens, self.max_ngram, self.min_ngram))
+        return Draft(torch.from_numpy(find_continuation(host_sequence, max_tokens, self.max_ngram, self.min_ngram)))
 
     def rollback(self, num_valid: int) -> None:
         """Nothing to do: the drafter keeps no state."""

@@ -27,6 +27,7 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
@@ -232,6 +233,12 @@ class _Round:
         self.buf = torch.empty((1, n + config.max_new_tokens + self.gamma + 1), dtype=torch.long, device=device)
         self.buf[:, :n] = input_ids
         self.length = n  # tokens in buf; the last one, once generated, is in no cache yet
+        # A CPU copy of buf's confirmed tokens for drafters that match on the host (prompt lookup,
+        # the cascade), written from the values each round reads back anyway: no extra host sync.
+        self.host: np.ndarray | None = None  # (capacity,) int64
+        if dec.drafter is not None and dec.drafter.uses_host_sequence:
+            self.host = np.empty(self.buf.shape[1], dtype=np.int64)
+            self.host[:n] = input_ids[0].cpu().numpy()
         self.sampler = Sampler(config, dec.vocab_size, device)
         control = dec.draft_control
         # Fresh per-generation state; None keeps the plain γ-per-round path.
@@ -335,6 +342,8 @@ class _Round:
         if self.dec.drafter is not None:
             self.dec.drafter.begin(self.buf[:, :n], self.sampler, self.cache)
         self.buf[0, n] = token
+        if self.host is not None:
+            self.host[n] = token
         self.length = n + 1
         return [token]
 
@@ -344,9 +353,10 @@ class _Round:
         L, buf, sampler, drafter, control = self.length, self.buf, self.sampler, self.dec.drafter, self.control
         self.dec.runner.check_owner(self.cache, self.generation)
         # draft (never more than the length budget can use)
+        host = {} if self.host is None else {"host_sequence": self.host[:L]}
         if control is None:
             k = min(self.gamma, remaining - 1)
-            draft = drafter.propose(buf[:, :L], k) if k > 0 else None
+            draft = drafter.propose(buf[:, :L], k, **host) if k > 0 else None
         else:
             if control.gated and remaining > 1:
                 self.stats.num_gated_steps += 1
@@ -354,14 +364,15 @@ class _Round:
             if k <= 0:
                 draft = None
             elif control.exit is None:
-                draft = drafter.propose(buf[:, :L], k)
+                draft = drafter.propose(buf[:, :L], k, **host)
             else:
-                draft = drafter.propose(buf[:, :L], k, exit_policy=control.exit)
+                draft = drafter.propose(buf[:, :L], k, exit_policy=control.exit, **host)
         if draft is not None and self.banned is not None and len(draft):
             draft = self._cut_draft(draft, L)
         k = len(draft) if draft is not None else 0
-        if k:
-            buf[0, L : L + k] = draft.tokens
+        if k:  # a host draft (prompt lookup) goes to the device without waiting for it
+            buf[0, L : L + k].copy_(draft.tokens, non_blocking=draft.tokens.device != buf.device)
+        drafted = buf[0, L : L + k]  # the draft on the model's device
         # verify (the cache holds L - 1 positions, or fewer after a banned-word rewind emptied it)
         logits = self.dec.runner(buf[:, self.num_cached : L + k], self.cache, k + 1)[0]
         self.num_cached = L + k
@@ -372,7 +383,7 @@ class _Round:
             if self.forbidden:
                 self._mask(logits, L)
             draft_finite = draft.finite.view(1) if k and draft.finite is not None else finite
-            ids = torch.cat([draft.tokens, sampler.argmax(logits)]) if k else sampler.argmax(logits)
+            ids = torch.cat([drafted, sampler.argmax(logits)]) if k else sampler.argmax(logits)
             ids = torch.cat([ids, finite.long(), draft_finite.long()]).tolist()
             if not ids[-2]:
                 raise_non_finite("target model", logits.dtype)
@@ -391,8 +402,8 @@ class _Round:
                 self._mask(logits, L)
             probs = sampler.probs(logits)
             if k:
-                verdict = rejection_sample(draft.tokens, draft.probs, probs, sampler)
-                new = draft.tokens[: verdict.num_accepted].tolist() + [verdict.next_token]
+                verdict = rejection_sample(drafted, draft.probs, probs, sampler)
+                new = drafted[: verdict.num_accepted].tolist() + [verdict.next_token]
             else:
                 new = [int(sampler.sample(probs)[0])]
                 verdict = None
@@ -400,6 +411,8 @@ class _Round:
         # accept: roll both caches back to the confirmed tokens
         self.length = L + accepted + 1
         buf[0, self.length - 1] = new[-1]
+        if self.host is not None:
+            self.host[L : self.length] = new
         self.num_cached = kv_cache.rollback(self.cache, self.num_cached, self.length - 1)
         if drafter is not None:
             drafter.rollback(self.length - 1)

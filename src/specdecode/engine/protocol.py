@@ -26,6 +26,12 @@ asks ``policy.should_stop(top_prob)`` with the draft distribution's top
 probability and ends the block when told to (Draft & Verify's adaptive draft
 exit, ``specdecode.drafters.control.AdaptiveDraftExit``). The decoder passes the
 keyword only when adaptive exit is on, so other drafters need not accept it.
+
+A drafter whose class sets ``uses_host_sequence = True`` also receives
+``propose(..., host_sequence=host)``: the same tokens as an (L,) int64 numpy array, kept by the
+decoder from the values it reads back once per round, so that host-side matching (prompt
+lookup, the cascade's n-gram part) never reads the device (no host sync). Its ``Draft.tokens``
+may then live on the CPU; the decoder copies them to the device without waiting.
 """
 
 from __future__ import annotations
@@ -78,10 +84,13 @@ class Drafter(abc.ABC):
         num_forwards: Model forwards this drafter ran in the current generation.
         supports_exit_policy: Whether ``propose`` takes the ``exit_policy`` keyword
             (drafters that produce distributions); False for deterministic drafters.
+        uses_host_sequence: Whether ``propose`` takes the ``host_sequence`` keyword (a CPU copy
+            of ``sequence``; module docstring).
     """
 
     num_forwards: int = 0
     supports_exit_policy: bool = False
+    uses_host_sequence: bool = False
 
     @property
     def compile_time_s(self) -> float:

@@ -1,0 +1,120 @@
+"""Host syncs per round on the fast path: the round reads the device back once.
+
+Counted: every ``Tensor.item``, ``tolist``, ``cpu``, ``numpy`` and every conversion of a tensor to
+a Python bool, int, float or index, made by the decoder and the drafters between forwards. The
+model's own forward is not counted: on the fast path it runs as a compiled graph (a CUDA graph
+on CUDA), which holds no host code; ``test_fast_path`` checks the graphs give the same tokens.
+Here the static cache runs with eager forwards (``graphs=False``), so the round's host logic is
+the fast path's and the test stays quick.
+
+The bounds, greedy decoding, no adaptive exit:
+
+- autoregressive, draft model, prompt lookup: exactly one sync per round (the draft, the
+  target's choices and the finiteness flags, read together);
+- cascade: one more in a round whose n-gram match the draft model checks (how many of the
+  n-gram tokens it agrees with decides what it drafts next, a host decision).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from conftest import VOCAB, make_tiny_model
+from helpers import perturbed_copy
+from specdecode import DraftModelDrafter, GenerationConfig, PromptLookupDrafter, SpeculativeDecoder
+from specdecode.drafters.cascade import CascadeDrafter
+from specdecode.drafters.draft_model import DraftModelDrafter as _DraftModel
+from specdecode.engine.fast_path import DRAFT_BUCKETS, ModelRunner
+
+SYNCS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+class SyncCounter:
+    """Counts host-sync calls on tensors while ``active``, except inside the models' forwards."""
+
+    def __init__(self, models) -> None:
+        self.count = 0
+        self.active = False
+        self._depth = 0
+        self._models = models
+
+    @contextlib.contextmanager
+    def counting(self):
+        originals = {name: getattr(torch.Tensor, name) for name in SYNCS}
+        forwards = {m: m.forward for m in self._models}
+
+        def wrap(fn):
+            def counted(tensor, *args, **kwargs):
+                if self.active and self._depth == 0:
+                    self.count += 1
+                return fn(tensor, *args, **kwargs)
+
+            return counted
+
+        def inside(fn):
+            def forward(*args, **kwargs):
+                self._depth += 1
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    self._depth -= 1
+
+            return forward
+
+        try:
+            for name, fn in originals.items():
+                setattr(torch.Tensor, name, wrap(fn))
+            for model, fn in forwards.items():
+                model.forward = inside(fn)
+            yield self
+        finally:
+            for name, fn in originals.items():
+                setattr(torch.Tensor, name, fn)
+            for model in forwards:
+                del model.forward  # back to the class's forward
+
+
+def _prompt() -> torch.Tensor:
+    """A prompt that repeats itself, so prompt lookup and the cascade find matches."""
+    half = torch.randint(3, VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
+    return torch.cat([half, half, half[:, :5]], dim=1)
+
+
+@pytest.mark.parametrize("method", ["autoregressive", "draft", "prompt-lookup", "cascade"])
+def test_one_host_sync_per_round_on_the_fast_path(method, monkeypatch):
+    target = make_tiny_model("llama", num_layers=3)
+    draft = perturbed_copy(target, noise=0.3, seed=1)
+    target_runner = ModelRunner(target, compile=True, graphs=False, name="target")
+    draft_runner = ModelRunner(draft, compile=True, graphs=False, buckets=DRAFT_BUCKETS, name="draft")
+    drafter = {
+        "autoregressive": lambda: None,
+        "draft": lambda: DraftModelDrafter(draft, runner=draft_runner),
+        "prompt-lookup": lambda: PromptLookupDrafter(),
+        "cascade": lambda: CascadeDrafter(draft, runner=draft_runner),
+    }[method]()
+    checks = []
+    check = _DraftModel.check
+    monkeypatch.setattr(_DraftModel, "check", lambda self, *a, **k: checks.append(1) or check(self, *a, **k))
+    config = GenerationConfig(max_new_tokens=40, num_speculative_tokens=4, stop_on_eos=False)
+    expected = SpeculativeDecoder(target, runner=target_runner).generate(_prompt(), config).token_ids
+
+    counter = SyncCounter([target, draft])
+    stream = SpeculativeDecoder(target, drafter, runner=target_runner).stream(_prompt(), config)
+    rounds = iter(stream)
+    first = next(rounds)  # the prefill (and the drafter's) may sync: not a round
+    checks.clear()
+    with counter.counting():
+        counter.active = True
+        tokens = first + [t for block in rounds for t in block]
+    assert tokens == expected
+    num_rounds = stream.stats.num_target_forwards
+    assert num_rounds > 3
+    if method in ("prompt-lookup", "cascade"):
+        assert stream.stats.num_drafted_tokens > 0, "the prompt should give n-gram matches"
+    allowed = num_rounds + len(checks)
+    assert counter.count <= allowed, f"{counter.count} host syncs in {num_rounds} rounds ({len(checks)} checks)"
+    if method != "cascade":
+        assert not checks
