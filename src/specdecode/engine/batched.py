@@ -58,8 +58,8 @@ from specdecode.engine.decoder import GenerationResult, _as_2d
 from specdecode.engine.protocol import BATCH_EXIT_RULES, BatchDraft, BatchDrafter, DraftPolicy
 from specdecode.engine.sampling import Sampler, check_finite, logits_width, raise_non_finite
 from specdecode.engine.stats import SpecDecodingStats
-from specdecode.engine.stopping import StopStrings
-from specdecode.engine.verification import sample_block
+from specdecode.engine.stopping import StopStrings, emit
+from specdecode.engine.verification import greedy_verify, sample_block
 from specdecode.errors import InvalidArgumentError
 
 logger = logging.getLogger(__name__)
@@ -112,19 +112,8 @@ class _Row:
     def emit(self, new: list[int]) -> list[int]:
         """Append verified tokens; cut at EOS, the length budget, a stop string. Returns what is new."""
         self.tokens.extend(new)
-        for i, token in enumerate(new):
-            if token in self.eos:
-                new, self.finish_reason = new[: i + 1], "eos"
-                break
-        if len(new) >= self.remaining:
-            new = new[: self.remaining]
-            self.finish_reason = self.finish_reason or "length"
         before = len(self.output)
-        self.output.extend(new)
-        keep = self.stop.cut(self.output, len(new))
-        if keep is not None:
-            del self.output[keep:]
-            self.finish_reason = "stop_string"
+        self.finish_reason = emit(self.output, new, self.eos, self.config.max_new_tokens, self.stop)
         self.stats.num_new_tokens = len(self.output)
         return self.output[before:]
 
@@ -426,11 +415,6 @@ class BatchedSpeculativeDecoder:
             event.finish_reason = row.finish_reason
             event.result = row.result(self.tokenizer)
 
-    def _choose(self, row: _Row, logits: torch.Tensor) -> int:
-        if row.sampler.greedy:
-            return int(row.sampler.argmax(logits)[0])
-        return int(row.sampler.sample(row.sampler.probs(logits))[0])
-
     def _admit(self, events: dict) -> None:
         while self._waiting and len(self._rows) < self.max_batch_size:
             row = self._waiting.popleft()
@@ -440,7 +424,7 @@ class BatchedSpeculativeDecoder:
             try:
                 logits = batch_prefill(self.target, self.cache, prompt, slot)
                 check_finite(logits, "target model")
-                token = self._choose(row, logits)
+                token = row.sampler.choose(logits)
                 if self.drafter is not None:
                     self.drafter.join(slot, prompt, row.sampler)
             except Exception as exc:  # noqa: BLE001 -- the request ends ("error", logged); the batch goes on
@@ -515,11 +499,9 @@ class BatchedSpeculativeDecoder:
                            f"{logits.dtype} forward for request {row.request_id}")
                 continue
             if row.sampler.greedy:
-                wanted = argmax[b * (K + 1) : (b + 1) * (K + 1)]
-                a = 0
-                while a < kb and drafted[b][a] == wanted[a]:
-                    a += 1
-                new = drafted[b][:a] + [wanted[a]]
+                verdict = greedy_verify(drafted[b][:kb], argmax[b * (K + 1) : (b + 1) * (K + 1)])
+                a = verdict.num_accepted
+                new = drafted[b][:a] + [verdict.next_token]
             else:
                 try:
                     q = draft.probs[b] if draft is not None and draft.probs is not None else None

@@ -38,7 +38,7 @@ from specdecode.engine.banned_words import BannedWordMatcher, BannedWords
 from specdecode.engine.protocol import Draft, Drafter, DraftPolicy
 from specdecode.engine.sampling import Sampler, check_finite, logits_width, raise_non_finite
 from specdecode.engine.stats import SpecDecodingStats
-from specdecode.engine.stopping import StopStrings
+from specdecode.engine.stopping import StopStrings, emit
 from specdecode.engine.verification import greedy_verify, rejection_sample
 from specdecode.errors import InvalidArgumentError
 
@@ -141,19 +141,7 @@ class GenerationStream:
         while True:
             t1 = time.perf_counter()
             # emit: cut at EOS, the length budget and stop strings.
-            for i, token in enumerate(new):
-                if token in eos:
-                    new, self.finish_reason = new[: i + 1], "eos"
-                    break
-            room = config.max_new_tokens - len(self.token_ids)
-            if len(new) >= room:
-                new = new[:room]
-                self.finish_reason = self.finish_reason or "length"
-            self.token_ids.extend(new)
-            keep = stop.cut(self.token_ids, len(new))
-            if keep is not None:
-                del self.token_ids[keep:]
-                self.finish_reason = "stop_string"
+            self.finish_reason = emit(self.token_ids, new, eos, config.max_new_tokens, stop)
             safe = len(self.token_ids)
             if banned is not None:
                 safe = self._check_banned(banned, state, released)
@@ -322,12 +310,6 @@ class _Round:
             return float(torch.softmax(logits[row].float(), dim=-1)[token])
         return float(probs[row, token])
 
-    def _choose(self, logits: torch.Tensor) -> int:
-        """One token from (1, V) logits."""
-        if self.sampler.greedy:
-            return int(self.sampler.argmax(logits)[0])
-        return int(self.sampler.sample(self.sampler.probs(logits))[0])
-
     @torch.inference_mode()
     def prefill(self) -> list[int]:
         n, m = self.length, self.num_cached
@@ -335,7 +317,7 @@ class _Round:
         check_finite(logits, "target model")
         # Like every forward, the prefill is followed by a rollback (trims sliding layers).
         self.num_cached = kv_cache.rollback(self.cache, n, n)
-        token = self._choose(logits)
+        token = self.sampler.choose(logits)
         if self.control is not None and self.control.gate is not None:
             probs = None if self.sampler.greedy else self.sampler.probs(logits)
             self.control.gate.observe(self._confidence(logits, probs, 0, token))

@@ -123,6 +123,13 @@ class Sampler:
         q = torch.softmax(self._warpers(self._no_ids, logits.float()), dim=-1)
         return q.new_zeros((q.shape[0], self.vocab_size)).index_copy_(1, ids, q)
 
+    def choose(self, logits: torch.Tensor) -> int:
+        """One token from (1, V') logits: the argmax when greedy, else a draw from ``probs``
+        (a host sync: the prefill's first token, read before drafting can start)."""
+        if self.greedy:
+            return int(self.argmax(logits)[0])
+        return int(self.sample(self.probs(logits))[0])
+
     def sample(self, probs: torch.Tensor) -> torch.Tensor:
         """Draw one token per row. ``probs``: (m, V) -> (m,) long, using this sampler's generator."""
         return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
