@@ -182,3 +182,12 @@ def test_modules_stay_under_about_600_lines():
         if lines > 650 and module not in LONG_MODULES:
             long[module] = lines
     assert long == {}, f"split these modules or add them, with the reason, to LONG_MODULES: {long}"
+
+
+def test_generate_command_does_not_import_bench():
+    """``specdecode generate`` shares its flag checks with ``bench`` through a lower layer
+    (``models.quantize``), never by importing the bench tool."""
+    path = SRC / "generate_command.py"
+    imported = imported_modules(path.read_text(encoding="utf-8"), "specdecode.generate_command", False)
+    assert "specdecode.models.quantize" in imported  # the parser sees its imports (a negative control)
+    assert [m for m in imported if layer_of(m) == "bench"] == []

@@ -15,11 +15,18 @@ import json
 import logging
 import sys
 
-from specdecode.config import GenerationConfig
+from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS, GenerationConfig
 from specdecode.drafters.control import LENGTH_SCHEDULES, DraftControl
 from specdecode.errors import InvalidArgumentError, SpecDecodeError
 from specdecode.models.loading import resolve_device
-from specdecode.models.quantize import INT4_GROUP_SIZES, QUANTIZE_HEADS, QUANTIZE_SCHEMES, check_quantize
+from specdecode.models.quantize import (
+    INT4_GROUP_SIZES,
+    QUANTIZE_HEADS,
+    QUANTIZE_SCHEMES,
+    check_draft_quantize_head_flag,
+    check_quantize,
+    check_quantize_group_size_flag,
+)
 from specdecode.pipeline import DEFAULT_DRAFT, DEFAULT_TARGET, DRAFT_BACKENDS, METHODS
 
 logger = logging.getLogger(__name__)
@@ -106,8 +113,6 @@ def _check_generate_quantize_flags(args, draft: str | None, draft_quantize: str 
     """``generate``'s --draft-quantize-head and --quantize-group-size against the draft's effective
     quantization (``draft``: the draft model or None; ``draft_quantize``: --draft-quantize or the int4
     default; None: as --quantize), in the flags' words (the messages bench gives too)."""
-    from specdecode.bench.command import check_draft_quantize_head_flag, check_quantize_group_size_flag
-
     if args.draft_backend == "llama-cpp":
         for flag in ("draft_quantize", "draft_quantize_head"):
             if getattr(args, flag) is not None:
@@ -176,7 +181,7 @@ def add_generate_parser(sub) -> None:
                    help="match banned words only as whole words (a banned 'ass' does not block 'class')")
     p.add_argument("--num-speculative-tokens", "-g", type=int, default=None,
                    help=f"gamma: tokens drafted per target forward (default "
-                        f"{GenerationConfig.num_speculative_tokens}); given, it turns the default adaptive "
+                        f"{DEFAULT_NUM_SPECULATIVE_TOKENS}); given, it turns the default adaptive "
                         "draft exit off")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     add_quantize_arguments(p, draft_default="int4 on CPU for draft and cascade with --quantize none, for faster "
@@ -346,7 +351,7 @@ def run_generate(args) -> int:
         top_k=args.top_k,
         top_p=args.top_p,
         seed=args.seed,
-        num_speculative_tokens=(GenerationConfig.num_speculative_tokens if args.num_speculative_tokens is None
+        num_speculative_tokens=(DEFAULT_NUM_SPECULATIVE_TOKENS if args.num_speculative_tokens is None
                                 else args.num_speculative_tokens),
         stop_strings=tuple(args.stop),
         banned_words=tuple(banned),

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from specdecode.config import GenerationConfig
+from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS, GenerationConfig
 from specdecode.drafters.batched import (
     BatchDraftModelDrafter,
     BatchEarlyExitDrafter,
@@ -511,7 +511,7 @@ class SpeculativeGenerator:
         *,
         max_batch_size: int = 8,
         max_length: int = 2048,
-        num_speculative_tokens: int = 5,
+        num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS,
         draft_control: DraftControl | None = None,
         exit_rule: str = "row",
         max_verify_tokens: int | None | str = "auto",

@@ -50,7 +50,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from specdecode.config import GenerationConfig
+from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS
 from specdecode.drafters.base import Draft, Drafter, ExitPolicy
 from specdecode.drafters.draft_head import DraftHead
 from specdecode.drafters.control import check_optional_count
@@ -62,7 +62,7 @@ from specdecode.errors import InvalidArgumentError
 
 #: Most tokens per block when a long prompt leaves the cascade to its n-gram matches: prompt
 #: lookup's default γ.
-LONG_PROMPT_BLOCK = GenerationConfig.num_speculative_tokens
+LONG_PROMPT_BLOCK = DEFAULT_NUM_SPECULATIVE_TOKENS
 
 
 class CascadeDrafter(Drafter):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS
 from specdecode.errors import InvalidArgumentError, SpecDecodeError
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,8 @@ def add_arguments(p: argparse.ArgumentParser, *, default_target: str, default_dr
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds running requests may take before they are cancelled (default 30)")
-    p.add_argument("--num-speculative-tokens", "-g", type=int, default=5, help="gamma for every row")
+    p.add_argument("--num-speculative-tokens", "-g", type=int, default=DEFAULT_NUM_SPECULATIVE_TOKENS,
+                   help="gamma for every row")
     p.add_argument("--adaptive-draft-exit", action="store_true", help="per-row adaptive draft exit")
     p.add_argument("--exit-rule", default="row", choices=("row", "batch"),
                    help="with --adaptive-draft-exit: a row stops at its own unsure token, or the batch at the last")
