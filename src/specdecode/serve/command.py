@@ -9,12 +9,14 @@ from __future__ import annotations
 import argparse
 import logging
 
+from specdecode import method_registry
 from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS
 from specdecode.errors import InvalidArgumentError, SpecDecodeError
 
 logger = logging.getLogger(__name__)
 
-SERVE_METHODS = ("autoregressive", "draft", "layer-skip", "early-exit", "prompt-lookup")
+#: The methods with a batch mode (the method registry's): the server runs the batched engine.
+SERVE_METHODS = method_registry.BATCH_METHODS
 
 
 def add_arguments(p: argparse.ArgumentParser, *, default_target: str, default_draft: str) -> None:
@@ -144,7 +146,8 @@ def run(args) -> int:
         max_prompt_tokens=args.max_length if args.max_prompt_tokens is None else args.max_prompt_tokens, max_tokens_limit=limit,
         max_body_bytes=args.max_body_bytes, shutdown_timeout_s=args.shutdown_timeout,
     )
-    gen = SpeculativeGenerator.from_pretrained(args.target, args.draft if args.method == "draft" else None,
+    draft = args.draft if method_registry.REGISTRY[args.method].needs_draft_model else None
+    gen = SpeculativeGenerator.from_pretrained(args.target, draft,
                                                dtype=args.dtype, device=args.device, cache_dir=args.cache_dir)
     decoder = gen.batch_decoder(
         args.method, max_batch_size=args.max_batch_size, max_length=args.max_length,
