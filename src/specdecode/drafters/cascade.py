@@ -56,7 +56,7 @@ from specdecode.drafters.draft_head import DraftHead
 from specdecode.drafters.control import check_optional_count
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter, find_continuation
-from specdecode.engine.fast_path import ModelRunner
+from specdecode.engine.protocol import ModelRunnerProtocol
 from specdecode.engine.sampling import Sampler
 from specdecode.errors import InvalidArgumentError
 
@@ -100,7 +100,7 @@ class CascadeDrafter(Drafter):
         max_ngram: int = 3,
         min_ngram: int = 1,
         head: DraftHead | None = None,
-        runner: ModelRunner | None = None,
+        runner: ModelRunnerProtocol | None = None,
         ngram_check: bool = True,
         context_window: int | None = None,
         max_model_prompt_tokens: int | None = None,
