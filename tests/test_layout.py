@@ -7,7 +7,8 @@ Layers (each may import those listed for it, and itself):
     engine                     the decode loop (never a drafter, the pipeline or a tool)
     drafters                   engine's protocol, sampler and cache helpers; never its decoder
     models                     loading only
-    pipeline                   engine, drafters, models
+    method_registry            engine, drafters, models (each method's drafter factory and options)
+    pipeline                   engine, drafters, models, method_registry
     bench                      + pipeline
     search                     + pipeline, and bench's datasets only
     serve                      + pipeline, and bench's datasets only (the soak driver's prompts)
@@ -46,10 +47,11 @@ ALLOWED = {
     "engine": BASE,
     "drafters": BASE | {"engine"},
     "models": BASE,
-    "pipeline": BASE | {"engine", "drafters", "models"},
-    "bench": BASE | {"engine", "drafters", "models", "pipeline"},
-    "search": BASE | {"engine", "drafters", "models", "pipeline", "bench"},
-    "serve": BASE | {"engine", "drafters", "models", "pipeline", "bench"},
+    "method_registry": BASE | {"engine", "drafters", "models"},
+    "pipeline": BASE | {"engine", "drafters", "models", "method_registry"},
+    "bench": BASE | {"engine", "drafters", "models", "method_registry", "pipeline"},
+    "search": BASE | {"engine", "drafters", "models", "method_registry", "pipeline", "bench"},
+    "serve": BASE | {"engine", "drafters", "models", "method_registry", "pipeline", "bench"},
 }
 # Finer rules inside an allowed layer: (importer layer, imported module prefix, allowed?) — first match wins.
 FINER = (
@@ -160,6 +162,8 @@ def test_the_checker_sees_upward_and_sideways_imports():
     assert violations("specdecode.bench.report", ["specdecode.search"]) != []
     assert violations("specdecode.models.loading", ["specdecode.pipeline"]) != []
     assert violations("specdecode.engine.decoder", ["specdecode"]) != []  # the root re-exports everything
+    assert violations("specdecode.method_registry", ["specdecode.pipeline"]) != []  # factories get the generator
+    assert violations("specdecode.drafters.base", ["specdecode.method_registry"]) != []
 
 
 def test_imports_only_go_downward():
@@ -182,3 +186,12 @@ def test_modules_stay_under_about_600_lines():
         if lines > 650 and module not in LONG_MODULES:
             long[module] = lines
     assert long == {}, f"split these modules or add them, with the reason, to LONG_MODULES: {long}"
+
+
+def test_generate_command_does_not_import_bench():
+    """``specdecode generate`` shares its flag checks with ``bench`` through a lower layer
+    (``models.quantize``), never by importing the bench tool."""
+    path = SRC / "generate_command.py"
+    imported = imported_modules(path.read_text(encoding="utf-8"), "specdecode.generate_command", False)
+    assert "specdecode.models.quantize" in imported  # the parser sees its imports (a negative control)
+    assert [m for m in imported if layer_of(m) == "bench"] == []

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from specdecode import bench
-from specdecode.config import GenerationConfig
+from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS, GenerationConfig
 from specdecode.errors import SpecDecodeError
 from specdecode.generate_command import add_generate_parser, add_quantize_arguments, run_generate
 from specdecode.models.quantize import QUANTIZE_SCHEMES
@@ -74,7 +74,7 @@ def _add_search(sub) -> None:
     p.add_argument("--max-gamma", type=int, default=d.max_gamma,
                    help=f"largest gamma the modelled objective considers (default {d.max_gamma})")
     p.add_argument("--num-speculative-tokens", "-g", type=int, default=None,
-                   help="gamma of measured decoding (default: 5 for --objective measured, each set's modelled "
+                   help=f"gamma of measured decoding (default: {DEFAULT_NUM_SPECULATIVE_TOKENS} for --objective measured, each set's modelled "
                         "best gamma when re-measuring)")
     p.add_argument("--remeasure", type=int, default=d.remeasure, metavar="K",
                    help=f"after a modelled search, decode the K best distinct sets for real; best.json takes the "
@@ -151,7 +151,7 @@ def _add_bench(sub) -> argparse.ArgumentParser:
                    "modifiers: " + "; ".join(f"{k}: {v}" for k, v in bench.METHOD_MODIFIERS.items()))
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--num-speculative-tokens", "-g", type=int, default=GenerationConfig.num_speculative_tokens,
+    p.add_argument("--num-speculative-tokens", "-g", type=int, default=DEFAULT_NUM_SPECULATIVE_TOKENS,
                    help="gamma of specdecode's speculative methods")
     p.add_argument("--seed", type=int, default=0, help="base seed of sampling (temperature > 0)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])

@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 
 from specdecode.errors import InvalidArgumentError
 
+#: γ (``num_speculative_tokens``) when none is given: the one default of the API (``GenerationConfig``),
+#: the batched engine, ``generate``, ``bench``, ``serve`` and ``search``'s measured objective.
+DEFAULT_NUM_SPECULATIVE_TOKENS = 5
+
 
 @dataclass(frozen=True)
 class GenerationConfig:
@@ -39,7 +43,7 @@ class GenerationConfig:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
-    num_speculative_tokens: int = 5
+    num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
     stop_strings: tuple[str, ...] = field(default_factory=tuple)
     stop_on_eos: bool = True
     banned_words: tuple[str, ...] = field(default_factory=tuple)
@@ -78,6 +82,9 @@ class GenerationConfig:
 
 def check_num_speculative_tokens(value: object) -> int:
     """Return ``value`` if it is a valid γ (``num_speculative_tokens``): an integer >= 1.
+
+    The one check of γ, used wherever one is given (``GenerationConfig``, the batched engine,
+    ``bench``'s ``num_speculative_tokens=N`` option, ``search``'s settings).
 
     Raises:
         InvalidArgumentError: Not an integer (``bool`` included), or < 1; the message names the value.

@@ -15,11 +15,19 @@ import json
 import logging
 import sys
 
-from specdecode.config import GenerationConfig
+from specdecode import method_registry
+from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS, GenerationConfig
 from specdecode.drafters.control import LENGTH_SCHEDULES, DraftControl
 from specdecode.errors import InvalidArgumentError, SpecDecodeError
 from specdecode.models.loading import resolve_device
-from specdecode.models.quantize import INT4_GROUP_SIZES, QUANTIZE_HEADS, QUANTIZE_SCHEMES, check_quantize
+from specdecode.models.quantize import (
+    INT4_GROUP_SIZES,
+    QUANTIZE_HEADS,
+    QUANTIZE_SCHEMES,
+    check_draft_quantize_head_flag,
+    check_quantize,
+    check_quantize_group_size_flag,
+)
 from specdecode.pipeline import DEFAULT_DRAFT, DEFAULT_TARGET, DRAFT_BACKENDS, METHODS
 
 logger = logging.getLogger(__name__)
@@ -87,7 +95,7 @@ def _draft_quantize_by_default(args, device) -> str | None:
 def _why_no_int4_default(args, device) -> str | None:
     """Why ``generate``'s int4 draft default does not apply (for error messages), or None when it
     applies. --draft-quantize is not consulted: given, there is no default to apply."""
-    if args.method not in ("draft", "cascade"):
+    if not method_registry.REGISTRY[args.method].needs_draft_model:
         return f"--method {args.method} has no draft model"
     if args.quantize != "none":
         return f"it follows --quantize {args.quantize}: the int4 default applies with --quantize none only"
@@ -106,8 +114,6 @@ def _check_generate_quantize_flags(args, draft: str | None, draft_quantize: str 
     """``generate``'s --draft-quantize-head and --quantize-group-size against the draft's effective
     quantization (``draft``: the draft model or None; ``draft_quantize``: --draft-quantize or the int4
     default; None: as --quantize), in the flags' words (the messages bench gives too)."""
-    from specdecode.bench.command import check_draft_quantize_head_flag, check_quantize_group_size_flag
-
     if args.draft_backend == "llama-cpp":
         for flag in ("draft_quantize", "draft_quantize_head"):
             if getattr(args, flag) is not None:
@@ -176,7 +182,7 @@ def add_generate_parser(sub) -> None:
                    help="match banned words only as whole words (a banned 'ass' does not block 'class')")
     p.add_argument("--num-speculative-tokens", "-g", type=int, default=None,
                    help=f"gamma: tokens drafted per target forward (default "
-                        f"{GenerationConfig.num_speculative_tokens}); given, it turns the default adaptive "
+                        f"{DEFAULT_NUM_SPECULATIVE_TOKENS}); given, it turns the default adaptive "
                         "draft exit off")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     add_quantize_arguments(p, draft_default="int4 on CPU for draft and cascade with --quantize none, for faster "
@@ -269,18 +275,6 @@ def _print_stats(stats: dict, method: str, console) -> None:
     console.print(table)
 
 
-# Flags that only some methods use: (flag, those methods, what the flag acts on, a hint); any other
-# method refuses them rather than ignoring them.
-_METHOD_FLAGS = (
-    ("draft_quantize", ("draft", "cascade"), "the draft model", "; use --quantize for the target"),
-    ("draft_quantize_head", ("draft", "cascade"), "the draft model", "; use --quantize for the target"),
-    ("draft_vocab_size", ("draft", "cascade"), "a draft model's head", ""),
-    ("max_model_prompt_tokens", ("cascade",), "its draft model", ""),
-    ("draft_context_window", ("draft", "cascade"), "a draft model", ""),
-    ("draft_backend", ("draft", "cascade"), "the draft model", ""),
-)
-
-
 def _check_method_options(args) -> None:
     """Fail fast on method options that need no model to check."""
     from specdecode.errors import InvalidArgumentError
@@ -299,7 +293,7 @@ def _check_method_options(args) -> None:
         raise InvalidArgumentError("--method early-exit needs --exit-layer N (the draft runs layers 0..N-1)")
     if args.exit_layer is not None and args.exit_layer < 1:
         raise InvalidArgumentError(f"--exit-layer {args.exit_layer} is out of range: it must be in 1..L-1")
-    if args.method in ("prompt-lookup", "cascade"):
+    if "prompt_lookup_max_ngram" in method_registry.REGISTRY[args.method].options:
         PromptLookupDrafter(args.prompt_lookup_max_ngram, args.prompt_lookup_min_ngram)
     if args.draft_vocab_size is not None and args.draft_vocab_size < 0:
         raise InvalidArgumentError(
@@ -321,14 +315,17 @@ def _check_method_options(args) -> None:
             f"--draft-vocab-size {args.draft_vocab_size} truncates a torch draft's LM head; --draft-backend llama-cpp "
             "computes every logit: leave it out"
         )
-    for flag, methods, what, hint in _METHOD_FLAGS:
-        value = getattr(args, flag)
-        given = bool(value) if flag == "draft_vocab_size" else value is not None  # --draft-vocab-size 0: the full head
-        if given and args.method not in methods:
-            raise InvalidArgumentError(
-                f"--{flag.replace('_', '-')} applies to --method {' or '.join(methods)} ({what}), not "
-                f"{args.method!r}{hint}"
-            )
+    # Flags that only some methods use (the method registry's): any other method refuses them rather than
+    # ignoring them (--draft-vocab-size 0, the full head, counts as not given).
+    refused = method_registry.refused_option(
+        args.method, {o.keyword: getattr(args, o.keyword) for o in method_registry.METHOD_ONLY_OPTIONS})
+    if refused is not None:
+        option = next(o for o in method_registry.METHOD_ONLY_OPTIONS if o.keyword == refused[0])
+        raise InvalidArgumentError(
+            f"--{option.keyword.replace('_', '-')} applies to --method "
+            f"{' or '.join(method_registry.methods_taking(option.keyword))} ({option.acts_on}), not "
+            f"{args.method!r}{option.hint}"
+        )
 
 def run_generate(args) -> int:
     import torch
@@ -346,7 +343,7 @@ def run_generate(args) -> int:
         top_k=args.top_k,
         top_p=args.top_p,
         seed=args.seed,
-        num_speculative_tokens=(GenerationConfig.num_speculative_tokens if args.num_speculative_tokens is None
+        num_speculative_tokens=(DEFAULT_NUM_SPECULATIVE_TOKENS if args.num_speculative_tokens is None
                                 else args.num_speculative_tokens),
         stop_strings=tuple(args.stop),
         banned_words=tuple(banned),
@@ -379,7 +376,7 @@ def run_generate(args) -> int:
         options["draft_context_window"] = args.draft_context_window
     if args.draft_backend is not None:
         options["draft_backend"] = args.draft_backend
-    draft = args.draft if args.method in ("draft", "cascade") else None
+    draft = args.draft if method_registry.REGISTRY[args.method].needs_draft_model else None
     draft_quantize = args.draft_quantize
     if draft_quantize is None and draft is not None:
         draft_quantize = _draft_quantize_by_default(args, resolve_device(args.device))
@@ -416,7 +413,7 @@ def run_generate(args) -> int:
             "draft_context_window": args.draft_context_window,
             "max_model_prompt_tokens": limit,
             "draft_control": dataclasses.asdict(control) if control.active else None,
-            "ngram_check": args.ngram_check if args.method == "cascade" else None,
+            "ngram_check": args.ngram_check if "ngram_check" in method_registry.REGISTRY[args.method].options else None,
             "compile": args.compile,
             "quantize": gen.target.quantize,
             "draft_quantize": gen.draft.quantize if gen.draft is not None else None,

@@ -27,22 +27,17 @@ from pathlib import Path
 
 import torch
 
-from specdecode.config import GenerationConfig
-from specdecode.drafters.batched import (
-    BatchDraftModelDrafter,
-    BatchEarlyExitDrafter,
-    BatchLayerSkipDrafter,
-    BatchPromptLookupDrafter,
-)
+from specdecode import method_registry
+from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS, GenerationConfig
+from specdecode.drafters import Drafter
+from specdecode.drafters.control import DraftControl
+from specdecode.drafters.draft_head import DraftHead
+from specdecode.drafters.layer_skip import SkipSet
 from specdecode.engine.batched import BatchedSpeculativeDecoder
 from specdecode.engine.decoder import GenerationResult, GenerationStream, SpeculativeDecoder
 from specdecode.engine.fast_path import DRAFT_BUCKETS, ModelRunner, resolve_compile
-from specdecode.drafters.control import DraftControl
-from specdecode.drafters import CascadeDrafter, DraftModelDrafter, Drafter
-from specdecode.drafters.draft_head import DraftHead
-from specdecode.drafters.early_exit import EarlyExitDrafter, check_exit_layer_given
 from specdecode.errors import InvalidArgumentError
-from specdecode.drafters.layer_skip import LayerSkipDrafter, SkipSet, resolve_skip_set
+from specdecode.method_registry import DrafterOptions
 from specdecode.models import LoadedModel, check_vocabularies, load_model
 from specdecode.models.dense_cache import dense_cache_valid
 from specdecode.models.llama_cpp import (
@@ -54,27 +49,19 @@ from specdecode.models.llama_cpp import (
 )
 from specdecode.models.quantize import resolve_pair_quantization
 from specdecode.models.token_frequencies import TokenFrequencies, load_or_count, special_token_ids
-from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 
 logger = logging.getLogger(__name__)
 
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
-METHODS = ("autoregressive", "draft", "cascade", "layer-skip", "early-exit", "prompt-lookup")
+#: Every method, and those with a batch mode (``SpeculativeGenerator.batch_decoder``): the
+#: method registry's (``specdecode.method_registry``).
+METHODS = method_registry.METHODS
+BATCH_METHODS = method_registry.BATCH_METHODS
 #: What runs a draft model's forwards: transformers (and specdecode's quantized layers), or
 #: llama.cpp on the draft's GGUF file (``specdecode.models.llama_cpp``).
 DRAFT_BACKENDS = ("torch", "llama-cpp")
-#: Options refused by the methods that do not use them (``make_drafter``): keyword, those methods,
-#: and who they are in the message. draft_vocab_size 0 means the full head, so it counts when truthy.
-_METHOD_ONLY_OPTIONS = (
-    ("draft_backend", ("draft", "cascade"), "the methods with a draft model, 'draft' and 'cascade'"),
-    ("draft_vocab_size", ("draft", "cascade"), "the methods with a draft model, 'draft' and 'cascade'"),
-    ("max_model_prompt_tokens", ("cascade",), "the method 'cascade'"),
-    ("draft_context_window", ("draft", "cascade"), "the methods with a draft model, 'draft' and 'cascade'"),
-)
-#: Methods with a batch mode (``SpeculativeGenerator.batch_decoder``).
-BATCH_METHODS = ("autoregressive", "draft", "layer-skip", "early-exit", "prompt-lookup")
 #: ``max_verify_tokens`` of batched decoding on a CPU: Qwen2.5-Coder 1.5B in bf16 on a 2-core
 #: AVX512-BF16 EPYC verified up to 12 tokens in about one step (160-170 ms) and 16 in 287 ms
 #: (``docs/benchmarks/batched_forward_cost.py``), so B rows draft at most 12 // B - 1 tokens.
@@ -283,7 +270,8 @@ class SpeculativeGenerator:
         compile: bool | None = None,
         draft_backend: str | None = None,
     ) -> Drafter | None:
-        """The drafter for ``method`` (None for autoregressive).
+        """The drafter for ``method`` (None for autoregressive), built by its factory in the method
+        registry (``specdecode.method_registry``).
 
         Args:
             method: One of ``METHODS``.
@@ -311,7 +299,7 @@ class SpeculativeGenerator:
         Options a method does not use are ignored, so one set of options can serve
         several methods (as in ``specdecode bench``); ``draft_vocab_size``,
         ``draft_context_window``, ``max_model_prompt_tokens`` and ``draft_backend`` are the
-        exceptions, refused by methods that do not use them.
+        exceptions, refused by methods that do not use them (``method_registry.METHOD_ONLY_OPTIONS``).
 
         Raises:
             InvalidArgumentError: Unknown method; "draft" or "cascade" without a draft model;
@@ -325,52 +313,20 @@ class SpeculativeGenerator:
         """
         if draft_backend is not None and draft_backend not in DRAFT_BACKENDS:
             raise InvalidArgumentError(f"unknown draft_backend {draft_backend!r}; allowed: {', '.join(DRAFT_BACKENDS)}")
-        given = dict(draft_backend=draft_backend, draft_vocab_size=draft_vocab_size,
-                     max_model_prompt_tokens=max_model_prompt_tokens, draft_context_window=draft_context_window)
-        for keyword, methods, who in _METHOD_ONLY_OPTIONS:
-            value = given[keyword]
-            if (bool(value) if keyword == "draft_vocab_size" else value is not None) and method not in methods:
-                raise InvalidArgumentError(
-                    f"{keyword}={value!r} (--{keyword.replace('_', '-')}) applies to {who}, not to {method!r}"
-                )
-        if method == "autoregressive":
-            return None
-        if method in ("draft", "cascade"):
-            if draft_backend is None:
-                draft_backend = "llama-cpp" if self.draft is None and self._llama_cpp_draft is not None else "torch"
-            if self.draft is None and draft_backend == "torch":
-                raise InvalidArgumentError(
-                    f"method {method!r} needs a draft model; pass draft=... (or use 'layer-skip', 'early-exit' "
-                    "or 'prompt-lookup', which need none)"
-                )
-            if draft_backend == "llama-cpp":
-                if draft_vocab_size:
-                    raise InvalidArgumentError(
-                        f"draft_vocab_size={draft_vocab_size!r} truncates a torch draft's LM head; the llama.cpp draft "
-                        "computes every logit: leave it out, or use draft_backend='torch'"
-                    )
-                model, head, runner = self.llama_cpp_draft(), None, self._llama_cpp_draft_runner()
-            else:
-                model, head = self.draft.model, self.draft_head(draft_vocab_size)
-                runner = self.runner("draft", compile, draft_vocab_size or 0)
-            if method == "cascade":
-                return CascadeDrafter(
-                    model, prompt_lookup_max_ngram, prompt_lookup_min_ngram, head, runner, ngram_check,
-                    draft_context_window, max_model_prompt_tokens,
-                )
-            return DraftModelDrafter(model, head, runner, draft_context_window)
-        if method == "layer-skip":
-            skip_set = resolve_skip_set(skip_set, skip_layers, skip_config)
-            logger.info("layer-skip drafting with skip set %s", skip_set)
-            return LayerSkipDrafter(self.target.model, skip_set, self.runner("layer-skip", compile, str(skip_set)))
-        if method == "early-exit":
-            check_exit_layer_given(exit_layer)
-            return EarlyExitDrafter(self.target.model, exit_layer, self.runner("early-exit", compile, exit_layer))
-        if method == "prompt-lookup":
-            return PromptLookupDrafter(prompt_lookup_max_ngram, prompt_lookup_min_ngram)
-        raise InvalidArgumentError(f"unknown method {method!r}; allowed: {', '.join(METHODS)}")
+        options = DrafterOptions(
+            skip_set=skip_set, skip_layers=skip_layers, skip_config=skip_config, exit_layer=exit_layer,
+            prompt_lookup_max_ngram=prompt_lookup_max_ngram, prompt_lookup_min_ngram=prompt_lookup_min_ngram,
+            draft_vocab_size=draft_vocab_size, ngram_check=ngram_check, draft_context_window=draft_context_window,
+            max_model_prompt_tokens=max_model_prompt_tokens, compile=compile, draft_backend=draft_backend,
+        )
+        return method_registry.make_drafter(self, method, options)
 
-    def _llama_cpp_draft_runner(self) -> LlamaCppModelRunner:
+    def default_draft_backend(self) -> str:
+        """The draft backend when none is named: "llama-cpp" for a generator with a llama.cpp draft
+        and no torch draft, else "torch"."""
+        return "llama-cpp" if self.draft is None and self._llama_cpp_draft is not None else "torch"
+
+    def llama_cpp_draft_runner(self) -> LlamaCppModelRunner:
         """The llama.cpp draft's runner, one per generator (its context is the draft's KV cache)."""
         if self._llama_cpp_runner is None:
             self._llama_cpp_runner = LlamaCppModelRunner(self.llama_cpp_draft(), name="llama.cpp draft model")
@@ -511,7 +467,7 @@ class SpeculativeGenerator:
         *,
         max_batch_size: int = 8,
         max_length: int = 2048,
-        num_speculative_tokens: int = 5,
+        num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS,
         draft_control: DraftControl | None = None,
         exit_rule: str = "row",
         max_verify_tokens: int | None | str = "auto",
@@ -540,24 +496,10 @@ class SpeculativeGenerator:
                 out of range.
         """
         target = self.target.model
-        if method == "autoregressive":
-            drafter = None
-        elif method == "draft":
-            if self.draft is None:
-                raise InvalidArgumentError("batched method 'draft' needs a draft model run by torch (it has no "
-                                           "llama.cpp backend); pass draft=... with draft_backend='torch'")
-            drafter = BatchDraftModelDrafter(self.draft.model)
-        elif method == "layer-skip":
-            drafter = BatchLayerSkipDrafter(target, resolve_skip_set(skip_set, skip_layers, skip_config))
-        elif method == "early-exit":
-            check_exit_layer_given(exit_layer)
-            drafter = BatchEarlyExitDrafter(target, exit_layer)
-        elif method == "prompt-lookup":
-            drafter = BatchPromptLookupDrafter(prompt_lookup_max_ngram, prompt_lookup_min_ngram)
-        else:
-            raise InvalidArgumentError(
-                f"method {method!r} has no batch mode; allowed with a batch: {', '.join(BATCH_METHODS)}"
-            )
+        drafter = method_registry.make_batch_drafter(self, method, DrafterOptions(
+            skip_set=skip_set, skip_layers=skip_layers, skip_config=skip_config, exit_layer=exit_layer,
+            prompt_lookup_max_ngram=prompt_lookup_max_ngram, prompt_lookup_min_ngram=prompt_lookup_min_ngram,
+        ))
         return BatchedSpeculativeDecoder(
             target,
             drafter,

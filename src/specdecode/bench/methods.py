@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from specdecode import pipeline
+from specdecode import method_registry, pipeline
 from specdecode.bench.hf_methods import HF_METHODS, HFMethod, _HFRunner  # HFMethod: re-exported, as before
 from specdecode.bench.llamacpp import LlamaCppRunner
 from specdecode.bench.report import BASELINES, LLAMA_CPP, is_baseline
@@ -427,11 +427,12 @@ def resolve_methods(
             else:
                 spec = MethodSpec.parse(name)
                 run_wide = dict(settings.drafter_options)
-                if spec.base not in ("draft", "cascade"):  # run-wide draft-model options are the draft model's alone
-                    run_wide.pop("draft_vocab_size", None)
-                    run_wide.pop("draft_context_window", None)
-                if spec.base != "cascade":
-                    run_wide.pop("max_model_prompt_tokens", None)
+                entry = method_registry.get(spec.base)  # None: a name the pipeline refuses when asked
+                takes = entry.options if entry is not None else frozenset()
+                # Run-wide draft-model options go to the methods that take them (the registry's) alone.
+                for keyword in ("draft_vocab_size", "draft_context_window", "max_model_prompt_tokens"):
+                    if keyword not in takes:
+                        run_wide.pop(keyword, None)
                 options = {} if spec.base == "autoregressive" else {**run_wide, **spec.options}
                 if spec.draft_control is not None:
                     options["draft_control"] = spec.draft_control

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from specdecode.config import GenerationConfig
+from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS, GenerationConfig
 from specdecode.errors import InvalidArgumentError
 
 
@@ -51,7 +51,7 @@ class BenchSettings:
 
     max_new_tokens: int = 128
     temperature: float = 0.0
-    num_speculative_tokens: int = GenerationConfig.num_speculative_tokens
+    num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
     repeats: int = 1
     seed: int = 0
     warmup_tokens: int = 8

@@ -50,19 +50,19 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from specdecode.config import GenerationConfig
+from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS
 from specdecode.drafters.base import Draft, Drafter, ExitPolicy
 from specdecode.drafters.draft_head import DraftHead
 from specdecode.drafters.control import check_optional_count
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter, find_continuation
-from specdecode.engine.fast_path import ModelRunner
+from specdecode.engine.protocol import ModelRunnerProtocol
 from specdecode.engine.sampling import Sampler
 from specdecode.errors import InvalidArgumentError
 
 #: Most tokens per block when a long prompt leaves the cascade to its n-gram matches: prompt
 #: lookup's default γ.
-LONG_PROMPT_BLOCK = GenerationConfig.num_speculative_tokens
+LONG_PROMPT_BLOCK = DEFAULT_NUM_SPECULATIVE_TOKENS
 
 
 class CascadeDrafter(Drafter):
@@ -101,7 +101,7 @@ class CascadeDrafter(Drafter):
         max_ngram: int = 3,
         min_ngram: int = 1,
         head: DraftHead | None = None,
-        runner: ModelRunner | None = None,
+        runner: ModelRunnerProtocol | None = None,
         ngram_check: bool = True,
         context_window: int | None = None,
         max_model_prompt_tokens: int | None = None,

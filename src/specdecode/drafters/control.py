@@ -204,7 +204,7 @@ class DraftControl:
 
     Attributes:
         adaptive_exit: Turn on Draft & Verify's adaptive draft exit; the block cap is
-            then ``max_draft_tokens`` instead of ``GenerationConfig.num_speculative_tokens``.
+            then ``max_draft_tokens`` instead of ``GenerationConfig.num_speculative_tokens`` (γ).
         exit_threshold, beta1, beta2, epsilon, alpha, max_draft_tokens: Its parameters
             (see ``AdaptiveDraftExit``); defaults 0.6, 0.5, 0.9, 0.01, 0.9, 12.
         length_schedule: "constant" (γ tokens each round) or "heuristic"

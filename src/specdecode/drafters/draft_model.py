@@ -10,6 +10,7 @@ from specdecode.drafters.control import check_optional_count
 from specdecode.drafters.draft_head import DraftHead
 from specdecode.engine import kv_cache
 from specdecode.engine.fast_path import DRAFT_BUCKETS, ModelRunner
+from specdecode.engine.protocol import ModelRunnerProtocol
 from specdecode.engine.sampling import Sampler, check_finite
 from specdecode.errors import InvalidArgumentError
 
@@ -64,7 +65,7 @@ class DraftModelDrafter(Drafter):
 
     supports_exit_policy = True
 
-    def __init__(self, model: PreTrainedModel, head: DraftHead | None = None, runner: ModelRunner | None = None,
+    def __init__(self, model: PreTrainedModel, head: DraftHead | None = None, runner: ModelRunnerProtocol | None = None,
                  context_window: int | None = None) -> None:
         self.context_window = check_optional_count("context_window", context_window, "the whole prompt")
         self.model = model

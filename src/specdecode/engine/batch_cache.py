@@ -121,8 +121,8 @@ class BatchKVCache(Cache):
             full and sliding-window attention.
     """
 
-    #: Rolled back by position, never cropped; skipped sublayers need no placeholders.
-    rolls_back_by_position = True
+    #: Rolled back by position, never cropped; skipped sublayers need no placeholders (``kv_cache.is_static``).
+    static = True
 
     def __init__(
         self,

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from specdecode.config import GenerationConfig, check_num_speculative_tokens
+from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS, GenerationConfig, check_num_speculative_tokens
 from specdecode.engine import kv_cache
 from specdecode.engine.batch_cache import (
     PREFILL_CHUNK_TOKENS,
@@ -171,7 +171,7 @@ class BatchedSpeculativeDecoder:
         *,
         max_batch_size: int = 8,
         max_length: int = 2048,
-        num_speculative_tokens: int = 5,
+        num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS,
         eos_token_ids: Iterable[int] = (),
         tokenizer=None,
         draft_control: DraftPolicy | None = None,

@@ -247,7 +247,7 @@ class _Round:
         self.generation = getattr(self.cache, "generation", 0)
         if prompt_cache is not None:  # holds the first m prompt tokens (checked by stream)
             m = prompt_cache.get_seq_length()
-            if not kv_cache.is_static(self.cache):
+            if not runner.static_cache:
                 self.cache, self.num_cached = prompt_cache, m
             elif kv_cache.load_prefix(self.cache, prompt_cache, m):
                 self.num_cached = m

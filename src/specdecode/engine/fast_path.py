@@ -72,7 +72,8 @@ def resolve_compile(compile: bool | None, device: torch.device | str) -> bool:
 
 
 class ModelRunner:
-    """Runs one model's forwards for the decode loop, eagerly or on the fast path.
+    """Runs one model's forwards for the decode loop, eagerly or on the fast path
+    (``engine.protocol.ModelRunnerProtocol``).
 
     Args:
         model: A transformers causal LM in eval mode.
@@ -123,6 +124,11 @@ class ModelRunner:
         self._warned_wide: set[int] = set()
         self._cache: kv_cache.StaticKVCache | None = None
         self._inputs: dict[int, torch.Tensor] = {}  # bucket -> its (1, bucket) input ids
+
+    @property
+    def static_cache(self) -> bool:
+        """Whether ``new_cache`` gives a static cache (``kv_cache.StaticKVCache``): on the fast path."""
+        return self.compile
 
     @property
     def max_bucket(self) -> int:

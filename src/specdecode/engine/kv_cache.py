@@ -93,8 +93,9 @@ class StaticKVCache(Cache):
         InvalidArgumentError: If ``capacity`` < 1.
     """
 
-    #: Rolled back by position, never cropped (``is_static``).
-    rolls_back_by_position = True
+    #: Rolled back by position, never cropped (``is_static``); ``fast_path.ModelRunner.new_cache`` makes
+    #: one exactly when the runner's ``static_cache`` is True.
+    static = True
 
     def __init__(self, model: PreTrainedModel, capacity: int) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
@@ -122,12 +123,22 @@ class StaticKVCache(Cache):
 
 
 def is_static(cache) -> bool:
-    """Whether ``cache`` is rolled back by position rather than cropped: a ``StaticKVCache``, or the
-    batched engine's ``batch_cache.BatchKVCache`` (whose skipped sublayers need no placeholders either)."""
-    return getattr(cache, "rolls_back_by_position", False)
+    """Whether ``cache`` is rolled back by position rather than cropped, for code that holds a cache
+    but not the runner that made it (``protocol.ModelRunnerProtocol.static_cache`` decides, and the
+    cache carries the decision).
+
+    transformers' ``DynamicCache`` is the cropped cache, and None (no cache) is not static;
+    every other cache states it with a ``static`` attribute: True for ``StaticKVCache`` and the
+    batched engine's ``batch_cache.BatchKVCache`` (whose skipped sublayers need no placeholders
+    either), False for ``models.llama_cpp.LlamaCppCache``.
+
+    Raises:
+        AttributeError: A cache of another kind that does not state it (never guessed).
+    """
+    return False if cache is None or isinstance(cache, DynamicCache) else cache.static
 
 
-def rollback(cache: DynamicCache | StaticKVCache, num_cached: int, num_valid: int) -> int:
+def rollback(cache, num_cached: int, num_valid: int) -> int:
     """Drop cached positions past ``num_valid``; returns the new cached length.
 
     A ``StaticKVCache`` only moves its write position (nothing is copied or freed), and
@@ -143,7 +154,7 @@ def rollback(cache: DynamicCache | StaticKVCache, num_cached: int, num_valid: in
         every key the position after ``num_valid`` attends to, and the cache was emptied.
     """
     excess = max(num_cached - num_valid, 0)
-    if isinstance(cache, StaticKVCache):
+    if is_static(cache):
         if excess:
             cache.set_length(num_valid)
         return num_cached - excess
@@ -154,13 +165,13 @@ def rollback(cache: DynamicCache | StaticKVCache, num_cached: int, num_valid: in
     return num_cached - excess
 
 
-def truncate(cache: DynamicCache | StaticKVCache, num_positions: int) -> None:
+def truncate(cache, num_positions: int) -> None:
     """Cut every layer of ``cache`` back to ``num_positions`` (after drafting into a shared cache).
 
     A dynamic cache's layers are each cropped by their own excess: equal after a normal
     block, different after a forward that failed midway. A static cache moves its position.
     """
-    if isinstance(cache, StaticKVCache):
+    if is_static(cache):
         cache.set_length(num_positions)
         return
     for layer in cache.layers:

@@ -1,4 +1,19 @@
-"""The engine's side of drafting: the ``Drafter`` protocol, ``Draft``, and the draft-control protocol.
+"""The engine's interfaces: model runners and caches, the ``Drafter`` protocol, ``Draft``, and draft control.
+
+**Runners and caches.** ``ModelRunnerProtocol`` is what the decoder and the model-based
+drafters call for every forward; ``engine.fast_path.ModelRunner`` (transformers models, eager
+or on the fast path) and ``models.llama_cpp.LlamaCppModelRunner`` (a GGUF draft in llama.cpp)
+implement it (tests/test_interfaces.py checks both). ``KVCache`` is what ``kv_cache.rollback``
+and ``kv_cache.truncate`` need of a cache that is cropped (transformers' ``DynamicCache``,
+``LlamaCppCache``); ``StaticCache`` what they and the fast path need of one rolled back by
+moving its write position (``kv_cache.StaticKVCache``; the batched engine's ``BatchKVCache``
+says so too). Whether a cache is static is decided once, by the runner that makes it
+(``ModelRunnerProtocol.static_cache``: its ``new_cache`` gives a static cache exactly then),
+and the cache carries that decision as ``static = True``; ``kv_cache.is_static`` is the one
+place that reads it, for code that holds a cache but not its runner (a drafter sharing the
+target's cache, the layer-skip hooks).
+
+**Drafting.**
 
 The engine never imports a drafter; drafters (``specdecode.drafters``) implement
 this protocol and the decoder calls them only through it.
@@ -37,14 +52,100 @@ may then live on the CPU; the decoder copies them to the device without waiting.
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 from transformers import DynamicCache
 
 from specdecode.engine.kv_cache import StaticKVCache
 from specdecode.engine.sampling import Sampler
+
+
+@runtime_checkable
+class KVCache(Protocol):
+    """A cache as ``kv_cache.rollback`` and ``kv_cache.truncate`` see it when it is cropped (not static).
+
+    Attributes:
+        layers: Its per-layer entries: ``truncate`` crops each by its own excess and ``rollback``
+            checks the sliding-window ones (``is_sliding``, ``keys``, ``sliding_window``); empty
+            for a cache with no sliding layer to lose keys (``LlamaCppCache``).
+    """
+
+    layers: Sequence[Any]
+
+    def get_seq_length(self) -> int:
+        """Positions it holds."""
+
+    def crop(self, max_length: int) -> None:
+        """``max_length`` <= 0: drop the last ``-max_length`` positions; > 0: keep that many."""
+
+
+@runtime_checkable
+class StaticCache(Protocol):
+    """A static cache: preallocated, rolled back by moving one write position (never cropped).
+
+    Attributes:
+        static: Always True: how a cache says it is static (``kv_cache.is_static``).
+        capacity: Positions per layer.
+        generation: Counts the generations that took it (``ModelRunnerProtocol.check_owner``).
+        layers: Its layers (``layers[0].is_initialized`` once a forward allocated them).
+    """
+
+    static: Literal[True]
+    capacity: int
+    generation: int
+    layers: Sequence[Any]
+
+    def set_length(self, num_positions: int) -> None:
+        """Roll back (or forward) to ``num_positions`` written positions, without a host sync."""
+
+    def advance(self, num_tokens: int) -> None:
+        """After a forward over ``num_tokens`` positions: the next one writes after them."""
+
+
+@runtime_checkable
+class ModelRunnerProtocol(Protocol):
+    """Runs one model's forwards for the decode loop (``ModelRunner``, ``LlamaCppModelRunner``).
+
+    Attributes:
+        name: For messages ("target model", "draft model", "layer-skip draft").
+        compile: Whether forwards use the fast path (compiled graphs on a static cache).
+        graphs: Whether compiled widths get graphs (False: the static cache, every forward eager).
+        buckets: The widths that get a compiled graph, ascending (empty when none).
+        compile_time_s: Seconds spent compiling (first calls of compiled widths), over its life.
+        num_eager_forwards: Forwards run eagerly.
+        static_cache: Whether ``new_cache`` gives a static cache (``StaticCache``; True on the
+            fast path) or a cropped one (``KVCache``): the one place this is decided.
+        max_bucket: The widest compiled forward, 0 when nothing is compiled.
+    """
+
+    name: str
+    compile: bool
+    graphs: bool
+    buckets: tuple[int, ...]
+    compile_time_s: float
+    num_eager_forwards: int
+
+    @property
+    def static_cache(self) -> bool: ...
+
+    @property
+    def max_bucket(self) -> int: ...
+
+    def with_buckets(self, buckets: tuple[int, ...]) -> None:
+        """Add compiled widths (kept graphs stay); ignored by a runner that compiles nothing."""
+
+    def new_cache(self, num_positions: int) -> KVCache | StaticCache:
+        """An empty cache for a generation that writes at most about ``num_positions`` positions."""
+
+    def check_owner(self, cache: KVCache | StaticCache, generation: int) -> None:
+        """Raise ``InvalidArgumentError`` unless ``cache``, taken as generation ``generation``, is still
+        that generation's (a runner that keeps one cache or context hands it to the newest)."""
+
+    def __call__(self, ids: torch.Tensor, cache: KVCache | StaticCache, logits_to_keep: int) -> torch.Tensor:
+        """One forward over ``ids`` (1, w), appended to ``cache``: (1, logits_to_keep, V) logits."""
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,11 @@ llama.cpp's forward over several tokens grows with every token on that machine (
 torch's bf16 forward barely grows (1.5B: 247, 211, 260, 278 ms), so it is a draft model here, not a
 target to verify with. The target must be on the CPU too (the drafts are CPU tensors).
 
-``LlamaCppModelRunner`` has the interface of ``engine.fast_path.ModelRunner`` that the
-model-based drafters call (``runner(ids, cache, logits_to_keep)``, ``new_cache``,
-``check_owner``; never compiled), and ``LlamaCppCache`` the part of a ``DynamicCache``
-that ``engine.kv_cache.rollback`` uses (``get_seq_length``, ``crop(-n)``, no sliding
-layers). A rollback removes the rejected positions from llama.cpp's KV cache
+``LlamaCppModelRunner`` implements ``engine.protocol.ModelRunnerProtocol``, the interface
+the model-based drafters call (``runner(ids, cache, logits_to_keep)``, ``new_cache``,
+``check_owner``; never compiled), and ``LlamaCppCache`` ``engine.protocol.KVCache``, the part
+of a ``DynamicCache`` that ``engine.kv_cache.rollback`` uses (``get_seq_length``, ``crop(-n)``,
+no sliding layers). A rollback removes the rejected positions from llama.cpp's KV cache
 (``llama_memory_seq_rm``); nothing is recomputed.
 
 A model holds one llama.cpp context, so one generation at a time: a new cache takes the
@@ -386,7 +386,7 @@ class LlamaCppCache:
     """
 
     layers = ()
-    rolls_back_by_position = False
+    static = False  # cropped, as a DynamicCache (``engine.kv_cache.is_static``)
 
     def __init__(self, model: LlamaCppModel, generation: int) -> None:
         self.model = model
@@ -425,19 +425,21 @@ class LlamaCppCache:
 
 
 class LlamaCppModelRunner:
-    """Runs a ``LlamaCppModel``'s forwards for a drafter (the interface of ``engine.fast_path.ModelRunner``;
-    never compiled).
+    """Runs a ``LlamaCppModel``'s forwards for a drafter (``engine.protocol.ModelRunnerProtocol``, as
+    ``engine.fast_path.ModelRunner``; never compiled). The models layer does not import the engine, so it
+    implements the protocol structurally (tests/test_interfaces.py checks it).
 
     Args:
         model: The llama.cpp model.
         name: For messages.
 
     Attributes:
-        compile: Always False; ``compile_time_s`` 0; ``max_bucket`` 0.
+        compile: Always False; ``static_cache`` False; ``compile_time_s`` 0; ``max_bucket`` 0.
         num_eager_forwards: Forwards run.
     """
 
     compile = False
+    static_cache = False  # its caches are cropped (``LlamaCppCache``)
     graphs = False
     buckets: tuple[int, ...] = ()
     max_bucket = 0

@@ -215,6 +215,53 @@ def resolve_pair_quantization(quantize: str, draft_quantize: str | None, draft_q
     return draft_scheme, draft_head, group
 
 
+def check_draft_quantize_head_flag(head: str | None, scheme: str, why: str) -> None:
+    """Refuse --draft-quantize-head ``head`` for a draft quantized as ``scheme`` (generate and bench).
+
+    An int4 head needs an int4 draft, and a dense ("none") draft has no quantized head, so any
+    --draft-quantize-head would be silently ignored there. ``why`` says where ``scheme`` came
+    from (the flags, or why generate's int4 default did not apply), in the flags' words.
+
+    Raises:
+        InvalidArgumentError: ``head`` is given and does not fit ``scheme``.
+    """
+    if head is None or scheme == "int4" or (scheme == "int8" and head == "int8"):
+        return
+    here = f"dense (none: {why})" if scheme == "none" else f"{scheme} ({why})"
+    if head == "int4":
+        raise InvalidArgumentError(
+            f"--draft-quantize-head int4 needs an int4 draft (--draft-quantize int4); the draft here is {here}"
+        )
+    raise InvalidArgumentError(
+        f"--draft-quantize-head {head} applies to a quantized draft, but the draft here is {here}: it has no "
+        "quantized LM head, so the flag would be ignored; leave it out or quantize the draft "
+        "(--draft-quantize int8 or int4)"
+    )
+
+
+def check_quantize_group_size_flag(group_size: int | None, quantize: str, draft: str | None, why: str) -> None:
+    """Refuse --quantize-group-size ``group_size`` (other than 32) when nothing is int4 (generate and bench).
+
+    The group size applies to every int4 model of the pair, so it needs the target
+    (--quantize ``quantize``) or the draft (quantized as ``draft``; None: there is no draft
+    model) to be int4; else it would be silently ignored. ``why`` says, in the flags' words,
+    where the draft's quantization (or its absence) came from.
+
+    Raises:
+        InvalidArgumentError: ``group_size`` is given, is not 32, and neither model is int4.
+    """
+    if group_size in (None, INT4_GROUP_SIZE) or "int4" in (quantize, draft):
+        return
+    storage = {"none": "dense"}
+    here = (f"there is no draft model ({why})" if draft is None
+            else f"the draft {storage.get(draft, draft)} ({why})")
+    raise InvalidArgumentError(
+        f"--quantize-group-size {group_size} applies to int4 weights, but neither model is int4: the target is "
+        f"{storage.get(quantize, quantize)} (--quantize {quantize}) and {here}; leave it out, or make one of them "
+        "int4 (--quantize int4 or --draft-quantize int4)"
+    )
+
+
 def stored_group_size(tensors: dict[str, torch.Tensor]) -> int:
     """The int4 group size of quantized ``tensors`` (``quantized_tensors``'s): their first ``"<module>.int4"``
     marker's, or ``INT4_GROUP_SIZE`` when no module is int4."""

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 from specdecode.bench.datasets import HUMANEVAL
-from specdecode.config import GenerationConfig, check_num_speculative_tokens
+from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS, check_num_speculative_tokens
 from specdecode.errors import InvalidArgumentError
 from specdecode.search.objective import is_int
 
@@ -106,8 +106,9 @@ class SearchSettings:
 
     @property
     def measured_gamma(self) -> int:
-        """γ of the measured objective: ``num_speculative_tokens``, or ``GenerationConfig``'s default (5)."""
-        return self.num_speculative_tokens or GenerationConfig.num_speculative_tokens
+        """γ of the measured objective: ``num_speculative_tokens``, or the default γ
+        (``config.DEFAULT_NUM_SPECULATIVE_TOKENS``, 5)."""
+        return self.num_speculative_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS
 
     def skip_count_bounds(self, num_layers: int) -> tuple[int, int]:
         """(lo, hi): the allowed numbers of skipped sublayers for a model with ``num_layers`` layers.

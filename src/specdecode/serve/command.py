@@ -9,11 +9,14 @@ from __future__ import annotations
 import argparse
 import logging
 
+from specdecode import method_registry
+from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS
 from specdecode.errors import InvalidArgumentError, SpecDecodeError
 
 logger = logging.getLogger(__name__)
 
-SERVE_METHODS = ("autoregressive", "draft", "layer-skip", "early-exit", "prompt-lookup")
+#: The methods with a batch mode (the method registry's): the server runs the batched engine.
+SERVE_METHODS = method_registry.BATCH_METHODS
 
 
 def add_arguments(p: argparse.ArgumentParser, *, default_target: str, default_draft: str) -> None:
@@ -39,7 +42,8 @@ def add_arguments(p: argparse.ArgumentParser, *, default_target: str, default_dr
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds running requests may take before they are cancelled (default 30)")
-    p.add_argument("--num-speculative-tokens", "-g", type=int, default=5, help="gamma for every row")
+    p.add_argument("--num-speculative-tokens", "-g", type=int, default=DEFAULT_NUM_SPECULATIVE_TOKENS,
+                   help="gamma for every row")
     p.add_argument("--adaptive-draft-exit", action="store_true", help="per-row adaptive draft exit")
     p.add_argument("--exit-rule", default="row", choices=("row", "batch"),
                    help="with --adaptive-draft-exit: a row stops at its own unsure token, or the batch at the last")
@@ -142,7 +146,8 @@ def run(args) -> int:
         max_prompt_tokens=args.max_length if args.max_prompt_tokens is None else args.max_prompt_tokens, max_tokens_limit=limit,
         max_body_bytes=args.max_body_bytes, shutdown_timeout_s=args.shutdown_timeout,
     )
-    gen = SpeculativeGenerator.from_pretrained(args.target, args.draft if args.method == "draft" else None,
+    draft = args.draft if method_registry.REGISTRY[args.method].needs_draft_model else None
+    gen = SpeculativeGenerator.from_pretrained(args.target, draft,
                                                dtype=args.dtype, device=args.device, cache_dir=args.cache_dir)
     decoder = gen.batch_decoder(
         args.method, max_batch_size=args.max_batch_size, max_length=args.max_length,

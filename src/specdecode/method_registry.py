@@ -1,0 +1,323 @@
+"""The method registry: each decoding method's name, drafter factories and options, stated once.
+
+``SpeculativeGenerator.make_drafter`` and ``batch_decoder`` build drafters through it, and
+``generate``, ``bench`` and ``serve`` read from it which methods exist, which options each
+takes, which need a draft model and which have a batch mode. Adding a method is one
+``Method`` entry in ``REGISTRY``.
+
+A layer of its own beside ``pipeline`` (tests/test_layout.py): it imports the engine, the
+drafters and the models, never the pipeline; a factory gets the generator (a
+``pipeline.SpeculativeGenerator``) as its first argument and asks it for what is kept per
+generator (runners, the draft head, the llama.cpp draft).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from specdecode.drafters import CascadeDrafter, DraftModelDrafter, Drafter
+from specdecode.drafters.batched import (
+    BatchDraftModelDrafter,
+    BatchEarlyExitDrafter,
+    BatchLayerSkipDrafter,
+    BatchPromptLookupDrafter,
+)
+from specdecode.drafters.early_exit import EarlyExitDrafter, check_exit_layer_given
+from specdecode.drafters.layer_skip import LayerSkipDrafter, SkipSet, resolve_skip_set
+from specdecode.drafters.prompt_lookup import PromptLookupDrafter
+from specdecode.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from specdecode.engine.protocol import BatchDrafter
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DrafterOptions:
+    """The drafter options of every method (``SpeculativeGenerator.make_drafter``'s keywords);
+    each method's factory reads those in its ``Method.options`` and ignores the rest.
+
+    Attributes:
+        skip_set, skip_layers, skip_config: "layer-skip"'s skip set, given once.
+        exit_layer: "early-exit"'s N (layers 0..N-1 draft).
+        prompt_lookup_max_ngram, prompt_lookup_min_ngram: n-gram sizes of "prompt-lookup" and of
+            the cascade's n-gram part.
+        draft_vocab_size: FR-Spec's K for the draft model's head (0 or None: the full head).
+        ngram_check: The cascade's check of n-gram tokens by the draft model.
+        draft_context_window: W, the draft model's prompt window (None: the whole prompt).
+        max_model_prompt_tokens: The cascade's prompt limit for the draft model (None: none).
+        compile: The fast path for the drafter's forwards (None: the device default).
+        draft_backend: "torch" or "llama-cpp" (None: ``SpeculativeGenerator.default_draft_backend``).
+    """
+
+    skip_set: SkipSet | None = None
+    skip_layers: str | None = None
+    skip_config: str | Path | None = None
+    exit_layer: int | None = None
+    prompt_lookup_max_ngram: int = 3
+    prompt_lookup_min_ngram: int = 1
+    draft_vocab_size: int | None = None
+    ngram_check: bool = True
+    draft_context_window: int | None = None
+    max_model_prompt_tokens: int | None = None
+    compile: bool | None = None
+    draft_backend: str | None = None
+
+
+#: A factory: (generator, options) -> the drafter, or None for target-only decoding.
+Factory = Callable[[Any, DrafterOptions], "Drafter | None"]
+BatchFactory = Callable[[Any, DrafterOptions], "BatchDrafter | None"]
+
+
+@dataclass(frozen=True)
+class Method:
+    """One decoding method.
+
+    Attributes:
+        name: As users write it ("draft", "layer-skip", ...).
+        factory: Builds its drafter for ``SpeculativeDecoder`` (None: target-only decoding).
+            Raises ``InvalidArgumentError`` when a required option or model is missing.
+        options: The ``DrafterOptions`` fields it uses (``compile`` for every method that runs
+            a model; "autoregressive" takes ``compile`` alone, for the target).
+        needs_draft_model: Whether it drafts with a separate draft model (so it loads one and
+            takes the draft's loading options, ``draft_quantize`` and ``draft_quantize_head``).
+        batch_factory: Builds its drafter for ``BatchedSpeculativeDecoder``, or None when the
+            method has no batch mode.
+        adaptive_exit: Whether its drafter gives draft probabilities, so adaptive draft exit
+            applies (``Drafter.supports_exit_policy``).
+    """
+
+    name: str
+    factory: Factory
+    options: frozenset[str] = field(default_factory=frozenset)
+    needs_draft_model: bool = False
+    batch_factory: BatchFactory | None = None
+    adaptive_exit: bool = False
+
+    @property
+    def has_batch_mode(self) -> bool:
+        return self.batch_factory is not None
+
+
+# --- the factories ---------------------------------------------------------------------------
+
+
+def _no_drafter(generator, options: DrafterOptions) -> None:
+    return None
+
+
+def _draft_model_parts(generator, method: str, o: DrafterOptions) -> tuple:
+    """(model, head, runner) of the draft model for "draft" and "cascade", on the chosen backend."""
+    backend = o.draft_backend if o.draft_backend is not None else generator.default_draft_backend()
+    if generator.draft is None and backend == "torch":
+        raise InvalidArgumentError(
+            f"method {method!r} needs a draft model; pass draft=... (or use 'layer-skip', 'early-exit' "
+            "or 'prompt-lookup', which need none)"
+        )
+    if backend == "llama-cpp":
+        if o.draft_vocab_size:
+            raise InvalidArgumentError(
+                f"draft_vocab_size={o.draft_vocab_size!r} truncates a torch draft's LM head; the llama.cpp draft "
+                "computes every logit: leave it out, or use draft_backend='torch'"
+            )
+        return generator.llama_cpp_draft(), None, generator.llama_cpp_draft_runner()
+    runner = generator.runner("draft", o.compile, o.draft_vocab_size or 0)
+    return generator.draft.model, generator.draft_head(o.draft_vocab_size), runner
+
+
+def _draft(generator, o: DrafterOptions) -> DraftModelDrafter:
+    model, head, runner = _draft_model_parts(generator, "draft", o)
+    return DraftModelDrafter(model, head, runner, o.draft_context_window)
+
+
+def _cascade(generator, o: DrafterOptions) -> CascadeDrafter:
+    model, head, runner = _draft_model_parts(generator, "cascade", o)
+    return CascadeDrafter(model, o.prompt_lookup_max_ngram, o.prompt_lookup_min_ngram, head, runner, o.ngram_check,
+                          o.draft_context_window, o.max_model_prompt_tokens)
+
+
+def _layer_skip(generator, o: DrafterOptions) -> LayerSkipDrafter:
+    skip_set = resolve_skip_set(o.skip_set, o.skip_layers, o.skip_config)
+    logger.info("layer-skip drafting with skip set %s", skip_set)
+    return LayerSkipDrafter(generator.target.model, skip_set, generator.runner("layer-skip", o.compile, str(skip_set)))
+
+
+def _early_exit(generator, o: DrafterOptions) -> EarlyExitDrafter:
+    check_exit_layer_given(o.exit_layer)
+    runner = generator.runner("early-exit", o.compile, o.exit_layer)
+    return EarlyExitDrafter(generator.target.model, o.exit_layer, runner)
+
+
+def _prompt_lookup(generator, o: DrafterOptions) -> PromptLookupDrafter:
+    return PromptLookupDrafter(o.prompt_lookup_max_ngram, o.prompt_lookup_min_ngram)
+
+
+def _batch_draft(generator, o: DrafterOptions) -> BatchDraftModelDrafter:
+    if generator.draft is None:
+        raise InvalidArgumentError("batched method 'draft' needs a draft model run by torch (it has no "
+                                   "llama.cpp backend); pass draft=... with draft_backend='torch'")
+    return BatchDraftModelDrafter(generator.draft.model)
+
+
+def _batch_layer_skip(generator, o: DrafterOptions) -> BatchLayerSkipDrafter:
+    return BatchLayerSkipDrafter(generator.target.model, resolve_skip_set(o.skip_set, o.skip_layers, o.skip_config))
+
+
+def _batch_early_exit(generator, o: DrafterOptions) -> BatchEarlyExitDrafter:
+    check_exit_layer_given(o.exit_layer)
+    return BatchEarlyExitDrafter(generator.target.model, o.exit_layer)
+
+
+def _batch_prompt_lookup(generator, o: DrafterOptions) -> BatchPromptLookupDrafter:
+    return BatchPromptLookupDrafter(o.prompt_lookup_max_ngram, o.prompt_lookup_min_ngram)
+
+
+# --- the registry ----------------------------------------------------------------------------
+
+_NGRAMS = frozenset({"prompt_lookup_max_ngram", "prompt_lookup_min_ngram"})
+_DRAFT_MODEL = frozenset({"draft_vocab_size", "draft_context_window", "draft_backend", "compile"})
+
+#: Every method, in the order users see them (``METHODS``).
+REGISTRY: Mapping[str, Method] = MappingProxyType({m.name: m for m in (
+    Method("autoregressive", _no_drafter, frozenset({"compile"}), batch_factory=_no_drafter),
+    Method("draft", _draft, _DRAFT_MODEL, needs_draft_model=True, batch_factory=_batch_draft, adaptive_exit=True),
+    Method("cascade", _cascade, _DRAFT_MODEL | _NGRAMS | {"ngram_check", "max_model_prompt_tokens"},
+           needs_draft_model=True, adaptive_exit=True),
+    Method("layer-skip", _layer_skip, frozenset({"skip_set", "skip_layers", "skip_config", "compile"}),
+           batch_factory=_batch_layer_skip, adaptive_exit=True),
+    Method("early-exit", _early_exit, frozenset({"exit_layer", "compile"}), batch_factory=_batch_early_exit,
+           adaptive_exit=True),
+    Method("prompt-lookup", _prompt_lookup, _NGRAMS, batch_factory=_batch_prompt_lookup),
+)})
+
+#: The method names, in order.
+METHODS: tuple[str, ...] = tuple(REGISTRY)
+#: The methods with a batch mode (``SpeculativeGenerator.batch_decoder``).
+BATCH_METHODS: tuple[str, ...] = tuple(name for name, m in REGISTRY.items() if m.has_batch_mode)
+#: The methods that load a draft model.
+DRAFT_MODEL_METHODS: tuple[str, ...] = tuple(name for name, m in REGISTRY.items() if m.needs_draft_model)
+
+
+@dataclass(frozen=True)
+class MethodOnlyOption:
+    """An option that methods which do not use it refuse, rather than ignore.
+
+    Attributes:
+        keyword: The ``make_drafter`` keyword, or a loading option of the draft model.
+        acts_on: What it acts on, in ``generate``'s message ("the draft model").
+        hint: Appended to ``generate``'s message.
+    """
+
+    keyword: str
+    acts_on: str
+    hint: str = ""
+
+
+#: Options that only some methods take (``methods_taking``), in the order ``generate`` checks its
+#: flags. ``draft_quantize`` and ``draft_quantize_head`` load the draft model (``from_pretrained``);
+#: the others are ``make_drafter`` keywords. ``draft_vocab_size`` 0 means the full head, so it counts
+#: as given only when truthy (``given``).
+METHOD_ONLY_OPTIONS: tuple[MethodOnlyOption, ...] = (
+    MethodOnlyOption("draft_quantize", "the draft model", "; use --quantize for the target"),
+    MethodOnlyOption("draft_quantize_head", "the draft model", "; use --quantize for the target"),
+    MethodOnlyOption("draft_vocab_size", "a draft model's head"),
+    MethodOnlyOption("max_model_prompt_tokens", "its draft model"),
+    MethodOnlyOption("draft_context_window", "a draft model"),
+    MethodOnlyOption("draft_backend", "the draft model"),
+)
+_DRAFT_LOADING_OPTIONS = ("draft_quantize", "draft_quantize_head")
+
+
+def get(method: str) -> Method | None:
+    """The entry of ``method``, or None for a name no method has."""
+    return REGISTRY.get(method)
+
+
+def methods_taking(keyword: str) -> tuple[str, ...]:
+    """The methods that take option ``keyword``, in ``METHODS`` order (the draft's loading options:
+    the methods with a draft model)."""
+    if keyword in _DRAFT_LOADING_OPTIONS:
+        return DRAFT_MODEL_METHODS
+    return tuple(name for name, m in REGISTRY.items() if keyword in m.options)
+
+
+def who_takes(keyword: str) -> str:
+    """The methods taking ``keyword``, in words: "the method 'cascade'", or "the methods with a draft
+    model, 'draft' and 'cascade'"."""
+    users = methods_taking(keyword)
+    if len(users) == 1:
+        return f"the method {users[0]!r}"
+    kind = "with a draft model, " if all(REGISTRY[m].needs_draft_model for m in users) else ""
+    return f"the methods {kind}{' and '.join(map(repr, users))}"
+
+
+def given(keyword: str, value: object) -> bool:
+    """Whether a method-only option counts as given: not None (``draft_vocab_size``: truthy, 0 being
+    the full head)."""
+    return bool(value) if keyword == "draft_vocab_size" else value is not None
+
+
+def refused_option(method: str, options: Mapping[str, object]) -> tuple[str, object] | None:
+    """The first of ``options`` (keyword -> value, in their order) that is a method-only option,
+    is given, and that ``method`` does not take; None when there is none. An unknown ``method``
+    takes none of them."""
+    known = {o.keyword for o in METHOD_ONLY_OPTIONS}
+    for keyword, value in options.items():
+        if keyword in known and given(keyword, value) and method not in methods_taking(keyword):
+            return keyword, value
+    return None
+
+
+def check_method(method: str) -> Method:
+    """The entry of ``method``.
+
+    Raises:
+        InvalidArgumentError: Unknown method; the message lists ``METHODS``.
+    """
+    entry = REGISTRY.get(method)
+    if entry is None:
+        raise InvalidArgumentError(f"unknown method {method!r}; allowed: {', '.join(METHODS)}")
+    return entry
+
+
+def make_drafter(generator, method: str, options: DrafterOptions) -> Drafter | None:
+    """The drafter of ``method`` for ``generator`` (None for "autoregressive").
+
+    Method-only options that ``method`` does not take are refused first
+    (``METHOD_ONLY_OPTIONS``), then the method's factory runs.
+
+    Raises:
+        InvalidArgumentError: A method-only option ``method`` does not take (named with its flag and
+            the methods that take it); an unknown method; the factory's own errors (a missing draft
+            model, skip set or exit layer, an option out of range).
+        VocabularyMismatchError: A llama.cpp draft's tokens differ from the target's.
+    """
+    refused = refused_option(method, {k: getattr(options, k) for k in (
+        "draft_backend", "draft_vocab_size", "max_model_prompt_tokens", "draft_context_window")})
+    if refused is not None:
+        keyword, value = refused
+        raise InvalidArgumentError(
+            f"{keyword}={value!r} (--{keyword.replace('_', '-')}) applies to {who_takes(keyword)}, not to {method!r}"
+        )
+    return check_method(method).factory(generator, options)
+
+
+def make_batch_drafter(generator, method: str, options: DrafterOptions) -> BatchDrafter | None:
+    """The batched engine's drafter of ``method`` (None for "autoregressive").
+
+    Raises:
+        InvalidArgumentError: ``method`` is unknown or has no batch mode (the message lists
+            ``BATCH_METHODS``); the factory's own errors.
+    """
+    entry = REGISTRY.get(method)
+    if entry is None or entry.batch_factory is None:
+        raise InvalidArgumentError(
+            f"method {method!r} has no batch mode; allowed with a batch: {', '.join(BATCH_METHODS)}"
+        )
+    return entry.batch_factory(generator, options)
