@@ -143,7 +143,9 @@ class BatchStats(_Rates):
         num_draft_forwards: Draft forwards in rounds, each over the whole batch (a draft model's
             prefill of a joining row is not counted).
         prefill_time_s: Seconds in prefills.
-        decode_time_s: Seconds in rounds.
+        decode_time_s: Seconds in rounds, compilation excluded.
+        warmup_s: Seconds rounds spent compiling fast-path buckets at first use
+            (``BatchedSpeculativeDecoder.warm_up`` pays them before any request instead).
         max_rows: The most rows one round decoded.
     """
 
@@ -156,6 +158,7 @@ class BatchStats(_Rates):
     num_draft_forwards: int = 0
     prefill_time_s: float = 0.0
     decode_time_s: float = 0.0
+    warmup_s: float = 0.0
     max_rows: int = 0
 
     @property
