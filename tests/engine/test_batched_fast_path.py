@@ -159,6 +159,26 @@ def test_compile_option_and_row_buckets_are_checked():
     assert check_row_buckets((4, 1), 6) == (1, 4, 6)
 
 
+def test_batch_decoder_and_bench_pass_compile_through():
+    """``SpeculativeGenerator.batch_decoder(compile=...)`` and bench's ``--compile`` reach the engine."""
+    from conftest import make_tiny_tokenizer
+    from specdecode.bench.batched import BatchMethod, _runner
+    from specdecode.bench.settings import BenchSettings
+    from specdecode.models import LoadedModel
+    from specdecode.pipeline import SpeculativeGenerator
+
+    target = make_tiny_model("llama", num_layers=2)
+    tok = make_tiny_tokenizer()
+    gen = SpeculativeGenerator(LoadedModel(target, tok, "tiny"), LoadedModel(perturbed_copy(target, 0.3), tok, "d"))
+    assert gen.batch_decoder("draft", max_batch_size=2, compile=True).compile is True
+    assert gen.batch_decoder("draft", max_batch_size=2, compile=True).drafter.cache.fast is not None
+    assert gen.batch_decoder("prompt-lookup", max_batch_size=2).compile is False  # the CPU default
+    for name, flag, want in (("autoregressive", True, True), ("autoregressive:compile=0", True, False),
+                             ("prompt-lookup", None, False), ("draft:compile=1", False, True)):
+        run = _runner(gen, BatchMethod.parse(name), BenchSettings(compile=flag), 2, 64)
+        assert run.args[0].compile is want, name
+
+
 @pytest.fixture
 def fresh_dynamo():
     torch._dynamo.reset()

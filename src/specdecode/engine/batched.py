@@ -253,6 +253,8 @@ class BatchedSpeculativeDecoder:
         if drafter is not None:
             drafter.bind(self.cache)
         self.stats = BatchStats()
+        #: Whether ``warm_up`` ran (a bench warms a compiling engine up once).
+        self.warmed_up = False
         self._rows: list[_Row] = []  # active, in slot order
         self._waiting: deque[_Row] = deque()
         self._finished: OrderedDict[int, str] = OrderedDict()
@@ -357,6 +359,7 @@ class BatchedSpeculativeDecoder:
         if self.drafter is not None:
             self.drafter.warm_up(self.max_batch_size, self.max_block)
         seconds = time.perf_counter() - t0
+        self.warmed_up = True
         logger.info("warm-up: %d forward widths (%d..%d tokens)%s in %.1f s", len(widths), widths[0], widths[-1],
                     f", {len(self.runner.buckets)} compiled target buckets" if self.compile else "", seconds)
         return seconds
