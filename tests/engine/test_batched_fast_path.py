@@ -204,3 +204,57 @@ def test_compiled_prompt_lookup_equals_autoregressive(fresh_dynamo):
     again = [p + [3, 4] for p in reversed(PROMPTS)]
     assert [r.token_ids for r in dec.generate(again, configs)] == _alone(target, again, configs)
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+_SYNC_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+@pytest.fixture
+def sync_counter(monkeypatch):
+    """Records every tensor-to-host read (``_SYNC_METHODS``) as (method, caller's file, caller's function)."""
+    import sys
+
+    calls: list[tuple[str, str, str]] = []
+    for name in _SYNC_METHODS:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _name=name, _original=original, **kwargs):
+            frame = sys._getframe(1)
+            calls.append((_name, frame.f_code.co_filename, frame.f_code.co_name))
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return calls
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("name", ["autoregressive", "draft", "prompt-lookup"])
+def test_one_host_sync_per_batched_round(name, sync_counter):
+    """Greedy rounds on the fast path read the device back once: the round's one ``tolist`` of
+    drafts, argmaxes and finiteness flags. Prompt lookup drafts on the host, over the rows' token
+    lists (CPU tensors built from them: one ``tolist`` per row and an ``int`` per n-gram match in
+    ``find_continuation``), which reads nothing back from the device; those are listed apart."""
+    target = make_tiny_model("qwen2", num_layers=2)
+    draft = perturbed_copy(target, noise=0.3, seed=1)
+    dec = BatchedSpeculativeDecoder(target, _drafters(target, draft)[name](), max_batch_size=3, max_length=96,
+                                    num_speculative_tokens=4, compile=True, graphs=False)
+    for prompt, config in zip(PROMPTS[:3], _configs()):
+        dec.add(prompt, config)
+    round_calls: list[list] = []
+    original = dec._round
+
+    def counted_round(events):
+        before = len(sync_counter)
+        original(events)
+        round_calls.append(sync_counter[before:])
+
+    dec._round = counted_round
+    while dec.has_work:
+        dec.step()
+    assert len(round_calls) == dec.stats.num_rounds > 5
+    host_drafting = ("drafters/prompt_lookup.py", "drafters/batched.py")  # find_continuation, its caller
+    for calls in round_calls:
+        device_reads = [c for c in calls if not (name == "prompt-lookup" and c[1].endswith(host_drafting))]
+        assert [(m, f) for m, _, f in device_reads] == [("tolist", "_round")], device_reads
+    if name == "prompt-lookup":
+        assert any(len(calls) > 1 for calls in round_calls)  # host drafting was seen, and set apart
