@@ -59,6 +59,8 @@ def default_batch_compile(device: torch.device | str) -> bool:
     rows 8 width 1 314 / 1301; rows 8 width 6 721 / 2645 (45-62 s to compile each bucket).
     The machine was shared (load 3-7 on 2 cores), so single cells are noisy, but the compiled
     forwards attend over every allocated position and lost in 4 of 6 cells, by 2-4x at 8 rows.
+    A quieter rerun (8 repeats, inductor's cache warm: 6-9 s a bucket): rows 1 width 1 280 / 335,
+    width 6 255 / 279; rows 8 width 1 326 / 1419, width 6 797 / 1294: eager in every cell.
     """
     return torch.device(device).type == "cuda"
 
