@@ -477,6 +477,7 @@ class SpeculativeGenerator:
         exit_layer: int | None = None,
         prompt_lookup_max_ngram: int = 3,
         prompt_lookup_min_ngram: int = 1,
+        compile: bool | None = None,
     ) -> BatchedSpeculativeDecoder:
         """A ``BatchedSpeculativeDecoder`` (many rows at once, continuous batching) for ``method``.
 
@@ -489,6 +490,8 @@ class SpeculativeGenerator:
                 on a CPU (measured: a verification over more tokens costs more than one step), no
                 limit on other devices (not measured).
             skip_set .. prompt_lookup_min_ngram: See ``make_drafter``.
+            compile: The batched fast path (compiled (rows, width) buckets, CUDA graphs on CUDA):
+                True, False, or None for the device's default (``BatchedSpeculativeDecoder``).
 
         Raises:
             InvalidArgumentError: Unknown method or one without a batch mode; the errors of
@@ -515,6 +518,7 @@ class SpeculativeGenerator:
                 if max_verify_tokens == "auto"
                 else max_verify_tokens
             ),
+            compile=compile,
         )
 
     def stream(

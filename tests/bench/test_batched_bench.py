@@ -156,7 +156,7 @@ def test_batch_sizes_parse():
     ("draft:exit_rule=batch", "add \\+adaptive"),
     ("draft:exit_rule=diagonal+adaptive", "exit_rule='diagonal'; allowed: row, batch"),
     ("draft:decoder=multi", "decoder='multi'"),
-    ("draft:compile=1", "runs eagerly"),
+    ("draft:draft_vocab_size=1000", "draft_vocab_size applies to decoder=single only"),
     ("hf-generate:decoder=single", "takes no options"),
     ("draft+warp", "unknown modifier"),
 ])

@@ -124,7 +124,7 @@ class BatchMethod:
         Raises:
             InvalidArgumentError: No batch mode (the allowed methods are listed), a bad option or
                 modifier, ``exit_rule`` without ``+adaptive`` or not in ``BATCH_EXIT_RULES``, a
-                ``decoder`` but single/batched, ``compile``/``draft_vocab_size`` on the batched engine.
+                ``decoder`` but single/batched, ``draft_vocab_size`` on the batched engine.
         """
         head, *modifiers = name.split("+")
         base, sep, text = head.partition(":")
@@ -162,10 +162,10 @@ class BatchMethod:
                     f"method {name!r}: exit_rule applies to the batched engine's adaptive draft exit; add +adaptive"
                     + (" and drop decoder=single" if decoder == SINGLE else "")
                 )
-        if decoder == BATCHED and (spec.compile is not None or "draft_vocab_size" in spec.options):
+        if decoder == BATCHED and "draft_vocab_size" in spec.options:
             raise InvalidArgumentError(
-                f"method {name!r}: the batched engine runs eagerly over the draft's full vocabulary; compile and "
-                "draft_vocab_size apply to decoder=single only"
+                f"method {name!r}: the batched engine drafts over the draft's full vocabulary; draft_vocab_size "
+                "applies to decoder=single only"
             )
         return cls(name, decoder, spec, rule or "row")
 
@@ -213,32 +213,33 @@ def _runner(generator, method: BatchMethod, settings: BenchSettings, batch_size:
     gamma = spec.num_speculative_tokens or settings.num_speculative_tokens
     if method.kind == TRANSFORMERS:
         return functools.partial(_hf_group, _HFRunner(HF_METHODS[HF_BATCH_METHOD], generator, settings))
-    if method.kind == BATCHED and settings.compile:
-        logger.info("method %s: --compile does not apply to the batched engine, which runs eagerly", method.name)
+    compile_ = spec.compile if spec.compile is not None else settings.compile
     if method.kind == SINGLE:
         options = _options(method, settings, None)
         options.update({"draft_control": spec.draft_control} if spec.draft_control is not None else {})
-        compile_ = spec.compile if spec.compile is not None else settings.compile
         options.update({"compile": compile_} if compile_ is not None else {})
         return functools.partial(_single_group, build_decoder(generator, spec.base, options), gamma)
     control = spec.draft_control if spec.base != "autoregressive" else None
     block = max(gamma, control.max_draft_tokens if control is not None and control.adaptive_exit else 0)
     takes = _accepted_keywords(generator.batch_decoder)
-    fixed = {"max_batch_size", "max_length", "num_speculative_tokens", "draft_control", "exit_rule"}
+    fixed = {"max_batch_size", "max_length", "num_speculative_tokens", "draft_control", "exit_rule", "compile"}
     decoder = generator.batch_decoder(
         spec.base, max_batch_size=batch_size, max_length=positions + max(CAPACITY_MARGIN, block + 1),
         num_speculative_tokens=gamma, draft_control=control, exit_rule=method.exit_rule,
+        **({"compile": compile_} if compile_ is not None else {}),
         **_options(method, settings, None if takes is None else takes - fixed),
     )
     return functools.partial(_batched_group, decoder)
 
 
 def _batched_group(decoder, ids: list[torch.Tensor], configs: list) -> tuple[float, list[dict], tuple[int, int]]:
+    if decoder.compile and not decoder.warmed_up:  # the first (warm-up) group compiles every bucket
+        decoder.warm_up()
     stats = decoder.stats
-    accepted, rounds = stats.num_accepted_tokens, stats.num_row_rounds
+    accepted, rounds, compiling = stats.num_accepted_tokens, stats.num_row_rounds, decoder.compile_time_s
     t0 = time.perf_counter()
     results = decoder.generate(ids, configs)
-    seconds = time.perf_counter() - t0
+    seconds = time.perf_counter() - t0 - (decoder.compile_time_s - compiling)  # compilation is warm-up
     rounds = stats.num_row_rounds - rounds
     rows = [_row(r.token_ids, r.finish_reason, r.stats.prefill_time_s + r.stats.decode_time_s,
                  r.stats.num_drafted_tokens, r.stats.num_accepted_tokens) for r in results]

@@ -16,6 +16,11 @@ wide as the longest row either way, so the extra tokens cost the target nothing.
 
 The truncated draft head (FR-Spec) is not used in batch mode: the draft model drafts over its
 full vocabulary.
+
+Decode-time forwards go through a ``BatchRunner`` (``engine.batch_runner``): on the engine's
+fast path (``BatchKVCache.fast``) a draft model compiles its widths 1 and 2, a layer-skip or
+early-exit draft its width 1, each at every rows bucket, in graphs of its own (the layer-skip
+draft's are traced in draft mode, one set per drafter, hence per skip set).
 """
 
 from __future__ import annotations
@@ -30,12 +35,12 @@ from specdecode.drafters.layer_skip import SkipSet, decoder_layers, draft_mode
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter, find_continuation
 from specdecode.engine.batch_cache import (
     BatchKVCache,
-    batch_forward,
     batch_prefill,
     to_device,
     warm_up_forwards,
     warm_up_widths,
 )
+from specdecode.engine.batch_runner import BatchRunner
 from specdecode.engine.protocol import BatchDraft, BatchDrafter, ExitPolicy
 from specdecode.engine.sampling import Sampler, check_finite
 from specdecode.errors import InvalidArgumentError
@@ -159,6 +164,7 @@ class BatchDraftModelDrafter(BatchDrafter):
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model
         self.cache: BatchKVCache | None = None
+        self.runner: BatchRunner | None = None
         self._num_cached: list[int] = []
         self._samplers: list[Sampler | None] = []
 
@@ -169,13 +175,22 @@ class BatchDraftModelDrafter(BatchDrafter):
             target_cache.capacity,
             prefill_chunk_tokens=target_cache.prefill_chunk_tokens,
             prefill_pad_multiple=target_cache.prefill_pad_multiple,
+            fast=target_cache.fast,
         )
+        self.runner = BatchRunner(self.model, self.cache, (1, 2), self.who)
         self._num_cached = [0] * target_cache.num_slots
         self._samplers = [None] * target_cache.num_slots
         self.num_forwards = 0
 
+    @property
+    def compile_time_s(self) -> float:
+        """Seconds its runner spent compiling buckets."""
+        return self.runner.compile_time_s if self.runner is not None else 0.0
+
     def warm_up(self, max_rows: int, max_block: int) -> None:
         warm_up_forwards(self.model, self.cache, *warm_up_widths(self.cache, max_rows, max_block))
+        if self.cache.fast is not None:
+            self.runner.warm_up()
 
     @torch.inference_mode()
     def join(self, slot: int, prompt_ids: torch.Tensor, sampler: Sampler) -> None:
@@ -199,7 +214,7 @@ class BatchDraftModelDrafter(BatchDrafter):
         starts = [max(length - width, 0) for length in lengths]
         feeds = [s[start:] for s, start in zip(sequences, starts)]
         ids = to_device([f + f[-1:] * (width - len(f)) for f in feeds], self.cache.device)
-        logits = batch_forward(self.model, self.cache, ids, 0, starts, width)
+        logits = self.runner(ids, starts, width)
         if all(len(f) == width for f in feeds):
             first = logits[:, -1]
         else:
@@ -207,7 +222,7 @@ class BatchDraftModelDrafter(BatchDrafter):
             first = logits[torch.arange(n, device=logits.device), last]
 
         def forward(token: torch.Tensor, at: list[int]) -> torch.Tensor:
-            return batch_forward(self.model, self.cache, token, 0, at, 1)[:, -1]
+            return self.runner(token, at, 1)[:, -1]
 
         draft, steps = draft_batch(forward, first, lengths, max_tokens, self._samplers[:n], exits, exit_rule, self.who)
         self.num_forwards += steps
@@ -250,6 +265,7 @@ class BatchLayerSkipDrafter(BatchDrafter):
         self.model = model
         self.skip_set = skip_set
         self.cache: BatchKVCache | None = None
+        self.runner: BatchRunner | None = None
         self._samplers: list[Sampler | None] = []
 
     def bind(self, target_cache: BatchKVCache) -> None:
@@ -258,8 +274,20 @@ class BatchLayerSkipDrafter(BatchDrafter):
                 f"the {self.who}er must wrap the batched decoder's own target model: its cache belongs to another model"
             )
         self.cache = target_cache
+        self.runner = BatchRunner(self.model, target_cache, (1,), self.who)
         self._samplers = [None] * target_cache.num_slots
         self.num_forwards = 0
+
+    @property
+    def compile_time_s(self) -> float:
+        """Seconds its runner spent compiling buckets (graphs of the model in draft mode)."""
+        return self.runner.compile_time_s if self.runner is not None else 0.0
+
+    def warm_up(self, max_rows: int, max_block: int) -> None:
+        """On the fast path, every bucket of the draft-mode graphs once (the eager widths are the target's)."""
+        if self.cache.fast is not None:
+            with draft_mode(self.model, self.skip_set):
+                self.runner.warm_up()
 
     def join(self, slot: int, prompt_ids: torch.Tensor, sampler: Sampler) -> None:
         self._samplers[slot] = sampler
@@ -271,7 +299,7 @@ class BatchLayerSkipDrafter(BatchDrafter):
         starts = [len(s) - 1 for s in sequences]  # the target cache holds len - 1 positions of each row
 
         def forward(token: torch.Tensor, at: list[int]) -> torch.Tensor:
-            return batch_forward(self.model, self.cache, token, 0, at, 1)[:, -1]
+            return self.runner(token, at, 1)[:, -1]
 
         with draft_mode(self.model, self.skip_set):
             first = forward(pending, starts)

@@ -10,7 +10,8 @@
 - ``kv_cache``: cache creation and rollback;
 - ``batched``: ``BatchedSpeculativeDecoder``, many rows at once with continuous batching,
   on ``batch_cache.BatchKVCache`` (per-row positions and masks); its drafters implement
-  ``protocol.BatchDrafter``;
+  ``protocol.BatchDrafter``; ``batch_runner``: its fast path (``BatchRunner``, forwards
+  compiled at (rows, width) buckets, CUDA graphs on CUDA);
 - ``stopping``: stop strings;
 - ``stats``: ``SpecDecodingStats``, one class for a generation and for a batched engine's
   lifetime, with one definition of τ (``BatchStats`` is the same class, by its old name).

@@ -36,6 +36,7 @@ config has ``layer_types`` (Gemma 2/3, Qwen2) gets one mask per attention type.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
@@ -52,13 +53,36 @@ PREFILL_PAD_MULTIPLE = 16
 _EMBEDDING_ROWS_PER_LOOKUP = 8192
 
 
+@dataclass(frozen=True)
+class FastPath:
+    """The batched fast path's settings (``engine.batch_runner``), shared by the engine's caches.
+
+    Attributes:
+        rows: Rows buckets, ascending, the last one the cache's ``num_slots``.
+        max_width: The widest width bucket of any runner: positions allocated past the capacity,
+            where padding tokens land.
+        graphs: True compiles each bucket (``torch.compile``; CUDA graphs on CUDA); False runs the
+            same static-shape forwards eagerly (tests, debugging).
+    """
+
+    rows: tuple[int, ...]
+    max_width: int
+    graphs: bool = True
+
+
 class _Window:
-    """What the current forward writes: slots ``lo .. hi - 1``, at per-row positions, seeing ``kv_len`` keys."""
+    """What the current forward writes: slots ``lo .. hi - 1``, at per-row positions, seeing ``kv_len`` keys.
+
+    ``static`` (the fast path, ``engine.batch_runner``): the forward runs over slots 0 .. b - 1
+    (b: its batch dimension) and sees every allocated position; ``index`` is then a
+    persistent buffer of the runner's bucket, so no Python int of the window reaches a graph.
+    """
 
     def __init__(self) -> None:
         self.lo = 0
         self.hi = 0
         self.kv_len = 0
+        self.static = False
         self.index: torch.Tensor | None = None  # (b, 1, T, 1) long write positions
 
 
@@ -77,17 +101,24 @@ class _RowLayer(StaticLayer):
         shape = (self.num_slots, self.num_heads, self.max_cache_len)
         self.keys = torch.zeros((*shape, self.k_head_dim), dtype=self.dtype, device=self.device)
         self.values = torch.zeros((*shape, self.v_head_dim), dtype=self.dtype, device=self.device)
+        if not torch.compiler.is_compiling():  # compiled graphs (CUDA graphs) write these in place
+            torch._dynamo.mark_static_address(self.keys)
+            torch._dynamo.mark_static_address(self.values)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Write (b, H, T, D) keys/values at each row's positions; return the rows' first ``kv_len`` keys."""
+        """Write (b, H, T, D) keys/values at each row's positions; return the rows' first ``kv_len``
+        keys (on the fast path, ``_Window.static``: slots 0 .. b - 1, every allocated position)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         w = self.window
-        keys, values = self.keys[w.lo : w.hi], self.values[w.lo : w.hi]
         b, h, t, _ = key_states.shape
+        lo, hi = (0, b) if w.static else (w.lo, w.hi)
+        keys, values = self.keys[lo:hi], self.values[lo:hi]
         keys.scatter_(2, w.index.expand(b, h, t, self.k_head_dim), key_states)
         values.scatter_(2, w.index.expand(b, h, t, self.v_head_dim), value_states)
+        if w.static:
+            return keys, values
         return keys[:, :, : w.kv_len], values[:, :, : w.kv_len]
 
     def get_seq_length(self) -> int:
@@ -106,11 +137,15 @@ class BatchKVCache(Cache):
         prefill_chunk_tokens: The longest prefill forward, in tokens (``batch_prefill``).
         prefill_pad_multiple: A prefill chunk is padded on the right to a multiple of this many
             tokens (at most ``prefill_chunk_tokens``, which it must divide); 1 pads nothing.
+        fast: The fast path's settings (``FastPath``), or None (eager forwards only). Its
+            ``max_width`` positions are allocated past ``capacity``: the fast path's padding
+            tokens land there near a slot's end; no real token is ever written there.
 
     Attributes:
         owner: The model it was made for.
         device: That model's device.
-        num_slots, capacity, prefill_chunk_tokens, prefill_pad_multiple: As given.
+        num_slots, capacity, prefill_chunk_tokens, prefill_pad_multiple, fast: As given.
+        num_positions: Positions allocated per row (``capacity``, plus ``fast.max_width``).
 
     Raises:
         InvalidArgumentError: If ``num_slots``, ``capacity``, ``prefill_chunk_tokens`` or
@@ -132,6 +167,7 @@ class BatchKVCache(Cache):
         *,
         prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS,
         prefill_pad_multiple: int = PREFILL_PAD_MULTIPLE,
+        fast: FastPath | None = None,
     ) -> None:
         for name, value in (
             ("num_slots", num_slots),
@@ -171,8 +207,10 @@ class BatchKVCache(Cache):
         self.device = model.device
         self.num_slots = num_slots
         self.capacity = capacity
+        self.fast = fast
+        self.num_positions = capacity + (fast.max_width if fast is not None else 0)
         self._window = _Window()
-        layers = [_RowLayer(capacity, num_slots, self._window) for _ in range(config.num_hidden_layers)]
+        layers = [_RowLayer(self.num_positions, num_slots, self._window) for _ in range(config.num_hidden_layers)]
         super().__init__(layers=layers)
 
     def prepare(self, lo: int, starts: Sequence[int], width: int, dtype: torch.dtype, device) -> tuple:
@@ -202,11 +240,22 @@ class BatchKVCache(Cache):
                 f"a forward would write position {end - 1}, past the batch cache's capacity of {self.capacity}"
             )
         w = self._window
-        w.lo, w.hi, w.kv_len = lo, lo + b, end
+        w.lo, w.hi, w.kv_len, w.static = lo, lo + b, end, False
         positions = to_device(starts, device)[:, None] + torch.arange(width, device=device)
         w.index = positions[:, None, :, None]
         mask = self.attention_mask(positions, end, dtype)
         if self.max_position is not None and end - 1 > self.max_position:
+            positions = positions.clamp(max=self.max_position)  # only padding lies past the context
+        return positions, mask
+
+    def static_inputs(self, dtype: torch.dtype) -> tuple:
+        """The fast path's ``(position_ids, attention_mask)`` from the write positions its runner
+        put in the window: (R, W) long, and (R, 1, W, num_positions) masks over every allocated
+        position (a dict by layer type where the model has ``layer_types``). Traced into graphs."""
+        index = self._window.index
+        positions = index.view(index.shape[0], index.shape[2])
+        mask = self.attention_mask(positions, self.num_positions, dtype)
+        if self.max_position is not None:
             positions = positions.clamp(max=self.max_position)  # only padding lies past the context
         return positions, mask
 

@@ -28,7 +28,9 @@ with the same per-row accounting (its ``SpecDecodingStats`` names are used here)
 
 The number of draft tokens γ is an engine setting, as in vLLM: a request's
 ``GenerationConfig.num_speculative_tokens`` is not used. Banned words and prompt
-caches are not supported in batch mode. Forwards run eagerly (no compiled graphs).
+caches are not supported in batch mode. Decode-time forwards run on the fast path
+(``batch_runner``: compiled at a few (rows, width) buckets, CUDA graphs on CUDA) where
+``compile`` is on; prefills run eagerly.
 """
 
 from __future__ import annotations
@@ -48,12 +50,13 @@ from specdecode.engine.batch_cache import (
     PREFILL_CHUNK_TOKENS,
     PREFILL_PAD_MULTIPLE,
     BatchKVCache,
-    batch_forward,
+    FastPath,
     batch_prefill,
     to_device,
     warm_up_forwards,
     warm_up_widths,
 )
+from specdecode.engine.batch_runner import BatchRunner, check_row_buckets, default_batch_compile
 from specdecode.engine.decoder import GenerationResult, _as_2d
 from specdecode.engine.protocol import BATCH_EXIT_RULES, BatchDraft, BatchDrafter, DraftPolicy
 from specdecode.engine.sampling import Sampler, check_finite, logits_width, raise_non_finite
@@ -156,6 +159,17 @@ class BatchedSpeculativeDecoder:
             multiple of ``prefill_pad_multiple`` (``batch_cache.batch_prefill``), so a server's
             stream of prompt lengths gives a few forward shapes, and oneDNN's per-shape
             kernels stop piling up on a CPU.
+        compile: The fast path (``batch_runner``) for the target's and the drafter's decode-time
+            forwards: True, False, or None for the device's default (``default_batch_compile``).
+        graphs: With ``compile``, False runs the fast path's static-shape forwards without
+            ``torch.compile`` (tests, debugging).
+        row_buckets: With ``compile``, the rows buckets (integers in 1 .. ``max_batch_size``);
+            None: 1, 2, 4, .. and ``max_batch_size`` (``batch_runner.row_buckets``). Fewer
+            buckets compile faster and pad more rows.
+
+    Attributes:
+        compile: Whether the fast path is on.
+        runner: The target's ``BatchRunner``.
 
     Raises:
         InvalidArgumentError: On a value outside its range (named in the message), or adaptive
@@ -179,7 +193,12 @@ class BatchedSpeculativeDecoder:
         max_verify_tokens: int | None = None,
         prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS,
         prefill_pad_multiple: int = PREFILL_PAD_MULTIPLE,
+        compile: bool | None = None,
+        graphs: bool = True,
+        row_buckets: Sequence[int] | None = None,
     ) -> None:
+        if compile is not None and not isinstance(compile, bool):
+            raise InvalidArgumentError(f"compile must be True, False or None (the device default), got {compile!r}")
         if max_verify_tokens is not None and (
             isinstance(max_verify_tokens, bool) or not isinstance(max_verify_tokens, int) or max_verify_tokens < 1
         ):
@@ -206,17 +225,25 @@ class BatchedSpeculativeDecoder:
         probe = draft_control.controller(self.gamma) if self.adaptive else None
         #: The longest block a round drafts (the verification is at most this + 1 wide).
         self.max_block = probe.max_tokens if probe is not None else self.gamma
+        self.compile = default_batch_compile(target.device) if compile is None else compile
+        # The widest bucket: a verification (max_block + 1) or a draft model's first feed (2).
+        rows = check_row_buckets(row_buckets, max_batch_size)
+        fast = FastPath(rows, max(self.max_block + 1, 2), graphs) if self.compile else None
         self.cache = BatchKVCache(
             target,
             max_batch_size,
             max_length,
             prefill_chunk_tokens=prefill_chunk_tokens,
             prefill_pad_multiple=prefill_pad_multiple,
+            fast=fast,
         )
+        self.runner = BatchRunner(target, self.cache, (1, self.max_block + 1), "target model")
         self.max_length = max_length
         if drafter is not None:
             drafter.bind(self.cache)
         self.stats = SpecDecodingStats()
+        #: Whether ``warm_up`` ran (a bench warms a compiling engine up once).
+        self.warmed_up = False
         self._rows: list[_Row] = []  # active, in slot order
         self._waiting: deque[_Row] = deque()
         self._finished: OrderedDict[int, str] = OrderedDict()
@@ -238,6 +265,11 @@ class BatchedSpeculativeDecoder:
     def has_work(self) -> bool:
         """Whether ``step`` has anything to do."""
         return bool(self._rows or self._waiting)
+
+    @property
+    def compile_time_s(self) -> float:
+        """Seconds spent compiling fast-path buckets (target and drafter), over the engine's life."""
+        return self.runner.compile_time_s + getattr(self.drafter, "compile_time_s", 0.0)
 
     def add(self, input_ids: torch.Tensor | Sequence[int], config: GenerationConfig | None = None) -> int:
         """Queue a request; it joins the batch at the next ``step`` with a free slot.
@@ -299,7 +331,9 @@ class BatchedSpeculativeDecoder:
         """Run the target, and a draft model, once at every token count this engine's forwards can
         take (``batch_cache.warm_up_widths``), before any request: on a CPU each new matmul shape
         JIT-compiles oneDNN kernels that stay in memory, so a server's resident memory would
-        grow while rare shapes keep turning up. Returns the seconds it took.
+        grow while rare shapes keep turning up. On the fast path it then runs every compiled
+        bucket of the target and the drafter once, so compilation happens here. Returns the
+        seconds it took.
 
         Raises:
             InvalidArgumentError: If requests are queued or running.
@@ -309,10 +343,14 @@ class BatchedSpeculativeDecoder:
         t0 = time.perf_counter()
         widths, logit_widths = warm_up_widths(self.cache, self.max_batch_size, self.max_block)
         warm_up_forwards(self.target, self.cache, widths, logit_widths)
+        if self.compile:
+            self.runner.warm_up()
         if self.drafter is not None:
             self.drafter.warm_up(self.max_batch_size, self.max_block)
         seconds = time.perf_counter() - t0
-        logger.info("warm-up: %d forward widths (%d..%d tokens) in %.1f s", len(widths), widths[0], widths[-1], seconds)
+        self.warmed_up = True
+        logger.info("warm-up: %d forward widths (%d..%d tokens)%s in %.1f s", len(widths), widths[0], widths[-1],
+                    f", {len(self.runner.buckets)} compiled target buckets" if self.compile else "", seconds)
         return seconds
 
     def cancel(self, request_id: int) -> None:
@@ -460,7 +498,7 @@ class BatchedSpeculativeDecoder:
 
     def _round(self, events: dict) -> None:
         rows, device = self._rows, self.target.device
-        t0 = time.perf_counter()
+        t0, compiling = time.perf_counter(), self.compile_time_s
         caps = self._caps() if self.drafter is not None else [0] * len(rows)
         sequences = [row.tokens for row in rows]
         draft: BatchDraft | None = None
@@ -477,7 +515,7 @@ class BatchedSpeculativeDecoder:
         # verify: one forward, row b at its own position len_b - 1, padded on the right to K + 1.
         pending = to_device([[s[-1]] for s in sequences], device)
         ids = torch.cat([pending, draft.tokens[:, :K]], dim=1) if K else pending
-        logits = batch_forward(self.target, self.cache, ids, 0, [len(s) - 1 for s in sequences], K + 1)
+        logits = self.runner(ids, [len(s) - 1 for s in sequences], K + 1)
         logits = logits[..., : self.vocab_size] if logits.shape[-1] > self.vocab_size else logits
         # The round's one host sync: drafts, the target's argmax, finiteness flags (per position).
         finite = torch.isfinite(logits).all(-1).flatten()
@@ -528,7 +566,9 @@ class BatchedSpeculativeDecoder:
             self.drafter.rollback([len(row.tokens) - 1 for row in rows])
             draft_forwards = self.drafter.num_forwards - forwards_before
             self.stats.num_draft_forwards += draft_forwards
-        elapsed = time.perf_counter() - t0
+        compiled = self.compile_time_s - compiling  # first calls of buckets: warm-up, not decoding
+        elapsed = time.perf_counter() - t0 - compiled
+        self.stats.warmup_s += compiled
         self.stats.record_round(n)
         self.stats.decode_time_s += elapsed
         for row in rows:

@@ -57,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser, *, default_target: str, default_dr
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto")
     p.add_argument("--cache-dir", default=None, help="where assembled and dense models are cached")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="the batched fast path: decode-time forwards compiled at a few (rows, width) buckets, "
+                        "CUDA graphs on CUDA, compiled in the warm-up; default: on for CUDA, off for a CPU")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the start-up forwards at every width the engine uses (without them, a CPU "
                         "server's memory grows while new matmul shapes turn up)")
@@ -154,7 +157,7 @@ def run(args) -> int:
         num_speculative_tokens=args.num_speculative_tokens, draft_control=control, exit_rule=args.exit_rule,
         max_verify_tokens=verify, skip_layers=args.skip_layers, skip_config=args.skip_config,
         exit_layer=args.exit_layer, prompt_lookup_max_ngram=args.prompt_lookup_max_ngram,
-        prompt_lookup_min_ngram=args.prompt_lookup_min_ngram,
+        prompt_lookup_min_ngram=args.prompt_lookup_min_ngram, compile=args.compile,
     )
     if not args.no_warmup:
         decoder.warm_up()

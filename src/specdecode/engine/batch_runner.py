@@ -1,0 +1,242 @@
+"""The batched engine's fast path: decode-time forwards compiled at a few (rows, width) buckets.
+
+gpt-fast's design (``generate.py``: a static cache, static shapes, CUDA graphs), for a batch
+whose rows each continue at their own position (``batch_cache.BatchKVCache``):
+
+* **Buckets.** A forward over n rows of w tokens runs the graph of the smallest rows bucket
+  R >= n (powers of two up to the engine's ``max_batch_size``, and that size itself;
+  ``row_buckets``) and the smallest width bucket W >= w of its runner (the target: 1 and the
+  longest verification, ``max_block + 1``; a draft model: 1 and 2; a layer-skip draft: 1).
+  Its input is padded: tokens on the right with copies of each row's last token, which land
+  past the row's length where the next forward overwrites them (the cache's ``margin`` holds
+  them near the end of a slot); rows n .. R - 1 are free slots (the active rows fill slots
+  0 .. n - 1), written at positions 0 .. W - 1, which a joining row's prefill overwrites.
+* **Static shapes inside the graph.** Every forward sees all ``num_positions`` positions of its
+  R slots; its write positions come from a persistent (R, 1, W, 1) buffer of the bucket and
+  the 4D attention mask (causal, and sliding-window where the model has it) is computed from
+  them inside the graph. No Python int that changes from round to round reaches a graph, so a
+  bucket compiles once.
+* **One compiled function per bucket**, each on its own code object: torch keeps compiled
+  variants and their recompile budget per code object, so no bucket can exhaust another's
+  (torch 2.11's ``torch.compile`` has no ``isolate_recompiles``). ``dynamic=False,
+  fullgraph=True``; on CUDA ``mode="reduce-overhead"`` (CUDA graphs): each call starts with
+  ``torch.compiler.cudagraph_mark_step_begin()`` and its logits are cloned before the next
+  graph reuses their memory. The first calls of a bucket (compilation, graph capture) are
+  timed apart, in ``compile_time_s``, and logged at INFO.
+* **Inputs** are copied into the bucket's persistent buffers: token ids device to device,
+  write positions from host ints through pinned memory without blocking (``to_device``).
+  Nothing reads back.
+
+A forward wider than the runner's widest bucket, the first forward on a cache not yet
+allocated, and every prefill run eagerly on the same cache (``batch_cache.batch_forward``).
+``graphs=False`` keeps the static full-capacity path, buckets and padding included, without
+``torch.compile``: the fast path's logic without its compile time, for tests and debugging.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import types
+from collections.abc import Callable, Sequence
+
+import torch
+from transformers import PreTrainedModel
+
+from specdecode.engine.batch_cache import BatchKVCache, batch_forward
+from specdecode.errors import InvalidArgumentError
+
+logger = logging.getLogger(__name__)
+
+
+def default_batch_compile(device: torch.device | str) -> bool:
+    """The batched fast path's default: on for CUDA; off for a CPU, where eager measured faster.
+
+    Measured (``docs/benchmarks/batched_fast_path_cost.py``, 2026-11-25): Qwen2.5-Coder 1.5B,
+    bf16, 2-core AMD EPYC with AVX512-BF16 (no AMX), torch 2.13, 2 threads, rows of 300
+    positions in a 2048-position cache, ms per forward eager / compiled: rows 1 width 1
+    240 / 549; rows 1 width 6 1562 / 1060; rows 4 width 1 1010 / 613; rows 4 width 6 428 / 785;
+    rows 8 width 1 314 / 1301; rows 8 width 6 721 / 2645 (45-62 s to compile each bucket).
+    The machine was shared (load 3-7 on 2 cores), so single cells are noisy, but the compiled
+    forwards attend over every allocated position and lost in 4 of 6 cells, by 2-4x at 8 rows.
+    A quieter rerun (8 repeats, inductor's cache warm: 6-9 s a bucket): rows 1 width 1 280 / 335,
+    width 6 255 / 279; rows 8 width 1 326 / 1419, width 6 797 / 1294: eager in every cell.
+    """
+    return torch.device(device).type == "cuda"
+
+
+def row_buckets(max_rows: int) -> tuple[int, ...]:
+    """Rows buckets for an engine of ``max_rows`` slots: 1, 2, 4, .. below it, and ``max_rows``."""
+    out, r = [], 1
+    while r < max_rows:
+        out.append(r)
+        r *= 2
+    return (*out, max_rows)
+
+
+def check_row_buckets(buckets: Sequence[int] | None, max_rows: int) -> tuple[int, ...]:
+    """``buckets`` sorted, with ``max_rows`` added (every batch needs a bucket), or ``row_buckets(max_rows)`` for None.
+
+    Raises:
+        InvalidArgumentError: A bucket that is not an integer in 1 .. ``max_rows``.
+    """
+    if buckets is None:
+        return row_buckets(max_rows)
+    if isinstance(buckets, (str, bytes)) or not all(
+        isinstance(r, int) and not isinstance(r, bool) and 1 <= r <= max_rows for r in buckets
+    ):
+        raise InvalidArgumentError(f"row_buckets must be integers in 1..{max_rows} (max_batch_size), got {buckets!r}")
+    return tuple(sorted({*buckets, max_rows}))
+
+
+class BatchRunner:
+    """Runs one model's decode-time forwards over a ``BatchKVCache``: eager, or on the fast path.
+
+    Args:
+        model: The model (for a self-speculative draft, the target in ``draft_mode``: give it
+            a runner of its own, so its graphs are those of the skipped model).
+        cache: Its batch cache; its ``fast`` settings (``batch_cache.FastPath``) decide the
+            path: None runs every forward eagerly (``batch_forward``), as the engine did before.
+        widths: Width buckets (tokens per row), each an integer in 1 .. ``cache.fast.max_width``.
+        name: For log messages ("target model", "draft model", "layer-skip draft").
+
+    Attributes:
+        compile_time_s: Seconds in first calls of buckets (compilation; CUDA graph capture).
+        num_eager_forwards: Forwards run eagerly (all of them without the fast path).
+
+    Raises:
+        InvalidArgumentError: A width outside 1 .. ``cache.fast.max_width``.
+    """
+
+    def __init__(self, model: PreTrainedModel, cache: BatchKVCache, widths: Sequence[int], name: str) -> None:
+        self.model, self.cache, self.name = model, cache, name
+        self.fast = cache.fast
+        limit = self.fast.max_width if self.fast is not None else None
+        for w in widths:
+            if isinstance(w, bool) or not isinstance(w, int) or w < 1 or (limit is not None and w > limit):
+                raise InvalidArgumentError(f"{name}: width buckets must be integers in 1..{limit}, got {list(widths)}")
+        self.widths = tuple(sorted(set(widths)))
+        self.rows = self.fast.rows if self.fast is not None else ()
+        self.compile_time_s = 0.0
+        self.num_eager_forwards = 0
+        self._cuda = cache.device.type == "cuda"
+        self._warm_calls = 2 if self._cuda else 1  # CUDA graph trees record at the second call
+        self._buckets: dict[tuple[int, int], _Bucket] = {}
+
+    @property
+    def buckets(self) -> list[tuple[int, int]]:
+        """Every (rows, width) bucket this runner runs on the fast path (none without it)."""
+        return [(r, w) for r in self.rows for w in self.widths]
+
+    @torch.inference_mode()
+    def __call__(self, ids: torch.Tensor, starts: Sequence[int], logits_to_keep: int) -> torch.Tensor:
+        """One forward over slots 0 .. n - 1, row i at positions ``starts[i] ..``.
+
+        Args:
+            ids: (n, w) long token ids on the model's device.
+            starts: (n,) each row's cached length, as Python ints.
+            logits_to_keep: The last positions (of the w) to return logits for.
+
+        Returns:
+            (n, logits_to_keep, V) logits, safe to keep across later forwards.
+
+        Raises:
+            InvalidArgumentError: As ``BatchKVCache.prepare`` (a row past the capacity).
+        """
+        n, w = ids.shape
+        rows = next((r for r in self.rows if r >= n), None)
+        width = next((b for b in self.widths if b >= w), None)
+        if rows is None or width is None or not self.cache.layers[0].is_initialized:
+            self.num_eager_forwards += 1
+            return batch_forward(self.model, self.cache, ids, 0, starts, logits_to_keep)
+        end = max(starts) + w
+        if end > self.cache.capacity:
+            raise InvalidArgumentError(
+                f"a forward would write position {end - 1}, past the batch cache's capacity of {self.cache.capacity}"
+            )
+        bucket = self._bucket(rows, width)
+        bucket.ids[:n, :w].copy_(ids)
+        if width > w:
+            bucket.ids[:n, w:].copy_(ids[:, -1:].expand(n, width - w))
+        index = [[s + t for t in range(width)] for s in starts] + [list(range(width))] * (rows - n)
+        _copy_from_host(bucket.index.view(rows, width), index)
+        logits = self._run(bucket)
+        out = logits[:n, w - logits_to_keep : w]
+        return out.clone() if self._cuda else out
+
+    def warm_up(self) -> None:
+        """Run every bucket once (twice on CUDA: capture), so that a server compiles before its
+        first request. Slots 0 .. R - 1 hold garbage afterwards, which prefills overwrite.
+        Needs an allocated cache (an eager forward first: ``batch_cache.warm_up_forwards``)."""
+        if not self.cache.layers[0].is_initialized:
+            raise InvalidArgumentError(f"{self.name}: warm up the eager widths first (the cache is not allocated)")
+        for rows, width in self.buckets:
+            bucket = self._bucket(rows, width)
+            with torch.inference_mode():
+                bucket.ids.zero_()
+                _copy_from_host(bucket.index.view(rows, width), [list(range(width))] * rows)
+                for _ in range(self._warm_calls):
+                    self._run(bucket)
+
+    def _bucket(self, rows: int, width: int) -> _Bucket:
+        bucket = self._buckets.get((rows, width))
+        if bucket is None:
+            bucket = self._buckets[(rows, width)] = _Bucket(self, rows, width)
+        return bucket
+
+    def _run(self, bucket: _Bucket) -> torch.Tensor:
+        window = self.cache._window
+        window.static, window.index = True, bucket.index
+        first = bucket.calls < self._warm_calls
+        t0 = time.perf_counter() if first else 0.0
+        if self._cuda:
+            torch.compiler.cudagraph_mark_step_begin()
+        logits = bucket.forward(bucket.ids, self.cache)
+        if first:
+            bucket.calls += 1
+            seconds = time.perf_counter() - t0
+            self.compile_time_s += seconds
+            if bucket.calls == 1 and self.fast.graphs:
+                logger.info("%s: compiled %d rows x %d tokens in %.1f s", self.name, bucket.rows, bucket.width, seconds)
+        return logits
+
+
+class _Bucket:
+    """One (rows, width) bucket: persistent input buffers and its own compiled forward."""
+
+    def __init__(self, runner: BatchRunner, rows: int, width: int) -> None:
+        device = runner.cache.device
+        self.rows, self.width, self.calls = rows, width, 0
+        with torch.inference_mode():
+            self.ids = torch.zeros((rows, width), dtype=torch.long, device=device)
+            self.index = torch.zeros((rows, 1, width, 1), dtype=torch.long, device=device)
+        torch._dynamo.mark_static_address(self.ids)
+        torch._dynamo.mark_static_address(self.index)
+        self.forward = _forward_function(runner.model, f"r{rows}w{width}", runner.fast.graphs, runner._cuda)
+
+
+def _forward_function(model: PreTrainedModel, tag: str, graphs: bool, cuda: bool) -> Callable:
+    """``forward(ids (R, W), cache) -> (R, W, V)`` logits on the static path; compiled on a code
+    object of its own when ``graphs`` (the module docstring)."""
+
+    def forward(ids: torch.Tensor, cache: BatchKVCache) -> torch.Tensor:
+        positions, mask = cache.static_inputs(model.dtype)
+        return model(
+            input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=cache, use_cache=True
+        ).logits
+
+    if not graphs:
+        return forward
+    code = forward.__code__.replace(co_name=f"forward_{tag}", co_qualname=f"batch_forward_{tag}")
+    own = types.FunctionType(code, forward.__globals__, code.co_name, forward.__defaults__, forward.__closure__)
+    options = dict(dynamic=False, fullgraph=True)
+    return torch.compile(own, mode="reduce-overhead", **options) if cuda else torch.compile(own, **options)
+
+
+def _copy_from_host(dst: torch.Tensor, values: list) -> None:
+    """Copy nested Python ints into ``dst`` (long); on CUDA through pinned memory without blocking
+    (the caching host allocator keeps the pinned block until the copy has run)."""
+    host = torch.tensor(values, dtype=torch.long)
+    if dst.device.type == "cuda":
+        host = host.pin_memory()
+    dst.copy_(host, non_blocking=dst.device.type == "cuda")

@@ -1,0 +1,260 @@
+"""The batched engine's fast path (``engine.batch_runner``) gives exactly the eager tokens.
+
+Two levels, as ``test_fast_path.py`` for the single-sequence path:
+
+* ``graphs=False``: the static full-capacity forwards (rows and width buckets, padding rows in
+  free slots, in-graph masks over every allocated position) run eagerly: every architecture
+  and drafter, B = 1 and B > 1 with rows joining mid-flight and finishing at different lengths.
+* ``graphs=True``: inductor on CPU compiles each bucket; two small cases bound the test time.
+
+The reference is target-only decoding of each prompt alone (float32, greedy).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from conftest import make_tiny_model
+from helpers import perturbed_copy
+from selfspec_helpers import REPETITIVE, one_thread  # noqa: F401 (a fixture)
+from specdecode import GenerationConfig, SpeculativeDecoder
+from specdecode.drafters.batched import (
+    BatchDraftModelDrafter,
+    BatchEarlyExitDrafter,
+    BatchLayerSkipDrafter,
+    BatchPromptLookupDrafter,
+)
+from specdecode.drafters.layer_skip import SkipSet
+from specdecode.engine.batch_runner import BatchRunner, check_row_buckets, row_buckets
+from specdecode.engine.batched import BatchedSpeculativeDecoder
+from specdecode.errors import InvalidArgumentError
+
+PROMPTS = [[5, 9, 12], REPETITIVE, [7, 3, 30, 41, 8, 11, 19], [44], [13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]
+LENGTHS = [20, 9, 25, 14, 17]
+
+
+def _configs() -> list[GenerationConfig]:
+    return [GenerationConfig(max_new_tokens=m) for m in LENGTHS]
+
+
+def _alone(target, prompts, configs) -> list[list[int]]:
+    dec = SpeculativeDecoder(target, compile=False)
+    return [dec.generate(p, c).token_ids for p, c in zip(prompts, configs)]
+
+
+def _drafters(target, draft) -> dict:
+    return {
+        "autoregressive": lambda: None,
+        "draft": lambda: BatchDraftModelDrafter(draft),
+        "prompt-lookup": lambda: BatchPromptLookupDrafter(),
+        "layer-skip": lambda: BatchLayerSkipDrafter(target, SkipSet(attn=(1,), mlp=(2,))),
+        "early-exit": lambda: BatchEarlyExitDrafter(target, 2),
+    }
+
+
+def _continuous(dec: BatchedSpeculativeDecoder, prompts, configs) -> list[list[int]]:
+    """Two requests first; the others join one per step while the batch runs (``add`` during ``step``)."""
+    out: dict[int, list[int]] = {}
+    ids = [dec.add(prompts[0], configs[0]), dec.add(prompts[1], configs[1])]
+    pending = list(zip(prompts[2:], configs[2:]))
+    while dec.has_work or pending:
+        for event in dec.step():
+            out.setdefault(event.request_id, []).extend(event.token_ids)
+        if pending:
+            ids.append(dec.add(*pending.pop(0)))
+    return [out.get(i, []) for i in ids]
+
+
+class _Recording(BatchRunner):
+    """A ``BatchRunner`` that records each forward's (rows, width) before running it."""
+
+    shapes: list
+
+    def __call__(self, ids, starts, logits_to_keep):
+        self.shapes.append(tuple(ids.shape))
+        return super().__call__(ids, starts, logits_to_keep)
+
+
+def _recording(runner: BatchRunner) -> list:
+    runner.__class__ = _Recording
+    runner.shapes = []
+    return runner.shapes
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_static_path_greedy_equals_autoregressive(arch):
+    """Every drafter on the static path (no torch.compile): B = 1, and B = 3 with rows joining
+    mid-flight; every decode-time forward runs in a bucket, padded in rows and in width."""
+    target = make_tiny_model(arch, num_layers=3)
+    draft = perturbed_copy(target, noise=0.3, seed=1)
+    configs = _configs()
+    expected = _alone(target, PROMPTS, configs)
+    for name, make in _drafters(target, draft).items():
+        for batch in (1, 3):
+            dec = BatchedSpeculativeDecoder(target, make(), max_batch_size=batch, max_length=96,
+                                            num_speculative_tokens=4, compile=True, graphs=False)
+            shapes = _recording(dec.runner)
+            got = _continuous(dec, PROMPTS, configs)
+            assert got == expected, (arch, name, batch)
+            assert dec.runner.num_eager_forwards == 0, (name, batch)  # only prefills ran eagerly
+            if name != "autoregressive":
+                assert 0 < dec.stats.num_accepted_tokens < dec.stats.num_drafted_tokens, (name, batch)
+            if batch == 3:
+                assert dec.stats.max_rows == 3
+                assert {n for n, _ in shapes} >= {1, 3}  # 1 row ran in bucket 1; 3 rows in bucket 4 -> padded
+                assert dec.cache.fast.rows == (1, 2, 3)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_padding_rows_and_widths_are_exercised_and_harmless():
+    """Rows buckets (2, 4) with 3 rows: a padding row runs in the free slot each round, and
+    verifications narrower than the widest bucket are padded on the right; tokens stay exact."""
+    target = make_tiny_model("mistral", num_layers=3)  # sliding window of 6
+    draft = perturbed_copy(target, noise=0.3, seed=1)
+    configs = _configs()
+    expected = _alone(target, PROMPTS, configs)
+    dec = BatchedSpeculativeDecoder(target, BatchDraftModelDrafter(draft), max_batch_size=4, max_length=96,
+                                    num_speculative_tokens=4, compile=True, graphs=False, row_buckets=(2,))
+    shapes = _recording(dec.runner)
+    draft_shapes = _recording(dec.drafter.runner)
+    got = _continuous(dec, PROMPTS[:3], configs[:3])
+    assert got == expected[:3]
+    assert dec.cache.fast.rows == (2, 4)
+    assert any(n == 3 for n, _ in shapes), shapes  # 3 rows in the 4-row bucket
+    assert any(n == 1 for n, _ in shapes), shapes  # 1 row in the 2-row bucket
+    assert any(1 < w < dec.max_block + 1 for _, w in shapes), shapes  # a short block, padded to 5 tokens
+    assert {w for _, w in draft_shapes} == {1, 2}
+    assert dec.runner.num_eager_forwards == 0 and dec.drafter.runner.num_eager_forwards == 0
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_warm_up_runs_every_bucket_and_leaves_decoding_exact():
+    target = make_tiny_model("gemma3", num_layers=3)
+    draft = perturbed_copy(target, noise=0.3, seed=1)
+    configs = _configs()
+    expected = _alone(target, PROMPTS, configs)
+    for make in (lambda: BatchDraftModelDrafter(draft), lambda: BatchLayerSkipDrafter(target, SkipSet(attn=(1,)))):
+        dec = BatchedSpeculativeDecoder(target, make(), max_batch_size=3, max_length=96, num_speculative_tokens=3,
+                                        compile=True, graphs=False)
+        dec.warm_up()
+        for runner, widths in ((dec.runner, (1, 4)), (dec.drafter.runner, dec.drafter.runner.widths)):
+            assert set(runner._buckets) == {(r, w) for r in (1, 2, 3) for w in widths}
+            assert all(b.calls >= 1 for b in runner._buckets.values())
+        assert dec.drafter.runner.widths == ((1, 2) if isinstance(dec.drafter, BatchDraftModelDrafter) else (1,))
+        assert [r.token_ids for r in dec.generate(PROMPTS, configs)] == expected
+
+
+def test_compile_option_and_row_buckets_are_checked():
+    target = make_tiny_model("llama", num_layers=2)
+    assert BatchedSpeculativeDecoder(target, max_batch_size=2).compile is False  # the CPU default (measured)
+    assert BatchedSpeculativeDecoder(target, max_batch_size=2).cache.fast is None
+    assert BatchedSpeculativeDecoder(target, max_batch_size=2, compile=True, graphs=False).cache.num_positions == 2048 + 2
+    with pytest.raises(InvalidArgumentError, match=r"compile must be True, False or None .* got 'yes'"):
+        BatchedSpeculativeDecoder(target, compile="yes")
+    with pytest.raises(InvalidArgumentError, match=r"row_buckets must be integers in 1..4 \(max_batch_size\), got \(0,\)"):
+        BatchedSpeculativeDecoder(target, max_batch_size=4, compile=True, row_buckets=(0,))
+    assert row_buckets(1) == (1,) and row_buckets(8) == (1, 2, 4, 8) and row_buckets(12) == (1, 2, 4, 8, 12)
+    assert check_row_buckets((4, 1), 6) == (1, 4, 6)
+
+
+def test_batch_decoder_and_bench_pass_compile_through():
+    """``SpeculativeGenerator.batch_decoder(compile=...)`` and bench's ``--compile`` reach the engine."""
+    from conftest import make_tiny_tokenizer
+    from specdecode.bench.batched import BatchMethod, _runner
+    from specdecode.bench.settings import BenchSettings
+    from specdecode.models import LoadedModel
+    from specdecode.pipeline import SpeculativeGenerator
+
+    target = make_tiny_model("llama", num_layers=2)
+    tok = make_tiny_tokenizer()
+    gen = SpeculativeGenerator(LoadedModel(target, tok, "tiny"), LoadedModel(perturbed_copy(target, 0.3), tok, "d"))
+    assert gen.batch_decoder("draft", max_batch_size=2, compile=True).compile is True
+    assert gen.batch_decoder("draft", max_batch_size=2, compile=True).drafter.cache.fast is not None
+    assert gen.batch_decoder("prompt-lookup", max_batch_size=2).compile is False  # the CPU default
+    for name, flag, want in (("autoregressive", True, True), ("autoregressive:compile=0", True, False),
+                             ("prompt-lookup", None, False), ("draft:compile=1", False, True)):
+        run = _runner(gen, BatchMethod.parse(name), BenchSettings(compile=flag), 2, 64)
+        assert run.args[0].compile is want, name
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_compiled_prompt_lookup_equals_autoregressive(fresh_dynamo):
+    """Inductor-compiled buckets (one rows bucket, widths 1 and γ + 1: two graphs) with rows
+    joining mid-flight; a second batch of other prompt lengths compiles nothing more."""
+    target = make_tiny_model("qwen2", num_layers=2)
+    configs = _configs()
+    expected = _alone(target, PROMPTS, configs)
+    dec = BatchedSpeculativeDecoder(target, BatchPromptLookupDrafter(), max_batch_size=3, max_length=96,
+                                    num_speculative_tokens=3, compile=True, row_buckets=(3,))
+    graphs = counters["stats"]["unique_graphs"]
+    assert _continuous(dec, PROMPTS, configs) == expected
+    assert counters["stats"]["unique_graphs"] - graphs == 2
+    assert dec.compile_time_s > 0 and dec.stats.warmup_s == pytest.approx(dec.compile_time_s)
+    assert dec.runner.num_eager_forwards == 0
+    graphs = counters["stats"]["unique_graphs"]
+    again = [p + [3, 4] for p in reversed(PROMPTS)]
+    assert [r.token_ids for r in dec.generate(again, configs)] == _alone(target, again, configs)
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+_SYNC_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+@pytest.fixture
+def sync_counter(monkeypatch):
+    """Records every tensor-to-host read (``_SYNC_METHODS``) as (method, caller's file, caller's function)."""
+    import sys
+
+    calls: list[tuple[str, str, str]] = []
+    for name in _SYNC_METHODS:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _name=name, _original=original, **kwargs):
+            frame = sys._getframe(1)
+            calls.append((_name, frame.f_code.co_filename, frame.f_code.co_name))
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return calls
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("name", ["autoregressive", "draft", "prompt-lookup"])
+def test_one_host_sync_per_batched_round(name, sync_counter):
+    """Greedy rounds on the fast path read the device back once: the round's one ``tolist`` of
+    drafts, argmaxes and finiteness flags. Prompt lookup drafts on the host, over the rows' token
+    lists (CPU tensors built from them: one ``tolist`` per row and an ``int`` per n-gram match in
+    ``find_continuation``), which reads nothing back from the device; those are listed apart."""
+    target = make_tiny_model("qwen2", num_layers=2)
+    draft = perturbed_copy(target, noise=0.3, seed=1)
+    dec = BatchedSpeculativeDecoder(target, _drafters(target, draft)[name](), max_batch_size=3, max_length=96,
+                                    num_speculative_tokens=4, compile=True, graphs=False)
+    for prompt, config in zip(PROMPTS[:3], _configs()):
+        dec.add(prompt, config)
+    round_calls: list[list] = []
+    original = dec._round
+
+    def counted_round(events):
+        before = len(sync_counter)
+        original(events)
+        round_calls.append(sync_counter[before:])
+
+    dec._round = counted_round
+    while dec.has_work:
+        dec.step()
+    assert len(round_calls) == dec.stats.num_rounds > 5
+    host_drafting = ("drafters/prompt_lookup.py", "drafters/batched.py")  # find_continuation, its caller
+    for calls in round_calls:
+        device_reads = [c for c in calls if not (name == "prompt-lookup" and c[1].endswith(host_drafting))]
+        assert [(m, f) for m, _, f in device_reads] == [("tolist", "_round")], device_reads
+    if name == "prompt-lookup":
+        assert any(len(calls) > 1 for calls in round_calls)  # host drafting was seen, and set apart
