@@ -1,19 +1,29 @@
 """Issue 28's GPU figures in one command: forward costs, round overhead, single-sequence and batched tables.
 
-Usage on the GPU machine (H100/H200, torch 2.11 + CUDA 13, transformers 5.17, no hub): the GGUF files
-are already in /tmp/m (``../shared/gpu/README.md``, "Real weights on the GPU"), the ``gguf`` wheel is
-carried in the ignored folder ``.whl`` and ``src/`` travels with the tree::
+Usage on the GPU machine (H100/H200, torch 2.11 + CUDA 13, transformers 5.17, no hub, no network). It
+needs the two GGUF files on the machine's disk and the ``gguf`` wheel; ``src/`` travels with the tree
+(the script puts it first on ``sys.path`` itself). From the project root, here:
 
-    run(carry=[".whl"], command="pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \\
-        PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD/src python3 docs/benchmarks/gpu_engine.py \\
-        --target /tmp/m/big.gguf --draft /tmp/m/small.gguf 2>&1 | tee $OUT/gpu_engine.log")
+1. ``pip download --no-deps gguf==0.19.0 -d .whl`` and ``echo /.whl/ >> .git/info/exclude``;
+2. copy the GGUF files to /tmp/m/big.gguf (target) and /tmp/m/small.gguf (draft) on a warm machine, as
+   ``../shared/gpu/README.md`` says ("Real weights on the GPU": ``split_for_device.sh``, then back-to-back
+   calls with ``carry=[".gpu-chunks/cN"]``), and check their sha256;
+3. then one call, ``run(carry=[".whl"], timeout_s=600, command=...)`` with the command::
 
-A subset: ``--sections forwards,single`` (sections: forwards, single, rounds, batched, baselines),
-``--methods draft,prompt-lookup``, fewer prompts ``--prompts 4`` / ``--slow-prompts 1``, shorter
-outputs ``--max-new-tokens 64``, batch sizes ``--batch-sizes 8,32``. Here (CPU, offline models)::
+    pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \
+    PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD/src python3 docs/benchmarks/gpu_engine.py \
+        --target /tmp/m/big.gguf --draft /tmp/m/small.gguf 2>&1 | tee $OUT/gpu_engine.log; \
+    exit ${PIPESTATUS[0]}
 
-    flock /tmp/specdecode-bench.lock env PYTHONPATH=$PWD/src python docs/benchmarks/gpu_engine.py \\
-        --device cpu --no-compile --prompts 1 --slow-prompts 1 --max-new-tokens 16 --batch-sizes 1,2
+If a cold machine does not fit it in one call, split it: ``--sections forwards,single,rounds`` then
+``--sections batched,baselines`` (each call loads the models again: about 15 s once the dense copies
+exist in ~/.cache/specdecode). Fewer prompts: ``--prompts 4 --slow-prompts 1``; shorter outputs:
+``--max-new-tokens 64``; ``--methods draft,prompt-lookup``; ``--batch-sizes 8,32``. Here, on CPU, with
+the offline models (every section end to end, tiny settings)::
+
+    flock /tmp/specdecode-bench.lock env PYTHONPATH=$PWD/src python docs/benchmarks/gpu_engine.py \
+        --device cpu --no-compile --prompts 1 --slow-prompts 1 --max-new-tokens 8 --context 32 \
+        --repeats 1 --batch-sizes 1,2 --batch-groups 1 --budget-s 5000
 
 What it prints (each as a Markdown table; warm-up and compilation seconds apart from timed runs):
 
@@ -30,7 +40,8 @@ What it prints (each as a Markdown table; warm-up and compilation seconds apart 
    (compiled bucket). The forwards are counted by wrapping ``ModelRunner.__call__`` during the timed
    runs (restored after; about 1 µs a call), the first call of each runner per generation being its
    prefill; if that count disagrees with the stats, it falls back to the stats (target forwards
-   priced by block size from ``drafted_by_position``, draft forwards at width 1) and says so.
+   priced by block size from ``drafted_by_position``, draft forwards but the prefill at width 1)
+   and says so in the table's last column.
 4. ``batched``: total tok/s at B = 1, 8, 32 for autoregressive, draft and prompt-lookup on up to 32
    code prompts (``--batch-groups`` groups of B each), with ``SpeculativeGenerator.batch_decoder``;
    ``compile=True`` is passed on CUDA when ``batch_decoder`` takes it (printed either way).
@@ -38,13 +49,14 @@ What it prints (each as a Markdown table; warm-up and compilation seconds apart 
    (eager ``DynamicCache``), ``hf-assisted`` and our eager ``autoregressive``; then the whole
    single-sequence table again.
 
-Time on an H100 (estimate from the 2026-11-25 figures of the GPU README): loading 15 s with the dense
-copies cached, 60-120 s for the first de-quantization; forwards 7 widths x 26-43 s of compilation
-cold, 8-14 s with inductor's disk cache warm (a second run); single 16 prompts x 5 methods x 128
-tokens at 190-490 tok/s, about 50 s, plus 40 s to compile ``hf-generate-static``; batched, eager,
-about 90 s; baselines about 75 s. Cold about 560 s, warm about 330 s. ``--budget-s`` (560) is a
-deadline from the start: a prompt, group or width that would start after it is skipped and named
-(exit status 2), sections run in the order above so the slow baselines go first.
+Time on an H100 (estimated from the 2026-11-25 figures of the GPU README): loading about 15 s once
+the dense copies exist, 60-120 s for the first de-quantization; forwards: 7 widths of 26-43 s of
+compilation each with inductor's disk cache cold, 8-14 s warm (a second run on the same machine);
+single: 16 prompts x 5 methods x 128 tokens at 190-490 tok/s, about 50 s, plus about 40 s to compile
+``hf-generate-static``; batched, eager, about 90 s; baselines about 75 s. Warm about 330 s; all cold
+up to 650 s, past the budget. ``--budget-s`` (540) is a deadline from the start, loading included: a
+width, prompt or group that would start after it is skipped and named (exit status 2). The sections
+run in the order above, so the budget cuts the slow baselines first; a second call, warm, fits.
 
 Exit status: 0 all ran; 1 a section failed (its traceback is printed and the next section runs);
 2 none failed but the budget skipped some runs.
@@ -276,10 +288,17 @@ class Tally:
     drafted_by_position: list = dataclasses.field(default_factory=list)
     decode_calls: dict = dataclasses.field(default_factory=dict)  # (runner, priced width) -> forwards
     counted_target: int = 0
+    per_prompt: list = dataclasses.field(default_factory=list)  # (prompt index, tokens, seconds)
 
     @property
     def tok_s(self) -> float | None:
         return self.tokens / self.seconds if self.seconds > 0 else None
+
+    def tok_s_on(self, prompts: set[int]) -> float | None:
+        """tok/s over the given prompt indices only (a reference on the same prompts as a shorter row)."""
+        done = [(n, s) for i, n, s in self.per_prompt if i in prompts]
+        seconds = sum(s for _, s in done)
+        return sum(n for n, _ in done) / seconds if len(done) == len(prompts) and seconds > 0 else None
 
     @property
     def alpha(self) -> float | None:
@@ -446,8 +465,9 @@ def method_runner(run: Run, kind: str, base: str, adaptive: bool, fast: bool) ->
     return generate_ours
 
 
-def add_outcome(t: Tally, out: dict) -> None:
+def add_outcome(t: Tally, out: dict, index: int) -> None:
     t.prompts += 1
+    t.per_prompt.append((index, out["tokens"], out["seconds"]))
     for key in ("tokens", "seconds", "drafted", "accepted", "target_forwards", "tokens_from_forwards",
                 "warmup_s"):
         setattr(t, key, getattr(t, key) + out[key])
@@ -486,6 +506,9 @@ def run_methods(run: Run, slow: bool) -> None:
             t0 = time.perf_counter()
             generate(run.encoded("warmup")[0], args.warmup_tokens)
             run.warmups[name] = time.perf_counter() - t0
+            if base == "hf-generate-static":  # transformers keeps its compiled forward on the model
+                compiled = getattr(run.gen.target.model, "_compiled_call", None) is not None
+                say(f"  hf-generate-static: transformers compiled the forward: {compiled}")
             last = 0.0
             for set_name in SETS:
                 tally = run.tallies.setdefault(name, {}).setdefault(set_name, Tally())
@@ -495,7 +518,7 @@ def run_methods(run: Run, slow: bool) -> None:
                         continue
                     out = generate(ids, args.max_new_tokens)
                     last = out["seconds"]
-                    add_outcome(tally, out)
+                    add_outcome(tally, out, i)
             say(f"  {name}: warm-up {run.warmups[name]:.1f} s, " + ", ".join(
                 f"{s} {fmt(run.tallies[name][s].tok_s)} tok/s" for s in SETS))
         except Exception:
@@ -510,7 +533,7 @@ def single_table(run: Run) -> None:
     base = run.tallies.get("autoregressive", {})
     say(f"\nSingle sequence, greedy, {args.max_new_tokens} new tokens, {run.gen.target.model.dtype}, whole "
         f"prompts timed, warm-up excluded; × = tok/s over 'autoregressive' "
-        f"({'fast path' if run.compile() else 'compile off'}) on the same set:\n")
+        f"({'fast path' if run.compile() else 'compile off'}) on the same prompts:\n")
     rows = []
     for name in TABLE_ORDER:
         tallies = run.tallies.get(name)
@@ -522,7 +545,8 @@ def single_table(run: Run) -> None:
         row = [name]
         for s in SETS:
             t, ref = tallies.get(s, Tally()), base.get(s)
-            ratio = t.tok_s / ref.tok_s if ref is not None and t.tok_s and ref.tok_s else None
+            ref_tok_s = ref.tok_s_on({i for i, _, _ in t.per_prompt}) if ref is not None else None
+            ratio = t.tok_s / ref_tok_s if t.tok_s and ref_tok_s else None
             row += [fmt(t.tok_s) + (f" ({ratio:.2f}×)" if ratio else ""), fmt(t.alpha and 100 * t.alpha, 1, "%"),
                     fmt(t.tau, 2)]
         warm = run.warmups.get(name)
@@ -610,8 +634,10 @@ def section_batched(run: Run) -> None:
             try:
                 engine = gen.batch_decoder(method, max_batch_size=b, num_speculative_tokens=args.gamma,
                                            max_length=longest + args.max_new_tokens + 64, **options)
+                # A compiled engine warms up on a whole group (its graphs for every row count), eager on a short one.
+                warm_tokens = args.max_new_tokens if options.get("compile") else args.warmup_tokens
                 t0 = time.perf_counter()
-                engine.generate(groups[0], dataclasses.replace(config, max_new_tokens=args.warmup_tokens))
+                engine.generate(groups[0], dataclasses.replace(config, max_new_tokens=warm_tokens))
                 sync(device)
                 warm = time.perf_counter() - t0
                 before = dataclasses.asdict(engine.stats)
@@ -721,7 +747,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--code-chat", action="store_true", help="wrap code prompts in the chat template")
     p.add_argument("--no-compile", action="store_true", help="our fast path off (eager forwards everywhere)")
     p.add_argument("--no-compile-shim", action="store_true", help="leave torch.compile as it is")
-    p.add_argument("--budget-s", type=float, default=560.0, help="deadline in seconds from the start")
+    p.add_argument("--budget-s", type=float, default=540.0,
+                   help="deadline in seconds from the start, loading included")
     args = p.parse_args(argv)
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
