@@ -322,6 +322,8 @@ class Run:
         self.warmups: dict[str, float] = {}
         self.skipped: list[str] = []
         self.failures: list[str] = []
+        self.overheads: dict[tuple[str, str], float] = {}  # (method, set) -> overhead ms per round
+        self.batched: dict[tuple[str, int], dict] = {}  # (method, B) -> results
         self.log = ForwardLog()
         self._encoded: dict = {}
 
@@ -600,6 +602,7 @@ def section_rounds(run: Run) -> None:
                 if draft_n:
                     fwd_ms += draft_n * measure(run, runners["draft"], 1)
             per_round = fwd_ms / t.target_forwards
+            run.overheads[(name, s)] = round_ms - per_round
             rows.append([name, s, t.target_forwards, fmt(round_ms, 2), fmt(draft_n / t.target_forwards, 2),
                          fmt(per_round, 2), fmt(round_ms - per_round, 2), fmt(t.tau, 2),
                          fmt((round_ms - per_round) / t.tau if t.tau else None, 2), how])
@@ -624,7 +627,7 @@ def section_batched(run: Run) -> None:
     prompts = run.encoded("batch")
     longest = max(int(p.shape[1]) for p in prompts)
     config = GenerationConfig(max_new_tokens=args.max_new_tokens)
-    results: dict[tuple[str, int], dict] = {}
+    results = run.batched
     for b in args.batch_sizes:
         n = min(len(prompts), args.batch_prompts, b * args.batch_groups)
         groups = [prompts[i:i + b] for i in range(0, n, b)]
@@ -697,6 +700,32 @@ def section_batched(run: Run) -> None:
 
 
 # -- main -----------------------------------------------------------------------------------------
+
+
+def targets(run: Run) -> None:
+    """Issue 28's GPU targets ("Done when"), against what this run measured."""
+    rows = []
+    for name in ("draft", "prompt-lookup"):
+        for s in SETS:
+            v = run.overheads.get((name, s))
+            rows.append([f"{name} ({s}): overhead per round <= 0.5 ms", fmt(v, 2, " ms"),
+                         "–" if v is None else ("yes" if v <= 0.5 else "no")])
+    for s in SETS:
+        ar, hf = (run.tallies.get(n, {}).get(s) for n in ("autoregressive", "hf-generate-static"))
+        v = ar.tok_s / hf.tok_s if isinstance(ar, Tally) and isinstance(hf, Tally) and ar.tok_s and hf.tok_s else None
+        rows.append([f"compiled autoregressive >= 1.4x hf-generate-static ({s})", fmt(v, 2, "×"),
+                     "–" if v is None else ("yes" if v >= 1.4 else "no")])
+    v = run.batched.get(("autoregressive", 32), {}).get("tok_s")
+    rows.append(["batched autoregressive at B = 32 >= 3000 tok/s", fmt(v, 0, " tok/s"),
+                 "–" if v is None else ("yes" if v >= 3000 else "no")])
+    ar8 = run.batched.get(("autoregressive", 8), {}).get("tok_s")
+    for m in ("draft", "prompt-lookup"):
+        v = run.batched.get((m, 8), {}).get("tok_s")
+        v = v / ar8 if v and ar8 else None
+        rows.append([f"batched {m} at B = 8 >= 1.2x batched autoregressive (code)", fmt(v, 2, "×"),
+                     "–" if v is None else ("yes" if v >= 1.2 else "no")])
+    say("\nIssue 28's GPU targets (meaningful on the GPU with the real pair only):\n")
+    table(["target", "measured", "met"], rows)
 
 
 def environment(run_device: torch.device, shim: list[str]) -> list[str]:
@@ -814,6 +843,8 @@ def main(argv: list[str] | None = None, generator: SpeculativeGenerator | None =
             say(f"\nsection {name}: {seconds:.1f} s")
             status[name] = [status[name], f"{seconds:.1f}"]
         say("\n## summary\n")
+        targets(run)
+        say("")
         table(["section", "status", "seconds"], [[n, s, t] for n, (s, t) in status.items()]
               + [["total, loading included", "", f"{time.monotonic() - start:.1f}"]])
         if run.skipped:

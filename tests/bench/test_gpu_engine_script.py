@@ -50,6 +50,7 @@ def test_every_section_runs_and_prints_its_table(script, generator, capsys):
     assert code == 0, out
     assert "FAILED" not in out
     for header in ("| model | tokens | ms per forward", "| method | code tok/s (×)", "| method | set | rounds",
+                   "| target | measured | met |",
                    "| B | autoregressive, total tok/s", "| section | status | seconds"):
         assert header in out, header
     # Every single-sequence method got a row, and the rounds table priced counted forwards.
