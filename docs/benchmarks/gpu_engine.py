@@ -615,6 +615,12 @@ def section_rounds(run: Run) -> None:
 # -- batched --------------------------------------------------------------------------------------
 
 
+def counters(stats) -> dict:
+    """The numeric fields of an engine's stats object (a dataclass today)."""
+    fields = dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else dict(vars(stats))
+    return {k: v for k, v in fields.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
 def section_batched(run: Run) -> None:
     args, gen, device = run.args, run.gen, run.device
     takes_compile = "compile" in inspect.signature(gen.batch_decoder).parameters
@@ -643,7 +649,7 @@ def section_batched(run: Run) -> None:
                 engine.generate(groups[0], dataclasses.replace(config, max_new_tokens=warm_tokens))
                 sync(device)
                 warm = time.perf_counter() - t0
-                before = dataclasses.asdict(engine.stats)
+                before = counters(engine.stats)
                 tokens, seconds, last, done = 0, 0.0, 0.0, 0
                 for g, group in enumerate(groups):
                     if run.over_budget(f"batched: {method} B={b} group {g}", last):
@@ -656,8 +662,8 @@ def section_batched(run: Run) -> None:
                     seconds += last
                     tokens += sum(len(r.token_ids) for r in out)
                     done += len(group)
-                after = dataclasses.asdict(engine.stats)
-                d = {k: after[k] - before[k] for k in after if isinstance(after[k], (int, float))}
+                after = counters(engine.stats)
+                d = {k: after[k] - before.get(k, 0) for k in after}
                 seconds -= d.get("warmup_s", 0.0)
                 results[(method, b)] = dict(
                     tok_s=tokens / seconds if seconds > 0 else None, warm=warm, prompts=done,
