@@ -40,7 +40,7 @@ What it prints (each as a Markdown table; warm-up and compilation seconds apart 
    (compiled bucket). The forwards are counted by wrapping ``ModelRunner.__call__`` during the timed
    runs (restored after; about 1 µs a call), the first call of each runner per generation being its
    prefill; if that count disagrees with the stats, it falls back to the stats (target forwards
-   priced by block size from ``drafted_by_position``, draft forwards but the prefill at width 1)
+   priced by block size from ``drafted_by_position``, decode-phase draft forwards at width 1)
    and says so in the table's last column.
 4. ``batched``: total tok/s at B = 1, 8, 32 for autoregressive, draft and prompt-lookup on up to 32
    code prompts (``--batch-groups`` groups of B each), with ``SpeculativeGenerator.batch_decoder``;
@@ -590,15 +590,15 @@ def section_rounds(run: Run) -> None:
                 how = "counted"
                 fwd_ms = sum(n * measure(run, r, w) for (r, w), n in t.decode_calls.items())
                 draft_n = sum(n for (r, w), n in t.decode_calls.items() if r is runners.get("draft"))
-                if t.draft_forwards and draft_n + t.prompts != t.draft_forwards:  # the stats count its prefill
-                    how += f" (stats: {t.draft_forwards} draft forwards, prefills included)"
+                if t.draft_forwards and draft_n != t.draft_forwards:  # stats: decode-phase draft forwards
+                    how += f" (stats: {t.draft_forwards} draft forwards)"
             else:  # price from the stats: blocks of k drafted tokens -> a target forward over k + 1 tokens
                 how = f"stats (counted {t.counted_target} target forwards, stats {t.target_forwards})"
                 dbp, target = t.drafted_by_position, runners["target"]
                 sizes = {k + 1: dbp[k] - (dbp[k + 1] if k + 1 < len(dbp) else 0) for k in range(len(dbp))}
                 sizes[0] = t.target_forwards - (dbp[0] if dbp else 0)
                 fwd_ms = sum(n * measure(run, target, k + 1) for k, n in sizes.items())
-                draft_n = max(t.draft_forwards - t.prompts, 0)  # the draft model's prefill is one of them
+                draft_n = t.draft_forwards  # decode-phase draft forwards (the prefill is not counted)
                 if draft_n:
                     fwd_ms += draft_n * measure(run, runners["draft"], 1)
             per_round = fwd_ms / t.target_forwards

@@ -136,6 +136,9 @@ class GenerationStream:
         stats.warmup_s += warm
         stats.prefill_time_s = time.perf_counter() - t0 - warm
         stats.num_prefills = 1
+        # Draft forwards count from here: a draft model's prefill is not a decode-phase forward
+        # (the batched engine counts its rounds' draft forwards alike).
+        prefill_draft_forwards = dec.drafter.num_forwards if dec.drafter is not None else 0
         released = 0  # tokens handed to the caller; with banned words, the rest may still be rolled back
         # Decode time counts the loop's own work, not the consumer's between yields.
         while True:
@@ -157,7 +160,7 @@ class GenerationStream:
             warm = dec.compile_time_s() - c0
             stats.warmup_s += warm
             stats.decode_time_s += time.perf_counter() - t1 - warm
-        stats.num_draft_forwards = dec.drafter.num_forwards if dec.drafter is not None else 0
+        stats.num_draft_forwards = dec.drafter.num_forwards - prefill_draft_forwards if dec.drafter is not None else 0
 
     def _check_banned(self, banned: BannedWordMatcher, state: _Round, released: int) -> int:
         """Match the new tokens; on a banned word, roll back and mask. Returns how many tokens are safe.

@@ -20,8 +20,8 @@ class SpecDecodingStats:
         num_target_forwards: Row verifications after the prefill: one per row per round, each
             verifying one draft block (or making one plain step). For one generation, its
             target forwards after the prefill.
-        num_draft_forwards: Draft model forward passes (0 for model-free drafters); a batched
-            forward over every row counts once.
+        num_draft_forwards: Draft forward passes after the prefill (a draft model's prefill is
+            not counted; 0 for model-free drafters); a batched forward over every row counts once.
         num_drafted_tokens: Draft tokens proposed to the target.
         num_accepted_tokens: Draft tokens the target accepted.
         num_draft_blocks: Row verifications that checked at least one draft token.
