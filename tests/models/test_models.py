@@ -183,3 +183,16 @@ def test_prompt_encoding_and_chat_errors():
         gen.generate("w5", method="beam")
     with pytest.raises(InvalidArgumentError, match="needs a draft model"):
         gen.generate("w5", method="draft")
+
+
+def test_reading_a_gguf_file_without_the_gguf_package_names_it(tmp_path, monkeypatch):
+    """transformers needs the gguf package to read a GGUF file: the error says how to get it."""
+    from specdecode.errors import UnsupportedModelError
+    from specdecode.models import loading
+
+    def no_gguf(*args, **kwargs):
+        raise ImportError("Please install gguf>=0.10.0 to load a GGUF checkpoint")
+
+    monkeypatch.setattr(loading.AutoTokenizer, "from_pretrained", no_gguf)
+    with pytest.raises(UnsupportedModelError, match=r"needs the gguf package .*pip install gguf"):
+        loading._load_gguf(tmp_path, "model.gguf", "m", torch.float32, "cpu", tmp_path / "cache", {})

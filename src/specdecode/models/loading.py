@@ -184,6 +184,10 @@ def _load_gguf(folder: Path, filename: str, key: str, dtype, device, cache_dir: 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=filename)
         model = _load_pretrained(str(folder), dtype, device, gguf_file=filename)
+    except ImportError as e:  # transformers reads GGUF files with the gguf package
+        raise UnsupportedModelError(
+            f"reading GGUF file {folder / filename} needs the gguf package ({e}); install it: pip install gguf"
+        ) from e
     except (ValueError, KeyError) as e:
         if isinstance(e, UnsupportedModelError):
             raise
