@@ -69,8 +69,8 @@ def _log_dropped(dropped: tuple[str, ...], version: str) -> None:
     replacements = {
         "isolate_recompiles": "each compiled function gets a private copy of its code object (its own graph "
                               "entries and recompile budget)",
-        "recompile_limit": f"the limit of {RECOMPILE_LIMIT} is applied through torch._dynamo.config.recompile_limit "
-                           "(patched for the calls that recompile past the global limit)",
+        "recompile_limit": f"each function's recompile limit (default {RECOMPILE_LIMIT}) is applied through "
+                           "torch._dynamo.config.recompile_limit, patched for the calls that recompile past it",
     }
     logger.info("torch %s: torch.compile has no %s option; %s", version, " or ".join(dropped),
                 "; ".join(replacements[name] for name in dropped))
