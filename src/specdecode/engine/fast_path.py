@@ -12,10 +12,13 @@ short forwards with ``torch.compile`` at a few fixed widths ("buckets"):
 * Wider forwards (the prefill, a re-encode after a rollback) run eagerly on the
   same cache: prefill stays dynamic and never compiles.
 * Graphs are built on first use of a bucket (``torch.compile`` with
-  ``dynamic=False``; ``mode="reduce-overhead"``, i.e. CUDA graphs, on CUDA) and
+  ``dynamic=False``; ``mode="reduce-overhead"``, i.e. CUDA graphs, on CUDA; options
+  feature-detected in ``compat`` for torch 2.11 and later) and
   kept by the runner, which also keeps its cache across generations, so a new
   prompt length never recompiles while it fits the cache. The seconds spent in
-  those first calls are counted in ``compile_time_s``, apart from decoding.
+  those first calls are counted in ``compile_time_s``, apart from decoding. The
+  compiled graphs are also kept on disk (``compile_cache``): a second process with the
+  same model, dtype, device and widths loads them instead of compiling again.
 
 On CPU the fast path is off by default (``default_compile``): measured on a
 2-core EPYC with AVX512-BF16, torch 2.13, the Qwen2.5-Coder 1.5B in bf16, one
@@ -35,7 +38,8 @@ from collections.abc import Callable
 import torch
 from transformers import PreTrainedModel
 
-from specdecode.engine import kv_cache
+from specdecode.engine import compat, kv_cache
+from specdecode.engine.compat import RECOMPILE_LIMIT  # noqa: F401 (the fast path's limit, defined with the options)
 from specdecode.errors import InvalidArgumentError
 
 logger = logging.getLogger(__name__)
@@ -43,10 +47,6 @@ logger = logging.getLogger(__name__)
 #: Compiled widths of a draft model: 1 or 2 tokens per round, more when the cascade feeds
 #: its n-gram tokens. Target caches leave room for a forward padded to the widest.
 DRAFT_BUCKETS = (1, 2, 4, 8)
-
-#: Graph variants one runner may compile (widths x cache sizes x draft modes) before
-#: ``torch.compile`` raises instead of recompiling again.
-RECOMPILE_LIMIT = 32
 
 #: Positions a static cache is first allocated with, unless a generation needs more;
 #: it grows in steps of this many (a growth recompiles each bucket once).
@@ -238,14 +238,15 @@ class ModelRunner:
 
 
 def _compile(model: PreTrainedModel) -> Callable:
-    """``torch.compile`` of one full-width forward on a static cache (all logits rows)."""
+    """``torch.compile`` of one full-width forward on a static cache (all logits rows).
+
+    Through ``compat.compile_function``: the options of this torch (``compat.compile_kwargs``:
+    ``dynamic=False``, ``fullgraph=True``, CUDA graphs on CUDA, and each runner's own graphs
+    and budget of ``RECOMPILE_LIMIT`` variants, also on torch 2.11), with torch's compile
+    caches in specdecode's cache folder (``compile_cache``), so a later process reuses them.
+    """
 
     def forward(ids: torch.Tensor, cache: kv_cache.StaticKVCache) -> torch.Tensor:
         return model(ids, past_key_values=cache, use_cache=True).logits
 
-    # Each runner keeps its own graphs and recompile budget (every runner compiles this same
-    # function), and fullgraph turns a graph break or an exhausted budget into an error.
-    options = dict(dynamic=False, fullgraph=True, isolate_recompiles=True, recompile_limit=RECOMPILE_LIMIT)
-    if model.device.type == "cuda":
-        return torch.compile(forward, mode="reduce-overhead", **options)
-    return torch.compile(forward, **options)
+    return compat.compile_function(forward, model.device.type)

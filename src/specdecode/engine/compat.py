@@ -1,0 +1,177 @@
+"""``torch.compile`` on the torch that users have: the oldest supported is 2.11.
+
+The fast path compiles each runner's forward with two ``torch.compile`` options that only
+newer torch offers (2.13 has both; 2.11, what the GPU machines run, has neither):
+
+* ``isolate_recompiles=True``: each ``torch.compile`` call keeps its own cache entries and
+  recompile budget. Every runner compiles the same ``forward`` function, and dynamo keeps
+  its compiled entries (and counts recompilations) per *code object*; without isolation the
+  target's and the draft's graphs would share one entry list and one budget, and each call
+  would first try the guards of the other runners' entries.
+* ``recompile_limit=RECOMPILE_LIMIT``: that budget, raised from dynamo's default of 8.
+
+Where ``torch.compile`` lacks them (detected from its signature, not its version):
+
+* for ``isolate_recompiles``, ``compile_function`` compiles a private copy of the function's
+  code object (``CodeType.replace()``: same bytecode, name and closure, a new object), which
+  gives the runner its own entry list and budget, as isolation does. The copy has the same
+  code, so inductor's on-disk graph cache (keyed by the traced graph) is shared as before.
+* for ``recompile_limit``, ``compile_function`` applies the same limit through
+  ``torch._dynamo.config.recompile_limit``, inside ``torch._dynamo.config.patch`` and only
+  for a call that hit the global limit (dynamo raises ``FailOnRecompileLimitHit`` under
+  ``fullgraph=True`` before tracing anything; the call is then retried under the patch).
+  Steady-state calls pay nothing, and the global config is never changed for good.
+
+Each dropped option is logged once (INFO), naming the torch version and the replacement.
+
+Source followed: torch 2.11.0's ``torch/__init__.py`` (``compile``'s signature:
+``model, *, fullgraph, dynamic, backend, mode, options, disable``),
+``torch/_dynamo/convert_frame.py`` and ``torch/_dynamo/cache_size.py`` (the recompile
+limit is checked per code object, before tracing, and raises under ``fullgraph=True``).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import types
+from collections.abc import Callable
+
+import torch
+
+from specdecode.engine import compile_cache
+from specdecode.errors import InvalidArgumentError
+
+logger = logging.getLogger(__name__)
+
+#: Graph variants one compiled function (one runner's forward) may compile (widths x cache
+#: sizes x draft modes) before ``torch.compile`` raises instead of recompiling again.
+RECOMPILE_LIMIT = 32
+
+#: ``torch.compile`` options newer than torch 2.11 that specdecode passes where they exist.
+NEWER_COMPILE_OPTIONS = ("isolate_recompiles", "recompile_limit")
+
+
+@functools.lru_cache(maxsize=8)
+def _parameters_of(compile_fn: Callable) -> frozenset[str]:
+    return frozenset(inspect.signature(compile_fn).parameters)
+
+
+def compile_parameters() -> frozenset[str]:
+    """The keyword names the installed ``torch.compile`` accepts (its signature, cached per function)."""
+    return _parameters_of(torch.compile)
+
+
+@functools.lru_cache(maxsize=8)
+def _log_dropped(dropped: tuple[str, ...], version: str) -> None:
+    """Logs once per (dropped options, torch version)."""
+    replacements = {
+        "isolate_recompiles": "each compiled function gets a private copy of its code object (its own graph "
+                              "entries and recompile budget)",
+        "recompile_limit": f"each function's recompile limit (default {RECOMPILE_LIMIT}) is applied through "
+                           "torch._dynamo.config.recompile_limit, patched for the calls that recompile past it",
+    }
+    logger.info("torch %s: torch.compile has no %s option; %s", version, " or ".join(dropped),
+                "; ".join(replacements[name] for name in dropped))
+
+
+def compile_kwargs(device_type: str, *, recompile_limit: int = RECOMPILE_LIMIT) -> dict:
+    """The keyword arguments of specdecode's ``torch.compile`` calls, for this torch.
+
+    Always ``dynamic=False`` (one graph per shape: the fast path's fixed widths) and
+    ``fullgraph=True`` (a graph break or an exhausted recompile budget raises, never a silent
+    eager fallback); ``mode="reduce-overhead"`` (CUDA graphs) when ``device_type`` is
+    ``"cuda"``; and ``isolate_recompiles=True`` and ``recompile_limit`` only where
+    ``torch.compile``'s signature has them (torch 2.13 does, 2.11 does not; each one dropped
+    is logged once). Use ``compile_function`` to compile: it also makes up for dropped options.
+
+    Args:
+        device_type: ``torch.device(...).type`` of the model, e.g. "cuda" or "cpu".
+        recompile_limit: Graph variants the compiled function may build (>= 1).
+
+    Returns:
+        A new dict of keyword arguments for ``torch.compile``.
+
+    Raises:
+        InvalidArgumentError: If ``recompile_limit`` is not an integer >= 1.
+    """
+    _check_limit(recompile_limit)
+    kwargs: dict = {"dynamic": False, "fullgraph": True}
+    if device_type == "cuda":
+        kwargs["mode"] = "reduce-overhead"
+    wanted = {"isolate_recompiles": True, "recompile_limit": recompile_limit}
+    supported = compile_parameters()
+    kwargs.update({name: value for name, value in wanted.items() if name in supported})
+    dropped = tuple(name for name in NEWER_COMPILE_OPTIONS if name not in supported)
+    if dropped:
+        _log_dropped(dropped, torch.__version__)
+    return kwargs
+
+
+def compile_function(fn: Callable, device_type: str, *, recompile_limit: int = RECOMPILE_LIMIT) -> Callable:
+    """``torch.compile(fn, **compile_kwargs(device_type))``, with the same behaviour on older torch.
+
+    Before compiling, torch's compile caches are pointed at specdecode's cache folder
+    (``compile_cache.use_compile_cache``), so a later process reuses the compiled graphs.
+    Where ``torch.compile`` lacks ``isolate_recompiles``, ``fn`` is compiled from a private
+    copy of its code object; where it lacks ``recompile_limit``, a call that dynamo refuses
+    at the global ``torch._dynamo.config.recompile_limit`` is retried with that config
+    patched to ``recompile_limit`` for the call (see the module docstring).
+
+    Args:
+        fn: A plain Python function (not a bound method or module), e.g. a closure over a model.
+        device_type: ``torch.device(...).type`` of the model, e.g. "cuda" or "cpu".
+        recompile_limit: Graph variants ``fn`` may build before a call raises (>= 1).
+
+    Returns:
+        The compiled callable, with ``fn``'s signature.
+
+    Raises:
+        InvalidArgumentError: If ``fn`` is not a Python function or ``recompile_limit`` is not
+            an integer >= 1.
+        torch._dynamo.exc.FailOnRecompileLimitHit: From a call, when ``fn`` would build more
+            than ``recompile_limit`` variants.
+    """
+    if not isinstance(fn, types.FunctionType):
+        raise InvalidArgumentError(f"compile_function needs a Python function, got {type(fn).__name__}")
+    kwargs = compile_kwargs(device_type, recompile_limit=recompile_limit)
+    compile_cache.use_compile_cache()
+    if "isolate_recompiles" not in kwargs:
+        fn = _private_copy(fn)
+    compiled = torch.compile(fn, **kwargs)
+    if "recompile_limit" in kwargs:
+        return compiled
+    return _with_recompile_limit(compiled, recompile_limit)
+
+
+def _private_copy(fn: types.FunctionType) -> types.FunctionType:
+    """``fn`` on a new, identical code object: dynamo's entries and budget are per code object."""
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    copy.__qualname__ = fn.__qualname__
+    return copy
+
+
+def _with_recompile_limit(compiled: Callable, limit: int) -> Callable:
+    """``compiled``, whose calls may recompile up to ``limit`` variants (older torch)."""
+
+    @functools.wraps(compiled)
+    def call(*args, **kwargs):
+        try:
+            return compiled(*args, **kwargs)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            # Raised before tracing (nothing ran): retry with the limit this function was given.
+            if torch._dynamo.config.recompile_limit >= limit:
+                raise
+            logger.debug("recompiling past torch._dynamo.config.recompile_limit=%d (this function's limit: %d)",
+                         torch._dynamo.config.recompile_limit, limit)
+            with torch._dynamo.config.patch(recompile_limit=limit):
+                return compiled(*args, **kwargs)
+
+    return call
+
+
+def _check_limit(limit: int) -> None:
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise InvalidArgumentError(f"recompile_limit must be an integer >= 1, got {limit!r}")
