@@ -12,7 +12,10 @@
   on ``batch_cache.BatchKVCache`` (per-row positions and masks); its drafters implement
   ``protocol.BatchDrafter``; ``batch_runner``: its fast path (``BatchRunner``, forwards
   compiled at (rows, width) buckets, CUDA graphs on CUDA);
-- ``stopping``: stop strings;
+- ``batch_runner``: the batched fast path (compiled (rows, width) buckets);
+- ``compat``: ``torch.compile`` options feature-detected for the torch installed (2.11 and later);
+- ``compile_cache``: compiled graphs kept in specdecode's cache folder, reused by later processes;
+- ``stopping``: EOS, budget and stop strings (``emit``);
 - ``stats``: ``SpecDecodingStats``, one class for a generation and for a batched engine's
   lifetime, with one definition of τ (``BatchStats`` is the same class, by its old name).
 

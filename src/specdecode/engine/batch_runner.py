@@ -44,6 +44,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specdecode.engine.batch_cache import BatchKVCache, batch_forward
+from specdecode.engine.compat import compile_function
 from specdecode.errors import InvalidArgumentError
 
 logger = logging.getLogger(__name__)
@@ -229,8 +230,9 @@ def _forward_function(model: PreTrainedModel, tag: str, graphs: bool, cuda: bool
         return forward
     code = forward.__code__.replace(co_name=f"forward_{tag}", co_qualname=f"batch_forward_{tag}")
     own = types.FunctionType(code, forward.__globals__, code.co_name, forward.__defaults__, forward.__closure__)
-    options = dict(dynamic=False, fullgraph=True)
-    return torch.compile(own, mode="reduce-overhead", **options) if cuda else torch.compile(own, **options)
+    # compat.compile_function: the options this torch has (CUDA graphs on CUDA), the compile cache
+    # in specdecode's folder (a second process reuses the graphs).
+    return compile_function(own, "cuda" if cuda else "cpu")
 
 
 def _copy_from_host(dst: torch.Tensor, values: list) -> None:
