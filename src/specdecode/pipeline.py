@@ -477,19 +477,22 @@ class SpeculativeGenerator:
         exit_layer: int | None = None,
         prompt_lookup_max_ngram: int = 3,
         prompt_lookup_min_ngram: int = 1,
+        ngram_check: bool = True,
+        max_model_prompt_tokens: int | None = None,
         compile: bool | None = None,
     ) -> BatchedSpeculativeDecoder:
         """A ``BatchedSpeculativeDecoder`` (many rows at once, continuous batching) for ``method``.
 
         Args:
-            method: One of ``BATCH_METHODS`` ("cascade" has no batch mode).
+            method: One of ``BATCH_METHODS``.
             max_batch_size, max_length, num_speculative_tokens, exit_rule: See
                 ``BatchedSpeculativeDecoder``.
             draft_control: Per-row adaptive draft exit and gating; ignored by "autoregressive".
             max_verify_tokens: See ``BatchedSpeculativeDecoder``; "auto": ``BATCH_VERIFY_TOKENS_CPU``
                 on a CPU (measured: a verification over more tokens costs more than one step), no
                 limit on other devices (not measured).
-            skip_set .. prompt_lookup_min_ngram: See ``make_drafter``.
+            skip_set .. max_model_prompt_tokens: See ``make_drafter`` ("cascade": per row,
+                ``drafters.batched_cascade.BatchCascadeDrafter``).
             compile: The batched fast path (compiled (rows, width) buckets, CUDA graphs on CUDA):
                 True, False, or None for the device's default (``BatchedSpeculativeDecoder``).
 
@@ -502,6 +505,7 @@ class SpeculativeGenerator:
         drafter = method_registry.make_batch_drafter(self, method, DrafterOptions(
             skip_set=skip_set, skip_layers=skip_layers, skip_config=skip_config, exit_layer=exit_layer,
             prompt_lookup_max_ngram=prompt_lookup_max_ngram, prompt_lookup_min_ngram=prompt_lookup_min_ngram,
+            ngram_check=ngram_check, max_model_prompt_tokens=max_model_prompt_tokens,
         ))
         return BatchedSpeculativeDecoder(
             target,

@@ -25,6 +25,8 @@ from specdecode.serve.loadtest import wait_until_healthy
         (["--max-batch-size", "0"], "--max-batch-size must be >= 1"),
         (["--method", "early-exit"], "--exit-layer"),
         (["--method", "layer-skip"], "--skip-layers"),
+        (["--method", "cascade", "--max-model-prompt-tokens", "0"], "--max-model-prompt-tokens must be >= 1"),
+        (["--method", "draft", "--max-model-prompt-tokens", "9"], "applies to the method 'cascade', not to 'draft'"),
         (["--max-verify-tokens", "many"], "'many'"),
         (["--port", "70000"], "0..65535"),
         (["--max-tokens-limit", "0", "--max-length", "64"], "max_tokens_limit must be an integer >= 1"),

@@ -24,7 +24,7 @@ def add_arguments(p: argparse.ArgumentParser, *, default_target: str, default_dr
     p.add_argument("--target", default=default_target, help="offline model name, .gguf file, folder or hub id")
     p.add_argument("--draft", default=default_draft, help="draft model (method 'draft')")
     p.add_argument("--method", default="draft", choices=SERVE_METHODS,
-                   help="decoding method of every request (default draft; 'cascade' has no batch mode)")
+                   help="decoding method of every request (default draft)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --target)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
@@ -54,6 +54,12 @@ def add_arguments(p: argparse.ArgumentParser, *, default_target: str, default_dr
     p.add_argument("--exit-layer", type=int, default=None, help="early-exit: layers the draft runs")
     p.add_argument("--prompt-lookup-max-ngram", type=int, default=3)
     p.add_argument("--prompt-lookup-min-ngram", type=int, default=1)
+    p.add_argument("--ngram-check", action=argparse.BooleanOptionalAction, default=True,
+                   help="cascade: keep only the n-gram tokens the draft model would draft itself (default); "
+                        "--no-ngram-check proposes the whole match")
+    p.add_argument("--max-model-prompt-tokens", type=int, metavar="N", default=None,
+                   help="cascade: a request whose prompt has more than N tokens gets n-gram matches alone, "
+                        "without the draft model (default: no limit)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto")
     p.add_argument("--cache-dir", default=None, help="where assembled and dense models are cached")
@@ -139,6 +145,13 @@ def run(args) -> int:
     for name in ("max_batch_size", "max_length", "num_speculative_tokens"):
         if getattr(args, name) < 1:
             raise InvalidArgumentError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.max_model_prompt_tokens is not None:
+        if args.max_model_prompt_tokens < 1:
+            raise InvalidArgumentError(
+                f"--max-model-prompt-tokens must be >= 1 (tokens), got {args.max_model_prompt_tokens}")
+        if method_registry.refused_option(args.method, {"max_model_prompt_tokens": args.max_model_prompt_tokens}):
+            users = method_registry.who_takes("max_model_prompt_tokens")
+            raise InvalidArgumentError(f"--max-model-prompt-tokens applies to {users}, not to {args.method!r}")
     if args.max_queue < 0:
         raise InvalidArgumentError(f"--max-queue must be >= 0, got {args.max_queue}")
     verify = _max_verify_tokens(args.max_verify_tokens)
@@ -158,6 +171,7 @@ def run(args) -> int:
         max_verify_tokens=verify, skip_layers=args.skip_layers, skip_config=args.skip_config,
         exit_layer=args.exit_layer, prompt_lookup_max_ngram=args.prompt_lookup_max_ngram,
         prompt_lookup_min_ngram=args.prompt_lookup_min_ngram, compile=args.compile,
+        ngram_check=args.ngram_check, max_model_prompt_tokens=args.max_model_prompt_tokens,
     )
     if not args.no_warmup:
         decoder.warm_up()
