@@ -77,9 +77,15 @@ def test_the_batched_cascade_is_built_with_its_options():
     draft = LoadedModel(make_tiny_model("qwen2", num_layers=2, seed=1), make_tiny_tokenizer(), "tiny-draft")
     gen = SpeculativeGenerator(target, draft)
     drafter = gen.batch_decoder("cascade", prompt_lookup_max_ngram=4, prompt_lookup_min_ngram=2, ngram_check=False,
-                                max_model_prompt_tokens=7).drafter
+                                max_model_prompt_tokens=7, draft_context_window=5).drafter
     assert type(drafter).__name__ == "BatchCascadeDrafter"
-    assert (drafter.max_ngram, drafter.min_ngram, drafter.ngram_check, drafter.max_model_prompt_tokens) == (4, 2, False, 7)
+    assert (drafter.max_ngram, drafter.min_ngram, drafter.ngram_check, drafter.max_model_prompt_tokens,
+            drafter.context_window) == (4, 2, False, 7, 5)
+    assert gen.batch_decoder("draft", draft_context_window=6).drafter.context_window == 6
+    with pytest.raises(InvalidArgumentError, match=r"draft_context_window=6 \(--draft-context-window\) applies to "
+                                                   "the methods with a draft model, 'draft' and 'cascade', not to "
+                                                   "'layer-skip'"):
+        gen.batch_decoder("layer-skip", skip_layers="attn=1", draft_context_window=6)
     with pytest.raises(InvalidArgumentError, match=r"max_model_prompt_tokens=7 \(--max-model-prompt-tokens\) "
                                                    "applies to the method 'cascade', not to 'draft'"):
         gen.batch_decoder("draft", max_model_prompt_tokens=7)

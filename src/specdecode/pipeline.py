@@ -479,6 +479,7 @@ class SpeculativeGenerator:
         prompt_lookup_min_ngram: int = 1,
         ngram_check: bool = True,
         max_model_prompt_tokens: int | None = None,
+        draft_context_window: int | None = None,
         compile: bool | None = None,
     ) -> BatchedSpeculativeDecoder:
         """A ``BatchedSpeculativeDecoder`` (many rows at once, continuous batching) for ``method``.
@@ -491,8 +492,9 @@ class SpeculativeGenerator:
             max_verify_tokens: See ``BatchedSpeculativeDecoder``; "auto": ``BATCH_VERIFY_TOKENS_CPU``
                 on a CPU (measured: a verification over more tokens costs more than one step), no
                 limit on other devices (not measured).
-            skip_set .. max_model_prompt_tokens: See ``make_drafter`` ("cascade": per row,
-                ``drafters.batched_cascade.BatchCascadeDrafter``).
+            skip_set .. draft_context_window: See ``make_drafter`` ("cascade": per row,
+                ``drafters.batched_cascade.BatchCascadeDrafter``). The truncated draft head
+                (``draft_vocab_size``) has no batch mode.
             compile: The batched fast path (compiled (rows, width) buckets, CUDA graphs on CUDA):
                 True, False, or None for the device's default (``BatchedSpeculativeDecoder``).
 
@@ -506,6 +508,7 @@ class SpeculativeGenerator:
             skip_set=skip_set, skip_layers=skip_layers, skip_config=skip_config, exit_layer=exit_layer,
             prompt_lookup_max_ngram=prompt_lookup_max_ngram, prompt_lookup_min_ngram=prompt_lookup_min_ngram,
             ngram_check=ngram_check, max_model_prompt_tokens=max_model_prompt_tokens,
+            draft_context_window=draft_context_window,
         ))
         return BatchedSpeculativeDecoder(
             target,

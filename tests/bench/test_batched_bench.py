@@ -27,7 +27,8 @@ PROMPTS = [  # two categories, 3 + 2 prompts: at B = 2 the first category leaves
 ]
 SPECULATIVE = ["draft", "draft+adaptive", "draft:exit_rule=batch+adaptive", "prompt-lookup",
                "early-exit:exit_layer=2", "layer-skip:skip_layers=attn=1,2;mlp=0,3", "draft:num_speculative_tokens=3",
-               "cascade", "cascade:ngram_check=false,max_model_prompt_tokens=6"]
+               "cascade", "cascade:ngram_check=false,max_model_prompt_tokens=6,draft_context_window=3",
+               "draft:draft_context_window=2"]
 SINGLES = ["draft:decoder=single", "autoregressive:decoder=single"]
 METHODS = ["autoregressive", *SPECULATIVE, *SINGLES, "hf-generate"]
 SIZES = [1, 2, 4]
@@ -182,8 +183,12 @@ def test_library_refusals(generator):
         run_batched_bench(SpeculativeGenerator(generator.target), PROMPTS, ["draft"], [2], settings)
     with pytest.raises(InvalidArgumentError, match="has no batch mode"):
         run_batched_bench(generator, PROMPTS, ["hf-assisted"], [2], settings)
-    with pytest.raises(InvalidArgumentError, match="draft_context_window are not taken in batch mode"):
-        run_batched_bench(generator, PROMPTS, ["cascade:draft_context_window=4"], [2], settings)
+    with pytest.raises(InvalidArgumentError, match="draft_backend are not taken in batch mode"):
+        run_batched_bench(generator, PROMPTS, ["cascade:draft_backend=torch"], [2], settings)
+    with pytest.raises(InvalidArgumentError, match=r"draft_context_window=4 \(--draft-context-window\) applies to "
+                                                   "the methods with a draft model, 'draft' and 'cascade', not to "
+                                                   "'prompt-lookup'"):
+        run_batched_bench(generator, PROMPTS, ["prompt-lookup:draft_context_window=4"], [2], settings)
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,10 @@ from conftest import make_tiny_model
 from helpers import perturbed_copy
 from selfspec_helpers import REPETITIVE, one_thread  # noqa: F401 (a fixture)
 from specdecode import DraftControl, GenerationConfig, SpeculativeDecoder
-from specdecode.drafters.batched import BatchPromptLookupDrafter
+from specdecode.drafters.batched import BatchDraftModelDrafter, BatchPromptLookupDrafter
 from specdecode.drafters.batched_cascade import BatchCascadeDrafter
 from specdecode.drafters.cascade import LONG_PROMPT_BLOCK, CascadeDrafter
+from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.engine.batch_cache import BatchKVCache
 from specdecode.engine.batched import BatchedSpeculativeDecoder
 from specdecode.engine.sampling import Sampler
@@ -116,6 +117,52 @@ def test_blocks_are_the_single_sequence_cascades(arch):
         bdec.generate(PROMPTS, _configs())
         assert batched.blocks == single.blocks, (arch, check, limit)
         assert batched.num_ngram_tokens == ngram > 0, (arch, check, limit)
+
+
+class _SingleDraftSpy(DraftModelDrafter):
+    def __init__(self, *a, **k) -> None:
+        super().__init__(*a, **k)
+        self.blocks: list[list[int]] = []
+
+    def propose(self, sequence, max_tokens, exit_policy=None, first_logits=None):
+        draft = super().propose(sequence, max_tokens, exit_policy, first_logits)
+        self.blocks.append(draft.tokens.tolist())
+        return draft
+
+
+class _BatchDraftSpy(BatchDraftModelDrafter):
+    def __init__(self, *a, **k) -> None:
+        super().__init__(*a, **k)
+        self.blocks: list[list[int]] = []
+
+    def propose(self, sequences, max_tokens, exits=None, exit_rule="row"):
+        draft = super().propose(sequences, max_tokens, exits, exit_rule)
+        self.blocks.append(draft.tokens[0, : draft.num_tokens[0]].tolist())
+        return draft
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_draft_context_window(arch):
+    """A draft context window of 3 tokens (the draft model and the cascade): at B = 1 the blocks are
+    the single-sequence drafters' with the same window; at B = 3 (rows joining mid-flight) every row
+    equals target-only decoding."""
+    target = make_tiny_model(arch, num_layers=3)
+    draft = perturbed_copy(target, noise=0.3, seed=1)
+    configs = _configs(num_speculative_tokens=4)
+    expected = _alone(target, PROMPTS, configs)
+    for single, batched in ((_SingleDraftSpy(draft, context_window=3), _BatchDraftSpy(draft, 3)),
+                            (_SingleSpy(draft, context_window=3), _BatchSpy(draft, context_window=3))):
+        dec = SpeculativeDecoder(target, single, compile=False)
+        assert [dec.generate(p, c).token_ids for p, c in zip(PROMPTS, configs)] == expected
+        bdec = BatchedSpeculativeDecoder(target, batched, max_batch_size=1, max_length=96, num_speculative_tokens=4)
+        assert [r.token_ids for r in bdec.generate(PROMPTS, _configs())] == expected
+        assert batched.blocks == single.blocks, type(batched).__name__
+    for make in (lambda: BatchDraftModelDrafter(draft, context_window=3),
+                 lambda: BatchCascadeDrafter(draft, max_model_prompt_tokens=LONG, context_window=3)):
+        drafter = make()
+        dec = BatchedSpeculativeDecoder(target, drafter, max_batch_size=3, max_length=96, num_speculative_tokens=4)
+        assert _continuous(dec, PROMPTS, _configs()) == expected, type(drafter).__name__
+        assert 0 < dec.stats.num_accepted_tokens < dec.stats.num_drafted_tokens
 
 
 def test_long_prompt_rows_are_prompt_lookup_without_the_draft_model():
@@ -238,3 +285,7 @@ def test_bad_options_are_refused():
         BatchCascadeDrafter(draft, max_model_prompt_tokens=0)
     with pytest.raises(InvalidArgumentError, match="min_ngram"):
         BatchCascadeDrafter(draft, max_ngram=1, min_ngram=2)
+    with pytest.raises(InvalidArgumentError, match="context_window=0 is out of range"):
+        BatchCascadeDrafter(draft, context_window=0)
+    with pytest.raises(InvalidArgumentError, match="context_window=-1 is out of range"):
+        BatchDraftModelDrafter(draft, context_window=-1)

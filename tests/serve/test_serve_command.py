@@ -27,6 +27,8 @@ from specdecode.serve.loadtest import wait_until_healthy
         (["--method", "layer-skip"], "--skip-layers"),
         (["--method", "cascade", "--max-model-prompt-tokens", "0"], "--max-model-prompt-tokens must be >= 1"),
         (["--method", "draft", "--max-model-prompt-tokens", "9"], "applies to the method 'cascade', not to 'draft'"),
+        (["--draft-context-window", "0"], "--draft-context-window must be >= 1"),
+        (["--method", "prompt-lookup", "--draft-context-window", "8"], "not to 'prompt-lookup'"),
         (["--max-verify-tokens", "many"], "'many'"),
         (["--port", "70000"], "0..65535"),
         (["--max-tokens-limit", "0", "--max-length", "64"], "max_tokens_limit must be an integer >= 1"),

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from specdecode import pipeline
+from specdecode import method_registry, pipeline
 from specdecode.bench.datasets import Prompt
 from specdecode.bench.hf_methods import HF_METHODS, _HFRunner, _seeded
 from specdecode.bench.methods import _OPTION_SPLIT, MethodSpec, _accepted_keywords, available_methods, build_decoder
@@ -197,8 +197,13 @@ def _options(method: BatchMethod, settings: BenchSettings, takes: set[str] | Non
     if method.spec.base == "autoregressive":
         return {}
     keep_head = method.kind == SINGLE and method.spec.base == "draft"  # a run-wide draft head: draft model's alone
-    options = {**{k: v for k, v in settings.drafter_options.items() if k != "draft_vocab_size" or keep_head},
-               **method.spec.options}
+    entry = method_registry.get(method.spec.base)
+    takes_method = entry.options if entry is not None else frozenset()
+    # Run-wide draft-model options go to the methods that take them (the registry's) alone.
+    run_wide = {k: v for k, v in settings.drafter_options.items()
+                if (k != "draft_vocab_size" or keep_head)
+                and (k not in ("draft_context_window", "max_model_prompt_tokens") or k in takes_method)}
+    options = {**run_wide, **method.spec.options}
     if takes is not None and not set(options) <= takes:
         raise InvalidArgumentError(
             f"method {method.name!r}: option(s) {', '.join(sorted(set(options) - takes))} are not taken in batch "

@@ -15,7 +15,7 @@ every row has been unsure, and each row keeps everything it drafted: the verific
 wide as the longest row either way, so the extra tokens cost the target nothing.
 
 The truncated draft head (FR-Spec) is not used in batch mode: the draft model drafts over its
-full vocabulary.
+full vocabulary. The draft context window is (``BatchDraftModelDrafter``'s ``context_window``).
 
 Decode-time forwards go through a ``BatchRunner`` (``engine.batch_runner``): on the engine's
 fast path (``BatchKVCache.fast``) a draft model compiles its widths 1 and 2, a layer-skip or
@@ -30,6 +30,7 @@ from collections.abc import Callable
 import torch
 from transformers import PreTrainedModel
 
+from specdecode.drafters.control import check_optional_count
 from specdecode.drafters.early_exit import exit_skip_set
 from specdecode.drafters.layer_skip import SkipSet, decoder_layers, draft_mode
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter, find_continuation
@@ -151,21 +152,33 @@ def draft_batch(
 class BatchDraftModelDrafter(BatchDrafter):
     """A smaller model drafts for every row at once, from its own ``BatchKVCache``.
 
+    **Draft context window** (``context_window=W``, as ``DraftModelDrafter``'s): a joining row's
+    draft prefill is its prompt's last W tokens only, written at the slot's positions 0 .. W - 1;
+    every token after them is kept. The row's draft positions count from the window's start (its
+    ``offset``, the prompt tokens left out): rotary attention depends on the distance between
+    positions only, so the draft sees the window as a prompt of W tokens. Lengths are kept in
+    sequence positions; a row's draft-cache positions are ``offset`` fewer. The output is
+    unchanged (the target verifies every token); acceptance may drop.
+
     Args:
         model: The draft model (vocabulary mapped like the target's; eager or SDPA attention).
+        context_window: W >= 1, or None: the whole prompt.
 
     Raises:
+        InvalidArgumentError: ``context_window`` not None or an integer >= 1.
         UnsupportedModelError: At ``bind``, if the model's attention cannot take batch masks.
     """
 
     supports_exit_policy = True
     who = "draft model"
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, context_window: int | None = None) -> None:
+        self.context_window = check_optional_count("context_window", context_window, "the whole prompt")
         self.model = model
         self.cache: BatchKVCache | None = None
         self.runner: BatchRunner | None = None
-        self._num_cached: list[int] = []
+        self._num_cached: list[int] = []  # per slot, in sequence positions
+        self._offsets: list[int] = []  # per slot, the prompt positions the context window left out
         self._samplers: list[Sampler | None] = []
 
     def bind(self, target_cache: BatchKVCache) -> None:
@@ -179,6 +192,7 @@ class BatchDraftModelDrafter(BatchDrafter):
         )
         self.runner = BatchRunner(self.model, self.cache, (1, 2), self.who)
         self._num_cached = [0] * target_cache.num_slots
+        self._offsets = [0] * target_cache.num_slots
         self._samplers = [None] * target_cache.num_slots
         self.num_forwards = 0
 
@@ -194,8 +208,10 @@ class BatchDraftModelDrafter(BatchDrafter):
 
     @torch.inference_mode()
     def join(self, slot: int, prompt_ids: torch.Tensor, sampler: Sampler) -> None:
-        batch_prefill(self.model, self.cache, prompt_ids, slot)
-        self._num_cached[slot] = prompt_ids.shape[1]
+        n, window = prompt_ids.shape[1], self.context_window
+        self._offsets[slot] = max(0, n - window) if window is not None else 0
+        batch_prefill(self.model, self.cache, prompt_ids[:, self._offsets[slot]:], slot)
+        self._num_cached[slot] = n
         self._samplers[slot] = sampler
         self.num_forwards += 1
 
@@ -210,11 +226,12 @@ class BatchDraftModelDrafter(BatchDrafter):
         """
         n = len(sequences)
         lengths = [len(s) for s in sequences]
+        offsets = self._offsets[:n]
         width = max(length - cached for length, cached in zip(lengths, self._num_cached[:n]))
-        starts = [max(length - width, 0) for length in lengths]
+        starts = [max(length - width, offset) for length, offset in zip(lengths, offsets)]
         feeds = [s[start:] for s, start in zip(sequences, starts)]
         ids = to_device([f + f[-1:] * (width - len(f)) for f in feeds], self.cache.device)
-        logits = self.runner(ids, starts, width)
+        logits = self.runner(ids, [s - o for s, o in zip(starts, offsets)], width)
         if all(len(f) == width for f in feeds):
             first = logits[:, -1]
         else:
@@ -224,7 +241,8 @@ class BatchDraftModelDrafter(BatchDrafter):
         def forward(token: torch.Tensor, at: list[int]) -> torch.Tensor:
             return self.runner(token, at, 1)[:, -1]
 
-        draft, steps = draft_batch(forward, first, lengths, max_tokens, self._samplers[:n], exits, exit_rule, self.who)
+        at = [length - o for length, o in zip(lengths, offsets)]
+        draft, steps = draft_batch(forward, first, at, max_tokens, self._samplers[:n], exits, exit_rule, self.who)
         self.num_forwards += steps
         for b in range(n):
             self._num_cached[b] = lengths[b] + min(draft.num_tokens[b], steps - 1)
@@ -235,8 +253,9 @@ class BatchDraftModelDrafter(BatchDrafter):
             self._num_cached[b] = min(self._num_cached[b], valid)
 
     def move(self, src: int, dst: int, num_valid: int) -> None:
-        self.cache.move(src, dst, min(self._num_cached[src], num_valid))
+        self.cache.move(src, dst, min(self._num_cached[src], num_valid) - self._offsets[src])
         self._num_cached[dst] = min(self._num_cached[src], num_valid)
+        self._offsets[dst] = self._offsets[src]
         self._samplers[dst] = self._samplers[src]
         self._samplers[src] = None
 

@@ -36,7 +36,9 @@ engine then treats its block as one-hot). Greedy agreement with the draft model 
 deterministic function of the context, so kept candidates stay point masses. Adaptive draft
 exit applies to the model part only.
 
-The truncated draft head (FR-Spec) and the draft context window are not used in batch mode.
+**Draft context window** (``context_window=W``): the draft model is prefilled with a row's last W
+prompt tokens only (``BatchDraftModelDrafter``); the n-gram part still matches against the whole
+sequence. The truncated draft head (FR-Spec) is not used in batch mode.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ class BatchCascadeDrafter(BatchDraftModelDrafter):
             False keeps the whole match.
         max_model_prompt_tokens: N >= 1: a row whose prompt has more than N tokens gets n-gram
             matches alone (module docstring); None: the draft model runs for every row.
+        context_window: The draft model's context window W (module docstring), or None.
 
     Attributes:
         num_forwards: Draft-model forwards since ``bind`` (prefills included).
@@ -75,7 +78,7 @@ class BatchCascadeDrafter(BatchDraftModelDrafter):
 
     Raises:
         InvalidArgumentError: Unless 1 <= min_ngram <= max_ngram; ``ngram_check`` not a bool;
-            ``max_model_prompt_tokens`` not None or an integer >= 1.
+            ``max_model_prompt_tokens`` or ``context_window`` not None or an integer >= 1.
         UnsupportedModelError: At ``bind``, if the model's attention cannot take batch masks.
     """
 
@@ -89,11 +92,12 @@ class BatchCascadeDrafter(BatchDraftModelDrafter):
         min_ngram: int = 1,
         ngram_check: bool = True,
         max_model_prompt_tokens: int | None = None,
+        context_window: int | None = None,
     ) -> None:
         PromptLookupDrafter(max_ngram, min_ngram)  # validates the n-gram sizes
         if not isinstance(ngram_check, bool):
             raise InvalidArgumentError(f"ngram_check must be True or False, got {ngram_check!r}")
-        super().__init__(model)
+        super().__init__(model, context_window)
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.ngram_check = ngram_check
         self.max_model_prompt_tokens = check_optional_count(
@@ -117,7 +121,7 @@ class BatchCascadeDrafter(BatchDraftModelDrafter):
         if self._model_rows[slot]:
             super().join(slot, prompt_ids, sampler)
         else:
-            self._num_cached[slot] = 0
+            self._num_cached[slot] = self._offsets[slot] = 0
             self._samplers[slot] = sampler
 
     @torch.inference_mode()
@@ -164,22 +168,23 @@ class BatchCascadeDrafter(BatchDraftModelDrafter):
 
     def _propose_with_model(self, sequences, lengths, max_tokens, uses_model, ngrams, fed, exits, exit_rule):
         n, device = len(sequences), self.cache.device
-        samplers = self._samplers[:n]
+        samplers, offsets = self._samplers[:n], self._offsets[:n]
         # The first forward: each drafting row's uncached tokens and fed n-gram tokens, on the right.
         ends = [length + len(f) for length, f in zip(lengths, fed)]
         width = max(end - cached for end, cached, own in zip(ends, self._num_cached[:n], uses_model) if own)
-        starts, feeds, offsets = [], [], []
+        starts, feeds, at_fed = [], [], []
         for b in range(n):
-            if uses_model[b]:
-                start = max(ends[b] - width, 0)  # <= the row's cached length <= its length - 1
+            if uses_model[b]:  # the row's draft-cache positions are offsets[b] fewer (context window)
+                start = max(ends[b] - width, offsets[b])  # <= the row's cached length <= its length - 1
                 feed = sequences[b][start:] + fed[b]
+                starts.append(start - offsets[b])
             else:  # a long-prompt row: placeholders in its own unused draft slot
-                start, feed = 0, [0]
-            starts.append(start)
-            offsets.append(len(feed) - 1 - len(fed[b]))  # feed index whose logits predict fed[b][0]
+                feed = [0]
+                starts.append(0)
+            at_fed.append(len(feed) - 1 - len(fed[b]))  # feed index whose logits predict fed[b][0]
             feeds.append(feed + feed[-1:] * (width - len(feed)))
-        keep = width - min(offsets)
-        offsets = [o - (width - keep) for o in offsets]  # into the kept logits
+        keep = width - min(at_fed)
+        at_fed = [o - (width - keep) for o in at_fed]  # into the kept logits
         logits = self.runner(to_device(feeds, device), starts, keep)  # (n, keep, V)
         self.num_forwards += 1
         deferred = all(s.greedy for s in samplers) and exits is None
@@ -190,15 +195,15 @@ class BatchCascadeDrafter(BatchDraftModelDrafter):
         if self.ngram_check and longest:
             vocab = samplers[0].vocab_size
             choice = logits[..., :vocab].argmax(-1)  # (n, keep): the draft's greedy token after each fed token
-            index = [[o + min(j, max(len(f) - 1, 0)) for j in range(longest)] for o, f in zip(offsets, fed)]
+            index = [[o + min(j, max(len(f) - 1, 0)) for j in range(longest)] for o, f in zip(at_fed, fed)]
             candidates = to_device([f + [-1] * (longest - len(f)) for f in fed], device)  # -1 matches nothing
             agree = choice.gather(1, to_device(index, device)) == candidates
             kept_t = agree.long().cumprod(1).sum(1)  # (n,) leading agreeing candidates
-            first = logits[torch.arange(n, device=device), to_device(offsets, device) + kept_t]
+            first = logits[torch.arange(n, device=device), to_device(at_fed, device) + kept_t]
             kept = kept_t.tolist()  # the check's one host sync
         else:
             kept = [len(f) for f in fed]
-            at = [o + k for o, k in zip(offsets, kept)]
+            at = [o + k for o, k in zip(at_fed, kept)]
             first = logits[torch.arange(n, device=device), to_device(at, device)]
         blocks = [ng[:k] if f else ng for ng, f, k in zip(ngrams, fed, kept)]  # the n-gram tokens proposed
         valid = [length + k if own else 0 for length, k, own in zip(lengths, kept, uses_model)]
@@ -210,7 +215,8 @@ class BatchCascadeDrafter(BatchDraftModelDrafter):
             def forward(token: torch.Tensor, at: list[int]) -> torch.Tensor:
                 return self.runner(token, at, 1)[:, -1]
 
-            model, steps = draft_batch(forward, first, valid, model_tokens, samplers, exits, exit_rule, self.who)
+            at = [v - o for v, o in zip(valid, offsets)]  # draft-cache positions
+            model, steps = draft_batch(forward, first, at, model_tokens, samplers, exits, exit_rule, self.who)
             self.num_forwards += steps - 1
         num = [len(blk) + (model.num_tokens[b] if model is not None else 0) for b, blk in enumerate(blocks)]
         for b in range(n):

@@ -60,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser, *, default_target: str, default_dr
     p.add_argument("--max-model-prompt-tokens", type=int, metavar="N", default=None,
                    help="cascade: a request whose prompt has more than N tokens gets n-gram matches alone, "
                         "without the draft model (default: no limit)")
+    p.add_argument("--draft-context-window", type=int, metavar="W", default=None,
+                   help="draft and cascade: prefill the draft model with each prompt's last W tokens only "
+                        "(default: the whole prompt)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto")
     p.add_argument("--cache-dir", default=None, help="where assembled and dense models are cached")
@@ -145,13 +148,12 @@ def run(args) -> int:
     for name in ("max_batch_size", "max_length", "num_speculative_tokens"):
         if getattr(args, name) < 1:
             raise InvalidArgumentError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.max_model_prompt_tokens is not None:
-        if args.max_model_prompt_tokens < 1:
-            raise InvalidArgumentError(
-                f"--max-model-prompt-tokens must be >= 1 (tokens), got {args.max_model_prompt_tokens}")
-        if method_registry.refused_option(args.method, {"max_model_prompt_tokens": args.max_model_prompt_tokens}):
-            users = method_registry.who_takes("max_model_prompt_tokens")
-            raise InvalidArgumentError(f"--max-model-prompt-tokens applies to {users}, not to {args.method!r}")
+    for keyword in ("max_model_prompt_tokens", "draft_context_window"):
+        value, flag = getattr(args, keyword), "--" + keyword.replace("_", "-")
+        if value is not None and value < 1:
+            raise InvalidArgumentError(f"{flag} must be >= 1 (tokens), got {value}")
+        if method_registry.refused_option(args.method, {keyword: value}):
+            raise InvalidArgumentError(f"{flag} applies to {method_registry.who_takes(keyword)}, not to {args.method!r}")
     if args.max_queue < 0:
         raise InvalidArgumentError(f"--max-queue must be >= 0, got {args.max_queue}")
     verify = _max_verify_tokens(args.max_verify_tokens)
@@ -172,6 +174,7 @@ def run(args) -> int:
         exit_layer=args.exit_layer, prompt_lookup_max_ngram=args.prompt_lookup_max_ngram,
         prompt_lookup_min_ngram=args.prompt_lookup_min_ngram, compile=args.compile,
         ngram_check=args.ngram_check, max_model_prompt_tokens=args.max_model_prompt_tokens,
+        draft_context_window=args.draft_context_window,
     )
     if not args.no_warmup:
         decoder.warm_up()
