@@ -163,7 +163,8 @@ def _batch_draft(generator, o: DrafterOptions) -> BatchDraftModelDrafter:
     if generator.draft is None:
         raise InvalidArgumentError("batched method 'draft' needs a draft model run by torch (it has no "
                                    "llama.cpp backend); pass draft=... with draft_backend='torch'")
-    return BatchDraftModelDrafter(generator.draft.model, o.draft_context_window)
+    return BatchDraftModelDrafter(generator.draft.model, o.draft_context_window,
+                                  generator.draft_head(o.draft_vocab_size))
 
 
 def _batch_cascade(generator, o: DrafterOptions) -> BatchCascadeDrafter:
@@ -171,7 +172,8 @@ def _batch_cascade(generator, o: DrafterOptions) -> BatchCascadeDrafter:
         raise InvalidArgumentError("batched method 'cascade' needs a draft model run by torch (it has no "
                                    "llama.cpp backend); pass draft=... with draft_backend='torch'")
     return BatchCascadeDrafter(generator.draft.model, o.prompt_lookup_max_ngram, o.prompt_lookup_min_ngram,
-                               o.ngram_check, o.max_model_prompt_tokens, o.draft_context_window)
+                               o.ngram_check, o.max_model_prompt_tokens, o.draft_context_window,
+                               generator.draft_head(o.draft_vocab_size))
 
 
 def _batch_layer_skip(generator, o: DrafterOptions) -> BatchLayerSkipDrafter:
@@ -322,8 +324,8 @@ def make_batch_drafter(generator, method: str, options: DrafterOptions) -> Batch
 
     Raises:
         InvalidArgumentError: ``method`` is unknown or has no batch mode (the message lists
-            ``BATCH_METHODS``); ``max_model_prompt_tokens`` or ``draft_context_window`` given to a
-            method that does not take it; the factory's own errors.
+            ``BATCH_METHODS``); ``max_model_prompt_tokens``, ``draft_context_window`` or
+            ``draft_vocab_size`` given to a method that does not take it; the factory's own errors.
     """
     entry = REGISTRY.get(method)
     if entry is None or entry.batch_factory is None:
@@ -331,7 +333,7 @@ def make_batch_drafter(generator, method: str, options: DrafterOptions) -> Batch
             f"method {method!r} has no batch mode; allowed with a batch: {', '.join(BATCH_METHODS)}"
         )
     refused = refused_option(method, {k: getattr(options, k) for k in (
-        "max_model_prompt_tokens", "draft_context_window")})
+        "draft_vocab_size", "max_model_prompt_tokens", "draft_context_window")})
     if refused is not None:
         keyword, value = refused
         raise InvalidArgumentError(

@@ -480,6 +480,7 @@ class SpeculativeGenerator:
         ngram_check: bool = True,
         max_model_prompt_tokens: int | None = None,
         draft_context_window: int | None = None,
+        draft_vocab_size: int | None = None,
         compile: bool | None = None,
     ) -> BatchedSpeculativeDecoder:
         """A ``BatchedSpeculativeDecoder`` (many rows at once, continuous batching) for ``method``.
@@ -492,9 +493,9 @@ class SpeculativeGenerator:
             max_verify_tokens: See ``BatchedSpeculativeDecoder``; "auto": ``BATCH_VERIFY_TOKENS_CPU``
                 on a CPU (measured: a verification over more tokens costs more than one step), no
                 limit on other devices (not measured).
-            skip_set .. draft_context_window: See ``make_drafter`` ("cascade": per row,
-                ``drafters.batched_cascade.BatchCascadeDrafter``). The truncated draft head
-                (``draft_vocab_size``) has no batch mode.
+            skip_set .. draft_vocab_size: See ``make_drafter`` ("cascade": per row,
+                ``drafters.batched_cascade.BatchCascadeDrafter``; ``draft_vocab_size``: FR-Spec's
+                truncated head, ``drafters.batched.BatchDraftModelDrafter``).
             compile: The batched fast path (compiled (rows, width) buckets, CUDA graphs on CUDA):
                 True, False, or None for the device's default (``BatchedSpeculativeDecoder``).
 
@@ -508,7 +509,7 @@ class SpeculativeGenerator:
             skip_set=skip_set, skip_layers=skip_layers, skip_config=skip_config, exit_layer=exit_layer,
             prompt_lookup_max_ngram=prompt_lookup_max_ngram, prompt_lookup_min_ngram=prompt_lookup_min_ngram,
             ngram_check=ngram_check, max_model_prompt_tokens=max_model_prompt_tokens,
-            draft_context_window=draft_context_window,
+            draft_context_window=draft_context_window, draft_vocab_size=draft_vocab_size,
         ))
         return BatchedSpeculativeDecoder(
             target,

@@ -153,12 +153,10 @@ def test_batch_sizes_parse():
 @pytest.mark.parametrize("name, message", [
     ("hf-assisted", "'hf-assisted' has no batch mode; allowed with --batch-size: autoregressive, draft, cascade, "
                     "layer-skip, early-exit, prompt-lookup, hf-generate"),
-    ("cascade:draft_vocab_size=1000", "draft_vocab_size applies to decoder=single only"),
     ("warp-drive", "'warp-drive' is unknown"),
     ("draft:exit_rule=batch", "add \\+adaptive"),
     ("draft:exit_rule=diagonal+adaptive", "exit_rule='diagonal'; allowed: row, batch"),
     ("draft:decoder=multi", "decoder='multi'"),
-    ("draft:draft_vocab_size=1000", "draft_vocab_size applies to decoder=single only"),
     ("hf-generate:decoder=single", "takes no options"),
     ("draft+warp", "unknown modifier"),
 ])

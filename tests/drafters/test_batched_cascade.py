@@ -14,6 +14,7 @@ from specdecode import DraftControl, GenerationConfig, SpeculativeDecoder
 from specdecode.drafters.batched import BatchDraftModelDrafter, BatchPromptLookupDrafter
 from specdecode.drafters.batched_cascade import BatchCascadeDrafter
 from specdecode.drafters.cascade import LONG_PROMPT_BLOCK, CascadeDrafter
+from specdecode.drafters.draft_head import DraftHead
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.engine.batch_cache import BatchKVCache
 from specdecode.engine.batched import BatchedSpeculativeDecoder
@@ -163,6 +164,46 @@ def test_draft_context_window(arch):
         dec = BatchedSpeculativeDecoder(target, drafter, max_batch_size=3, max_length=96, num_speculative_tokens=4)
         assert _continuous(dec, PROMPTS, _configs()) == expected, type(drafter).__name__
         assert 0 < dec.stats.num_accepted_tokens < dec.stats.num_drafted_tokens
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma2"])
+def test_truncated_draft_head(arch):
+    """FR-Spec's truncated head (K = 12 of 48 tokens) for the draft model and the cascade: at B = 1
+    the blocks are the single-sequence drafters' with the same head; at B = 3 every row equals
+    target-only decoding, greedy, and sampling rows' q are zero outside the K tokens."""
+    target = make_tiny_model(arch, num_layers=3)
+    draft = perturbed_copy(target, noise=0.3, seed=1)
+    configs = _configs(num_speculative_tokens=4)
+    expected = _alone(target, PROMPTS, configs)
+    common = sorted({t for out in expected for t in out})[:8]  # K tokens: some the target picks, some it never does
+    ids = sorted({*common, 0, 1, 40, 41, 42, 43, 44, 45, 46, 47})[:12]
+    head = DraftHead.truncated(ids)
+    for single, batched in ((_SingleDraftSpy(draft, head), _BatchDraftSpy(draft, head=head)),
+                            (_SingleSpy(draft, head=head), _BatchSpy(draft, head=head))):
+        dec = SpeculativeDecoder(target, single, compile=False)
+        assert [dec.generate(p, c).token_ids for p, c in zip(PROMPTS, configs)] == expected
+        bdec = BatchedSpeculativeDecoder(target, batched, max_batch_size=1, max_length=96, num_speculative_tokens=4)
+        assert [r.token_ids for r in bdec.generate(PROMPTS, _configs())] == expected
+        assert batched.blocks == single.blocks, type(batched).__name__
+        if type(batched) is _BatchDraftSpy:  # the draft model proposes among the K tokens only
+            assert {t for block in batched.blocks for t in block} <= set(ids)
+    for make in (lambda: BatchDraftModelDrafter(draft, head=head),
+                 lambda: BatchCascadeDrafter(draft, max_model_prompt_tokens=LONG, head=head)):
+        drafter = make()
+        dec = BatchedSpeculativeDecoder(target, drafter, max_batch_size=3, max_length=96, num_speculative_tokens=4)
+        assert _continuous(dec, PROMPTS, _configs()) == expected, type(drafter).__name__
+        assert 0 < dec.stats.num_accepted_tokens < dec.stats.num_drafted_tokens
+    drafter = BatchDraftModelDrafter(draft, head=head)
+    drafter.bind(BatchKVCache(target, 2, 64))
+    vocab = target.config.vocab_size
+    for slot, prompt in enumerate(PROMPTS[:2]):
+        drafter.join(slot, torch.tensor([prompt]), Sampler(GenerationConfig(temperature=1.0, seed=slot), vocab, "cpu"))
+    block = drafter.propose([PROMPTS[0] + [7], PROMPTS[1] + [7]], [4, 4])
+    outside = torch.ones(vocab, dtype=torch.bool)
+    outside[ids] = False
+    for b, q in enumerate(block.probs):
+        assert q.shape == (4, vocab) and (q[:, outside] == 0).all() and torch.allclose(q.sum(-1), torch.ones(4))
+        assert set(block.tokens[b].tolist()) <= set(ids)
 
 
 def test_long_prompt_rows_are_prompt_lookup_without_the_draft_model():

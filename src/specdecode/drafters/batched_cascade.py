@@ -38,7 +38,9 @@ exit applies to the model part only.
 
 **Draft context window** (``context_window=W``): the draft model is prefilled with a row's last W
 prompt tokens only (``BatchDraftModelDrafter``); the n-gram part still matches against the whole
-sequence. The truncated draft head (FR-Spec) is not used in batch mode.
+sequence. **Truncated head** (``head``, FR-Spec): the model part proposes among the head's K
+tokens, and a checked n-gram token outside them never agrees, so the check drops it (unchecked,
+any token).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from transformers import PreTrainedModel
 from specdecode.drafters.batched import BatchDraftModelDrafter, draft_batch
 from specdecode.drafters.cascade import LONG_PROMPT_BLOCK
 from specdecode.drafters.control import check_optional_count
+from specdecode.drafters.draft_head import DraftHead
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter, find_continuation
 from specdecode.engine.batch_cache import BatchKVCache, to_device
 from specdecode.engine.protocol import BatchDraft
@@ -70,6 +73,7 @@ class BatchCascadeDrafter(BatchDraftModelDrafter):
         max_model_prompt_tokens: N >= 1: a row whose prompt has more than N tokens gets n-gram
             matches alone (module docstring); None: the draft model runs for every row.
         context_window: The draft model's context window W (module docstring), or None.
+        head: The draft model's LM-head rows (``BatchDraftModelDrafter``'s ``head``).
 
     Attributes:
         num_forwards: Draft-model forwards since ``bind`` (prefills included).
@@ -93,11 +97,12 @@ class BatchCascadeDrafter(BatchDraftModelDrafter):
         ngram_check: bool = True,
         max_model_prompt_tokens: int | None = None,
         context_window: int | None = None,
+        head: DraftHead | None = None,
     ) -> None:
         PromptLookupDrafter(max_ngram, min_ngram)  # validates the n-gram sizes
         if not isinstance(ngram_check, bool):
             raise InvalidArgumentError(f"ngram_check must be True or False, got {ngram_check!r}")
-        super().__init__(model, context_window)
+        super().__init__(model, context_window, head)
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.ngram_check = ngram_check
         self.max_model_prompt_tokens = check_optional_count(
@@ -164,7 +169,8 @@ class BatchCascadeDrafter(BatchDraftModelDrafter):
             width = max(1, max(len(ng) for ng in ngrams))
             ids = to_device([ng + [0] * (width - len(ng)) for ng in ngrams], self.cache.device)
             return BatchDraft(ids, [len(ng) for ng in ngrams], None, None, self.who)
-        return self._propose_with_model(sequences, lengths, max_tokens, uses_model, ngrams, fed, exits, exit_rule)
+        with self.head.applied():
+            return self._propose_with_model(sequences, lengths, max_tokens, uses_model, ngrams, fed, exits, exit_rule)
 
     def _propose_with_model(self, sequences, lengths, max_tokens, uses_model, ngrams, fed, exits, exit_rule):
         n, device = len(sequences), self.cache.device
@@ -185,7 +191,8 @@ class BatchCascadeDrafter(BatchDraftModelDrafter):
             feeds.append(feed + feed[-1:] * (width - len(feed)))
         keep = width - min(at_fed)
         at_fed = [o - (width - keep) for o in at_fed]  # into the kept logits
-        logits = self.runner(to_device(feeds, device), starts, keep)  # (n, keep, V)
+        logits = self.runner(to_device(feeds, device), starts, keep)  # (n, keep, V), or K columns (FR-Spec)
+        self.head.check_logits(logits)
         self.num_forwards += 1
         deferred = all(s.greedy for s in samplers) and exits is None
         finite = torch.isfinite(logits).all() if deferred else None
@@ -193,8 +200,9 @@ class BatchCascadeDrafter(BatchDraftModelDrafter):
             check_finite(logits, self.who)
         longest = max(len(f) for f in fed)
         if self.ngram_check and longest:
-            vocab = samplers[0].vocab_size
-            choice = logits[..., :vocab].argmax(-1)  # (n, keep): the draft's greedy token after each fed token
+            # (n, keep): the draft's greedy token after each fed token (a truncated head's: among its K)
+            choice = self.head.ids[logits.argmax(-1)] if self.head.ids is not None else \
+                logits[..., : samplers[0].vocab_size].argmax(-1)
             index = [[o + min(j, max(len(f) - 1, 0)) for j in range(longest)] for o, f in zip(at_fed, fed)]
             candidates = to_device([f + [-1] * (longest - len(f)) for f in fed], device)  # -1 matches nothing
             agree = choice.gather(1, to_device(index, device)) == candidates
@@ -216,7 +224,8 @@ class BatchCascadeDrafter(BatchDraftModelDrafter):
                 return self.runner(token, at, 1)[:, -1]
 
             at = [v - o for v, o in zip(valid, offsets)]  # draft-cache positions
-            model, steps = draft_batch(forward, first, at, model_tokens, samplers, exits, exit_rule, self.who)
+            model, steps = draft_batch(forward, first, at, model_tokens, samplers, exits, exit_rule, self.who,
+                                       self.head)
             self.num_forwards += steps - 1
         num = [len(blk) + (model.num_tokens[b] if model is not None else 0) for b, blk in enumerate(blocks)]
         for b in range(n):
