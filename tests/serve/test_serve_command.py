@@ -28,6 +28,8 @@ from specdecode.serve.loadtest import wait_until_healthy
         (["--method", "cascade", "--max-model-prompt-tokens", "0"], "--max-model-prompt-tokens must be >= 1"),
         (["--method", "draft", "--max-model-prompt-tokens", "9"], "applies to the method 'cascade', not to 'draft'"),
         (["--draft-context-window", "0"], "--draft-context-window must be >= 1"),
+        (["--draft-vocab-size", "-1"], "--draft-vocab-size must be >= 0"),
+        (["--method", "early-exit", "--exit-layer", "1", "--draft-vocab-size", "8"], "not to 'early-exit'"),
         (["--method", "prompt-lookup", "--draft-context-window", "8"], "not to 'prompt-lookup'"),
         (["--max-verify-tokens", "many"], "'many'"),
         (["--port", "70000"], "0..65535"),

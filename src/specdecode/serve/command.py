@@ -60,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser, *, default_target: str, default_dr
     p.add_argument("--max-model-prompt-tokens", type=int, metavar="N", default=None,
                    help="cascade: a request whose prompt has more than N tokens gets n-gram matches alone, "
                         "without the draft model (default: no limit)")
+    p.add_argument("--draft-vocab-size", type=int, metavar="K", default=None,
+                   help="draft and cascade: the draft model proposes among the K most frequent tokens only "
+                        "(FR-Spec; default: its whole vocabulary)")
     p.add_argument("--draft-context-window", type=int, metavar="W", default=None,
                    help="draft and cascade: prefill the draft model with each prompt's last W tokens only "
                         "(default: the whole prompt)")
@@ -73,6 +76,23 @@ def add_arguments(p: argparse.ArgumentParser, *, default_target: str, default_dr
                    help="skip the start-up forwards at every width the engine uses (without them, a CPU "
                         "server's memory grows while new matmul shapes turn up)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+
+
+def _check_draft_options(args) -> None:
+    """--draft-vocab-size, --max-model-prompt-tokens and --draft-context-window: in range, and taken by
+    --method (the method registry's), before any model is loaded.
+
+    Raises:
+        InvalidArgumentError: A value out of range, or an option the method does not take.
+    """
+    for keyword, low in (("draft_vocab_size", 0), ("max_model_prompt_tokens", 1), ("draft_context_window", 1)):
+        value, flag = getattr(args, keyword), "--" + keyword.replace("_", "-")
+        if value is not None and value < low:
+            meaning = "0: the whole vocabulary" if keyword == "draft_vocab_size" else "tokens"
+            raise InvalidArgumentError(f"{flag} must be >= {low} ({meaning}), got {value}")
+        if method_registry.refused_option(args.method, {keyword: value}):
+            users = method_registry.who_takes(keyword)
+            raise InvalidArgumentError(f"{flag} applies to {users}, not to {args.method!r}")
 
 
 def _max_verify_tokens(text: str):
@@ -148,12 +168,7 @@ def run(args) -> int:
     for name in ("max_batch_size", "max_length", "num_speculative_tokens"):
         if getattr(args, name) < 1:
             raise InvalidArgumentError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    for keyword in ("max_model_prompt_tokens", "draft_context_window"):
-        value, flag = getattr(args, keyword), "--" + keyword.replace("_", "-")
-        if value is not None and value < 1:
-            raise InvalidArgumentError(f"{flag} must be >= 1 (tokens), got {value}")
-        if method_registry.refused_option(args.method, {keyword: value}):
-            raise InvalidArgumentError(f"{flag} applies to {method_registry.who_takes(keyword)}, not to {args.method!r}")
+    _check_draft_options(args)
     if args.max_queue < 0:
         raise InvalidArgumentError(f"--max-queue must be >= 0, got {args.max_queue}")
     verify = _max_verify_tokens(args.max_verify_tokens)
@@ -174,7 +189,7 @@ def run(args) -> int:
         exit_layer=args.exit_layer, prompt_lookup_max_ngram=args.prompt_lookup_max_ngram,
         prompt_lookup_min_ngram=args.prompt_lookup_min_ngram, compile=args.compile,
         ngram_check=args.ngram_check, max_model_prompt_tokens=args.max_model_prompt_tokens,
-        draft_context_window=args.draft_context_window,
+        draft_context_window=args.draft_context_window, draft_vocab_size=args.draft_vocab_size,
     )
     if not args.no_warmup:
         decoder.warm_up()
