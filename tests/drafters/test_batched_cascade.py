@@ -4,12 +4,14 @@ n-gram matches alone, and the blocks are the single-sequence cascade's."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from conftest import make_tiny_model
 from helpers import perturbed_copy
-from selfspec_helpers import REPETITIVE, one_thread  # noqa: F401 (a fixture)
+from selfspec_helpers import REPETITIVE, exact_marginals, one_thread, violations  # noqa: F401 (a fixture)
 from specdecode import DraftControl, GenerationConfig, SpeculativeDecoder
 from specdecode.drafters.batched import BatchDraftModelDrafter, BatchPromptLookupDrafter
 from specdecode.drafters.batched_cascade import BatchCascadeDrafter
@@ -292,6 +294,38 @@ def test_sampling_rows_run_with_one_hot_rows_for_ngram_tokens():
             one_hot = torch.zeros(m, q.shape[1]).scatter_(1, block.tokens[b, :m].unsqueeze(1), 1.0)
             assert torch.equal(q[:m], one_hot)
     assert drafter.num_ngram_tokens > 0
+
+
+def test_sampling_rows_keep_the_target_law():
+    """Two sampling rows of one batch (temperatures 0.5 and 1.5), unchecked n-gram tokens (one-hot q)
+    and the draft model's, one row long (n-gram matches alone): each row's first three tokens follow
+    the target's law at its own temperature (``selfspec_helpers.violations``, with a negative control)."""
+    vocab, n = 8, 400
+    model = make_tiny_model("qwen2", num_layers=1, vocab_size=vocab, seed=2)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(0.5)
+    draft = perturbed_copy(model, noise=2.0, seed=3)
+    prompts = [[5, 3, 6, 5, 3, 4, 6, 5, 7], [4, 4, 6, 1]]
+    base = GenerationConfig(max_new_tokens=6, stop_on_eos=False)  # 6: blocks of n-gram and model tokens
+    temps = (0.5, 1.5)
+    drafter = BatchCascadeDrafter(draft, ngram_check=False, max_model_prompt_tokens=5)
+    dec = BatchedSpeculativeDecoder(model, drafter, max_batch_size=2, max_length=32, num_speculative_tokens=3)
+    firsts = [torch.zeros((n, 3), dtype=torch.long) for _ in temps]
+    for i in range(n):
+        configs = [dataclasses.replace(base, temperature=t, seed=1000 * r + i) for r, t in enumerate(temps)]
+        for r, res in enumerate(dec.generate(prompts, configs)):
+            firsts[r][i] = torch.tensor(res.token_ids[:3])
+    assert 0 < dec.stats.num_accepted_tokens < dec.stats.num_drafted_tokens
+    assert 0 < drafter.num_ngram_accepted < drafter.num_ngram_tokens
+    for r, t in enumerate(temps):
+        config = dataclasses.replace(base, temperature=t)
+        freq = {f"x{j + 1}": torch.bincount(firsts[r][:, j], minlength=vocab).double() / n for j in range(3)}
+        freq["x1x2"] = torch.bincount(firsts[r][:, 0] * vocab + firsts[r][:, 1], minlength=vocab**2).double().view(
+            vocab, vocab
+        ) / n
+        assert violations(exact_marginals(model, prompts[r], config, vocab), freq, n) == [], f"row {r}"
+        other = dataclasses.replace(base, temperature=temps[1 - r])  # negative control
+        assert violations(exact_marginals(model, prompts[r], other, vocab), freq, n) != [], f"row {r}"
 
 
 def test_a_sampling_block_is_one_hot_ngram_rows_then_the_draft_models_distributions():
