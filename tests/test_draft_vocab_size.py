@@ -162,3 +162,28 @@ def test_cli_draft_vocab_size_above_the_vocabulary(tiny_folders, capsys):
     code, out, err = _run(capsys, "--target", target_dir, "--draft", draft_dir, "--prompt", "w5",
                           "--dtype", "float32", "--draft-vocab-size", 1000)
     assert code == 2 and "draft_vocab_size 1000 is out of range: allowed 3..48" in err
+
+
+def test_batch_decoder_builds_the_truncated_head(generator, small_corpus):
+    """The batched engine's draft model and cascade take ``draft_vocab_size``; greedy output is the target's."""
+    ids = generator.encode(PROMPT, chat=False)
+    config = GenerationConfig(max_new_tokens=8)
+    expected = generator.decoder("autoregressive").generate(ids, config).token_ids
+    for method in ("draft", "cascade"):
+        dec = generator.batch_decoder(method, draft_vocab_size=6, max_batch_size=2, max_length=64)
+        assert dec.drafter.head.size == 6
+        assert [r.token_ids for r in dec.generate([ids, ids], [config, config])] == [expected, expected]
+    with pytest.raises(InvalidArgumentError, match="not to 'prompt-lookup'"):
+        generator.batch_decoder("prompt-lookup", draft_vocab_size=6)
+
+
+def test_a_run_wide_draft_head_reaches_only_the_batched_draft_model_methods(generator, small_corpus):
+    from specdecode.bench.batched import run_batched_bench
+    from specdecode.bench.datasets import Prompt
+    from specdecode.bench.settings import BenchSettings
+
+    settings = BenchSettings(max_new_tokens=4, warmup_tokens=1, drafter_options={"draft_vocab_size": 6})
+    records = run_batched_bench(generator, [Prompt("p", "c", PROMPT)], ["autoregressive", "cascade", "prompt-lookup"],
+                                [1], settings)
+    assert [r["method"] for r in records] == ["autoregressive", "cascade", "prompt-lookup"]
+    assert records[1]["exact_match_rate"] == 1.0

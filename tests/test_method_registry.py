@@ -22,7 +22,7 @@ from specdecode.serve import command as serve_command
 def test_the_method_tables_are_the_registrys():
     assert pipeline.METHODS == tuple(REGISTRY) == (
         "autoregressive", "draft", "cascade", "layer-skip", "early-exit", "prompt-lookup")
-    assert pipeline.BATCH_METHODS == ("autoregressive", "draft", "layer-skip", "early-exit", "prompt-lookup")
+    assert pipeline.BATCH_METHODS == pipeline.METHODS  # every method has a batch mode (issue 28)
     assert serve_command.SERVE_METHODS == pipeline.BATCH_METHODS
     assert [m for m in REGISTRY.values() if m.needs_draft_model] == [REGISTRY["draft"], REGISTRY["cascade"]]
     assert method_registry.methods_taking("max_model_prompt_tokens") == ("cascade",)
@@ -65,15 +65,39 @@ def test_adaptive_exit_matches_the_drafters(generator, name):
 def test_adaptive_exit_of_the_draft_model_methods():
     from specdecode.drafters import CascadeDrafter, DraftModelDrafter
     from specdecode.drafters.batched import BatchDraftModelDrafter
+    from specdecode.drafters.batched_cascade import BatchCascadeDrafter
 
     assert REGISTRY["draft"].adaptive_exit == DraftModelDrafter.supports_exit_policy == True  # noqa: E712
     assert REGISTRY["cascade"].adaptive_exit == CascadeDrafter.supports_exit_policy == True  # noqa: E712
-    assert BatchDraftModelDrafter.supports_exit_policy
+    assert BatchDraftModelDrafter.supports_exit_policy and BatchCascadeDrafter.supports_exit_policy
+
+
+def test_the_batched_cascade_is_built_with_its_options():
+    target = LoadedModel(make_tiny_model("qwen2", num_layers=4), make_tiny_tokenizer(), "tiny-qwen2")
+    draft = LoadedModel(make_tiny_model("qwen2", num_layers=2, seed=1), make_tiny_tokenizer(), "tiny-draft")
+    gen = SpeculativeGenerator(target, draft)
+    drafter = gen.batch_decoder("cascade", prompt_lookup_max_ngram=4, prompt_lookup_min_ngram=2, ngram_check=False,
+                                max_model_prompt_tokens=7, draft_context_window=5).drafter
+    assert type(drafter).__name__ == "BatchCascadeDrafter"
+    assert (drafter.max_ngram, drafter.min_ngram, drafter.ngram_check, drafter.max_model_prompt_tokens,
+            drafter.context_window) == (4, 2, False, 7, 5)
+    assert gen.batch_decoder("draft", draft_context_window=6).drafter.context_window == 6
+    with pytest.raises(InvalidArgumentError, match=r"draft_context_window=6 \(--draft-context-window\) applies to "
+                                                   "the methods with a draft model, 'draft' and 'cascade', not to "
+                                                   "'layer-skip'"):
+        gen.batch_decoder("layer-skip", skip_layers="attn=1", draft_context_window=6)
+    with pytest.raises(InvalidArgumentError, match=r"max_model_prompt_tokens=7 \(--max-model-prompt-tokens\) "
+                                                   "applies to the method 'cascade', not to 'draft'"):
+        gen.batch_decoder("draft", max_model_prompt_tokens=7)
+    with pytest.raises(InvalidArgumentError, match="max_model_prompt_tokens=0 is out of range"):
+        gen.batch_decoder("cascade", max_model_prompt_tokens=0)
 
 
 def test_unknown_methods_and_methods_without_a_batch_mode(generator):
-    with pytest.raises(InvalidArgumentError, match="has no batch mode; allowed with a batch: autoregressive, draft, "
-                                                   "layer-skip, early-exit, prompt-lookup"):
+    with pytest.raises(InvalidArgumentError, match="'medusa' has no batch mode; allowed with a batch: autoregressive, "
+                                                   "draft, cascade, layer-skip, early-exit, prompt-lookup"):
+        generator.batch_decoder("medusa")
+    with pytest.raises(InvalidArgumentError, match="batched method 'cascade' needs a draft model"):
         generator.batch_decoder("cascade")
     with pytest.raises(InvalidArgumentError, match="unknown method 'medusa'; allowed: autoregressive, draft"):
         generator.make_drafter("medusa")

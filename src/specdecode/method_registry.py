@@ -27,6 +27,7 @@ from specdecode.drafters.batched import (
     BatchLayerSkipDrafter,
     BatchPromptLookupDrafter,
 )
+from specdecode.drafters.batched_cascade import BatchCascadeDrafter
 from specdecode.drafters.early_exit import EarlyExitDrafter, check_exit_layer_given
 from specdecode.drafters.layer_skip import LayerSkipDrafter, SkipSet, resolve_skip_set
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
@@ -162,7 +163,17 @@ def _batch_draft(generator, o: DrafterOptions) -> BatchDraftModelDrafter:
     if generator.draft is None:
         raise InvalidArgumentError("batched method 'draft' needs a draft model run by torch (it has no "
                                    "llama.cpp backend); pass draft=... with draft_backend='torch'")
-    return BatchDraftModelDrafter(generator.draft.model)
+    return BatchDraftModelDrafter(generator.draft.model, o.draft_context_window,
+                                  generator.draft_head(o.draft_vocab_size))
+
+
+def _batch_cascade(generator, o: DrafterOptions) -> BatchCascadeDrafter:
+    if generator.draft is None:
+        raise InvalidArgumentError("batched method 'cascade' needs a draft model run by torch (it has no "
+                                   "llama.cpp backend); pass draft=... with draft_backend='torch'")
+    return BatchCascadeDrafter(generator.draft.model, o.prompt_lookup_max_ngram, o.prompt_lookup_min_ngram,
+                               o.ngram_check, o.max_model_prompt_tokens, o.draft_context_window,
+                               generator.draft_head(o.draft_vocab_size))
 
 
 def _batch_layer_skip(generator, o: DrafterOptions) -> BatchLayerSkipDrafter:
@@ -188,7 +199,7 @@ REGISTRY: Mapping[str, Method] = MappingProxyType({m.name: m for m in (
     Method("autoregressive", _no_drafter, frozenset({"compile"}), batch_factory=_no_drafter),
     Method("draft", _draft, _DRAFT_MODEL, needs_draft_model=True, batch_factory=_batch_draft, adaptive_exit=True),
     Method("cascade", _cascade, _DRAFT_MODEL | _NGRAMS | {"ngram_check", "max_model_prompt_tokens"},
-           needs_draft_model=True, adaptive_exit=True),
+           needs_draft_model=True, batch_factory=_batch_cascade, adaptive_exit=True),
     Method("layer-skip", _layer_skip, frozenset({"skip_set", "skip_layers", "skip_config", "compile"}),
            batch_factory=_batch_layer_skip, adaptive_exit=True),
     Method("early-exit", _early_exit, frozenset({"exit_layer", "compile"}), batch_factory=_batch_early_exit,
@@ -313,11 +324,19 @@ def make_batch_drafter(generator, method: str, options: DrafterOptions) -> Batch
 
     Raises:
         InvalidArgumentError: ``method`` is unknown or has no batch mode (the message lists
-            ``BATCH_METHODS``); the factory's own errors.
+            ``BATCH_METHODS``); ``max_model_prompt_tokens``, ``draft_context_window`` or
+            ``draft_vocab_size`` given to a method that does not take it; the factory's own errors.
     """
     entry = REGISTRY.get(method)
     if entry is None or entry.batch_factory is None:
         raise InvalidArgumentError(
             f"method {method!r} has no batch mode; allowed with a batch: {', '.join(BATCH_METHODS)}"
+        )
+    refused = refused_option(method, {k: getattr(options, k) for k in (
+        "draft_vocab_size", "max_model_prompt_tokens", "draft_context_window")})
+    if refused is not None:
+        keyword, value = refused
+        raise InvalidArgumentError(
+            f"{keyword}={value!r} (--{keyword.replace('_', '-')}) applies to {who_takes(keyword)}, not to {method!r}"
         )
     return entry.batch_factory(generator, options)

@@ -477,19 +477,25 @@ class SpeculativeGenerator:
         exit_layer: int | None = None,
         prompt_lookup_max_ngram: int = 3,
         prompt_lookup_min_ngram: int = 1,
+        ngram_check: bool = True,
+        max_model_prompt_tokens: int | None = None,
+        draft_context_window: int | None = None,
+        draft_vocab_size: int | None = None,
         compile: bool | None = None,
     ) -> BatchedSpeculativeDecoder:
         """A ``BatchedSpeculativeDecoder`` (many rows at once, continuous batching) for ``method``.
 
         Args:
-            method: One of ``BATCH_METHODS`` ("cascade" has no batch mode).
+            method: One of ``BATCH_METHODS``.
             max_batch_size, max_length, num_speculative_tokens, exit_rule: See
                 ``BatchedSpeculativeDecoder``.
             draft_control: Per-row adaptive draft exit and gating; ignored by "autoregressive".
             max_verify_tokens: See ``BatchedSpeculativeDecoder``; "auto": ``BATCH_VERIFY_TOKENS_CPU``
                 on a CPU (measured: a verification over more tokens costs more than one step), no
                 limit on other devices (not measured).
-            skip_set .. prompt_lookup_min_ngram: See ``make_drafter``.
+            skip_set .. draft_vocab_size: See ``make_drafter`` ("cascade": per row,
+                ``drafters.batched_cascade.BatchCascadeDrafter``; ``draft_vocab_size``: FR-Spec's
+                truncated head, ``drafters.batched.BatchDraftModelDrafter``).
             compile: The batched fast path (compiled (rows, width) buckets, CUDA graphs on CUDA):
                 True, False, or None for the device's default (``BatchedSpeculativeDecoder``).
 
@@ -502,6 +508,8 @@ class SpeculativeGenerator:
         drafter = method_registry.make_batch_drafter(self, method, DrafterOptions(
             skip_set=skip_set, skip_layers=skip_layers, skip_config=skip_config, exit_layer=exit_layer,
             prompt_lookup_max_ngram=prompt_lookup_max_ngram, prompt_lookup_min_ngram=prompt_lookup_min_ngram,
+            ngram_check=ngram_check, max_model_prompt_tokens=max_model_prompt_tokens,
+            draft_context_window=draft_context_window, draft_vocab_size=draft_vocab_size,
         ))
         return BatchedSpeculativeDecoder(
             target,

@@ -26,7 +26,9 @@ PROMPTS = [  # two categories, 3 + 2 prompts: at B = 2 the first category leaves
     Prompt("t/5", "chat", "w10 w11 w20 w10 w11"),
 ]
 SPECULATIVE = ["draft", "draft+adaptive", "draft:exit_rule=batch+adaptive", "prompt-lookup",
-               "early-exit:exit_layer=2", "layer-skip:skip_layers=attn=1,2;mlp=0,3", "draft:num_speculative_tokens=3"]
+               "early-exit:exit_layer=2", "layer-skip:skip_layers=attn=1,2;mlp=0,3", "draft:num_speculative_tokens=3",
+               "cascade", "cascade:ngram_check=false,max_model_prompt_tokens=6,draft_context_window=3",
+               "draft:draft_context_window=2"]
 SINGLES = ["draft:decoder=single", "autoregressive:decoder=single"]
 METHODS = ["autoregressive", *SPECULATIVE, *SINGLES, "hf-generate"]
 SIZES = [1, 2, 4]
@@ -149,14 +151,12 @@ def test_batch_sizes_parse():
 
 
 @pytest.mark.parametrize("name, message", [
-    ("cascade", "'cascade' has no batch mode; allowed with --batch-size: autoregressive, draft, layer-skip, "
-                "early-exit, prompt-lookup, hf-generate"),
-    ("hf-assisted", "has no batch mode"),
+    ("hf-assisted", "'hf-assisted' has no batch mode; allowed with --batch-size: autoregressive, draft, cascade, "
+                    "layer-skip, early-exit, prompt-lookup, hf-generate"),
     ("warp-drive", "'warp-drive' is unknown"),
     ("draft:exit_rule=batch", "add \\+adaptive"),
     ("draft:exit_rule=diagonal+adaptive", "exit_rule='diagonal'; allowed: row, batch"),
     ("draft:decoder=multi", "decoder='multi'"),
-    ("draft:draft_vocab_size=1000", "draft_vocab_size applies to decoder=single only"),
     ("hf-generate:decoder=single", "takes no options"),
     ("draft+warp", "unknown modifier"),
 ])
@@ -180,7 +180,13 @@ def test_library_refusals(generator):
     with pytest.raises(InvalidArgumentError, match="needs a draft model"):
         run_batched_bench(SpeculativeGenerator(generator.target), PROMPTS, ["draft"], [2], settings)
     with pytest.raises(InvalidArgumentError, match="has no batch mode"):
-        run_batched_bench(generator, PROMPTS, ["cascade"], [2], settings)
+        run_batched_bench(generator, PROMPTS, ["hf-assisted"], [2], settings)
+    with pytest.raises(InvalidArgumentError, match="draft_backend are not taken in batch mode"):
+        run_batched_bench(generator, PROMPTS, ["cascade:draft_backend=torch"], [2], settings)
+    with pytest.raises(InvalidArgumentError, match=r"draft_context_window=4 \(--draft-context-window\) applies to "
+                                                   "the methods with a draft model, 'draft' and 'cascade', not to "
+                                                   "'prompt-lookup'"):
+        run_batched_bench(generator, PROMPTS, ["prompt-lookup:draft_context_window=4"], [2], settings)
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +226,7 @@ def test_cli_batch_size_end_to_end(model_folders, tmp_path, capsys, monkeypatch)
 @pytest.mark.parametrize("extra, message", [
     (["--batch-size", "0"], "--batch-size: '0' is not an integer >= 1"),
     (["--batch-size", "x"], "--batch-size: 'x' is not an integer >= 1"),
-    (["--batch-size", "1,2", "--methods", "autoregressive,cascade"], "'cascade' has no batch mode; allowed"),
+    (["--batch-size", "1,2", "--methods", "autoregressive,hf-assisted"], "'hf-assisted' has no batch mode; allowed"),
     (["--batch-size", "2", "--repeats", "3"], "leave --repeats"),
 ])
 def test_cli_batch_size_errors(extra, message, tmp_path, capsys):

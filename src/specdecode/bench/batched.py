@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from specdecode import pipeline
+from specdecode import method_registry, pipeline
 from specdecode.bench.datasets import Prompt
 from specdecode.bench.hf_methods import HF_METHODS, _HFRunner, _seeded
 from specdecode.bench.methods import _OPTION_SPLIT, MethodSpec, _accepted_keywords, available_methods, build_decoder
@@ -124,7 +124,7 @@ class BatchMethod:
         Raises:
             InvalidArgumentError: No batch mode (the allowed methods are listed), a bad option or
                 modifier, ``exit_rule`` without ``+adaptive`` or not in ``BATCH_EXIT_RULES``, a
-                ``decoder`` but single/batched, ``draft_vocab_size`` on the batched engine.
+                ``decoder`` but single/batched.
         """
         head, *modifiers = name.split("+")
         base, sep, text = head.partition(":")
@@ -162,11 +162,6 @@ class BatchMethod:
                     f"method {name!r}: exit_rule applies to the batched engine's adaptive draft exit; add +adaptive"
                     + (" and drop decoder=single" if decoder == SINGLE else "")
                 )
-        if decoder == BATCHED and "draft_vocab_size" in spec.options:
-            raise InvalidArgumentError(
-                f"method {name!r}: the batched engine drafts over the draft's full vocabulary; draft_vocab_size "
-                "applies to decoder=single only"
-            )
         return cls(name, decoder, spec, rule or "row")
 
 
@@ -196,9 +191,13 @@ def prompt_groups(prompts: Sequence[Prompt], batch_size: int) -> list[list[Promp
 def _options(method: BatchMethod, settings: BenchSettings, takes: set[str] | None) -> dict:
     if method.spec.base == "autoregressive":
         return {}
-    keep_head = method.kind == SINGLE and method.spec.base == "draft"  # a run-wide draft head: draft model's alone
-    options = {**{k: v for k, v in settings.drafter_options.items() if k != "draft_vocab_size" or keep_head},
-               **method.spec.options}
+    entry = method_registry.get(method.spec.base)
+    takes_method = entry.options if entry is not None else frozenset()
+    # Run-wide draft-model options go to the methods that take them (the registry's) alone.
+    run_wide = {k: v for k, v in settings.drafter_options.items()
+                if k not in ("draft_vocab_size", "draft_context_window", "max_model_prompt_tokens")
+                or k in takes_method}
+    options = {**run_wide, **method.spec.options}
     if takes is not None and not set(options) <= takes:
         raise InvalidArgumentError(
             f"method {method.name!r}: option(s) {', '.join(sorted(set(options) - takes))} are not taken in batch "

@@ -14,8 +14,9 @@ token while the other rows go on (its later forwards are wasted on it); "batch" 
 every row has been unsure, and each row keeps everything it drafted: the verification is as
 wide as the longest row either way, so the extra tokens cost the target nothing.
 
-The truncated draft head (FR-Spec) is not used in batch mode: the draft model drafts over its
-full vocabulary.
+A draft model may draft with a truncated head (FR-Spec, ``draft_head``: its forwards give K
+logits, mapped back to vocabulary ids) and within a context window (``BatchDraftModelDrafter``'s
+``head`` and ``context_window``).
 
 Decode-time forwards go through a ``BatchRunner`` (``engine.batch_runner``): on the engine's
 fast path (``BatchKVCache.fast``) a draft model compiles its widths 1 and 2, a layer-skip or
@@ -30,6 +31,8 @@ from collections.abc import Callable
 import torch
 from transformers import PreTrainedModel
 
+from specdecode.drafters.control import check_optional_count
+from specdecode.drafters.draft_head import BoundDraftHead, DraftHead
 from specdecode.drafters.early_exit import exit_skip_set
 from specdecode.drafters.layer_skip import SkipSet, decoder_layers, draft_mode
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter, find_continuation
@@ -63,6 +66,7 @@ def draft_batch(
     exits: list[ExitPolicy | None] | None,
     exit_rule: str,
     who: str,
+    head: BoundDraftHead | None = None,
 ) -> tuple[BatchDraft, int]:
     """The batched draft loop shared by the model drafters.
 
@@ -76,6 +80,8 @@ def draft_batch(
         exits: Per row, an ``ExitPolicy`` or None; None altogether: no adaptive exit.
         exit_rule: "row" or "batch" (module docstring).
         who: The drafting model, for errors.
+        head: A truncated draft head (FR-Spec) whose K logits the forwards give (``head.ids[j]`` is
+            column j's token); None or the full head: (n, V') logits.
 
     Returns:
         The draft, and S, the steps run (S - 1 drafted tokens were fed back).
@@ -97,13 +103,14 @@ def draft_batch(
     finite = None
     logits = first_logits
     vocab = samplers[0].vocab_size
+    truncated = head is not None and head.ids is not None
     for i in range(K):
         if deferred:
             ok = torch.isfinite(logits).all()
             finite = ok if finite is None else finite & ok
         else:
             check_finite(logits, who)
-        token = logits[:, :vocab].argmax(-1)
+        token = head.ids[logits.argmax(-1)] if truncated else logits[:, :vocab].argmax(-1)
         tops = None
         if not greedy:
             token, tops = token.clone(), []
@@ -112,7 +119,7 @@ def draft_batch(
                     if exits is not None:
                         tops.append(torch.softmax(logits[b].float(), -1).amax())
                     continue
-                q = sampler.probs(logits[b : b + 1])
+                q = head.probs(sampler, logits[b : b + 1]) if truncated else sampler.probs(logits[b : b + 1])
                 token[b] = sampler.sample(q)[0]
                 probs[b].append(q)
                 if exits is not None:
@@ -151,21 +158,43 @@ def draft_batch(
 class BatchDraftModelDrafter(BatchDrafter):
     """A smaller model drafts for every row at once, from its own ``BatchKVCache``.
 
+    **Draft context window** (``context_window=W``, as ``DraftModelDrafter``'s): a joining row's
+    draft prefill is its prompt's last W tokens only, written at the slot's positions 0 .. W - 1;
+    every token after them is kept. The row's draft positions count from the window's start (its
+    ``offset``, the prompt tokens left out): rotary attention depends on the distance between
+    positions only, so the draft sees the window as a prompt of W tokens. Lengths are kept in
+    sequence positions; a row's draft-cache positions are ``offset`` fewer. The output is
+    unchanged (the target verifies every token); acceptance may drop.
+
+    **Truncated head** (``head=DraftHead.truncated(ids)``, FR-Spec, ``drafters.draft_head``): every
+    forward of the draft model (prefills and warm-up included, so that the fast path's graphs are
+    traced with it) computes the K rows of its LM head only; the draft proposes among those K
+    tokens, its q is zero outside them (exact under sampling, as for ``DraftModelDrafter``).
+
     Args:
         model: The draft model (vocabulary mapped like the target's; eager or SDPA attention).
+        context_window: W >= 1, or None: the whole prompt.
+        head: Which LM-head rows drafting computes (``DraftHead.full()`` when None).
 
     Raises:
-        UnsupportedModelError: At ``bind``, if the model's attention cannot take batch masks.
+        InvalidArgumentError: ``context_window`` not None or an integer >= 1; a truncated head's id
+            past the model's head rows, or (at ``join``) past the target's vocabulary.
+        UnsupportedModelError: At ``bind``, if the model's attention cannot take batch masks; a
+            truncated head the model's forward does not apply.
     """
 
     supports_exit_policy = True
     who = "draft model"
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, context_window: int | None = None,
+                 head: DraftHead | None = None) -> None:
+        self.context_window = check_optional_count("context_window", context_window, "the whole prompt")
         self.model = model
+        self.head = (head or DraftHead.full()).bind(model)
         self.cache: BatchKVCache | None = None
         self.runner: BatchRunner | None = None
-        self._num_cached: list[int] = []
+        self._num_cached: list[int] = []  # per slot, in sequence positions
+        self._offsets: list[int] = []  # per slot, the prompt positions the context window left out
         self._samplers: list[Sampler | None] = []
 
     def bind(self, target_cache: BatchKVCache) -> None:
@@ -179,6 +208,7 @@ class BatchDraftModelDrafter(BatchDrafter):
         )
         self.runner = BatchRunner(self.model, self.cache, (1, 2), self.who)
         self._num_cached = [0] * target_cache.num_slots
+        self._offsets = [0] * target_cache.num_slots
         self._samplers = [None] * target_cache.num_slots
         self.num_forwards = 0
 
@@ -188,14 +218,19 @@ class BatchDraftModelDrafter(BatchDrafter):
         return self.runner.compile_time_s if self.runner is not None else 0.0
 
     def warm_up(self, max_rows: int, max_block: int) -> None:
-        warm_up_forwards(self.model, self.cache, *warm_up_widths(self.cache, max_rows, max_block))
-        if self.cache.fast is not None:
-            self.runner.warm_up()
+        with self.head.applied():
+            warm_up_forwards(self.model, self.cache, *warm_up_widths(self.cache, max_rows, max_block))
+            if self.cache.fast is not None:
+                self.runner.warm_up()
 
     @torch.inference_mode()
     def join(self, slot: int, prompt_ids: torch.Tensor, sampler: Sampler) -> None:
-        batch_prefill(self.model, self.cache, prompt_ids, slot)
-        self._num_cached[slot] = prompt_ids.shape[1]
+        self.head.check_vocab(sampler.vocab_size)
+        n, window = prompt_ids.shape[1], self.context_window
+        self._offsets[slot] = max(0, n - window) if window is not None else 0
+        with self.head.applied():
+            batch_prefill(self.model, self.cache, prompt_ids[:, self._offsets[slot]:], slot)
+        self._num_cached[slot] = n
         self._samplers[slot] = sampler
         self.num_forwards += 1
 
@@ -208,13 +243,19 @@ class BatchDraftModelDrafter(BatchDrafter):
         at its sequence length and none pads past it. Only a sequence shorter than the width pads
         on the right (within the longest sequence's positions).
         """
+        with self.head.applied():
+            return self._propose(sequences, max_tokens, exits, exit_rule)
+
+    def _propose(self, sequences, max_tokens, exits, exit_rule) -> BatchDraft:
         n = len(sequences)
         lengths = [len(s) for s in sequences]
+        offsets = self._offsets[:n]
         width = max(length - cached for length, cached in zip(lengths, self._num_cached[:n]))
-        starts = [max(length - width, 0) for length in lengths]
+        starts = [max(length - width, offset) for length, offset in zip(lengths, offsets)]
         feeds = [s[start:] for s, start in zip(sequences, starts)]
         ids = to_device([f + f[-1:] * (width - len(f)) for f in feeds], self.cache.device)
-        logits = self.runner(ids, starts, width)
+        logits = self.runner(ids, [s - o for s, o in zip(starts, offsets)], width)
+        self.head.check_logits(logits)
         if all(len(f) == width for f in feeds):
             first = logits[:, -1]
         else:
@@ -224,7 +265,9 @@ class BatchDraftModelDrafter(BatchDrafter):
         def forward(token: torch.Tensor, at: list[int]) -> torch.Tensor:
             return self.runner(token, at, 1)[:, -1]
 
-        draft, steps = draft_batch(forward, first, lengths, max_tokens, self._samplers[:n], exits, exit_rule, self.who)
+        at = [length - o for length, o in zip(lengths, offsets)]
+        draft, steps = draft_batch(forward, first, at, max_tokens, self._samplers[:n], exits, exit_rule, self.who,
+                                   self.head)
         self.num_forwards += steps
         for b in range(n):
             self._num_cached[b] = lengths[b] + min(draft.num_tokens[b], steps - 1)
@@ -235,8 +278,9 @@ class BatchDraftModelDrafter(BatchDrafter):
             self._num_cached[b] = min(self._num_cached[b], valid)
 
     def move(self, src: int, dst: int, num_valid: int) -> None:
-        self.cache.move(src, dst, min(self._num_cached[src], num_valid))
+        self.cache.move(src, dst, min(self._num_cached[src], num_valid) - self._offsets[src])
         self._num_cached[dst] = min(self._num_cached[src], num_valid)
+        self._offsets[dst] = self._offsets[src]
         self._samplers[dst] = self._samplers[src]
         self._samplers[src] = None
 

@@ -24,7 +24,7 @@ def add_arguments(p: argparse.ArgumentParser, *, default_target: str, default_dr
     p.add_argument("--target", default=default_target, help="offline model name, .gguf file, folder or hub id")
     p.add_argument("--draft", default=default_draft, help="draft model (method 'draft')")
     p.add_argument("--method", default="draft", choices=SERVE_METHODS,
-                   help="decoding method of every request (default draft; 'cascade' has no batch mode)")
+                   help="decoding method of every request (default draft)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --target)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
@@ -54,6 +54,18 @@ def add_arguments(p: argparse.ArgumentParser, *, default_target: str, default_dr
     p.add_argument("--exit-layer", type=int, default=None, help="early-exit: layers the draft runs")
     p.add_argument("--prompt-lookup-max-ngram", type=int, default=3)
     p.add_argument("--prompt-lookup-min-ngram", type=int, default=1)
+    p.add_argument("--ngram-check", action=argparse.BooleanOptionalAction, default=True,
+                   help="cascade: keep only the n-gram tokens the draft model would draft itself (default); "
+                        "--no-ngram-check proposes the whole match")
+    p.add_argument("--max-model-prompt-tokens", type=int, metavar="N", default=None,
+                   help="cascade: a request whose prompt has more than N tokens gets n-gram matches alone, "
+                        "without the draft model (default: no limit)")
+    p.add_argument("--draft-vocab-size", type=int, metavar="K", default=None,
+                   help="draft and cascade: the draft model proposes among the K most frequent tokens only "
+                        "(FR-Spec; default: its whole vocabulary)")
+    p.add_argument("--draft-context-window", type=int, metavar="W", default=None,
+                   help="draft and cascade: prefill the draft model with each prompt's last W tokens only "
+                        "(default: the whole prompt)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto")
     p.add_argument("--cache-dir", default=None, help="where assembled and dense models are cached")
@@ -64,6 +76,23 @@ def add_arguments(p: argparse.ArgumentParser, *, default_target: str, default_dr
                    help="skip the start-up forwards at every width the engine uses (without them, a CPU "
                         "server's memory grows while new matmul shapes turn up)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+
+
+def _check_draft_options(args) -> None:
+    """--draft-vocab-size, --max-model-prompt-tokens and --draft-context-window: in range, and taken by
+    --method (the method registry's), before any model is loaded.
+
+    Raises:
+        InvalidArgumentError: A value out of range, or an option the method does not take.
+    """
+    for keyword, low in (("draft_vocab_size", 0), ("max_model_prompt_tokens", 1), ("draft_context_window", 1)):
+        value, flag = getattr(args, keyword), "--" + keyword.replace("_", "-")
+        if value is not None and value < low:
+            meaning = "0: the whole vocabulary" if keyword == "draft_vocab_size" else "tokens"
+            raise InvalidArgumentError(f"{flag} must be >= {low} ({meaning}), got {value}")
+        if method_registry.refused_option(args.method, {keyword: value}):
+            users = method_registry.who_takes(keyword)
+            raise InvalidArgumentError(f"{flag} applies to {users}, not to {args.method!r}")
 
 
 def _max_verify_tokens(text: str):
@@ -139,6 +168,7 @@ def run(args) -> int:
     for name in ("max_batch_size", "max_length", "num_speculative_tokens"):
         if getattr(args, name) < 1:
             raise InvalidArgumentError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    _check_draft_options(args)
     if args.max_queue < 0:
         raise InvalidArgumentError(f"--max-queue must be >= 0, got {args.max_queue}")
     verify = _max_verify_tokens(args.max_verify_tokens)
@@ -158,6 +188,8 @@ def run(args) -> int:
         max_verify_tokens=verify, skip_layers=args.skip_layers, skip_config=args.skip_config,
         exit_layer=args.exit_layer, prompt_lookup_max_ngram=args.prompt_lookup_max_ngram,
         prompt_lookup_min_ngram=args.prompt_lookup_min_ngram, compile=args.compile,
+        ngram_check=args.ngram_check, max_model_prompt_tokens=args.max_model_prompt_tokens,
+        draft_context_window=args.draft_context_window, draft_vocab_size=args.draft_vocab_size,
     )
     if not args.no_warmup:
         decoder.warm_up()
