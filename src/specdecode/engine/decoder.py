@@ -34,7 +34,7 @@ from transformers import DynamicCache, PreTrainedModel
 from specdecode.config import GenerationConfig
 from specdecode.engine import kv_cache
 from specdecode.engine.fast_path import DRAFT_BUCKETS, ModelRunner
-from specdecode.engine.banned_words import BannedWordMatcher, BannedWords
+from specdecode.engine.banned_rows import BannedRow
 from specdecode.engine.protocol import Draft, Drafter, DraftPolicy
 from specdecode.engine.sampling import Sampler, check_finite, logits_width, raise_non_finite
 from specdecode.engine.stats import SpecDecodingStats
@@ -73,6 +73,8 @@ class GenerationStream:
     become part of a banned word (the tail that may still start one is held back), so
     no prefix of the stream ever contains a banned word. ``forbidden_tokens`` then maps
     each generated position (0 = the first new token) to the token ids masked there.
+    The rollback, the masks and the draft cut are ``engine.banned_rows.BannedRow``'s,
+    which the batched engine uses per row too.
 
     Semantics: under greedy decoding the output is the target's greedy output with
     those (position, token) pairs masked, a deterministic function of the prompt and
@@ -104,10 +106,9 @@ class GenerationStream:
     @property
     def forbidden_tokens(self) -> dict[int, list[int]]:
         """Banned-word masks: generated position (0 = the first new token) -> masked token ids."""
-        if self._state is None:
+        if self._state is None or self._state.banned is None:
             return {}
-        n = self._state.num_prompt_tokens
-        return {p - n: list(tokens) for p, tokens in sorted(self._state.forbidden.items())}
+        return self._state.banned.forbidden_tokens
 
     def __iter__(self) -> Iterator[list[int]]:
         if self._started:
@@ -119,15 +120,7 @@ class GenerationStream:
         dec, config, stats = self._decoder, self.config, self.stats
         stop = StopStrings(dec.tokenizer, config.stop_strings)
         eos = dec.eos_token_ids if config.stop_on_eos else frozenset()
-        banned = (
-            BannedWords(
-                config.banned_words,
-                ignore_case=config.banned_words_ignore_case,
-                whole_word=config.banned_words_whole_word,
-            ).matcher(dec.tokenizer)
-            if config.banned_words
-            else None
-        )
+        banned = BannedRow.from_config(config, dec.tokenizer, dec.vocab_size, int(self._input_ids.shape[1]))
         state = self._state = _Round(dec, self._input_ids, config, stats, self._prompt_cache, banned)
         # Compilation (first calls of compiled forwards) is timed apart: warmup_s, never in prefill or decode.
         c0, t0 = dec.compile_time_s(), time.perf_counter()
@@ -146,8 +139,11 @@ class GenerationStream:
             # emit: cut at EOS, the length budget and stop strings.
             self.finish_reason = emit(self.token_ids, new, eos, config.max_new_tokens, stop)
             safe = len(self.token_ids)
-            if banned is not None:
-                safe = self._check_banned(banned, state, released)
+            if banned is not None:  # match; on a banned word, roll back and mask (BannedRow.check)
+                self.finish_reason, rewind = banned.check(self.token_ids, self.finish_reason, stats)
+                if rewind is not None:
+                    state.rewind(rewind)
+                safe = banned.released
             stats.num_new_tokens = len(self.token_ids)
             stats.decode_time_s += time.perf_counter() - t1
             if safe > released:
@@ -162,43 +158,6 @@ class GenerationStream:
             stats.decode_time_s += time.perf_counter() - t1 - warm
         stats.num_draft_forwards = dec.drafter.num_forwards - prefill_draft_forwards if dec.drafter is not None else 0
 
-    def _check_banned(self, banned: BannedWordMatcher, state: _Round, released: int) -> int:
-        """Match the new tokens; on a banned word, roll back and mask. Returns how many tokens are safe.
-
-        The output is cut back to the token where the word begins, that token is forbidden
-        at that position, and both caches go back there. Masks after the cut are dropped:
-        they were made for a prefix that no longer exists. Text already released to the
-        caller cannot change, so a word that began in it is cut at the first unreleased
-        token instead (that token is what completed or continued it). If the whole
-        vocabulary is then forbidden at a position, the cut backs off one more token
-        (never into the prompt, nor into released tokens); when nothing is left to change,
-        generation ends with ``finish_reason = "banned_word"``. Every rollback adds a mask
-        at the cut and drops only masks after it, so the masks grow in position order and
-        the loop ends.
-        """
-        ids, stats = self.token_ids, self.stats
-        banned.extend(ids[len(banned.token_ids) :])
-        cut = banned.violation(final=self.finish_reason is not None)
-        if cut is None:
-            return len(ids) if self.finish_reason is not None else banned.num_safe()
-        cut = max(cut, released)
-        stats.num_banned_word_rollbacks += 1
-        n = state.num_prompt_tokens
-        self.finish_reason = None
-        while released <= cut < len(ids):
-            state.forget_masks_after(n + cut)
-            if not state.forbid(n + cut, ids[cut]):
-                break
-            cut -= 1  # every token is forbidden at n + cut: back off
-        else:
-            cut, self.finish_reason = released, "banned_word"
-        stats.num_banned_word_discarded_tokens += len(ids) - cut
-        del ids[cut:]
-        banned.truncate(cut)
-        if self.finish_reason is None:
-            state.rewind(n + cut)
-        return banned.num_safe() if self.finish_reason is None else len(ids)
-
 
 class _Round:
     """The mutable state of one generation: token buffer, target cache, sampler, banned-word masks."""
@@ -210,12 +169,10 @@ class _Round:
         config: GenerationConfig,
         stats,
         prompt_cache: DynamicCache | None = None,
-        banned: BannedWordMatcher | None = None,
+        banned: BannedRow | None = None,
     ):
         self.dec = dec
-        self.banned = banned
-        # Banned-word masks: position in buf -> token ids the target may not produce there.
-        self.forbidden: dict[int, list[int]] = {}
+        self.banned = banned  # banned-word masks by position in buf, matcher, released tokens
         self.stats = stats
         self.config = config
         self.gamma = config.num_speculative_tokens if dec.drafter is not None else 0
@@ -257,18 +214,6 @@ class _Round:
             else:
                 logger.debug("prompt cache not usable by the static cache (a trimmed sliding layer): re-encoded")
 
-    def forbid(self, position: int, token: int) -> bool:
-        """Mask ``token`` at buffer ``position`` from now on; True when no token is left there."""
-        tokens = self.forbidden.setdefault(position, [])
-        if token not in tokens:
-            tokens.append(token)
-        return len(tokens) >= self.dec.vocab_size
-
-    def forget_masks_after(self, position: int) -> None:
-        """Drop the banned-word masks of positions after ``position`` (their prefix is being rolled back)."""
-        for later in [p for p in self.forbidden if p > position]:
-            del self.forbidden[later]
-
     def rewind(self, length: int) -> None:
         """Go back to the first ``length`` tokens of the buffer (prompt included, ``length`` > prompt - 1).
 
@@ -280,32 +225,6 @@ class _Round:
         self.num_cached = kv_cache.rollback(self.cache, self.num_cached, length - 1)
         if self.dec.drafter is not None:
             self.dec.drafter.rollback(length - 1)
-
-    def _mask(self, logits: torch.Tensor, first_position: int) -> None:
-        """Apply the banned-word masks to (k + 1, V) ``logits`` whose row i predicts ``first_position + i``."""
-        for i in range(logits.shape[0]):
-            tokens = self.forbidden.get(first_position + i)
-            if tokens:
-                logits[i, tokens] = float("-inf")
-
-    def _cut_draft(self, draft: Draft, L: int) -> Draft:
-        """End a draft block before a banned word it would spell, or before a forbidden token."""
-        tokens = draft.tokens.tolist()
-        keep = len(tokens)
-        for i, token in enumerate(tokens):
-            if token in self.forbidden.get(L + i, ()):
-                keep = i
-                break
-        matcher = self.banned
-        committed = len(matcher.token_ids)
-        matcher.extend(tokens[:keep])
-        cut = matcher.violation()
-        matcher.truncate(committed)
-        if cut is not None:
-            keep = min(keep, max(cut - committed, 0))
-        if keep == len(tokens):
-            return draft
-        return Draft(draft.tokens[:keep], None if draft.probs is None else draft.probs[:keep], draft.finite, draft.who)
 
     def _confidence(self, logits: torch.Tensor, probs: torch.Tensor | None, row: int, token: int) -> float:
         """The target's probability of ``token`` at ``row`` (warped when sampling); one host sync."""
@@ -353,7 +272,10 @@ class _Round:
             else:
                 draft = drafter.propose(buf[:, :L], k, exit_policy=control.exit, **host)
         if draft is not None and self.banned is not None and len(draft):
-            draft = self._cut_draft(draft, L)
+            keep = self.banned.cut_draft(draft.tokens.tolist(), L)
+            if keep < len(draft):
+                probs = None if draft.probs is None else draft.probs[:keep]
+                draft = Draft(draft.tokens[:keep], probs, draft.finite, draft.who)
         k = len(draft) if draft is not None else 0
         if k:  # a host draft (prompt lookup) goes to the device without waiting for it
             buf[0, L : L + k].copy_(draft.tokens, non_blocking=draft.tokens.device != buf.device)
@@ -365,8 +287,8 @@ class _Round:
         if sampler.greedy:
             # The round's one host sync: the draft, the target's choices and the finiteness flags.
             finite = torch.isfinite(logits).all().view(1)  # before the banned-word masks add -inf
-            if self.forbidden:
-                self._mask(logits, L)
+            if self.banned is not None:
+                self.banned.mask(logits, L)
             draft_finite = draft.finite.view(1) if k and draft.finite is not None else finite
             ids = torch.cat([drafted, sampler.argmax(logits)]) if k else sampler.argmax(logits)
             ids = torch.cat([ids, finite.long(), draft_finite.long()]).tolist()
@@ -383,8 +305,8 @@ class _Round:
                 verdict = None
         else:
             check_finite(logits, "target model")
-            if self.forbidden:
-                self._mask(logits, L)
+            if self.banned is not None:
+                self.banned.mask(logits, L)
             probs = sampler.probs(logits)
             if k:
                 verdict = rejection_sample(drafted, draft.probs, probs, sampler)
