@@ -215,8 +215,8 @@ def test_bad_input_is_refused_and_other_rows_are_untouched():
         dec.add([])
     with pytest.raises(InvalidArgumentError, match=r"shape \(1, n\)"):
         dec.add(torch.ones((2, 3), dtype=torch.long))
-    with pytest.raises(InvalidArgumentError, match="banned_words are not supported"):
-        dec.add([5, 6], GenerationConfig(banned_words=("w7",)))
+    with pytest.raises(InvalidArgumentError, match="banned_words need a tokenizer; pass tokenizer= to the decoder"):
+        dec.add([5, 6], GenerationConfig(max_new_tokens=4, banned_words=("w7",)))
     second = dec.add(PROMPTS[1], configs[1])
     out[second] = []
     while dec.has_work:

@@ -15,7 +15,9 @@ Each round (Medusa's four steps, for every active row at once):
    positions stay in the cache past the row's length and are overwritten by the next
    round (never copied);
 4. **emit**: each row's tokens are cut at EOS, its stop strings and its own
-   ``max_new_tokens``; finished rows leave.
+   ``max_new_tokens``, and checked for its banned words (``engine.banned_rows``, as in the
+   single-sequence decoder: on a match the row rewinds to where the word began and that
+   token is masked there; the other rows are untouched); finished rows leave.
 
 Continuous batching: ``add`` queues a request at any time; at the start of each
 ``step`` queued requests join while slots are free (their prompt is prefilled alone,
@@ -27,7 +29,7 @@ transformers' assisted generation refuses batches; vLLM batches speculative deco
 with the same per-row accounting (its ``SpecDecodingStats`` names are used here).
 
 The number of draft tokens γ is an engine setting, as in vLLM: a request's
-``GenerationConfig.num_speculative_tokens`` is not used. Banned words and prompt
+``GenerationConfig.num_speculative_tokens`` is not used. Banned words work per row; prompt
 caches are not supported in batch mode. Decode-time forwards run on the fast path
 (``batch_runner``: compiled at a few (rows, width) buckets, CUDA graphs on CUDA) where
 ``compile`` is on; prefills run eagerly.
@@ -46,6 +48,7 @@ from transformers import PreTrainedModel
 
 from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS, GenerationConfig, check_num_speculative_tokens
 from specdecode.engine import kv_cache
+from specdecode.engine.banned_rows import BannedRow, mask_batch
 from specdecode.engine.batch_cache import (
     PREFILL_CHUNK_TOKENS,
     PREFILL_PAD_MULTIPLE,
@@ -77,9 +80,12 @@ class BatchEvent:
 
     Attributes:
         request_id: As returned by ``add``.
-        token_ids: The request's new tokens this step (may be empty).
-        finish_reason: None while it runs; then "eos", "stop_string", "length", or "error" (its
-            prefill failed, or the target gave it NaN or infinite logits; see ``error``).
+        token_ids: The request's new tokens this step (may be empty; with banned words, only those
+            that can no longer become part of one, ``BannedRow.released``: never taken back).
+        finish_reason: None while it runs; then "eos", "stop_string", "length", "banned_word"
+            (a banned word could not be avoided without taking back tokens already given out,
+            as in ``decoder.GenerationStream``), or "error" (its prefill failed, or the target
+            gave it NaN or infinite logits; see ``error``).
         result: The whole generation once finished (None before).
         error: What went wrong, when ``finish_reason`` is "error".
     """
@@ -105,6 +111,7 @@ class _Row:
         self.stop = StopStrings(dec.tokenizer, config.stop_strings)
         self.eos = dec.eos_token_ids if config.stop_on_eos else frozenset()
         self.stats = SpecDecodingStats(num_prompt_tokens=len(prompt))
+        self.banned = BannedRow.from_config(config, dec.tokenizer, dec.vocab_size, len(prompt))
         self.finish_reason: str | None = None
         self.joined_at = time.perf_counter()
 
@@ -112,13 +119,18 @@ class _Row:
     def remaining(self) -> int:
         return self.config.max_new_tokens - len(self.output)
 
-    def emit(self, new: list[int]) -> list[int]:
-        """Append verified tokens; cut at EOS, the length budget, a stop string. Returns what is new."""
+    def emit(self, new: list[int], *stats: SpecDecodingStats) -> list[int]:
+        """Append verified tokens; cut at EOS, the length budget, a stop string; check banned words
+        (a rollback shortens ``tokens``; ``stats`` count it too). Returns the tokens to release."""
         self.tokens.extend(new)
-        before = len(self.output)
+        before = len(self.output) if self.banned is None else self.banned.released
         self.finish_reason = emit(self.output, new, self.eos, self.config.max_new_tokens, self.stop)
+        if self.banned is not None:
+            self.finish_reason, rewind = self.banned.check(self.output, self.finish_reason, self.stats, *stats)
+            if rewind is not None:
+                del self.tokens[rewind:]  # the caches' positions past it are overwritten, never read
         self.stats.num_new_tokens = len(self.output)
-        return self.output[before:]
+        return self.output[before : len(self.output) if self.banned is None else self.banned.released]
 
     def result(self, tokenizer) -> GenerationResult:
         text = tokenizer.decode(self.output, skip_special_tokens=True) if tokenizer is not None else ""
@@ -277,7 +289,7 @@ class BatchedSpeculativeDecoder:
         Args:
             input_ids: (1, n) or (n,) long prompt ids, or a list of ints, n >= 1.
             config: Its generation parameters (per row: max_new_tokens, temperature, top_k,
-                top_p, seed, stop_strings, stop_on_eos).
+                top_p, seed, stop_strings, stop_on_eos, banned_words and their options).
 
         Returns:
             The request id, for ``cancel`` and ``BatchEvent.request_id``.
@@ -285,8 +297,8 @@ class BatchedSpeculativeDecoder:
         Raises:
             InvalidArgumentError: If the prompt is empty, not one row, holds an id outside the
                 target's vocabulary, does not fit ``max_length`` or the model's context
-                length with its ``max_new_tokens``, or asks for banned words. The batch is
-                left unchanged.
+                length with its ``max_new_tokens``, or asks for banned words without a
+                tokenizer. The batch is left unchanged.
         """
         config = config or GenerationConfig()
         if isinstance(input_ids, torch.Tensor):
@@ -311,8 +323,6 @@ class BatchedSpeculativeDecoder:
                 f"token id {bad[0]} is outside the target model's vocabulary 0..{self.vocab_size - 1} "
                 "(a prompt tokenized for another model?)"
             )
-        if config.banned_words:
-            raise InvalidArgumentError("banned_words are not supported by the batched decoder; use SpeculativeDecoder")
         kv_cache.check_context_length(self.target, len(prompt), config.max_new_tokens)
         need = len(prompt) + config.max_new_tokens + self.max_block + 1
         if need > self.max_length:
@@ -472,7 +482,7 @@ class BatchedSpeculativeDecoder:
                 probs = torch.softmax(logits.float(), -1) if row.sampler.greedy else row.sampler.probs(logits)
                 row.controller.gate.observe(float(probs[0, token]))
             self._rows.append(row)
-            new = row.emit([token])
+            new = row.emit([token], self.stats)
             elapsed = time.perf_counter() - t0
             row.stats.prefill_time_s = elapsed
             row.stats.num_prefills = 1
@@ -481,6 +491,8 @@ class BatchedSpeculativeDecoder:
             self.stats.num_prompt_tokens += row.num_prompt_tokens
             self.stats.num_new_tokens += len(new)
             self._event(events, row, new)
+        if self.drafter is not None and any(row.banned is not None for row in self._rows):
+            self.drafter.rollback([len(row.tokens) - 1 for row in self._rows])  # a first token rolled back
 
     def _caps(self) -> list[int]:
         """Per row, the most tokens to draft this round (its policy, its length budget, γ, and the
@@ -518,7 +530,9 @@ class BatchedSpeculativeDecoder:
         logits = self.runner(ids, [len(s) - 1 for s in sequences], K + 1)
         logits = logits[..., : self.vocab_size] if logits.shape[-1] > self.vocab_size else logits
         # The round's one host sync: drafts, the target's argmax, finiteness flags (per position).
-        finite = torch.isfinite(logits).all(-1).flatten()
+        finite = torch.isfinite(logits).all(-1).flatten()  # before the banned-word masks add -inf
+        if any(row.banned is not None for row in rows):  # row b's [b, i] predicts position len_b + i
+            mask_batch(logits, [row.banned for row in rows], [len(s) for s in sequences])
         draft_finite = draft.finite.view(1) if draft is not None and draft.finite is not None else finite.new_ones(1)
         parts = [ids[:, 1:].flatten()] if K else []
         host = torch.cat([*parts, logits.argmax(-1).flatten(), finite.long(), draft_finite.long()]).tolist()
@@ -532,6 +546,8 @@ class BatchedSpeculativeDecoder:
         gate_rows = []
         for b, row in enumerate(rows):
             kb = k[b]
+            if kb and row.banned is not None:  # verify no token of a banned word: the rest is ignored
+                kb = row.banned.cut_draft(drafted[b][:kb], len(row.tokens))
             if not all(flags[b * (K + 1) : b * (K + 1) + kb + 1]):  # the row's own positions, not padding
                 self._fail(events, row, f"the target model produced non-finite logits (NaN or inf) in a "
                            f"{logits.dtype} forward for request {row.request_id}")
@@ -556,7 +572,7 @@ class BatchedSpeculativeDecoder:
                 if row.controller.gate is not None:
                     gate_rows.append((b, a, new[-1]))
             self.stats.record_block(kb, a)
-            out = row.emit(new)
+            out = row.emit(new, self.stats)
             self.stats.num_new_tokens += len(out)
             self._event(events, row, out)
         if gate_rows:

@@ -1,0 +1,186 @@
+"""Banned words in the batched engine: per row, exactly the single-sequence decoder's output.
+
+Both decoders run the same ``engine.banned_rows.BannedRow`` (masks, draft cut, rollback). On
+the random tiny models with the word-level tokenizer (float32, greedy), each row's banned
+words are two-word phrases of its own unbanned output, so they do trigger rollbacks; rows
+without banned words, and a row with the same prompt as a rolled-back one, must come out as
+if no other row had banned words. Rows join mid-flight (more requests than slots), at B = 1
+and B = 3, for autoregressive, draft-model and prompt-lookup decoding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from tokenizers import Tokenizer, decoders, models
+from transformers import PreTrainedTokenizerFast
+
+from conftest import make_tiny_model, make_tiny_tokenizer
+from helpers import perturbed_copy
+from selfspec_helpers import REPETITIVE, one_thread  # noqa: F401 (a fixture)
+from specdecode import DraftModelDrafter, GenerationConfig, PromptLookupDrafter, SpeculativeDecoder
+from specdecode.drafters.batched import BatchDraftModelDrafter, BatchPromptLookupDrafter
+from specdecode.engine.batched import BatchedSpeculativeDecoder
+
+TOK = make_tiny_tokenizer()
+PROMPTS = [[5, 9, 12], REPETITIVE, [7, 3, 30, 41, 8, 11, 19], [44], [5, 9, 12], [13, 14, 15, 16, 17, 18]]
+# Rows 0, 2 and 3 ban phrases of their own unbanned output (row 3 its first word too); rows 1, 4
+# (row 0's prompt) and 5 ban nothing.
+BANNED_ROWS = (0, 2, 3)
+N = 30
+BASE = GenerationConfig(max_new_tokens=N, num_speculative_tokens=4, stop_on_eos=False)
+
+
+def _methods(target, draft):
+    """name -> (single-sequence drafter factory, batch drafter factory)."""
+    return {
+        "autoregressive": (lambda: None, lambda: None),
+        "draft": (lambda: DraftModelDrafter(draft), lambda: BatchDraftModelDrafter(draft)),
+        "prompt-lookup": (PromptLookupDrafter, BatchPromptLookupDrafter),
+    }
+
+
+def _single(target, drafter, prompt, config, tokenizer=TOK):
+    """(stream, the chunks it yielded) from the single-sequence decoder."""
+    stream = SpeculativeDecoder(target, drafter, tokenizer=tokenizer).stream(prompt, config)
+    chunks = list(stream)
+    return stream, chunks
+
+
+def _batched(dec: BatchedSpeculativeDecoder, prompts, configs, join_after: int = 2):
+    """Add the first half, step ``join_after`` times, add the rest (rows join mid-flight), run to the end.
+
+    Returns (results, streamed tokens) per request, in the prompts' order. Fails (rather than
+    hangs) when the rows do not end: an unmasked word would be rolled back forever.
+    """
+    half = (len(prompts) + 1) // 2
+    ids = [dec.add(p, c) for p, c in zip(prompts[:half], configs[:half])]
+    streamed: dict[int, list[list[int]]] = {i: [] for i in range(len(prompts))}
+    results = {}
+    steps = 0
+
+    def step():
+        nonlocal steps
+        steps += 1
+        assert steps <= 20 * N, "the rows do not end (a banned word rolled back over and over?)"
+        for ev in dec.step():
+            assert ev.result is None or ev.finish_reason == ev.result.finish_reason
+            if ev.token_ids:
+                streamed[ev.request_id].append(ev.token_ids)
+            if ev.result is not None:
+                results[ev.request_id] = ev.result
+
+    for _ in range(join_after):
+        step()
+    ids += [dec.add(p, c) for p, c in zip(prompts[half:], configs[half:])]
+    while dec.has_work:
+        step()
+    return [results[i] for i in ids], [streamed[i] for i in ids]
+
+
+def _configs(plain: list[list[int]]) -> list[GenerationConfig]:
+    configs = []
+    for b, out in enumerate(plain):
+        if b in BANNED_ROWS:  # two phrases, the second past the sliding window (6) of Mistral
+            words = (TOK.decode(out[4:6]), TOK.decode(out[15:17]))
+            if b == 3:  # its first token: rolled back as the row joins, before any round
+                words = (TOK.decode(out[:1]), words[1])
+            configs.append(dataclasses.replace(BASE, banned_words=words))
+        else:
+            configs.append(BASE)
+    return configs
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+@pytest.mark.parametrize("method", ["autoregressive", "draft", "prompt-lookup"])
+@pytest.mark.parametrize("max_batch_size", [1, 3])
+def test_rows_equal_the_single_decoder_with_banned_words(arch, method, max_batch_size):
+    target = make_tiny_model(arch)
+    draft = perturbed_copy(target, noise=0.3, seed=1)
+    single, batch = _methods(target, draft)[method]
+    plain = [SpeculativeDecoder(target).generate(p, BASE).token_ids for p in PROMPTS]
+    configs = _configs(plain)
+    expected = [_single(target, single(), p, c) for p, c in zip(PROMPTS, configs)]
+    for b in BANNED_ROWS:  # the setup does trigger rollbacks, which change the output
+        stream = expected[b][0]
+        assert stream.stats.num_banned_word_rollbacks > 0 and stream.token_ids != plain[b], b
+
+    dec = BatchedSpeculativeDecoder(
+        target, batch(), max_batch_size=max_batch_size, max_length=64, num_speculative_tokens=4, tokenizer=TOK
+    )
+    results, streamed = _batched(dec, PROMPTS, configs)
+    for b, ((stream, chunks), result, shown) in enumerate(zip(expected, results, streamed)):
+        want = (stream.token_ids, stream.finish_reason)
+        assert (result.token_ids, result.finish_reason) == want, (arch, method, max_batch_size, b)
+        assert result.stats.num_banned_word_rollbacks == stream.stats.num_banned_word_rollbacks, b
+        assert result.stats.num_banned_word_discarded_tokens == stream.stats.num_banned_word_discarded_tokens, b
+        assert result.stats.num_new_tokens == len(result.token_ids) == N
+        assert result.text == TOK.decode(stream.token_ids, skip_special_tokens=True)
+        # What was streamed is never taken back, and no prefix of it shows a banned word.
+        assert sum(shown, []) == result.token_ids, b
+        for i in range(1, len(shown) + 1):
+            text = TOK.decode(sum(shown[:i], []))
+            assert not any(w in text for w in configs[b].banned_words), (b, text)
+        if b not in BANNED_ROWS:  # other rows' rollbacks do not disturb this one
+            assert result.token_ids == plain[b] and result.stats.num_banned_word_rollbacks == 0, b
+    assert results[4].token_ids == plain[0] != results[0].token_ids  # same prompt, with and without words
+    assert dec.stats.num_banned_word_rollbacks == sum(r.stats.num_banned_word_rollbacks for r in results)
+    assert dec.stats.num_new_tokens == N * len(PROMPTS)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_drafts_are_cut_before_a_banned_word_as_in_the_single_decoder():
+    """The draft model spells the banned phrase too: its block is cut before it, in both engines,
+    so the rows verify (and discard) exactly what the single decoder does."""
+    target = make_tiny_model("llama")
+    draft = perturbed_copy(target, noise=0.05, seed=1)  # a close draft: it proposes the phrase
+    plain = [SpeculativeDecoder(target).generate(p, BASE).token_ids for p in PROMPTS[:3]]
+    configs = _configs(plain)
+    expected = [_single(target, DraftModelDrafter(draft), p, c)[0] for p, c in zip(PROMPTS[:3], configs)]
+    dec = BatchedSpeculativeDecoder(
+        target, BatchDraftModelDrafter(draft), max_batch_size=3, max_length=64, num_speculative_tokens=4,
+        tokenizer=TOK,
+    )
+    results, _ = _batched(dec, PROMPTS[:3], configs)
+    for b, (stream, result) in enumerate(zip(expected, results)):
+        assert result.token_ids == stream.token_ids, b
+        got = (result.stats.num_drafted_tokens, result.stats.num_accepted_tokens)
+        assert got == (stream.stats.num_drafted_tokens, stream.stats.num_accepted_tokens), b
+        assert result.stats.num_banned_word_discarded_tokens == stream.stats.num_banned_word_discarded_tokens, b
+    assert expected[0].stats.num_banned_word_rollbacks > 0
+
+
+def _four_token_tokenizer() -> PreTrainedTokenizerFast:
+    inner = Tokenizer(models.WordLevel(vocab={"a": 0, "b": 1, "c": 2, "d": 3}, unk_token="a"))
+    inner.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=inner, clean_up_tokenization_spaces=False)
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("method", ["autoregressive", "prompt-lookup"])
+def test_a_row_with_every_token_banned_ends_with_banned_word(method):
+    """A vocabulary of four text tokens: the row banning all four ends with "banned_word" and no
+    token; the row banning three fills its budget with the fourth; a row banning none is untouched."""
+    tok = _four_token_tokenizer()
+    target = make_tiny_model("llama", vocab_size=4, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    base = GenerationConfig(max_new_tokens=6, stop_on_eos=False)
+    prompt = [0, 1, 2, 3, 0, 1]
+    configs = [
+        dataclasses.replace(base, banned_words=("a", "b", "c", "d")),
+        base,
+        dataclasses.replace(base, banned_words=("a", "b", "c")),
+    ]
+    single = (lambda: None) if method == "autoregressive" else PromptLookupDrafter
+    expected = [_single(target, single(), prompt, c, tokenizer=tok)[0] for c in configs]
+    batch = None if method == "autoregressive" else BatchPromptLookupDrafter()
+    dec = BatchedSpeculativeDecoder(target, batch, max_batch_size=3, max_length=32, tokenizer=tok)
+    results, streamed = _batched(dec, [prompt] * 3, configs, join_after=1)
+    assert results[0].token_ids == [] and results[0].finish_reason == "banned_word" and streamed[0] == []
+    assert results[0].stats.num_banned_word_rollbacks == 4
+    assert results[2].text == "dddddd" and results[2].finish_reason == "length"
+    for b, (stream, result) in enumerate(zip(expected, results)):
+        assert (result.token_ids, result.finish_reason) == (stream.token_ids, stream.finish_reason), b
+        assert result.stats.num_banned_word_rollbacks == stream.stats.num_banned_word_rollbacks, b
+    assert results[1].token_ids == SpeculativeDecoder(target).generate(prompt, base).token_ids
