@@ -97,6 +97,16 @@ def _configs(plain: list[list[int]]) -> list[GenerationConfig]:
 @pytest.mark.parametrize("method", ["autoregressive", "draft", "prompt-lookup"])
 @pytest.mark.parametrize("max_batch_size", [1, 3])
 def test_rows_equal_the_single_decoder_with_banned_words(arch, method, max_batch_size):
+    _check_rows_equal_the_single_decoder(arch, method, max_batch_size)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_rows_equal_the_single_decoder_on_the_fast_path():
+    """The fast path's static-shape forwards (``compile=True, graphs=False``): the masks go on its logits."""
+    _check_rows_equal_the_single_decoder("mistral", "draft", 3, compile=True, graphs=False)
+
+
+def _check_rows_equal_the_single_decoder(arch, method, max_batch_size, **engine):
     target = make_tiny_model(arch)
     draft = perturbed_copy(target, noise=0.3, seed=1)
     single, batch = _methods(target, draft)[method]
@@ -108,7 +118,8 @@ def test_rows_equal_the_single_decoder_with_banned_words(arch, method, max_batch
         assert stream.stats.num_banned_word_rollbacks > 0 and stream.token_ids != plain[b], b
 
     dec = BatchedSpeculativeDecoder(
-        target, batch(), max_batch_size=max_batch_size, max_length=64, num_speculative_tokens=4, tokenizer=TOK
+        target, batch(), max_batch_size=max_batch_size, max_length=64, num_speculative_tokens=4, tokenizer=TOK,
+        **engine,
     )
     results, streamed = _batched(dec, PROMPTS, configs)
     for b, ((stream, chunks), result, shown) in enumerate(zip(expected, results, streamed)):
@@ -184,3 +195,26 @@ def test_a_row_with_every_token_banned_ends_with_banned_word(method):
         assert (result.token_ids, result.finish_reason) == (stream.token_ids, stream.finish_reason), b
         assert result.stats.num_banned_word_rollbacks == stream.stats.num_banned_word_rollbacks, b
     assert results[1].token_ids == SpeculativeDecoder(target).generate(prompt, base).token_ids
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("method", ["autoregressive", "draft"])
+def test_sampling_rows_never_stream_a_banned_word(method):
+    """Sampling rows (speculative sampling on the cut block) with banned words next to greedy rows."""
+    target = make_tiny_model("llama")
+    draft = perturbed_copy(target, noise=0.3, seed=1)
+    plain = [SpeculativeDecoder(target).generate(p, BASE).token_ids for p in PROMPTS]
+    configs = [
+        dataclasses.replace(c, temperature=1.0, seed=b) if b % 2 else c for b, c in enumerate(_configs(plain))
+    ]
+    configs[1] = dataclasses.replace(configs[1], banned_words=(TOK.decode(plain[1][2:4]),))
+    batch = _methods(target, draft)[method][1]
+    dec = BatchedSpeculativeDecoder(target, batch(), max_batch_size=3, max_length=64, num_speculative_tokens=4,
+                                    tokenizer=TOK)
+    results, streamed = _batched(dec, PROMPTS, configs)
+    for b, (result, shown) in enumerate(zip(results, streamed)):
+        assert sum(shown, []) == result.token_ids and len(result.token_ids) == N, b
+        for i in range(1, len(shown) + 1):
+            text = TOK.decode(sum(shown[:i], []))
+            assert not any(w in text for w in configs[b].banned_words), (b, text)
+    assert sum(r.stats.num_banned_word_rollbacks for r in results) > 0
