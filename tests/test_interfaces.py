@@ -6,6 +6,8 @@ from __future__ import annotations
 import inspect
 
 import pytest
+
+from specdecode.errors import InvalidArgumentError
 from transformers import DynamicCache
 
 from conftest import make_tiny_model
@@ -71,5 +73,5 @@ def test_a_cache_that_does_not_say_whether_it_is_static_is_refused():
         layers = ()
 
     assert kv_cache.is_static(None) is False
-    with pytest.raises(AttributeError):
+    with pytest.raises(InvalidArgumentError, match=r"a Unstated cannot be used here"):
         kv_cache.is_static(Unstated())

@@ -191,3 +191,16 @@ def test_bad_check_arguments_are_refused():
 def test_bad_ngram_sizes_are_refused():
     with pytest.raises(InvalidArgumentError, match="min_ngram \\(3\\) must be <= max_ngram \\(2\\)"):
         CascadeDrafter(make_tiny_model("llama", num_layers=1), max_ngram=2, min_ngram=3)
+
+
+def test_check_finiteness_reaches_the_draft_when_the_check_keeps_no_token():
+    """Greedy: the check's finiteness flags join the draft's even when it kept none of the n-gram."""
+    model = make_tiny_model("llama", num_layers=2)
+    drafter = CascadeDrafter(model)
+    seq = torch.tensor([[5, 6, 7, 8, 5, 6]])
+    drafter.begin(seq[:, :-1], Sampler(GenerationConfig(), model.config.vocab_size, "cpu"), None)
+    drafter._model.check = lambda sequence, ngram, finite_out=None: (
+        finite_out.append(torch.tensor(False)) or (0, None)
+    )
+    draft = drafter.propose(seq, 3, host_sequence=seq[0].numpy().copy())
+    assert draft.finite is not None and not bool(draft.finite)

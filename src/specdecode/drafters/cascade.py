@@ -161,7 +161,7 @@ class CascadeDrafter(Drafter):
             return Draft(torch.as_tensor(ngram))
         ngram = find_continuation(seq, max_tokens, self.max_ngram, self.min_ngram)
         m = int(ngram.shape[0])
-        if host_sequence is not None:  # to the draft model's device, without waiting
+        if host_sequence is not None:  # to the draft model's device, without a device read
             ngram = torch.from_numpy(ngram).to(sequence.device, non_blocking=True)
         first_logits = None
         # Greedy without an exit policy, the check's finiteness flags join the draft's (read by the
@@ -179,8 +179,10 @@ class CascadeDrafter(Drafter):
         finite = model_part.finite
         if checked is not None:
             finite = checked if finite is None else finite & checked
-        if not m:  # nothing was checked (no match)
-            return model_part
+        if not m:  # no n-gram token kept (no match, or the check kept none): the model part alone
+            return model_part if finite is model_part.finite else Draft(
+                model_part.tokens, model_part.probs, finite, model_part.who
+            )
         tokens = torch.cat([ngram, model_part.tokens])
         if model_part.probs is None:
             return Draft(tokens, None, finite, model_part.who)

@@ -12,7 +12,6 @@
   on ``batch_cache.BatchKVCache`` (per-row positions and masks); its drafters implement
   ``protocol.BatchDrafter``; ``batch_runner``: its fast path (``BatchRunner``, forwards
   compiled at (rows, width) buckets, CUDA graphs on CUDA);
-- ``batch_runner``: the batched fast path (compiled (rows, width) buckets);
 - ``compat``: ``torch.compile`` options feature-detected for the torch installed (2.11 and later);
 - ``compile_cache``: compiled graphs kept in specdecode's cache folder, reused by later processes;
 - ``stopping``: EOS, budget and stop strings (``emit``);

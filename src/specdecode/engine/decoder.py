@@ -277,7 +277,7 @@ class _Round:
                 probs = None if draft.probs is None else draft.probs[:keep]
                 draft = Draft(draft.tokens[:keep], probs, draft.finite, draft.who)
         k = len(draft) if draft is not None else 0
-        if k:  # a host draft (prompt lookup) goes to the device without waiting for it
+        if k:  # a host draft (prompt lookup) goes to the device without a device read
             buf[0, L : L + k].copy_(draft.tokens, non_blocking=draft.tokens.device != buf.device)
         drafted = buf[0, L : L + k]  # the draft on the model's device
         # verify (the cache holds L - 1 positions, or fewer after a banned-word rewind emptied it)

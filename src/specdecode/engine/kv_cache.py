@@ -133,9 +133,17 @@ def is_static(cache) -> bool:
     either), False for ``models.llama_cpp.LlamaCppCache``.
 
     Raises:
-        AttributeError: A cache of another kind that does not state it (never guessed).
+        InvalidArgumentError: A cache of another kind that does not state it (never guessed).
     """
-    return False if cache is None or isinstance(cache, DynamicCache) else cache.static
+    if cache is None or isinstance(cache, DynamicCache):
+        return False
+    static = getattr(cache, "static", None)
+    if not isinstance(static, bool):
+        raise InvalidArgumentError(
+            f"a {type(cache).__name__} cannot be used here: the decoder knows transformers' DynamicCache and "
+            "specdecode's own caches (StaticKVCache, BatchKVCache), which state whether they are static"
+        )
+    return static
 
 
 def rollback(cache, num_cached: int, num_valid: int) -> int:

@@ -46,7 +46,8 @@ A drafter whose class sets ``uses_host_sequence = True`` also receives
 ``propose(..., host_sequence=host)``: the same tokens as an (L,) int64 numpy array, kept by the
 decoder from the values it reads back once per round, so that host-side matching (prompt
 lookup, the cascade's n-gram part) never reads the device (no host sync). Its ``Draft.tokens``
-may then live on the CPU; the decoder copies them to the device without waiting.
+may then live on the CPU; the decoder copies them to the device with a non-blocking copy (no
+device read; from pageable memory, not yet through a pinned staging buffer).
 """
 
 from __future__ import annotations
