@@ -231,9 +231,8 @@ def sync_counter(monkeypatch):
 @pytest.mark.parametrize("name", ["autoregressive", "draft", "prompt-lookup"])
 def test_one_host_sync_per_batched_round(name, sync_counter):
     """Greedy rounds on the fast path read the device back once: the round's one ``tolist`` of
-    drafts, argmaxes and finiteness flags. Prompt lookup drafts on the host, over the rows' token
-    lists (CPU tensors built from them: one ``tolist`` per row and an ``int`` per n-gram match in
-    ``find_continuation``), which reads nothing back from the device; those are listed apart."""
+    drafts, argmaxes and finiteness flags. Prompt lookup drafts on the host with numpy, over the
+    rows' token lists, so it adds no tensor read at all."""
     target = make_tiny_model("qwen2", num_layers=2)
     draft = perturbed_copy(target, noise=0.3, seed=1)
     dec = BatchedSpeculativeDecoder(target, _drafters(target, draft)[name](), max_batch_size=3, max_length=96,
@@ -252,9 +251,7 @@ def test_one_host_sync_per_batched_round(name, sync_counter):
     while dec.has_work:
         dec.step()
     assert len(round_calls) == dec.stats.num_rounds > 5
-    host_drafting = ("drafters/prompt_lookup.py", "drafters/batched.py")  # find_continuation, its caller
     for calls in round_calls:
-        device_reads = [c for c in calls if not (name == "prompt-lookup" and c[1].endswith(host_drafting))]
-        assert [(m, f) for m, _, f in device_reads] == [("tolist", "_round")], device_reads
+        assert [(m, f) for m, _, f in calls] == [("tolist", "_round")], calls
     if name == "prompt-lookup":
-        assert any(len(calls) > 1 for calls in round_calls)  # host drafting was seen, and set apart
+        assert dec.stats.num_drafted_tokens > 0  # host drafting ran in these rounds

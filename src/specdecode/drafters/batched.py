@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel
 
@@ -401,7 +402,10 @@ class BatchPromptLookupDrafter(BatchDrafter):
 
     def propose(self, sequences, max_tokens, exits=None, exit_rule="row") -> BatchDraft:
         found = [
-            find_continuation(torch.tensor(s), cap, self.max_ngram, self.min_ngram).tolist() if cap > 0 else []
+            # numpy on the host, as the single decoder's prompt lookup: no torch op, no host sync
+            find_continuation(np.asarray(s, dtype=np.int64), cap, self.max_ngram, self.min_ngram).tolist()
+            if cap > 0
+            else []
             for s, cap in zip(sequences, max_tokens)
         ]
         width = max(1, max(len(f) for f in found))

@@ -8,6 +8,7 @@
 - ``verification``: greedy verification and speculative sampling's rejection step;
 - ``sampling``: the ``Sampler`` shared by target and drafters (temperature, top-k, top-p);
 - ``kv_cache``: cache creation and rollback;
+- ``batch_rows``: a batched request's state (``BatchRow``) and ``BatchEvent``;
 - ``batched``: ``BatchedSpeculativeDecoder``, many rows at once with continuous batching,
   on ``batch_cache.BatchKVCache`` (per-row positions and masks); its drafters implement
   ``protocol.BatchDrafter``; ``batch_runner``: its fast path (``BatchRunner``, forwards

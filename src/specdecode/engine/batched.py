@@ -41,14 +41,13 @@ import logging
 import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
 
 from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS, GenerationConfig, check_num_speculative_tokens
 from specdecode.engine import kv_cache
-from specdecode.engine.banned_rows import BannedRow, mask_batch
+from specdecode.engine.banned_rows import mask_batch
 from specdecode.engine.batch_cache import (
     PREFILL_CHUNK_TOKENS,
     PREFILL_PAD_MULTIPLE,
@@ -59,12 +58,12 @@ from specdecode.engine.batch_cache import (
     warm_up_forwards,
     warm_up_widths,
 )
+from specdecode.engine.batch_rows import BatchEvent, BatchRow
 from specdecode.engine.batch_runner import BatchRunner, check_row_buckets, default_batch_compile
 from specdecode.engine.decoder import GenerationResult, _as_2d
 from specdecode.engine.protocol import BATCH_EXIT_RULES, BatchDraft, BatchDrafter, DraftPolicy
-from specdecode.engine.sampling import Sampler, check_finite, logits_width, raise_non_finite
+from specdecode.engine.sampling import check_finite, logits_width, raise_non_finite
 from specdecode.engine.stats import SpecDecodingStats
-from specdecode.engine.stopping import StopStrings, emit
 from specdecode.engine.verification import greedy_verify, sample_block
 from specdecode.errors import InvalidArgumentError
 
@@ -72,69 +71,6 @@ logger = logging.getLogger(__name__)
 
 #: Finished and cancelled request ids remembered, for clear errors on a repeated cancel.
 _FINISHED_MEMORY = 4096
-
-
-@dataclass
-class BatchEvent:
-    """What one ``step`` produced for one request.
-
-    Attributes:
-        request_id: As returned by ``add``.
-        token_ids: The request's new tokens this step (may be empty; with banned words, only those
-            that can no longer become part of one, ``BannedRow.released``: never taken back).
-        finish_reason: None while it runs; then "eos", "stop_string", "length", "banned_word"
-            (a banned word could not be avoided without taking back tokens already given out,
-            as in ``decoder.GenerationStream``), or "error" (its prefill failed, or the target
-            gave it NaN or infinite logits; see ``error``).
-        result: The whole generation once finished (None before).
-        error: What went wrong, when ``finish_reason`` is "error".
-    """
-
-    request_id: int
-    token_ids: list[int]
-    finish_reason: str | None = None
-    result: GenerationResult | None = None
-    error: str | None = None
-
-
-class _Row:
-    """One request's state: its sequence (prompt + accepted tokens), sampler, policy and output."""
-
-    def __init__(self, request_id: int, prompt: list[int], config: GenerationConfig, dec: BatchedSpeculativeDecoder):
-        self.request_id = request_id
-        self.config = config
-        self.tokens = list(prompt)  # the last one, once generated, is in no cache yet
-        self.num_prompt_tokens = len(prompt)
-        self.output: list[int] = []
-        self.sampler = Sampler(config, dec.vocab_size, dec.target.device)
-        self.controller = dec.draft_control.controller(dec.gamma) if dec.adaptive else None
-        self.stop = StopStrings(dec.tokenizer, config.stop_strings)
-        self.eos = dec.eos_token_ids if config.stop_on_eos else frozenset()
-        self.stats = SpecDecodingStats(num_prompt_tokens=len(prompt))
-        self.banned = BannedRow.from_config(config, dec.tokenizer, dec.vocab_size, len(prompt))
-        self.finish_reason: str | None = None
-        self.joined_at = time.perf_counter()
-
-    @property
-    def remaining(self) -> int:
-        return self.config.max_new_tokens - len(self.output)
-
-    def emit(self, new: list[int], *stats: SpecDecodingStats) -> list[int]:
-        """Append verified tokens; cut at EOS, the length budget, a stop string; check banned words
-        (a rollback shortens ``tokens``; ``stats`` count it too). Returns the tokens to release."""
-        self.tokens.extend(new)
-        before = len(self.output) if self.banned is None else self.banned.released
-        self.finish_reason = emit(self.output, new, self.eos, self.config.max_new_tokens, self.stop)
-        if self.banned is not None:
-            self.finish_reason, rewind = self.banned.check(self.output, self.finish_reason, self.stats, *stats)
-            if rewind is not None:
-                del self.tokens[rewind:]  # the caches' positions past it are overwritten, never read
-        self.stats.num_new_tokens = len(self.output)
-        return self.output[before : len(self.output) if self.banned is None else self.banned.released]
-
-    def result(self, tokenizer) -> GenerationResult:
-        text = tokenizer.decode(self.output, skip_special_tokens=True) if tokenizer is not None else ""
-        return GenerationResult(list(self.output), text, self.finish_reason, self.stats)
 
 
 class BatchedSpeculativeDecoder:
@@ -256,8 +192,8 @@ class BatchedSpeculativeDecoder:
         self.stats = SpecDecodingStats()
         #: Whether ``warm_up`` ran (a bench warms a compiling engine up once).
         self.warmed_up = False
-        self._rows: list[_Row] = []  # active, in slot order
-        self._waiting: deque[_Row] = deque()
+        self._rows: list[BatchRow] = []  # active, in slot order
+        self._waiting: deque[BatchRow] = deque()
         self._finished: OrderedDict[int, str] = OrderedDict()
         self._next_id = 0
 
@@ -332,7 +268,7 @@ class BatchedSpeculativeDecoder:
                 f"cache's max_length of {self.max_length}; allowed: prompt + max_new_tokens <= "
                 f"{self.max_length - self.max_block - 1}"
             )
-        row = _Row(self._next_id, prompt, config, self)
+        row = BatchRow(self._next_id, prompt, config, self)
         self._next_id += 1
         self._waiting.append(row)
         return row.request_id
@@ -456,7 +392,7 @@ class BatchedSpeculativeDecoder:
             self._retire()
         return list(events.values())
 
-    def _event(self, events: dict, row: _Row, new: list[int]) -> None:
+    def _event(self, events: dict, row: BatchRow, new: list[int]) -> None:
         event = events.setdefault(row.request_id, BatchEvent(row.request_id, []))
         event.token_ids.extend(new)
         if row.finish_reason is not None:
@@ -618,7 +554,7 @@ class BatchedSpeculativeDecoder:
                 rows[i] = rows[last]
             rows.pop()
 
-    def _fail(self, events: dict, row: _Row, message: str) -> None:
+    def _fail(self, events: dict, row: BatchRow, message: str) -> None:
         """End ``row`` with ``finish_reason="error"`` (it leaves at the next ``_retire``); logged."""
         logger.warning("%s", message)
         row.finish_reason = "error"
@@ -627,7 +563,7 @@ class BatchedSpeculativeDecoder:
         self._event(events, row, [])
         events[row.request_id].error = message
 
-    def _forget(self, row: _Row, reason: str) -> None:
+    def _forget(self, row: BatchRow, reason: str) -> None:
         row.finish_reason = reason
         self._finished[row.request_id] = reason
         while len(self._finished) > _FINISHED_MEMORY:
