@@ -13,8 +13,9 @@ from transformers import DynamicCache
 from conftest import make_tiny_model
 from specdecode.engine import kv_cache
 from specdecode.engine.fast_path import ModelRunner
-from specdecode.engine.protocol import KVCache, ModelRunnerProtocol, StaticCache
+from specdecode.engine.protocol import KVCache, ModelRunnerProtocol, StaticCache, TargetRunnerProtocol
 from specdecode.models.llama_cpp import LlamaCppCache, LlamaCppModelRunner
+from specdecode.models.llama_cpp_target import LlamaCppTargetRunner
 
 
 class _FakeLlamaModel:
@@ -22,6 +23,7 @@ class _FakeLlamaModel:
 
     name = "fake"
     generation = 0
+    vocab_size = 7
 
     def remove_from(self, position: int) -> None:
         pass
@@ -64,6 +66,17 @@ def test_the_llama_cpp_runner_implements_the_protocol_with_a_cropped_cache():
     assert isinstance(cache, LlamaCppCache) and isinstance(cache, KVCache) and not isinstance(cache, StaticCache)
     assert kv_cache.is_static(cache) is False
     runner.check_owner(cache, cache.generation)
+
+
+def test_the_llama_cpp_target_runner_implements_the_target_protocol():
+    methods = _protocol_methods(TargetRunnerProtocol)
+    assert set(methods) == {"prefill", "forward", "rollback", "measure_forward_costs", "__call__"}
+    for name in methods:
+        declared = list(inspect.signature(getattr(TargetRunnerProtocol, name)).parameters)
+        assert list(inspect.signature(getattr(LlamaCppTargetRunner, name)).parameters) == declared, name
+    runner = LlamaCppTargetRunner(_FakeLlamaModel())
+    assert isinstance(runner, TargetRunnerProtocol) and not isinstance(runner, ModelRunnerProtocol)
+    assert runner.num_cached == 0 and dict(runner.forward_costs) == {} and runner.vocab_size == 7
 
 
 def test_a_cache_that_does_not_say_whether_it_is_static_is_refused():

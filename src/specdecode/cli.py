@@ -142,8 +142,9 @@ def _add_bench(sub) -> argparse.ArgumentParser:
     p.add_argument("--limit-per-category", type=int, default=None, help="first N prompts of each category")
     p.add_argument("--limit", type=int, default=None, help="first N prompts overall (after the category limit)")
     p.add_argument("--methods", nargs="+", default=None,
-                   help="methods to run (default: all whose requirements are met, except llama-cpp, a "
-                   "reference column that runs only when named: pip install 'specdecode[llamacpp]'): "
+                   help="methods to run (default: all whose requirements are met, except llama-cpp and "
+                   "llama-cpp-lookup, reference columns that run only when named: pip install "
+                   "'specdecode[llamacpp]'): "
                    + ", ".join(bench.available_methods())
                    + ". A specdecode method may carry options and draft-control modifiers: "
                    "NAME[:KEY=VALUE,...][+MODIFIER[=VALUE]...], e.g. early-exit:exit_layer=8+adaptive; "

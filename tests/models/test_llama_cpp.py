@@ -130,6 +130,7 @@ class FakeModel:
     vocab_size = 7
     n_ctx = 1 << 20
     name = "fake"
+    role = "draft model"
 
     def __init__(self):
         self.generation = 0
@@ -382,6 +383,7 @@ class TorchBackedModel:
 
     n_ctx = 1 << 20
     name = "torch-backed"
+    role = "draft model"
 
     def __init__(self, model):
         self.model = model

@@ -28,6 +28,8 @@ Methods:
   GGUF file, target only, with the same prompt ids, threads and greedy settings; a
   reference column next to ours (``vs_llama_cpp``), never a speedup baseline, and run
   only when named.
+* ``llama-cpp-lookup``: the same with llama-cpp-python's own prompt-lookup speculation
+  (``LlamaPromptLookupDecoding``, ``num_pred_tokens=2``): a reference column too, run only when named.
 
 Speedups are relative to the *fastest* target-only baseline (``hf-generate``,
 ``hf-generate-static``, ``autoregressive`` and its compile variants; ``BASELINES``)
@@ -49,7 +51,8 @@ Modules:
   their runner;
 * ``settings``: ``BenchSettings``, how every method generates;
 * ``runner``: ``run_bench``, the run itself;
-* ``llamacpp``: the ``llama-cpp`` reference method (``LlamaCppRunner``, ``gguf_file``);
+* ``llamacpp``: the ``llama-cpp`` and ``llama-cpp-lookup`` reference methods (``LlamaCppRunner``,
+  ``LlamaCppLookupRunner``, ``gguf_file``);
 * ``records``: the results folder (``RecordStore``, ``run_identity``, ``environment``);
 * ``report``: ``summarize``, ``speedups``, ``markdown_report`` and the plots;
 * ``datasets``: the prompt sets (Spec-Bench, HumanEval, JSONL), shared with ``specdecode search``;
@@ -70,7 +73,7 @@ from specdecode.bench.batched import (
 )
 from specdecode.bench.command import run
 from specdecode.bench.hf_methods import HF_METHODS, HFMethod
-from specdecode.bench.llamacpp import LlamaCppRunner, gguf_file
+from specdecode.bench.llamacpp import LlamaCppLookupRunner, LlamaCppRunner, gguf_file
 from specdecode.bench.methods import (
     DEFAULT_GATE_THRESHOLD,
     DRAFTER_OPTIONS,
@@ -96,6 +99,7 @@ from specdecode.bench.report import (
     ACCEPTANCE_PNG,
     BASELINES,
     LLAMA_CPP,
+    LLAMA_CPP_LOOKUP,
     NOTES,
     OVERALL,
     REFERENCE_METHOD,
@@ -125,6 +129,7 @@ __all__ = [
     "DRAFTER_OPTIONS",
     "HF_METHODS",
     "LLAMA_CPP",
+    "LLAMA_CPP_LOOKUP",
     "METHOD_MODIFIERS",
     "NOTES",
     "OVERALL",
@@ -138,6 +143,7 @@ __all__ = [
     "BenchSettings",
     "DrafterOption",
     "HFMethod",
+    "LlamaCppLookupRunner",
     "LlamaCppRunner",
     "MethodSpec",
     "ProgressCallback",

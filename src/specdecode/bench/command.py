@@ -18,8 +18,8 @@ from specdecode import pipeline
 from specdecode.bench.llamacpp import check_available
 from specdecode.bench.methods import DRAFTER_OPTIONS, available_methods, check_method_names
 from specdecode.bench.records import RECORDS_FILE, SETTINGS_FILE, RecordStore
-from specdecode.bench.report import (ACCEPTANCE_PNG, LLAMA_CPP, OVERALL, REFERENCE_METHOD, RESULTS_JSON,
-                                     RESULTS_MD, SPEEDUP_PNG, format_value)
+from specdecode.bench.report import (ACCEPTANCE_PNG, LLAMA_CPP, LLAMA_CPP_REFERENCES, OVERALL, REFERENCE_METHOD,
+                                     RESULTS_JSON, RESULTS_MD, SPEEDUP_PNG, format_value)
 from specdecode.bench.runner import run_bench
 from specdecode.bench.settings import BenchSettings
 from specdecode.engine.banned_words import read_banned_words
@@ -121,8 +121,9 @@ def run(args) -> int:
     if methods is not None:
         methods = check_method_names(methods)
     _check_draft_flags(args)
-    if methods is not None and LLAMA_CPP in methods:  # its extra and the target's GGUF file, before loading
-        settings = dataclasses.replace(settings, gguf_file=str(check_available(args.target)))
+    llama_methods = [m for m in methods or () if m in LLAMA_CPP_REFERENCES]
+    if llama_methods:  # their extra and the target's GGUF file, before loading
+        settings = dataclasses.replace(settings, gguf_file=str(check_available(args.target, method=llama_methods[0])))
     prompts = load_prompts(
         args.dataset,
         categories=_split_list(args.categories),

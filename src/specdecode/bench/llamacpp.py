@@ -36,6 +36,7 @@ import torch
 
 from specdecode import pipeline
 from specdecode.bench.report import LLAMA_CPP as METHOD
+from specdecode.bench.report import LLAMA_CPP_LOOKUP
 from specdecode.bench.settings import BenchSettings
 from specdecode.errors import InvalidArgumentError, UnsupportedModelError
 from specdecode.models import OFFLINE_MODELS
@@ -50,16 +51,16 @@ INSTALL = models_llama_cpp.INSTALL
 CONTEXT_STEP = 4096  # n_ctx grows in steps of this many tokens (KV cache memory: only what the prompts need)
 
 
-def import_llama_cpp():
-    """The ``llama_cpp`` module.
+def import_llama_cpp(method: str = METHOD):
+    """The ``llama_cpp`` module, for ``method`` (``llama-cpp`` or ``llama-cpp-lookup``).
 
     Raises:
         InvalidArgumentError: llama-cpp-python is not installed (the message names the extra).
     """
-    return models_llama_cpp.import_llama_cpp(f"method {METHOD!r}", f", or leave {METHOD!r} out")
+    return models_llama_cpp.import_llama_cpp(f"method {method!r}", f", or leave {method!r} out")
 
 
-def gguf_file(spec: str, cache_dir: str | Path | None = None) -> Path:
+def gguf_file(spec: str, cache_dir: str | Path | None = None, method: str = METHOD) -> Path:
     """The GGUF file a target spec names: an offline model's assembled file, or a ``.gguf`` path.
 
     Args:
@@ -73,14 +74,14 @@ def gguf_file(spec: str, cache_dir: str | Path | None = None) -> Path:
             packages are not installed.
         ChecksumMismatchError: An assembled offline model fails its sha256.
     """
-    return models_llama_cpp.gguf_path(spec, cache_dir, user=f" for method {METHOD!r}", not_gguf=(
-        f"method {METHOD!r} runs the target's GGUF file, but target {spec!r} is not a GGUF file; use an offline "
+    return models_llama_cpp.gguf_path(spec, cache_dir, user=f" for method {method!r}", not_gguf=(
+        f"method {method!r} runs the target's GGUF file, but target {spec!r} is not a GGUF file; use an offline "
         f"model ({', '.join(OFFLINE_MODELS)}) or a .gguf path as the target (API: BenchSettings(gguf_file=...)), "
-        f"or leave {METHOD!r} out"
+        f"or leave {method!r} out"
     ))
 
 
-def check_available(spec: str, cache_dir: str | Path | None = None) -> Path:
+def check_available(spec: str, cache_dir: str | Path | None = None, method: str = METHOD) -> Path:
     """``gguf_file(spec, cache_dir)`` once llama-cpp-python is known to import: the checks of
     ``LlamaCppRunner``, early.
 
@@ -89,9 +90,9 @@ def check_available(spec: str, cache_dir: str | Path | None = None) -> Path:
             ``import_llama_cpp``.
     """
     if spec not in OFFLINE_MODELS:
-        gguf_file(spec, cache_dir)  # the cheap checks (not a GGUF, missing file) before the import
-    import_llama_cpp()
-    return gguf_file(spec, cache_dir)
+        gguf_file(spec, cache_dir, method)  # the cheap checks (not a GGUF, missing file) before the import
+    import_llama_cpp(method)
+    return gguf_file(spec, cache_dir, method)
 
 
 class LlamaCppRunner:
@@ -119,12 +120,12 @@ class LlamaCppRunner:
     def __init__(self, generator: pipeline.SpeculativeGenerator, settings: BenchSettings) -> None:
         if settings.banned_words:
             raise InvalidArgumentError(
-                f"method {METHOD!r} cannot ban words (llama.cpp samples token ids); leave it out of a run with "
+                f"method {self.name!r} cannot ban words (llama.cpp samples token ids); leave it out of a run with "
                 "banned words"
             )
         self.settings = settings
-        self.path = check_available(settings.gguf_file or generator.target.name, generator.cache_dir)
-        self.llama_cpp = import_llama_cpp()
+        self.path = check_available(settings.gguf_file or generator.target.name, generator.cache_dir, self.name)
+        self.llama_cpp = import_llama_cpp(self.name)
         self.eos = frozenset(pipeline.eos_token_ids(generator.target))
         self.n_threads = torch.get_num_threads()
         self.llm = None
@@ -139,9 +140,14 @@ class LlamaCppRunner:
             self.llm = self.llama_cpp.Llama(
                 model_path=str(self.path), n_ctx=n_ctx, n_threads=self.n_threads,
                 n_threads_batch=self.n_threads, logits_all=False, n_gpu_layers=0, verbose=False,
+                **self._llama_options(),
             )
         except ValueError as e:
             raise UnsupportedModelError(f"llama.cpp cannot load GGUF file {self.path}: {e}") from e
+
+    def _llama_options(self) -> dict[str, Any]:
+        """More ``llama_cpp.Llama`` arguments (none: target only)."""
+        return {}
 
     @property
     def n_ctx(self) -> int:
@@ -208,6 +214,7 @@ class LlamaCppRunner:
         tokens: list[int] = []
         first_token_s = None
         finish = "length"
+        self._start_counting(llm)
         t0 = time.perf_counter()
         stream = llm.generate(ids[m:], reset=False, **self.sampling())
         for token in stream:
@@ -222,10 +229,19 @@ class LlamaCppRunner:
         seconds = time.perf_counter() - t0
         stream.close()
         n = len(tokens)
-        return {
+        return self._counts(llm, n) | {
             "token_ids": tokens,
             "seconds": seconds,
             "finish_reason": finish,
+            "prefill_s": first_token_s,
+        }
+
+    def _start_counting(self, llm) -> None:
+        """Before the timed generation: nothing to count for target-only decoding."""
+
+    def _counts(self, llm, n: int) -> dict:
+        """The record's forward and draft counts after a generation of ``n`` tokens."""
+        return {
             "target_forwards": n,  # the prompt evaluation gives the first token, one eval per later token
             "verify_tokens": max(n - 1, 0),  # τ = 1 as for autoregressive: the prompt's token excluded
             "verify_forwards": max(n - 1, 0),
@@ -234,9 +250,76 @@ class LlamaCppRunner:
             "draft_forwards": None,
             "drafted_by_position": None,
             "accepted_by_position": None,
-            "prefill_s": first_token_s,
             "final_draft_threshold": None,
             "gated_steps": None,
             "banned_word_rollbacks": None,
             "banned_word_discarded_tokens": None,
+        }
+
+
+class LlamaCppLookupRunner(LlamaCppRunner):
+    """``llama-cpp-lookup``: llama-cpp-python's own prompt-lookup speculation on the target's GGUF file.
+
+    A CPU user who knows llama-cpp-python would try ``Llama(draft_model=LlamaPromptLookupDecoding())``
+    before anything else, so it is a reference column like ``llama-cpp``: the same file, prompt
+    ids, EOS ids, ``max_new_tokens``, sampler settings, threads and timing (``LlamaCppRunner``),
+    never a speedup baseline. Its settings: ``num_pred_tokens=2`` (llama-cpp-python's README:
+    10 "is the default and generally good for gpu, 2 performs better for cpu-only machines")
+    and ``max_ngram_size=2`` (its default). A ``draft_model`` turns llama-cpp-python's
+    ``logits_all`` on, so every evaluated position's logits are copied to its scores array, as
+    its users get.
+
+    The record's counts come from its ``Llama.eval`` calls in the timed generation (the
+    first evaluates the prompt, each later one verifies the pending token and a draft):
+    ``drafted`` = the draft tokens fed, ``accepted`` = new tokens - 1 - verifying forwards
+    (each verifying forward gives one token that is not a draft's; slightly low when
+    ``max_new_tokens`` cuts the last block). At temperature > 0 llama-cpp-python samples each
+    position and keeps drafted tokens equal to the samples (not distribution-exact).
+
+    Source: llama-cpp-python's ``llama_speculative.LlamaPromptLookupDecoding`` and
+    ``Llama.generate`` (https://github.com/abetlen/llama-cpp-python), after Saxena's prompt
+    lookup decoding (https://github.com/apoorvumang/prompt-lookup-decoding).
+    """
+
+    kind = "llama.cpp prompt lookup"
+    name = LLAMA_CPP_LOOKUP
+    NUM_PRED_TOKENS = 2
+    MAX_NGRAM_SIZE = 2
+
+    def _llama_options(self) -> dict[str, Any]:
+        lookup = self.llama_cpp.llama_speculative.LlamaPromptLookupDecoding(
+            max_ngram_size=self.MAX_NGRAM_SIZE, num_pred_tokens=self.NUM_PRED_TOKENS)
+        return {"draft_model": lookup}
+
+    def describe(self) -> dict:
+        return {
+            **super().describe(),
+            "description": "llama.cpp (llama-cpp-python) with its own prompt-lookup speculation "
+            "(LlamaPromptLookupDecoding), the target's GGUF file; a reference, not a speedup baseline",
+            "num_pred_tokens": self.NUM_PRED_TOKENS,
+            "max_ngram_size": self.MAX_NGRAM_SIZE,
+        }
+
+    def _start_counting(self, llm) -> None:
+        evals: list[int] = []
+        self._evals = evals
+        original = type(llm).eval
+
+        def counting_eval(tokens):
+            evals.append(len(tokens))
+            return original(llm, tokens)
+
+        llm.eval = counting_eval  # Llama.generate calls self.eval: the instance's attribute comes first
+
+    def _counts(self, llm, n: int) -> dict:
+        del llm.eval  # back to the class's method
+        verify = self._evals[1:]  # the first eval is the prompt's (or its last token's)
+        drafted = sum(w - 1 for w in verify)
+        return {
+            **super()._counts(llm, n),
+            "target_forwards": len(self._evals),
+            "verify_tokens": max(n - 1, 0),
+            "verify_forwards": len(verify),
+            "drafted": drafted,
+            "accepted": min(drafted, max(n - 1 - len(verify), 0)),
         }

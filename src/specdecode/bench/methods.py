@@ -26,8 +26,8 @@ import torch
 
 from specdecode import method_registry, pipeline
 from specdecode.bench.hf_methods import HF_METHODS, HFMethod, _HFRunner  # HFMethod: re-exported, as before
-from specdecode.bench.llamacpp import LlamaCppRunner
-from specdecode.bench.report import BASELINES, LLAMA_CPP, is_baseline
+from specdecode.bench.llamacpp import LlamaCppLookupRunner, LlamaCppRunner
+from specdecode.bench.report import BASELINES, LLAMA_CPP, LLAMA_CPP_LOOKUP, LLAMA_CPP_REFERENCES, is_baseline
 from specdecode.bench.settings import BenchSettings
 from specdecode.config import check_num_speculative_tokens
 from specdecode.drafters.control import DraftControl
@@ -162,7 +162,7 @@ class MethodSpec:
             else:
                 control["confidence_gate"] = DEFAULT_GATE_THRESHOLD if number is None else number
         compile_ = _parse_compile(name, options.pop("compile")) if "compile" in options else None
-        if (options or control or compile_ is not None) and (base in HF_METHODS or base == LLAMA_CPP):
+        if (options or control or compile_ is not None) and (base in HF_METHODS or base in LLAMA_CPP_REFERENCES):
             raise InvalidArgumentError(
                 f"method {name!r}: {base!r} takes no options or modifiers (only specdecode's methods do; "
                 "for transformers' compiled static-cache decoding use 'hf-generate-static')"
@@ -198,7 +198,7 @@ def available_methods() -> list[str]:
     """Every method the bench knows now: the target-only baselines (``BASELINES``), the transformers
     variants, the llama.cpp reference (``specdecode.bench.llamacpp``), then ``pipeline.METHODS``."""
     names = ["hf-generate", "autoregressive", "hf-generate-static", "hf-assisted", "hf-prompt-lookup", LLAMA_CPP,
-             *pipeline.METHODS]
+             LLAMA_CPP_LOOKUP, *pipeline.METHODS]
     return list(dict.fromkeys(names))
 
 
@@ -386,7 +386,7 @@ def resolve_methods(
 
     Args:
         methods: The methods to run; ``None``: every available method whose requirements
-            (such as a draft model) are met, but ``llama-cpp`` (a reference, run only when
+            (such as a draft model) are met, but ``llama-cpp`` and ``llama-cpp-lookup`` (references, run only when
             named); the others are skipped and reported.
         settings: How every method generates; its ``compile`` applies to the specdecode
             methods whose name sets no ``compile`` option (``MethodSpec``).
@@ -400,7 +400,7 @@ def resolve_methods(
     Raises:
         InvalidArgumentError: An unknown method, or a requested method whose requirements
             are not met (no draft model loaded; llama-cpp-python missing or a non-GGUF target).
-        ModelNotFoundError, ChecksumMismatchError, UnsupportedModelError: ``llama-cpp``'s GGUF file.
+        ModelNotFoundError, ChecksumMismatchError, UnsupportedModelError: the llama.cpp references' GGUF file.
     """
     explicit = methods is not None
     names = check_method_names(methods) if explicit else available_methods()
@@ -408,10 +408,11 @@ def resolve_methods(
     skipped: dict[str, str] = {}
     for name in names:
         try:
-            if name == LLAMA_CPP:  # a second engine and model in memory: only when asked for
+            if name in LLAMA_CPP_REFERENCES:  # a second engine and model in memory: only when asked for
                 if not explicit:
                     raise InvalidArgumentError(f"{name!r} is a reference and runs only when named in the methods")
-                runners[name] = LlamaCppRunner(generator, settings)
+                runner_class = LlamaCppRunner if name == LLAMA_CPP else LlamaCppLookupRunner
+                runners[name] = runner_class(generator, settings)
             elif name in HF_METHODS:
                 spec = HF_METHODS[name]
                 if settings.banned_words:

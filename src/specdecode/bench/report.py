@@ -23,6 +23,8 @@ from specdecode.files import write_png_atomic, write_text_atomic
 BASELINES = ("hf-generate", "hf-generate-static", "autoregressive")
 REFERENCE_METHOD = "autoregressive"  # token agreement is measured against its output
 LLAMA_CPP = "llama-cpp"  # llama.cpp on the target's GGUF file: a reference column, never a speedup baseline
+LLAMA_CPP_LOOKUP = "llama-cpp-lookup"  # llama-cpp-python's own prompt-lookup speculation: a reference too
+LLAMA_CPP_REFERENCES = (LLAMA_CPP, LLAMA_CPP_LOOKUP)  # never a baseline; run only when named
 OVERALL = "overall"
 RESULTS_JSON = "results.json"
 RESULTS_MD = "results.md"
@@ -42,8 +44,8 @@ def tokens_per_second(new_tokens: Sequence[int], seconds: Sequence[float]) -> fl
 def is_baseline(method: str, baselines: Sequence[str] = BASELINES) -> bool:
     """Whether ``method`` may serve as speedup baseline: a name of ``baselines``, or one with
     options (``autoregressive:compile=1``: target-only decoding whatever its options; the
-    transformers methods take none). Never ``LLAMA_CPP``."""
-    return method != LLAMA_CPP and (method in baselines or method.partition(":")[0] in baselines)
+    transformers methods take none). Never a llama.cpp reference (``LLAMA_CPP_REFERENCES``)."""
+    return method not in LLAMA_CPP_REFERENCES and (method in baselines or method.partition(":")[0] in baselines)
 
 
 def speedups(
@@ -58,8 +60,8 @@ def speedups(
 
     Returns:
         (method -> tokens/s ÷ the fastest baseline's tokens/s, or None; the baseline's name,
-        or None when no baseline was measured). ``LLAMA_CPP`` is never a baseline, even if
-        listed in ``baselines``: it runs another engine on quantized weights.
+        or None when no baseline was measured). ``LLAMA_CPP`` and ``LLAMA_CPP_LOOKUP`` are never a baseline, even if
+        listed in ``baselines``: they run another engine on quantized weights.
     """
     measured = {m: v for m, v in tokens_per_s.items() if is_baseline(m, baselines) and v}
     if not measured:
@@ -92,7 +94,7 @@ NOTES = MappingProxyType({
     "hf-prompt-lookup is in the run, which cannot start from a cache) the whole prompt is timed",
     "speedup": "tokens_per_s / tokens_per_s of the fastest target-only baseline in the same category: hf-generate, "
     "hf-generate-static (transformers' static cache with a compiled forward) or autoregressive (any of its "
-    "compile variants); never llama-cpp, a reference column",
+    "compile variants); never llama-cpp or llama-cpp-lookup, reference columns",
     "warmup_s": "wall seconds of each method's one warm-up generation (warmup_tokens tokens, before the timed "
     "runs) in this call; compilation (hf-generate-static, specdecode's fast path) happens there and never in "
     "tokens_per_s. None: the method had nothing left to run (resumed), so it was not warmed up",
@@ -280,6 +282,16 @@ def markdown_report(results: Mapping[str, Any]) -> str:
             f"`{LLAMA_CPP}` is a reference column, not a speedup baseline: llama.cpp runs the target's GGUF file "
             f"target-only ({threads} threads) at {format_value(llama.get('tokens_per_s'))} tok/s overall; "
             "vs llama.cpp = a method's overall tok/s ÷ llama-cpp's.",
+            "",
+        ]
+    lookup = summary.get(LLAMA_CPP_LOOKUP, {}).get(OVERALL)
+    if lookup:
+        about = results.get("methods", {}).get(LLAMA_CPP_LOOKUP, {})
+        lines += [
+            f"`{LLAMA_CPP_LOOKUP}` is a reference column too, not a speedup baseline: llama-cpp-python's own "
+            f"prompt-lookup speculation (LlamaPromptLookupDecoding, num_pred_tokens {about.get('num_pred_tokens')}, "
+            f"max_ngram_size {about.get('max_ngram_size')}, {about.get('n_threads')} threads) on the same GGUF file "
+            f"at {format_value(lookup.get('tokens_per_s'))} tok/s overall.",
             "",
         ]
     lines += [

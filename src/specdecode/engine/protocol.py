@@ -3,8 +3,9 @@
 **Runners and caches.** ``ModelRunnerProtocol`` is what the decoder and the model-based
 drafters call for every forward; ``engine.fast_path.ModelRunner`` (transformers models, eager
 or on the fast path) and ``models.llama_cpp.LlamaCppModelRunner`` (a GGUF draft in llama.cpp)
-implement it (tests/test_interfaces.py checks both). ``KVCache`` is what ``kv_cache.rollback``
-and ``kv_cache.truncate`` need of a cache that is cropped (transformers' ``DynamicCache``,
+implement it (tests/test_interfaces.py checks both); ``TargetRunnerProtocol`` is a target run
+outside torch (a GGUF target in llama.cpp), one sequence addressed by position. ``KVCache`` is
+what ``kv_cache.rollback`` and ``kv_cache.truncate`` need of a cache that is cropped (transformers' ``DynamicCache``,
 ``LlamaCppCache``); ``StaticCache`` what they and the fast path need of one rolled back by
 moving its write position (``kv_cache.StaticKVCache``; the batched engine's ``BatchKVCache``
 says so too). Whether a cache is static is decided once, by the runner that makes it
@@ -53,7 +54,7 @@ device read; from pageable memory, not yet through a pinned staging buffer).
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -147,6 +148,51 @@ class ModelRunnerProtocol(Protocol):
 
     def __call__(self, ids: torch.Tensor, cache: KVCache | StaticCache, logits_to_keep: int) -> torch.Tensor:
         """One forward over ``ids`` (1, w), appended to ``cache``: (1, logits_to_keep, V) logits."""
+
+
+@runtime_checkable
+class TargetRunnerProtocol(Protocol):
+    """A target whose forwards run outside torch, one sequence at a time, addressed by position
+    (``models.llama_cpp_target.LlamaCppTargetRunner``: the target's GGUF file in llama.cpp).
+
+    Its memory holds the sequence's positions 0 .. ``num_cached`` - 1; a forward at a lower
+    ``start`` first drops the positions from ``start`` on (the rollback after a rejected draft
+    is implicit in the next forward, as with the batched engine's static cache). Logits are
+    float32 CPU tensors.
+
+    Attributes:
+        name: For messages ("target model").
+        vocab_size: V, the width of the logits.
+        forward_costs: Width (tokens in one forward) -> seconds, measured at warm-up
+            (``measure_forward_costs``; empty before); what ``engine.cost_model.ForwardCosts`` takes.
+        num_forwards: Forwards run, prefills included.
+    """
+
+    name: str
+    vocab_size: int
+    forward_costs: Mapping[int, float]
+    num_forwards: int
+
+    @property
+    def num_cached(self) -> int:
+        """Positions held."""
+
+    def prefill(self, ids, max_new_tokens: int = 0) -> torch.Tensor:
+        """A new sequence: the n prompt ids at positions 0 .. n - 1; (V,) logits after the last."""
+
+    def forward(self, ids, start: int, logits_to_keep: int | None = None) -> torch.Tensor:
+        """w ids at positions ``start ..`` (0 <= start <= ``num_cached``): (logits_to_keep or w, V) logits,
+        the last rows (verification keeps all w)."""
+
+    def rollback(self, num_positions: int) -> None:
+        """Keep positions 0 .. ``num_positions`` - 1."""
+
+    def measure_forward_costs(self, context_ids, widths: Sequence[int], repeats: int,
+                              warmup: int) -> Mapping[int, float]:
+        """Seconds per forward at each width after a context of ``context_ids``; kept as ``forward_costs``."""
+
+    def __call__(self, ids: torch.Tensor, starts: Sequence[int], logits_to_keep: int) -> torch.Tensor:
+        """``batch_runner.BatchRunner``'s call at one row: (1, w) ids at ``starts[0]``; (1, logits_to_keep, V)."""
 
 
 @dataclass(frozen=True)

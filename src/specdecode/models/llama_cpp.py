@@ -196,9 +196,10 @@ class LlamaCppModel:
         path: The ``.gguf`` file.
         n_threads: llama.cpp's threads (default: ``torch.get_num_threads()``, as the target's).
         name: For messages (default: the file name).
+        role: What it is, for messages: "draft model" (default) or "target model".
 
     Attributes:
-        path, name, n_threads: As given.
+        path, name, n_threads, role: As given.
         vocab_size: V, the width of its logits (the GGUF vocabulary).
         n_ctx: Positions its current context holds (grows in ``CONTEXT_STEP``s).
         device: Always ``torch.device("cpu")``; logits are float32 on the CPU.
@@ -212,15 +213,17 @@ class LlamaCppModel:
     device = torch.device("cpu")
     dtype = torch.float32
 
-    def __init__(self, path: str | Path, *, n_threads: int | None = None, name: str | None = None) -> None:
+    def __init__(self, path: str | Path, *, n_threads: int | None = None, name: str | None = None,
+                 role: str = "draft model") -> None:
         self._llm = self._batch = None  # set first: ``close`` runs even when loading fails
+        self.role = role
         self.path = Path(path)
         if not self.path.is_file():
             raise ModelNotFoundError(f"GGUF file {str(path)!r} does not exist")
         if n_threads is not None and (isinstance(n_threads, bool) or not isinstance(n_threads, int) or n_threads < 1):
             raise InvalidArgumentError(f"n_threads must be an integer >= 1 (or None for torch's), got {n_threads!r}")
         self.name = name or self.path.name
-        self.llama_cpp = import_llama_cpp(f"the llama.cpp draft model {self.name!r}")
+        self.llama_cpp = import_llama_cpp(f"the llama.cpp {self.role} {self.name!r}")
         self.n_threads = n_threads if n_threads is not None else torch.get_num_threads()
         self.generation = 0  # the generation that owns the context (LlamaCppModelRunner.new_cache)
         self._load(CONTEXT_STEP)
@@ -229,7 +232,7 @@ class LlamaCppModel:
         if lib.llama_model_is_recurrent(model) or lib.llama_model_is_hybrid(model):
             self.close()
             raise UnsupportedModelError(
-                f"the llama.cpp draft model {self.name!r} is recurrent or hybrid: its memory cannot drop rejected "
+                f"the llama.cpp {self.role} {self.name!r} is recurrent or hybrid: its memory cannot drop rejected "
                 "positions, which drafting needs; use a transformer GGUF file or the torch backend"
             )
 
@@ -280,7 +283,7 @@ class LlamaCppModel:
         n = len(tokenizer)
         if n > self.vocab_size:
             raise VocabularyMismatchError(
-                f"the llama.cpp draft model {self.name!r} has {self.vocab_size} tokens, fewer than the target "
+                f"the llama.cpp {self.role} {self.name!r} has {self.vocab_size} tokens, fewer than the target "
                 f"tokenizer's {n}; the draft model must use the target's tokenizer"
             )
         tokens = tokenizer.convert_ids_to_tokens(list(range(n)))
@@ -288,7 +291,7 @@ class LlamaCppModel:
             text = lib.llama_vocab_get_text(vocab, i).decode("utf-8", errors="replace")
             if token is not None and text.replace(_SPM_SPACE, " ") != token.replace(_SPM_SPACE, " "):
                 raise VocabularyMismatchError(
-                    f"token id {i} is {text!r} in the llama.cpp draft model {self.name!r} and {token!r} in the "
+                    f"token id {i} is {text!r} in the llama.cpp {self.role} {self.name!r} and {token!r} in the "
                     "target's tokenizer; the draft model must use the target's tokenizer"
                 )
 
@@ -303,7 +306,7 @@ class LlamaCppModel:
         limit = int(self.llama_cpp.llama_model_n_ctx_train(self._llm.model))
         if num_positions > limit:
             raise InvalidArgumentError(
-                f"the llama.cpp draft model {self.name!r} would need {num_positions} positions, past its training "
+                f"the llama.cpp {self.role} {self.name!r} would need {num_positions} positions, past its training "
                 f"context of {limit}"
             )
         logger.info("%s: the llama.cpp context grows past %d positions (reload, then %d cached tokens re-encoded)",
@@ -334,7 +337,7 @@ class LlamaCppModel:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise InvalidArgumentError(
-                f"token id {bad} is outside the vocabulary of the llama.cpp draft model {self.name!r} "
+                f"token id {bad} is outside the vocabulary of the llama.cpp {self.role} {self.name!r} "
                 f"(0..{self.vocab_size - 1})"
             )
         w, size = len(ids), self.batch_size
@@ -371,7 +374,7 @@ class LlamaCppModel:
         memory = self.llama_cpp.llama_get_memory(self._llm.ctx)
         if not self.llama_cpp.llama_memory_seq_rm(memory, 0, position, -1):
             raise UnsupportedModelError(
-                f"llama.cpp could not drop positions {position}.. of the draft model {self.name!r}'s memory"
+                f"llama.cpp could not drop positions {position}.. of the {self.role} {self.name!r}'s memory"
             )
 
 
@@ -404,7 +407,7 @@ class LlamaCppCache:
         """
         if self.generation != self.model.generation:
             raise InvalidArgumentError(
-                f"another generation started on the llama.cpp draft model {self.model.name!r} and took over its "
+                f"another generation started on the llama.cpp {self.model.role} {self.model.name!r} and took over its "
                 "context; generations that share a llama.cpp draft model cannot be interleaved (finish a stream "
                 "before starting the next)"
             )

@@ -1,0 +1,172 @@
+"""``LlamaCppModel`` itself on a float32 GGUF file of a tiny model (tests/tiny_gguf.py, written with the
+``gguf`` library): llama.cpp's logits against the torch model's, every position of a batch against
+single steps, the rollback (``remove_from``, ``llama_memory_seq_rm``) exact to the position, and
+greedy decoding through it against llama.cpp's own greedy decoding of the same file.
+
+They need llama-cpp-python (``pip install 'specdecode[llamacpp]'``; CI installs it) and no model
+package: the file is written in a second.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_tiny_model, make_tiny_tokenizer
+from specdecode.errors import UnsupportedModelError
+from specdecode.models.llama_cpp import LlamaCppCache, LlamaCppModel, LlamaCppModelRunner
+from tiny_gguf import write_tiny_gguf
+
+pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (pip install 'specdecode[llamacpp]')")
+
+PROMPT = [1, 5, 9, 11, 5, 9, 17, 23, 5, 9, 30, 12]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tiny(request, tmp_path_factory):
+    """(torch model, its float32 GGUF file) of a tiny random llama or qwen2 model."""
+    model = make_tiny_model(request.param, num_layers=2, seed=3)
+    path = write_tiny_gguf(model, make_tiny_tokenizer(), tmp_path_factory.mktemp("gguf") / f"{request.param}.gguf")
+    return model, path
+
+
+@pytest.fixture
+def llama_model(tiny):
+    model = LlamaCppModel(tiny[1], n_threads=1)
+    yield model
+    model.close()
+
+
+def test_the_gguf_file_is_the_torch_model(tiny, llama_model):
+    """The conversion is right (tensor names, the llama q/k permutation, rotary, norms): llama.cpp's
+    logits at every position are the float32 torch model's, to float rounding."""
+    model, _ = tiny
+    with torch.no_grad():
+        reference = model(torch.tensor([PROMPT])).logits[0]
+    ours = llama_model.decode(PROMPT, 0, len(PROMPT))
+    assert ours.shape == reference.shape == (len(PROMPT), llama_model.vocab_size)
+    assert torch.allclose(ours, reference, atol=1e-4, rtol=1e-4), (ours - reference).abs().max()
+    assert torch.equal(ours.argmax(-1), reference.argmax(-1))
+    llama_model.check_vocabulary(make_tiny_tokenizer())  # the tiny tokenizer's tokens, id for id
+
+
+def test_every_position_of_a_batch_equals_single_steps(llama_model):
+    """float32 on the CPU: a token's logits do not depend on the batch it was fed in. What greedy
+    exactness through verification rests on."""
+    batch = llama_model.decode(PROMPT, 0, len(PROMPT))
+    llama_model.remove_from(0)
+    steps = torch.cat([llama_model.decode([t], i, 1) for i, t in enumerate(PROMPT)])
+    assert torch.equal(batch, steps), (batch - steps).abs().max()
+    llama_model.remove_from(0)
+    mixed = torch.cat([llama_model.decode(PROMPT[:5], 0, 5), llama_model.decode(PROMPT[5:], 5, len(PROMPT) - 5)])
+    assert torch.equal(batch, mixed)
+
+
+def _rollback_then_continue(model: LlamaCppModel, remove_from) -> torch.Tensor:
+    """Feed A (5 tokens) and B (4 tokens), drop B with ``remove_from(5)``, feed C at 5: C's logits."""
+    model.remove_from(0)
+    model.decode(PROMPT[:5], 0, 1)
+    model.decode([40, 41, 42, 43], 5, 4)
+    remove_from(5)
+    return model.decode(PROMPT[5:8], 5, 3)
+
+
+def test_rollback_is_exact_to_the_position(llama_model):
+    """After the rollback llama.cpp's memory ends at position 4 and C's logits are those of A then C in a
+    fresh context, bit for bit; an off-by-one either way (a negative control) is caught."""
+    lib = llama_model.llama_cpp
+    after = _rollback_then_continue(llama_model, llama_model.remove_from)
+    memory = lib.llama_get_memory(llama_model._llm.ctx)
+    assert lib.llama_memory_seq_pos_max(memory, 0) == 7  # A at 0..4, C at 5..7; B is gone
+    llama_model.remove_from(0)
+    fresh = llama_model.decode(PROMPT[:8], 0, 3)
+    assert torch.equal(after, fresh)
+
+    for shift in (-1, 1):  # remove_from(4) drops A's last token; remove_from(6) keeps B's first
+        def off_by_one(position, shift=shift):
+            llama_model.remove_from(position + shift)
+
+        try:
+            wrong = _rollback_then_continue(llama_model, off_by_one)
+        except UnsupportedModelError:  # llama.cpp refuses positions that are not consecutive
+            continue
+        assert not torch.allclose(wrong, fresh, atol=1e-3), shift
+
+
+def test_the_cache_crop_rolls_llama_cpp_back(tiny):
+    """``LlamaCppCache.crop`` (what ``kv_cache.rollback`` calls) through the draft runner: the same logits
+    as a context that never saw the rejected tokens."""
+    model = LlamaCppModel(tiny[1], n_threads=1)
+    runner = LlamaCppModelRunner(model)
+    cache = runner.new_cache(64)
+    assert isinstance(cache, LlamaCppCache)
+    runner(torch.tensor([PROMPT[:6]]), cache, 1)
+    runner(torch.tensor([[44, 45, 46]]), cache, 3)
+    cache.crop(-3)
+    assert cache.get_seq_length() == 6
+    after = runner(torch.tensor([PROMPT[6:9]]), cache, 3)
+    fresh_cache = runner.new_cache(64)
+    reference = runner(torch.tensor([PROMPT[:9]]), fresh_cache, 3)
+    assert torch.equal(after, reference)
+    model.close()
+
+
+def _llama_cpp_greedy(path, prompt: list[int], n: int) -> list[int]:
+    """llama.cpp's own greedy decoding (llama-cpp-python's ``Llama.generate`` with its greedy sampler)."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_threads=1, n_threads_batch=1, logits_all=False,
+                          n_gpu_layers=0, verbose=False)
+    out = []
+    for token in llm.generate(prompt, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
+        out.append(int(token))
+        if len(out) == n:
+            break
+    llm.close()
+    return out
+
+
+def _speculative_greedy(model: LlamaCppModel, prompt: list[int], n: int, propose) -> tuple[list[int], int, int]:
+    """Greedy speculative decoding through ``LlamaCppModel`` as the target: each round feeds the pending
+    token and ``propose(sequence)``'s draft in one forward, keeps the longest agreeing prefix and rolls
+    the rest back. Returns (tokens, drafted, accepted)."""
+    model.remove_from(0)
+    sequence = list(prompt)
+    pending = int(model.decode(prompt, 0, 1)[0].argmax())
+    out, drafted, accepted = [], 0, 0
+    while len(out) < n:
+        out.append(pending)
+        draft = propose(sequence + [pending])
+        start = len(sequence)
+        rows = model.decode([pending] + draft, start, len(draft) + 1).argmax(-1).tolist()
+        sequence.append(pending)
+        a = 0
+        while a < len(draft) and draft[a] == rows[a]:
+            a += 1
+        drafted, accepted = drafted + len(draft), accepted + a
+        sequence += draft[:a]
+        out += draft[:a]
+        model.remove_from(len(sequence))  # the rejected drafts
+        pending = rows[a]
+    return out[:n], drafted, accepted
+
+
+def test_greedy_decoding_through_it_equals_llama_cpps_own(tiny, llama_model):
+    """Drafts that are right at first and wrong later (the reference with one token changed per block),
+    verified and rolled back through ``LlamaCppModel``: the output is llama.cpp's own greedy output."""
+    n = 40
+    reference = _llama_cpp_greedy(tiny[1], PROMPT, n)
+    rounds = []
+
+    def propose(sequence):
+        done = len(sequence) - len(PROMPT)
+        block = (reference + [3] * 8)[done: done + 4]
+        wrong = len(rounds) % 5  # 0..3: that token is wrong; 4: the whole block is right
+        rounds.append(wrong)
+        if wrong < len(block):
+            block[wrong] = (block[wrong] + 7) % llama_model.vocab_size
+        return block
+
+    ours, drafted, accepted = _speculative_greedy(llama_model, PROMPT, n, propose)
+    assert ours == reference
+    assert 0 < accepted < drafted  # both accepted and rejected tokens, so rollbacks happened
