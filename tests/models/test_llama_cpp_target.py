@@ -124,7 +124,7 @@ def tiny_gguf(tmp_path_factory):
 
 @pytest.fixture
 def target(tiny_gguf):
-    model = LlamaCppModel(tiny_gguf, n_threads=1, role="target model")
+    model = LlamaCppModel(tiny_gguf, n_threads=1, role="target model", kv_cache_type="f32")
     yield LlamaCppTargetRunner(model)
     model.close()
 
@@ -134,7 +134,7 @@ def test_after_a_rejected_draft_and_rollback_the_logits_are_a_fresh_decodes(targ
     target.prefill(PROMPT)
     target.verify([7, 8, 9, 10], n)  # pending 7; drafts 8, 9, 10: 8 accepted, 9 rejected
     after = target.verify([20, 21, 22], n + 2)  # the next round at the accepted length: 9, 10 dropped
-    fresh_model = LlamaCppModel(tiny_gguf, n_threads=1, role="target model")
+    fresh_model = LlamaCppModel(tiny_gguf, n_threads=1, role="target model", kv_cache_type="f32")
     fresh = LlamaCppTargetRunner(fresh_model)
     fresh.prefill(PROMPT + [7, 8])
     reference = fresh.verify([20, 21, 22], n + 2)
@@ -152,7 +152,9 @@ def test_greedy_speculative_decoding_through_the_runner_is_llama_cpps_greedy(tar
     import llama_cpp
 
     n = 32
-    llm = llama_cpp.Llama(model_path=str(tiny_gguf), n_ctx=256, n_threads=1, n_threads_batch=1, verbose=False)
+    f32 = llama_cpp.GGML_TYPE_F32
+    llm = llama_cpp.Llama(model_path=str(tiny_gguf), n_ctx=256, n_threads=1, n_threads_batch=1, type_k=f32,
+                          type_v=f32, verbose=False)
     reference = []
     for token in llm.generate(PROMPT, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
         reference.append(int(token))

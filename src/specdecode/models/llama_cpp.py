@@ -56,6 +56,8 @@ CONTEXT_STEP = 4096
 _SPM_SPACE = "\u2581"  # SentencePiece's word-boundary mark "▁"
 #: Most tokens per ``llama_decode`` call; a longer prefill runs in chunks of this many.
 BATCH = 512
+#: The KV cache's element types (``LlamaCppModel(kv_cache_type=...)``): llama.cpp's default f16, or f32.
+KV_CACHE_TYPES = ("f16", "f32")
 
 
 def import_llama_cpp(purpose: str, alternative: str = ""):
@@ -197,15 +199,17 @@ class LlamaCppModel:
         n_threads: llama.cpp's threads (default: ``torch.get_num_threads()``, as the target's).
         name: For messages (default: the file name).
         role: What it is, for messages: "draft model" (default) or "target model".
+        kv_cache_type: The KV cache's keys and values: "f16" (llama.cpp's default) or "f32" (a
+            float32 GGUF file then computes in float32 throughout: the exactness tests).
 
     Attributes:
-        path, name, n_threads, role: As given.
+        path, name, n_threads, role, kv_cache_type: As given.
         vocab_size: V, the width of its logits (the GGUF vocabulary).
         n_ctx: Positions its current context holds (grows in ``CONTEXT_STEP``s).
         device: Always ``torch.device("cpu")``; logits are float32 on the CPU.
 
     Raises:
-        InvalidArgumentError: llama-cpp-python is not installed.
+        InvalidArgumentError: llama-cpp-python is not installed, or an unknown ``kv_cache_type``.
         ModelNotFoundError: ``path`` does not exist.
         UnsupportedModelError: llama.cpp cannot load the file.
     """
@@ -214,9 +218,14 @@ class LlamaCppModel:
     dtype = torch.float32
 
     def __init__(self, path: str | Path, *, n_threads: int | None = None, name: str | None = None,
-                 role: str = "draft model") -> None:
+                 role: str = "draft model", kv_cache_type: str = "f16") -> None:
         self._llm = self._batch = None  # set first: ``close`` runs even when loading fails
         self.role = role
+        if kv_cache_type not in KV_CACHE_TYPES:
+            raise InvalidArgumentError(
+                f"kv_cache_type must be one of {', '.join(KV_CACHE_TYPES)}, got {kv_cache_type!r}"
+            )
+        self.kv_cache_type = kv_cache_type
         self.path = Path(path)
         if not self.path.is_file():
             raise ModelNotFoundError(f"GGUF file {str(path)!r} does not exist")
@@ -239,10 +248,12 @@ class LlamaCppModel:
     def _load(self, n_ctx: int) -> None:
         """Load the file with a context of ``n_ctx`` positions (a reload reads the weights again)."""
         logger.info("llama.cpp: loading %s (n_ctx %d, %d threads)", self.path, n_ctx, self.n_threads)
+        kv = self.llama_cpp.GGML_TYPE_F32 if self.kv_cache_type == "f32" else self.llama_cpp.GGML_TYPE_F16
         try:
             llm = self.llama_cpp.Llama(
                 model_path=str(self.path), n_ctx=n_ctx, n_batch=BATCH, n_ubatch=BATCH, n_threads=self.n_threads,
-                n_threads_batch=self.n_threads, logits_all=False, n_gpu_layers=0, verbose=False,
+                n_threads_batch=self.n_threads, logits_all=False, n_gpu_layers=0, type_k=kv, type_v=kv,
+                verbose=False,
             )
         except ValueError as e:
             raise UnsupportedModelError(
