@@ -35,6 +35,6 @@ if __name__ == "__main__":
         even = {k: cost_model.break_even(k) for k in range(1, 8)}
         print("  break-even α (k: α at which drafting k ties a plain step): "
               + ", ".join(f"{k}: {'never' if a is None else f'{a:.2f}'}" for k, a in even.items()))
-        print("  best k by α: " + ", ".join(f"{a:.1f}: {cost_model.best_length(a)}"
+        print("  best k by α: " + ", ".join(f"{a:.2f}: {cost_model.best_length(a)}"
                                             for a in (0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)), flush=True)
     model.close()
