@@ -159,7 +159,7 @@ def build(generator, decoder, *, max_queue: int, settings):
         metrics.observe_engine(dec.stats, dec.num_running, engine.waiting)
 
     def on_finish(handle, delivery) -> None:
-        metrics.finished.labels(delivery.finish_reason).inc()
+        metrics.observe_finish(delivery.finish_reason)
 
     engine = EngineLoop(decoder, max_queue=max_queue, on_step=on_step, on_finish=on_finish)
     return create_app(generator, engine, settings, metrics), engine, metrics
