@@ -120,4 +120,9 @@ def test_gamma_has_one_default():
     assert parser.parse_args(["bench"]).num_speculative_tokens == DEFAULT_NUM_SPECULATIVE_TOKENS
     serve = argparse.ArgumentParser()
     serve_command.add_arguments(serve, default_target="t", default_draft="d")
-    assert serve.parse_args([]).num_speculative_tokens == DEFAULT_NUM_SPECULATIVE_TOKENS
+    args = serve.parse_args([])
+    assert args.num_speculative_tokens is None  # as generate's: unset, so that adaptive exit can be the default
+    import torch
+
+    assert serve_command.resolve_defaults(args, torch.device("cpu")).num_speculative_tokens == (
+        DEFAULT_NUM_SPECULATIVE_TOKENS)

@@ -4,7 +4,7 @@
 object); with ``specdecode.cli`` and the other command modules it is the only code that
 prints. Its defaults differ from the Python API's on purpose (the API and ``bench`` ask for
 everything by name): the cascade method, adaptive draft exit, an int4 draft on CPU, and a
-prompt limit for the draft model, each measured (see the constants' comments).
+prompt limit for the draft model, each measured (``pipeline``'s command defaults, shared with ``serve``).
 """
 
 from __future__ import annotations
@@ -25,89 +25,54 @@ from specdecode.models.quantize import (
     QUANTIZE_HEADS,
     QUANTIZE_SCHEMES,
     check_draft_quantize_head_flag,
-    check_quantize,
     check_quantize_group_size_flag,
 )
-from specdecode.pipeline import DEFAULT_DRAFT, DEFAULT_TARGET, DRAFT_BACKENDS, METHODS
+from specdecode.pipeline import (
+    ADAPTIVE_BY_DEFAULT,
+    COMMAND_METHOD,
+    DEFAULT_DRAFT,
+    DEFAULT_TARGET,
+    DRAFT_BACKENDS,
+    MAX_MODEL_PROMPT_TOKENS,
+    METHODS,
+    adaptive_exit_by_default,
+    draft_quantize_by_default,
+    prompt_limit_by_default,
+    why_no_int4_draft,
+)
 
 logger = logging.getLogger(__name__)
 
-# `generate` turns adaptive draft exit on by default for these methods (see _adaptive_by_default).
-ADAPTIVE_BY_DEFAULT = ("draft", "cascade")
-# `generate`'s cascade with an int4 draft skips the draft model for prompts longer than this
-# (--max-model-prompt-tokens; see _prompt_limit_by_default): on 6 held-out Spec-Bench prompts of 705-1154
-# tokens prompt lookup beat the cascade on all 6, since the int4 draft's prefill costs ~3.4 s per 700 tokens;
-# on the 9 evaluation prompts over 512 tokens the limit was faster on 7 and on both categories
-# (docs/benchmarks/2026-11-25-cascade-long-prompts.md).
-MAX_MODEL_PROMPT_TOKENS = 512
-
 
 def _prompt_limit_by_default(args, draft_quantize: str | None) -> int | None:
-    """The cascade's prompt limit when --max-model-prompt-tokens is not given: ``MAX_MODEL_PROMPT_TOKENS``
-    for the cascade with an int4 draft (``draft_quantize``: the draft's quantization, None = as --quantize)
-    or a llama.cpp draft, else no limit. The limit exists because the int4 draft's prefill costs about twice
-    a bf16 one per token on CPU (the only device int4 runs on); the llama.cpp draft's costs about the same
-    as the int4 one's (Qwen2.5-Coder 0.5B Q4_K_M, 700 tokens: 3.1 s against 3.4 s, 2-core EPYC with
-    avx512_bf16), and on the 6 held-out long prompts the limit made its cascade faster too (4.92 against
-    4.28 tok/s; docs/benchmarks/2026-11-25-llama-cpp-draft.md). With a dense torch draft, or on CUDA, it
-    was not measured."""
+    """The cascade's prompt limit when --max-model-prompt-tokens is not given (``draft_quantize``: the
+    draft's quantization, None = as --quantize): ``pipeline.prompt_limit_by_default``."""
     scheme = draft_quantize if draft_quantize is not None else args.quantize
-    cheap_prefill = scheme == "int4" or args.draft_backend == "llama-cpp"
-    return MAX_MODEL_PROMPT_TOKENS if args.method == "cascade" and cheap_prefill else None
+    return prompt_limit_by_default(args.method, scheme, args.draft_backend)
 
 
 def _adaptive_by_default(args) -> bool:
-    """Adaptive draft exit when --adaptive-draft-exit is not given: on for ``ADAPTIVE_BY_DEFAULT``
-    with an unquantized target and no explicit -g. Measured (docs/benchmarks/2026-11-25-cascade-tuning.md):
-    faster than a fixed γ = 5 with a bf16 target on HumanEval and Spec-Bench. With a quantized target
-    it was slower than γ = 3 (2026-11-23: verifying 5-12 tokens costs two to four steps there), and an
-    explicit -g asks for blocks of that length."""
-    return args.method in ADAPTIVE_BY_DEFAULT and args.quantize == "none" and args.num_speculative_tokens is None
+    """Adaptive draft exit when --adaptive-draft-exit is not given: ``pipeline.adaptive_exit_by_default``."""
+    return adaptive_exit_by_default(args.method, args.quantize, args.num_speculative_tokens)
 
 
 def _draft_quantize_by_default(args, device) -> str | None:
-    """The draft's quantization when --draft-quantize is not given: "int4" for draft and cascade
-    with an unquantized target on a CPU that has the int4 kernel, else None (= as --quantize).
-
-    A quantized draft leaves the output unchanged (every token is verified by the target) and
-    makes each draft step cheaper. Measured on a 2-core EPYC with AVX512-BF16 and AVX512-VNNI (no
-    AMX), bf16 Qwen2.5-Coder 1.5B target, 0.5B draft, all with the int4 draft's LM head at int8:
-    the draft's 1-token forward 93.7 ms (bf16) -> 35.2 ms (int4), c 0.42 -> 0.16 (2026-11-25);
-    draft+adaptive 11.40 -> 18.53 tok/s on HumanEval and 7.35 -> 9.38 on Spec-Bench (2026-11-23,
-    README "Quantized weights and llama.cpp"). Since 2026-11-25 an int4 draft's LM head is int4
-    too (``from_pretrained``'s draft_quantize_head=None), which is faster still (README
-    "Quantized weights on CPU"; --draft-quantize-head int8 keeps the int8 head measured above).
-    The cost is quantizing the draft on the first start (cached next to an offline model's dense
-    copy). int4 runs on CPU only (check_quantize refuses it elsewhere), and a quantized target is
-    already followed by its draft. Only ``generate`` has this default: the Python API
-    (``SpeculativeGenerator.from_pretrained``) and ``bench`` keep draft_quantize=None (as quantize),
-    since benchmarks name their settings, and ``serve`` loads both models unquantized.
+    """The draft's quantization when --draft-quantize is not given: ``pipeline.draft_quantize_by_default``
+    ("int4" for draft and cascade with an unquantized target on a CPU with the int4 kernel, else None =
+    as --quantize). ``serve`` applies the same rule.
 
     Args:
         args: The parsed ``generate`` arguments.
         device: The resolved device (``resolve_device(args.device)``).
     """
-    if args.draft_quantize is not None or args.draft_backend == "llama-cpp":
-        return None
-    return "int4" if _why_no_int4_default(args, device) is None else None
+    return draft_quantize_by_default(args.method, args.quantize, device, draft_quantize=args.draft_quantize,
+                                     draft_backend=args.draft_backend)
 
 
 def _why_no_int4_default(args, device) -> str | None:
     """Why ``generate``'s int4 draft default does not apply (for error messages), or None when it
     applies. --draft-quantize is not consulted: given, there is no default to apply."""
-    if not method_registry.REGISTRY[args.method].needs_draft_model:
-        return f"--method {args.method} has no draft model"
-    if args.quantize != "none":
-        return f"it follows --quantize {args.quantize}: the int4 default applies with --quantize none only"
-    if device.type != "cpu":
-        return f"the int4 default applies on CPU only, and the device is {device}"
-    try:
-        check_quantize("int4", device)  # a torch build without the int4 kernel (< 2.6) keeps a dense draft
-    except InvalidArgumentError:
-        import torch
-
-        return f"the int4 default needs torch's int4 CPU kernel (torch >= 2.6), which torch {torch.__version__} lacks"
-    return None
+    return why_no_int4_draft(args.method, args.quantize, device)
 
 
 def _check_generate_quantize_flags(args, draft: str | None, draft_quantize: str | None) -> None:
@@ -161,7 +126,7 @@ def add_generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text from one prompt, speculatively or not")
     p.add_argument("--target", default=DEFAULT_TARGET, help="offline model name, .gguf file, folder or hub id")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model (methods 'draft' and 'cascade')")
-    p.add_argument("--method", default="cascade", choices=METHODS,
+    p.add_argument("--method", default=COMMAND_METHOD, choices=METHODS,
                    help="default: cascade (n-gram match checked by the draft model, then the draft model)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,

@@ -47,7 +47,7 @@ from specdecode.models.llama_cpp import (
     load_llama_cpp_model,
     load_with_llama_cpp_draft,
 )
-from specdecode.models.quantize import resolve_pair_quantization
+from specdecode.models.quantize import check_quantize, resolve_pair_quantization
 from specdecode.models.token_frequencies import TokenFrequencies, load_or_count, special_token_ids
 
 logger = logging.getLogger(__name__)
@@ -66,6 +66,74 @@ DRAFT_BACKENDS = ("torch", "llama-cpp")
 #: AVX512-BF16 EPYC verified up to 12 tokens in about one step (160-170 ms) and 16 in 287 ms
 #: (``docs/benchmarks/batched_forward_cost.py``), so B rows draft at most 12 // B - 1 tokens.
 BATCH_VERIFY_TOKENS_CPU = 12
+
+
+# --- the commands' defaults (``specdecode generate`` and ``specdecode serve`` share them) -------------
+#: The method the commands run when none is named (the Python API's default stays "draft").
+COMMAND_METHOD = "cascade"
+#: Methods whose adaptive draft exit the commands turn on by default (``adaptive_exit_by_default``).
+ADAPTIVE_BY_DEFAULT = ("draft", "cascade")
+#: The commands' cascade with an int4 (or llama.cpp) draft skips the draft model for prompts longer
+#: than this: on 6 held-out Spec-Bench prompts of 705-1154 tokens prompt lookup beat the cascade on all
+#: 6, since the int4 draft's prefill costs ~3.4 s per 700 tokens; on the 9 evaluation prompts over 512
+#: tokens the limit was faster on 7 (docs/benchmarks/2026-11-25-cascade-long-prompts.md).
+MAX_MODEL_PROMPT_TOKENS = 512
+
+
+def adaptive_exit_by_default(method: str, quantize: str, num_speculative_tokens: int | None) -> bool:
+    """The commands' adaptive draft exit when none is asked for: on for ``ADAPTIVE_BY_DEFAULT`` with
+    an unquantized target and no explicit γ. Measured (docs/benchmarks/2026-11-25-cascade-tuning.md):
+    faster than a fixed γ = 5 with a bf16 target on HumanEval and Spec-Bench; with a quantized target
+    slower than γ = 3 (2026-11-23), and an explicit γ asks for blocks of that length."""
+    return method in ADAPTIVE_BY_DEFAULT and quantize == "none" and num_speculative_tokens is None
+
+
+def why_no_int4_draft(method: str, quantize: str, device: torch.device) -> str | None:
+    """Why the commands' int4 draft default does not apply to ``method`` (for messages), or None when it
+    applies: a method with a draft model, an unquantized target, a CPU with torch's int4 kernel."""
+    if not method_registry.REGISTRY[method].needs_draft_model:
+        return f"--method {method} has no draft model"
+    if quantize != "none":
+        return f"it follows --quantize {quantize}: the int4 default applies with --quantize none only"
+    if device.type != "cpu":
+        return f"the int4 default applies on CPU only, and the device is {device}"
+    try:
+        check_quantize("int4", device)  # a torch build without the int4 kernel (< 2.6) keeps a dense draft
+    except InvalidArgumentError:
+        return f"the int4 default needs torch's int4 CPU kernel (torch >= 2.6), which torch {torch.__version__} lacks"
+    return None
+
+
+def draft_quantize_by_default(method: str, quantize: str, device: torch.device, *, draft_quantize: str | None = None,
+                              draft_backend: str | None = None) -> str | None:
+    """The commands' draft quantization when ``draft_quantize`` is not given: "int4" where
+    ``why_no_int4_draft`` finds no reason against it, else None (= as ``quantize``). A llama.cpp
+    draft keeps its GGUF quantization (None).
+
+    A quantized draft leaves the output unchanged (the target verifies every token) and makes each
+    draft step cheaper. Measured on a 2-core EPYC with AVX512-BF16 and AVX512-VNNI (no AMX), bf16
+    Qwen2.5-Coder 1.5B target, 0.5B draft: the draft's 1-token forward 93.7 ms (bf16) -> 35.2 ms
+    (int4), c 0.42 -> 0.16 (2026-11-25); draft+adaptive 11.40 -> 18.53 tok/s on HumanEval and 7.35 ->
+    9.38 on Spec-Bench (2026-11-23, README "Quantized weights and llama.cpp"). The cost is quantizing
+    the draft on the first start (cached next to an offline model's dense copy). The Python API
+    (``SpeculativeGenerator.from_pretrained``) and ``bench`` keep draft_quantize=None: they name
+    their settings.
+    """
+    if draft_quantize is not None or draft_backend == "llama-cpp":
+        return None
+    return "int4" if why_no_int4_draft(method, quantize, device) is None else None
+
+
+def prompt_limit_by_default(method: str, draft_scheme: str, draft_backend: str | None = None) -> int | None:
+    """The cascade's prompt limit (``max_model_prompt_tokens``) when none is given:
+    ``MAX_MODEL_PROMPT_TOKENS`` for the cascade with an int4 draft (``draft_scheme``: the draft's
+    quantization) or a llama.cpp draft, else None. The int4 draft's prefill costs about twice a bf16
+    one per token on CPU; the llama.cpp draft's about the same as the int4 one's (700 tokens: 3.1 s
+    against 3.4 s, 2-core EPYC with avx512_bf16), and on the 6 held-out long prompts the limit made its
+    cascade faster too (docs/benchmarks/2026-11-25-llama-cpp-draft.md). With a dense torch draft, or
+    on CUDA, it was not measured."""
+    cheap_prefill = draft_scheme == "int4" or draft_backend == "llama-cpp"
+    return MAX_MODEL_PROMPT_TOKENS if method == "cascade" and cheap_prefill else None
 
 
 def eos_token_ids(loaded: LoadedModel) -> set[int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -25,7 +26,12 @@ from specdecode.serve.loadtest import wait_until_healthy
         (["--max-batch-size", "0"], "--max-batch-size must be >= 1"),
         (["--method", "early-exit"], "--exit-layer"),
         (["--method", "layer-skip"], "--skip-layers"),
-        (["--method", "cascade", "--max-model-prompt-tokens", "0"], "--max-model-prompt-tokens must be >= 1"),
+        (["--method", "cascade", "--max-model-prompt-tokens", "-1"], "--max-model-prompt-tokens must be >= 0"),
+        (["--method", "prompt-lookup", "--draft-quantize", "int4"], "not to 'prompt-lookup'"),
+        (["--method", "prompt-lookup", "--adaptive-draft-exit"], "has none"),
+        (["--draft-quantize", "none", "--draft-quantize-head", "int4"], "needs an int4 draft"),
+        (["--draft-quantize", "none", "--quantize-group-size", "64"], "neither model is int4"),
+        (["-g", "0"], "--num-speculative-tokens must be >= 1"),
         (["--method", "draft", "--max-model-prompt-tokens", "9"], "applies to the method 'cascade', not to 'draft'"),
         (["--draft-context-window", "0"], "--draft-context-window must be >= 1"),
         (["--draft-vocab-size", "-1"], "--draft-vocab-size must be >= 0"),
@@ -55,7 +61,7 @@ def test_sigterm_finishes_or_cancels_requests_and_exits_cleanly(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "specdecode.cli", "serve", "--target", str(target), "--draft", str(draft),
          "--dtype", "float32", "--device", "cpu", "--port", str(port), "--max-length", "1024",
-         "--shutdown-timeout", "1", "--log-level", "info"],
+         "--shutdown-timeout", "1", "--log-level", "info", "--max-batch-size", "4"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
     url = f"http://127.0.0.1:{port}"
@@ -87,6 +93,11 @@ def test_sigterm_finishes_or_cancels_requests_and_exits_cleanly(tmp_path):
         assert proc.wait(30) in (0, -signal.SIGTERM)
         log = proc.stdout.read()
         assert "Application shutdown complete" in log and "Traceback" not in log
+        # Start-up names each phase with its duration, generate's defaults included (an int4 draft on CPU).
+        for phase in (r"loaded \S+ \(float32, cpu\) in [\d.]+ s", r"quantized \S+ to int4 in [\d.]+ s",
+                      r"start-up: warm-up done in [\d.]+ s", r"start-up: ready in [\d.]+ s \(loading [\d.]+ s",
+                      r"method cascade, 4 rows, adaptive draft exit on"):
+            assert re.search(phase, log), (phase, log[:3000])
         # The stream ended properly: finished (a finish_reason) or cancelled with an error, then [DONE].
         assert lines[-1] == "data: [DONE]"
         assert '"finish_reason":"' in lines[-2] or "shutting down" in lines[-2]
@@ -94,3 +105,36 @@ def test_sigterm_finishes_or_cancels_requests_and_exits_cleanly(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize(("flags", "device"), [
+    ([], "cpu"), ([], "cuda"), (["--method", "draft"], "cpu"), (["--quantize", "int8"], "cpu"),
+    (["-g", "3"], "cpu"), (["--draft-quantize", "none"], "cpu"), (["--method", "prompt-lookup"], "cpu"),
+    (["--max-model-prompt-tokens", "0"], "cpu"), (["--no-adaptive-draft-exit"], "cpu"),
+])
+def test_serve_takes_generate_s_defaults_on_the_same_device(flags, device):
+    """The same method, draft quantization, adaptive draft exit, γ and prompt limit as ``generate``."""
+    import torch
+
+    from specdecode import generate_command
+    from specdecode.cli import build_parser
+    from specdecode.serve.command import resolve_defaults
+
+    serve = build_parser().parse_args(["serve", *flags])
+    gen = build_parser().parse_args(["generate", "--prompt", "w5", *flags])
+    plan = resolve_defaults(serve, torch.device(device))
+    assert serve.method == gen.method
+    expected_quantize = generate_command._draft_quantize_by_default(gen, torch.device(device))
+    if gen.draft_quantize is not None:
+        expected_quantize = gen.draft_quantize
+    assert plan.draft_quantize == expected_quantize
+    adaptive = (generate_command._adaptive_by_default(gen) if gen.adaptive_draft_exit is None
+                else gen.adaptive_draft_exit)
+    assert (plan.draft_control is not None) == adaptive
+    limit = (generate_command._prompt_limit_by_default(gen, plan.draft_quantize)
+             if gen.max_model_prompt_tokens is None else gen.max_model_prompt_tokens or None)
+    assert plan.max_model_prompt_tokens == limit
+    assert plan.num_speculative_tokens == (gen.num_speculative_tokens or 5)
+    if not flags and device == "cpu":  # the issue's case, stated outright
+        assert (serve.method, plan.draft_quantize, plan.max_model_prompt_tokens) == ("cascade", "int4", 512)
+        assert plan.draft_control.adaptive_exit

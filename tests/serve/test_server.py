@@ -186,7 +186,7 @@ def test_null_fields_take_their_defaults(server):
 @pytest.mark.parametrize(
     ("kwargs", "param", "needle"),
     [
-        (dict(n=2), "n", "n=2"),
+        (dict(n=5), "n", "at most 4 choices"),
         (dict(temperature=3.5), "temperature", "3.5"),
         (dict(top_p=0), "top_p", "top_p"),
         (dict(max_tokens=0), "max_tokens", "max_tokens"),
@@ -203,7 +203,7 @@ def test_bad_completion_requests_get_openai_shaped_400s(server, kwargs, param, n
     with pytest.raises(openai.BadRequestError) as e:
         client(url).completions.create(model="tiny", prompt=PROMPT, **{"max_tokens": 4, **kwargs})
     error = e.value.body
-    assert set(error) == {"message", "type", "param", "code"}
+    assert set(error) == {"message", "type", "param", "code"} and error["code"]
     assert error["type"] == "invalid_request_error" and error["param"] == param and needle in error["message"]
 
 
@@ -287,7 +287,7 @@ def test_a_full_queue_answers_429_with_retry_after(generator):
 
         r, first, second = asyncio.run(scenario())
         assert r.status_code == 429 and r.headers["retry-after"] == "1"
-        assert r.json()["error"]["type"] == "rate_limit_error"
+        assert r.json()["error"]["type"] == "rate_limit_error" and r.json()["error"]["code"] == "queue_full"
         assert first.usage.completion_tokens == 5 and second.usage.completion_tokens == 5
         assert metric(url, "specdecode_requests_total", '{endpoint="/v1/completions",status="429"}') == 1
 
@@ -302,7 +302,7 @@ def test_a_disconnected_client_is_cancelled_and_its_row_freed(generator):
         # the connection is closed after one chunk; ~400 tokens would take many seconds
         assert wait_until(lambda: engine.running == 0 and engine.outstanding == 0)
         assert httpx.get(f"{url}/health").json() == {"status": "ok", "running": 0, "waiting": 0}
-        assert metric(url, "specdecode_request_success_total", '{finish_reason="cancelled"}') == 1
+        assert metric(url, "specdecode_request_cancelled_total") == 1
 
         # the same for a non-streamed request whose client gives up while rounds keep delivering
         # tokens (every 0.02 s, more often than the 0.25 s idle check): ~400 tokens take seconds
@@ -311,8 +311,13 @@ def test_a_disconnected_client_is_cancelled_and_its_row_freed(generator):
                            timeout=0.5)
             pytest.fail(f"the request ended before the client gave up: {r.status_code} {r.text[:300]}")
         assert wait_until(lambda: engine.outstanding == 0, timeout_s=3.0)
-        assert metric(url, "specdecode_request_success_total", '{finish_reason="cancelled"}') == 2
+        assert metric(url, "specdecode_request_cancelled_total") == 2
+        # never counted as successes, under any label
         assert metric(url, "specdecode_request_success_total", '{finish_reason="length"}') == 0
+        assert metric(url, "specdecode_request_success_total", '{finish_reason="stop"}') == 0
+        labels = re.findall(r'^specdecode_request_success_total\{finish_reason="([^"]*)"\}', httpx.get(f"{url}/metrics").text,
+                            re.M)
+        assert sorted(labels) == ["length", "stop"]
 
 
 def test_sixteen_concurrent_streams_each_get_their_own_tokens(generator):

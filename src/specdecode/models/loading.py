@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -276,15 +277,28 @@ def load_model(
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     if not isinstance(spec, str) or not spec.strip():
         raise ModelNotFoundError(f"model spec must be a non-empty string, got {spec!r}")
+    t0 = time.perf_counter()
+    loaded, dense = _load_unquantized(spec, dt, dev, cache)
+    logger.info("loaded %s (%s, %s) in %.1f s", loaded.name, str(dt).removeprefix("torch."), dev,
+                time.perf_counter() - t0)
+    if quantize == "none":
+        return loaded
+    t0 = time.perf_counter()
+    loaded = _quantize(loaded, quantize, dense, quantize_head, group)
+    logger.info("quantized %s to %s in %.1f s", loaded.name, quantize, time.perf_counter() - t0)
+    return loaded
+
+
+def _load_unquantized(spec: str, dt: torch.dtype, dev: torch.device, cache: Path) -> tuple[LoadedModel, Path | None]:
+    """(the model as stored, its dense-copy folder for the quantized weights' cache, or None); see ``load_model``."""
     if spec in OFFLINE_MODELS:
         entry = OFFLINE_MODELS[spec]
         dense = dense_dir(cache, entry.name, dt)
         if dense_cache_valid(dense):  # skip even the assembly and its hash
-            return _quantize(_load_dense(dense, entry.name, dt, dev), quantize, dense, quantize_head, group)
+            return _load_dense(dense, entry.name, dt, dev), dense
         gguf = assemble_gguf(entry, cache)
         meta = {"source": entry.name, "sha256": entry.sha256, "hub_id": entry.hub_id}
-        loaded = _load_gguf(gguf.parent, gguf.name, entry.name, dt, dev, cache, meta)
-        return _quantize(loaded, quantize, dense, quantize_head, group)
+        return _load_gguf(gguf.parent, gguf.name, entry.name, dt, dev, cache, meta), dense
     path = Path(spec).expanduser()
     if spec.endswith(".gguf"):
         if not path.is_file():
@@ -293,14 +307,12 @@ def load_model(
         ident = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
         key = f"{path.stem}-{ident}"
         meta = {"source": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-        loaded = _load_gguf(path.resolve().parent, path.name, key, dt, dev, cache, meta)
-        return _quantize(loaded, quantize, dense_dir(cache, key, dt), quantize_head, group)
+        return _load_gguf(path.resolve().parent, path.name, key, dt, dev, cache, meta), dense_dir(cache, key, dt)
     if path.is_dir():
         _check_config(str(path))
         model = _load_pretrained(str(path), dt, dev)
         dense = path if dense_cache_valid(path) else None  # a dense copy named as a folder keeps its cache
-        loaded = LoadedModel(model, AutoTokenizer.from_pretrained(str(path)), spec, dense_folder=dense)
-        return _quantize(loaded, quantize, dense, quantize_head, group)
+        return LoadedModel(model, AutoTokenizer.from_pretrained(str(path)), spec, dense_folder=dense), dense
     if spec.startswith((".", "/", "~")) or spec.count("/") > 1:
         raise ModelNotFoundError(f"model folder {spec!r} does not exist")
     if spec.count("/") != 1 or " " in spec:
@@ -310,8 +322,7 @@ def load_model(
         )
     _check_config(spec)
     model = _load_pretrained(spec, dt, dev)
-    return _quantize(LoadedModel(model, AutoTokenizer.from_pretrained(spec), spec), quantize, None, quantize_head,
-                     group)
+    return LoadedModel(model, AutoTokenizer.from_pretrained(spec), spec), None
 
 
 def _check_config(source: str) -> None:

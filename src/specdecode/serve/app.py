@@ -4,11 +4,15 @@ Endpoints: ``GET /health`` (no key needed), ``GET /v1/models``, ``POST /v1/compl
 ``POST /v1/chat/completions`` (SSE streaming via ``sse-starlette``, ending in
 ``data: [DONE]``), ``GET /metrics`` (Prometheus text).
 
-Every error is answered with OpenAI's body ``{"error": {"message", "type", "param", "code"}}``:
-400 for bad input (pydantic validation included; FastAPI's default would be 422), 401 for a
-missing or wrong key, 404/405 for unknown routes, 411/413 for a body without a length or
-too large, 429 with ``Retry-After`` when the queue is full, 503 while shutting down, 500
-only for the server's own failures (logged).
+Every error is answered with OpenAI's body ``{"error": {"message", "type", "param", "code"}}``,
+and ``code`` is never null (``ApiError`` requires one): 400 for bad input (pydantic validation
+included; FastAPI's default would be 422), 401 for a missing or wrong key, 404/405 for unknown
+routes, 411/413 for a body without a length or too large, 429 with ``Retry-After`` when the
+queue is full, 503 while shutting down, 500 only for the server's own failures (logged).
+
+``n`` > 1 runs as n rows of the batched engine over the same prompt, each with its own sampler
+(seed + i when a seed is given). A message's ``name`` goes to the chat template when the
+template uses it, else the request is refused (400): it is never dropped silently.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ from specdecode.serve.text import TextAssembler
 logger = logging.getLogger(__name__)
 
 ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
+#: ``code`` of the errors that routing answers (Starlette's HTTPException), by status.
+HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
 #: Temperatures below this are served as greedy decoding (vLLM's _SAMPLING_EPS).
 GREEDY_TEMPERATURE = 1e-5
 
@@ -118,11 +124,13 @@ class _Guard:
         headers = dict(scope["headers"])
         length = headers.get(b"content-length")
         if length is None:
-            return ApiError(411, "a request body needs a Content-Length header (chunked bodies are not accepted)")
+            return ApiError(411, "a request body needs a Content-Length header (chunked bodies are not accepted)",
+                            code="length_required")
         try:
             n = int(length)
         except ValueError:
-            return ApiError(400, f"bad Content-Length header {length.decode(errors='replace')!r}")
+            return ApiError(400, f"bad Content-Length header {length.decode(errors='replace')!r}",
+                            code="invalid_content_length")
         if n > self.settings.max_body_bytes:
             return ApiError(413, f"the request body has {n} bytes; the most this server accepts is "
                                  f"{self.settings.max_body_bytes}", code="request_too_large")
@@ -171,13 +179,16 @@ def create_app(generator, engine: EngineLoop, settings: ServeSettings, metrics: 
         metrics.errors.labels(request.url.path if request.url.path in ENDPOINTS else "other", kind).inc()
         detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
         message = f"{detail}: {request.method} {request.url.path}" if exc.status_code in (404, 405) else detail
-        return JSONResponse(error_body(message, kind), exc.status_code, headers=getattr(exc, "headers", None))
+        code = HTTP_CODES.get(exc.status_code, f"http_{exc.status_code}")
+        return JSONResponse(error_body(message, kind, None, code), exc.status_code,
+                            headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
         logger.exception("unexpected error answering %s %s", request.method, request.url.path)
         metrics.errors.labels(request.url.path if request.url.path in ENDPOINTS else "other", "server_error").inc()
-        return JSONResponse(error_body(f"internal server error ({type(exc).__name__})", "server_error"), 500)
+        return JSONResponse(error_body(f"internal server error ({type(exc).__name__})", "server_error", None,
+                                       "internal_error"), 500)
 
     async def authorize(request: Request) -> None:
         if settings.api_key is None:
@@ -212,7 +223,7 @@ def create_app(generator, engine: EngineLoop, settings: ServeSettings, metrics: 
         if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], int):
             ids = list(body.prompt)
             if not ids:
-                raise ApiError(400, "the prompt is empty", param="prompt")
+                raise ApiError(400, "the prompt is empty", param="prompt", code="invalid_value")
         else:
             text = body.prompt if isinstance(body.prompt, str) else (body.prompt[0] if body.prompt else "")
             ids = _encode(lambda: generator.encode(text, chat=False, device="cpu"), "prompt")
@@ -223,6 +234,7 @@ def create_app(generator, engine: EngineLoop, settings: ServeSettings, metrics: 
         _check_common(body, settings)
         messages = [m.as_template_message() for m in body.messages]
         ids = _encode(lambda: generator.encode_messages(messages, device="cpu"), "messages")
+        _check_names(generator, messages, ids)
         return await _serve(request, body, ids, chat=True, param="messages", max_tokens=body.requested_max_tokens)
 
     async def _serve(request: Request, body, ids: list[int], *, chat: bool, param: str, max_tokens: int | None):
@@ -234,7 +246,7 @@ def create_app(generator, engine: EngineLoop, settings: ServeSettings, metrics: 
             max_tokens = min(settings.max_tokens_limit, room)
         elif max_tokens > settings.max_tokens_limit:
             raise ApiError(400, f"max_tokens is {max_tokens}; this server allows at most {settings.max_tokens_limit}",
-                           param="max_tokens")
+                           param="max_tokens", code="invalid_value")
         if max_tokens < 1 or max_tokens > room:
             raise ApiError(400, f"a request may use {room + len(ids)} positions here (the model's context length "
                                 f"{model_context}, the server's --max-length {decoder.max_length} less "
@@ -244,109 +256,131 @@ def create_app(generator, engine: EngineLoop, settings: ServeSettings, metrics: 
         # As vLLM: a temperature below GREEDY_TEMPERATURE is greedy decoding (logits / T would
         # overflow to inf near 1e-38, and sampling at such T is argmax anyway).
         temperature = 0.0 if body.temperature < GREEDY_TEMPERATURE else body.temperature
+        if body.n > decoder.max_batch_size:
+            raise ApiError(400, f"n is {body.n}; this server runs at most {decoder.max_batch_size} choices per "
+                                "request (its --max-batch-size: each choice is one row of the batch)", param="n",
+                           code="invalid_value")
         try:
-            config = GenerationConfig(max_new_tokens=max_tokens, temperature=temperature, top_k=max(body.top_k, 0),
-                                      top_p=body.top_p, seed=body.seed, stop_strings=body.stop_strings)
+            # n choices: one row each, each with its own sampler (seed + i when a seed is given)
+            configs = [GenerationConfig(max_new_tokens=max_tokens, temperature=temperature, top_k=max(body.top_k, 0),
+                                        top_p=body.top_p, seed=None if body.seed is None else body.seed + i,
+                                        stop_strings=body.stop_strings) for i in range(body.n)]
         except InvalidArgumentError as e:
-            raise ApiError(400, str(e)) from e
+            raise ApiError(400, str(e), code="invalid_value") from e
         try:
-            handle = await engine.submit(ids, config)
+            handles = await engine.submit_group(ids, configs)
         except QueueFullError as e:
             raise ApiError(429, str(e), "rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(settings.retry_after_s)}) from e
         except EngineStoppedError as e:
             raise ApiError(503, str(e), "server_error", code="unavailable") from e
         except InvalidArgumentError as e:
-            raise ApiError(400, str(e), param=param) from e
+            raise ApiError(400, str(e), param=param, code="invalid_value") from e
         metrics.prompt_tokens.inc(len(ids))
         shape = ResponseShape(chat, settings.model_name)
-        text = TextAssembler(tokenizer, config.stop_strings)
+        texts = [TextAssembler(tokenizer, c.stop_strings) for c in configs]
         endpoint = request.url.path
         if body.stream:
             return EventSourceResponse(
-                _stream(handle, shape, text, body.include_usage, endpoint),
+                _stream(handles, shape, texts, body.include_usage, endpoint),
                 ping=15, shutdown_event=anyio.Event(), shutdown_grace_period=settings.shutdown_timeout_s + 5,
             )
-        return await _complete(request, handle, shape, text, endpoint)
+        return await _complete(request, handles, shape, texts, endpoint)
 
-    async def _deliveries(handle: RequestHandle, request: Request | None = None) -> AsyncIterator[Delivery]:
-        """The request's deliveries, observing latency metrics; ends after the final one. With
-        ``request``, a disconnected client cancels it: checked after every delivery (so within
-        one round) and every 0.25 s while none comes (a long prefill, a wait for a row).
-        ``Request.is_disconnected`` does not block: it reads a pending ``http.disconnect``."""
-        last = None
-        while True:
+    async def _deliveries(handles: list[RequestHandle], request: Request | None = None) -> AsyncIterator[Delivery]:
+        """The deliveries of a request's choices (one handle each, sharing one queue), observing latency
+        metrics per choice; ends after every choice's final one. With ``request``, a disconnected client
+        cancels them all: checked after every delivery (so within one round) and every 0.25 s while none
+        comes (a long prefill, a wait for a row). ``Request.is_disconnected`` does not block: it reads a
+        pending ``http.disconnect``."""
+        queue = handles[0].deliveries
+        last: dict[int, float] = {}
+        running = len(handles)
+        while running:
             if request is None:
-                d = await handle.deliveries.get()
+                d = await queue.get()
             else:
                 try:
-                    d = await asyncio.wait_for(handle.deliveries.get(), 0.25)
+                    d = await asyncio.wait_for(queue.get(), 0.25)
                 except TimeoutError:
                     d = None
                 if (d is None or d.finish_reason is None) and await request.is_disconnected():
-                    handle.cancel()
+                    for handle in handles:
+                        handle.cancel()
                     return
                 if d is None:
                     continue
             if d.token_ids:
-                if last is None:
-                    metrics.ttft.observe(d.time_s - handle.submitted_s)
+                if d.index not in last:
+                    metrics.ttft.observe(d.time_s - handles[d.index].submitted_s)
                 else:
-                    metrics.itl.observe(d.time_s - last)
-                last = d.time_s
+                    metrics.itl.observe(d.time_s - last[d.index])
+                last[d.index] = d.time_s
             if d.finish_reason is not None:
-                metrics.e2e.observe(d.time_s - handle.submitted_s)
+                metrics.e2e.observe(d.time_s - handles[d.index].submitted_s)
+                running -= 1
             yield d
-            if d.finish_reason is not None:
-                return
 
-    def _spec(d: Delivery) -> dict:
-        return speculative(d.result.stats if d.result is not None else None, settings.method, decoder.gamma)
+    def _spec(finals: list[Delivery]) -> dict:
+        return speculative([d.result.stats for d in finals if d.result is not None], settings.method, decoder.gamma)
 
     def _failure(d: Delivery) -> ApiError:
         if d.finish_reason == "cancelled":
             return ApiError(503, "the server is shutting down; the request was cancelled", "server_error",
                             code="server_shutdown")
-        return ApiError(500, f"generation failed: {d.error or 'unknown error'}", "server_error")
+        return ApiError(500, f"generation failed: {d.error or 'unknown error'}", "server_error",
+                        code="generation_failed")
 
-    async def _complete(request: Request, handle: RequestHandle, shape: ResponseShape, text: TextAssembler,
-                        endpoint: str):
+    def _usage(handles: list[RequestHandle], texts: list[TextAssembler]) -> dict:
+        return usage(len(handles[0].prompt_ids), sum(len(t.token_ids) for t in texts))
+
+    async def _complete(request: Request, handles: list[RequestHandle], shape: ResponseShape,
+                        texts: list[TextAssembler], endpoint: str):
+        finals: dict[int, Delivery] = {}
         try:
-            async for d in _deliveries(handle, request):
-                text.push(d.token_ids, final=d.finish_reason is not None)
+            async for d in _deliveries(handles, request):
+                texts[d.index].push(d.token_ids, final=d.finish_reason is not None)
                 if d.finish_reason is None:
                     continue
                 if d.finish_reason not in FINISH_REASONS:
                     raise _failure(d)
-                return shape.full(text.text, FINISH_REASONS[d.finish_reason],
-                                  usage(len(handle.prompt_ids), len(text.token_ids)), _spec(d))
-            return Response(status_code=499)  # the client went away; nobody reads this
+                finals[d.index] = d
+            if len(finals) < len(handles):
+                return Response(status_code=499)  # the client went away; nobody reads this
+            choices = [(texts[i].text, FINISH_REASONS[finals[i].finish_reason]) for i in range(len(handles))]
+            return shape.full(choices, _usage(handles, texts), _spec([finals[i] for i in range(len(handles))]))
         finally:
-            handle.cancel()
+            for handle in handles:
+                handle.cancel()
 
-    async def _stream(handle: RequestHandle, shape: ResponseShape, text: TextAssembler, include_usage: bool,
-                      endpoint: str):
+    async def _stream(handles: list[RequestHandle], shape: ResponseShape, texts: list[TextAssembler],
+                      include_usage: bool, endpoint: str):
+        finals: dict[int, Delivery] = {}
         try:
             if shape.chat:
-                yield _data(shape.chunk(None, role=True, include_usage=include_usage))
-            async for d in _deliveries(handle):
+                for i in range(len(handles)):
+                    yield _data(shape.chunk(None, index=i, role=True, include_usage=include_usage))
+            async for d in _deliveries(handles):
                 final = d.finish_reason is not None
-                delta = text.push(d.token_ids, final=final)
+                delta = texts[d.index].push(d.token_ids, final=final)
                 if final and d.finish_reason not in FINISH_REASONS:
                     err = _failure(d)
                     metrics.errors.labels(endpoint, err.type).inc()
                     yield _data(err.body())
                     break
+                if final:
+                    finals[d.index] = d
                 if delta or final:
                     reason = FINISH_REASONS[d.finish_reason] if final else None
-                    extra = {"speculative": _spec(d)} if final else {}
-                    yield _data(shape.chunk(delta if delta or not shape.chat else None, reason,
+                    extra = {"speculative": _spec([d])} if final else {}
+                    yield _data(shape.chunk(delta if delta or not shape.chat else None, reason, index=d.index,
                                             include_usage=include_usage, **extra))
-                if final and include_usage:
-                    yield _data(shape.usage_chunk(usage(len(handle.prompt_ids), len(text.token_ids)), _spec(d)))
+            if include_usage and len(finals) == len(handles):
+                yield _data(shape.usage_chunk(_usage(handles, texts), _spec(list(finals.values()))))
             yield "[DONE]"
         finally:
-            handle.cancel()
+            for handle in handles:
+                handle.cancel()
 
     return _Guard(app, settings, metrics)
 
@@ -359,9 +393,29 @@ def _encode(encode, param: str) -> list[int]:
     try:
         return encode()[0].tolist()
     except InvalidArgumentError as e:
-        raise ApiError(400, str(e), param=param) from e
+        raise ApiError(400, str(e), param=param, code="invalid_value") from e
     except TemplateError as e:  # a chat template that refuses the conversation (e.g. roles out of order)
-        raise ApiError(400, f"the model's chat template refused these messages: {e}", param=param) from e
+        raise ApiError(400, f"the model's chat template refused these messages: {e}", param=param,
+                       code="invalid_messages") from e
+
+
+def _check_names(generator, messages: list[dict], ids: list[int]) -> None:
+    """Refuse a message's ``name`` that the chat template does not use (it would be dropped without a
+    word): for each role with a named message, the conversation is rendered again with that role's
+    names left out; the same tokens mean the template ignores them (Qwen2.5's and most templates do).
+
+    Raises:
+        ApiError: 400 naming the first such message's ``name`` field.
+    """
+    named_roles = dict.fromkeys(m["role"] for m in messages if "name" in m)
+    for role in named_roles:
+        without = [{k: v for k, v in m.items() if k != "name"} if m["role"] == role else m for m in messages]
+        if _encode(lambda: generator.encode_messages(without, device="cpu"), "messages") == ids:
+            i = next(i for i, m in enumerate(messages) if m["role"] == role and "name" in m)
+            raise ApiError(400, f"messages[{i}].name is not supported for role {role!r}: this model's chat "
+                                "template does not use a message's name, so it would be dropped; leave it out "
+                                "(or put the name in the content)", param=f"messages.{i}.name",
+                           code="unsupported_parameter")
 
 
 def _check_common(body, settings: ServeSettings) -> None:

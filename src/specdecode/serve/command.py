@@ -2,16 +2,41 @@
 
 The arguments are defined here without importing FastAPI, so ``specdecode generate``
 works without the ``serve`` extra; ``run`` imports it and says how to install it if missing.
+The server's defaults are ``generate``'s on the same device (``pipeline``'s command
+defaults): method ``cascade`` with adaptive draft exit, an int4 draft on a CPU, and the
+cascade's prompt limit for the draft model. Start-up logs each phase (loading, quantizing,
+warm-up) with its duration at ``--log-level info``.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import time
+from dataclasses import dataclass
 
 from specdecode import method_registry
 from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS
+from specdecode.drafters.control import DraftControl
 from specdecode.errors import InvalidArgumentError, SpecDecodeError
+from specdecode.method_registry import who_takes
+from specdecode.models.loading import resolve_device
+from specdecode.models.quantize import (
+    INT4_GROUP_SIZES,
+    QUANTIZE_HEADS,
+    QUANTIZE_SCHEMES,
+    check_draft_quantize_head_flag,
+    check_quantize_group_size_flag,
+)
+from specdecode.pipeline import (
+    ADAPTIVE_BY_DEFAULT,
+    COMMAND_METHOD,
+    MAX_MODEL_PROMPT_TOKENS,
+    adaptive_exit_by_default,
+    draft_quantize_by_default,
+    prompt_limit_by_default,
+    why_no_int4_draft,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -22,9 +47,9 @@ SERVE_METHODS = method_registry.BATCH_METHODS
 def add_arguments(p: argparse.ArgumentParser, *, default_target: str, default_draft: str) -> None:
     """The ``serve`` subcommand's options."""
     p.add_argument("--target", default=default_target, help="offline model name, .gguf file, folder or hub id")
-    p.add_argument("--draft", default=default_draft, help="draft model (method 'draft')")
-    p.add_argument("--method", default="draft", choices=SERVE_METHODS,
-                   help="decoding method of every request (default draft)")
+    p.add_argument("--draft", default=default_draft, help="draft model (methods 'draft' and 'cascade')")
+    p.add_argument("--method", default=COMMAND_METHOD, choices=SERVE_METHODS,
+                   help=f"decoding method of every request (default {COMMAND_METHOD}, as specdecode generate)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --target)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
@@ -42,9 +67,12 @@ def add_arguments(p: argparse.ArgumentParser, *, default_target: str, default_dr
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds running requests may take before they are cancelled (default 30)")
-    p.add_argument("--num-speculative-tokens", "-g", type=int, default=DEFAULT_NUM_SPECULATIVE_TOKENS,
-                   help="gamma for every row")
-    p.add_argument("--adaptive-draft-exit", action="store_true", help="per-row adaptive draft exit")
+    p.add_argument("--num-speculative-tokens", "-g", type=int, default=None,
+                   help=f"gamma for every row (default {DEFAULT_NUM_SPECULATIVE_TOKENS}); given, it turns the "
+                        "default adaptive draft exit off")
+    p.add_argument("--adaptive-draft-exit", action=argparse.BooleanOptionalAction, default=None,
+                   help="per-row adaptive draft exit; default, as specdecode generate: on for "
+                        f"{' and '.join(ADAPTIVE_BY_DEFAULT)} with an unquantized target and no -g, else off")
     p.add_argument("--exit-rule", default="row", choices=("row", "batch"),
                    help="with --adaptive-draft-exit: a row stops at its own unsure token, or the batch at the last")
     p.add_argument("--max-verify-tokens", default="auto",
@@ -59,7 +87,8 @@ def add_arguments(p: argparse.ArgumentParser, *, default_target: str, default_dr
                         "--no-ngram-check proposes the whole match")
     p.add_argument("--max-model-prompt-tokens", type=int, metavar="N", default=None,
                    help="cascade: a request whose prompt has more than N tokens gets n-gram matches alone, "
-                        "without the draft model (default: no limit)")
+                        f"without the draft model; 0: no limit (default, as specdecode generate: "
+                        f"{MAX_MODEL_PROMPT_TOKENS} with an int4 draft, else no limit)")
     p.add_argument("--draft-vocab-size", type=int, metavar="K", default=None,
                    help="draft and cascade: the draft model proposes among the K most frequent tokens only "
                         "(FR-Spec; default: its whole vocabulary)")
@@ -67,6 +96,17 @@ def add_arguments(p: argparse.ArgumentParser, *, default_target: str, default_dr
                    help="draft and cascade: prefill the draft model with each prompt's last W tokens only "
                         "(default: the whole prompt)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--quantize", default="none", choices=QUANTIZE_SCHEMES,
+                   help="weight-only quantized linear layers on CPU for target and draft: a different model "
+                        "from the unquantized one (default none)")
+    p.add_argument("--draft-quantize", default=None, choices=QUANTIZE_SCHEMES,
+                   help="quantization of the draft model alone (default, as specdecode generate: int4 on CPU for "
+                        "draft and cascade with --quantize none; else as --quantize); output unchanged")
+    p.add_argument("--draft-quantize-head", default=None, choices=QUANTIZE_HEADS,
+                   help="the LM head storage of a quantized draft (default: int4 for an int4 draft, int8 for int8)")
+    p.add_argument("--quantize-group-size", type=int, default=None, choices=INT4_GROUP_SIZES, metavar="G",
+                   help=f"inputs per scale and zero of int4 weights: {', '.join(map(str, INT4_GROUP_SIZES))} "
+                        "(default 32)")
     p.add_argument("--device", default="auto")
     p.add_argument("--cache-dir", default=None, help="where assembled and dense models are cached")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
@@ -85,10 +125,11 @@ def _check_draft_options(args) -> None:
     Raises:
         InvalidArgumentError: A value out of range, or an option the method does not take.
     """
-    for keyword, low in (("draft_vocab_size", 0), ("max_model_prompt_tokens", 1), ("draft_context_window", 1)):
+    for keyword, low in (("draft_vocab_size", 0), ("max_model_prompt_tokens", 0), ("draft_context_window", 1)):
         value, flag = getattr(args, keyword), "--" + keyword.replace("_", "-")
         if value is not None and value < low:
-            meaning = "0: the whole vocabulary" if keyword == "draft_vocab_size" else "tokens"
+            meaning = {"draft_vocab_size": "0: the whole vocabulary",
+                       "max_model_prompt_tokens": "tokens; 0: no limit"}.get(keyword, "tokens")
             raise InvalidArgumentError(f"{flag} must be >= {low} ({meaning}), got {value}")
         if method_registry.refused_option(args.method, {keyword: value}):
             users = method_registry.who_takes(keyword)
@@ -118,7 +159,7 @@ def build(generator, decoder, *, max_queue: int, settings):
         metrics.observe_engine(dec.stats, dec.num_running, engine.waiting)
 
     def on_finish(handle, delivery) -> None:
-        metrics.finished.labels(delivery.finish_reason).inc()
+        metrics.observe_finish(delivery.finish_reason)
 
     engine = EngineLoop(decoder, max_queue=max_queue, on_step=on_step, on_finish=on_finish)
     return create_app(generator, engine, settings, metrics), engine, metrics
@@ -155,7 +196,6 @@ def run(args) -> int:
     except ImportError as e:
         raise SpecDecodeError(f"specdecode serve needs the 'serve' extra ({e.name} is missing): "
                               "pip install 'specdecode[serve]'") from e
-    from specdecode.drafters.control import DraftControl
     from specdecode.pipeline import SpeculativeGenerator
     from specdecode.serve.app import ServeSettings
 
@@ -166,36 +206,134 @@ def run(args) -> int:
     if args.method == "early-exit" and args.exit_layer is None:
         raise InvalidArgumentError("--method early-exit needs --exit-layer N")
     for name in ("max_batch_size", "max_length", "num_speculative_tokens"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise InvalidArgumentError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     _check_draft_options(args)
     if args.max_queue < 0:
         raise InvalidArgumentError(f"--max-queue must be >= 0, got {args.max_queue}")
     verify = _max_verify_tokens(args.max_verify_tokens)
-    control = DraftControl(adaptive_exit=True) if args.adaptive_draft_exit else None
     limit = args.max_length if args.max_tokens_limit is None else args.max_tokens_limit
     settings = ServeSettings(
         model_name=args.served_model_name or args.target, method=args.method, api_key=args.api_key,
         max_prompt_tokens=args.max_length if args.max_prompt_tokens is None else args.max_prompt_tokens, max_tokens_limit=limit,
         max_body_bytes=args.max_body_bytes, shutdown_timeout_s=args.shutdown_timeout,
     )
-    draft = args.draft if method_registry.REGISTRY[args.method].needs_draft_model else None
-    gen = SpeculativeGenerator.from_pretrained(args.target, draft,
-                                               dtype=args.dtype, device=args.device, cache_dir=args.cache_dir)
+    plan = resolve_defaults(args, resolve_device(args.device))
+    _configure_logging(args.log_level)
+    started = time.perf_counter()
+    logger.info("start-up: loading target %s%s", args.target,
+                f" and draft {plan.draft} ({plan.draft_quantize_note})" if plan.draft else "")
+    gen = SpeculativeGenerator.from_pretrained(
+        args.target, plan.draft, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir,
+        quantize=args.quantize, draft_quantize=plan.draft_quantize, draft_quantize_head=args.draft_quantize_head,
+        quantize_group_size=args.quantize_group_size,
+    )
+    loaded_s = time.perf_counter() - started
+    logger.info("start-up: models loaded%s in %.1f s", " and quantized" if gen.target.quantize != "none" or (
+        gen.draft is not None and gen.draft.quantize != "none") else "", loaded_s)
+    t0 = time.perf_counter()
     decoder = gen.batch_decoder(
         args.method, max_batch_size=args.max_batch_size, max_length=args.max_length,
-        num_speculative_tokens=args.num_speculative_tokens, draft_control=control, exit_rule=args.exit_rule,
-        max_verify_tokens=verify, skip_layers=args.skip_layers, skip_config=args.skip_config,
+        num_speculative_tokens=plan.num_speculative_tokens, draft_control=plan.draft_control,
+        exit_rule=args.exit_rule, max_verify_tokens=verify, skip_layers=args.skip_layers, skip_config=args.skip_config,
         exit_layer=args.exit_layer, prompt_lookup_max_ngram=args.prompt_lookup_max_ngram,
         prompt_lookup_min_ngram=args.prompt_lookup_min_ngram, compile=args.compile,
-        ngram_check=args.ngram_check, max_model_prompt_tokens=args.max_model_prompt_tokens,
+        ngram_check=args.ngram_check, max_model_prompt_tokens=plan.max_model_prompt_tokens,
         draft_context_window=args.draft_context_window, draft_vocab_size=args.draft_vocab_size,
     )
+    logger.info("start-up: batched engine built in %.1f s: method %s, %d rows, adaptive draft exit %s, "
+                "max_model_prompt_tokens %s", time.perf_counter() - t0, args.method, args.max_batch_size,
+                "on" if plan.draft_control is not None else "off", plan.max_model_prompt_tokens)
+    warm_s = 0.0
     if not args.no_warmup:
-        decoder.warm_up()
+        logger.info("start-up: warm-up (every forward width the engine uses; --no-warmup skips it)")
+        warm_s = decoder.warm_up()
+        logger.info("start-up: warm-up done in %.1f s", warm_s)
     app, engine, _ = build(gen, decoder, max_queue=args.max_queue, settings=settings)
     server = make_uvicorn_server(app, engine, host=args.host, port=args.port,
                                  shutdown_timeout_s=args.shutdown_timeout, log_level=args.log_level)
-    logger.info("serving %s (%s) on http://%s:%d", settings.model_name, args.method, args.host, args.port)
+    logger.info("start-up: ready in %.1f s (loading %.1f s, warm-up %.1f s); serving %s (%s) on http://%s:%d",
+                time.perf_counter() - started, loaded_s, warm_s, settings.model_name, args.method, args.host,
+                args.port)
     server.run()
     return 0
+
+
+@dataclass(frozen=True)
+class ServePlan:
+    """What ``serve`` loads and runs once ``generate``'s defaults are applied to its flags.
+
+    Attributes:
+        draft: The draft model to load, or None (the method has none).
+        draft_quantize: The draft's quantization (None: as --quantize).
+        draft_quantize_note: Where the draft's quantization came from, for the start-up log.
+        draft_control: Adaptive draft exit, or None.
+        num_speculative_tokens: γ.
+        max_model_prompt_tokens: The cascade's prompt limit for the draft model, or None.
+    """
+
+    draft: str | None
+    draft_quantize: str | None
+    draft_quantize_note: str
+    draft_control: DraftControl | None
+    num_speculative_tokens: int
+    max_model_prompt_tokens: int | None
+
+
+def resolve_defaults(args, device) -> ServePlan:
+    """Apply ``specdecode generate``'s defaults (``pipeline``'s command defaults) to ``serve``'s flags
+    on ``device``, and check the quantization flags against the result before anything loads.
+
+    Raises:
+        InvalidArgumentError: --draft-quantize, --draft-quantize-head or --quantize-group-size that
+            does not fit the method or the draft's quantization (in the flags' words).
+    """
+    needs_draft = method_registry.REGISTRY[args.method].needs_draft_model
+    if not needs_draft:
+        for flag in ("draft_quantize", "draft_quantize_head"):
+            if getattr(args, flag) is not None:
+                raise InvalidArgumentError(f"--{flag.replace('_', '-')} applies to {who_takes(flag)}, "
+                                           f"not to {args.method!r}; use --quantize for the target")
+    draft_quantize = args.draft_quantize
+    if draft_quantize is None and needs_draft:
+        draft_quantize = draft_quantize_by_default(args.method, args.quantize, device)
+    scheme = (args.quantize if draft_quantize is None else draft_quantize) if needs_draft else None
+    if args.draft_quantize is not None:
+        why = f"--draft-quantize {args.draft_quantize}"
+    elif draft_quantize is not None:
+        why = "generate's default on CPU"
+    else:
+        why = why_no_int4_draft(args.method, args.quantize, device) or f"as --quantize {args.quantize}"
+    if needs_draft and args.draft_quantize_head is not None:
+        check_draft_quantize_head_flag(args.draft_quantize_head, scheme, why)
+    check_quantize_group_size_flag(args.quantize_group_size, args.quantize, scheme, why)
+    adaptive = (adaptive_exit_by_default(args.method, args.quantize, args.num_speculative_tokens)
+                if args.adaptive_draft_exit is None else args.adaptive_draft_exit)
+    if adaptive and not method_registry.REGISTRY[args.method].adaptive_exit:
+        if args.adaptive_draft_exit:
+            raise InvalidArgumentError(f"--adaptive-draft-exit needs a method whose drafts carry probabilities; "
+                                       f"{args.method!r} has none")
+        adaptive = False
+    limit = args.max_model_prompt_tokens
+    if limit is None:
+        limit = prompt_limit_by_default(args.method, scheme) if needs_draft else None
+    return ServePlan(
+        draft=args.draft if needs_draft else None,
+        draft_quantize=draft_quantize,
+        draft_quantize_note=f"{scheme}: {why}" if scheme is not None else "",
+        draft_control=DraftControl(adaptive_exit=True) if adaptive else None,
+        num_speculative_tokens=(DEFAULT_NUM_SPECULATIVE_TOKENS if args.num_speculative_tokens is None
+                                else args.num_speculative_tokens),
+        max_model_prompt_tokens=limit or None,
+    )
+
+
+def _configure_logging(level: str) -> None:
+    """Show specdecode's start-up log at ``level`` (the CLI's root handler prints it; without one, as
+    when ``run`` is called from Python, a handler to stderr is added)."""
+    package = logging.getLogger("specdecode")
+    package.setLevel(level.upper())
+    if not logging.getLogger().handlers and not package.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        package.addHandler(handler)

@@ -53,6 +53,7 @@ class Delivery:
             "length", "cancelled", "error").
         result: The request's ``GenerationResult`` (with its statistics) once finished.
         error: Why it ended with "error".
+        index: Its handle's ``index`` (the choice it belongs to, in a group of ``n`` choices).
     """
 
     token_ids: list[int]
@@ -60,6 +61,7 @@ class Delivery:
     finish_reason: str | None = None
     result: GenerationResult | None = None
     error: str | None = None
+    index: int = 0
 
 
 @dataclass
@@ -70,8 +72,11 @@ class RequestHandle:
         prompt_ids: The prompt (token ids).
         config: Its generation parameters.
         submitted_s: ``time.perf_counter()`` at submission (seconds).
-        deliveries: ``asyncio.Queue`` of ``Delivery``; the last one has a ``finish_reason``.
+        deliveries: ``asyncio.Queue`` of ``Delivery``; the last one has a ``finish_reason``. The
+            handles of one group (``EngineLoop.submit_group``) share it; ``Delivery.index`` tells
+            them apart.
         loop: The event loop the handler awaits on (deliveries are posted to it).
+        index: Its place in its group (0 for a lone request).
     """
 
     prompt_ids: list[int]
@@ -82,6 +87,7 @@ class RequestHandle:
     _engine: EngineLoop = field(repr=False)
     request_id: int | None = None
     finished: bool = False
+    index: int = 0
 
     def cancel(self) -> None:
         """Ask the engine to drop this request at the next round boundary (idempotent)."""
@@ -174,28 +180,53 @@ class EngineLoop:
             InvalidArgumentError: If the engine refuses the request (``BatchedSpeculativeDecoder.add``:
                 a prompt that does not fit the cache or the context length, ...).
         """
+        return (await self.submit_group(prompt_ids, [config]))[0]
+
+    async def submit_group(self, prompt_ids: list[int], configs: list[GenerationConfig]) -> list[RequestHandle]:
+        """Queue one request per config over the same prompt (an API request's ``n`` choices: one row
+        of the batched engine each, each with its own sampler), admitted all or none; returns once
+        the engine accepted every one. The handles share one deliveries queue (``Delivery.index``
+        is the handle's place in ``configs``).
+
+        Raises:
+            QueueFullError: If fewer than ``len(configs)`` places are free (``capacity``).
+            EngineStoppedError, InvalidArgumentError: As ``submit``; a refused row takes the
+                group's others back.
+        """
+        if not configs:
+            raise InvalidArgumentError("submit_group needs at least one config")
         loop = asyncio.get_running_loop()
-        handle = RequestHandle(list(prompt_ids), config, time.perf_counter(), asyncio.Queue(), loop, self)
-        accepted: asyncio.Future = loop.create_future()
+        deliveries: asyncio.Queue = asyncio.Queue()
+        now = time.perf_counter()
+        handles = [RequestHandle(list(prompt_ids), c, now, deliveries, loop, self, index=i)
+                   for i, c in enumerate(configs)]
+        accepted = [loop.create_future() for _ in handles]
         # Checked and posted under the lock that _drain takes: an add is either refused here or
         # read by the engine thread (applied, or refused by _drain), never left unanswered.
         with self._lock:
             if self._stopping or self._failed is not None or self._thread is None:
                 raise EngineStoppedError(self._failed or "the server is shutting down; no new requests")
-            if self._outstanding >= self.capacity:
+            if self._outstanding + len(handles) > self.capacity:
+                wanted = f" and this request needs {len(handles)} (n)" if len(handles) > 1 else ""
                 raise QueueFullError(
-                    f"{self._outstanding} requests are running or waiting, the most this server takes "
-                    f"({self.decoder.max_batch_size} running + {self.max_queue} queued); retry later"
+                    f"{self._outstanding} requests are running or waiting{wanted}; the most this server takes is "
+                    f"{self.capacity} ({self.decoder.max_batch_size} running + {self.max_queue} queued); retry later"
                 )
-            self._outstanding += 1
-            self._post(("add", handle, accepted))
+            self._outstanding += len(handles)
+            for handle, future in zip(handles, accepted):
+                self._post(("add", handle, future))
         try:
-            await accepted
+            outcomes = await asyncio.gather(*accepted, return_exceptions=True)
         except BaseException:
-            if not accepted.done() or accepted.cancelled():
-                handle.cancel()  # the add may still happen: take it back
+            for handle in handles:
+                handle.cancel()  # an add may still happen: take it back (commands run in order)
             raise
-        return handle
+        refused = next((o for o in outcomes if isinstance(o, BaseException)), None)
+        if refused is not None:
+            for handle in handles:
+                handle.cancel()
+            raise refused
+        return handles
 
     def begin_shutdown(self, timeout_s: float) -> None:
         """Stop taking requests (``submit`` raises ``EngineStoppedError``); running and queued ones
@@ -292,6 +323,7 @@ class EngineLoop:
                 self._end(handle, Delivery([], time.perf_counter(), "cancelled"))
 
     def _deliver(self, handle: RequestHandle, delivery: Delivery) -> None:
+        delivery.index = handle.index
         try:
             handle.loop.call_soon_threadsafe(handle.deliveries.put_nowait, delivery)
         except RuntimeError:  # the event loop closed (the server is gone): nobody is waiting

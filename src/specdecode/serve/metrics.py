@@ -13,6 +13,7 @@ import dataclasses
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from specdecode.engine.stats import BatchStats
+from specdecode.serve.openai_format import FINISH_REASONS
 
 #: Seconds; the first token includes queueing and the prefill.
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -42,7 +43,18 @@ class ServerMetrics:
         self.prompt_tokens = Counter("specdecode_prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
         self.generation_tokens = Counter("specdecode_generation_tokens", "Tokens generated.", registry=r)
         self.finished = Counter(
-            "specdecode_request_success", "Requests finished, by finish reason.", ["finish_reason"], registry=r
+            "specdecode_request_success", "Choices (one per request with n = 1) that finished, by the finish "
+            "reason the API reports (stop, length).", ["finish_reason"], registry=r,
+        )
+        for reason in sorted(set(FINISH_REASONS.values())):
+            self.finished.labels(reason)  # shown at 0 from the start
+        self.cancelled = Counter(
+            "specdecode_request_cancelled", "Choices cancelled before they finished: the client went away or the "
+            "server shut down (never counted as a success).", registry=r,
+        )
+        self.failed = Counter(
+            "specdecode_request_failed", "Choices whose generation failed in the engine (answered with a 500).",
+            registry=r,
         )
         self.draft_tokens = Counter(
             "specdecode_spec_decode_num_draft_tokens", "Draft tokens proposed to the target.", registry=r
@@ -78,6 +90,17 @@ class ServerMetrics:
         )
         self._seen = BatchStats()  # the engine's counts already added to the counters
         self.acceptance_rate.set(float("nan"))
+
+    def observe_finish(self, engine_reason: str) -> None:
+        """Count a choice that ended with the engine's ``engine_reason`` ("eos", "stop_string", "length",
+        "cancelled", "error", ...): a success under the API's finish reason (``FINISH_REASONS``),
+        else cancelled, else failed."""
+        if engine_reason in FINISH_REASONS:
+            self.finished.labels(FINISH_REASONS[engine_reason]).inc()
+        elif engine_reason == "cancelled":
+            self.cancelled.inc()
+        else:
+            self.failed.inc()
 
     def observe_engine(self, stats: BatchStats, running: int, waiting: int) -> None:
         """After an engine step (in the engine thread): add what the engine's lifetime counts

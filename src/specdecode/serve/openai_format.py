@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 
 from specdecode.engine.stats import SpecDecodingStats
 
@@ -25,12 +26,15 @@ class ApiError(Exception):
         type: OpenAI's error type ("invalid_request_error", "authentication_error",
             "rate_limit_error", "server_error", ...).
         param: The request field at fault, or None.
-        code: A machine-readable code ("context_length_exceeded", "invalid_api_key", ...) or None.
+        code: A machine-readable code ("context_length_exceeded", "invalid_api_key", "invalid_value",
+            ...): required, so that no error path answers ``code: null``.
         headers: Extra response headers (``Retry-After`` on 429).
     """
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+                 *, code: str, headers: dict[str, str] | None = None) -> None:
+        if not code:
+            raise ValueError("an ApiError needs a code")
         super().__init__(message)
         self.status = status
         self.message = message
@@ -43,7 +47,8 @@ class ApiError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
 
-def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+def error_body(message: str, type: str, param: str | None, code: str) -> dict:
+    """OpenAI's error body; every error this server answers carries a ``code``."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
@@ -64,22 +69,28 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
-def speculative(stats: SpecDecodingStats | None, method: str, num_speculative_tokens: int) -> dict:
-    """The extension field: this request's speculative statistics.
+def speculative(stats: Sequence[SpecDecodingStats], method: str, num_speculative_tokens: int) -> dict:
+    """The extension field: the speculative statistics of this request's choices, summed.
 
     ``acceptance_rate`` = accepted ÷ drafted tokens (None when nothing was drafted);
     ``mean_accepted_tokens`` = τ, tokens per target forward COUNTING the bonus token.
+    ``stats``: one per choice that finished (empty: only the method is reported).
     """
     out = {"method": method, "num_speculative_tokens": num_speculative_tokens}
-    if stats is None:
+    if not stats:
         return out
+    total = SpecDecodingStats(
+        num_drafted_tokens=sum(s.num_drafted_tokens for s in stats),
+        num_accepted_tokens=sum(s.num_accepted_tokens for s in stats),
+        num_target_forwards=sum(s.num_target_forwards for s in stats),
+    )
     out.update(
-        acceptance_rate=stats.acceptance_rate,
-        mean_accepted_tokens=stats.mean_accepted_tokens,
+        acceptance_rate=total.acceptance_rate,
+        mean_accepted_tokens=total.mean_accepted_tokens,
         mean_accepted_tokens_counts_bonus=True,
-        num_drafted_tokens=stats.num_drafted_tokens,
-        num_accepted_tokens=stats.num_accepted_tokens,
-        num_target_forwards=stats.num_target_forwards,
+        num_drafted_tokens=total.num_drafted_tokens,
+        num_accepted_tokens=total.num_accepted_tokens,
+        num_target_forwards=total.num_target_forwards,
     )
     return out
 
@@ -102,25 +113,26 @@ class ResponseShape:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices,
                 **extra}
 
-    def full(self, text: str, finish_reason: str, usage_: dict, spec: dict) -> dict:
-        """The non-streamed response."""
+    def full(self, choices: Sequence[tuple[str, str]], usage_: dict, spec: dict) -> dict:
+        """The non-streamed response; ``choices``: (text, finish reason) per choice, in index order."""
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish_reason}
-            return self._envelope("chat.completion", [choice], usage=usage_, system_fingerprint=None,
-                                  speculative=spec)
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return self._envelope("text_completion", [choice], usage=usage_, system_fingerprint=None, speculative=spec)
+            out = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                    "finish_reason": reason} for i, (text, reason) in enumerate(choices)]
+            return self._envelope("chat.completion", out, usage=usage_, system_fingerprint=None, speculative=spec)
+        out = [{"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+               for i, (text, reason) in enumerate(choices)]
+        return self._envelope("text_completion", out, usage=usage_, system_fingerprint=None, speculative=spec)
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, *, role: bool = False,
+    def chunk(self, text: str | None, finish_reason: str | None = None, *, index: int = 0, role: bool = False,
               include_usage: bool = False, **extra) -> dict:
-        """One streamed chunk with a text delta (``role``: the chat stream's first chunk)."""
+        """One streamed chunk of choice ``index`` with a text delta (``role``: the chat stream's first
+        chunk of that choice)."""
         if self.chat:
             delta: dict = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
             obj = "text_completion"
         if include_usage:
             extra.setdefault("usage", None)  # OpenAI: null on every chunk but the last

@@ -50,7 +50,7 @@ class _Sampling(_Request):
     top_k: int = Field(default=0, ge=-1)
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     stop: str | list[str] | None = None
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, le=128)  # OpenAI's range; the server also bounds it by --max-batch-size
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id for abuse monitoring; recorded nowhere
@@ -79,8 +79,6 @@ class _Sampling(_Request):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for the first field set to a value this server cannot honour."""
-        if self.n != 1:
-            return "n", f"n={self.n} is not supported: this server returns one choice per request (n=1)"
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options is only allowed with stream=true"
         if self.presence_penalty or self.frequency_penalty:
@@ -131,7 +129,7 @@ class ChatMessage(_Request):
 
     def as_template_message(self) -> dict[str, Any]:
         """The message as a chat template takes it (text parts joined; "developer" as "system";
-        ``name``, when given, passed on for templates that use it)."""
+        ``name``, when given, passed on: the server refuses it where the template does not use it)."""
         text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
         message = {"role": "system" if self.role == "developer" else self.role, "content": text}
         if self.name is not None:
