@@ -1,0 +1,294 @@
+"""Logits processors that depend on the tokens before each position, exact under speculation.
+
+``GenerationConfig``'s ``logit_bias``, ``repetition_penalty``, ``frequency_penalty`` and
+``presence_penalty`` change the target's logits as a function of the context. Autoregressive
+decoding applies them to one row of logits per forward; a verification forward gives a block of
+W = k + 1 rows, and row i must be processed as autoregressive decoding would process it: with
+the prompt, the output so far and the drafted tokens d_1 .. d_i before it. ``LogitsProcessing``
+keeps the output's token counts on the device (updated once per round from the tokens the round
+confirmed, ``sync``) and builds the block's per-row counts with one (W, V) scatter and a cumulative
+sum over rows, so processing a block costs no host sync.
+
+The order and the definitions follow vLLM's sampler (``vllm/v1/sample/sampler.py``):
+
+1. ``logit_bias`` (OpenAI): ``bias[j]`` added to logit j;
+2. ``repetition_penalty`` (CTRL, Keskar et al. 2019; transformers'
+   ``RepetitionPenaltyLogitsProcessor``): for every token j in the prompt or the output, a
+   logit < 0 is multiplied by the penalty, any other divided by it. transformers' processor
+   gathers and scatters over the whole ``input_ids``; here the same arithmetic is selected with
+   a (W, V) mask of the tokens seen (the tests check equality with transformers' processor);
+3. ``frequency_penalty`` and ``presence_penalty`` (OpenAI's definition, which transformers has
+   no processor for): ``logit[j] -= c[j] * frequency_penalty + (c[j] > 0) * presence_penalty``,
+   c[j] the number of times token j occurs in the output (prompt excluded, as in vLLM).
+
+``min_p`` depends on the logits alone: it is transformers' ``MinPLogitsWarper``, applied by
+``sampling.Sampler`` after temperature, top-k and top-p (transformers' order).
+
+**logprobs** (``GenerationConfig.logprobs``, ``top_logprobs``): the log-softmax, in float32, of
+the logits after these processors (and a banned-word mask, when there is one), before
+temperature and the truncating warpers: the log-probability of each emitted token under the
+target's distribution at its position, as OpenAI reports it. The rows come from the
+verification forward (no extra forward); reading them costs one host sync per round, only when
+asked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specdecode.config import GenerationConfig
+from specdecode.errors import InvalidArgumentError
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability under the target's (processed) distribution.
+
+    Attributes:
+        token_id: The generated token.
+        logprob: Its natural-log probability (float32 arithmetic), <= 0.
+        top: The ``top_logprobs`` most likely tokens at that position as (token id, logprob),
+            most likely first (empty when ``top_logprobs`` is 0).
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def fit_width(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``logits`` (..., V') cut to V columns, or padded with -inf up to V (a draft's narrower head)."""
+    width = logits.shape[-1]
+    if width > vocab_size:
+        return logits[..., :vocab_size]
+    if width < vocab_size:
+        pad = logits.new_full((*logits.shape[:-1], vocab_size - width), float("-inf"))
+        return torch.cat([logits, pad], dim=-1)
+    return logits
+
+
+class LogitsProcessing:
+    """One generation's context-dependent processors and logprobs (module docstring).
+
+    Args:
+        config: The generation's parameters.
+        vocab_size: V, the target's logits width.
+        device: Where the logits live.
+        prompt: The prompt's token ids (a list or an (n,) / (1, n) tensor).
+
+    Attributes:
+        logprobs: Per generated token (0 = the first new token), its ``TokenLogprob``; kept
+            only when ``config.logprobs``.
+
+    Raises:
+        InvalidArgumentError: If a ``logit_bias`` or ``stop_token_ids`` id is outside 0..V-1.
+    """
+
+    def __init__(
+        self, config: GenerationConfig, vocab_size: int, device: torch.device | str,
+        prompt: Sequence[int] | torch.Tensor,
+    ) -> None:
+        for token, _ in config.logit_bias:
+            if token >= vocab_size:
+                raise InvalidArgumentError(
+                    f"logit_bias names token id {token}, outside the target model's vocabulary 0..{vocab_size - 1}"
+                )
+        for token in config.stop_token_ids:
+            if token >= vocab_size:
+                raise InvalidArgumentError(
+                    f"stop_token_ids names token id {token}, outside the target model's vocabulary "
+                    f"0..{vocab_size - 1}"
+                )
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self.repetition_penalty = float(config.repetition_penalty)
+        self.frequency_penalty = float(config.frequency_penalty)
+        self.presence_penalty = float(config.presence_penalty)
+        self.changes_logits = config.processes_logits
+        self.wants_logprobs = config.logprobs
+        self.top_logprobs = config.top_logprobs
+        self.logprobs: list[TokenLogprob] = []
+        self.bias: torch.Tensor | None = None
+        if config.logit_bias:
+            ids = torch.tensor([t for t, _ in config.logit_bias], dtype=torch.long)
+            values = torch.tensor([b for _, b in config.logit_bias], dtype=torch.float32)
+            self.bias = torch.zeros(vocab_size, dtype=torch.float32).index_put_((ids,), values).to(self.device)
+        self._counting = self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
+        #: (V,) float32: how often each token occurs in the output so far (``sync``).
+        self.counts = torch.zeros(vocab_size, dtype=torch.float32, device=self.device)
+        self._seen_prompt: torch.Tensor | None = None
+        if self.repetition_penalty != 1.0:
+            ids = prompt.reshape(-1) if isinstance(prompt, torch.Tensor) else torch.tensor(list(prompt))
+            ids = ids.to(device=self.device, dtype=torch.long)
+            ids = ids[ids < vocab_size]
+            self._seen_prompt = torch.zeros(vocab_size, dtype=torch.bool, device=self.device)
+            self._seen_prompt[ids] = True
+        self._output: list[int] = []  # the output tokens ``counts`` holds
+
+    @classmethod
+    def from_config(
+        cls, config: GenerationConfig, vocab_size: int, device: torch.device | str,
+        prompt: Sequence[int] | torch.Tensor,
+    ) -> LogitsProcessing | None:
+        """The processing ``config`` asks for, or None when it asks for none (no processor, no logprobs).
+
+        Raises:
+            InvalidArgumentError: As the constructor.
+        """
+        if not (config.processes_logits or config.logprobs or config.stop_token_ids):
+            return None
+        return cls(config, vocab_size, device, prompt)
+
+    # -- the verification block ----------------------------------------------------------------
+
+    def block(self, logits: torch.Tensor, drafted: torch.Tensor | None = None) -> torch.Tensor:
+        """Process a verification block: row i as after the output so far and ``drafted[:i]``.
+
+        Args:
+            logits: (W, V') the target's logits, any float dtype; row i predicts the token after
+                the sequence and the first i drafted tokens.
+            drafted: (>= W - 1,) long on the logits' device, the drafted tokens (entries past
+                W - 1 are ignored; rows past the accepted ones may see padding, never used), or
+                None when W = 1.
+
+        Returns:
+            (W, V) float32, a new tensor (the input is left as it is).
+        """
+        scores = fit_width(logits, self.vocab_size).float().clone()
+        if not self.changes_logits:
+            return scores
+        if self.bias is not None:
+            scores += self.bias
+        if self._counting:
+            counts = self.block_counts(scores.shape[0], drafted)
+            if self.repetition_penalty != 1.0:
+                seen = (counts > 0) | self._seen_prompt
+                penalized = torch.where(scores < 0, scores * self.repetition_penalty, scores / self.repetition_penalty)
+                scores = torch.where(seen, penalized, scores)
+            if self.frequency_penalty != 0.0:
+                scores -= counts * self.frequency_penalty
+            if self.presence_penalty != 0.0:
+                scores -= (counts > 0).float() * self.presence_penalty
+        return scores
+
+    def block_counts(self, width: int, drafted: torch.Tensor | None) -> torch.Tensor:
+        """(W, V) float32: row i holds the output's token counts plus those of ``drafted[:i]``."""
+        if width == 1 or drafted is None:
+            return self.counts.unsqueeze(0).expand(width, -1)
+        steps = torch.zeros((width, self.vocab_size), dtype=torch.float32, device=self.counts.device)
+        ids = drafted[: width - 1].to(device=steps.device, dtype=torch.long).clamp(0, self.vocab_size - 1)
+        steps[1:].scatter_add_(1, ids.view(-1, 1), torch.ones((width - 1, 1), device=steps.device))
+        return steps.cumsum_(0) + self.counts
+
+    def drafting(self) -> DraftProcessing:
+        """Processing for a draft model's block on its own context (the output so far, then each
+        token it drafts); changes nothing of this object."""
+        return DraftProcessing(self)
+
+    # -- after the round -----------------------------------------------------------------------
+
+    def sync(self, output: Sequence[int]) -> None:
+        """Make the counts and the logprobs those of ``output``, the generation's tokens now
+        (after a round's emit, or a banned-word rollback). Adds the new tail with one small
+        host-to-device copy; a shorter output (a rollback) recounts it."""
+        done = len(self._output)
+        if len(output) < done:
+            self._output = []
+            self.counts.zero_()
+            done = 0
+        if self._counting and len(output) > done:
+            tail = torch.tensor(list(output[done:]), dtype=torch.long).to(self.device, non_blocking=True)
+            self.counts.index_add_(0, tail.clamp(0, self.vocab_size - 1), torch.ones(tail.shape[0], device=self.device))
+        self._output = list(output)
+        del self.logprobs[len(output):]
+
+    def record(self, position: int, scores: torch.Tensor, tokens: Sequence[int]) -> None:
+        """Keep the logprobs of ``tokens``, generated at output positions ``position`` .. (one host sync).
+
+        Args:
+            position: Output index of ``tokens[0]`` (0 = the first new token).
+            scores: (>= len(tokens), V) the processed logits the tokens were chosen from.
+            tokens: The emitted tokens; token i was chosen from row i.
+        """
+        if not self.wants_logprobs or not tokens:
+            return
+        m = len(tokens)
+        logp = torch.log_softmax(scores[:m].float(), dim=-1)
+        ids = torch.tensor(list(tokens), dtype=torch.long, device=logp.device)
+        parts = [logp.gather(1, ids.view(-1, 1)).flatten().double()]
+        top = self.top_logprobs
+        if top:
+            values, where = logp.topk(min(top, logp.shape[-1]), dim=-1)
+            parts += [values.flatten().double(), where.flatten().double()]
+        host = torch.cat(parts).tolist()
+        chosen = host[:m]
+        entries = []
+        for i, token in enumerate(tokens):
+            pairs = ()
+            if top:
+                values = host[m + i * top : m + (i + 1) * top]
+                ids_i = host[m + m * top + i * top : m + m * top + (i + 1) * top]
+                pairs = tuple((int(t), float(v)) for t, v in zip(ids_i, values))
+            entries.append(TokenLogprob(int(token), float(chosen[i]), pairs))
+        del self.logprobs[position:]
+        self.logprobs.extend(entries)
+
+
+class DraftProcessing:
+    """A draft model's view of ``LogitsProcessing`` during one block: the same processors on its
+    own context (the output so far, then each drafted token). Exactness never depends on it; it
+    keeps the draft's q close to the target's processed p, so acceptance does not drop."""
+
+    def __init__(self, processing: LogitsProcessing) -> None:
+        self.processing = processing
+        self.active = processing.changes_logits
+        self._extra: torch.Tensor | None = None  # (V,) counts of the tokens drafted in this block
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """(m, V') draft logits -> (m, V) float32 processed as after the drafted tokens so far
+        (every row alike: one draft step's rows)."""
+        if not self.active:
+            return logits
+        proc = self.processing
+        saved = proc.counts
+        if self._extra is not None:
+            proc.counts = saved + self._extra
+        try:
+            return proc.block(logits.reshape(-1, logits.shape[-1]), None).view(*logits.shape[:-1], -1)
+        finally:
+            proc.counts = saved
+
+    def push(self, token: torch.Tensor) -> None:
+        """Count the drafted ``token`` ((1,) or () long, on the device) for the next steps."""
+        if not self.active or not self.processing._counting:
+            return
+        if self._extra is None:
+            self._extra = torch.zeros_like(self.processing.counts)
+        ids = token.reshape(-1).to(device=self._extra.device, dtype=torch.long).clamp(0, self.processing.vocab_size - 1)
+        self._extra.index_add_(0, ids, torch.ones(ids.shape[0], device=self._extra.device))
+
+
+def process_rows(
+    logits: torch.Tensor, processings: Sequence[LogitsProcessing | None], ids: torch.Tensor
+) -> torch.Tensor:
+    """The batched engine's verification logits after each row's processors.
+
+    Args:
+        logits: (n, W, V) the target's logits; row b's position i follows ``ids[b, 1 : i + 1]``.
+        processings: Per row, its ``LogitsProcessing`` or None.
+        ids: (n, W) long, what the forward fed: each row's pending token then its draft (padded).
+
+    Returns:
+        ``logits`` itself when no row changes its logits; else an (n, W, V) float32 copy with
+        those rows processed (``LogitsProcessing.block``; no host sync).
+    """
+    if not any(p is not None and p.changes_logits for p in processings):
+        return logits
+    out = logits.float().clone() if logits.dtype == torch.float32 else logits.float()
+    for b, proc in enumerate(processings):
+        if proc is not None and proc.changes_logits:
+            out[b] = proc.block(out[b], ids[b, 1:])
+    return out
