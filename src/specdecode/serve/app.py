@@ -34,7 +34,15 @@ from specdecode.engine import kv_cache
 from specdecode.errors import InvalidArgumentError
 from specdecode.serve.engine_loop import Delivery, EngineLoop, EngineStoppedError, QueueFullError, RequestHandle
 from specdecode.serve.metrics import ServerMetrics
-from specdecode.serve.openai_format import FINISH_REASONS, ApiError, ResponseShape, error_body, speculative, usage
+from specdecode.serve.openai_format import (
+    FINISH_REASONS,
+    ApiError,
+    ResponseShape,
+    error_body,
+    logprobs_json,
+    speculative,
+    usage,
+)
 from specdecode.serve.schemas import ChatCompletionRequest, CompletionRequest
 from specdecode.serve.text import TextAssembler
 
@@ -246,7 +254,8 @@ def create_app(generator, engine: EngineLoop, settings: ServeSettings, metrics: 
         temperature = 0.0 if body.temperature < GREEDY_TEMPERATURE else body.temperature
         try:
             config = GenerationConfig(max_new_tokens=max_tokens, temperature=temperature, top_k=max(body.top_k, 0),
-                                      top_p=body.top_p, seed=body.seed, stop_strings=body.stop_strings)
+                                      top_p=body.top_p, seed=body.seed, stop_strings=body.stop_strings,
+                                      **body.processor_options())  # [processors] penalties, bias, logprobs
         except InvalidArgumentError as e:
             raise ApiError(400, str(e)) from e
         try:
@@ -311,27 +320,35 @@ def create_app(generator, engine: EngineLoop, settings: ServeSettings, metrics: 
 
     async def _complete(request: Request, handle: RequestHandle, shape: ResponseShape, text: TextAssembler,
                         endpoint: str):
+        logprobs = [] if handle.config.logprobs else None  # [processors]
         try:
             async for d in _deliveries(handle, request):
                 text.push(d.token_ids, final=d.finish_reason is not None)
+                if logprobs is not None:
+                    logprobs += d.logprobs or []
                 if d.finish_reason is None:
                     continue
                 if d.finish_reason not in FINISH_REASONS:
                     raise _failure(d)
+                lp = None if logprobs is None else logprobs_json(shape.chat, logprobs, tokenizer)
                 return shape.full(text.text, FINISH_REASONS[d.finish_reason],
-                                  usage(len(handle.prompt_ids), len(text.token_ids)), _spec(d))
+                                  usage(len(handle.prompt_ids), len(text.token_ids)), _spec(d), lp)
             return Response(status_code=499)  # the client went away; nobody reads this
         finally:
             handle.cancel()
 
     async def _stream(handle: RequestHandle, shape: ResponseShape, text: TextAssembler, include_usage: bool,
                       endpoint: str):
+        pending = [] if handle.config.logprobs else None  # [processors] logprobs not yet sent
+        sent = 0  # text characters sent (completions' text_offset)
         try:
             if shape.chat:
                 yield _data(shape.chunk(None, role=True, include_usage=include_usage))
             async for d in _deliveries(handle):
                 final = d.finish_reason is not None
                 delta = text.push(d.token_ids, final=final)
+                if pending is not None:
+                    pending += d.logprobs or []
                 if final and d.finish_reason not in FINISH_REASONS:
                     err = _failure(d)
                     metrics.errors.labels(endpoint, err.type).inc()
@@ -340,6 +357,10 @@ def create_app(generator, engine: EngineLoop, settings: ServeSettings, metrics: 
                 if delta or final:
                     reason = FINISH_REASONS[d.finish_reason] if final else None
                     extra = {"speculative": _spec(d)} if final else {}
+                    if pending is not None:
+                        extra["logprobs"] = logprobs_json(shape.chat, pending, tokenizer, sent)
+                        pending = []
+                    sent += len(delta)
                     yield _data(shape.chunk(delta if delta or not shape.chat else None, reason,
                                             include_usage=include_usage, **extra))
                 if final and include_usage:

@@ -53,6 +53,7 @@ class Delivery:
             "length", "cancelled", "error").
         result: The request's ``GenerationResult`` (with its statistics) once finished.
         error: Why it ended with "error".
+        logprobs: With ``GenerationConfig.logprobs``, one ``TokenLogprob`` per token of ``token_ids``.
     """
 
     token_ids: list[int]
@@ -60,6 +61,7 @@ class Delivery:
     finish_reason: str | None = None
     result: GenerationResult | None = None
     error: str | None = None
+    logprobs: list | None = None
 
 
 @dataclass
@@ -244,7 +246,8 @@ class EngineLoop:
                     handle = self._live.get(event.request_id)
                     if handle is None:
                         continue
-                    delivery = Delivery(list(event.token_ids), now, event.finish_reason, event.result, event.error)
+                    delivery = Delivery(list(event.token_ids), now, event.finish_reason, event.result, event.error,
+                                        event.logprobs)
                     if event.finish_reason is not None:
                         self._end(handle, delivery)
                     else:

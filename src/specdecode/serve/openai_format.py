@@ -102,25 +102,26 @@ class ResponseShape:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices,
                 **extra}
 
-    def full(self, text: str, finish_reason: str, usage_: dict, spec: dict) -> dict:
-        """The non-streamed response."""
+    def full(self, text: str, finish_reason: str, usage_: dict, spec: dict, logprobs: dict | None = None) -> dict:
+        """The non-streamed response (``logprobs``: ``logprobs_json``'s, when asked)."""
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                       "finish_reason": finish_reason}
             return self._envelope("chat.completion", [choice], usage=usage_, system_fingerprint=None,
                                   speculative=spec)
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         return self._envelope("text_completion", [choice], usage=usage_, system_fingerprint=None, speculative=spec)
 
     def chunk(self, text: str | None, finish_reason: str | None = None, *, role: bool = False,
-              include_usage: bool = False, **extra) -> dict:
-        """One streamed chunk with a text delta (``role``: the chat stream's first chunk)."""
+              include_usage: bool = False, logprobs: dict | None = None, **extra) -> dict:
+        """One streamed chunk with a text delta (``role``: the chat stream's first chunk; ``logprobs``:
+        those of the tokens this chunk carries, ``logprobs_json``'s)."""
         if self.chat:
             delta: dict = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
             obj = "text_completion"
         if include_usage:
             extra.setdefault("usage", None)  # OpenAI: null on every chunk but the last
@@ -130,3 +131,37 @@ class ResponseShape:
         """The last chunk with ``stream_options.include_usage``: no choices, the usage."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return self._envelope(obj, [], system_fingerprint=None, usage=usage_, speculative=spec)
+
+
+def logprobs_json(chat: bool, entries: list, tokenizer, text_offset: int = 0) -> dict:
+    """OpenAI's ``logprobs`` object for ``entries`` (``engine.processors.TokenLogprob``s).
+
+    Chat: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}], "refusal": None}``.
+    Completions: ``{"tokens", "token_logprobs", "top_logprobs" (a {token: logprob} dict per token,
+    or None when no alternatives were asked), "text_offset"}``, offsets counted from ``text_offset``.
+    A token's text is its own decode (special tokens included).
+    """
+
+    def text_of(token_id: int) -> str:
+        return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
+
+    if chat:
+        content = []
+        for e in entries:
+            token = text_of(e.token_id)
+            top = [{"token": text_of(t), "logprob": v, "bytes": list(text_of(t).encode("utf-8"))} for t, v in e.top]
+            content.append({"token": token, "logprob": e.logprob, "bytes": list(token.encode("utf-8")),
+                            "top_logprobs": top})
+        return {"content": content, "refusal": None}
+    tokens, offsets, offset = [], [], text_offset
+    for e in entries:
+        tokens.append(text_of(e.token_id))
+        offsets.append(offset)
+        offset += len(tokens[-1])
+    asked_top = any(e.top for e in entries)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{text_of(t): v for t, v in e.top} for e in entries] if asked_top else None,
+        "text_offset": offsets,
+    }
