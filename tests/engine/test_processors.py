@@ -225,3 +225,35 @@ def test_ids_outside_the_vocabulary_are_refused_at_the_start():
     with pytest.raises(InvalidArgumentError, match=r"stop_token_ids names token id 99"):
         batch.add([5, 6], GenerationConfig(max_new_tokens=4, stop_token_ids=[99]))
     assert not batch.has_work
+
+
+class _RawDrafter(DraftModelDrafter):
+    """A draft model that ignores the processors (its sampler's ``drafting`` gives None)."""
+
+    def propose(self, sequence, max_tokens, exit_policy=None, first_logits=None):
+        sampler = self._sampler
+        sampler.drafting = lambda seq: None  # an instance attribute: this generation's sampler only
+        try:
+            return super().propose(sequence, max_tokens, exit_policy, first_logits)
+        finally:
+            del sampler.drafting
+
+
+def test_the_draft_models_q_gets_the_processors_on_its_own_context():
+    """A draft equal to the target, with processors: every proposal is accepted only if the draft
+    applies the same processors on its own context (drafted tokens included); single and batched."""
+    target = make_tiny_model("llama", num_layers=2)
+    config = GenerationConfig(max_new_tokens=20, num_speculative_tokens=4, stop_on_eos=False, **PROCESSORS["all"])
+    for prompt in PROMPTS:
+        result = SpeculativeDecoder(target, DraftModelDrafter(target), compile=False).generate(prompt, config)
+        assert result.stats.num_accepted_tokens == result.stats.num_drafted_tokens > 0
+        batch = BatchedSpeculativeDecoder(target, BatchDraftModelDrafter(target), max_batch_size=1, max_length=64,
+                                          num_speculative_tokens=4, compile=False)
+        assert batch.generate([prompt], config)[0].token_ids == result.token_ids
+        assert batch.stats.num_accepted_tokens == batch.stats.num_drafted_tokens > 0
+        cascade = BatchedSpeculativeDecoder(target, BatchCascadeDrafter(target, ngram_check=False), max_batch_size=1,
+                                            max_length=64, num_speculative_tokens=4, compile=False)
+        assert cascade.generate([prompt], config)[0].token_ids == result.token_ids
+    # Negative control: a draft that ignores the processors gets rejections.
+    stats = SpeculativeDecoder(target, _RawDrafter(target), compile=False).generate(PROMPTS[0], config).stats
+    assert stats.num_accepted_tokens < stats.num_drafted_tokens

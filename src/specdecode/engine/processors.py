@@ -104,6 +104,7 @@ class LogitsProcessing:
                 )
         self.vocab_size = vocab_size
         self.device = torch.device(device)
+        self.num_prompt_tokens = int(prompt.shape[-1]) if isinstance(prompt, torch.Tensor) else len(prompt)
         self.repetition_penalty = float(config.repetition_penalty)
         self.frequency_penalty = float(config.frequency_penalty)
         self.presence_penalty = float(config.presence_penalty)
@@ -183,10 +184,24 @@ class LogitsProcessing:
         steps[1:].scatter_add_(1, ids.view(-1, 1), torch.ones((width - 1, 1), device=steps.device))
         return steps.cumsum_(0) + self.counts
 
-    def drafting(self) -> DraftProcessing:
-        """Processing for a draft model's block on its own context (the output so far, then each
-        token it drafts); changes nothing of this object."""
-        return DraftProcessing(self)
+    def drafting(self, sequence: torch.Tensor | Sequence[int]) -> DraftProcessing:
+        """Processing for a draft model's block on its own context: ``sequence`` (the prompt, the
+        output so far, and any tokens the drafter already put after it, e.g. the cascade's n-gram
+        tokens), then each token it drafts. Changes nothing of this object.
+
+        Args:
+            sequence: (1, L) or (L,) long on the device, or a list of ids: the tokens the draft
+                model's next token follows.
+        """
+        view = DraftProcessing(self)
+        confirmed = self.num_prompt_tokens + len(self._output)
+        if isinstance(sequence, torch.Tensor):
+            tail = sequence.reshape(-1)[confirmed:]
+            if tail.numel():
+                view.push(tail)
+        elif len(sequence) > confirmed:
+            view.push(torch.tensor(list(sequence[confirmed:]), dtype=torch.long).to(self.device, non_blocking=True))
+        return view
 
     # -- after the round -----------------------------------------------------------------------
 
@@ -262,7 +277,7 @@ class DraftProcessing:
             proc.counts = saved
 
     def push(self, token: torch.Tensor) -> None:
-        """Count the drafted ``token`` ((1,) or () long, on the device) for the next steps."""
+        """Count the drafted ``token`` (any-shaped long tensor of ids, on the device) for the next steps."""
         if not self.active or not self.processing._counting:
             return
         if self._extra is None:
@@ -291,4 +306,16 @@ def process_rows(
     for b, proc in enumerate(processings):
         if proc is not None and proc.changes_logits:
             out[b] = proc.block(out[b], ids[b, 1:])
+    return out
+
+
+def process_draft_rows(
+    logits: torch.Tensor, views: Sequence[DraftProcessing | None], vocab_size: int
+) -> torch.Tensor:
+    """A batched draft step's (n, V') logits with each row's ``DraftProcessing`` applied: (n, V)
+    float32 (rows without one unchanged); no host sync."""
+    out = fit_width(logits, vocab_size).float().clone()
+    for b, view in enumerate(views):
+        if view is not None:
+            out[b] = view.apply(out[b : b + 1])[0]
     return out

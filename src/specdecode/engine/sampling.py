@@ -19,7 +19,7 @@ from transformers.generation.logits_process import (
 )
 
 from specdecode.config import GenerationConfig
-from specdecode.engine.processors import LogitsProcessing, fit_width
+from specdecode.engine.processors import DraftProcessing, LogitsProcessing, fit_width
 from specdecode.errors import NonFiniteLogitsError
 
 
@@ -116,6 +116,14 @@ class Sampler:
         if self.processors is None:
             return logits
         return self.processors.block(logits, drafted)
+
+    def drafting(self, sequence: torch.Tensor | list[int]) -> DraftProcessing | None:
+        """The processors for a draft model's q on its own context (``LogitsProcessing.drafting``),
+        or None when no processor changes logits. Exactness never depends on q: this keeps the
+        draft's proposals close to the processed target's, so acceptance does not drop."""
+        if self.processors is None or not self.processors.changes_logits:
+            return None
+        return self.processors.drafting(sequence)
 
     def _fit(self, logits: torch.Tensor) -> torch.Tensor:
         return fit_width(logits, self.vocab_size)
