@@ -190,6 +190,25 @@ def check_logit_bias(bias: object) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(out.items()))
 
 
+def parse_logit_bias(items: list[str]) -> dict[int, float]:
+    """``ID=BIAS`` strings (the ``--logit-bias`` flag of ``generate`` and ``bench``) as a dict.
+
+    Raises:
+        InvalidArgumentError: An item that is not an integer id, "=", and a number; the message
+            names it (the values' ranges are checked by ``check_logit_bias``).
+    """
+    out = {}
+    for item in items:
+        token, sep, value = item.partition("=")
+        try:
+            if not sep:
+                raise ValueError(item)
+            out[int(token)] = float(value)
+        except ValueError:
+            raise InvalidArgumentError(f"--logit-bias takes ID=BIAS (an integer id, a number), got {item!r}") from None
+    return out
+
+
 def check_num_speculative_tokens(value: object) -> int:
     """Return ``value`` if it is a valid γ (``num_speculative_tokens``): an integer >= 1.
 

@@ -16,7 +16,7 @@ import logging
 import sys
 
 from specdecode import method_registry
-from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS, GenerationConfig
+from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS, GenerationConfig, parse_logit_bias
 from specdecode.drafters.control import LENGTH_SCHEDULES, DraftControl
 from specdecode.errors import InvalidArgumentError, SpecDecodeError
 from specdecode.models.loading import resolve_device
@@ -157,9 +157,10 @@ def add_quantize_arguments(p: argparse.ArgumentParser, draft_default: str = "as 
                    f"{', '.join(map(str, INT4_GROUP_SIZES))} (default 32); 64 stores 4.5 bits a weight, not 5")
 
 
-def add_processor_arguments(p: argparse.ArgumentParser) -> None:
-    """The processor and logprobs flags (``GenerationConfig``'s fields; ``engine.processors``)."""
-    g = p.add_argument_group("logits processors (exact under speculation) and logprobs")
+def add_processor_arguments(p: argparse.ArgumentParser, *, per_request: bool = True) -> None:
+    """The processor flags (``GenerationConfig``'s fields; ``engine.processors``); with
+    ``per_request`` also --stop-token-id and the logprobs flags (``generate``'s, not ``bench``'s)."""
+    g = p.add_argument_group("logits processors (exact under speculation)" + (" and logprobs" if per_request else ""))
     g.add_argument("--repetition-penalty", type=float, default=1.0, metavar="P",
                    help="divide (multiply when negative) the logits of tokens already in the prompt or output by P "
                         "(> 0; 1 = off)")
@@ -171,6 +172,8 @@ def add_processor_arguments(p: argparse.ArgumentParser) -> None:
                    help="sampling keeps tokens with at least P times the top token's probability ([0, 1]; 0 = off)")
     g.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
                    help="add BIAS ([-100, 100]) to token ID's logit (repeatable)")
+    if not per_request:
+        return
     g.add_argument("--stop-token-id", action="append", type=int, default=[], metavar="ID",
                    help="a token id that ends the generation like EOS (repeatable)")
     g.add_argument("--logprobs", action="store_true", help="report each token's log-probability")
@@ -182,23 +185,14 @@ def processor_options(args) -> dict:
     """``GenerationConfig`` keywords from ``add_processor_arguments``'s flags.
 
     Raises:
-        SpecDecodeError: A ``--logit-bias`` that is not ID=BIAS (the values are checked by the config).
+        InvalidArgumentError: A ``--logit-bias`` that is not ID=BIAS (the values are checked by the config).
     """
-    bias = {}
-    for item in args.logit_bias:
-        token, sep, value = item.partition("=")
-        try:
-            bias[int(token)] = float(value)
-        except ValueError:
-            raise SpecDecodeError(f"--logit-bias takes ID=BIAS (an integer id, a number), got {item!r}") from None
-        if not sep:
-            raise SpecDecodeError(f"--logit-bias takes ID=BIAS (an integer id, a number), got {item!r}")
     return dict(
         repetition_penalty=args.repetition_penalty,
         frequency_penalty=args.frequency_penalty,
         presence_penalty=args.presence_penalty,
         min_p=args.min_p,
-        logit_bias=bias,
+        logit_bias=parse_logit_bias(args.logit_bias),
         stop_token_ids=tuple(args.stop_token_id),
         logprobs=args.logprobs,
         top_logprobs=args.top_logprobs,
