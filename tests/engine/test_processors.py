@@ -257,3 +257,34 @@ def test_the_draft_models_q_gets_the_processors_on_its_own_context():
     # Negative control: a draft that ignores the processors gets rejections.
     stats = SpeculativeDecoder(target, _RawDrafter(target), compile=False).generate(PROMPTS[0], config).stats
     assert stats.num_accepted_tokens < stats.num_drafted_tokens
+
+
+@pytest.mark.parametrize("method", ["autoregressive", "draft", "prompt-lookup"])
+def test_processors_add_no_host_sync_to_a_round(method):
+    """On the fast path's host logic (static cache, eager forwards), a greedy round with every
+    processor still reads the device once (``test_host_syncs``'s counter and bound)."""
+    from test_host_syncs import SyncCounter
+
+    from specdecode.engine.fast_path import DRAFT_BUCKETS, ModelRunner
+
+    target = make_tiny_model("llama", num_layers=2)
+    draft = perturbed_copy(target, noise=0.3, seed=1)
+    target_runner = ModelRunner(target, compile=True, graphs=False, name="target")
+    drafter = {
+        "autoregressive": lambda: None,
+        "draft": lambda: DraftModelDrafter(draft, runner=ModelRunner(draft, compile=True, graphs=False,
+                                                                      buckets=DRAFT_BUCKETS, name="draft")),
+        "prompt-lookup": lambda: PromptLookupDrafter(),
+    }[method]()
+    config = GenerationConfig(max_new_tokens=30, num_speculative_tokens=4, stop_on_eos=False, **PROCESSORS["all"])
+    expected = reference(target, REPETITIVE, config)[0]
+    counter = SyncCounter([target, draft])
+    stream = SpeculativeDecoder(target, drafter, runner=target_runner).stream(REPETITIVE, config)
+    rounds = iter(stream)
+    first = next(rounds)  # the prefill may sync: not a round
+    with counter.counting():
+        counter.active = True
+        tokens = first + [t for block in rounds for t in block]
+    assert tokens == expected
+    assert stream.stats.num_target_forwards > 3
+    assert counter.count <= stream.stats.num_target_forwards

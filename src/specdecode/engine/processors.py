@@ -70,6 +70,15 @@ def fit_width(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return logits
 
 
+def _to_device(ids: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Token ids as a long tensor on ``device``; on CUDA through pinned memory with a non-blocking
+    copy, so that it never waits for the GPU (no host sync)."""
+    host = torch.tensor(list(ids), dtype=torch.long)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class LogitsProcessing:
     """One generation's context-dependent processors and logprobs (module docstring).
 
@@ -200,7 +209,7 @@ class LogitsProcessing:
             if tail.numel():
                 view.push(tail)
         elif len(sequence) > confirmed:
-            view.push(torch.tensor(list(sequence[confirmed:]), dtype=torch.long).to(self.device, non_blocking=True))
+            view.push(_to_device(sequence[confirmed:], self.device))
         return view
 
     # -- after the round -----------------------------------------------------------------------
@@ -215,7 +224,7 @@ class LogitsProcessing:
             self.counts.zero_()
             done = 0
         if self._counting and len(output) > done:
-            tail = torch.tensor(list(output[done:]), dtype=torch.long).to(self.device, non_blocking=True)
+            tail = _to_device(output[done:], self.device)
             self.counts.index_add_(0, tail.clamp(0, self.vocab_size - 1), torch.ones(tail.shape[0], device=self.device))
         self._output = list(output)
         del self.logprobs[len(output):]
