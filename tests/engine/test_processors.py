@@ -288,3 +288,52 @@ def test_processors_add_no_host_sync_to_a_round(method):
     assert tokens == expected
     assert stream.stats.num_target_forwards > 3
     assert counter.count <= stream.stats.num_target_forwards
+
+
+def test_batched_fast_path_with_processors_and_logprobs():
+    """The batched engine's fast path (static forwards, eager here) with per-row processors and
+    logprobs: each row equals the reference."""
+    target = make_tiny_model("gemma2", num_layers=2)
+    draft = perturbed_copy(target, noise=0.3, seed=1)
+    base = GenerationConfig(max_new_tokens=16, stop_on_eos=False, logprobs=True)
+    configs = [dataclasses.replace(base, **PROCESSORS[name]) for name in ("all", "bias", "repetition")]
+    dec = BatchedSpeculativeDecoder(target, BatchDraftModelDrafter(draft), max_batch_size=2, max_length=64,
+                                    num_speculative_tokens=4, compile=True, graphs=False)
+    for result, prompt, config in zip(dec.generate(PROMPTS, configs), PROMPTS, configs):
+        tokens, logprobs = reference(target, prompt, config)
+        assert result.token_ids == tokens
+        torch.testing.assert_close(torch.tensor([lp.logprob for lp in result.logprobs]), torch.tensor(logprobs),
+                                   rtol=0, atol=1e-4)
+
+
+def test_logprobs_follow_banned_word_rollbacks_and_events():
+    """With banned words (rollbacks) the logprobs stay one per kept token; a batched request's
+    events carry the logprobs of their own tokens."""
+    from conftest import make_tiny_tokenizer
+
+    tok = make_tiny_tokenizer()
+    target = make_tiny_model("llama", num_layers=2)
+    draft = perturbed_copy(target, noise=0.3, seed=1)
+    free = GenerationConfig(max_new_tokens=16, stop_on_eos=False, logprobs=True, **PROCESSORS["repetition"])
+    words = tok.decode(reference(target, PROMPTS[0], free)[0][3:5]).split()
+    config = dataclasses.replace(free, banned_words=tuple(words))
+    single = SpeculativeDecoder(target, DraftModelDrafter(draft), tokenizer=tok, compile=False).generate(
+        PROMPTS[0], config)
+    assert single.stats.num_banned_word_rollbacks > 0
+    assert [lp.token_id for lp in single.logprobs] == single.token_ids
+    dec = BatchedSpeculativeDecoder(target, BatchDraftModelDrafter(draft), max_batch_size=2, max_length=64,
+                                    num_speculative_tokens=4, tokenizer=tok, compile=False)
+    request = dec.add(PROMPTS[0], config)
+    other = dec.add(PROMPTS[1], free)
+    seen: dict[int, list] = {request: [], other: []}
+    results = {}
+    while dec.has_work:
+        for event in dec.step():
+            assert [lp.token_id for lp in event.logprobs or []] == event.token_ids
+            seen[event.request_id] += event.logprobs or []
+            if event.result is not None:
+                results[event.request_id] = event.result
+    assert results[request].token_ids == single.token_ids
+    for rid in (request, other):
+        assert [lp.token_id for lp in seen[rid]] == results[rid].token_ids
+        assert [lp.logprob for lp in seen[rid]] == [lp.logprob for lp in results[rid].logprobs]
