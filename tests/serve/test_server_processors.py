@@ -156,3 +156,31 @@ def test_chat_top_logprobs_without_logprobs_is_refused(server):
     with pytest.raises(openai.BadRequestError) as e:
         client(url).chat.completions.create(model="tiny", messages=CHAT, max_tokens=4, top_logprobs=2)
     assert e.value.body["param"] == "top_logprobs" and "needs logprobs=true" in e.value.body["message"]
+
+
+def test_temperature_top_p_and_seed_change_the_output(server, generator):
+    """Sampling happens: temperature and seed change the text, a tiny top_p brings back the greedy
+    text (only the top token is left), and the same seed gives the same text."""
+    url, _, _ = server
+    c = client(url)
+    greedy = text(generator, alone(generator, PROMPT, False).token_ids)
+
+    def sample(**kw) -> str:
+        return c.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, **kw).choices[0].text
+
+    assert sample(temperature=0) == greedy
+    by_seed = [sample(temperature=1.2, seed=s) for s in range(4)]
+    assert any(t != greedy for t in by_seed) and len(set(by_seed)) > 1
+    assert sample(temperature=1.2, seed=2) == by_seed[2]
+    assert [sample(temperature=1.2, seed=s, top_p=1e-6) for s in range(4)] == [greedy] * 4
+
+
+def test_a_masked_tokens_logprob_is_floored_in_json():
+    from specdecode.engine.processors import TokenLogprob
+    from specdecode.serve.openai_format import LOGPROB_FLOOR, logprobs_json
+
+    entry = TokenLogprob(5, -0.1, ((5, -0.1), (7, float("-inf"))))
+    chat = logprobs_json(True, [entry], None)
+    assert chat["content"][0]["top_logprobs"][1]["logprob"] == LOGPROB_FLOOR
+    completion = logprobs_json(False, [entry], None)
+    assert completion["top_logprobs"] == [{"5": -0.1, "7": LOGPROB_FLOOR}] and completion["text_offset"] == [0]

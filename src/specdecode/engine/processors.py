@@ -243,9 +243,9 @@ class LogitsProcessing:
         logp = torch.log_softmax(scores[:m].float(), dim=-1)
         ids = torch.tensor(list(tokens), dtype=torch.long, device=logp.device)
         parts = [logp.gather(1, ids.view(-1, 1)).flatten().double()]
-        top = self.top_logprobs
+        top = min(self.top_logprobs, logp.shape[-1])
         if top:
-            values, where = logp.topk(min(top, logp.shape[-1]), dim=-1)
+            values, where = logp.topk(top, dim=-1)
             parts += [values.flatten().double(), where.flatten().double()]
         host = torch.cat(parts).tolist()
         chosen = host[:m]

@@ -133,6 +133,10 @@ class ResponseShape:
         return self._envelope(obj, [], system_fingerprint=None, usage=usage_, speculative=spec)
 
 
+#: The lowest logprob a response carries (a masked token's is -inf, which JSON cannot hold; vLLM's value).
+LOGPROB_FLOOR = -9999.0
+
+
 def logprobs_json(chat: bool, entries: list, tokenizer, text_offset: int = 0) -> dict:
     """OpenAI's ``logprobs`` object for ``entries`` (``engine.processors.TokenLogprob``s).
 
@@ -145,12 +149,16 @@ def logprobs_json(chat: bool, entries: list, tokenizer, text_offset: int = 0) ->
     def text_of(token_id: int) -> str:
         return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
 
+    def finite(value: float) -> float:  # a masked token's -inf is not JSON: vLLM's floor instead
+        return max(value, LOGPROB_FLOOR)
+
     if chat:
         content = []
         for e in entries:
             token = text_of(e.token_id)
-            top = [{"token": text_of(t), "logprob": v, "bytes": list(text_of(t).encode("utf-8"))} for t, v in e.top]
-            content.append({"token": token, "logprob": e.logprob, "bytes": list(token.encode("utf-8")),
+            top = [{"token": text_of(t), "logprob": finite(v), "bytes": list(text_of(t).encode("utf-8"))}
+                   for t, v in e.top]
+            content.append({"token": token, "logprob": finite(e.logprob), "bytes": list(token.encode("utf-8")),
                             "top_logprobs": top})
         return {"content": content, "refusal": None}
     tokens, offsets, offset = [], [], text_offset
@@ -161,7 +169,7 @@ def logprobs_json(chat: bool, entries: list, tokenizer, text_offset: int = 0) ->
     asked_top = any(e.top for e in entries)
     return {
         "tokens": tokens,
-        "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{text_of(t): v for t, v in e.top} for e in entries] if asked_top else None,
+        "token_logprobs": [finite(e.logprob) for e in entries],
+        "top_logprobs": [{text_of(t): finite(v) for t, v in e.top} for e in entries] if asked_top else None,
         "text_offset": offsets,
     }
