@@ -60,8 +60,8 @@ from specdecode.engine.batch_cache import (
 )
 from specdecode.engine.batch_rows import BatchEvent, BatchRow
 from specdecode.engine.batch_runner import BatchRunner, check_row_buckets, default_batch_compile
-from specdecode.engine.processors import process_rows
 from specdecode.engine.decoder import GenerationResult, _as_2d
+from specdecode.engine.processors import process_rows
 from specdecode.engine.protocol import BATCH_EXIT_RULES, BatchDraft, BatchDrafter, DraftPolicy
 from specdecode.engine.sampling import check_finite, logits_width, raise_non_finite
 from specdecode.engine.stats import SpecDecodingStats

@@ -34,8 +34,8 @@ from transformers import DynamicCache, PreTrainedModel
 from specdecode.config import GenerationConfig
 from specdecode.engine import kv_cache
 from specdecode.engine.fast_path import DRAFT_BUCKETS, ModelRunner
-from specdecode.engine.processors import TokenLogprob
 from specdecode.engine.banned_rows import BannedRow
+from specdecode.engine.processors import TokenLogprob
 from specdecode.engine.protocol import Draft, Drafter, DraftPolicy
 from specdecode.engine.sampling import Sampler, check_finite, logits_width, raise_non_finite
 from specdecode.engine.stats import SpecDecodingStats

@@ -136,7 +136,7 @@ class LogitsProcessing:
             ids = ids[ids < vocab_size]
             self._seen_prompt = torch.zeros(vocab_size, dtype=torch.bool, device=self.device)
             self._seen_prompt[ids] = True
-        self._output: list[int] = []  # the output tokens ``counts`` holds
+        self._num_output = 0  # output tokens ``counts`` holds (the first ones of the output)
 
     @classmethod
     def from_config(
@@ -203,7 +203,7 @@ class LogitsProcessing:
                 model's next token follows.
         """
         view = DraftProcessing(self)
-        confirmed = self.num_prompt_tokens + len(self._output)
+        confirmed = self.num_prompt_tokens + self._num_output
         if isinstance(sequence, torch.Tensor):
             tail = sequence.reshape(-1)[confirmed:]
             if tail.numel():
@@ -218,15 +218,14 @@ class LogitsProcessing:
         """Make the counts and the logprobs those of ``output``, the generation's tokens now
         (after a round's emit, or a banned-word rollback). Adds the new tail with one small
         host-to-device copy; a shorter output (a rollback) recounts it."""
-        done = len(self._output)
+        done = self._num_output  # a rollback only shortens the output: a longer one extends the counted prefix
         if len(output) < done:
-            self._output = []
             self.counts.zero_()
             done = 0
         if self._counting and len(output) > done:
             tail = _to_device(output[done:], self.device)
             self.counts.index_add_(0, tail.clamp(0, self.vocab_size - 1), torch.ones(tail.shape[0], device=self.device))
-        self._output = list(output)
+        self._num_output = len(output)
         del self.logprobs[len(output):]
 
     def record(self, position: int, scores: torch.Tensor, tokens: Sequence[int]) -> None:
