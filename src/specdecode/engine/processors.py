@@ -6,8 +6,10 @@ decoding applies them to one row of logits per forward; a verification forward g
 W = k + 1 rows, and row i must be processed as autoregressive decoding would process it: with
 the prompt, the output so far and the drafted tokens d_1 .. d_i before it. ``LogitsProcessing``
 keeps the output's token counts on the device (updated once per round from the tokens the round
-confirmed, ``sync``) and builds the block's per-row counts with one (W, V) scatter and a cumulative
-sum over rows, so processing a block costs no host sync.
+confirmed, ``sync``), with the context's distinct tokens: a penalty changes only their columns and
+the drafted tokens'. A block gathers those columns, counts the drafted tokens before each row with
+a cumulative sum over rows, and scatters the penalized values back: O(W x (context + W)) work past
+the float32 copy of the logits, and no host sync.
 
 The order and the definitions follow vLLM's sampler (``vllm/v1/sample/sampler.py``):
 
@@ -121,22 +123,30 @@ class LogitsProcessing:
         self.wants_logprobs = config.logprobs
         self.top_logprobs = config.top_logprobs
         self.logprobs: list[TokenLogprob] = []
-        self.bias: torch.Tensor | None = None
+        self._bias: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids, values) on the device
         if config.logit_bias:
-            ids = torch.tensor([t for t, _ in config.logit_bias], dtype=torch.long)
-            values = torch.tensor([b for _, b in config.logit_bias], dtype=torch.float32)
-            self.bias = torch.zeros(vocab_size, dtype=torch.float32).index_put_((ids,), values).to(self.device)
+            self._bias = (_to_device([t for t, _ in config.logit_bias], self.device),
+                          torch.tensor([b for _, b in config.logit_bias], dtype=torch.float32).to(self.device))
         self._counting = self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
         #: (V,) float32: how often each token occurs in the output so far (``sync``).
         self.counts = torch.zeros(vocab_size, dtype=torch.float32, device=self.device)
-        self._seen_prompt: torch.Tensor | None = None
-        if self.repetition_penalty != 1.0:
-            ids = prompt.reshape(-1) if isinstance(prompt, torch.Tensor) else torch.tensor(list(prompt))
-            ids = ids.to(device=self.device, dtype=torch.long)
-            ids = ids[ids < vocab_size]
-            self._seen_prompt = torch.zeros(vocab_size, dtype=torch.bool, device=self.device)
-            self._seen_prompt[ids] = True
         self._num_output = 0  # output tokens ``counts`` holds (the first ones of the output)
+        # The context's distinct tokens (prompt and output): the only columns a penalty changes,
+        # besides the drafted tokens. Kept on the host (a set) and on the device (``_cols``).
+        self._prompt_ids: list[int] = []
+        if self._counting:
+            ids = prompt.reshape(-1).tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
+            self._prompt_ids = [t for t in dict.fromkeys(ids) if 0 <= t < vocab_size]
+        self._reset_context()
+
+    def _reset_context(self) -> None:
+        """The context's columns back to the prompt's (start, or a rollback that recounts)."""
+        self._col_set = set(self._prompt_ids)
+        self._cols = _to_device(self._prompt_ids, self.device)
+        #: (V,) bool: tokens in the prompt or the output (the repetition penalty's "seen").
+        self._seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
+        if self._prompt_ids and self.repetition_penalty != 1.0:
+            self._seen[self._cols] = True
 
     @classmethod
     def from_config(
@@ -157,6 +167,10 @@ class LogitsProcessing:
     def block(self, logits: torch.Tensor, drafted: torch.Tensor | None = None) -> torch.Tensor:
         """Process a verification block: row i as after the output so far and ``drafted[:i]``.
 
+        Only the columns of the context's tokens and the drafted ones change (a penalty leaves
+        every other token alone), so the work past the float32 copy is O(W x (context + W)),
+        not O(W x V): the columns are gathered, processed and scattered back.
+
         Args:
             logits: (W, V') the target's logits, any float dtype; row i predicts the token after
                 the sequence and the first i drafted tokens.
@@ -167,31 +181,42 @@ class LogitsProcessing:
         Returns:
             (W, V) float32, a new tensor (the input is left as it is).
         """
-        scores = fit_width(logits, self.vocab_size).float().clone()
-        if not self.changes_logits:
+        scores = self._biased(logits)
+        if not self._counting:
             return scores
-        if self.bias is not None:
-            scores += self.bias
-        if self._counting:
-            counts = self.block_counts(scores.shape[0], drafted)
-            if self.repetition_penalty != 1.0:
-                seen = (counts > 0) | self._seen_prompt
-                penalized = torch.where(scores < 0, scores * self.repetition_penalty, scores / self.repetition_penalty)
-                scores = torch.where(seen, penalized, scores)
-            if self.frequency_penalty != 0.0:
-                scores -= counts * self.frequency_penalty
-            if self.presence_penalty != 0.0:
-                scores -= (counts > 0).float() * self.presence_penalty
+        width = scores.shape[0]
+        if width == 1 or drafted is None:
+            return self._penalize(scores, self._cols, self.counts[self._cols].expand(width, -1))
+        d = drafted[: width - 1].to(device=scores.device, dtype=torch.long).clamp(0, self.vocab_size - 1)
+        cols = torch.cat([self._cols, d])
+        # Row i also counts d[:i]: a cumulative sum over the rows of "d[t] is this column's token".
+        hits = (d.view(-1, 1) == cols.view(1, -1)).float()  # (W - 1, m)
+        counts = self.counts[cols] + torch.cat([hits.new_zeros(1, cols.shape[0]), hits.cumsum(0)])
+        return self._penalize(scores, cols, counts)
+
+    def _biased(self, logits: torch.Tensor) -> torch.Tensor:
+        """(m, V') -> (m, V) float32 copy with ``logit_bias`` added."""
+        scores = fit_width(logits, self.vocab_size).float().clone()
+        if self._bias is not None:
+            ids, values = self._bias
+            scores.index_add_(1, ids, values.expand(scores.shape[0], -1))
         return scores
 
-    def block_counts(self, width: int, drafted: torch.Tensor | None) -> torch.Tensor:
-        """(W, V) float32: row i holds the output's token counts plus those of ``drafted[:i]``."""
-        if width == 1 or drafted is None:
-            return self.counts.unsqueeze(0).expand(width, -1)
-        steps = torch.zeros((width, self.vocab_size), dtype=torch.float32, device=self.counts.device)
-        ids = drafted[: width - 1].to(device=steps.device, dtype=torch.long).clamp(0, self.vocab_size - 1)
-        steps[1:].scatter_add_(1, ids.view(-1, 1), torch.ones((width - 1, 1), device=steps.device))
-        return steps.cumsum_(0) + self.counts
+    def _penalize(self, scores: torch.Tensor, cols: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Apply the penalties to ``scores`` (W, V) in place at the columns ``cols`` (m,), which hold
+        every token whose count or "seen" flag is not zero; ``counts`` (W, m): the output's counts
+        of ``cols[j]`` as row i sees them. A token listed twice gets the same value twice."""
+        index = cols.expand(scores.shape[0], -1)
+        sub = scores.gather(1, index)
+        if self.repetition_penalty != 1.0:
+            seen = self._seen[cols] | (counts > 0)
+            p = self.repetition_penalty
+            sub = torch.where(seen, torch.where(sub < 0, sub * p, sub / p), sub)
+        if self.frequency_penalty != 0.0:
+            sub = sub - counts * self.frequency_penalty
+        if self.presence_penalty != 0.0:
+            sub = sub - (counts > 0).float() * self.presence_penalty
+        return scores.scatter_(1, index, sub)
 
     def drafting(self, sequence: torch.Tensor | Sequence[int]) -> DraftProcessing:
         """Processing for a draft model's block on its own context: ``sequence`` (the prompt, the
@@ -221,10 +246,19 @@ class LogitsProcessing:
         done = self._num_output  # a rollback only shortens the output: a longer one extends the counted prefix
         if len(output) < done:
             self.counts.zero_()
+            self._reset_context()
             done = 0
         if self._counting and len(output) > done:
-            tail = _to_device(output[done:], self.device)
-            self.counts.index_add_(0, tail.clamp(0, self.vocab_size - 1), torch.ones(tail.shape[0], device=self.device))
+            tail = list(output[done:])
+            self.counts.index_add_(0, _to_device(tail, self.device).clamp(0, self.vocab_size - 1),
+                                   torch.ones(len(tail), device=self.device))
+            new = [t for t in dict.fromkeys(tail) if t not in self._col_set and 0 <= t < self.vocab_size]
+            if new:
+                self._col_set.update(new)
+                ids = _to_device(new, self.device)
+                self._cols = torch.cat([self._cols, ids])
+                if self.repetition_penalty != 1.0:
+                    self._seen[ids] = True
         self._num_output = len(output)
         del self.logprobs[len(output):]
 
@@ -268,30 +302,35 @@ class DraftProcessing:
     def __init__(self, processing: LogitsProcessing) -> None:
         self.processing = processing
         self.active = processing.changes_logits
-        self._extra: torch.Tensor | None = None  # (V,) counts of the tokens drafted in this block
+        self._ids: torch.Tensor | None = None  # (k,) the tokens drafted (or put ahead) in this block
+        self._extra: torch.Tensor | None = None  # (V,) their counts
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """(m, V') draft logits -> (m, V) float32 processed as after the drafted tokens so far
-        (every row alike: one draft step's rows)."""
+        (every row alike: one draft step's rows); unchanged when no processor changes logits."""
         if not self.active:
             return logits
         proc = self.processing
-        saved = proc.counts
-        if self._extra is not None:
-            proc.counts = saved + self._extra
-        try:
-            return proc.block(logits.reshape(-1, logits.shape[-1]), None).view(*logits.shape[:-1], -1)
-        finally:
-            proc.counts = saved
+        scores = proc._biased(logits.reshape(-1, logits.shape[-1]))
+        if proc._counting:
+            if self._ids is None:
+                cols, counts = proc._cols, proc.counts[proc._cols]
+            else:
+                cols = torch.cat([proc._cols, self._ids])
+                counts = proc.counts[cols] + self._extra[cols]
+            proc._penalize(scores, cols, counts.expand(scores.shape[0], -1))
+        return scores.view(*logits.shape[:-1], -1)
 
     def push(self, token: torch.Tensor) -> None:
         """Count the drafted ``token`` (any-shaped long tensor of ids, on the device) for the next steps."""
         if not self.active or not self.processing._counting:
             return
+        proc = self.processing
+        ids = token.reshape(-1).to(device=proc.device, dtype=torch.long).clamp(0, proc.vocab_size - 1)
         if self._extra is None:
-            self._extra = torch.zeros_like(self.processing.counts)
-        ids = token.reshape(-1).to(device=self._extra.device, dtype=torch.long).clamp(0, self.processing.vocab_size - 1)
-        self._extra.index_add_(0, ids, torch.ones(ids.shape[0], device=self._extra.device))
+            self._extra = torch.zeros_like(proc.counts)
+        self._extra.index_add_(0, ids, torch.ones(ids.shape[0], device=proc.device))
+        self._ids = ids if self._ids is None else torch.cat([self._ids, ids])
 
 
 def process_rows(
