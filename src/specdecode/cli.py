@@ -17,7 +17,12 @@ from typing import Any
 from specdecode import bench
 from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS, GenerationConfig
 from specdecode.errors import SpecDecodeError
-from specdecode.generate_command import add_generate_parser, add_quantize_arguments, run_generate
+from specdecode.generate_command import (
+    add_generate_parser,
+    add_processor_arguments,
+    add_quantize_arguments,
+    run_generate,
+)
 from specdecode.models.quantize import QUANTIZE_SCHEMES
 from specdecode.pipeline import DEFAULT_DRAFT, DEFAULT_TARGET
 
@@ -186,6 +191,7 @@ def _add_bench(sub) -> argparse.ArgumentParser:
                    "are left out")
     p.add_argument("--banned-words-ignore-case", action="store_true", help="match banned words regardless of case")
     p.add_argument("--banned-words-whole-word", action="store_true", help="match banned words as whole words only")
+    add_processor_arguments(p, per_request=False)  # [processors]
     p.add_argument("--drafter-option", action="append", type=_parse_option, default=[], metavar="KEY=VALUE",
                    help="any other keyword for the pipeline's decoder/make_drafter (VALUE parsed as JSON if it can be)")
     return p

@@ -33,6 +33,25 @@ class GenerationConfig:
         banned_words_ignore_case: Match banned words regardless of case.
         banned_words_whole_word: Match banned words only as whole words (a banned
             "ass" does not block "class").
+        repetition_penalty: transformers' / CTRL's multiplicative penalty (Keskar et al. 2019) on
+            every token already in the prompt or the output: a positive logit is divided by it, a
+            negative one multiplied; > 0, 1 = off.
+        frequency_penalty: OpenAI's: subtracted from a token's logit once per time the token
+            occurs in the output so far; in [-2, 2], 0 = off.
+        presence_penalty: OpenAI's: subtracted from a token's logit once it occurs in the output;
+            in [-2, 2], 0 = off.
+        min_p: Keep only tokens whose probability is at least ``min_p`` times the most likely
+            one's (after temperature; transformers' ``MinPLogitsWarper``); in [0, 1], 0 = off.
+            No effect on greedy decoding.
+        logit_bias: token id -> bias added to its logit (OpenAI's ``logit_bias``), each in
+            [-100, 100]; a dict or (id, bias) pairs, kept as sorted pairs. Ids are checked
+            against the target's vocabulary when the generation starts.
+        stop_token_ids: Extra token ids that end the generation like EOS (finish reason "eos"),
+            also with ``stop_on_eos=False``.
+        logprobs: Report, for every generated token, its log-probability under the target's
+            distribution after the processors above (``engine.processors``).
+        top_logprobs: With ``logprobs``, also the ``top_logprobs`` most likely tokens at each
+            position with theirs; in 0..20.
 
     Raises:
         InvalidArgumentError: If a value is outside the range given above.
@@ -49,6 +68,14 @@ class GenerationConfig:
     banned_words: tuple[str, ...] = field(default_factory=tuple)
     banned_words_ignore_case: bool = False
     banned_words_whole_word: bool = False
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -73,11 +100,113 @@ class GenerationConfig:
         if isinstance(self.banned_words, str):
             object.__setattr__(self, "banned_words", (self.banned_words,))
         object.__setattr__(self, "banned_words", check_banned_words(self.banned_words, allow_empty=True))
+        self._check_processors()
+
+    def _check_processors(self) -> None:
+        """Validate (and normalize) the processor fields; see the class docstring for the ranges."""
+        if not _is_number(self.repetition_penalty) or not self.repetition_penalty > 0:
+            raise InvalidArgumentError(
+                f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty!r}"
+            )
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                raise InvalidArgumentError(f"{name} must be a number in [-2, 2] (0 = off), got {value!r}")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise InvalidArgumentError(f"min_p must be a number in [0, 1] (0 = off), got {self.min_p!r}")
+        object.__setattr__(self, "logit_bias", check_logit_bias(self.logit_bias))
+        ids = self.stop_token_ids
+        if isinstance(ids, int) and not isinstance(ids, bool):
+            ids = (ids,)
+        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+            raise InvalidArgumentError(f"stop_token_ids must be a list of token ids (integers >= 0), got {ids!r}")
+        ids = tuple(ids)
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise InvalidArgumentError(f"a stop token id must be an integer >= 0, got {t!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(dict.fromkeys(ids)))
+        if not isinstance(self.logprobs, bool):
+            raise InvalidArgumentError(f"logprobs must be True or False, got {self.logprobs!r}")
+        top = self.top_logprobs
+        if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise InvalidArgumentError(f"top_logprobs must be an integer in 0..{MAX_TOP_LOGPROBS}, got {top!r}")
+        if top and not self.logprobs:
+            raise InvalidArgumentError(f"top_logprobs={top} needs logprobs=True")
+
+    @property
+    def processes_logits(self) -> bool:
+        """True when a processor depends on the context or changes logits (penalties, logit_bias):
+        ``engine.processors.LogitsProcessing`` then runs on every verification block."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+            or bool(self.logit_bias)
+        )
 
     @property
     def greedy(self) -> bool:
         """True when decoding takes the argmax (temperature 0)."""
         return self.temperature == 0.0
+
+
+#: The most ``top_logprobs`` a request may ask for (OpenAI's limit).
+MAX_TOP_LOGPROBS = 20
+#: ``logit_bias`` values lie in [-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT] (OpenAI's range).
+LOGIT_BIAS_LIMIT = 100.0
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_logit_bias(bias: object) -> tuple[tuple[int, float], ...]:
+    """Return ``bias`` (a dict or (token id, bias) pairs) as sorted ``(id, float)`` pairs.
+
+    Raises:
+        InvalidArgumentError: Not a mapping or pairs, an id that is not an integer >= 0, a bias
+            outside [-100, 100], or an id given twice; the message names the value.
+    """
+    if isinstance(bias, dict):
+        items = list(bias.items())
+    elif isinstance(bias, (str, bytes)) or not hasattr(bias, "__iter__"):
+        raise InvalidArgumentError(f"logit_bias must map token ids to biases, got {bias!r}")
+    else:
+        items = list(bias)
+    out: dict[int, float] = {}
+    for item in items:
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise InvalidArgumentError(f"logit_bias must map token ids to biases, got the entry {item!r}")
+        token, value = item
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise InvalidArgumentError(f"a logit_bias token id must be an integer >= 0, got {token!r}")
+        if not _is_number(value) or not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
+            raise InvalidArgumentError(
+                f"logit_bias for token {token} must be a number in [-100, 100], got {value!r}"
+            )
+        if token in out:
+            raise InvalidArgumentError(f"logit_bias gives token {token} twice")
+        out[token] = float(value)
+    return tuple(sorted(out.items()))
+
+
+def parse_logit_bias(items: list[str]) -> dict[int, float]:
+    """``ID=BIAS`` strings (the ``--logit-bias`` flag of ``generate`` and ``bench``) as a dict.
+
+    Raises:
+        InvalidArgumentError: An item that is not an integer id, "=", and a number; the message
+            names it (the values' ranges are checked by ``check_logit_bias``).
+    """
+    out = {}
+    for item in items:
+        token, sep, value = item.partition("=")
+        try:
+            if not sep:
+                raise ValueError(item)
+            out[int(token)] = float(value)
+        except ValueError:
+            raise InvalidArgumentError(f"--logit-bias takes ID=BIAS (an integer id, a number), got {item!r}") from None
+    return out
 
 
 def check_num_speculative_tokens(value: object) -> int:

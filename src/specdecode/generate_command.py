@@ -16,7 +16,7 @@ import logging
 import sys
 
 from specdecode import method_registry
-from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS, GenerationConfig
+from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS, GenerationConfig, parse_logit_bias
 from specdecode.drafters.control import LENGTH_SCHEDULES, DraftControl
 from specdecode.errors import InvalidArgumentError, SpecDecodeError
 from specdecode.models.loading import resolve_device
@@ -122,6 +122,48 @@ def add_quantize_arguments(p: argparse.ArgumentParser, draft_default: str = "as 
                    f"{', '.join(map(str, INT4_GROUP_SIZES))} (default 32); 64 stores 4.5 bits a weight, not 5")
 
 
+def add_processor_arguments(p: argparse.ArgumentParser, *, per_request: bool = True) -> None:
+    """The processor flags (``GenerationConfig``'s fields; ``engine.processors``); with
+    ``per_request`` also --stop-token-id and the logprobs flags (``generate``'s, not ``bench``'s)."""
+    g = p.add_argument_group("logits processors (exact under speculation)" + (" and logprobs" if per_request else ""))
+    g.add_argument("--repetition-penalty", type=float, default=1.0, metavar="P",
+                   help="divide (multiply when negative) the logits of tokens already in the prompt or output by P "
+                        "(> 0; 1 = off)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, metavar="F",
+                   help="OpenAI's: subtract F per earlier occurrence in the output ([-2, 2]; 0 = off)")
+    g.add_argument("--presence-penalty", type=float, default=0.0, metavar="F",
+                   help="OpenAI's: subtract F once a token occurs in the output ([-2, 2]; 0 = off)")
+    g.add_argument("--min-p", type=float, default=0.0, metavar="P",
+                   help="sampling keeps tokens with at least P times the top token's probability ([0, 1]; 0 = off)")
+    g.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+                   help="add BIAS ([-100, 100]) to token ID's logit (repeatable)")
+    if not per_request:
+        return
+    g.add_argument("--stop-token-id", action="append", type=int, default=[], metavar="ID",
+                   help="a token id that ends the generation like EOS (repeatable)")
+    g.add_argument("--logprobs", action="store_true", help="report each token's log-probability")
+    g.add_argument("--top-logprobs", type=int, default=0, metavar="N",
+                   help="with --logprobs, also the N (0..20) most likely tokens at each position")
+
+
+def processor_options(args) -> dict:
+    """``GenerationConfig`` keywords from ``add_processor_arguments``'s flags.
+
+    Raises:
+        InvalidArgumentError: A ``--logit-bias`` that is not ID=BIAS (the values are checked by the config).
+    """
+    return dict(
+        repetition_penalty=args.repetition_penalty,
+        frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty,
+        min_p=args.min_p,
+        logit_bias=parse_logit_bias(args.logit_bias),
+        stop_token_ids=tuple(args.stop_token_id),
+        logprobs=args.logprobs,
+        top_logprobs=args.top_logprobs,
+    )
+
+
 def add_generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text from one prompt, speculatively or not")
     p.add_argument("--target", default=DEFAULT_TARGET, help="offline model name, .gguf file, folder or hub id")
@@ -137,6 +179,7 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    add_processor_arguments(p)
     b = p.add_argument_group("banned words (matched on the text, any tokenization; rollback and mask)")
     b.add_argument("--banned-word", action="append", default=[], metavar="WORD",
                    help="a word or phrase the output must never contain (repeatable)")
@@ -314,6 +357,7 @@ def run_generate(args) -> int:
         banned_words=tuple(banned),
         banned_words_ignore_case=args.banned_words_ignore_case,
         banned_words_whole_word=args.banned_words_whole_word,
+        **processor_options(args),
     )
     if not args.prompt.strip():
         raise SpecDecodeError("the prompt is empty: pass some text with --prompt")
@@ -389,6 +433,8 @@ def run_generate(args) -> int:
             "device": str(gen.target.model.device),
             "stats": stream.stats.to_dict(),
         }
+        if config.logprobs:
+            out["logprobs"] = [dataclasses.asdict(lp) for lp in stream.logprobs]
         sys.stdout.write(json.dumps(out) + "\n")
         return 0
     from rich.console import Console
@@ -397,5 +443,11 @@ def run_generate(args) -> int:
     for ids in stream:
         printer.put(torch.tensor(ids))
     printer.end()
+    if config.logprobs:
+        console = Console(stderr=False)
+        for lp in stream.logprobs:
+            top = "  ".join(f"{gen.tokenizer.decode([t])!r} {v:.4f}" for t, v in lp.top)
+            console.print(f"{lp.token_id:>8} {gen.tokenizer.decode([lp.token_id])!r:>16} {lp.logprob:.4f}  {top}",
+                          markup=False, highlight=False)
     _print_stats(stream.stats.to_dict(), args.method, Console(stderr=False))
     return 0

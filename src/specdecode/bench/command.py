@@ -22,6 +22,7 @@ from specdecode.bench.report import (ACCEPTANCE_PNG, LLAMA_CPP, LLAMA_CPP_REFERE
                                      RESULTS_JSON, RESULTS_MD, SPEEDUP_PNG, format_value)
 from specdecode.bench.runner import run_bench
 from specdecode.bench.settings import BenchSettings
+from specdecode.config import parse_logit_bias
 from specdecode.engine.banned_words import read_banned_words
 from specdecode.errors import InvalidArgumentError
 from specdecode.models.quantize import (  # noqa: F401  (the flag checks were defined here before)
@@ -114,6 +115,11 @@ def run(args) -> int:
         banned_words_ignore_case=args.banned_words_ignore_case,
         banned_words_whole_word=args.banned_words_whole_word,
         compile=args.compile,
+        repetition_penalty=args.repetition_penalty,  # [processors]
+        frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty,
+        min_p=args.min_p,
+        logit_bias=parse_logit_bias(args.logit_bias),
     )
     methods = _split_list(args.methods, _method_separator())
     if getattr(args, "batch_size", None) is not None:

@@ -148,7 +148,7 @@ class _HFRunner:
             "do_sample": not self.settings.greedy,
             "eos_token_id": self.eos or None,
             "pad_token_id": self.pad,
-            "repetition_penalty": 1.0,
+            "repetition_penalty": self.settings.repetition_penalty,  # [processors] transformers' own
             "no_repeat_ngram_size": 0,
             **self.spec.generate_options,
         }
@@ -161,8 +161,8 @@ class _HFRunner:
         if not self.settings.greedy:
             options.update(temperature=self.settings.temperature, top_k=0, top_p=1.0, typical_p=1.0,
                            epsilon_cutoff=0.0, eta_cutoff=0.0)
-            if getattr(self.model.generation_config, "min_p", None) is not None:
-                options["min_p"] = 0.0
+            if self.settings.min_p or getattr(self.model.generation_config, "min_p", None) is not None:
+                options["min_p"] = self.settings.min_p  # [processors]
         return HFGenerationConfig(**options)
 
     def describe(self) -> dict:

@@ -411,6 +411,9 @@ def resolve_methods(
             if name in LLAMA_CPP_REFERENCES:  # a second engine and model in memory: only when asked for
                 if not explicit:
                     raise InvalidArgumentError(f"{name!r} is a reference and runs only when named in the methods")
+                if settings.processor_settings():  # [processors]
+                    raise InvalidArgumentError(f"method {name!r} does not take specdecode's processors "
+                                               f"({', '.join(settings.processor_settings())}); leave it out")
                 runner_class = LlamaCppRunner if name == LLAMA_CPP else LlamaCppLookupRunner
                 runners[name] = runner_class(generator, settings)
             elif name in HF_METHODS:
@@ -419,6 +422,12 @@ def resolve_methods(
                     raise InvalidArgumentError(
                         f"method {name!r} cannot ban words (transformers masks token ids, not text); "
                         "leave it out of a run with banned words"
+                    )
+                unmatched = set(settings.processor_settings()) - {"repetition_penalty", "min_p"}  # [processors]
+                if unmatched:
+                    raise InvalidArgumentError(
+                        f"method {name!r} has no {', '.join(sorted(unmatched))} (transformers' generate has no "
+                        "OpenAI penalties or logit_bias here); leave it out of a run with them"
                     )
                 if spec.needs_draft and generator.draft is None:
                     raise InvalidArgumentError(

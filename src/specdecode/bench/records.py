@@ -68,6 +68,7 @@ def run_identity(generator: pipeline.SpeculativeGenerator, settings: BenchSettin
         "drafter_options": dict(settings.drafter_options),
         "prompt_cache": settings.prompt_cache,
         **settings.banned_words_settings(),
+        **settings.processor_settings(),  # [processors] only those on: older folders still resume
         # Only runs that set the fast path name it, so folders made before the setting existed still resume.
         **({"compile": settings.compile} if settings.compile is not None else {}),
     }

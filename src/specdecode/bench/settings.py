@@ -40,6 +40,10 @@ class BenchSettings:
             model name; ``specdecode.bench.llamacpp``), which must be the target's own file;
             None: the target's, found from its name (an offline model). ``specdecode bench``
             sets it from ``--target``.
+        repetition_penalty, frequency_penalty, presence_penalty, min_p, logit_bias: The
+            processors, as in ``GenerationConfig`` (``engine.processors``), for every method;
+            transformers' methods take ``repetition_penalty`` and ``min_p`` (their own processors)
+            and leave a run with the others (no OpenAI penalties in transformers), llama-cpp any.
         compile: The fast path (static KV cache, compiled forwards) on (True) or off (False)
             for every specdecode method whose name sets no ``compile`` option
             (``MethodSpec``); None (default): the pipeline's device default. Compilation
@@ -62,6 +66,11 @@ class BenchSettings:
     banned_words_whole_word: bool = False
     gguf_file: str | None = None
     compile: bool | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         config = GenerationConfig(  # validates max_new_tokens, temperature, gamma, banned words
@@ -69,8 +78,10 @@ class BenchSettings:
             temperature=self.temperature,
             num_speculative_tokens=self.num_speculative_tokens,
             banned_words=self.banned_words,
+            **self._processors(),
         )
         object.__setattr__(self, "banned_words", config.banned_words)
+        object.__setattr__(self, "logit_bias", config.logit_bias)
         for name in ("repeats", "warmup_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -117,7 +128,20 @@ class BenchSettings:
             banned_words=self.banned_words,
             banned_words_ignore_case=self.banned_words_ignore_case,
             banned_words_whole_word=self.banned_words_whole_word,
+            **self._processors(),
         )
+
+    def _processors(self) -> dict:
+        return dict(repetition_penalty=self.repetition_penalty, frequency_penalty=self.frequency_penalty,
+                    presence_penalty=self.presence_penalty, min_p=self.min_p, logit_bias=self.logit_bias)
+
+    def processor_settings(self) -> dict:
+        """The processors that are on, JSON-ready (empty when none is: records stay as before)."""
+        defaults = dict(repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0, min_p=0.0, logit_bias=())
+        out = {k: v for k, v in self._processors().items() if v != defaults[k]}
+        if "logit_bias" in out:
+            out["logit_bias"] = {str(t): b for t, b in self.logit_bias}
+        return out
 
     def to_dict(self) -> dict:
         """JSON-ready copy."""
@@ -131,6 +155,7 @@ class BenchSettings:
             "drafter_options": dict(self.drafter_options),
             "prompt_cache": self.prompt_cache,
             **self.banned_words_settings(),
+            **self.processor_settings(),
             **({"gguf_file": self.gguf_file} if self.gguf_file is not None else {}),
             "compile": self.compile,
         }

@@ -16,6 +16,7 @@ from transformers import DynamicCache
 
 from specdecode.drafters.draft_head import BoundDraftHead
 from specdecode.engine.kv_cache import StaticKVCache
+from specdecode.engine.processors import DraftProcessing
 from specdecode.engine.protocol import Draft, Drafter, ExitPolicy
 from specdecode.engine.sampling import Sampler, check_finite
 
@@ -67,6 +68,7 @@ def draft_autoregressively(
     who: str,
     head: BoundDraftHead | None = None,
     first_logits: torch.Tensor | None = None,
+    processing: DraftProcessing | None = None,
 ) -> Draft:
     """The draft loop shared by the model-based drafters: up to ``max_tokens`` forwards.
 
@@ -81,6 +83,10 @@ def draft_autoregressively(
     cascade's n-gram check, ``DraftModelDrafter.check``); the first token then costs no
     forward and ``feed`` (usually (1, 0)) is fed together with it. A block of k tokens then
     runs k - 1 forwards and appends m + k - 1 positions (none for k = 1: nothing is fed).
+
+    ``processing`` (``Sampler.drafting``; full heads only): the target's processors applied to each
+    draft step's logits on the draft's own context (penalties, ``logit_bias``), so q follows the
+    processed target; None: the raw logits.
 
     Raises:
         NonFiniteLogitsError: If a forward gives NaN or infinite logits (``who`` names the model);
@@ -102,7 +108,11 @@ def draft_autoregressively(
                 check_finite(logits, who)
             if head is not None:
                 head.check_logits(logits)
+            if processing is not None:  # [processors] the draft's q on its own context
+                logits = processing.apply(logits)
             token, stop = draft_token(sampler, logits, probs, exit_policy, head)
+            if processing is not None:
+                processing.push(token)
             tokens.append(token)
             if stop:
                 break

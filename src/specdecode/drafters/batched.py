@@ -45,6 +45,7 @@ from specdecode.engine.batch_cache import (
     warm_up_widths,
 )
 from specdecode.engine.batch_runner import BatchRunner
+from specdecode.engine.processors import DraftProcessing, process_draft_rows
 from specdecode.engine.protocol import BatchDraft, BatchDrafter, ExitPolicy
 from specdecode.engine.sampling import Sampler, check_finite
 from specdecode.errors import InvalidArgumentError
@@ -68,6 +69,7 @@ def draft_batch(
     exit_rule: str,
     who: str,
     head: BoundDraftHead | None = None,
+    processings: list[DraftProcessing | None] | None = None,
 ) -> tuple[BatchDraft, int]:
     """The batched draft loop shared by the model drafters.
 
@@ -83,6 +85,8 @@ def draft_batch(
         who: The drafting model, for errors.
         head: A truncated draft head (FR-Spec) whose K logits the forwards give (``head.ids[j]`` is
             column j's token); None or the full head: (n, V') logits.
+        processings: Per row, the target's processors on the row's draft context
+            (``Sampler.drafting``), or None (full heads only); None altogether: raw logits.
 
     Returns:
         The draft, and S, the steps run (S - 1 drafted tokens were fed back).
@@ -111,6 +115,8 @@ def draft_batch(
             finite = ok if finite is None else finite & ok
         else:
             check_finite(logits, who)
+        if processings is not None and not truncated:  # [processors] each row's q on its own context
+            logits = process_draft_rows(logits, processings, vocab)
         token = head.ids[logits.argmax(-1)] if truncated else logits[:, :vocab].argmax(-1)
         tops = None
         if not greedy:
@@ -129,6 +135,10 @@ def draft_batch(
         elif exits is not None:
             tops = torch.softmax(logits.float(), -1).amax(-1)
         tokens.append(token)
+        if processings is not None:  # [processors]
+            for b, view in enumerate(processings):
+                if view is not None:
+                    view.push(token[b])
         top = tops.tolist() if exits is not None else None  # one host sync per draft step with exits
         for b in range(n):
             if not active[b]:
@@ -154,6 +164,15 @@ def draft_batch(
         who,
     )
     return draft, steps
+
+
+def draft_views(samplers: list[Sampler], sequences: list[list[int]], head: BoundDraftHead) -> list | None:
+    """Per row, ``Sampler.drafting`` on its draft context (``sequences[b]``), or None when no row
+    has processors that change logits or the head is truncated (its K columns are not the vocabulary)."""
+    if head.ids is not None:
+        return None
+    views = [s.drafting(seq) if s is not None else None for s, seq in zip(samplers, sequences)]
+    return views if any(v is not None for v in views) else None
 
 
 class BatchDraftModelDrafter(BatchDrafter):
@@ -267,8 +286,9 @@ class BatchDraftModelDrafter(BatchDrafter):
             return self.runner(token, at, 1)[:, -1]
 
         at = [length - o for length, o in zip(lengths, offsets)]
+        views = draft_views(self._samplers[:n], sequences, self.head)  # [processors]
         draft, steps = draft_batch(forward, first, at, max_tokens, self._samplers[:n], exits, exit_rule, self.who,
-                                   self.head)
+                                   self.head, views)
         self.num_forwards += steps
         for b in range(n):
             self._num_cached[b] = lengths[b] + min(draft.num_tokens[b], steps - 1)

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from specdecode.drafters.batched import BatchDraftModelDrafter, draft_batch
+from specdecode.drafters.batched import BatchDraftModelDrafter, draft_batch, draft_views
 from specdecode.drafters.cascade import LONG_PROMPT_BLOCK
 from specdecode.drafters.control import check_optional_count
 from specdecode.drafters.draft_head import DraftHead
@@ -224,8 +224,9 @@ class BatchCascadeDrafter(BatchDraftModelDrafter):
                 return self.runner(token, at, 1)[:, -1]
 
             at = [v - o for v, o in zip(valid, offsets)]  # draft-cache positions
+            views = draft_views(samplers, [s + blk for s, blk in zip(sequences, blocks)], self.head)  # [processors]
             model, steps = draft_batch(forward, first, at, model_tokens, samplers, exits, exit_rule, self.who,
-                                       self.head)
+                                       self.head, views)
             self.num_forwards += steps - 1
         num = [len(blk) + (model.num_tokens[b] if model is not None else 0) for b, blk in enumerate(blocks)]
         for b in range(n):

@@ -113,9 +113,10 @@ class DraftModelDrafter(Drafter):
         """
         self.runner.check_owner(self._cache, self._generation)
         feed = sequence[:, self._num_cached :]
+        processing = self._sampler.drafting(sequence) if self.head.ids is None else None  # [processors]
         draft = draft_autoregressively(
             self.runner, self._cache, feed, max_tokens, self._sampler, exit_policy, "draft model", self.head,
-            first_logits,
+            first_logits, processing,
         )
         self.num_forwards += len(draft) - (first_logits is not None)
         fed = 0 if first_logits is not None and len(draft) == 1 else feed.shape[1]  # no forward fed ``feed``

@@ -6,7 +6,9 @@
   ``ExitPolicy``) and of a draft-length policy (``DraftPolicy``); drafters live in
   ``specdecode.drafters`` and reach the engine only through these;
 - ``verification``: greedy verification and speculative sampling's rejection step;
-- ``sampling``: the ``Sampler`` shared by target and drafters (temperature, top-k, top-p);
+- ``sampling``: the ``Sampler`` shared by target and drafters (temperature, top-k, top-p, min-p);
+- ``processors``: penalties, ``logit_bias`` and logprobs, applied to a verification block row by
+  row as autoregressive decoding would (``LogitsProcessing``, ``TokenLogprob``);
 - ``kv_cache``: cache creation and rollback;
 - ``batch_rows``: a batched request's state (``BatchRow``) and ``BatchEvent``;
 - ``batched``: ``BatchedSpeculativeDecoder``, many rows at once with continuous batching,
@@ -25,6 +27,7 @@ The engine imports nothing above it (no drafter, pipeline, bench or search).
 from specdecode.engine.batch_cache import BatchKVCache
 from specdecode.engine.batched import BatchedSpeculativeDecoder, BatchEvent
 from specdecode.engine.decoder import GenerationResult, GenerationStream, SpeculativeDecoder
+from specdecode.engine.processors import LogitsProcessing, TokenLogprob
 from specdecode.engine.protocol import BatchDraft, BatchDrafter, Draft, Drafter, DraftPolicy, ExitPolicy, RoundController
 from specdecode.engine.sampling import Sampler, check_finite
 from specdecode.engine.stats import BatchStats, SpecDecodingStats
@@ -43,10 +46,12 @@ __all__ = [
     "ExitPolicy",
     "GenerationResult",
     "GenerationStream",
+    "LogitsProcessing",
     "RoundController",
     "Sampler",
     "SpecDecodingStats",
     "SpeculativeDecoder",
+    "TokenLogprob",
     "VerificationResult",
     "check_finite",
     "greedy_verify",

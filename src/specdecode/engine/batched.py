@@ -61,6 +61,7 @@ from specdecode.engine.batch_cache import (
 from specdecode.engine.batch_rows import BatchEvent, BatchRow
 from specdecode.engine.batch_runner import BatchRunner, check_row_buckets, default_batch_compile
 from specdecode.engine.decoder import GenerationResult, _as_2d
+from specdecode.engine.processors import process_rows
 from specdecode.engine.protocol import BATCH_EXIT_RULES, BatchDraft, BatchDrafter, DraftPolicy
 from specdecode.engine.sampling import check_finite, logits_width, raise_non_finite
 from specdecode.engine.stats import SpecDecodingStats
@@ -395,6 +396,9 @@ class BatchedSpeculativeDecoder:
     def _event(self, events: dict, row: BatchRow, new: list[int]) -> None:
         event = events.setdefault(row.request_id, BatchEvent(row.request_id, []))
         event.token_ids.extend(new)
+        logprobs = row.logprobs_of(new)  # [processors]
+        if logprobs is not None:
+            event.logprobs = (event.logprobs or []) + logprobs
         if row.finish_reason is not None:
             event.finish_reason = row.finish_reason
             event.result = row.result(self.tokenizer)
@@ -467,6 +471,7 @@ class BatchedSpeculativeDecoder:
         logits = logits[..., : self.vocab_size] if logits.shape[-1] > self.vocab_size else logits
         # The round's one host sync: drafts, the target's argmax, finiteness flags (per position).
         finite = torch.isfinite(logits).all(-1).flatten()  # before the banned-word masks add -inf
+        logits = process_rows(logits, [row.sampler.processors for row in rows], ids)  # [processors]
         if any(row.banned is not None for row in rows):  # row b's [b, i] predicts position len_b + i
             mask_batch(logits, [row.banned for row in rows], [len(s) for s in sequences])
         draft_finite = draft.finite.view(1) if draft is not None and draft.finite is not None else finite.new_ones(1)
@@ -499,6 +504,8 @@ class BatchedSpeculativeDecoder:
                 except Exception as exc:  # noqa: BLE001 -- this row ends ("error", logged); the others go on
                     self._fail(events, row, f"request {row.request_id} failed in its sampling: {type(exc).__name__}: {exc}")
                     continue
+            if row.sampler.processors is not None:  # [processors] logprobs of the new tokens, when asked
+                row.sampler.processors.record(len(row.tokens) - row.num_prompt_tokens, logits[b], new)
             row.stats.record_block(kb, a)
             if row.controller is not None:
                 if kb:

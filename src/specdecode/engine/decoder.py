@@ -35,6 +35,7 @@ from specdecode.config import GenerationConfig
 from specdecode.engine import kv_cache
 from specdecode.engine.fast_path import DRAFT_BUCKETS, ModelRunner
 from specdecode.engine.banned_rows import BannedRow
+from specdecode.engine.processors import TokenLogprob
 from specdecode.engine.protocol import Draft, Drafter, DraftPolicy
 from specdecode.engine.sampling import Sampler, check_finite, logits_width, raise_non_finite
 from specdecode.engine.stats import SpecDecodingStats
@@ -55,12 +56,15 @@ class GenerationResult:
         finish_reason: "eos", "stop_string", "length", or "banned_word" (a banned word could
             not be avoided without taking back text already streamed; see ``GenerationStream``).
         stats: Counts and timings.
+        logprobs: With ``GenerationConfig.logprobs``, one ``TokenLogprob`` per token of
+            ``token_ids`` (``engine.processors``); None otherwise.
     """
 
     token_ids: list[int]
     text: str
     finish_reason: str
     stats: SpecDecodingStats
+    logprobs: list[TokenLogprob] | None = None
 
 
 class GenerationStream:
@@ -104,6 +108,12 @@ class GenerationStream:
         self._started = False
 
     @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        """With ``GenerationConfig.logprobs``: one ``TokenLogprob`` per token of ``token_ids``; else None."""
+        proc = self._state.sampler.processors if self._state is not None else None  # [processors]
+        return list(proc.logprobs[: len(self.token_ids)]) if proc is not None and proc.wants_logprobs else None
+
+    @property
     def forbidden_tokens(self) -> dict[int, list[int]]:
         """Banned-word masks: generated position (0 = the first new token) -> masked token ids."""
         if self._state is None or self._state.banned is None:
@@ -119,7 +129,7 @@ class GenerationStream:
     def _run(self) -> Iterator[list[int]]:
         dec, config, stats = self._decoder, self.config, self.stats
         stop = StopStrings(dec.tokenizer, config.stop_strings)
-        eos = dec.eos_token_ids if config.stop_on_eos else frozenset()
+        eos = (dec.eos_token_ids if config.stop_on_eos else frozenset()) | frozenset(config.stop_token_ids)
         banned = BannedRow.from_config(config, dec.tokenizer, dec.vocab_size, int(self._input_ids.shape[1]))
         state = self._state = _Round(dec, self._input_ids, config, stats, self._prompt_cache, banned)
         # Compilation (first calls of compiled forwards) is timed apart: warmup_s, never in prefill or decode.
@@ -144,6 +154,8 @@ class GenerationStream:
                 if rewind is not None:
                     state.rewind(rewind)
                 safe = banned.released
+            if state.sampler.processors is not None:  # [processors] counts and logprobs follow the output
+                state.sampler.processors.sync(self.token_ids)
             stats.num_new_tokens = len(self.token_ids)
             stats.decode_time_s += time.perf_counter() - t1
             if safe > released:
@@ -188,6 +200,7 @@ class _Round:
             self.host = np.empty(self.buf.shape[1], dtype=np.int64)
             self.host[:n] = input_ids[0].cpu().numpy()
         self.sampler = Sampler(config, dec.vocab_size, device)
+        self.sampler.start(input_ids)  # [processors] penalties, logit_bias, logprobs (engine.processors)
         control = dec.draft_control
         # Fresh per-generation state; None keeps the plain γ-per-round path.
         self.control = (
@@ -287,6 +300,7 @@ class _Round:
         if sampler.greedy:
             # The round's one host sync: the draft, the target's choices and the finiteness flags.
             finite = torch.isfinite(logits).all().view(1)  # before the banned-word masks add -inf
+            logits = sampler.process(logits, drafted)  # [processors] row i sees drafted[:i]
             if self.banned is not None:
                 self.banned.mask(logits, L)
             draft_finite = draft.finite.view(1) if k and draft.finite is not None else finite
@@ -305,6 +319,7 @@ class _Round:
                 verdict = None
         else:
             check_finite(logits, "target model")
+            logits = sampler.process(logits, drafted)  # [processors] row i sees drafted[:i]
             if self.banned is not None:
                 self.banned.mask(logits, L)
             probs = sampler.probs(logits)
@@ -315,6 +330,8 @@ class _Round:
                 new = [int(sampler.sample(probs)[0])]
                 verdict = None
         accepted = verdict.num_accepted if verdict is not None else 0
+        if sampler.processors is not None:  # [processors] logprobs of the new tokens, when asked
+            sampler.processors.record(L - self.num_prompt_tokens, logits, new)
         # accept: roll both caches back to the confirmed tokens
         self.length = L + accepted + 1
         buf[0, self.length - 1] = new[-1]
@@ -489,4 +506,4 @@ class SpeculativeDecoder:
         for _ in stream:
             pass
         text = self.tokenizer.decode(stream.token_ids, skip_special_tokens=True) if self.tokenizer else ""
-        return GenerationResult(stream.token_ids, text, stream.finish_reason, stream.stats)
+        return GenerationResult(stream.token_ids, text, stream.finish_reason, stream.stats, stream.logprobs)

@@ -1,8 +1,10 @@
 """Turning logits into next-token distributions and tokens.
 
-Temperature, top-k and top-p are applied with transformers' own logits warpers,
+Temperature, top-k, top-p and min-p are applied with transformers' own logits warpers,
 so the draft and the target distributions are shaped identically before the
-speculative-sampling test compares them.
+speculative-sampling test compares them. The context-dependent processors (penalties,
+``logit_bias``) and logprobs are ``engine.processors``'s; a ``Sampler`` carries a generation's
+``LogitsProcessing`` once ``start`` gave it the prompt.
 """
 
 from __future__ import annotations
@@ -10,12 +12,14 @@ from __future__ import annotations
 import torch
 from transformers.generation.logits_process import (
     LogitsProcessorList,
+    MinPLogitsWarper,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
 
 from specdecode.config import GenerationConfig
+from specdecode.engine.processors import DraftProcessing, LogitsProcessing, fit_width
 from specdecode.errors import NonFiniteLogitsError
 
 
@@ -63,7 +67,8 @@ class Sampler:
     """Shapes logits into probabilities and draws tokens, for one generation.
 
     Args:
-        config: Sampling parameters (temperature, top_k, top_p, seed).
+        config: Sampling parameters (temperature, top_k, top_p, min_p, seed; the processors and
+            logprobs once ``start`` is called).
         vocab_size: V, the target model's logit width. Wider logits (a draft model
             with more padding rows) are cut to V; narrower ones are padded with
             zero probability, so draft and target distributions share one support.
@@ -86,17 +91,42 @@ class Sampler:
                 warpers.append(TopKLogitsWarper(top_k=config.top_k))
             if config.top_p < 1.0:
                 warpers.append(TopPLogitsWarper(top_p=config.top_p))
+            if config.min_p > 0.0:
+                warpers.append(MinPLogitsWarper(min_p=config.min_p))
         self._warpers = warpers
         self._no_ids = torch.empty(0, dtype=torch.long)
+        self._config = config
+        self._device = device
+        #: The generation's context-dependent processors and logprobs (``start``); None: none asked.
+        self.processors: LogitsProcessing | None = None
+
+    def start(self, prompt_ids: torch.Tensor | list[int]) -> LogitsProcessing | None:
+        """Begin a generation after ``prompt_ids``: build its ``LogitsProcessing`` (None when the
+        config asks for no processor and no logprobs). Returns it.
+
+        Raises:
+            InvalidArgumentError: A ``logit_bias`` or ``stop_token_ids`` id outside 0..V-1.
+        """
+        self.processors = LogitsProcessing.from_config(self._config, self.vocab_size, self._device, prompt_ids)
+        return self.processors
+
+    def process(self, logits: torch.Tensor, drafted: torch.Tensor | None = None) -> torch.Tensor:
+        """A verification block after the processors (``LogitsProcessing.block``): (W, V') -> (W, V)
+        float32; unchanged when there are none."""
+        if self.processors is None:
+            return logits
+        return self.processors.block(logits, drafted)
+
+    def drafting(self, sequence: torch.Tensor | list[int]) -> DraftProcessing | None:
+        """The processors for a draft model's q on its own context (``LogitsProcessing.drafting``),
+        or None when no processor changes logits. Exactness never depends on q: this keeps the
+        draft's proposals close to the processed target's, so acceptance does not drop."""
+        if self.processors is None or not self.processors.changes_logits:
+            return None
+        return self.processors.drafting(sequence)
 
     def _fit(self, logits: torch.Tensor) -> torch.Tensor:
-        width = logits.shape[-1]
-        if width > self.vocab_size:
-            return logits[..., : self.vocab_size]
-        if width < self.vocab_size:
-            pad = logits.new_full((*logits.shape[:-1], self.vocab_size - width), float("-inf"))
-            return torch.cat([logits, pad], dim=-1)
-        return logits
+        return fit_width(logits, self.vocab_size)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Greedy tokens. ``logits``: (m, V') -> (m,) long."""
@@ -124,11 +154,14 @@ class Sampler:
         return q.new_zeros((q.shape[0], self.vocab_size)).index_copy_(1, ids, q)
 
     def choose(self, logits: torch.Tensor) -> int:
-        """One token from (1, V') logits: the argmax when greedy, else a draw from ``probs``
-        (a host sync: the prefill's first token, read before drafting can start)."""
-        if self.greedy:
-            return int(self.argmax(logits)[0])
-        return int(self.sample(self.probs(logits))[0])
+        """The first new token from the prefill's (1, V') logits, after the processors: the argmax
+        when greedy, else a draw from ``probs`` (a host sync: read before drafting can start).
+        Its logprob is kept when asked."""
+        logits = self.process(logits)
+        token = int(self.argmax(logits)[0]) if self.greedy else int(self.sample(self.probs(logits))[0])
+        if self.processors is not None:
+            self.processors.record(0, logits, [token])
+        return token
 
     def sample(self, probs: torch.Tensor) -> torch.Tensor:
         """Draw one token per row. ``probs``: (m, V) -> (m,) long, using this sampler's generator."""

@@ -38,7 +38,15 @@ from specdecode.engine import kv_cache
 from specdecode.errors import InvalidArgumentError
 from specdecode.serve.engine_loop import Delivery, EngineLoop, EngineStoppedError, QueueFullError, RequestHandle
 from specdecode.serve.metrics import ServerMetrics
-from specdecode.serve.openai_format import FINISH_REASONS, ApiError, ResponseShape, error_body, speculative, usage
+from specdecode.serve.openai_format import (
+    FINISH_REASONS,
+    ApiError,
+    ResponseShape,
+    error_body,
+    logprobs_json,
+    speculative,
+    usage,
+)
 from specdecode.serve.schemas import ChatCompletionRequest, CompletionRequest
 from specdecode.serve.text import TextAssembler
 
@@ -264,7 +272,9 @@ def create_app(generator, engine: EngineLoop, settings: ServeSettings, metrics: 
             # n choices: one row each, each with its own sampler (seed + i when a seed is given)
             configs = [GenerationConfig(max_new_tokens=max_tokens, temperature=temperature, top_k=max(body.top_k, 0),
                                         top_p=body.top_p, seed=None if body.seed is None else body.seed + i,
-                                        stop_strings=body.stop_strings) for i in range(body.n)]
+                                        stop_strings=body.stop_strings,
+                                        **body.processor_options())  # [processors] penalties, bias, logprobs
+                       for i in range(body.n)]
         except InvalidArgumentError as e:
             raise ApiError(400, str(e), code="invalid_value") from e
         try:
@@ -337,9 +347,13 @@ def create_app(generator, engine: EngineLoop, settings: ServeSettings, metrics: 
     async def _complete(request: Request, handles: list[RequestHandle], shape: ResponseShape,
                         texts: list[TextAssembler], endpoint: str):
         finals: dict[int, Delivery] = {}
+        # [processors] per choice, its logprobs so far (None: not asked)
+        logprobs = [[] if h.config.logprobs else None for h in handles]
         try:
             async for d in _deliveries(handles, request):
                 texts[d.index].push(d.token_ids, final=d.finish_reason is not None)
+                if logprobs[d.index] is not None:
+                    logprobs[d.index] += d.logprobs or []
                 if d.finish_reason is None:
                     continue
                 if d.finish_reason not in FINISH_REASONS:
@@ -347,7 +361,9 @@ def create_app(generator, engine: EngineLoop, settings: ServeSettings, metrics: 
                 finals[d.index] = d
             if len(finals) < len(handles):
                 return Response(status_code=499)  # the client went away; nobody reads this
-            choices = [(texts[i].text, FINISH_REASONS[finals[i].finish_reason]) for i in range(len(handles))]
+            choices = [(texts[i].text, FINISH_REASONS[finals[i].finish_reason],
+                        None if logprobs[i] is None else logprobs_json(shape.chat, logprobs[i], tokenizer))
+                       for i in range(len(handles))]
             return shape.full(choices, _usage(handles, texts), _spec([finals[i] for i in range(len(handles))]))
         finally:
             for handle in handles:
@@ -356,6 +372,9 @@ def create_app(generator, engine: EngineLoop, settings: ServeSettings, metrics: 
     async def _stream(handles: list[RequestHandle], shape: ResponseShape, texts: list[TextAssembler],
                       include_usage: bool, endpoint: str):
         finals: dict[int, Delivery] = {}
+        # [processors] per choice, logprobs not yet sent (None: not asked) and text characters sent
+        pending = [[] if h.config.logprobs else None for h in handles]
+        sent = [0] * len(handles)
         try:
             if shape.chat:
                 for i in range(len(handles)):
@@ -363,6 +382,8 @@ def create_app(generator, engine: EngineLoop, settings: ServeSettings, metrics: 
             async for d in _deliveries(handles):
                 final = d.finish_reason is not None
                 delta = texts[d.index].push(d.token_ids, final=final)
+                if pending[d.index] is not None:
+                    pending[d.index] += d.logprobs or []
                 if final and d.finish_reason not in FINISH_REASONS:
                     err = _failure(d)
                     metrics.errors.labels(endpoint, err.type).inc()
@@ -373,6 +394,10 @@ def create_app(generator, engine: EngineLoop, settings: ServeSettings, metrics: 
                 if delta or final:
                     reason = FINISH_REASONS[d.finish_reason] if final else None
                     extra = {"speculative": _spec([d])} if final else {}
+                    if pending[d.index] is not None:
+                        extra["logprobs"] = logprobs_json(shape.chat, pending[d.index], tokenizer, sent[d.index])
+                        pending[d.index] = []
+                    sent[d.index] += len(delta)
                     yield _data(shape.chunk(delta if delta or not shape.chat else None, reason, index=d.index,
                                             include_usage=include_usage, **extra))
             if include_usage and len(finals) == len(handles):

@@ -54,6 +54,7 @@ class Delivery:
         result: The request's ``GenerationResult`` (with its statistics) once finished.
         error: Why it ended with "error".
         index: Its handle's ``index`` (the choice it belongs to, in a group of ``n`` choices).
+        logprobs: With ``GenerationConfig.logprobs``, one ``TokenLogprob`` per token of ``token_ids``.
     """
 
     token_ids: list[int]
@@ -62,6 +63,7 @@ class Delivery:
     result: GenerationResult | None = None
     error: str | None = None
     index: int = 0
+    logprobs: list | None = None
 
 
 @dataclass
@@ -275,7 +277,8 @@ class EngineLoop:
                     handle = self._live.get(event.request_id)
                     if handle is None:
                         continue
-                    delivery = Delivery(list(event.token_ids), now, event.finish_reason, event.result, event.error)
+                    delivery = Delivery(list(event.token_ids), now, event.finish_reason, event.result, event.error,
+                                        logprobs=event.logprobs)
                     if event.finish_reason is not None:
                         self._end(handle, delivery)
                     else:

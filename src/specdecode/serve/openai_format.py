@@ -113,26 +113,28 @@ class ResponseShape:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices,
                 **extra}
 
-    def full(self, choices: Sequence[tuple[str, str]], usage_: dict, spec: dict) -> dict:
-        """The non-streamed response; ``choices``: (text, finish reason) per choice, in index order."""
+    def full(self, choices: Sequence[tuple], usage_: dict, spec: dict) -> dict:
+        """The non-streamed response; ``choices``: (text, finish reason) or (text, finish reason,
+        logprobs) per choice, in index order (``logprobs``: ``logprobs_json``'s, or None)."""
+        choices = [(c[0], c[1], c[2] if len(c) > 2 else None) for c in choices]
         if self.chat:
-            out = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                    "finish_reason": reason} for i, (text, reason) in enumerate(choices)]
+            out = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                    "finish_reason": reason} for i, (text, reason, lp) in enumerate(choices)]
             return self._envelope("chat.completion", out, usage=usage_, system_fingerprint=None, speculative=spec)
-        out = [{"index": i, "text": text, "logprobs": None, "finish_reason": reason}
-               for i, (text, reason) in enumerate(choices)]
+        out = [{"index": i, "text": text, "logprobs": lp, "finish_reason": reason}
+               for i, (text, reason, lp) in enumerate(choices)]
         return self._envelope("text_completion", out, usage=usage_, system_fingerprint=None, speculative=spec)
 
     def chunk(self, text: str | None, finish_reason: str | None = None, *, index: int = 0, role: bool = False,
-              include_usage: bool = False, **extra) -> dict:
+              include_usage: bool = False, logprobs: dict | None = None, **extra) -> dict:
         """One streamed chunk of choice ``index`` with a text delta (``role``: the chat stream's first
-        chunk of that choice)."""
+        chunk of that choice; ``logprobs``: those of the tokens this chunk carries, ``logprobs_json``'s)."""
         if self.chat:
             delta: dict = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
             obj = "text_completion"
         if include_usage:
             extra.setdefault("usage", None)  # OpenAI: null on every chunk but the last
@@ -142,3 +144,45 @@ class ResponseShape:
         """The last chunk with ``stream_options.include_usage``: no choices, the usage."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return self._envelope(obj, [], system_fingerprint=None, usage=usage_, speculative=spec)
+
+
+#: The lowest logprob a response carries (a masked token's is -inf, which JSON cannot hold; vLLM's value).
+LOGPROB_FLOOR = -9999.0
+
+
+def logprobs_json(chat: bool, entries: list, tokenizer, text_offset: int = 0) -> dict:
+    """OpenAI's ``logprobs`` object for ``entries`` (``engine.processors.TokenLogprob``s).
+
+    Chat: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}], "refusal": None}``.
+    Completions: ``{"tokens", "token_logprobs", "top_logprobs" (a {token: logprob} dict per token,
+    or None when no alternatives were asked), "text_offset"}``, offsets counted from ``text_offset``.
+    A token's text is its own decode (special tokens included).
+    """
+
+    def text_of(token_id: int) -> str:
+        return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
+
+    def finite(value: float) -> float:  # a masked token's -inf is not JSON: vLLM's floor instead
+        return max(value, LOGPROB_FLOOR)
+
+    if chat:
+        content = []
+        for e in entries:
+            token = text_of(e.token_id)
+            top = [{"token": text_of(t), "logprob": finite(v), "bytes": list(text_of(t).encode("utf-8"))}
+                   for t, v in e.top]
+            content.append({"token": token, "logprob": finite(e.logprob), "bytes": list(token.encode("utf-8")),
+                            "top_logprobs": top})
+        return {"content": content, "refusal": None}
+    tokens, offsets, offset = [], [], text_offset
+    for e in entries:
+        tokens.append(text_of(e.token_id))
+        offsets.append(offset)
+        offset += len(tokens[-1])
+    asked_top = any(e.top for e in entries)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [finite(e.logprob) for e in entries],
+        "top_logprobs": [{text_of(t): finite(v) for t, v in e.top} for e in entries] if asked_top else None,
+        "text_offset": offsets,
+    }

@@ -4,7 +4,10 @@ Field names, types and ranges follow OpenAI's API reference for ``/v1/completion
 ``/v1/chat/completions``. Unknown fields are refused (as OpenAI does: "Unrecognized request
 argument supplied"); fields OpenAI has but this server cannot honour are accepted only at
 their neutral value (``unsupported`` lists them), so no request is silently answered with
-something else than it asked for. ``top_k`` is an extension (as in vLLM; 0 or -1 = off).
+something else than it asked for. ``top_k`` is an extension (as in vLLM; 0 or -1 = off), and
+so are ``repetition_penalty``, ``min_p`` and ``stop_token_ids`` (vLLM's names and ranges).
+``presence_penalty``, ``frequency_penalty``, ``logit_bias`` and ``logprobs`` / ``top_logprobs``
+are OpenAI's (``GenerationConfig`` validates the values and ``engine.processors`` applies them).
 """
 
 from __future__ import annotations
@@ -54,10 +57,42 @@ class _Sampling(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id for abuse monitoring; recorded nowhere
-    # Known to OpenAI, honoured here only at their neutral values:
+    # Processors (engine.processors): OpenAI's penalties and bias, vLLM's extensions.
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    stop_token_ids: list[TokenId] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, v):
+        for key in v or {}:
+            if not key.strip().isdigit():
+                raise ValueError(f"logit_bias keys must be token ids (decimal integers >= 0), got {key!r}")
+        return v
+
+    def processor_options(self) -> dict[str, Any]:
+        """The ``GenerationConfig`` fields of the processors and logprobs this request asks for."""
+        return dict(
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            min_p=self.min_p,
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            logprobs=self.logprobs_wanted,
+            top_logprobs=self.top_logprobs_wanted,
+        )
+
+    @property
+    def logprobs_wanted(self) -> bool:
+        return False
+
+    @property
+    def top_logprobs_wanted(self) -> int:
+        return 0
 
     @field_validator("stop")
     @classmethod
@@ -81,11 +116,6 @@ class _Sampling(_Request):
         """(param, message) for the first field set to a value this server cannot honour."""
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options is only allowed with stream=true"
-        if self.presence_penalty or self.frequency_penalty:
-            param = "presence_penalty" if self.presence_penalty else "frequency_penalty"
-            return param, f"{param} is not supported (it would change the model's distribution); allowed: 0"
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported; allowed: null or {}"
         return None
 
 
@@ -95,7 +125,7 @@ class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[TokenId]
     max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=5)  # OpenAI: the top 0..5 alternatives
     best_of: int | None = None
     suffix: str | None = None
 
@@ -104,13 +134,19 @@ class CompletionRequest(_Sampling):
             return "prompt", f"got {len(self.prompt)} prompts; this server takes one prompt per request"
         if self.echo:
             return "echo", "echo is not supported; allowed: false"
-        if self.logprobs is not None:
-            return "logprobs", "logprobs are not supported; allowed: null"
         if self.best_of not in (None, 1):
             return "best_of", f"best_of={self.best_of} is not supported; allowed: 1"
         if self.suffix:
             return "suffix", "suffix is not supported; allowed: null"
         return super().unsupported()
+
+    @property
+    def logprobs_wanted(self) -> bool:
+        return self.logprobs is not None
+
+    @property
+    def top_logprobs_wanted(self) -> int:
+        return self.logprobs or 0
 
 
 class TextPart(_Request):
@@ -143,14 +179,14 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     response_format: dict | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.logprobs or self.top_logprobs is not None:
-            return "logprobs", "logprobs are not supported; allowed: false"
+        if self.top_logprobs and not self.logprobs:
+            return "top_logprobs", f"top_logprobs={self.top_logprobs} needs logprobs=true"
         if self.tools:
             return "tools", "tools (function calling) are not supported"
         if self.tool_choice not in (None, "none"):
@@ -162,6 +198,14 @@ class ChatCompletionRequest(_Sampling):
         ):
             return "max_completion_tokens", "max_tokens and max_completion_tokens disagree; send one of them"
         return super().unsupported()
+
+    @property
+    def logprobs_wanted(self) -> bool:
+        return self.logprobs
+
+    @property
+    def top_logprobs_wanted(self) -> int:
+        return self.top_logprobs or 0
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -1,0 +1,186 @@
+"""The server's processor fields (issue 31) through the official openai client on real HTTP:
+penalties, min_p, logit_bias, stop_token_ids, logprobs / top_logprobs; each equals autoregressive
+decoding with the same settings, and one test each shows the field changes the output."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from serve_helpers import running_server, tiny_chat_folders
+from specdecode.config import GenerationConfig
+from specdecode.pipeline import SpeculativeGenerator
+
+PROMPT = "w5 w9 w11 w7"
+CHAT = [{"role": "user", "content": "w9 w11"}]
+
+
+@pytest.fixture(scope="module")
+def generator(tmp_path_factory):
+    target, draft = tiny_chat_folders(tmp_path_factory.mktemp("serve_models"))
+    return SpeculativeGenerator.from_pretrained(str(target), str(draft), dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def server(generator):
+    with running_server(generator) as running:
+        yield running
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def alone(generator, prompt: str, chat: bool, **options):
+    """Target-only decoding of one prompt with ``options`` (the reference)."""
+    config = GenerationConfig(max_new_tokens=options.pop("max_new_tokens", 20), **options)
+    return generator.generate(prompt, config, method="autoregressive", chat=chat)
+
+
+def text(generator, ids: list[int]) -> str:
+    return generator.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_the_greedy_reference_repeats_and_a_penalty_changes_it(server, generator):
+    url, _, _ = server
+    plain = alone(generator, PROMPT, False, max_new_tokens=20)
+    assert len(set(plain.token_ids)) < len(plain.token_ids), "the greedy output must repeat for this test"
+    got = client(url).completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0,
+                                         frequency_penalty=2.0)
+    want = alone(generator, PROMPT, False, frequency_penalty=2.0)
+    assert got.choices[0].text == text(generator, want.token_ids) != text(generator, plain.token_ids)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "options"),
+    [
+        (dict(presence_penalty=2.0), dict(presence_penalty=2.0)),
+        (dict(frequency_penalty=1.5), dict(frequency_penalty=1.5)),
+        (dict(extra_body={"repetition_penalty": 1.8}), dict(repetition_penalty=1.8)),
+        (dict(logit_bias={"9": 8.0, "11": -100}), dict(logit_bias={9: 8.0, 11: -100.0})),
+    ],
+    ids=["presence", "frequency", "repetition", "logit_bias"],
+)
+def test_each_greedy_processor_equals_autoregressive_and_changes_the_output(server, generator, kwargs, options):
+    url, _, _ = server
+    c = client(url)
+    want = alone(generator, PROMPT, False, **options)
+    assert want.token_ids != alone(generator, PROMPT, False).token_ids
+    got = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0, **kwargs)
+    assert got.choices[0].text == text(generator, want.token_ids)
+    chat_want = alone(generator, CHAT[0]["content"], True, **options)
+    chat = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=20, temperature=0, **kwargs)
+    assert chat.choices[0].message.content == text(generator, chat_want.token_ids)
+
+
+def test_min_p_one_keeps_only_the_top_token(server, generator):
+    """min_p = 1 keeps only the most likely token: sampling then gives the greedy output, which
+    sampling without it (same seed) does not."""
+    url, _, _ = server
+    c = client(url)
+    greedy = text(generator, alone(generator, PROMPT, False).token_ids)
+    sampled = [c.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=1.0, seed=s,
+                                    extra_body={"min_p": 1.0}).choices[0].text for s in range(3)]
+    assert sampled == [greedy] * 3
+    free = [c.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=1.0,
+                                 seed=s).choices[0].text for s in range(3)]
+    assert any(f != greedy for f in free)
+
+
+def test_stop_token_ids_end_the_output(server, generator):
+    url, _, _ = server
+    plain = alone(generator, PROMPT, False).token_ids
+    stop = plain[4]
+    r = client(url).completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0,
+                                       extra_body={"stop_token_ids": [stop]})
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == plain.index(stop) + 1
+
+
+def test_chat_logprobs_equal_autoregressive_streamed_or_not(server, generator):
+    url, _, _ = server
+    c = client(url)
+    want = alone(generator, CHAT[0]["content"], True, logprobs=True, top_logprobs=3, presence_penalty=1.0)
+    r = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=20, temperature=0, logprobs=True,
+                                  top_logprobs=3, presence_penalty=1.0)
+    content = r.choices[0].logprobs.content
+    assert len(content) == len(want.logprobs) == r.usage.completion_tokens
+    for entry, lp in zip(content, want.logprobs):
+        assert entry.token == generator.tokenizer.decode([lp.token_id])
+        assert entry.logprob == pytest.approx(lp.logprob, abs=1e-4) and entry.logprob <= 0
+        assert [t.token for t in entry.top_logprobs] == [generator.tokenizer.decode([t]) for t, _ in lp.top]
+        assert entry.bytes == list(entry.token.encode("utf-8"))
+    stream = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=20, temperature=0, logprobs=True,
+                                       top_logprobs=3, presence_penalty=1.0, stream=True)
+    streamed = [e for chunk in stream if chunk.choices and chunk.choices[0].logprobs
+                for e in chunk.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    plain = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=5, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_completion_logprobs(server, generator):
+    url, _, _ = server
+    want = alone(generator, PROMPT, False, logprobs=True, top_logprobs=2)
+    r = client(url).completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [generator.tokenizer.decode([e.token_id]) for e in want.logprobs]
+    assert lp.token_logprobs == pytest.approx([e.logprob for e in want.logprobs], abs=1e-4)
+    assert [len(t) for t in lp.top_logprobs] == [2] * len(lp.tokens)
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+
+
+@pytest.mark.parametrize(
+    ("create", "param", "needle"),
+    [
+        (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty", "repetition_penalty"),
+        (dict(extra_body={"min_p": 1.5}), "min_p", "1.5"),
+        (dict(logit_bias={"9": 150}), None, "[-100, 100], got 150"),
+        (dict(logit_bias={"w9": 1}), "logit_bias", "token ids"),
+        (dict(logit_bias={"4000": 1}), None, "logit_bias names token id 4000"),
+        (dict(extra_body={"stop_token_ids": [-1]}), "stop_token_ids.0", "-1"),
+    ],
+)
+def test_bad_processor_values_get_400s_that_name_them(server, create, param, needle):
+    url, engine, _ = server
+    with pytest.raises(openai.BadRequestError) as e:
+        client(url).completions.create(model="tiny", prompt=PROMPT, max_tokens=4, **create)
+    assert needle in e.value.body["message"]
+    if param is not None:
+        assert e.value.body["param"] == param
+    assert engine.outstanding == 0
+
+
+def test_chat_top_logprobs_without_logprobs_is_refused(server):
+    url, _, _ = server
+    with pytest.raises(openai.BadRequestError) as e:
+        client(url).chat.completions.create(model="tiny", messages=CHAT, max_tokens=4, top_logprobs=2)
+    assert e.value.body["param"] == "top_logprobs" and "needs logprobs=true" in e.value.body["message"]
+
+
+def test_temperature_top_p_and_seed_change_the_output(server, generator):
+    """Sampling happens: temperature and seed change the text, a tiny top_p brings back the greedy
+    text (only the top token is left), and the same seed gives the same text."""
+    url, _, _ = server
+    c = client(url)
+    greedy = text(generator, alone(generator, PROMPT, False).token_ids)
+
+    def sample(**kw) -> str:
+        return c.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, **kw).choices[0].text
+
+    assert sample(temperature=0) == greedy
+    by_seed = [sample(temperature=1.2, seed=s) for s in range(4)]
+    assert any(t != greedy for t in by_seed) and len(set(by_seed)) > 1
+    assert sample(temperature=1.2, seed=2) == by_seed[2]
+    assert [sample(temperature=1.2, seed=s, top_p=1e-6) for s in range(4)] == [greedy] * 4
+
+
+def test_a_masked_tokens_logprob_is_floored_in_json():
+    from specdecode.engine.processors import TokenLogprob
+    from specdecode.serve.openai_format import LOGPROB_FLOOR, logprobs_json
+
+    entry = TokenLogprob(5, -0.1, ((5, -0.1), (7, float("-inf"))))
+    chat = logprobs_json(True, [entry], None)
+    assert chat["content"][0]["top_logprobs"][1]["logprob"] == LOGPROB_FLOOR
+    completion = logprobs_json(False, [entry], None)
+    assert completion["top_logprobs"] == [{"5": -0.1, "7": LOGPROB_FLOOR}] and completion["text_offset"] == [0]
