@@ -30,6 +30,7 @@ from specdecode.config import GenerationConfig
 from specdecode.engine.batched import BatchedSpeculativeDecoder
 from specdecode.engine.decoder import GenerationResult
 from specdecode.errors import InvalidArgumentError, SpecDecodeError
+from specdecode.serve.openmp import release_openmp_pool
 
 logger = logging.getLogger(__name__)
 
@@ -163,9 +164,17 @@ class EngineLoop:
         return self._thread is not None and self._thread.is_alive() and not self._stopping
 
     def start(self) -> None:
-        """Start the engine thread (once)."""
+        """Start the engine thread (once).
+
+        Releases the calling thread's OpenMP pool first (``openmp.release_openmp_pool``): the
+        engine thread then owns the only one. With two pools on a 2-core machine libgomp made each
+        parallel op of the engine thread sleep and wake its worker, and the engine decoded 20-30%
+        slower in this thread than in the main thread (``docs/benchmarks/engine_thread_cost.py``).
+        The calling thread should run no torch ops while the engine runs (the HTTP handlers do not).
+        """
         if self._thread is not None:
             raise RuntimeError("the engine loop was already started")
+        release_openmp_pool()
         self._thread = threading.Thread(target=self._run, name="specdecode-engine", daemon=True)
         self._thread.start()
 
