@@ -53,6 +53,12 @@ class EarlyExitDrafter(LayerSkipDrafter):
         super().__init__(model, exit_skip_set(exit_layer, len(decoder_layers(model))), runner)
         self.exit_layer = exit_layer
 
+    def batch_drafter(self):
+        """``drafters.batched.BatchEarlyExitDrafter`` at this exit layer (the batched round's form)."""
+        from specdecode.drafters.batched import BatchEarlyExitDrafter  # it imports this module
+
+        return BatchEarlyExitDrafter(self.model, self.exit_layer)
+
 
 def check_exit_layer_given(exit_layer: int | None) -> None:
     """Raise unless method "early-exit" got an exit layer (its range is checked by ``EarlyExitDrafter``).

@@ -211,6 +211,11 @@ class Drafter(abc.ABC):
     def rollback(self, num_valid: int) -> None:
         """Forget any state past the first ``num_valid`` tokens of the sequence."""
 
+    def batch_drafter(self) -> BatchDrafter | None:
+        """This drafter in batch-native form, for the batched round that ``SpeculativeDecoder`` runs
+        (B = 1); None (the default): the round drives this drafter itself (``engine.one_row``)."""
+        return None
+
 
 class ConfidenceObserver(Protocol):
     """Target-confidence gating as the decoder sees it (``specdecode.drafters.control.ConfidenceGate``)."""
