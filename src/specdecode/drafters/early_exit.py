@@ -18,7 +18,7 @@ from transformers import PreTrainedModel
 
 from specdecode.engine.fast_path import ModelRunner
 from specdecode.errors import InvalidArgumentError
-from specdecode.drafters.layer_skip import LayerSkipDrafter, SkipSet, decoder_layers
+from specdecode.drafters.layer_skip import LayerSkipDrafter, SkipSet, _calls_unchanged, decoder_layers
 
 
 def exit_skip_set(exit_layer: int, num_layers: int) -> SkipSet:
@@ -57,6 +57,8 @@ class EarlyExitDrafter(LayerSkipDrafter):
         """``drafters.batched.BatchEarlyExitDrafter`` at this exit layer (the batched round's form)."""
         from specdecode.drafters.batched import BatchEarlyExitDrafter  # it imports this module
 
+        if not _calls_unchanged(self, EarlyExitDrafter):  # a subclass that changes a call drives itself
+            return None
         return BatchEarlyExitDrafter(self.model, self.exit_layer)
 
 

@@ -433,9 +433,12 @@ class LayerSkipDrafter(Drafter):
         return draft
 
     def batch_drafter(self):
-        """``drafters.batched.BatchLayerSkipDrafter`` with this skip set (the batched round's form)."""
+        """``drafters.batched.BatchLayerSkipDrafter`` with this skip set (the batched round's form);
+        None for a subclass that changes a call (it is then driven itself, drafting into slot 0)."""
         from specdecode.drafters.batched import BatchLayerSkipDrafter  # it imports this module
 
+        if not _calls_unchanged(self, LayerSkipDrafter):
+            return None
         return BatchLayerSkipDrafter(self.model, self.skip_set)
 
     @property
@@ -444,6 +447,11 @@ class LayerSkipDrafter(Drafter):
 
     def rollback(self, num_valid: int) -> None:
         """Nothing to do: the decoder rolls back the shared target cache itself."""
+
+
+def _calls_unchanged(drafter, base: type) -> bool:
+    """Whether ``drafter``'s class keeps ``base``'s ``begin``, ``propose`` and ``rollback``."""
+    return all(getattr(type(drafter), name) is getattr(base, name) for name in ("begin", "propose", "rollback"))
 
 
 def resolve_skip_set(skip_set: SkipSet | None, skip_layers: str | None, skip_config: str | Path | None) -> SkipSet:

@@ -24,12 +24,14 @@ only proposes; verification, acceptance and the target's cache are the decoder's
 The protocol, per generation:
 
 1. ``begin(prompt_ids, sampler, target_cache)`` once, after the target's prefill.
-   ``target_cache`` is the target's cache holding the prompt: a ``DynamicCache``,
-   or on the fast path a ``kv_cache.StaticKVCache`` (a drafter with a model of its
-   own then sizes its static cache by ``target_cache.capacity``). A
-   self-speculative drafter may append to it while drafting but must cut it back
-   (``kv_cache.truncate``) before ``propose`` returns, so the target never reads
-   draft-mode keys/values.
+   ``target_cache`` is the target's cache holding the prompt. ``SpeculativeDecoder`` runs the
+   batched round with one row and drives a ``Drafter`` through ``engine.one_row.OneRowDrafter``:
+   it passes the round's ``batch_cache.BatchKVCache`` (slot 0, static: a drafter with a model
+   of its own sizes its cache by ``target_cache.capacity``). A self-speculative drafter
+   writing into it drafts past the row's confirmed positions, where the verification
+   overwrites them; on a cropped cache (``DynamicCache``) it must cut back what it appended
+   (``kv_cache.truncate``) before ``propose`` returns, so the target never reads draft-mode
+   keys/values. A drafter may instead give a batch-native form (``batch_drafter``).
 2. Each round, ``propose(sequence, max_tokens)`` with the whole sequence so far
    (prompt + generated tokens; its last token is not yet in any cache).
 3. After verification, ``rollback(num_valid)``: the first ``num_valid`` tokens of
