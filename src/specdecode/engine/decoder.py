@@ -30,7 +30,6 @@ positions or another γ.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -48,14 +47,12 @@ from specdecode.engine.sampling import logits_width
 from specdecode.engine.stats import SpecDecodingStats
 from specdecode.errors import InvalidArgumentError
 
-logger = logging.getLogger(__name__)
 
 __all__ = ["CACHE_STEP", "GenerationResult", "GenerationStream", "SpeculativeDecoder"]
 
 #: A one-sequence engine's cache holds a multiple of this many positions per generation.
 CACHE_STEP = 256
 
-_as_2d = as_2d  # the name this module had for it
 
 class GenerationStream:
     """Iterates over verified tokens, one list per target forward, as soon as they exist.
@@ -122,6 +119,7 @@ class GenerationStream:
         engine = self._decoder._engine_for(self.config, int(self._input_ids.shape[1]))
         request_id = engine.add(self._input_ids, self.config, prompt_cache=self._prompt_cache)
         row = self._row = engine.request(request_id)
+        self.stats.final_draft_threshold = row.stats.final_draft_threshold  # set by the row's controller
         row.stats = self.stats
         self.token_ids = row.output
         engine.cache.generation += 1
@@ -234,13 +232,12 @@ class SpeculativeDecoder:
         prompt, ``max_new_tokens`` and the longest block + 1; otherwise rebuilt, sized for it."""
         speculative = self._batch_drafter is not None
         gamma = config.num_speculative_tokens if speculative else 0
-        engine = self._engine
-        if engine is not None and engine.has_work:  # an unfinished stream: this generation takes over
-            engine.cancel_all()
-        if engine is None:  # an engine of another decoder with the same runner: its cache and graphs
-            engine = getattr(self.runner, "one_row_engine", None)
-            if engine is not None and engine.has_work:
-                engine.cancel_all()
+        # The runner's latest one-row engine (this decoder's or another's with the same runner) owns
+        # the newest cache and graphs: share them, never a stale engine of this decoder's own.
+        engine = getattr(self.runner, "one_row_engine", None) or self._engine
+        for unfinished in (self._engine, engine):  # an unfinished stream: this generation takes over
+            if unfinished is not None and unfinished.has_work:
+                unfinished.cancel_all()
         compile = self.runner.compile
         control = self.draft_control if speculative else None
         block = gamma

@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from specdecode.engine.batch_cache import to_device
 from specdecode.engine.protocol import BatchDraft, BatchDrafter, Drafter, ExitPolicy
 from specdecode.engine.sampling import Sampler
 from specdecode.errors import InvalidArgumentError
@@ -94,7 +95,8 @@ class OneRowDrafter(BatchDrafter):
         length = len(seq)
         if length > self._written:
             new = seq[self._written :]
-            self._buf[0, self._written : length] = torch.tensor(new, dtype=torch.long)
+            # pinned and non-blocking on CUDA (batch_cache.to_device): no host sync here
+            self._buf[0, self._written : length] = to_device(new, self._buf.device)
             if self._host is not None:
                 self._host[self._written : length] = new
             self._written = length
