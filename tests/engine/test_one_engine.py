@@ -120,3 +120,24 @@ def test_a_newer_generation_takes_over():
     assert dec.generate(PROMPTS[1], config).token_ids == expected
     with pytest.raises(InvalidArgumentError, match="taken over by a newer one"):
         next(first)
+
+
+def test_decoders_on_one_runner_keep_sharing_the_cache_after_it_grows():
+    """Decoders sharing a ``ModelRunner`` share one cache (and compiled buckets), also after a
+    generation outgrew it: the next decoder takes the runner's latest engine, not its own stale one
+    (which gave each decoder a cache of its own: memory times the decoders, and on CUDA each
+    recompiling every bucket)."""
+    from specdecode.engine.fast_path import ModelRunner
+
+    target = make_tiny_model("llama", num_layers=2)
+    runner = ModelRunner(target, compile=False, name="target")
+    a = SpeculativeDecoder(target, PromptLookupDrafter(), runner=runner)  # same γ: same compiled widths
+    b = SpeculativeDecoder(target, PromptLookupDrafter(max_ngram=2), runner=runner)
+    short, long = GenerationConfig(max_new_tokens=4), GenerationConfig(max_new_tokens=300, stop_on_eos=False)
+    a.generate(PROMPTS[0], short)
+    b.generate(PROMPTS[0], short)
+    assert b._engine.cache is a._engine.cache
+    a.generate(PROMPTS[0], long)  # outgrows the shared cache: a larger one replaces it
+    b.generate(PROMPTS[0], short)
+    assert b._engine.cache is a._engine.cache
+    assert b._engine.cache.capacity >= len(PROMPTS[0]) + 300
