@@ -33,8 +33,12 @@ def prompt_ids(length: int, seed: int, vocab: int = VOCAB) -> torch.Tensor:
     return torch.randint(3, vocab, (1, length), generator=torch.Generator().manual_seed(seed))
 
 
-def cache_snapshot(cache) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-    """(length, keys, values) of every layer, cloned."""
+def cache_snapshot(cache, length: int | None = None) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(length, keys, values) of every layer, cloned. The batched round's cache (``BatchKVCache``,
+    slot 0 at B = 1) holds ``length`` confirmed positions; drafting may write past them."""
+    if hasattr(cache, "num_slots"):
+        return [(length, layer.keys[:1, :, :length].clone(), layer.values[:1, :, :length].clone())
+                for layer in cache.layers]
     return [(layer.get_seq_length(), layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
 
 
@@ -115,13 +119,13 @@ class CacheCheckingDrafter(Drafter):
         self.inner.begin(prompt_ids, sampler, target_cache)
 
     def propose(self, sequence, max_tokens, exit_policy=None):
-        before = cache_snapshot(self._cache)
+        before = cache_snapshot(self._cache, sequence.shape[1] - 1)
         assert before[0][0] == sequence.shape[1] - 1
         if exit_policy is None:
             draft = self.inner.propose(sequence, max_tokens)
         else:
             draft = self.inner.propose(sequence, max_tokens, exit_policy=exit_policy)
-        assert_same_cache(before, cache_snapshot(self._cache))
+        assert_same_cache(before, cache_snapshot(self._cache, sequence.shape[1] - 1))
         self.checked += 1
         return draft
 

@@ -244,6 +244,11 @@ class ForwardLog:
         except ImportError:
             ModelRunner = None
         self.runner_class = ModelRunner
+        try:  # SpeculativeDecoder runs the batched round with one row: its target forwards go here
+            from specdecode.engine.batch_runner import BatchRunner
+        except ImportError:
+            BatchRunner = None
+        self.batch_class = BatchRunner
 
     @contextlib.contextmanager
     def recording(self):
@@ -251,16 +256,25 @@ class ForwardLog:
             yield
             return
         original, calls = self.runner_class.__call__, self.calls
+        batch_original = self.batch_class.__call__ if self.batch_class is not None else None
 
         def call(runner, ids, *args, **kwargs):
             calls.append((runner, int(ids.shape[1])))
             return original(runner, ids, *args, **kwargs)
 
+        def batch_call(runner, ids, *args, **kwargs):  # decode-time only (prefills bypass it)
+            calls.append((runner, int(ids.shape[1]), "batch"))
+            return batch_original(runner, ids, *args, **kwargs)
+
         self.runner_class.__call__ = call
+        if self.batch_class is not None:
+            self.batch_class.__call__ = batch_call
         try:
             yield
         finally:
             self.runner_class.__call__ = original
+            if self.batch_class is not None:
+                self.batch_class.__call__ = batch_original
 
 
 def priced_width(runner, width: int) -> int:
@@ -480,8 +494,13 @@ def add_outcome(t: Tally, out: dict, index: int) -> None:
     for i, v in enumerate(dbp):
         t.drafted_by_position[i] += v
     seen = set()
-    for runner, width in out.get("calls", ()):
-        if id(runner) not in seen:  # a runner's first call in a generation is its prefill
+    for runner, width, *batch in out.get("calls", ()):
+        if batch:  # the one-row round's target runner (BatchRunner): priced as the target's forwards
+            target = out["target_runner"]
+            if getattr(runner, "name", "") != "target model" or runner.model is not getattr(target, "model", None):
+                continue
+            runner = target
+        elif id(runner) not in seen:  # a runner's first call in a generation is its prefill
             seen.add(id(runner))
             continue
         key = (runner, priced_width(runner, width))

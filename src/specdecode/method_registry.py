@@ -31,6 +31,7 @@ from specdecode.drafters.batched_cascade import BatchCascadeDrafter
 from specdecode.drafters.early_exit import EarlyExitDrafter, check_exit_layer_given
 from specdecode.drafters.layer_skip import LayerSkipDrafter, SkipSet, resolve_skip_set
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
+from specdecode.engine.one_row import OneRowDrafter
 from specdecode.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -159,18 +160,30 @@ def _prompt_lookup(generator, o: DrafterOptions) -> PromptLookupDrafter:
     return PromptLookupDrafter(o.prompt_lookup_max_ngram, o.prompt_lookup_min_ngram)
 
 
-def _batch_draft(generator, o: DrafterOptions) -> BatchDraftModelDrafter:
+#: Why the llama.cpp draft runs with one row only (``engine.one_row.OneRowDrafter``'s refusal).
+LLAMA_CPP_ONE_SEQUENCE = "llama.cpp's draft runs one sequence (one llama.cpp context)"
+
+
+def _llama_cpp_backend(generator, o: DrafterOptions) -> bool:
+    return (o.draft_backend if o.draft_backend is not None else generator.default_draft_backend()) == "llama-cpp"
+
+
+def _batch_draft(generator, o: DrafterOptions) -> BatchDrafter:
+    if _llama_cpp_backend(generator, o):  # B = 1 only: the one-sequence drafter, driven by the batched round
+        return OneRowDrafter(_draft(generator, o), LLAMA_CPP_ONE_SEQUENCE)
     if generator.draft is None:
-        raise InvalidArgumentError("batched method 'draft' needs a draft model run by torch (it has no "
-                                   "llama.cpp backend); pass draft=... with draft_backend='torch'")
+        raise InvalidArgumentError("batched method 'draft' needs a draft model run by torch; pass draft=... "
+                                   "(a llama.cpp draft, draft_backend='llama-cpp', runs with max_batch_size=1)")
     return BatchDraftModelDrafter(generator.draft.model, o.draft_context_window,
                                   generator.draft_head(o.draft_vocab_size))
 
 
-def _batch_cascade(generator, o: DrafterOptions) -> BatchCascadeDrafter:
+def _batch_cascade(generator, o: DrafterOptions) -> BatchDrafter:
+    if _llama_cpp_backend(generator, o):
+        return OneRowDrafter(_cascade(generator, o), LLAMA_CPP_ONE_SEQUENCE)
     if generator.draft is None:
-        raise InvalidArgumentError("batched method 'cascade' needs a draft model run by torch (it has no "
-                                   "llama.cpp backend); pass draft=... with draft_backend='torch'")
+        raise InvalidArgumentError("batched method 'cascade' needs a draft model run by torch; pass draft=... "
+                                   "(a llama.cpp draft, draft_backend='llama-cpp', runs with max_batch_size=1)")
     return BatchCascadeDrafter(generator.draft.model, o.prompt_lookup_max_ngram, o.prompt_lookup_min_ngram,
                                o.ngram_check, o.max_model_prompt_tokens, o.draft_context_window,
                                generator.draft_head(o.draft_vocab_size))

@@ -550,6 +550,7 @@ class SpeculativeGenerator:
         draft_context_window: int | None = None,
         draft_vocab_size: int | None = None,
         compile: bool | None = None,
+        draft_backend: str | None = None,
     ) -> BatchedSpeculativeDecoder:
         """A ``BatchedSpeculativeDecoder`` (many rows at once, continuous batching) for ``method``.
 
@@ -566,11 +567,13 @@ class SpeculativeGenerator:
                 truncated head, ``drafters.batched.BatchDraftModelDrafter``).
             compile: The batched fast path (compiled (rows, width) buckets, CUDA graphs on CUDA):
                 True, False, or None for the device's default (``BatchedSpeculativeDecoder``).
+            draft_backend: As in ``make_drafter``; "llama-cpp" ("draft", "cascade") runs one
+                sequence, so ``max_batch_size`` must be 1 (``engine.one_row.OneRowDrafter``).
 
         Raises:
             InvalidArgumentError: Unknown method or one without a batch mode; the errors of
                 ``make_drafter`` for a missing draft model, skip set or exit layer; a value
-                out of range.
+                out of range; the llama.cpp draft with ``max_batch_size`` > 1.
         """
         target = self.target.model
         drafter = method_registry.make_batch_drafter(self, method, DrafterOptions(
@@ -578,6 +581,7 @@ class SpeculativeGenerator:
             prompt_lookup_max_ngram=prompt_lookup_max_ngram, prompt_lookup_min_ngram=prompt_lookup_min_ngram,
             ngram_check=ngram_check, max_model_prompt_tokens=max_model_prompt_tokens,
             draft_context_window=draft_context_window, draft_vocab_size=draft_vocab_size,
+            draft_backend=draft_backend,
         ))
         return BatchedSpeculativeDecoder(
             target,

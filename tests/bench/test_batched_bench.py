@@ -181,8 +181,9 @@ def test_library_refusals(generator):
         run_batched_bench(SpeculativeGenerator(generator.target), PROMPTS, ["draft"], [2], settings)
     with pytest.raises(InvalidArgumentError, match="has no batch mode"):
         run_batched_bench(generator, PROMPTS, ["hf-assisted"], [2], settings)
-    with pytest.raises(InvalidArgumentError, match="draft_backend are not taken in batch mode"):
-        run_batched_bench(generator, PROMPTS, ["cascade:draft_backend=torch"], [2], settings)
+    # The llama.cpp draft now has a batch mode (one row); this torch draft has no GGUF file for it.
+    with pytest.raises(InvalidArgumentError, match="the llama.cpp backend runs GGUF files"):
+        run_batched_bench(generator, PROMPTS, ["cascade:draft_backend=llama-cpp"], [2], settings)
     with pytest.raises(InvalidArgumentError, match=r"draft_context_window=4 \(--draft-context-window\) applies to "
                                                    "the methods with a draft model, 'draft' and 'cascade', not to "
                                                    "'prompt-lookup'"):

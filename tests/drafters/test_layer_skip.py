@@ -18,9 +18,7 @@ from selfspec_helpers import (
     violations,
 )
 from specdecode import GenerationConfig, InvalidArgumentError, SpeculativeDecoder
-from specdecode.engine.decoder import _Round
 from specdecode.drafters.layer_skip import LayerSkipDrafter, SkipSet, decoder_layers, draft_mode
-from specdecode.engine.stats import SpecDecodingStats
 from specdecode.engine.verification import VerificationResult
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -203,26 +201,29 @@ def test_propose_leaves_target_cache_unchanged(arch, gamma):
 
 
 def test_cache_after_round_equals_fresh_forward():
-    """After each round the shared cache holds exactly the full model's entries for the confirmed tokens."""
+    """After each round the shared cache holds exactly the full model's entries for the confirmed
+    tokens (slot 0 of the one-row engine's batch cache; drafted positions past them are overwritten)."""
     from specdecode.engine.kv_cache import new_cache
 
     model = make_tiny_model("gemma3", num_layers=4)
     config = GenerationConfig(max_new_tokens=40, num_speculative_tokens=5, stop_on_eos=False)
     dec = SpeculativeDecoder(model, LayerSkipDrafter(model, SKIP_SETS["attn-only"]))
-    state = _Round(dec, prompt_ids(4, 5), config, SpecDecodingStats())
-    state.prefill()
+    stream = dec.stream(prompt_ids(4, 5), config)
+    rounds = iter(stream)
+    next(rounds)
     for _ in range(6):
-        state.step(remaining=100)
-        seq = state.buf[:, : state.length - 1]
+        next(rounds)
+        confirmed = stream._row.tokens[:-1]
+        n = len(confirmed)
         fresh = new_cache(model)
         with torch.inference_mode():
-            model(seq, past_key_values=fresh, use_cache=True)
+            model(torch.tensor([confirmed]), past_key_values=fresh, use_cache=True)
         fresh.crop(0)
-        for got, want in zip(state.cache.layers, fresh.layers):
-            assert got.get_seq_length() == want.get_seq_length() == seq.shape[1]
-            torch.testing.assert_close(got.keys, want.keys, rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(got.values, want.values, rtol=1e-5, atol=1e-5)
-    assert 0 < state.stats.acceptance_rate < 1
+        for got, want in zip(dec._engine.cache.layers, fresh.layers):
+            kept = want.keys.shape[-2]  # a trimmed sliding layer keeps the last ones
+            torch.testing.assert_close(got.keys[:1, :, n - kept : n], want.keys, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got.values[:1, :, n - kept : n], want.values, rtol=1e-5, atol=1e-5)
+    assert 0 < stream.stats.acceptance_rate < 1
 
 
 @pytest.mark.parametrize("gamma", [1, 3, 8])
@@ -294,7 +295,7 @@ def test_sampling_check_catches_sampling_from_the_draft(small_model, monkeypatch
         k = draft_tokens.shape[0]
         return VerificationResult(k, int(sampler.sample(target_probs[k : k + 1])[0]))
 
-    monkeypatch.setattr("specdecode.engine.decoder.rejection_sample", accept_all)
+    monkeypatch.setattr("specdecode.engine.verification.rejection_sample", accept_all)  # in sample_block
     dec = SpeculativeDecoder(small_model, LayerSkipDrafter(small_model, skip))
     freq = sample_counts(dec, PROMPT, config, N_SAMPLES, V_SMALL)
     bad = violations(exact, freq, N_SAMPLES)

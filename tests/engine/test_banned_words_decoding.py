@@ -461,8 +461,9 @@ def test_greedy_with_banned_words_equals_masked_reference(arch, monkeypatch):
         assert_masks_respected(stream)
         expected = masked_greedy_reference(target, prompt, n, stream.forbidden_tokens)
         assert stream.token_ids == expected, (arch, method, words, stream.forbidden_tokens)
-        if arch in ("mistral", "gemma2", "gemma3") and method == "autoregressive":
-            assert emptied, "a banned-word rollback past the sliding window should have emptied the cache"
+        if arch in ("mistral", "gemma2", "gemma3") and method == "draft-model":
+            # The target's batch cache keeps every position; the draft model's cropped cache cannot.
+            assert emptied, "a banned-word rollback past the sliding window should have emptied the draft's cache"
         outputs[method] = stream.token_ids
     assert len({tuple(v) for v in outputs.values()}) == 1, outputs
 

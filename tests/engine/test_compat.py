@@ -106,9 +106,11 @@ def test_fast_path_greedy_equals_autoregressive_on_torch_2_11(torch_2_11):
     result = dec.generate(prompt, config)
     assert result.token_ids == expected
     assert result.stats.num_accepted_tokens > 0
-    assert runner.compile_time_s > 0 and draft_runner.compile_time_s > 0
-    assert torch_2_11 == [dict(fullgraph=True, dynamic=False, backend="inductor", mode=None, options=None,
-                               disable=False)] * 2
+    # The target compiles in the one-row engine's BatchRunner (its buckets), the draft in its runner.
+    assert draft_runner.compile_time_s > 0 and dec.compile_time_s() > draft_runner.compile_time_s
+    assert len(torch_2_11) >= 2
+    assert all(kwargs == dict(fullgraph=True, dynamic=False, backend="inductor", mode=None, options=None,
+                              disable=False) for kwargs in torch_2_11)
 
 
 def _closure(k: int):

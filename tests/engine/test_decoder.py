@@ -8,9 +8,7 @@ import torch
 from conftest import VOCAB, make_tiny_model, make_tiny_tokenizer
 from helpers import CorruptingDrafter, ScriptedDrafter, perturbed_copy
 from specdecode import DraftModelDrafter, GenerationConfig, InvalidArgumentError, SpeculativeDecoder
-from specdecode.engine.decoder import _Round
 from specdecode.engine.kv_cache import new_cache
-from specdecode.engine.stats import SpecDecodingStats
 
 EOS = 2
 
@@ -106,29 +104,33 @@ def test_scripted_rejections_roll_back(arch):
 
 
 def test_kv_cache_after_rollback_equals_fresh_forward(arch):
+    """After rejections, the round's cache (slot 0 of the one-row engine) holds, at every confirmed
+    position, what a fresh forward over the confirmed tokens gives; positions past them are never read."""
     target = make_tiny_model(arch)
     prompt = _prompt(5, 5)
     config = GenerationConfig(max_new_tokens=40, num_speculative_tokens=4, stop_on_eos=False)
-    dec = SpeculativeDecoder(target, CorruptingDrafter(perturbed_copy(target, 0.3), period=2))
-    state = _Round(dec, prompt, config, SpecDecodingStats())
-    state.prefill()
+    drafter = CorruptingDrafter(perturbed_copy(target, 0.3), period=2)
+    dec = SpeculativeDecoder(target, drafter)
+    stream = dec.stream(prompt, config)
+    rounds = iter(stream)
+    next(rounds)  # the prefill's token
     rejections = 0
     for _ in range(8):
-        before = state.length
-        new = state.step(remaining=100)
+        new = next(rounds)
         rejections += len(new) < 5
-        seq = state.buf[:, : state.length - 1]  # all tokens whose keys/values must be cached
+        confirmed = stream._row.tokens[:-1]  # all tokens whose keys/values must be cached
+        seq = torch.tensor([confirmed])
         fresh = new_cache(target)
         with torch.inference_mode():
             target(seq, past_key_values=fresh, use_cache=True)
         fresh.crop(0)  # trim sliding layers the same way
-        assert state.cache.get_seq_length() == seq.shape[1] == before + len(new) - 1
-        for got, want in zip(state.cache.layers, fresh.layers):
-            torch.testing.assert_close(got.keys, want.keys, rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(got.values, want.values, rtol=1e-5, atol=1e-5)
+        length = len(confirmed)
+        for got, want in zip(dec._engine.cache.layers, fresh.layers):
+            kept = want.keys.shape[-2]  # a trimmed sliding layer keeps the last ones
+            torch.testing.assert_close(got.keys[:1, :, length - kept : length], want.keys, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got.values[:1, :, length - kept : length], want.values, rtol=1e-5, atol=1e-5)
         # The drafter's cache, too, holds exactly the confirmed tokens' entries, not a rejected one.
-        draft_cache = dec.drafter._cache
-        assert draft_cache.get_seq_length() <= seq.shape[1]
+        assert drafter._cache.get_seq_length() <= length
     assert rejections > 0
 
 

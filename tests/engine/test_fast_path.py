@@ -32,9 +32,7 @@ from specdecode import (
 )
 from specdecode.drafters.cascade import CascadeDrafter
 from specdecode.engine import kv_cache
-from specdecode.engine.decoder import _Round
 from specdecode.engine.fast_path import DRAFT_BUCKETS, STATIC_CACHE_STEP, ModelRunner, resolve_compile
-from specdecode.engine.stats import SpecDecodingStats
 
 PROMPTS = [(0, 1), (1, 5), (2, 13), (3, 29)]  # (seed, length): 13 and 29 cross the sliding window of 6
 
@@ -89,36 +87,36 @@ def test_static_cache_greedy_equals_autoregressive(arch, control):
             dec = SpeculativeDecoder(target, drafter, draft_control=use, runner=runners["target"])
             result = dec.generate(prompt, config)
             assert result.token_ids == expected, (arch, control, name, seed)
-            assert kv_cache.is_static(dec.runner._cache)
+            assert dec._engine.compile and kv_cache.is_static(dec._engine.cache)
             accepted_somewhere |= bool(result.stats.num_accepted_tokens)
             gated += result.stats.num_gated_steps
-    assert runners["target"].num_eager_forwards > 0 and runners["target"].compile_time_s == 0.0
+    assert runners["target"].one_row_engine.cache.fast.graphs is False  # static shapes, eager forwards
     assert accepted_somewhere
     assert (gated > 0) == (control == "gate")
 
 
 def test_static_cache_after_rollback_equals_fresh_forward(arch):
-    """After rejections, the positions a query can read hold what a fresh forward over the confirmed
-    tokens writes; rejected positions past them were left in place (never cropped), not read."""
+    """On the fast path's static batch cache, after rejections, every confirmed position holds what
+    a fresh forward over the confirmed tokens gives (rejected ones lie past them, never read)."""
     target = make_tiny_model(arch)
     prompt = _prompt(5, 5)
     config = GenerationConfig(max_new_tokens=40, num_speculative_tokens=4, stop_on_eos=False)
     runner = ModelRunner(target, compile=True, graphs=False)
     dec = SpeculativeDecoder(target, CorruptingDrafter(perturbed_copy(target, 0.3), period=2), runner=runner)
-    state = _Round(dec, prompt, config, SpecDecodingStats())
-    state.prefill()
+    stream = dec.stream(prompt, config)
+    rounds = iter(stream)
+    next(rounds)
     rejections = 0
     for _ in range(8):
-        new = state.step(remaining=100)
-        rejections += len(new) < 5
-        n = state.length - 1  # tokens whose keys/values must be cached
-        assert int(state.cache.position) == state.num_cached == n
+        rejections += len(next(rounds)) < 5
+        confirmed = stream._row.tokens[:-1]
+        n = len(confirmed)
         fresh = kv_cache.StaticKVCache(target, 64)
         with torch.inference_mode():
-            target(state.buf[:, :n], past_key_values=fresh, use_cache=True)
-        for got, want in zip(state.cache.layers, fresh.layers):
-            torch.testing.assert_close(got.keys[:, :, :n], want.keys[:, :, :n], rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(got.values[:, :, :n], want.values[:, :, :n], rtol=1e-5, atol=1e-5)
+            target(torch.tensor([confirmed]), past_key_values=fresh, use_cache=True)
+        for got, want in zip(dec._engine.cache.layers, fresh.layers):
+            torch.testing.assert_close(got.keys[:1, :, :n], want.keys[:, :, :n], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got.values[:1, :, :n], want.values[:, :, :n], rtol=1e-5, atol=1e-5)
     assert rejections > 0
 
 
@@ -223,11 +221,13 @@ def test_compiled_greedy_equals_autoregressive(arch_name, fresh_dynamo):
                 (name, i, result.stats.warmup_s)
         if i > 0:  # the first prompt compiled every width; a new prompt length compiles nothing
             assert counters["stats"]["unique_graphs"] == graphs_before, arch_name
-    assert runners["target"].compile_time_s > 0 and runners["skip"].compile_time_s > 0
-    # Only prefills may run eagerly: every verification (widths 1..7, adaptive blocks of up to 6
-    # tokens) and every draft step went through a graph.
-    assert runners["target"].num_eager_forwards <= generations
-    assert runners["skip"].num_eager_forwards == 0
+    engine = runners["target"].one_row_engine  # the decoders shared its cache and runners
+    skip = next(r for key, r in engine.cache.shared.items() if key[0] == "layer-skip runner")
+    assert engine.runner.compile_time_s > 0 and skip.compile_time_s > 0
+    # Only prefills may run eagerly (batch_prefill, outside the runner): every verification (widths
+    # 1..7, adaptive blocks of up to 6 tokens) and every draft step went through a graph.
+    assert engine.runner.num_eager_forwards == 0 and generations
+    assert skip.num_eager_forwards == 0
     # The layer-skip graph is the skipped model's, not the full model's (which would accept all).
     assert min(skip_rates) < 1.0
 
@@ -260,7 +260,7 @@ def test_compiled_speculative_sampling_matches_target_distribution(fresh_dynamo)
         accepted += res.stats.num_accepted_tokens
     assert 0 < accepted < N * 2
     assert _within(counts / N, want, N)
-    assert runners["target"].compile_time_s > 0
+    assert dec.compile_time_s() > 0
 
 
 @pytest.mark.parametrize("nan_in", ["target", "draft"])

@@ -215,19 +215,22 @@ class LlamaCppRunner:
         first_token_s = None
         finish = "length"
         self._start_counting(llm)
-        t0 = time.perf_counter()
-        stream = llm.generate(ids[m:], reset=False, **self.sampling())
-        for token in stream:
-            tokens.append(int(token))
-            if first_token_s is None:
-                first_token_s = time.perf_counter() - t0
-            if token in self.eos:
-                finish = "eos"
-                break
-            if len(tokens) >= max_new_tokens:
-                break
-        seconds = time.perf_counter() - t0
-        stream.close()
+        try:
+            t0 = time.perf_counter()
+            stream = llm.generate(ids[m:], reset=False, **self.sampling())
+            for token in stream:
+                tokens.append(int(token))
+                if first_token_s is None:
+                    first_token_s = time.perf_counter() - t0
+                if token in self.eos:
+                    finish = "eos"
+                    break
+                if len(tokens) >= max_new_tokens:
+                    break
+            seconds = time.perf_counter() - t0
+            stream.close()
+        finally:
+            self._stop_counting(llm)
         n = len(tokens)
         return self._counts(llm, n) | {
             "token_ids": tokens,
@@ -238,6 +241,9 @@ class LlamaCppRunner:
 
     def _start_counting(self, llm) -> None:
         """Before the timed generation: nothing to count for target-only decoding."""
+
+    def _stop_counting(self, llm) -> None:
+        """After the timed generation, also when it raised: undo ``_start_counting``."""
 
     def _counts(self, llm, n: int) -> dict:
         """The record's forward and draft counts after a generation of ``n`` tokens."""
@@ -311,8 +317,10 @@ class LlamaCppLookupRunner(LlamaCppRunner):
 
         llm.eval = counting_eval  # Llama.generate calls self.eval: the instance's attribute comes first
 
+    def _stop_counting(self, llm) -> None:
+        llm.__dict__.pop("eval", None)  # back to the class's method
+
     def _counts(self, llm, n: int) -> dict:
-        del llm.eval  # back to the class's method
         verify = self._evals[1:]  # the first eval is the prompt's (or its last token's)
         drafted = sum(w - 1 for w in verify)
         return {

@@ -339,7 +339,9 @@ class BatchLayerSkipDrafter(BatchDrafter):
                 f"the {self.who}er must wrap the batched decoder's own target model: its cache belongs to another model"
             )
         self.cache = target_cache
-        self.runner = BatchRunner(self.model, target_cache, (1,), self.who)
+        key = ("layer-skip runner", self.skip_set)  # another drafter of the skip set reuses its graphs
+        self.runner = target_cache.shared.get(key) or BatchRunner(self.model, target_cache, (1,), self.who)
+        target_cache.shared[key] = self.runner
         self._samplers = [None] * target_cache.num_slots
         self.num_forwards = 0
 

@@ -18,7 +18,7 @@ from transformers import PreTrainedModel
 
 from specdecode.engine.fast_path import ModelRunner
 from specdecode.errors import InvalidArgumentError
-from specdecode.drafters.layer_skip import LayerSkipDrafter, SkipSet, decoder_layers
+from specdecode.drafters.layer_skip import LayerSkipDrafter, SkipSet, _calls_unchanged, decoder_layers
 
 
 def exit_skip_set(exit_layer: int, num_layers: int) -> SkipSet:
@@ -52,6 +52,14 @@ class EarlyExitDrafter(LayerSkipDrafter):
     def __init__(self, model: PreTrainedModel, exit_layer: int, runner: ModelRunner | None = None) -> None:
         super().__init__(model, exit_skip_set(exit_layer, len(decoder_layers(model))), runner)
         self.exit_layer = exit_layer
+
+    def batch_drafter(self):
+        """``drafters.batched.BatchEarlyExitDrafter`` at this exit layer (the batched round's form)."""
+        from specdecode.drafters.batched import BatchEarlyExitDrafter  # it imports this module
+
+        if not _calls_unchanged(self, EarlyExitDrafter):  # a subclass that changes a call drives itself
+            return None
+        return BatchEarlyExitDrafter(self.model, self.exit_layer)
 
 
 def check_exit_layer_given(exit_layer: int | None) -> None:

@@ -33,6 +33,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from specdecode.drafters.base import Draft, Drafter, ExitPolicy, draft_autoregressively
 from specdecode.engine import kv_cache
+from specdecode.engine.batch_cache import BatchKVCache, batch_forward
 from specdecode.engine.fast_path import ModelRunner
 from specdecode.errors import InvalidArgumentError, UnsupportedModelError
 from specdecode.engine.sampling import Sampler
@@ -340,6 +341,7 @@ class LayerSkipDrafter(Drafter):
     """
 
     supports_exit_policy = True
+    who = "layer-skip draft"
 
     def __init__(self, model: PreTrainedModel, skip_set: SkipSet, runner: ModelRunner | None = None) -> None:
         self.num_layers = len(decoder_layers(model))
@@ -399,6 +401,8 @@ class LayerSkipDrafter(Drafter):
         # A static cache (the fast path) is simpler: one write position serves all layers,
         # so skipped layers need no placeholders, and restoring is moving that position
         # back. Its cache never empties, so it holds exactly L - 1 positions here.
+        if isinstance(cache, BatchKVCache):  # the batched round at B = 1 (a wrapped drafter): slot 0
+            return self._propose_in_slot(cache, sequence, max_tokens, exit_policy)
         start = sequence.shape[1] - 1 if kv_cache.is_static(cache) else cache.get_seq_length()
         try:
             with draft_mode(self.model, self.skip_set):
@@ -410,12 +414,44 @@ class LayerSkipDrafter(Drafter):
         self.num_forwards += len(draft)
         return draft
 
+    def _propose_in_slot(self, cache: BatchKVCache, sequence: torch.Tensor, max_tokens: int,
+                         exit_policy: ExitPolicy | None) -> Draft:
+        """Draft into slot 0 of the batched engine's cache, eagerly, after its L - 1 confirmed
+        positions; the positions drafted into lie past them, where the verification overwrites them."""
+        position = [sequence.shape[1] - 1]
+
+        def forward(ids: torch.Tensor, _cache, logits_to_keep: int) -> torch.Tensor:
+            logits = batch_forward(self.model, cache, ids, 0, position, logits_to_keep)
+            position[0] += ids.shape[1]
+            return logits
+
+        with draft_mode(self.model, self.skip_set):
+            draft = draft_autoregressively(
+                forward, cache, sequence[:, position[0]:], max_tokens, self._sampler, exit_policy, self.who
+            )
+        self.num_forwards += len(draft)
+        return draft
+
+    def batch_drafter(self):
+        """``drafters.batched.BatchLayerSkipDrafter`` with this skip set (the batched round's form);
+        None for a subclass that changes a call (it is then driven itself, drafting into slot 0)."""
+        from specdecode.drafters.batched import BatchLayerSkipDrafter  # it imports this module
+
+        if not _calls_unchanged(self, LayerSkipDrafter):
+            return None
+        return BatchLayerSkipDrafter(self.model, self.skip_set)
+
     @property
     def compile_time_s(self) -> float:
         return self.runner.compile_time_s
 
     def rollback(self, num_valid: int) -> None:
         """Nothing to do: the decoder rolls back the shared target cache itself."""
+
+
+def _calls_unchanged(drafter, base: type) -> bool:
+    """Whether ``drafter``'s class keeps ``base``'s ``begin``, ``propose`` and ``rollback``."""
+    return all(getattr(type(drafter), name) is getattr(base, name) for name in ("begin", "propose", "rollback"))
 
 
 def resolve_skip_set(skip_set: SkipSet | None, skip_layers: str | None, skip_config: str | Path | None) -> SkipSet:

@@ -1,16 +1,16 @@
 """Banned words with rollback for one sequence: the state and decisions both decoders share.
 
 ``engine.banned_words`` matches banned words on the generated text; this module is what a
-decoder does with the matches, written once and used by the single-sequence decoder
-(``engine.decoder``, one ``BannedRow`` per generation) and by the batched engine
-(``engine.batched``, one per row that asks for banned words). Following the rollback-and-mask
+decoder does with the matches, written once and used by the batched engine's round
+(``engine.batched``, one per row that asks for banned words; ``engine.decoder`` runs it with one
+row). Following the rollback-and-mask
 method of "Using Finite State Machine (FSM) and Rollback Mechanism to Restrict LLM from
 Generating Banned Words" (code: ccs96307/llm-decode-filter-special-words), a ``BannedRow``
 keeps:
 
 * the **masks**: position in the sequence (prompt included) -> token ids the target may not
-  produce there, applied to a verification's logits before the token choice (``mask``,
-  ``mask_batch``);
+  produce there, applied to a verification's logits before the token choice
+  (``mask_batch``);
 * the **draft cut**: a draft block ends before a banned word it would spell or before a
   forbidden token (``cut_draft``), so no forward verifies tokens that would be rolled back;
 * the **check after emit** (``check``): the newly emitted tokens are matched; on a banned word
@@ -105,10 +105,6 @@ class BannedRow:
         if not self.forbidden:
             return []
         return [(i, t) for i in range(width) for t in self.forbidden.get(first_position + i, ())]
-
-    def mask(self, logits: torch.Tensor, first_position: int) -> None:
-        """Set the masked tokens of (k + 1, V) ``logits``, whose row i predicts ``first_position + i``, to -inf."""
-        _fill(logits, self.masks(first_position, logits.shape[0]))
 
     # -- drafts -----------------------------------------------------------------------------------
 

@@ -209,6 +209,12 @@ class BatchKVCache(Cache):
         self.capacity = capacity
         self.fast = fast
         self.num_positions = capacity + (fast.max_width if fast is not None else 0)
+        #: Counts the generations that took the cache, when one-sequence decoders share it
+        #: (``SpeculativeDecoder``), so that an older one can tell it was taken over.
+        self.generation = 0
+        #: What engines sharing this cache keep with it (a self-speculative drafter's runner, whose
+        #: compiled buckets are this cache's), by the user's key.
+        self.shared: dict = {}
         self._window = _Window()
         layers = [_RowLayer(self.num_positions, num_slots, self._window) for _ in range(config.num_hidden_layers)]
         super().__init__(layers=layers)
@@ -300,6 +306,39 @@ class BatchKVCache(Cache):
                     layer.keys[dst, :, :num_positions] = layer.keys[src, :, :num_positions]
                     layer.values[dst, :, :num_positions] = layer.values[src, :, :num_positions]
 
+    def load_prefix(self, slot: int, prefix) -> int:
+        """Copy a transformers cache's positions into ``slot`` (a request's prompt cache).
+
+        Args:
+            slot: The slot a joining row takes (0 .. num_slots - 1).
+            prefix: A ``DynamicCache`` of the same model holding a prompt's first m positions
+                (``SpeculativeDecoder.prompt_cache``); read, never modified.
+
+        Returns:
+            m, the positions now in the slot; 0 (nothing copied) when a layer of ``prefix`` no
+            longer holds them all (a sliding-window layer trimmed to its window), its shapes
+            are another model's, or m does not fit the slot's capacity: the caller then
+            prefills the whole prompt.
+        """
+        layers = getattr(prefix, "layers", None) or []
+        m = prefix.get_seq_length() if layers else 0
+        if len(layers) != len(self.layers) or not 1 <= m <= self.capacity:
+            return 0
+        for layer in layers:
+            keys = getattr(layer, "keys", None)
+            if keys is None or keys.dim() != 4 or keys.shape[0] != 1 or keys.shape[-2] != m:
+                return 0
+        with torch.inference_mode():  # the cache's tensors are inference tensors (allocated in a forward)
+            for src, dst in zip(layers, self.layers):
+                if not dst.is_initialized:
+                    dst.lazy_initialization(src.keys, src.values)
+                if dst.keys.shape[1] != src.keys.shape[1] or dst.keys.shape[-1] != src.keys.shape[-1]:
+                    return 0
+            for src, dst in zip(layers, self.layers):
+                dst.keys[slot, :, :m] = src.keys[0]
+                dst.values[slot, :, :m] = src.values[0]
+        return m
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._window.kv_len
 
@@ -349,7 +388,9 @@ def batch_forward(
     return out.logits
 
 
-def batch_prefill(model: PreTrainedModel, cache: BatchKVCache, prompt_ids: torch.Tensor, slot: int) -> torch.Tensor:
+def batch_prefill(
+    model: PreTrainedModel, cache: BatchKVCache, prompt_ids: torch.Tensor, slot: int, start: int = 0
+) -> torch.Tensor:
     """Write one prompt into ``slot`` of ``cache``, in fixed-width chunks; return its last logits.
 
     The prompt goes in chunks of ``cache.prefill_chunk_tokens``; the last chunk is padded on the
@@ -364,6 +405,9 @@ def batch_prefill(model: PreTrainedModel, cache: BatchKVCache, prompt_ids: torch
         cache: Its batch cache.
         prompt_ids: (1, n) long prompt ids, n >= 1.
         slot: The slot the row takes (its cached length becomes n).
+        start: Positions 0 .. start - 1 of the slot already hold the prompt's first tokens
+            (``BatchKVCache.load_prefix``, a prompt cache); only tokens start .. n - 1 are fed
+            (0 <= start <= n - 1).
 
     Returns:
         (1, V) logits at the prompt's last token.
@@ -374,13 +418,13 @@ def batch_prefill(model: PreTrainedModel, cache: BatchKVCache, prompt_ids: torch
     n = prompt_ids.shape[1]
     chunk, multiple = cache.prefill_chunk_tokens, cache.prefill_pad_multiple
     logits = None
-    for start in range(0, n, chunk):
-        ids = prompt_ids[:, start : start + chunk]
+    for at in range(start, n, chunk):
+        ids = prompt_ids[:, at : at + chunk]
         real = ids.shape[1]
-        width = max(real, min(-(-real // multiple) * multiple, cache.capacity - start))
+        width = max(real, min(-(-real // multiple) * multiple, cache.capacity - at))
         if width > real:
             ids = torch.cat([ids, ids[:, -1:].expand(1, width - real)], dim=1)
-        logits = batch_forward(model, cache, ids, slot, [start], width - real + 1)[:, 0]
+        logits = batch_forward(model, cache, ids, slot, [at], width - real + 1)[:, 0]
     return logits
 
 

@@ -6,13 +6,16 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 from specdecode.config import GenerationConfig
 from specdecode.engine.banned_rows import BannedRow
-from specdecode.engine.decoder import GenerationResult
 from specdecode.engine.processors import TokenLogprob
+from specdecode.engine.results import GenerationResult, as_2d
 from specdecode.engine.sampling import Sampler
 from specdecode.engine.stats import SpecDecodingStats
 from specdecode.engine.stopping import StopStrings, emit
+from specdecode.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
     from specdecode.engine.batched import BatchedSpeculativeDecoder
@@ -61,6 +64,9 @@ class BatchRow:
         self.stats = SpecDecodingStats(num_prompt_tokens=len(prompt))
         self.banned = BannedRow.from_config(config, dec.tokenizer, dec.vocab_size, len(prompt))
         self.finish_reason: str | None = None
+        self.prompt_cache = None  # a DynamicCache of the first prompt tokens, until the row joins
+        if self.controller is not None and self.controller.exit is not None:
+            self.stats.final_draft_threshold = self.controller.exit.threshold
         self.joined_at = time.perf_counter()
 
     @property
@@ -95,3 +101,50 @@ class BatchRow:
         proc = self.sampler.processors
         logprobs = list(proc.logprobs[: len(self.output)]) if proc is not None and proc.wants_logprobs else None
         return GenerationResult(list(self.output), text, self.finish_reason, self.stats, logprobs)
+
+
+def request_prompt(input_ids, vocab_size: int) -> list[int]:
+    """A request's prompt as a list of ids, checked (``BatchedSpeculativeDecoder.add``).
+
+    Raises:
+        InvalidArgumentError: Not integer ids, not one row, empty, or an id outside 0 .. vocab_size - 1.
+    """
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+            raise InvalidArgumentError(f"input_ids must hold integer token ids, got a {input_ids.dtype} tensor")
+    elif isinstance(input_ids, (str, bytes)) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in input_ids
+    ):
+        raise InvalidArgumentError(
+            f"input_ids must be token ids (a list of ints or a long tensor), got {str(input_ids)[:80]!r}; "
+            "encode text with the tokenizer first"
+        )
+    ids = as_2d(input_ids)
+    if ids.dim() != 2 or ids.shape[0] != 1:
+        raise InvalidArgumentError(f"a request's input_ids must have shape (1, n), got {tuple(ids.shape)}")
+    prompt = ids[0].tolist()
+    if not prompt:
+        raise InvalidArgumentError("the prompt is empty: it must contain at least one token")
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidArgumentError(
+            f"token id {bad[0]} is outside the target model's vocabulary 0..{vocab_size - 1} "
+            "(a prompt tokenized for another model?)"
+        )
+    return prompt
+
+
+def check_prompt_cache(prompt_cache, num_prompt_tokens: int) -> None:
+    """Raise unless ``prompt_cache`` (or None) holds 1 .. n - 1 of the prompt's n tokens.
+
+    Raises:
+        InvalidArgumentError: Naming the count it holds and the allowed range.
+    """
+    if prompt_cache is None:
+        return
+    m, n = prompt_cache.get_seq_length(), num_prompt_tokens
+    if not 1 <= m <= n - 1:
+        raise InvalidArgumentError(
+            f"prompt_cache holds {m} tokens; it must hold 1..{n - 1} of the {n} prompt tokens "
+            "(at least the last prompt token is encoded by the generation itself)"
+        )

@@ -29,8 +29,11 @@ transformers' assisted generation refuses batches; vLLM batches speculative deco
 with the same per-row accounting (its ``SpecDecodingStats`` names are used here).
 
 The number of draft tokens γ is an engine setting, as in vLLM: a request's
-``GenerationConfig.num_speculative_tokens`` is not used. Banned words work per row; prompt
-caches are not supported in batch mode. Decode-time forwards run on the fast path
+``GenerationConfig.num_speculative_tokens`` is not used (``SpeculativeDecoder``, which runs
+this engine with one row, sizes an engine per γ). Banned words work per row; a request may
+bring a prompt cache (``add``: its keys and values are copied into the row's slot, and only
+the rest of the prompt is prefilled). A one-sequence drafter (the llama.cpp draft) runs at
+B = 1 only (``engine.one_row.OneRowDrafter``). Decode-time forwards run on the fast path
 (``batch_runner``: compiled at a few (rows, width) buckets, CUDA graphs on CUDA) where
 ``compile`` is on; prefills run eagerly.
 """
@@ -43,7 +46,7 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 
 import torch
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 
 from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS, GenerationConfig, check_num_speculative_tokens
 from specdecode.engine import kv_cache
@@ -58,11 +61,11 @@ from specdecode.engine.batch_cache import (
     warm_up_forwards,
     warm_up_widths,
 )
-from specdecode.engine.batch_rows import BatchEvent, BatchRow
+from specdecode.engine.batch_rows import BatchEvent, BatchRow, check_prompt_cache, request_prompt
 from specdecode.engine.batch_runner import BatchRunner, check_row_buckets, default_batch_compile
-from specdecode.engine.decoder import GenerationResult, _as_2d
 from specdecode.engine.processors import process_rows
 from specdecode.engine.protocol import BATCH_EXIT_RULES, BatchDraft, BatchDrafter, DraftPolicy
+from specdecode.engine.results import GenerationResult
 from specdecode.engine.sampling import check_finite, logits_width, raise_non_finite
 from specdecode.engine.stats import SpecDecodingStats
 from specdecode.engine.verification import greedy_verify, sample_block
@@ -115,6 +118,12 @@ class BatchedSpeculativeDecoder:
         row_buckets: With ``compile``, the rows buckets (integers in 1 .. ``max_batch_size``);
             None: 1, 2, 4, .. and ``max_batch_size`` (``batch_runner.row_buckets``). Fewer
             buckets compile faster and pad more rows.
+        shared_with: An idle engine whose cache and target runner this one takes over when they
+            fit (same target, slots, fast-path settings and widths, capacity >= ``max_length``,
+            which then becomes that capacity; its widest verification at least this one's): its
+            compiled buckets are reused. The two must
+            never run requests at the same time (``SpeculativeDecoder`` checks with
+            ``BatchKVCache.generation``).
 
     Attributes:
         compile: Whether the fast path is on.
@@ -145,6 +154,7 @@ class BatchedSpeculativeDecoder:
         compile: bool | None = None,
         graphs: bool = True,
         row_buckets: Sequence[int] | None = None,
+        shared_with: BatchedSpeculativeDecoder | None = None,
     ) -> None:
         if compile is not None and not isinstance(compile, bool):
             raise InvalidArgumentError(f"compile must be True, False or None (the device default), got {compile!r}")
@@ -178,19 +188,35 @@ class BatchedSpeculativeDecoder:
         # The widest bucket: a verification (max_block + 1) or a draft model's first feed (2).
         rows = check_row_buckets(row_buckets, max_batch_size)
         fast = FastPath(rows, max(self.max_block + 1, 2), graphs) if self.compile else None
-        self.cache = BatchKVCache(
-            target,
-            max_batch_size,
-            max_length,
-            prefill_chunk_tokens=prefill_chunk_tokens,
-            prefill_pad_multiple=prefill_pad_multiple,
-            fast=fast,
-        )
-        self.runner = BatchRunner(target, self.cache, (1, self.max_block + 1), "target model")
+        previous = shared_with
+        if previous is not None and previous.target is target and previous.cache.num_slots == max_batch_size \
+                and previous.cache.capacity >= max_length and previous.compile == self.compile \
+                and (fast is None or (previous.cache.fast.rows, previous.cache.fast.graphs) == (fast.rows, fast.graphs)) \
+                and previous.runner.widths[-1] >= self.max_block + 1 \
+                and (previous.cache.prefill_chunk_tokens, previous.cache.prefill_pad_multiple) == (
+                    prefill_chunk_tokens, prefill_pad_multiple):
+            # One sequence at a time (``SpeculativeDecoder``): the cache and the compiled buckets
+            # of an engine of the same shape are reused, so a new decoder recompiles nothing.
+            self.cache, self.runner = previous.cache, previous.runner
+            max_length = self.cache.capacity
+        else:
+            self.cache = BatchKVCache(
+                target,
+                max_batch_size,
+                max_length,
+                prefill_chunk_tokens=prefill_chunk_tokens,
+                prefill_pad_multiple=prefill_pad_multiple,
+                fast=fast,
+            )
+            self.runner = BatchRunner(target, self.cache, (1, self.max_block + 1), "target model")
         self.max_length = max_length
         if drafter is not None:
             drafter.bind(self.cache)
         self.stats = SpecDecodingStats()
+        #: True: a request that fails (its prefill raises, its target logits are not finite, its
+        #: sampling raises) ends alone with ``finish_reason="error"``; False: the error propagates
+        #: from ``step`` (``SpeculativeDecoder``, one sequence, raises as it always did).
+        self.contain_errors = True
         #: Whether ``warm_up`` ran (a bench warms a compiling engine up once).
         self.warmed_up = False
         self._rows: list[BatchRow] = []  # active, in slot order
@@ -220,13 +246,26 @@ class BatchedSpeculativeDecoder:
         """Seconds spent compiling fast-path buckets (target and drafter), over the engine's life."""
         return self.runner.compile_time_s + getattr(self.drafter, "compile_time_s", 0.0)
 
-    def add(self, input_ids: torch.Tensor | Sequence[int], config: GenerationConfig | None = None) -> int:
+    def add(
+        self,
+        input_ids: torch.Tensor | Sequence[int],
+        config: GenerationConfig | None = None,
+        *,
+        prompt_cache: DynamicCache | None = None,
+    ) -> int:
         """Queue a request; it joins the batch at the next ``step`` with a free slot.
 
         Args:
             input_ids: (1, n) or (n,) long prompt ids, or a list of ints, n >= 1.
             config: Its generation parameters (per row: max_new_tokens, temperature, top_k,
                 top_p, seed, stop_strings, stop_on_eos, banned_words and their options).
+            prompt_cache: Optional target cache (transformers ``DynamicCache``, made by
+                ``SpeculativeDecoder.prompt_cache``) holding the first m prompt tokens,
+                1 <= m <= n - 1: when the row joins, its keys and values are copied into the
+                row's slot (``BatchKVCache.load_prefix``) and only tokens m .. n - 1 are
+                prefilled. It is read, never modified. A draft model prefills the whole prompt
+                itself. A cache that cannot be copied (a sliding-window layer trimmed to its
+                window) is ignored: the whole prompt is prefilled.
 
         Returns:
             The request id, for ``cancel`` and ``BatchEvent.request_id``.
@@ -234,32 +273,12 @@ class BatchedSpeculativeDecoder:
         Raises:
             InvalidArgumentError: If the prompt is empty, not one row, holds an id outside the
                 target's vocabulary, does not fit ``max_length`` or the model's context
-                length with its ``max_new_tokens``, or asks for banned words without a
-                tokenizer. The batch is left unchanged.
+                length with its ``max_new_tokens``, asks for banned words without a
+                tokenizer, or ``prompt_cache`` holds no tokens or not fewer than n. The batch
+                is left unchanged.
         """
         config = config or GenerationConfig()
-        if isinstance(input_ids, torch.Tensor):
-            if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
-                raise InvalidArgumentError(f"input_ids must hold integer token ids, got a {input_ids.dtype} tensor")
-        elif isinstance(input_ids, (str, bytes)) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in input_ids
-        ):
-            raise InvalidArgumentError(
-                f"input_ids must be token ids (a list of ints or a long tensor), got {str(input_ids)[:80]!r}; "
-                "encode text with the tokenizer first"
-            )
-        ids = _as_2d(input_ids)
-        if ids.dim() != 2 or ids.shape[0] != 1:
-            raise InvalidArgumentError(f"a request's input_ids must have shape (1, n), got {tuple(ids.shape)}")
-        prompt = ids[0].tolist()
-        if not prompt:
-            raise InvalidArgumentError("the prompt is empty: it must contain at least one token")
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidArgumentError(
-                f"token id {bad[0]} is outside the target model's vocabulary 0..{self.vocab_size - 1} "
-                "(a prompt tokenized for another model?)"
-            )
+        prompt = request_prompt(input_ids, self.vocab_size)
         kv_cache.check_context_length(self.target, len(prompt), config.max_new_tokens)
         need = len(prompt) + config.max_new_tokens + self.max_block + 1
         if need > self.max_length:
@@ -269,7 +288,9 @@ class BatchedSpeculativeDecoder:
                 f"cache's max_length of {self.max_length}; allowed: prompt + max_new_tokens <= "
                 f"{self.max_length - self.max_block - 1}"
             )
+        check_prompt_cache(prompt_cache, len(prompt))
         row = BatchRow(self._next_id, prompt, config, self)
+        row.prompt_cache = prompt_cache
         self._next_id += 1
         self._waiting.append(row)
         return row.request_id
@@ -370,10 +391,34 @@ class BatchedSpeculativeDecoder:
 
     # -- the loop -----------------------------------------------------------------------------
 
+    def request(self, request_id: int) -> BatchRow:
+        """The state of a queued or running request (``BatchRow``: its tokens, output, stats).
+
+        Raises:
+            InvalidArgumentError: If the request is neither queued nor running.
+        """
+        for row in (*self._rows, *self._waiting):
+            if row.request_id == request_id:
+                return row
+        raise InvalidArgumentError(f"request {request_id!r} is neither queued nor running")
+
+    def is_running(self, request_id: int) -> bool:
+        """Whether the request is queued or running."""
+        return any(row.request_id == request_id for row in (*self._rows, *self._waiting))
+
+    def cancel_all(self) -> None:
+        """Cancel every queued and running request (``cancel``)."""
+        for row in [*self._waiting, *self._rows]:
+            self.cancel(row.request_id)
+
     @torch.inference_mode()
-    def step(self) -> list[BatchEvent]:
+    def step(self, *, decode: bool = True) -> list[BatchEvent]:
         """Admit queued requests into free slots (each prefilled alone, giving its first token), then
         run one round over every row, new ones included; finished rows leave.
+
+        Args:
+            decode: False admits only (no round): a stream of one sequence yields the prefill's
+                token before the first round.
 
         Returns:
             One event per request that got tokens or finished in this step.
@@ -388,7 +433,7 @@ class BatchedSpeculativeDecoder:
         events: dict[int, BatchEvent] = {}
         self._admit(events)
         self._retire()  # rows done at their first token (EOS, max_new_tokens=1) leave before the round
-        if self._rows:
+        if self._rows and decode:
             self._round(events)
             self._retire()
         return list(events.values())
@@ -408,14 +453,25 @@ class BatchedSpeculativeDecoder:
             row = self._waiting.popleft()
             slot = len(self._rows)
             t0 = time.perf_counter()
+            compiling = self.compile_time_s
             prompt = torch.tensor([row.tokens], dtype=torch.long, device=self.target.device)
             try:
-                logits = batch_prefill(self.target, self.cache, prompt, slot)
+                start = 0
+                if row.prompt_cache is not None:
+                    start = self.cache.load_prefix(slot, row.prompt_cache)
+                    if not start:
+                        logger.debug("request %d: prompt cache not usable (a trimmed sliding layer): re-encoded",
+                                     row.request_id)
+                    row.prompt_cache = None  # not kept: the slot holds it now
+                logits = batch_prefill(self.target, self.cache, prompt, slot, start)
                 check_finite(logits, "target model")
                 token = row.sampler.choose(logits)
                 if self.drafter is not None:
                     self.drafter.join(slot, prompt, row.sampler)
             except Exception as exc:  # noqa: BLE001 -- the request ends ("error", logged); the batch goes on
+                if not self.contain_errors:
+                    self._forget(row, "error")
+                    raise
                 self._fail(events, row, f"request {row.request_id} failed in its prefill: {type(exc).__name__}: {exc}")
                 continue
             if row.controller is not None and row.controller.gate is not None:
@@ -423,7 +479,10 @@ class BatchedSpeculativeDecoder:
                 row.controller.gate.observe(float(probs[0, token]))
             self._rows.append(row)
             new = row.emit([token], self.stats)
-            elapsed = time.perf_counter() - t0
+            compiled = self.compile_time_s - compiling  # a drafter's first calls of buckets: warm-up
+            elapsed = time.perf_counter() - t0 - compiled
+            row.stats.warmup_s += compiled
+            self.stats.warmup_s += compiled
             row.stats.prefill_time_s = elapsed
             row.stats.num_prefills = 1
             self.stats.prefill_time_s += elapsed
@@ -490,6 +549,10 @@ class BatchedSpeculativeDecoder:
             if kb and row.banned is not None:  # verify no token of a banned word: the rest is ignored
                 kb = row.banned.cut_draft(drafted[b][:kb], len(row.tokens))
             if not all(flags[b * (K + 1) : b * (K + 1) + kb + 1]):  # the row's own positions, not padding
+                if not self.contain_errors:
+                    if self.drafter is not None:
+                        self.drafter.rollback([len(r.tokens) - 1 for r in rows])
+                    raise_non_finite("target model", logits.dtype)
                 self._fail(events, row, f"the target model produced non-finite logits (NaN or inf) in a "
                            f"{logits.dtype} forward for request {row.request_id}")
                 continue
@@ -502,6 +565,8 @@ class BatchedSpeculativeDecoder:
                     q = draft.probs[b] if draft is not None and draft.probs is not None else None
                     a, new = sample_block(row.sampler, logits[b, : kb + 1], ids[b, 1 : kb + 1], q, drafted[b])
                 except Exception as exc:  # noqa: BLE001 -- this row ends ("error", logged); the others go on
+                    if not self.contain_errors:
+                        raise
                     self._fail(events, row, f"request {row.request_id} failed in its sampling: {type(exc).__name__}: {exc}")
                     continue
             if row.sampler.processors is not None:  # [processors] logprobs of the new tokens, when asked
@@ -533,6 +598,7 @@ class BatchedSpeculativeDecoder:
         for row in rows:
             row.stats.record_round(n)
             row.stats.decode_time_s += elapsed
+            row.stats.warmup_s += compiled
             row.stats.num_draft_forwards += draft_forwards
 
     def _observe_gates(self, logits: torch.Tensor, gate_rows: list[tuple[int, int, int]]) -> None:

@@ -1,6 +1,7 @@
-"""The decode loop: target-only (autoregressive) and speculative decoding.
+"""Decoding one sequence: ``SpeculativeDecoder``, ``GenerationStream``, ``GenerationResult``.
 
-One round is four named steps, as in Medusa's loop and gpt-fast's ``generate.py``:
+A generation runs the batched engine's round (``engine.batched.BatchedSpeculativeDecoder``) with
+one row, B = 1: one implementation of the four steps for one sequence and for many.
 
 1. **draft**: the drafter proposes k <= γ tokens after the sequence (an optional
    draft policy, ``specdecode.drafters.control.DraftControl``, may change γ per
@@ -13,58 +14,44 @@ One round is four named steps, as in Medusa's loop and gpt-fast's ``generate.py`
 3. **accept**: the target's and the drafter's caches drop the k - n rejected
    positions (no prompt is ever re-encoded);
 4. **emit**: the n + 1 new tokens are cut at EOS, a stop string or
-   ``max_new_tokens``, checked for banned words (``engine.banned_words``: on a
+   ``max_new_tokens``, checked for banned words (``engine.banned_rows``: on a
    match, both caches rewind to where the word began and that token is masked
    there), and handed to the caller.
 
 Autoregressive decoding is the same loop with k = 0: one target forward, one token.
+
+A ``Drafter`` that keeps its own one-sequence state runs in that round through
+``engine.one_row.OneRowDrafter``; one that writes into the target's cache (layer skip, early
+exit) gives its batch-native form (``Drafter.batch_drafter``). The engine is kept across
+generations; its cache is sized per generation (prompt + ``max_new_tokens`` + the longest
+block + 1, rounded up to ``CACHE_STEP``) and rebuilt only when a generation needs more
+positions or another γ.
 """
 
 from __future__ import annotations
 
-import logging
-import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from specdecode.config import GenerationConfig
 from specdecode.engine import kv_cache
+from specdecode.engine.batch_rows import BatchRow, check_prompt_cache
+from specdecode.engine.batched import BatchedSpeculativeDecoder
 from specdecode.engine.fast_path import DRAFT_BUCKETS, ModelRunner
-from specdecode.engine.banned_rows import BannedRow
-from specdecode.engine.processors import TokenLogprob
-from specdecode.engine.protocol import Draft, Drafter, DraftPolicy
-from specdecode.engine.sampling import Sampler, check_finite, logits_width, raise_non_finite
+from specdecode.engine.one_row import OneRowDrafter
+from specdecode.engine.protocol import Drafter, DraftPolicy
+from specdecode.engine.results import GenerationResult, as_2d
+from specdecode.engine.sampling import logits_width
 from specdecode.engine.stats import SpecDecodingStats
-from specdecode.engine.stopping import StopStrings, emit
-from specdecode.engine.verification import greedy_verify, rejection_sample
 from specdecode.errors import InvalidArgumentError
 
-logger = logging.getLogger(__name__)
 
+__all__ = ["CACHE_STEP", "GenerationResult", "GenerationStream", "SpeculativeDecoder"]
 
-@dataclass
-class GenerationResult:
-    """What one generation produced.
-
-    Attributes:
-        token_ids: The new token ids (prompt excluded), EOS or stop string included.
-        text: ``token_ids`` decoded without special tokens ("" when no tokenizer was given).
-        finish_reason: "eos", "stop_string", "length", or "banned_word" (a banned word could
-            not be avoided without taking back text already streamed; see ``GenerationStream``).
-        stats: Counts and timings.
-        logprobs: With ``GenerationConfig.logprobs``, one ``TokenLogprob`` per token of
-            ``token_ids`` (``engine.processors``); None otherwise.
-    """
-
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    stats: SpecDecodingStats
-    logprobs: list[TokenLogprob] | None = None
+#: A one-sequence engine's cache holds a multiple of this many positions per generation.
+CACHE_STEP = 256
 
 
 class GenerationStream:
@@ -78,7 +65,7 @@ class GenerationStream:
     no prefix of the stream ever contains a banned word. ``forbidden_tokens`` then maps
     each generated position (0 = the first new token) to the token ids masked there.
     The rollback, the masks and the draft cut are ``engine.banned_rows.BannedRow``'s,
-    which the batched engine uses per row too.
+    the batched engine's per-row state.
 
     Semantics: under greedy decoding the output is the target's greedy output with
     those (position, token) pairs masked, a deterministic function of the prompt and
@@ -88,6 +75,8 @@ class GenerationStream:
     probability mass moves to the other tokens at that one position only, whereas
     exact conditioning would reweight every earlier token by how likely its
     continuations are to avoid the words (intractable without enumerating them).
+
+    Stopping the iteration early (``break``, closing it) cancels the generation in the engine.
     """
 
     def __init__(
@@ -104,21 +93,21 @@ class GenerationStream:
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
         self.stats = SpecDecodingStats(num_prompt_tokens=int(input_ids.shape[1]))
-        self._state: _Round | None = None
+        self._row: BatchRow | None = None
         self._started = False
 
     @property
-    def logprobs(self) -> list[TokenLogprob] | None:
+    def logprobs(self) -> list | None:
         """With ``GenerationConfig.logprobs``: one ``TokenLogprob`` per token of ``token_ids``; else None."""
-        proc = self._state.sampler.processors if self._state is not None else None  # [processors]
+        proc = self._row.sampler.processors if self._row is not None else None  # [processors]
         return list(proc.logprobs[: len(self.token_ids)]) if proc is not None and proc.wants_logprobs else None
 
     @property
     def forbidden_tokens(self) -> dict[int, list[int]]:
         """Banned-word masks: generated position (0 = the first new token) -> masked token ids."""
-        if self._state is None or self._state.banned is None:
+        if self._row is None or self._row.banned is None:
             return {}
-        return self._state.banned.forbidden_tokens
+        return self._row.banned.forbidden_tokens
 
     def __iter__(self) -> Iterator[list[int]]:
         if self._started:
@@ -127,243 +116,53 @@ class GenerationStream:
         return self._run()
 
     def _run(self) -> Iterator[list[int]]:
-        dec, config, stats = self._decoder, self.config, self.stats
-        stop = StopStrings(dec.tokenizer, config.stop_strings)
-        eos = (dec.eos_token_ids if config.stop_on_eos else frozenset()) | frozenset(config.stop_token_ids)
-        banned = BannedRow.from_config(config, dec.tokenizer, dec.vocab_size, int(self._input_ids.shape[1]))
-        state = self._state = _Round(dec, self._input_ids, config, stats, self._prompt_cache, banned)
-        # Compilation (first calls of compiled forwards) is timed apart: warmup_s, never in prefill or decode.
-        c0, t0 = dec.compile_time_s(), time.perf_counter()
-        new = state.prefill()
-        warm = dec.compile_time_s() - c0
-        stats.warmup_s += warm
-        stats.prefill_time_s = time.perf_counter() - t0 - warm
-        stats.num_prefills = 1
-        # Draft forwards count from here: a draft model's prefill is not a decode-phase forward
-        # (the batched engine counts its rounds' draft forwards alike).
-        prefill_draft_forwards = dec.drafter.num_forwards if dec.drafter is not None else 0
-        released = 0  # tokens handed to the caller; with banned words, the rest may still be rolled back
-        # Decode time counts the loop's own work, not the consumer's between yields.
-        while True:
-            t1 = time.perf_counter()
-            # emit: cut at EOS, the length budget and stop strings.
-            self.finish_reason = emit(self.token_ids, new, eos, config.max_new_tokens, stop)
-            safe = len(self.token_ids)
-            if banned is not None:  # match; on a banned word, roll back and mask (BannedRow.check)
-                self.finish_reason, rewind = banned.check(self.token_ids, self.finish_reason, stats)
-                if rewind is not None:
-                    state.rewind(rewind)
-                safe = banned.released
-            if state.sampler.processors is not None:  # [processors] counts and logprobs follow the output
-                state.sampler.processors.sync(self.token_ids)
-            stats.num_new_tokens = len(self.token_ids)
-            stats.decode_time_s += time.perf_counter() - t1
-            if safe > released:
-                yield self.token_ids[released:safe]
-                released = safe
-            if self.finish_reason is not None:
-                break
-            c0, t1 = dec.compile_time_s(), time.perf_counter()
-            new = state.step(config.max_new_tokens - len(self.token_ids))
-            warm = dec.compile_time_s() - c0
-            stats.warmup_s += warm
-            stats.decode_time_s += time.perf_counter() - t1 - warm
-        stats.num_draft_forwards = dec.drafter.num_forwards - prefill_draft_forwards if dec.drafter is not None else 0
+        engine = self._decoder._engine_for(self.config, int(self._input_ids.shape[1]))
+        request_id = engine.add(self._input_ids, self.config, prompt_cache=self._prompt_cache)
+        row = self._row = engine.request(request_id)
+        self.stats.final_draft_threshold = row.stats.final_draft_threshold  # set by the row's controller
+        row.stats = self.stats
+        self.token_ids = row.output
+        engine.cache.generation += 1
+        generation = engine.cache.generation
+        try:
+            # The first step admits the request: its prefill gives the first token (no round).
+            decode = False
+            while True:
+                if engine.cache.generation != generation:
+                    self._taken_over(row, engine, request_id)
+                released: list[int] = []
+                for event in engine.step(decode=decode):
+                    if event.request_id == request_id:
+                        released += event.token_ids
+                decode = True
+                self.finish_reason = row.finish_reason
+                if released:
+                    yield released
+                if row.finish_reason == "cancelled" or engine.cache.generation != generation:
+                    self._taken_over(row, engine, request_id)
+                if row.finish_reason is not None:
+                    break
+        finally:
+            if row.finish_reason is None and engine.is_running(request_id):
+                engine.cancel(request_id)  # the caller stopped early, or a step raised
 
-
-class _Round:
-    """The mutable state of one generation: token buffer, target cache, sampler, banned-word masks."""
-
-    def __init__(
-        self,
-        dec: SpeculativeDecoder,
-        input_ids: torch.Tensor,
-        config: GenerationConfig,
-        stats,
-        prompt_cache: DynamicCache | None = None,
-        banned: BannedRow | None = None,
-    ):
-        self.dec = dec
-        self.banned = banned  # banned-word masks by position in buf, matcher, released tokens
-        self.stats = stats
-        self.config = config
-        self.gamma = config.num_speculative_tokens if dec.drafter is not None else 0
-        device = input_ids.device
-        n = self.num_prompt_tokens = input_ids.shape[1]
-        self.buf = torch.empty((1, n + config.max_new_tokens + self.gamma + 1), dtype=torch.long, device=device)
-        self.buf[:, :n] = input_ids
-        self.length = n  # tokens in buf; the last one, once generated, is in no cache yet
-        # A CPU copy of buf's confirmed tokens for drafters that match on the host (prompt lookup,
-        # the cascade), written from the values each round reads back anyway: no extra host sync.
-        self.host: np.ndarray | None = None  # (capacity,) int64
-        if dec.drafter is not None and dec.drafter.uses_host_sequence:
-            self.host = np.empty(self.buf.shape[1], dtype=np.int64)
-            self.host[:n] = input_ids[0].cpu().numpy()
-        self.sampler = Sampler(config, dec.vocab_size, device)
-        self.sampler.start(input_ids)  # [processors] penalties, logit_bias, logprobs (engine.processors)
-        control = dec.draft_control
-        # Fresh per-generation state; None keeps the plain γ-per-round path.
-        self.control = (
-            control.controller(self.gamma)
-            if dec.drafter is not None and control is not None and control.active
-            else None
+    @staticmethod
+    def _taken_over(row: BatchRow, engine: BatchedSpeculativeDecoder, request_id: int) -> None:
+        if engine.is_running(request_id):
+            engine.cancel(request_id)
+        raise InvalidArgumentError(
+            "this generation was taken over by a newer one on the same cache (one sequence at a time: "
+            "generations of one SpeculativeDecoder, or of decoders sharing a runner, cannot be interleaved); "
+            "finish or close a stream before starting the next"
         )
-        if self.control is not None and self.control.exit is not None:
-            stats.final_draft_threshold = self.control.exit.threshold
-        runner = dec.runner
-        if runner.compile and self.gamma:  # verification widths: γ + 1, and the policy's longest block + 1
-            runner.with_buckets((self.gamma + 1, (self.control.max_tokens if self.control else self.gamma) + 1))
-        # Positions written at most: the buffer, plus a forward padded to its bucket (the target's, or
-        # a draft model's, whose static cache takes this capacity too).
-        room = max(runner.max_bucket, DRAFT_BUCKETS[-1]) if runner.compile else 0
-        self.cache, self.num_cached = runner.new_cache(self.buf.shape[1] + room), 0
-        self.generation = getattr(self.cache, "generation", 0)
-        if prompt_cache is not None:  # holds the first m prompt tokens (checked by stream)
-            m = prompt_cache.get_seq_length()
-            if not runner.static_cache:
-                self.cache, self.num_cached = prompt_cache, m
-            elif kv_cache.load_prefix(self.cache, prompt_cache, m):
-                self.num_cached = m
-            else:
-                logger.debug("prompt cache not usable by the static cache (a trimmed sliding layer): re-encoded")
-
-    def rewind(self, length: int) -> None:
-        """Go back to the first ``length`` tokens of the buffer (prompt included, ``length`` > prompt - 1).
-
-        The last of them becomes the pending token again; both caches drop what follows
-        (``kv_cache.rollback`` may empty a sliding-window cache, which the next forward
-        then refills from the buffer).
-        """
-        self.length = length
-        self.num_cached = kv_cache.rollback(self.cache, self.num_cached, length - 1)
-        if self.dec.drafter is not None:
-            self.dec.drafter.rollback(length - 1)
-
-    def _confidence(self, logits: torch.Tensor, probs: torch.Tensor | None, row: int, token: int) -> float:
-        """The target's probability of ``token`` at ``row`` (warped when sampling); one host sync."""
-        if probs is None:
-            return float(torch.softmax(logits[row].float(), dim=-1)[token])
-        return float(probs[row, token])
-
-    @torch.inference_mode()
-    def prefill(self) -> list[int]:
-        n, m = self.length, self.num_cached
-        logits = self.dec.runner(self.buf[:, m:n], self.cache, 1)[:, -1]
-        check_finite(logits, "target model")
-        # Like every forward, the prefill is followed by a rollback (trims sliding layers).
-        self.num_cached = kv_cache.rollback(self.cache, n, n)
-        token = self.sampler.choose(logits)
-        if self.control is not None and self.control.gate is not None:
-            probs = None if self.sampler.greedy else self.sampler.probs(logits)
-            self.control.gate.observe(self._confidence(logits, probs, 0, token))
-        if self.dec.drafter is not None:
-            self.dec.drafter.begin(self.buf[:, :n], self.sampler, self.cache)
-        self.buf[0, n] = token
-        if self.host is not None:
-            self.host[n] = token
-        self.length = n + 1
-        return [token]
-
-    @torch.inference_mode()
-    def step(self, remaining: int) -> list[int]:
-        """One target forward; returns the 1 .. k + 1 tokens it confirms."""
-        L, buf, sampler, drafter, control = self.length, self.buf, self.sampler, self.dec.drafter, self.control
-        self.dec.runner.check_owner(self.cache, self.generation)
-        # draft (never more than the length budget can use)
-        host = {} if self.host is None else {"host_sequence": self.host[:L]}
-        if control is None:
-            k = min(self.gamma, remaining - 1)
-            draft = drafter.propose(buf[:, :L], k, **host) if k > 0 else None
-        else:
-            if control.gated and remaining > 1:
-                self.stats.num_gated_steps += 1
-            cap = k = min(control.round_cap(), remaining - 1)
-            if k <= 0:
-                draft = None
-            elif control.exit is None:
-                draft = drafter.propose(buf[:, :L], k, **host)
-            else:
-                draft = drafter.propose(buf[:, :L], k, exit_policy=control.exit, **host)
-        if draft is not None and self.banned is not None and len(draft):
-            keep = self.banned.cut_draft(draft.tokens.tolist(), L)
-            if keep < len(draft):
-                probs = None if draft.probs is None else draft.probs[:keep]
-                draft = Draft(draft.tokens[:keep], probs, draft.finite, draft.who)
-        k = len(draft) if draft is not None else 0
-        if k:  # a host draft (prompt lookup) goes to the device without a device read
-            buf[0, L : L + k].copy_(draft.tokens, non_blocking=draft.tokens.device != buf.device)
-        drafted = buf[0, L : L + k]  # the draft on the model's device
-        # verify (the cache holds L - 1 positions, or fewer after a banned-word rewind emptied it)
-        logits = self.dec.runner(buf[:, self.num_cached : L + k], self.cache, k + 1)[0]
-        self.num_cached = L + k
-        probs = None
-        if sampler.greedy:
-            # The round's one host sync: the draft, the target's choices and the finiteness flags.
-            finite = torch.isfinite(logits).all().view(1)  # before the banned-word masks add -inf
-            logits = sampler.process(logits, drafted)  # [processors] row i sees drafted[:i]
-            if self.banned is not None:
-                self.banned.mask(logits, L)
-            draft_finite = draft.finite.view(1) if k and draft.finite is not None else finite
-            ids = torch.cat([drafted, sampler.argmax(logits)]) if k else sampler.argmax(logits)
-            ids = torch.cat([ids, finite.long(), draft_finite.long()]).tolist()
-            if not ids[-2]:
-                raise_non_finite("target model", logits.dtype)
-            if not ids[-1]:
-                raise_non_finite(draft.who, logits.dtype)
-            ids = ids[:-2]
-            if k:
-                verdict = greedy_verify(ids[:k], ids[k:])
-                new = ids[: verdict.num_accepted] + [verdict.next_token]
-            else:
-                new = ids
-                verdict = None
-        else:
-            check_finite(logits, "target model")
-            logits = sampler.process(logits, drafted)  # [processors] row i sees drafted[:i]
-            if self.banned is not None:
-                self.banned.mask(logits, L)
-            probs = sampler.probs(logits)
-            if k:
-                verdict = rejection_sample(drafted, draft.probs, probs, sampler)
-                new = drafted[: verdict.num_accepted].tolist() + [verdict.next_token]
-            else:
-                new = [int(sampler.sample(probs)[0])]
-                verdict = None
-        accepted = verdict.num_accepted if verdict is not None else 0
-        if sampler.processors is not None:  # [processors] logprobs of the new tokens, when asked
-            sampler.processors.record(L - self.num_prompt_tokens, logits, new)
-        # accept: roll both caches back to the confirmed tokens
-        self.length = L + accepted + 1
-        buf[0, self.length - 1] = new[-1]
-        if self.host is not None:
-            self.host[L : self.length] = new
-        self.num_cached = kv_cache.rollback(self.cache, self.num_cached, self.length - 1)
-        if drafter is not None:
-            drafter.rollback(self.length - 1)
-        self.stats.record_block(k, accepted)
-        self.stats.record_round(1)
-        if control is not None:
-            if k:
-                control.record(cap, k, accepted)
-                if control.exit is not None:
-                    self.stats.final_draft_threshold = control.exit.threshold
-            if control.gate is not None:
-                control.gate.observe(self._confidence(logits, probs, accepted, new[-1]))
-        return new
-
-
-def _as_2d(ids: torch.Tensor | list[int]) -> torch.Tensor:
-    """A list of ints or an (n,) tensor as (1, n) long; other shapes unchanged (callers validate)."""
-    if not isinstance(ids, torch.Tensor):
-        ids = torch.tensor(list(ids), dtype=torch.long)
-    return ids.unsqueeze(0) if ids.dim() == 1 else ids
 
 
 class SpeculativeDecoder:
     """Target-only or speculative decoding of one sequence (batch size 1).
 
     Args:
-        target: The target model, a transformers causal LM in eval mode.
+        target: The target model, a transformers causal LM in eval mode (eager or SDPA
+            attention: the batched round's cache takes 4D masks, ``batch_cache.BatchKVCache``).
         drafter: Proposes draft tokens; ``None`` gives plain autoregressive decoding
             with a KV cache (the baseline).
         eos_token_ids: Token ids that end generation.
@@ -371,13 +170,13 @@ class SpeculativeDecoder:
         draft_control: Per-round draft length policy (adaptive draft exit, heuristic
             schedule, target-confidence gating); None drafts γ tokens every round.
             Ignored without a drafter.
-        compile: The fast path for the target's forwards (static KV cache, compiled
-            forwards; ``specdecode.engine.fast_path``); None: the device default (on for
-            CUDA, off for CPU). Ignored when ``runner`` is given. A drafter runs its own
-            model's forwards; ``SpeculativeGenerator`` gives it the same setting.
-        runner: The target's ``ModelRunner``, to reuse its compiled forwards and static
-            cache across decoders (``SpeculativeGenerator`` keeps one per model); None
-            makes one for this decoder.
+        compile: The fast path for the round's forwards (``engine.batch_runner``: a static
+            batch cache, forwards compiled at fixed widths, CUDA graphs on CUDA); None: the
+            device default (``batch_runner.default_batch_compile``: on for CUDA, off for CPU).
+            Ignored when ``runner`` is given. A drafter with a model of its own runs it with
+            its own runner's setting (``SpeculativeGenerator`` gives it the same).
+        runner: A target ``ModelRunner`` whose settings (``compile``, ``graphs``) the round
+            takes (``SpeculativeGenerator`` keeps one per model); None makes one from ``compile``.
 
     Raises:
         InvalidArgumentError: If adaptive draft exit is asked of a drafter that gives
@@ -417,11 +216,57 @@ class SpeculativeDecoder:
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.vocab_size = logits_width(target)
         self.runner = runner if runner is not None else ModelRunner(target, compile=compile, name="target model")
+        batch = getattr(drafter, "batch_drafter", None) if drafter is not None else None
+        native = batch() if callable(batch) else None
+        self._batch_drafter = native if native is not None or drafter is None else OneRowDrafter(drafter)
+        self._engine: BatchedSpeculativeDecoder | None = None
+        self._target_runners: list = []  # the round's target runners (BatchRunner) this decoder used
 
     def compile_time_s(self) -> float:
-        """Seconds the target's and the drafter's runners have spent compiling (``ModelRunner.compile_time_s``)."""
-        drafter = self.drafter.compile_time_s if self.drafter is not None else 0.0
-        return self.runner.compile_time_s + drafter
+        """Seconds the round's runners (target and drafter) have spent compiling, over their lives."""
+        drafter = float(getattr(self._batch_drafter, "compile_time_s", 0.0))
+        return sum(r.compile_time_s for r in self._target_runners) + drafter
+
+    def _engine_for(self, config: GenerationConfig, num_prompt_tokens: int) -> BatchedSpeculativeDecoder:
+        """The one-row engine for a generation: kept while its γ matches and its cache holds the
+        prompt, ``max_new_tokens`` and the longest block + 1; otherwise rebuilt, sized for it."""
+        speculative = self._batch_drafter is not None
+        gamma = config.num_speculative_tokens if speculative else 0
+        # The runner's latest one-row engine (this decoder's or another's with the same runner) owns
+        # the newest cache and graphs: share them, never a stale engine of this decoder's own.
+        engine = getattr(self.runner, "one_row_engine", None) or self._engine
+        for unfinished in (self._engine, engine):  # an unfinished stream: this generation takes over
+            if unfinished is not None and unfinished.has_work:
+                unfinished.cancel_all()
+        compile = self.runner.compile
+        control = self.draft_control if speculative else None
+        block = gamma
+        if control is not None and control.active:
+            block = control.controller(gamma).max_tokens
+        margin = DRAFT_BUCKETS[-1] if compile else 0  # a drafter's static cache pads its forwards
+        need = num_prompt_tokens + config.max_new_tokens + block + 1 + margin
+        if engine is self._engine and engine is not None and engine.gamma == gamma and engine.max_length >= need:
+            return engine
+        length = -(-need // CACHE_STEP) * CACHE_STEP
+        self._engine = BatchedSpeculativeDecoder(
+            self.target,
+            self._batch_drafter,
+            max_batch_size=1,
+            max_length=length,
+            num_speculative_tokens=gamma if speculative else 1,
+            eos_token_ids=self.eos_token_ids,
+            tokenizer=self.tokenizer,
+            draft_control=control,
+            compile=compile,
+            graphs=getattr(self.runner, "graphs", True),
+            prefill_pad_multiple=1,  # one prompt at a time: its own width, as transformers' generate
+            shared_with=engine,
+        )
+        self._engine.contain_errors = False
+        if all(r is not self._engine.runner for r in self._target_runners):
+            self._target_runners.append(self._engine.runner)
+        self.runner.one_row_engine = self._engine  # the next decoder with this runner shares its cache
+        return self._engine
 
     def stream(
         self,
@@ -437,9 +282,9 @@ class SpeculativeDecoder:
             config: Generation parameters; defaults to ``GenerationConfig()``.
             prompt_cache: Optional target cache holding the first m tokens of the prompt,
                 1 <= m <= n - 1 (made by ``prompt_cache``); only tokens m..n-1 are then
-                encoded. It is used in place and extended, like ``past_key_values`` in
-                transformers' ``generate``: pass ``copy.deepcopy(cache)`` to reuse one
-                prefix across generations.
+                encoded. Its keys and values are copied into the round's cache; it is read,
+                never modified, so one prefix serves many generations (a sliding-window
+                layer trimmed to its window cannot be copied: the prompt is then re-encoded).
 
         Raises:
             InvalidArgumentError: If the prompt is empty or has a batch size other than 1,
@@ -448,7 +293,7 @@ class SpeculativeDecoder:
         """
         config = config or GenerationConfig()
         device = self.target.device
-        input_ids = _as_2d(input_ids)
+        input_ids = as_2d(input_ids)
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise InvalidArgumentError(
                 f"input_ids must have shape (1, n) (batch size 1), got {tuple(input_ids.shape)}"
@@ -456,18 +301,12 @@ class SpeculativeDecoder:
         if input_ids.shape[1] == 0:
             raise InvalidArgumentError("the prompt is empty: it must contain at least one token")
         kv_cache.check_context_length(self.target, int(input_ids.shape[1]), config.max_new_tokens)
-        if prompt_cache is not None:
-            m, n = prompt_cache.get_seq_length(), input_ids.shape[1]
-            if not 1 <= m <= n - 1:
-                raise InvalidArgumentError(
-                    f"prompt_cache holds {m} tokens; it must hold 1..{n - 1} of the {n} prompt tokens "
-                    "(at least the last prompt token is encoded by the generation itself)"
-                )
+        check_prompt_cache(prompt_cache, int(input_ids.shape[1]))
         return GenerationStream(self, input_ids.to(device=device, dtype=torch.long), config, prompt_cache)
 
     @torch.inference_mode()
     def prompt_cache(self, prefix_ids: torch.Tensor | list[int]) -> DynamicCache:
-        """Encode a prompt prefix once, for ``stream(..., prompt_cache=copy.deepcopy(cache))``.
+        """Encode a prompt prefix once, for ``stream(..., prompt_cache=cache)``.
 
         Generations that share a prompt (a benchmark running several methods, a
         server with a fixed system prompt) can then skip re-encoding it. Pass the
@@ -483,7 +322,7 @@ class SpeculativeDecoder:
         Raises:
             InvalidArgumentError: If the prefix is empty or has a batch size other than 1.
         """
-        prefix_ids = _as_2d(prefix_ids)
+        prefix_ids = as_2d(prefix_ids)
         if prefix_ids.dim() != 2 or prefix_ids.shape[0] != 1 or prefix_ids.shape[1] == 0:
             raise InvalidArgumentError(
                 f"prefix_ids must have shape (1, m) with m >= 1, got {tuple(prefix_ids.shape)}"

@@ -186,42 +186,6 @@ def truncate(cache, num_positions: int) -> None:
         layer.crop(-(layer.get_seq_length() - num_positions))
 
 
-def load_prefix(cache: StaticKVCache, prefix: DynamicCache, num_positions: int) -> bool:
-    """Copy a dynamic cache's first ``num_positions`` into an empty static cache.
-
-    Args:
-        cache: The static cache to fill (its position is set to ``num_positions`` on success).
-        prefix: A dynamic cache of the same model (``SpeculativeDecoder.prompt_cache``).
-        num_positions: Positions ``prefix`` holds.
-
-    Returns:
-        True when copied (``cache`` then holds ``num_positions``); False, with ``cache``
-        still holding no position, when a layer of ``prefix`` no longer holds them all (a sliding-window
-        layer trimmed to its window), or ``prefix`` is shaped for another model.
-    """
-    layers = prefix.layers
-    if len(layers) != len(cache.layers) or num_positions > cache.capacity:
-        return False
-    for layer in layers:
-        keys = getattr(layer, "keys", None)
-        if keys is None or keys.dim() != 4 or keys.shape[-2] != num_positions:
-            return False
-    with torch.inference_mode():  # the cache's tensors are inference tensors (see StaticKVCache)
-        return _copy_prefix(cache, layers, num_positions)
-
-
-def _copy_prefix(cache: StaticKVCache, layers, num_positions: int) -> bool:
-    for src, dst in zip(layers, cache.layers):
-        if not dst.is_initialized:
-            dst.lazy_initialization(src.keys, src.values)
-        if dst.keys.shape[:2] != src.keys.shape[:2] or dst.keys.shape[-1] != src.keys.shape[-1]:
-            return False
-        dst.keys[:, :, :num_positions] = src.keys
-        dst.values[:, :, :num_positions] = src.values
-    cache.set_length(num_positions)
-    return True
-
-
 def _loses_window(cache: DynamicCache, num_cached: int, num_valid: int) -> bool:
     """Whether a sliding layer lacks keys that position ``num_valid`` attends to once cropped there."""
     for layer in cache.layers:

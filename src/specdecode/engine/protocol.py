@@ -25,12 +25,14 @@ only proposes; verification, acceptance and the target's cache are the decoder's
 The protocol, per generation:
 
 1. ``begin(prompt_ids, sampler, target_cache)`` once, after the target's prefill.
-   ``target_cache`` is the target's cache holding the prompt: a ``DynamicCache``,
-   or on the fast path a ``kv_cache.StaticKVCache`` (a drafter with a model of its
-   own then sizes its static cache by ``target_cache.capacity``). A
-   self-speculative drafter may append to it while drafting but must cut it back
-   (``kv_cache.truncate``) before ``propose`` returns, so the target never reads
-   draft-mode keys/values.
+   ``target_cache`` is the target's cache holding the prompt. ``SpeculativeDecoder`` runs the
+   batched round with one row and drives a ``Drafter`` through ``engine.one_row.OneRowDrafter``:
+   it passes the round's ``batch_cache.BatchKVCache`` (slot 0, static: a drafter with a model
+   of its own sizes its cache by ``target_cache.capacity``). A self-speculative drafter
+   writing into it drafts past the row's confirmed positions, where the verification
+   overwrites them; on a cropped cache (``DynamicCache``) it must cut back what it appended
+   (``kv_cache.truncate``) before ``propose`` returns, so the target never reads draft-mode
+   keys/values. A drafter may instead give a batch-native form (``batch_drafter``).
 2. Each round, ``propose(sequence, max_tokens)`` with the whole sequence so far
    (prompt + generated tokens; its last token is not yet in any cache).
 3. After verification, ``rollback(num_valid)``: the first ``num_valid`` tokens of
@@ -256,6 +258,11 @@ class Drafter(abc.ABC):
     @abc.abstractmethod
     def rollback(self, num_valid: int) -> None:
         """Forget any state past the first ``num_valid`` tokens of the sequence."""
+
+    def batch_drafter(self) -> BatchDrafter | None:
+        """This drafter in batch-native form, for the batched round that ``SpeculativeDecoder`` runs
+        (B = 1); None (the default): the round drives this drafter itself (``engine.one_row``)."""
+        return None
 
 
 class ConfidenceObserver(Protocol):
