@@ -2,7 +2,8 @@
 
 Runs greedy 128-token generations of one chat prompt, alternating: generate's single-sequence decoder
 (`SpeculativeGenerator.decoder`), the batched engine at one row stepped in the main thread, and the same
-engine stepped in a worker thread (as the server's engine loop steps it). Defaults of both commands:
+engine stepped in a worker thread, without and with the main thread's OpenMP pool released first
+(``release_openmp_pool``, which the server's engine loop calls before it starts its thread). Defaults of both commands:
 `cascade`, adaptive draft exit, an int4 draft, the 512-token prompt limit; the engine with 8 rows of 2,048
 positions, warmed up.
 
@@ -17,6 +18,7 @@ import time
 from specdecode.config import GenerationConfig
 from specdecode.drafters.control import DraftControl
 from specdecode.pipeline import SpeculativeGenerator
+from specdecode.serve.openmp import release_openmp_pool
 
 PROMPT = "Write a Python function that checks whether a number is prime."
 
@@ -44,7 +46,12 @@ def main() -> None:
     for _ in range(repeats):
         timed("single-sequence decoder (generate)", lambda: single.generate(ids, config).token_ids)
         timed("batched engine, main thread", engine)
-        worker = threading.Thread(target=timed, args=("batched engine, worker thread (serve)", engine))
+        worker = threading.Thread(target=timed, args=("batched engine, worker thread, two OpenMP pools", engine))
+        worker.start()
+        worker.join()
+        release_openmp_pool()  # the main thread's next op starts a new pool
+        worker = threading.Thread(target=timed, args=("batched engine, worker thread, main's pool released (serve)",
+                                                      engine))
         worker.start()
         worker.join()
 
