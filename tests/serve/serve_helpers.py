@@ -7,6 +7,7 @@ import socket
 import threading
 import time
 
+import pytest
 import torch
 
 from conftest import make_tiny_model, make_tiny_tokenizer
@@ -86,3 +87,26 @@ def running_server(generator, method: str = "draft", *, max_batch_size: int = 4,
         server.should_exit = True
         thread.join(30)
         sock.close()
+
+
+# Fixtures shared by the server test modules (imported by name there): the tiny chat model pair,
+# a generator over it, and a real server on loopback, one of each per test module.
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    return tiny_chat_folders(tmp_path_factory.mktemp("serve_models"))
+
+
+@pytest.fixture(scope="module")
+def generator(folders):
+    from specdecode.pipeline import SpeculativeGenerator
+
+    target, draft = folders
+    return SpeculativeGenerator.from_pretrained(str(target), str(draft), dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def server(generator):
+    with running_server(generator) as running:  # 4 rows, 256 positions per row
+        yield running

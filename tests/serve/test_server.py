@@ -12,28 +12,10 @@ import openai
 import pytest
 
 from helpers import run_generate
-from serve_helpers import running_server, tiny_chat_folders
+from serve_helpers import folders, generator, running_server, server  # noqa: F401 -- fixtures
 from specdecode.config import GenerationConfig
-from specdecode.pipeline import SpeculativeGenerator
 
 PROMPT = "w5 w9 w11 w7"
-
-
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    return tiny_chat_folders(tmp_path_factory.mktemp("serve_models"))
-
-
-@pytest.fixture(scope="module")
-def generator(folders):
-    target, draft = folders
-    return SpeculativeGenerator.from_pretrained(str(target), str(draft), dtype="float32", device="cpu")
-
-
-@pytest.fixture(scope="module")
-def server(generator):
-    with running_server(generator) as running:
-        yield running
 
 
 def client(url: str, key: str = "unused") -> openai.OpenAI:

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from serve_helpers import CHAT_TEMPLATE, running_server, tiny_chat_folders
+from serve_helpers import CHAT_TEMPLATE, folders, generator, running_server, server  # noqa: F401 -- fixtures
 from specdecode.config import GenerationConfig
 from specdecode.pipeline import SpeculativeGenerator
 
@@ -17,23 +17,6 @@ PROMPT = "w5 w9 w11 w7"
 #: CHAT_TEMPLATE, but a message's name is written before its content.
 NAME_TEMPLATE = CHAT_TEMPLATE.replace("{{ m['content'] }}", "{% if m['name'] is defined %}w6 {{ m['name'] }} "
                                       "{% endif %}{{ m['content'] }}")
-
-
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    return tiny_chat_folders(tmp_path_factory.mktemp("serve_models"))
-
-
-@pytest.fixture(scope="module")
-def generator(folders):
-    target, draft = folders
-    return SpeculativeGenerator.from_pretrained(str(target), str(draft), dtype="float32", device="cpu")
-
-
-@pytest.fixture(scope="module")
-def server(generator):
-    with running_server(generator) as running:  # 4 rows, 256 positions per row
-        yield running
 
 
 def client(url: str, key: str = "unused") -> openai.OpenAI:

@@ -7,24 +7,11 @@ from __future__ import annotations
 import openai
 import pytest
 
-from serve_helpers import running_server, tiny_chat_folders
+from serve_helpers import folders, generator, server  # noqa: F401 -- fixtures
 from specdecode.config import GenerationConfig
-from specdecode.pipeline import SpeculativeGenerator
 
 PROMPT = "w5 w9 w11 w7"
 CHAT = [{"role": "user", "content": "w9 w11"}]
-
-
-@pytest.fixture(scope="module")
-def generator(tmp_path_factory):
-    target, draft = tiny_chat_folders(tmp_path_factory.mktemp("serve_models"))
-    return SpeculativeGenerator.from_pretrained(str(target), str(draft), dtype="float32", device="cpu")
-
-
-@pytest.fixture(scope="module")
-def server(generator):
-    with running_server(generator) as running:
-        yield running
 
 
 def client(url: str) -> openai.OpenAI:
