@@ -64,12 +64,12 @@ def test_adaptive_exit_matches_the_drafters(generator, name):
 
 def test_adaptive_exit_of_the_draft_model_methods():
     from specdecode.drafters import CascadeDrafter, DraftModelDrafter
-    from specdecode.drafters.batched import BatchDraftModelDrafter
-    from specdecode.drafters.batched_cascade import BatchCascadeDrafter
+    from specdecode.drafters import DraftModelDrafter
+    from specdecode.drafters import CascadeDrafter
 
     assert REGISTRY["draft"].adaptive_exit == DraftModelDrafter.supports_exit_policy == True  # noqa: E712
     assert REGISTRY["cascade"].adaptive_exit == CascadeDrafter.supports_exit_policy == True  # noqa: E712
-    assert BatchDraftModelDrafter.supports_exit_policy and BatchCascadeDrafter.supports_exit_policy
+    assert DraftModelDrafter.supports_exit_policy and CascadeDrafter.supports_exit_policy
 
 
 def test_the_batched_cascade_is_built_with_its_options():
@@ -78,7 +78,7 @@ def test_the_batched_cascade_is_built_with_its_options():
     gen = SpeculativeGenerator(target, draft)
     drafter = gen.batch_decoder("cascade", prompt_lookup_max_ngram=4, prompt_lookup_min_ngram=2, ngram_check=False,
                                 max_model_prompt_tokens=7, draft_context_window=5).drafter
-    assert type(drafter).__name__ == "BatchCascadeDrafter"
+    assert type(drafter).__name__ == "CascadeDrafter"
     assert (drafter.max_ngram, drafter.min_ngram, drafter.ngram_check, drafter.max_model_prompt_tokens,
             drafter.context_window) == (4, 2, False, 7, 5)
     assert gen.batch_decoder("draft", draft_context_window=6).drafter.context_window == 6

@@ -18,24 +18,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from specdecode.drafters import CascadeDrafter, DraftModelDrafter, Drafter
-from specdecode.drafters.batched import (
-    BatchDraftModelDrafter,
-    BatchEarlyExitDrafter,
-    BatchLayerSkipDrafter,
-    BatchPromptLookupDrafter,
-)
-from specdecode.drafters.batched_cascade import BatchCascadeDrafter
 from specdecode.drafters.early_exit import EarlyExitDrafter, check_exit_layer_given
 from specdecode.drafters.layer_skip import LayerSkipDrafter, SkipSet, resolve_skip_set
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
-from specdecode.engine.one_row import OneRowDrafter
 from specdecode.errors import InvalidArgumentError
-
-if TYPE_CHECKING:
-    from specdecode.engine.protocol import BatchDrafter
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +63,6 @@ class DrafterOptions:
 
 #: A factory: (generator, options) -> the drafter, or None for target-only decoding.
 Factory = Callable[[Any, DrafterOptions], "Drafter | None"]
-BatchFactory = Callable[[Any, DrafterOptions], "BatchDrafter | None"]
 
 
 @dataclass(frozen=True)
@@ -83,14 +71,13 @@ class Method:
 
     Attributes:
         name: As users write it ("draft", "layer-skip", ...).
-        factory: Builds its drafter for ``SpeculativeDecoder`` (None: target-only decoding).
-            Raises ``InvalidArgumentError`` when a required option or model is missing.
+        factory: Builds its drafter, for one row (``SpeculativeDecoder``) and for many
+            (``BatchedSpeculativeDecoder``); None: target-only decoding. Raises
+            ``InvalidArgumentError`` when a required option or model is missing.
         options: The ``DrafterOptions`` fields it uses (``compile`` for every method that runs
             a model; "autoregressive" takes ``compile`` alone, for the target).
         needs_draft_model: Whether it drafts with a separate draft model (so it loads one and
             takes the draft's loading options, ``draft_quantize`` and ``draft_quantize_head``).
-        batch_factory: Builds its drafter for ``BatchedSpeculativeDecoder``, or None when the
-            method has no batch mode.
         adaptive_exit: Whether its drafter gives draft probabilities, so adaptive draft exit
             applies (``Drafter.supports_exit_policy``).
     """
@@ -99,12 +86,7 @@ class Method:
     factory: Factory
     options: frozenset[str] = field(default_factory=frozenset)
     needs_draft_model: bool = False
-    batch_factory: BatchFactory | None = None
     adaptive_exit: bool = False
-
-    @property
-    def has_batch_mode(self) -> bool:
-        return self.batch_factory is not None
 
 
 # --- the factories ---------------------------------------------------------------------------
@@ -114,92 +96,51 @@ def _no_drafter(generator, options: DrafterOptions) -> None:
     return None
 
 
-def _draft_model_parts(generator, method: str, o: DrafterOptions) -> tuple:
-    """(model, head, runner) of the draft model for "draft" and "cascade", on the chosen backend."""
+#: Why the llama.cpp draft runs with one row only (``DraftModelDrafter``'s refusal at ``bind``).
+LLAMA_CPP_ONE_SEQUENCE = "llama.cpp's draft runs one sequence (one llama.cpp context)"
+
+
+def _draft_model_kwargs(generator, method: str, o: DrafterOptions) -> dict:
+    """The draft model of "draft" and "cascade", on the chosen backend, as ``DraftModelDrafter`` keywords."""
     backend = o.draft_backend if o.draft_backend is not None else generator.default_draft_backend()
-    if generator.draft is None and backend == "torch":
-        raise InvalidArgumentError(
-            f"method {method!r} needs a draft model; pass draft=... (or use 'layer-skip', 'early-exit' "
-            "or 'prompt-lookup', which need none)"
-        )
     if backend == "llama-cpp":
         if o.draft_vocab_size:
             raise InvalidArgumentError(
                 f"draft_vocab_size={o.draft_vocab_size!r} truncates a torch draft's LM head; the llama.cpp draft "
                 "computes every logit: leave it out, or use draft_backend='torch'"
             )
-        return generator.llama_cpp_draft(), None, generator.llama_cpp_draft_runner()
-    runner = generator.runner("draft", o.compile, o.draft_vocab_size or 0)
-    return generator.draft.model, generator.draft_head(o.draft_vocab_size), runner
+        return {"runner": generator.llama_cpp_draft_runner(), "one_sequence_reason": LLAMA_CPP_ONE_SEQUENCE}
+    if generator.draft is None:
+        raise InvalidArgumentError(
+            f"method {method!r} needs a draft model; pass draft=... (or use 'layer-skip', 'early-exit' "
+            "or 'prompt-lookup', which need none)"
+        )
+    return {"model": generator.draft.model, "head": generator.draft_head(o.draft_vocab_size)}
 
 
 def _draft(generator, o: DrafterOptions) -> DraftModelDrafter:
-    model, head, runner = _draft_model_parts(generator, "draft", o)
-    return DraftModelDrafter(model, head, runner, o.draft_context_window)
+    return DraftModelDrafter(context_window=o.draft_context_window, **_draft_model_kwargs(generator, "draft", o))
 
 
 def _cascade(generator, o: DrafterOptions) -> CascadeDrafter:
-    model, head, runner = _draft_model_parts(generator, "cascade", o)
-    return CascadeDrafter(model, o.prompt_lookup_max_ngram, o.prompt_lookup_min_ngram, head, runner, o.ngram_check,
-                          o.draft_context_window, o.max_model_prompt_tokens)
+    return CascadeDrafter(max_ngram=o.prompt_lookup_max_ngram, min_ngram=o.prompt_lookup_min_ngram,
+                          ngram_check=o.ngram_check, max_model_prompt_tokens=o.max_model_prompt_tokens,
+                          context_window=o.draft_context_window, **_draft_model_kwargs(generator, "cascade", o))
 
 
 def _layer_skip(generator, o: DrafterOptions) -> LayerSkipDrafter:
     skip_set = resolve_skip_set(o.skip_set, o.skip_layers, o.skip_config)
     logger.info("layer-skip drafting with skip set %s", skip_set)
-    return LayerSkipDrafter(generator.target.model, skip_set, generator.runner("layer-skip", o.compile, str(skip_set)))
+    return LayerSkipDrafter(generator.target.model, skip_set)
 
 
 def _early_exit(generator, o: DrafterOptions) -> EarlyExitDrafter:
     check_exit_layer_given(o.exit_layer)
-    runner = generator.runner("early-exit", o.compile, o.exit_layer)
-    return EarlyExitDrafter(generator.target.model, o.exit_layer, runner)
+    return EarlyExitDrafter(generator.target.model, o.exit_layer)
 
 
 def _prompt_lookup(generator, o: DrafterOptions) -> PromptLookupDrafter:
     return PromptLookupDrafter(o.prompt_lookup_max_ngram, o.prompt_lookup_min_ngram)
-
-
-#: Why the llama.cpp draft runs with one row only (``engine.one_row.OneRowDrafter``'s refusal).
-LLAMA_CPP_ONE_SEQUENCE = "llama.cpp's draft runs one sequence (one llama.cpp context)"
-
-
-def _llama_cpp_backend(generator, o: DrafterOptions) -> bool:
-    return (o.draft_backend if o.draft_backend is not None else generator.default_draft_backend()) == "llama-cpp"
-
-
-def _batch_draft(generator, o: DrafterOptions) -> BatchDrafter:
-    if _llama_cpp_backend(generator, o):  # B = 1 only: the one-sequence drafter, driven by the batched round
-        return OneRowDrafter(_draft(generator, o), LLAMA_CPP_ONE_SEQUENCE)
-    if generator.draft is None:
-        raise InvalidArgumentError("batched method 'draft' needs a draft model run by torch; pass draft=... "
-                                   "(a llama.cpp draft, draft_backend='llama-cpp', runs with max_batch_size=1)")
-    return BatchDraftModelDrafter(generator.draft.model, o.draft_context_window,
-                                  generator.draft_head(o.draft_vocab_size))
-
-
-def _batch_cascade(generator, o: DrafterOptions) -> BatchDrafter:
-    if _llama_cpp_backend(generator, o):
-        return OneRowDrafter(_cascade(generator, o), LLAMA_CPP_ONE_SEQUENCE)
-    if generator.draft is None:
-        raise InvalidArgumentError("batched method 'cascade' needs a draft model run by torch; pass draft=... "
-                                   "(a llama.cpp draft, draft_backend='llama-cpp', runs with max_batch_size=1)")
-    return BatchCascadeDrafter(generator.draft.model, o.prompt_lookup_max_ngram, o.prompt_lookup_min_ngram,
-                               o.ngram_check, o.max_model_prompt_tokens, o.draft_context_window,
-                               generator.draft_head(o.draft_vocab_size))
-
-
-def _batch_layer_skip(generator, o: DrafterOptions) -> BatchLayerSkipDrafter:
-    return BatchLayerSkipDrafter(generator.target.model, resolve_skip_set(o.skip_set, o.skip_layers, o.skip_config))
-
-
-def _batch_early_exit(generator, o: DrafterOptions) -> BatchEarlyExitDrafter:
-    check_exit_layer_given(o.exit_layer)
-    return BatchEarlyExitDrafter(generator.target.model, o.exit_layer)
-
-
-def _batch_prompt_lookup(generator, o: DrafterOptions) -> BatchPromptLookupDrafter:
-    return BatchPromptLookupDrafter(o.prompt_lookup_max_ngram, o.prompt_lookup_min_ngram)
 
 
 # --- the registry ----------------------------------------------------------------------------
@@ -209,21 +150,21 @@ _DRAFT_MODEL = frozenset({"draft_vocab_size", "draft_context_window", "draft_bac
 
 #: Every method, in the order users see them (``METHODS``).
 REGISTRY: Mapping[str, Method] = MappingProxyType({m.name: m for m in (
-    Method("autoregressive", _no_drafter, frozenset({"compile"}), batch_factory=_no_drafter),
-    Method("draft", _draft, _DRAFT_MODEL, needs_draft_model=True, batch_factory=_batch_draft, adaptive_exit=True),
+    Method("autoregressive", _no_drafter, frozenset({"compile"})),
+    Method("draft", _draft, _DRAFT_MODEL, needs_draft_model=True, adaptive_exit=True),
     Method("cascade", _cascade, _DRAFT_MODEL | _NGRAMS | {"ngram_check", "max_model_prompt_tokens"},
-           needs_draft_model=True, batch_factory=_batch_cascade, adaptive_exit=True),
+           needs_draft_model=True, adaptive_exit=True),
     Method("layer-skip", _layer_skip, frozenset({"skip_set", "skip_layers", "skip_config", "compile"}),
-           batch_factory=_batch_layer_skip, adaptive_exit=True),
-    Method("early-exit", _early_exit, frozenset({"exit_layer", "compile"}), batch_factory=_batch_early_exit,
            adaptive_exit=True),
-    Method("prompt-lookup", _prompt_lookup, _NGRAMS, batch_factory=_batch_prompt_lookup),
+    Method("early-exit", _early_exit, frozenset({"exit_layer", "compile"}), adaptive_exit=True),
+    Method("prompt-lookup", _prompt_lookup, _NGRAMS),
 )})
 
 #: The method names, in order.
 METHODS: tuple[str, ...] = tuple(REGISTRY)
-#: The methods with a batch mode (``SpeculativeGenerator.batch_decoder``).
-BATCH_METHODS: tuple[str, ...] = tuple(name for name, m in REGISTRY.items() if m.has_batch_mode)
+#: The methods with a batch mode (``SpeculativeGenerator.batch_decoder``): every one, as every
+#: drafter is batch-native.
+BATCH_METHODS: tuple[str, ...] = METHODS
 #: The methods that load a draft model.
 DRAFT_MODEL_METHODS: tuple[str, ...] = tuple(name for name, m in REGISTRY.items() if m.needs_draft_model)
 
@@ -311,7 +252,7 @@ def check_method(method: str) -> Method:
 
 
 def make_drafter(generator, method: str, options: DrafterOptions) -> Drafter | None:
-    """The drafter of ``method`` for ``generator`` (None for "autoregressive").
+    """The drafter of ``method`` for ``generator`` (None for "autoregressive"), for one row or many.
 
     Method-only options that ``method`` does not take are refused first
     (``METHOD_ONLY_OPTIONS``), then the method's factory runs.
@@ -321,6 +262,8 @@ def make_drafter(generator, method: str, options: DrafterOptions) -> Drafter | N
             the methods that take it); an unknown method; the factory's own errors (a missing draft
             model, skip set or exit layer, an option out of range).
         VocabularyMismatchError: A llama.cpp draft's tokens differ from the target's.
+
+    A llama.cpp draft runs one sequence: its drafter refuses an engine of more than one row.
     """
     refused = refused_option(method, {k: getattr(options, k) for k in (
         "draft_backend", "draft_vocab_size", "max_model_prompt_tokens", "draft_context_window")})
@@ -330,26 +273,3 @@ def make_drafter(generator, method: str, options: DrafterOptions) -> Drafter | N
             f"{keyword}={value!r} (--{keyword.replace('_', '-')}) applies to {who_takes(keyword)}, not to {method!r}"
         )
     return check_method(method).factory(generator, options)
-
-
-def make_batch_drafter(generator, method: str, options: DrafterOptions) -> BatchDrafter | None:
-    """The batched engine's drafter of ``method`` (None for "autoregressive").
-
-    Raises:
-        InvalidArgumentError: ``method`` is unknown or has no batch mode (the message lists
-            ``BATCH_METHODS``); ``max_model_prompt_tokens``, ``draft_context_window`` or
-            ``draft_vocab_size`` given to a method that does not take it; the factory's own errors.
-    """
-    entry = REGISTRY.get(method)
-    if entry is None or entry.batch_factory is None:
-        raise InvalidArgumentError(
-            f"method {method!r} has no batch mode; allowed with a batch: {', '.join(BATCH_METHODS)}"
-        )
-    refused = refused_option(method, {k: getattr(options, k) for k in (
-        "draft_vocab_size", "max_model_prompt_tokens", "draft_context_window")})
-    if refused is not None:
-        keyword, value = refused
-        raise InvalidArgumentError(
-            f"{keyword}={value!r} (--{keyword.replace('_', '-')}) applies to {who_takes(keyword)}, not to {method!r}"
-        )
-    return entry.batch_factory(generator, options)

@@ -35,18 +35,18 @@ from specdecode.drafters.draft_head import DraftHead
 from specdecode.drafters.layer_skip import SkipSet
 from specdecode.engine.batched import BatchedSpeculativeDecoder
 from specdecode.engine.decoder import GenerationResult, GenerationStream, SpeculativeDecoder
-from specdecode.engine.fast_path import DRAFT_BUCKETS, ModelRunner, resolve_compile
+from specdecode.engine.fast_path import ModelRunner, resolve_compile
 from specdecode.errors import InvalidArgumentError
 from specdecode.method_registry import DrafterOptions
 from specdecode.models import LoadedModel, check_vocabularies, load_model
 from specdecode.models.dense_cache import dense_cache_valid
 from specdecode.models.llama_cpp import (
     LlamaCppModel,
-    LlamaCppModelRunner,
     check_cpu_target,
     load_llama_cpp_model,
     load_with_llama_cpp_draft,
 )
+from specdecode.models.llama_cpp_target import LlamaCppTargetRunner
 from specdecode.models.quantize import check_quantize, resolve_pair_quantization
 from specdecode.models.token_frequencies import TokenFrequencies, load_or_count, special_token_ids
 
@@ -172,11 +172,11 @@ class SpeculativeGenerator:
         self.draft = draft
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         self._llama_cpp_draft = llama_cpp_draft
-        self._llama_cpp_runner: LlamaCppModelRunner | None = None
+        self._llama_cpp_runner: LlamaCppTargetRunner | None = None
         self._token_frequencies: TokenFrequencies | None = None
-        # ModelRunners (compiled forwards, static caches), kept for the generator's life so
-        # later decoders reuse them: (role, compile, detail) -> runner.
-        self._runners: dict[tuple, ModelRunner] = {}
+        # The target's fast-path settings and one-row engine, kept for the generator's life so
+        # later decoders share its cache and compiled buckets: compile -> runner.
+        self._runners: dict[bool, ModelRunner] = {}
         if draft is not None:
             check_vocabularies(target, draft)
         self._eos = eos_token_ids(target)
@@ -359,7 +359,8 @@ class SpeculativeGenerator:
             max_model_prompt_tokens: N for "cascade": a prompt of more than N tokens gets
                 n-gram matches alone, with no draft model and no draft prefill
                 (``drafters.cascade``); None: no limit.
-            compile: The fast path for the drafter's forwards (see ``decoder``).
+            compile: Accepted for every method that runs a model (``method_registry``); the
+                drafter's forwards follow the round's setting (``decoder``'s ``compile``).
             draft_backend: "torch" or "llama-cpp" for "draft" and "cascade": what runs the draft
                 model (``from_pretrained``); None: "llama-cpp" when the generator has a llama.cpp
                 draft and no torch draft, else "torch". llama.cpp's forwards are never compiled.
@@ -394,34 +395,24 @@ class SpeculativeGenerator:
         and no torch draft, else "torch"."""
         return "llama-cpp" if self.draft is None and self._llama_cpp_draft is not None else "torch"
 
-    def llama_cpp_draft_runner(self) -> LlamaCppModelRunner:
-        """The llama.cpp draft's runner, one per generator (its context is the draft's KV cache)."""
+    def llama_cpp_draft_runner(self) -> LlamaCppTargetRunner:
+        """The llama.cpp draft's one-sequence runner, one per generator (its context is the draft's KV cache)."""
         if self._llama_cpp_runner is None:
-            self._llama_cpp_runner = LlamaCppModelRunner(self.llama_cpp_draft(), name="llama.cpp draft model")
+            self._llama_cpp_runner = LlamaCppTargetRunner(self.llama_cpp_draft(), name="llama.cpp draft model")
         return self._llama_cpp_runner
 
-    def runner(self, role: str, compile: bool | None, detail: object = None) -> ModelRunner:
-        """The generator's ``ModelRunner`` for ``role``, made on first use and kept.
-
-        Args:
-            role: "target" (the decoder's forwards), "draft" (the draft model), "layer-skip" or
-                "early-exit" (the target in draft mode).
-            compile: As in ``decoder``; None resolves to the device default.
-            detail: What else tells runners apart: the skip set, the exit layer, the draft head size.
+    def runner(self, compile: bool | None) -> ModelRunner:
+        """The target's ``fast_path.ModelRunner`` for ``compile``, made on first use and kept: decoders
+        made with it share one one-row engine (its cache and compiled buckets).
 
         Raises:
-            InvalidArgumentError: A bad ``compile``, or "draft" without a draft model.
+            InvalidArgumentError: A bad ``compile``.
         """
-        model = self.draft.model if role == "draft" and self.draft is not None else self.target.model
-        if role == "draft" and self.draft is None:
-            raise InvalidArgumentError("the draft runner needs a draft model; pass draft=...")
+        model = self.target.model
         compile = resolve_compile(compile, model.device)
-        key = (role, compile, detail)
-        if key not in self._runners:
-            buckets = {"target": (1,), "draft": DRAFT_BUCKETS}.get(role, (1,))
-            name = {"target": "target model", "draft": "draft model"}.get(role, f"{role} draft")
-            self._runners[key] = ModelRunner(model, compile=compile, buckets=buckets, name=name)
-        return self._runners[key]
+        if compile not in self._runners:
+            self._runners[compile] = ModelRunner(model, compile=compile, name="target model")
+        return self._runners[compile]
 
     def draft_head(self, draft_vocab_size: int | None) -> DraftHead:
         """The draft model's LM head for ``draft_vocab_size`` K: full for 0/None, else FR-Spec's K tokens.
@@ -526,7 +517,7 @@ class SpeculativeGenerator:
         )
         return SpeculativeDecoder(
             self.target.model, drafter, eos_token_ids=self._eos, tokenizer=self.tokenizer, draft_control=draft_control,
-            runner=self.runner("target", compile),
+            runner=self.runner(compile),
         )
 
     def batch_decoder(
@@ -562,21 +553,19 @@ class SpeculativeGenerator:
             max_verify_tokens: See ``BatchedSpeculativeDecoder``; "auto": ``BATCH_VERIFY_TOKENS_CPU``
                 on a CPU (measured: a verification over more tokens costs more than one step), no
                 limit on other devices (not measured).
-            skip_set .. draft_vocab_size: See ``make_drafter`` ("cascade": per row,
-                ``drafters.batched_cascade.BatchCascadeDrafter``; ``draft_vocab_size``: FR-Spec's
-                truncated head, ``drafters.batched.BatchDraftModelDrafter``).
+            skip_set .. draft_vocab_size: See ``make_drafter``.
             compile: The batched fast path (compiled (rows, width) buckets, CUDA graphs on CUDA):
                 True, False, or None for the device's default (``BatchedSpeculativeDecoder``).
             draft_backend: As in ``make_drafter``; "llama-cpp" ("draft", "cascade") runs one
-                sequence, so ``max_batch_size`` must be 1 (``engine.one_row.OneRowDrafter``).
+                sequence, so ``max_batch_size`` must be 1 (the drafter refuses more).
 
         Raises:
-            InvalidArgumentError: Unknown method or one without a batch mode; the errors of
+            InvalidArgumentError: Unknown method; the errors of
                 ``make_drafter`` for a missing draft model, skip set or exit layer; a value
                 out of range; the llama.cpp draft with ``max_batch_size`` > 1.
         """
         target = self.target.model
-        drafter = method_registry.make_batch_drafter(self, method, DrafterOptions(
+        drafter = method_registry.make_drafter(self, method, DrafterOptions(
             skip_set=skip_set, skip_layers=skip_layers, skip_config=skip_config, exit_layer=exit_layer,
             prompt_lookup_max_ngram=prompt_lookup_max_ngram, prompt_lookup_min_ngram=prompt_lookup_min_ngram,
             ngram_check=ngram_check, max_model_prompt_tokens=max_model_prompt_tokens,

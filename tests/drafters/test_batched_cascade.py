@@ -13,8 +13,8 @@ from conftest import make_tiny_model
 from helpers import perturbed_copy
 from selfspec_helpers import REPETITIVE, exact_marginals, one_thread, violations  # noqa: F401 (a fixture)
 from specdecode import DraftControl, GenerationConfig, SpeculativeDecoder
-from specdecode.drafters.batched import BatchDraftModelDrafter, BatchPromptLookupDrafter
-from specdecode.drafters.batched_cascade import BatchCascadeDrafter
+from specdecode.drafters import DraftModelDrafter, PromptLookupDrafter
+from specdecode.drafters import CascadeDrafter
 from specdecode.drafters.cascade import LONG_PROMPT_BLOCK, CascadeDrafter
 from specdecode.drafters.draft_head import DraftHead
 from specdecode.drafters.draft_model import DraftModelDrafter
@@ -63,7 +63,7 @@ def test_greedy_rows_equal_target_alone(arch):
     expected = _alone(target, PROMPTS, configs)
     for check, limit in ((True, None), (False, LONG), (True, LONG)):
         for batch in (1, 3):
-            drafter = BatchCascadeDrafter(draft, ngram_check=check, max_model_prompt_tokens=limit)
+            drafter = CascadeDrafter(draft, ngram_check=check, max_model_prompt_tokens=limit)
             dec = BatchedSpeculativeDecoder(target, drafter, max_batch_size=batch, max_length=96,
                                             num_speculative_tokens=4)
             got = _continuous(dec, PROMPTS, configs)
@@ -87,7 +87,7 @@ class _SingleSpy(CascadeDrafter):
         return draft
 
 
-class _BatchSpy(BatchCascadeDrafter):
+class _BatchSpy(CascadeDrafter):
     """Keeps every block of row 0."""
 
     def __init__(self, *a, **k) -> None:
@@ -133,7 +133,7 @@ class _SingleDraftSpy(DraftModelDrafter):
         return draft
 
 
-class _BatchDraftSpy(BatchDraftModelDrafter):
+class _BatchDraftSpy(DraftModelDrafter):
     def __init__(self, *a, **k) -> None:
         super().__init__(*a, **k)
         self.blocks: list[list[int]] = []
@@ -160,8 +160,8 @@ def test_draft_context_window(arch):
         bdec = BatchedSpeculativeDecoder(target, batched, max_batch_size=1, max_length=96, num_speculative_tokens=4)
         assert [r.token_ids for r in bdec.generate(PROMPTS, _configs())] == expected
         assert batched.blocks == single.blocks, type(batched).__name__
-    for make in (lambda: BatchDraftModelDrafter(draft, context_window=3),
-                 lambda: BatchCascadeDrafter(draft, max_model_prompt_tokens=LONG, context_window=3)):
+    for make in (lambda: DraftModelDrafter(draft, context_window=3),
+                 lambda: CascadeDrafter(draft, max_model_prompt_tokens=LONG, context_window=3)):
         drafter = make()
         dec = BatchedSpeculativeDecoder(target, drafter, max_batch_size=3, max_length=96, num_speculative_tokens=4)
         assert _continuous(dec, PROMPTS, _configs()) == expected, type(drafter).__name__
@@ -189,13 +189,13 @@ def test_truncated_draft_head(arch):
         assert batched.blocks == single.blocks, type(batched).__name__
         if type(batched) is _BatchDraftSpy:  # the draft model proposes among the K tokens only
             assert {t for block in batched.blocks for t in block} <= set(ids)
-    for make in (lambda: BatchDraftModelDrafter(draft, head=head),
-                 lambda: BatchCascadeDrafter(draft, max_model_prompt_tokens=LONG, head=head)):
+    for make in (lambda: DraftModelDrafter(draft, head=head),
+                 lambda: CascadeDrafter(draft, max_model_prompt_tokens=LONG, head=head)):
         drafter = make()
         dec = BatchedSpeculativeDecoder(target, drafter, max_batch_size=3, max_length=96, num_speculative_tokens=4)
         assert _continuous(dec, PROMPTS, _configs()) == expected, type(drafter).__name__
         assert 0 < dec.stats.num_accepted_tokens < dec.stats.num_drafted_tokens
-    drafter = BatchDraftModelDrafter(draft, head=head)
+    drafter = DraftModelDrafter(draft, head=head)
     drafter.bind(BatchKVCache(target, 2, 64))
     vocab = target.config.vocab_size
     for slot, prompt in enumerate(PROMPTS[:2]):
@@ -215,10 +215,10 @@ def test_long_prompt_rows_are_prompt_lookup_without_the_draft_model():
     draft = perturbed_copy(target, noise=0.3, seed=1)
     prompts = [p for p in PROMPTS if len(p) > 2]
     configs = _configs()[: len(prompts)]
-    cascade = BatchCascadeDrafter(draft, max_model_prompt_tokens=2)
+    cascade = CascadeDrafter(draft, max_model_prompt_tokens=2)
     dec = BatchedSpeculativeDecoder(target, cascade, max_batch_size=3, max_length=96, num_speculative_tokens=8)
     got = [r.token_ids for r in dec.generate(prompts, configs)]
-    lookup = BatchedSpeculativeDecoder(target, BatchPromptLookupDrafter(), max_batch_size=3, max_length=96,
+    lookup = BatchedSpeculativeDecoder(target, PromptLookupDrafter(), max_batch_size=3, max_length=96,
                                        num_speculative_tokens=LONG_PROMPT_BLOCK)
     reference = [r.token_ids for r in lookup.generate(prompts, configs)]
     assert got == reference == _alone(target, prompts, configs)
@@ -234,7 +234,7 @@ def test_adaptive_exit_both_rules():
     configs = _configs()
     expected = _alone(target, PROMPTS, configs)
     for rule in ("row", "batch"):
-        drafter = BatchCascadeDrafter(draft, max_model_prompt_tokens=LONG)
+        drafter = CascadeDrafter(draft, max_model_prompt_tokens=LONG)
         dec = BatchedSpeculativeDecoder(target, drafter, max_batch_size=3, max_length=96,
                                         draft_control=DraftControl(adaptive_exit=True, max_draft_tokens=6),
                                         exit_rule=rule)
@@ -249,7 +249,7 @@ def test_static_fast_path_greedy_equals_target_alone():
     configs = _configs()
     expected = _alone(target, PROMPTS, configs)
     for check in (True, False):
-        drafter = BatchCascadeDrafter(draft, ngram_check=check, max_model_prompt_tokens=LONG)
+        drafter = CascadeDrafter(draft, ngram_check=check, max_model_prompt_tokens=LONG)
         dec = BatchedSpeculativeDecoder(target, drafter, max_batch_size=3, max_length=96, num_speculative_tokens=4,
                                         compile=True, graphs=False)
         assert _continuous(dec, PROMPTS, configs) == expected, check
@@ -257,7 +257,7 @@ def test_static_fast_path_greedy_equals_target_alone():
         assert drafter.num_ngram_accepted > 0
 
 
-class _Recording(BatchCascadeDrafter):
+class _Recording(CascadeDrafter):
     """Keeps each block with its rows' n-gram token counts (the leading tokens of each row)."""
 
     def __init__(self, *a, **k) -> None:
@@ -308,7 +308,7 @@ def test_sampling_rows_keep_the_target_law():
     prompts = [[5, 3, 6, 5, 3, 4, 6, 5, 7], [4, 4, 6, 1]]
     base = GenerationConfig(max_new_tokens=6, stop_on_eos=False)  # 6: blocks of n-gram and model tokens
     temps = (0.5, 1.5)
-    drafter = BatchCascadeDrafter(draft, ngram_check=False, max_model_prompt_tokens=5)
+    drafter = CascadeDrafter(draft, ngram_check=False, max_model_prompt_tokens=5)
     dec = BatchedSpeculativeDecoder(model, drafter, max_batch_size=2, max_length=32, num_speculative_tokens=3)
     firsts = [torch.zeros((n, 3), dtype=torch.long) for _ in temps]
     for i in range(n):
@@ -332,7 +332,7 @@ def test_a_sampling_block_is_one_hot_ngram_rows_then_the_draft_models_distributi
     target = make_tiny_model("llama", num_layers=2)
     draft = perturbed_copy(target, noise=0.3, seed=1)
     vocab = target.config.vocab_size
-    drafter = BatchCascadeDrafter(draft, ngram_check=False)
+    drafter = CascadeDrafter(draft, ngram_check=False)
     drafter.bind(BatchKVCache(target, 2, 64))
     sequences = [[7, 8, 9, 7], [5, 6, 11, 12]]  # row 0's match gives [8, 9, 7]; row 1 has none
     for slot, sequence in enumerate(sequences):  # the engine's join: the prompt, its next token not yet cached
@@ -355,12 +355,12 @@ def test_a_sampling_block_is_one_hot_ngram_rows_then_the_draft_models_distributi
 def test_bad_options_are_refused():
     draft = make_tiny_model("qwen2", num_layers=2)
     with pytest.raises(InvalidArgumentError, match="ngram_check must be True or False, got 1"):
-        BatchCascadeDrafter(draft, ngram_check=1)
+        CascadeDrafter(draft, ngram_check=1)
     with pytest.raises(InvalidArgumentError, match="max_model_prompt_tokens=0 is out of range"):
-        BatchCascadeDrafter(draft, max_model_prompt_tokens=0)
+        CascadeDrafter(draft, max_model_prompt_tokens=0)
     with pytest.raises(InvalidArgumentError, match="min_ngram"):
-        BatchCascadeDrafter(draft, max_ngram=1, min_ngram=2)
+        CascadeDrafter(draft, max_ngram=1, min_ngram=2)
     with pytest.raises(InvalidArgumentError, match="context_window=0 is out of range"):
-        BatchCascadeDrafter(draft, context_window=0)
+        CascadeDrafter(draft, context_window=0)
     with pytest.raises(InvalidArgumentError, match="context_window=-1 is out of range"):
-        BatchDraftModelDrafter(draft, context_window=-1)
+        DraftModelDrafter(draft, context_window=-1)

@@ -161,7 +161,7 @@ def test_full_head_is_the_default_and_unchanged():
     prompt = torch.tensor([REPETITIVE])
     config = GenerationConfig(max_new_tokens=16, num_speculative_tokens=3, stop_on_eos=False)
     a = SpeculativeDecoder(target, DraftModelDrafter(draft)).generate(prompt, config).stats
-    b = SpeculativeDecoder(target, DraftModelDrafter(draft, DraftHead.full())).generate(prompt, config).stats
+    b = SpeculativeDecoder(target, DraftModelDrafter(draft, head=DraftHead.full())).generate(prompt, config).stats
     assert DraftModelDrafter(draft).head.size is None
     assert (a.num_drafted_tokens, a.num_accepted_tokens) == (b.num_drafted_tokens, b.num_accepted_tokens)
 
@@ -204,7 +204,7 @@ def test_sampling_preserves_target_distribution_when_its_top_token_is_outside_k(
 
 def test_draft_probs_are_zero_outside_k():
     model = make_tiny_model("llama", num_layers=1)
-    drafter = DraftModelDrafter(model, DraftHead.truncated([4, 8, 15, 16, 23, 42]))
+    drafter = DraftModelDrafter(model, head=DraftHead.truncated([4, 8, 15, 16, 23, 42]))
     sampler = Sampler(GenerationConfig(temperature=1.0, seed=0), VOCAB, "cpu")
     prompt = torch.tensor([[5, 6, 7]])
     drafter.begin(prompt[:, :2], sampler, None)  # the sequence's last token is fed by propose
@@ -238,8 +238,8 @@ def test_bad_ids_are_refused(ids, message):
 def test_ids_past_the_head_or_the_target_vocabulary_are_refused():
     model = make_tiny_model("llama", num_layers=1)
     with pytest.raises(InvalidArgumentError, match=r"token id 48 is out of range: .* 48 rows, allowed ids 0\.\.47"):
-        DraftModelDrafter(model, DraftHead.truncated([3, 48]))
-    drafter = DraftModelDrafter(model, DraftHead.truncated([3, 40]))
+        DraftModelDrafter(model, head=DraftHead.truncated([3, 48]))
+    drafter = DraftModelDrafter(model, head=DraftHead.truncated([3, 40]))
     with pytest.raises(InvalidArgumentError, match=r"token id 40 is outside the target's vocabulary 0\.\.31"):
         drafter.begin(torch.tensor([[5]]), Sampler(GenerationConfig(), 32, "cpu"), None)
 

@@ -12,7 +12,7 @@ from conftest import make_tiny_model
 from helpers import perturbed_copy
 from selfspec_helpers import one_thread  # noqa: F401 (a fixture)
 from specdecode import GenerationConfig, SpeculativeDecoder
-from specdecode.drafters.batched import BatchDraftModelDrafter, BatchPromptLookupDrafter
+from specdecode.drafters import DraftModelDrafter, PromptLookupDrafter
 from specdecode.engine.batch_cache import BatchKVCache
 from specdecode.engine.batched import BatchedSpeculativeDecoder
 from specdecode.errors import InvalidArgumentError
@@ -35,7 +35,7 @@ def test_chunked_padded_prefill_gives_each_row_its_tokens_alone(arch, chunk, mul
     draft = perturbed_copy(target, noise=0.3, seed=1)
     config = GenerationConfig(max_new_tokens=12, stop_on_eos=False)
     expected = _alone(target, PROMPTS, config)
-    for make in (lambda: None, lambda: BatchDraftModelDrafter(draft)):
+    for make in (lambda: None, lambda: DraftModelDrafter(draft)):
         dec = BatchedSpeculativeDecoder(
             target, make(), max_batch_size=3, max_length=48, num_speculative_tokens=3,
             prefill_chunk_tokens=chunk, prefill_pad_multiple=multiple,
@@ -60,7 +60,7 @@ def test_prefill_forwards_take_a_fixed_set_of_widths():
                draft.register_forward_pre_hook(record("draft"), with_kwargs=True)]
     config = GenerationConfig(max_new_tokens=1, stop_on_eos=False)  # the prefill's token only: no round
     try:
-        dec = BatchedSpeculativeDecoder(target, BatchDraftModelDrafter(draft), max_batch_size=2, max_length=64,
+        dec = BatchedSpeculativeDecoder(target, DraftModelDrafter(draft), max_batch_size=2, max_length=64,
                                         prefill_chunk_tokens=8, prefill_pad_multiple=4)
         dec.generate([[3 + i % 44 for i in range(n)] for n in range(1, 41)], config)
         assert widths == {"target": {4, 8}, "draft": {4, 8}}
@@ -104,10 +104,10 @@ def test_a_sampling_failure_ends_only_its_row():
     prompts = PROMPTS[1:4]
     base = GenerationConfig(max_new_tokens=10, stop_on_eos=False)
     configs = [dataclasses.replace(base, temperature=0.8, seed=7 + r) for r in range(3)]
-    reference = BatchedSpeculativeDecoder(target, BatchPromptLookupDrafter(), max_batch_size=3, max_length=48)
+    reference = BatchedSpeculativeDecoder(target, PromptLookupDrafter(), max_batch_size=3, max_length=48)
     expected = [r.token_ids for r in reference.generate(prompts, configs)]
 
-    dec = BatchedSpeculativeDecoder(target, BatchPromptLookupDrafter(), max_batch_size=3, max_length=48)
+    dec = BatchedSpeculativeDecoder(target, PromptLookupDrafter(), max_batch_size=3, max_length=48)
     ids = [dec.add(p, c) for p, c in zip(prompts, configs)]
     out = {i: [] for i in ids}
     ended = {}
@@ -149,7 +149,7 @@ def test_warm_up_covers_every_forward_width_and_changes_no_output():
     prompts = [[3 + (5 * i + j) % 44 for j in range(n)] for i, n in enumerate((1, 7, 16, 19, 33, 40, 4))]
     config = GenerationConfig(max_new_tokens=9, stop_on_eos=False)
     expected = _alone(target, prompts, config)
-    dec = BatchedSpeculativeDecoder(target, BatchDraftModelDrafter(draft), max_batch_size=3, max_length=64,
+    dec = BatchedSpeculativeDecoder(target, DraftModelDrafter(draft), max_batch_size=3, max_length=64,
                                     num_speculative_tokens=3, prefill_chunk_tokens=16, prefill_pad_multiple=4)
     handles = [target.register_forward_pre_hook(record("target"), with_kwargs=True),
                draft.register_forward_pre_hook(record("draft"), with_kwargs=True)]
@@ -188,7 +188,7 @@ def test_warm_up_looks_up_every_embedding_row():
     handles = [target.get_input_embeddings().register_forward_pre_hook(record("target")),
                draft.get_input_embeddings().register_forward_pre_hook(record("draft"))]
     try:
-        BatchedSpeculativeDecoder(target, BatchDraftModelDrafter(draft), max_batch_size=1, max_length=32).warm_up()
+        BatchedSpeculativeDecoder(target, DraftModelDrafter(draft), max_batch_size=1, max_length=32).warm_up()
     finally:
         for h in handles:
             h.remove()

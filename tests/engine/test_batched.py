@@ -12,11 +12,11 @@ from conftest import make_tiny_model
 from helpers import perturbed_copy
 from selfspec_helpers import REPETITIVE, exact_marginals, one_thread, violations  # noqa: F401 (a fixture)
 from specdecode import GenerationConfig, SpeculativeDecoder
-from specdecode.drafters.batched import (
-    BatchDraftModelDrafter,
-    BatchEarlyExitDrafter,
-    BatchLayerSkipDrafter,
-    BatchPromptLookupDrafter,
+from specdecode.drafters import (
+    DraftModelDrafter,
+    EarlyExitDrafter,
+    LayerSkipDrafter,
+    PromptLookupDrafter,
 )
 from specdecode.drafters.control import DraftControl
 from specdecode.drafters.layer_skip import SkipSet
@@ -43,12 +43,12 @@ def _alone(target, prompts, configs, eos=()) -> list[list[int]]:
 def _drafters(target, draft):
     return {
         "autoregressive": (lambda: None, None),
-        "draft": (lambda: BatchDraftModelDrafter(draft), None),
-        "prompt-lookup": (lambda: BatchPromptLookupDrafter(), None),
-        "layer-skip": (lambda: BatchLayerSkipDrafter(target, SkipSet(attn=(1,), mlp=(2,))), None),
-        "early-exit": (lambda: BatchEarlyExitDrafter(target, 2), None),
-        "draft+adaptive": (lambda: BatchDraftModelDrafter(draft), DraftControl(adaptive_exit=True, max_draft_tokens=6)),
-        "early-exit+adaptive": (lambda: BatchEarlyExitDrafter(target, 2), DraftControl(adaptive_exit=True)),
+        "draft": (lambda: DraftModelDrafter(draft), None),
+        "prompt-lookup": (lambda: PromptLookupDrafter(), None),
+        "layer-skip": (lambda: LayerSkipDrafter(target, SkipSet(attn=(1,), mlp=(2,))), None),
+        "early-exit": (lambda: EarlyExitDrafter(target, 2), None),
+        "draft+adaptive": (lambda: DraftModelDrafter(draft), DraftControl(adaptive_exit=True, max_draft_tokens=6)),
+        "early-exit+adaptive": (lambda: EarlyExitDrafter(target, 2), DraftControl(adaptive_exit=True)),
     }
 
 
@@ -88,7 +88,7 @@ def test_rows_finish_at_eos_in_different_rounds():
     stops = {len(e) for e, f in zip(expected, free) if len(e) < len(f)}
     assert len(stops) >= 2, "the test needs rows stopping at different positions"
     dec = BatchedSpeculativeDecoder(
-        target, BatchDraftModelDrafter(draft), max_batch_size=5, max_length=96, eos_token_ids=[eos]
+        target, DraftModelDrafter(draft), max_batch_size=5, max_length=96, eos_token_ids=[eos]
     )
     results = dec.generate(PROMPTS, configs)
     assert [r.token_ids for r in results] == expected
@@ -101,7 +101,7 @@ def test_rows_join_mid_flight_and_cancel():
     draft = perturbed_copy(target, noise=0.3, seed=1)
     configs = _configs()
     expected = _alone(target, PROMPTS, configs)
-    dec = BatchedSpeculativeDecoder(target, BatchDraftModelDrafter(draft), max_batch_size=4, max_length=96)
+    dec = BatchedSpeculativeDecoder(target, DraftModelDrafter(draft), max_batch_size=4, max_length=96)
     out: dict[int, list[int]] = {}
     ids = [dec.add(PROMPTS[0], configs[0]), dec.add(PROMPTS[1], configs[1])]
     doomed = dec.add(PROMPTS[3], configs[3])
@@ -138,7 +138,7 @@ def test_rows_join_mid_flight_and_cancel():
 @pytest.mark.usefixtures("one_thread")
 def test_stats_per_row_add_up_to_the_batch():
     target = make_tiny_model("llama")
-    dec = BatchedSpeculativeDecoder(target, BatchPromptLookupDrafter(), max_batch_size=5, max_length=96)
+    dec = BatchedSpeculativeDecoder(target, PromptLookupDrafter(), max_batch_size=5, max_length=96)
     results = dec.generate(PROMPTS, _configs())
     s = dec.stats
     assert s.num_new_tokens == sum(len(r.token_ids) for r in results) == sum(LENGTHS)
@@ -161,7 +161,7 @@ def test_sampling_rows_with_different_temperatures_keep_the_target_law():
     prompts = [[5, 3, 6, 5, 3, 4, 6, 5, 7], [4, 4, 6, 1]]
     base = GenerationConfig(max_new_tokens=3, stop_on_eos=False)
     temps = (0.5, 1.5)
-    dec = BatchedSpeculativeDecoder(model, BatchDraftModelDrafter(draft), max_batch_size=2, max_length=32,
+    dec = BatchedSpeculativeDecoder(model, DraftModelDrafter(draft), max_batch_size=2, max_length=32,
                                     num_speculative_tokens=3)
     firsts = [torch.zeros((n, 3), dtype=torch.long) for _ in temps]
     prev = torch.get_num_threads()
@@ -194,15 +194,15 @@ def test_bad_input_is_refused_and_other_rows_are_untouched():
         with pytest.raises(InvalidArgumentError, match="max_batch_size must be an integer >= 1"):
             BatchedSpeculativeDecoder(target, max_batch_size=bad)
     with pytest.raises(InvalidArgumentError, match="exit_rule must be one of"):
-        BatchedSpeculativeDecoder(target, BatchPromptLookupDrafter(), exit_rule="sometimes")
+        BatchedSpeculativeDecoder(target, PromptLookupDrafter(), exit_rule="sometimes")
     with pytest.raises(InvalidArgumentError, match="own target model"):
-        BatchedSpeculativeDecoder(target, BatchLayerSkipDrafter(other, SkipSet(attn=(1,))))
+        BatchedSpeculativeDecoder(target, LayerSkipDrafter(other, SkipSet(attn=(1,))))
     with pytest.raises(InvalidArgumentError, match="adaptive draft exit needs a drafter that gives probabilities"):
-        BatchedSpeculativeDecoder(target, BatchPromptLookupDrafter(), draft_control=DraftControl(adaptive_exit=True))
+        BatchedSpeculativeDecoder(target, PromptLookupDrafter(), draft_control=DraftControl(adaptive_exit=True))
 
     configs = _configs()
     expected = _alone(target, PROMPTS[:2], configs[:2])
-    dec = BatchedSpeculativeDecoder(target, BatchPromptLookupDrafter(), max_batch_size=2, max_length=48)
+    dec = BatchedSpeculativeDecoder(target, PromptLookupDrafter(), max_batch_size=2, max_length=48)
     first = dec.add(PROMPTS[0], configs[0])
     out: dict[int, list[int]] = {first: []}
     for ev in dec.step():
@@ -256,7 +256,7 @@ def test_a_draft_equal_to_the_target_is_always_accepted(arch):
     target = make_tiny_model(arch)
     configs = _configs()
     for control in (None, DraftControl(adaptive_exit=True, max_draft_tokens=6)):
-        dec = BatchedSpeculativeDecoder(target, BatchDraftModelDrafter(target), max_batch_size=3, max_length=96,
+        dec = BatchedSpeculativeDecoder(target, DraftModelDrafter(target), max_batch_size=3, max_length=96,
                                         num_speculative_tokens=4, draft_control=control)
         got = [r.token_ids for r in dec.generate(PROMPTS, configs)]
         assert got == _alone(target, PROMPTS, configs)
@@ -273,7 +273,7 @@ def test_a_row_done_at_its_first_token_never_enters_a_round():
     first = _alone(target, [PROMPTS[2]], [GenerationConfig(max_new_tokens=1)])[0][0]
     expected = _alone(target, [PROMPTS[0]], [GenerationConfig(max_new_tokens=20)], eos=[first])[0]
     assert first not in expected, "the test needs an EOS id the running row never produces"
-    dec = BatchedSpeculativeDecoder(target, BatchDraftModelDrafter(draft), max_batch_size=4, max_length=96,
+    dec = BatchedSpeculativeDecoder(target, DraftModelDrafter(draft), max_batch_size=4, max_length=96,
                                     eos_token_ids=[first])
     running = dec.add(PROMPTS[0], GenerationConfig(max_new_tokens=20))
     out: dict[int, list[int]] = {running: []}
@@ -308,7 +308,7 @@ def test_greedy_and_sampling_rows_share_a_batch_and_gating_works_per_row():
     greedy = [0, 2, 4]
     expected = _alone(target, PROMPTS, configs)
     for control in (None, DraftControl(confidence_gate=0.1), DraftControl(length_schedule="heuristic")):
-        dec = BatchedSpeculativeDecoder(target, BatchDraftModelDrafter(draft), max_batch_size=5, max_length=96,
+        dec = BatchedSpeculativeDecoder(target, DraftModelDrafter(draft), max_batch_size=5, max_length=96,
                                         draft_control=control)
         results = dec.generate(PROMPTS, configs)
         assert [results[i].token_ids for i in greedy] == [expected[i] for i in greedy]
@@ -330,7 +330,7 @@ def test_non_finite_target_logits_end_only_that_row():
             output[poisoned["slot"]] = float("nan")
         return output
 
-    dec = BatchedSpeculativeDecoder(target, BatchPromptLookupDrafter(), max_batch_size=3, max_length=96)
+    dec = BatchedSpeculativeDecoder(target, PromptLookupDrafter(), max_batch_size=3, max_length=96)
     ids = [dec.add(p, c) for p, c in zip(PROMPTS[:3], configs[:3])]
     out = {i: [] for i in ids}
     ended = {}
@@ -381,7 +381,7 @@ def test_max_verify_tokens_shrinks_blocks_as_the_batch_grows():
     expected = _alone(target, PROMPTS, configs)
     drafted = {}
     for limit in (None, 9, 4):
-        dec = BatchedSpeculativeDecoder(target, BatchDraftModelDrafter(draft), max_batch_size=3, max_length=96,
+        dec = BatchedSpeculativeDecoder(target, DraftModelDrafter(draft), max_batch_size=3, max_length=96,
                                         num_speculative_tokens=4, max_verify_tokens=limit)
         results = dec.generate(PROMPTS, configs)
         assert [r.token_ids for r in results] == expected

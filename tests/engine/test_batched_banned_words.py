@@ -20,7 +20,7 @@ from conftest import make_tiny_model, make_tiny_tokenizer
 from helpers import perturbed_copy
 from selfspec_helpers import REPETITIVE, one_thread  # noqa: F401 (a fixture)
 from specdecode import DraftModelDrafter, GenerationConfig, PromptLookupDrafter, SpeculativeDecoder
-from specdecode.drafters.batched import BatchDraftModelDrafter, BatchPromptLookupDrafter
+from specdecode.drafters import DraftModelDrafter, PromptLookupDrafter
 from specdecode.engine.batched import BatchedSpeculativeDecoder
 
 TOK = make_tiny_tokenizer()
@@ -36,8 +36,8 @@ def _methods(target, draft):
     """name -> (single-sequence drafter factory, batch drafter factory)."""
     return {
         "autoregressive": (lambda: None, lambda: None),
-        "draft": (lambda: DraftModelDrafter(draft), lambda: BatchDraftModelDrafter(draft)),
-        "prompt-lookup": (PromptLookupDrafter, BatchPromptLookupDrafter),
+        "draft": (lambda: DraftModelDrafter(draft), lambda: DraftModelDrafter(draft)),
+        "prompt-lookup": (PromptLookupDrafter, PromptLookupDrafter),
     }
 
 
@@ -151,7 +151,7 @@ def test_drafts_are_cut_before_a_banned_word_as_in_the_single_decoder():
     configs = _configs(plain)
     expected = [_single(target, DraftModelDrafter(draft), p, c)[0] for p, c in zip(PROMPTS[:3], configs)]
     dec = BatchedSpeculativeDecoder(
-        target, BatchDraftModelDrafter(draft), max_batch_size=3, max_length=64, num_speculative_tokens=4,
+        target, DraftModelDrafter(draft), max_batch_size=3, max_length=64, num_speculative_tokens=4,
         tokenizer=TOK,
     )
     results, _ = _batched(dec, PROMPTS[:3], configs)
@@ -185,7 +185,7 @@ def test_a_row_with_every_token_banned_ends_with_banned_word(method):
     ]
     single = (lambda: None) if method == "autoregressive" else PromptLookupDrafter
     expected = [_single(target, single(), prompt, c, tokenizer=tok)[0] for c in configs]
-    batch = None if method == "autoregressive" else BatchPromptLookupDrafter()
+    batch = None if method == "autoregressive" else PromptLookupDrafter()
     dec = BatchedSpeculativeDecoder(target, batch, max_batch_size=3, max_length=32, tokenizer=tok)
     results, streamed = _batched(dec, [prompt] * 3, configs, join_after=1)
     assert results[0].token_ids == [] and results[0].finish_reason == "banned_word" and streamed[0] == []

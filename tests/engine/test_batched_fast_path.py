@@ -20,11 +20,11 @@ from conftest import make_tiny_model
 from helpers import perturbed_copy
 from selfspec_helpers import REPETITIVE, one_thread  # noqa: F401 (a fixture)
 from specdecode import GenerationConfig, SpeculativeDecoder
-from specdecode.drafters.batched import (
-    BatchDraftModelDrafter,
-    BatchEarlyExitDrafter,
-    BatchLayerSkipDrafter,
-    BatchPromptLookupDrafter,
+from specdecode.drafters import (
+    DraftModelDrafter,
+    EarlyExitDrafter,
+    LayerSkipDrafter,
+    PromptLookupDrafter,
 )
 from specdecode.drafters.layer_skip import SkipSet
 from specdecode.engine.batch_runner import BatchRunner, check_row_buckets, row_buckets
@@ -47,10 +47,10 @@ def _alone(target, prompts, configs) -> list[list[int]]:
 def _drafters(target, draft) -> dict:
     return {
         "autoregressive": lambda: None,
-        "draft": lambda: BatchDraftModelDrafter(draft),
-        "prompt-lookup": lambda: BatchPromptLookupDrafter(),
-        "layer-skip": lambda: BatchLayerSkipDrafter(target, SkipSet(attn=(1,), mlp=(2,))),
-        "early-exit": lambda: BatchEarlyExitDrafter(target, 2),
+        "draft": lambda: DraftModelDrafter(draft),
+        "prompt-lookup": lambda: PromptLookupDrafter(),
+        "layer-skip": lambda: LayerSkipDrafter(target, SkipSet(attn=(1,), mlp=(2,))),
+        "early-exit": lambda: EarlyExitDrafter(target, 2),
     }
 
 
@@ -115,7 +115,7 @@ def test_padding_rows_and_widths_are_exercised_and_harmless():
     draft = perturbed_copy(target, noise=0.3, seed=1)
     configs = _configs()
     expected = _alone(target, PROMPTS, configs)
-    dec = BatchedSpeculativeDecoder(target, BatchDraftModelDrafter(draft), max_batch_size=4, max_length=96,
+    dec = BatchedSpeculativeDecoder(target, DraftModelDrafter(draft), max_batch_size=4, max_length=96,
                                     num_speculative_tokens=4, compile=True, graphs=False, row_buckets=(2,))
     shapes = _recording(dec.runner)
     draft_shapes = _recording(dec.drafter.runner)
@@ -135,14 +135,14 @@ def test_warm_up_runs_every_bucket_and_leaves_decoding_exact():
     draft = perturbed_copy(target, noise=0.3, seed=1)
     configs = _configs()
     expected = _alone(target, PROMPTS, configs)
-    for make in (lambda: BatchDraftModelDrafter(draft), lambda: BatchLayerSkipDrafter(target, SkipSet(attn=(1,)))):
+    for make in (lambda: DraftModelDrafter(draft), lambda: LayerSkipDrafter(target, SkipSet(attn=(1,)))):
         dec = BatchedSpeculativeDecoder(target, make(), max_batch_size=3, max_length=96, num_speculative_tokens=3,
                                         compile=True, graphs=False)
         dec.warm_up()
         for runner, widths in ((dec.runner, (1, 4)), (dec.drafter.runner, dec.drafter.runner.widths)):
             assert set(runner._buckets) == {(r, w) for r in (1, 2, 3) for w in widths}
             assert all(b.calls >= 1 for b in runner._buckets.values())
-        assert dec.drafter.runner.widths == ((1, 2) if isinstance(dec.drafter, BatchDraftModelDrafter) else (1,))
+        assert dec.drafter.runner.widths == ((1, 2) if isinstance(dec.drafter, DraftModelDrafter) else (1,))
         assert [r.token_ids for r in dec.generate(PROMPTS, configs)] == expected
 
 
@@ -193,7 +193,7 @@ def test_compiled_prompt_lookup_equals_autoregressive(fresh_dynamo):
     target = make_tiny_model("qwen2", num_layers=2)
     configs = _configs()
     expected = _alone(target, PROMPTS, configs)
-    dec = BatchedSpeculativeDecoder(target, BatchPromptLookupDrafter(), max_batch_size=3, max_length=96,
+    dec = BatchedSpeculativeDecoder(target, PromptLookupDrafter(), max_batch_size=3, max_length=96,
                                     num_speculative_tokens=3, compile=True, row_buckets=(3,))
     graphs = counters["stats"]["unique_graphs"]
     assert _continuous(dec, PROMPTS, configs) == expected

@@ -13,7 +13,7 @@ import torch
 from conftest import make_tiny_model
 from helpers import perturbed_copy
 from specdecode import DraftModelDrafter, GenerationConfig, PromptLookupDrafter, SpeculativeDecoder
-from specdecode.drafters.batched import BatchDraftModelDrafter
+from specdecode.drafters import DraftModelDrafter
 from specdecode.engine.batched import BatchedSpeculativeDecoder
 from specdecode.engine.one_row import OneRowDrafter
 from specdecode.errors import InvalidArgumentError
@@ -41,7 +41,7 @@ def test_batched_prompt_cache_prefills_only_the_rest(arch, method):
     config = GenerationConfig(max_new_tokens=12, num_speculative_tokens=3, stop_on_eos=False)
 
     def engine():
-        drafter = BatchDraftModelDrafter(draft) if method == "draft" else None
+        drafter = DraftModelDrafter(draft) if method == "draft" else None
         return BatchedSpeculativeDecoder(target, drafter, max_batch_size=2, max_length=64, num_speculative_tokens=3,
                                          prefill_pad_multiple=1)
 

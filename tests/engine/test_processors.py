@@ -20,8 +20,8 @@ from helpers import perturbed_copy
 from selfspec_helpers import REPETITIVE, one_thread  # noqa: F401 (a fixture)
 from specdecode import GenerationConfig, SpeculativeDecoder
 from specdecode.drafters import CascadeDrafter, DraftModelDrafter, PromptLookupDrafter
-from specdecode.drafters.batched import BatchDraftModelDrafter, BatchPromptLookupDrafter
-from specdecode.drafters.batched_cascade import BatchCascadeDrafter
+from specdecode.drafters import DraftModelDrafter, PromptLookupDrafter
+from specdecode.drafters import CascadeDrafter
 from specdecode.engine.batched import BatchedSpeculativeDecoder
 from specdecode.engine.processors import LogitsProcessing
 from specdecode.errors import InvalidArgumentError
@@ -75,10 +75,10 @@ def _single(method: str, draft):
 
 def _batched(method: str, draft):
     if method == "draft":
-        return BatchDraftModelDrafter(draft)
+        return DraftModelDrafter(draft)
     if method == "cascade":
-        return BatchCascadeDrafter(draft)
-    return BatchPromptLookupDrafter()
+        return CascadeDrafter(draft)
+    return PromptLookupDrafter()
 
 
 @pytest.mark.parametrize("method", ["draft", "cascade", "prompt-lookup"])
@@ -113,7 +113,7 @@ def test_rows_with_and_without_processors_share_a_batch():
     base = GenerationConfig(max_new_tokens=16, stop_on_eos=False)
     configs = [dataclasses.replace(base, **PROCESSORS["all"]), base, dataclasses.replace(base, **PROCESSORS["bias"])]
     expected = [reference(target, p, c)[0] for p, c in zip(PROMPTS, configs)]
-    dec = BatchedSpeculativeDecoder(target, BatchDraftModelDrafter(draft), max_batch_size=3, max_length=64,
+    dec = BatchedSpeculativeDecoder(target, DraftModelDrafter(draft), max_batch_size=3, max_length=64,
                                     num_speculative_tokens=4, compile=False)
     assert [r.token_ids for r in dec.generate(PROMPTS, configs)] == expected
 
@@ -170,7 +170,7 @@ def test_stop_token_ids_end_the_generation_single_and_batched():
     config = dataclasses.replace(free, stop_token_ids=(stop,))
     single = SpeculativeDecoder(target, DraftModelDrafter(draft), compile=False).generate(PROMPTS[0], config)
     assert (single.token_ids, single.finish_reason) == (cut, "eos")
-    dec = BatchedSpeculativeDecoder(target, BatchDraftModelDrafter(draft), max_batch_size=2, max_length=64,
+    dec = BatchedSpeculativeDecoder(target, DraftModelDrafter(draft), max_batch_size=2, max_length=64,
                                     compile=False)
     rows = dec.generate([PROMPTS[0], PROMPTS[0]], [config, free])
     assert (rows[0].token_ids, rows[0].finish_reason) == (cut, "eos")
@@ -247,11 +247,11 @@ def test_the_draft_models_q_gets_the_processors_on_its_own_context():
     for prompt in PROMPTS:
         result = SpeculativeDecoder(target, DraftModelDrafter(target), compile=False).generate(prompt, config)
         assert result.stats.num_accepted_tokens == result.stats.num_drafted_tokens > 0
-        batch = BatchedSpeculativeDecoder(target, BatchDraftModelDrafter(target), max_batch_size=1, max_length=64,
+        batch = BatchedSpeculativeDecoder(target, DraftModelDrafter(target), max_batch_size=1, max_length=64,
                                           num_speculative_tokens=4, compile=False)
         assert batch.generate([prompt], config)[0].token_ids == result.token_ids
         assert batch.stats.num_accepted_tokens == batch.stats.num_drafted_tokens > 0
-        cascade = BatchedSpeculativeDecoder(target, BatchCascadeDrafter(target, ngram_check=False), max_batch_size=1,
+        cascade = BatchedSpeculativeDecoder(target, CascadeDrafter(target, ngram_check=False), max_batch_size=1,
                                             max_length=64, num_speculative_tokens=4, compile=False)
         assert cascade.generate([prompt], config)[0].token_ids == result.token_ids
     # Negative control: a draft that ignores the processors gets rejections.
@@ -297,7 +297,7 @@ def test_batched_fast_path_with_processors_and_logprobs():
     draft = perturbed_copy(target, noise=0.3, seed=1)
     base = GenerationConfig(max_new_tokens=16, stop_on_eos=False, logprobs=True)
     configs = [dataclasses.replace(base, **PROCESSORS[name]) for name in ("all", "bias", "repetition")]
-    dec = BatchedSpeculativeDecoder(target, BatchDraftModelDrafter(draft), max_batch_size=2, max_length=64,
+    dec = BatchedSpeculativeDecoder(target, DraftModelDrafter(draft), max_batch_size=2, max_length=64,
                                     num_speculative_tokens=4, compile=True, graphs=False)
     for result, prompt, config in zip(dec.generate(PROMPTS, configs), PROMPTS, configs):
         tokens, logprobs = reference(target, prompt, config)
@@ -321,7 +321,7 @@ def test_logprobs_follow_banned_word_rollbacks_and_events():
         PROMPTS[0], config)
     assert single.stats.num_banned_word_rollbacks > 0
     assert [lp.token_id for lp in single.logprobs] == single.token_ids
-    dec = BatchedSpeculativeDecoder(target, BatchDraftModelDrafter(draft), max_batch_size=2, max_length=64,
+    dec = BatchedSpeculativeDecoder(target, DraftModelDrafter(draft), max_batch_size=2, max_length=64,
                                     num_speculative_tokens=4, tokenizer=tok, compile=False)
     request = dec.add(PROMPTS[0], config)
     other = dec.add(PROMPTS[1], free)

@@ -15,7 +15,7 @@ from helpers import perturbed_copy
 from selfspec_helpers import one_thread, violations  # noqa: F401 (a fixture)
 from specdecode import GenerationConfig, SpeculativeDecoder
 from specdecode.drafters import DraftModelDrafter
-from specdecode.drafters.batched import BatchDraftModelDrafter
+from specdecode.drafters import DraftModelDrafter
 from specdecode.engine.batched import BatchedSpeculativeDecoder
 from specdecode.engine.sampling import Sampler
 
@@ -100,7 +100,7 @@ def test_sampling_with_processors_keeps_the_processed_target_law(models, options
     assert violations(exact, freq, N) == []
     assert violations(plain_law, freq, N) != []  # the processors change the law, and the test sees it
     assert 0 < accepted < drafted  # rejections happen: the residual distribution is exercised
-    batched = BatchedSpeculativeDecoder(target, BatchDraftModelDrafter(draft), max_batch_size=4, max_length=32,
+    batched = BatchedSpeculativeDecoder(target, DraftModelDrafter(draft), max_batch_size=4, max_length=32,
                                         num_speculative_tokens=3, compile=False)
     results = batched.generate([PROMPT] * N, [dataclasses.replace(config, seed=20_000 + i) for i in range(N)])
     freq = frequencies(torch.tensor([r.token_ids[:3] for r in results]))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specdecode.config import GenerationConfig
-from specdecode.drafters.batched import BatchDraftModelDrafter
+from specdecode.drafters import DraftModelDrafter
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.engine.batched import BatchedSpeculativeDecoder
 from specdecode.engine.decoder import SpeculativeDecoder
@@ -38,7 +38,7 @@ def test_single_and_batched_report_the_same_tau():
     prompts = [[1, 5, 9, 2], [7, 3, 3, 3, 8, 1]]
     single = [SpeculativeDecoder(target, DraftModelDrafter(draft)).generate(p, config) for p in prompts]
     engine = BatchedSpeculativeDecoder(
-        target, BatchDraftModelDrafter(draft), max_batch_size=2, max_length=64, num_speculative_tokens=3
+        target, DraftModelDrafter(draft), max_batch_size=2, max_length=64, num_speculative_tokens=3
     )
     batched = engine.generate(prompts, config)
     for one, row in zip(single, batched):

@@ -1,7 +1,7 @@
 """Drafters: what proposes the tokens the target model verifies, and how many per round.
 
 - ``base``: the ``Drafter`` protocol and ``Draft`` (defined by the engine, re-exported),
-  ``draft_autoregressively`` shared by the model-based drafters;
+  ``draft_batch``, the draft loop over every row shared by the model-based drafters;
 - ``draft_model``: ``DraftModelDrafter``, a smaller model with the target's vocabulary;
 - ``cascade``: ``CascadeDrafter``, a free n-gram match first, then the draft model;
 - ``draft_head``: ``DraftHead``, the draft model's LM head in full or cut to K frequent
@@ -9,21 +9,15 @@
 - ``layer_skip``: Draft & Verify's self-speculative drafter (``SkipSet``, ``draft_mode``);
 - ``early_exit``: the first N layers, then the final norm and LM head;
 - ``prompt_lookup``: n-gram match against the prompt and the output, no model cost;
-- ``batched``: the batched engine's drafters (draft model, layer skip, early exit, prompt
-  lookup), every active row in one forward;
 - ``control``: adaptive draft exit, draft-length schedules, target-confidence gating
   (``DraftControl``).
 
-Drafters import only the engine's protocol, sampler and cache helpers, never the decoder.
+Every drafter is batch-native (one protocol): it drafts for the round's active rows at once,
+B >= 1, so ``generate`` (one row) and ``serve`` (many) run the same drafter.
+Drafters import only the engine's protocol, sampler, cache and runner helpers, never the decoder.
 """
 
-from specdecode.drafters.base import Draft, Drafter, ExitPolicy, draft_autoregressively, draft_token
-from specdecode.drafters.batched import (
-    BatchDraftModelDrafter,
-    BatchEarlyExitDrafter,
-    BatchLayerSkipDrafter,
-    BatchPromptLookupDrafter,
-)
+from specdecode.drafters.base import Draft, Drafter, ExitPolicy, draft_batch
 from specdecode.drafters.cascade import CascadeDrafter
 from specdecode.drafters.control import (
     LENGTH_SCHEDULES,
@@ -43,10 +37,6 @@ __all__ = [
     "LENGTH_SCHEDULES",
     "SUBLAYERS",
     "AdaptiveDraftExit",
-    "BatchDraftModelDrafter",
-    "BatchEarlyExitDrafter",
-    "BatchLayerSkipDrafter",
-    "BatchPromptLookupDrafter",
     "BoundDraftHead",
     "CascadeDrafter",
     "ConfidenceGate",
@@ -63,9 +53,8 @@ __all__ = [
     "PromptLookupDrafter",
     "SkipSet",
     "decoder_layers",
-    "draft_autoregressively",
+    "draft_batch",
     "draft_mode",
-    "draft_token",
     "exit_skip_set",
     "find_continuation",
 ]

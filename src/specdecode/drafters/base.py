@@ -1,121 +1,140 @@
-"""Drafters: what proposes the γ tokens the target model verifies.
+"""What the model-based drafters share: the draft loop over every row (``draft_batch``).
 
 The protocol (``Drafter``, ``Draft``, ``ExitPolicy``) is defined by the engine in
-``specdecode.engine.protocol`` and re-exported here; see that module for the
-calls a drafter receives per generation. This module holds what the model-based
-drafters share: ``draft_token`` and ``draft_autoregressively``.
+``specdecode.engine.protocol`` and re-exported here.
+
+Adaptive draft exit under ``exit_rule``: "row" ends a row's block at its own first unsure
+token while the other rows go on (its later forwards are wasted on it); "batch" goes on until
+every row has been unsure, and each row keeps everything it drafted: the verification is as
+wide as the longest row either way, so the extra tokens cost the target nothing.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import nullcontext
 
 import torch
-from transformers import DynamicCache
 
 from specdecode.drafters.draft_head import BoundDraftHead
-from specdecode.engine.kv_cache import StaticKVCache
-from specdecode.engine.processors import DraftProcessing
+from specdecode.engine.processors import DraftProcessing, process_draft_rows
 from specdecode.engine.protocol import Draft, Drafter, ExitPolicy
 from specdecode.engine.sampling import Sampler, check_finite
+from specdecode.errors import InvalidArgumentError
 
-__all__ = ["Draft", "Drafter", "ExitPolicy", "draft_autoregressively", "draft_token"]
-
-
-def draft_token(
-    sampler: Sampler,
-    logits: torch.Tensor,
-    probs: list,
-    exit_policy: ExitPolicy | None = None,
-    head: BoundDraftHead | None = None,
-) -> tuple[torch.Tensor, bool]:
-    """Pick one draft token from (1, V') logits; shared by the model-based drafters.
-
-    Greedy: the argmax. Sampling: a draw from ``sampler.probs(logits)``, whose (1, V)
-    row is appended to ``probs``. With an ``exit_policy`` the top probability of the
-    draft distribution (plain softmax when greedy, the warped one when sampling)
-    goes to ``exit_policy.should_stop``, which costs one host sync per token; without
-    one there is none. With a truncated ``head`` (``specdecode.drafters.draft_head``)
-    the logits are (1, K), the token is mapped back to its vocabulary id, and the
-    distribution is the one over the K tokens (zero elsewhere in the (1, V) row).
-
-    Returns:
-        The (1,) long token and whether drafting should stop after it.
-    """
-    if sampler.greedy:
-        token = sampler.argmax(logits) if head is None else head.token(sampler, logits)
-        if exit_policy is None:
-            return token, False
-        top = float(torch.softmax(logits.float(), dim=-1).amax())
-    else:
-        q = sampler.probs(logits) if head is None else head.probs(sampler, logits)
-        token = sampler.sample(q)
-        probs.append(q)
-        if exit_policy is None:
-            return token, False
-        top = float(q.amax())
-    return token, bool(exit_policy.should_stop(top))
+__all__ = ["Draft", "Drafter", "ExitPolicy", "draft_batch", "draft_views"]
 
 
-def draft_autoregressively(
-    forward: Callable[[torch.Tensor, object, int], torch.Tensor],
-    cache: DynamicCache | StaticKVCache,
-    feed: torch.Tensor,
-    max_tokens: int,
-    sampler: Sampler,
-    exit_policy: ExitPolicy | None,
+def draft_batch(
+    forward: Callable[[torch.Tensor, list[int]], torch.Tensor],
+    first_logits: torch.Tensor,
+    next_starts: list[int],
+    max_tokens: list[int],
+    samplers: list[Sampler],
+    exits: list[ExitPolicy | None] | None,
+    exit_rule: str,
     who: str,
     head: BoundDraftHead | None = None,
-    first_logits: torch.Tensor | None = None,
-    processing: DraftProcessing | None = None,
-) -> Draft:
-    """The draft loop shared by the model-based drafters: up to ``max_tokens`` forwards.
+    processings: list[DraftProcessing | None] | None = None,
+) -> tuple[Draft, int]:
+    """The batched draft loop shared by the model drafters.
 
-    ``forward(ids, cache, logits_to_keep)`` is the draft model's ``engine.fast_path.ModelRunner``
-    (eager, or the fast path on a static cache). The first forward feeds ``feed`` (1, m), the
-    tokens not yet in ``cache``; each later one feeds the token just drafted. A block of k
-    tokens thus runs k forwards and appends m + k - 1 positions to ``cache``; the last draft
-    token is not fed. ``head`` (bound to the draft model) restricts the logits to its K tokens
-    (FR-Spec); None: the model's full head.
+    Args:
+        forward: ``forward(ids (n, 1), starts) -> (n, V)`` logits of one more token per row.
+        first_logits: (n, V) logits of each row's first draft token (the caller's first forward).
+        next_starts: Per row, the position the first drafted token is fed at.
+        max_tokens: Per row, the most tokens to keep (>= 0); the loop runs max(max_tokens) steps
+            at most.
+        samplers: Per row, its ``Sampler`` (greedy rows take the argmax).
+        exits: Per row, an ``ExitPolicy`` or None; None altogether: no adaptive exit.
+        exit_rule: "row" or "batch" (module docstring).
+        who: The drafting model, for errors.
+        head: A truncated draft head (FR-Spec) whose K logits the forwards give (``head.ids[j]`` is
+            column j's token); None or the full head: (n, V') logits.
+        processings: Per row, the target's processors on the row's draft context
+            (``Sampler.drafting``), or None (full heads only); None altogether: raw logits.
 
-    ``first_logits`` ((1, V') or (1, K)): the first token's logits, already computed (the
-    cascade's n-gram check, ``DraftModelDrafter.check``); the first token then costs no
-    forward and ``feed`` (usually (1, 0)) is fed together with it. A block of k tokens then
-    runs k - 1 forwards and appends m + k - 1 positions (none for k = 1: nothing is fed).
-
-    ``processing`` (``Sampler.drafting``; full heads only): the target's processors applied to each
-    draft step's logits on the draft's own context (penalties, ``logit_bias``), so q follows the
-    processed target; None: the raw logits.
+    Returns:
+        The draft, and S, the steps run (S - 1 drafted tokens were fed back).
 
     Raises:
-        NonFiniteLogitsError: If a forward gives NaN or infinite logits (``who`` names the model);
-            greedy without ``exit_policy``, the flag goes to ``Draft.finite`` for the decoder.
-        UnsupportedModelError: If a truncated head could not be applied (see ``BoundDraftHead.check_logits``).
+        NonFiniteLogitsError: If a forward gives NaN or inf (checked on the host when sampling
+            or with exits; otherwise the flag goes to ``Draft.finite``).
     """
-    tokens, probs = [], []
-    # Greedy without an exit policy: finiteness is kept on the device (no host sync per draft
-    # forward) and read by the decoder with the round's other values; otherwise checked here.
-    deferred = sampler.greedy and exit_policy is None
+    n, K = len(max_tokens), max(max_tokens)
+    if K < 1:
+        raise InvalidArgumentError(f"draft_batch needs some row with max_tokens >= 1, got {max_tokens}")
+    greedy = all(s.greedy for s in samplers)
+    deferred = greedy and exits is None
+    active = [c > 0 for c in max_tokens]
+    unsure = [False] * n
+    num = [0] * n
+    probs: list[list[torch.Tensor]] = [[] for _ in range(n)]
+    tokens: list[torch.Tensor] = []
     finite = None
-    with head.applied() if head is not None else nullcontext():
-        for i in range(max_tokens):
-            logits = first_logits if i == 0 and first_logits is not None else forward(feed, cache, 1)[:, -1]
-            if deferred:
-                ok = torch.isfinite(logits).all()
-                finite = ok if finite is None else finite & ok
-            else:
-                check_finite(logits, who)
-            if head is not None:
-                head.check_logits(logits)
-            if processing is not None:  # [processors] the draft's q on its own context
-                logits = processing.apply(logits)
-            token, stop = draft_token(sampler, logits, probs, exit_policy, head)
-            if processing is not None:
-                processing.push(token)
-            tokens.append(token)
-            if stop:
-                break
-            fed_with_first = i == 0 and first_logits is not None and feed.shape[1]
-            feed = torch.cat([feed, token.view(1, 1)], dim=1) if fed_with_first else token.view(1, 1)
-    return Draft(torch.cat(tokens), torch.cat(probs) if probs else None, finite, who)
+    logits = first_logits
+    vocab = samplers[0].vocab_size
+    truncated = head is not None and head.ids is not None
+    for i in range(K):
+        if deferred:
+            ok = torch.isfinite(logits).all()
+            finite = ok if finite is None else finite & ok
+        else:
+            check_finite(logits, who)
+        if processings is not None and not truncated:  # [processors] each row's q on its own context
+            logits = process_draft_rows(logits, processings, vocab)
+        token = head.ids[logits.argmax(-1)] if truncated else logits[:, :vocab].argmax(-1)
+        tops = None
+        if not greedy:
+            token, tops = token.clone(), []
+            for b, sampler in enumerate(samplers):
+                if sampler.greedy or not active[b]:
+                    if exits is not None:
+                        tops.append(torch.softmax(logits[b].float(), -1).amax())
+                    continue
+                q = head.probs(sampler, logits[b : b + 1]) if truncated else sampler.probs(logits[b : b + 1])
+                token[b] = sampler.sample(q)[0]
+                probs[b].append(q)
+                if exits is not None:
+                    tops.append(q.amax())
+            tops = torch.stack(tops) if exits is not None else None
+        elif exits is not None:
+            tops = torch.softmax(logits.float(), -1).amax(-1)
+        tokens.append(token)
+        if processings is not None:  # [processors]
+            for b, view in enumerate(processings):
+                if view is not None:
+                    view.push(token[b])
+        top = tops.tolist() if exits is not None else None  # one host sync per draft step with exits
+        for b in range(n):
+            if not active[b]:
+                continue
+            num[b] = i + 1
+            if i + 1 >= max_tokens[b]:
+                active[b] = False
+            elif top is not None and exits[b] is not None and exits[b].should_stop(top[b]):
+                unsure[b] = True
+                if exit_rule == "row":
+                    active[b] = False
+        if not any(active) or (exit_rule == "batch" and all(u or not a for u, a in zip(unsure, active))):
+            break
+        if i + 1 < K:
+            logits = forward(token.view(n, 1), [s + i for s in next_starts])
+    steps = len(tokens)
+    row_probs = [torch.cat(p) if p else None for p in probs]
+    draft = Draft(
+        torch.stack(tokens, dim=1),
+        num,
+        row_probs if any(p is not None for p in row_probs) else None,
+        finite,
+        who,
+    )
+    return draft, steps
+
+
+def draft_views(samplers: list[Sampler], sequences: list[list[int]], head: BoundDraftHead) -> list | None:
+    """Per row, ``Sampler.drafting`` on its draft context (``sequences[b]``), or None when no row
+    has processors that change logits or the head is truncated (its K columns are not the vocabulary)."""
+    if head.ids is not None:
+        return None
+    views = [s.drafting(seq) if s is not None else None for s, seq in zip(samplers, sequences)]
+    return views if any(v is not None for v in views) else None

@@ -7,18 +7,18 @@ match (``prompt_lookup.find_continuation``); when that gives fewer than
 ``max_tokens`` tokens, the draft model continues the same block from where the
 match ended. The draft model is fed the n-gram tokens as part of its input, so its
 KV cache stays that of the sequence it drafted after; when the target rejects part
-of the block, ``rollback`` crops that cache like ``DraftModelDrafter``'s.
+of the block, the next forward overwrites the rejected positions (``DraftModelDrafter``).
 
 **The n-gram check** (``ngram_check=True``, the default). An n-gram match is often weak
 (a single repeated token), and a rejected n-gram token discards the whole block, the
-model's tokens after it included. So the draft model first checks the match
-(``DraftModelDrafter.check``): it is fed the n-gram tokens, a few per forward, with a
-row of logits kept per token, and only the leading tokens that equal its own greedy
-choice stay; its logits after them give the next token, and it drafts on from there.
+model's tokens after it included. So the draft model first checks the match: it is fed
+the n-gram tokens in one forward, with a row of logits kept per token, and only the
+leading tokens that equal its own greedy choice stay; its logits after them give the
+next token, and it drafts on from there.
 Greedy and without adaptive draft exit, the block is then the one ``draft`` would
 propose (up to rounding: a forward over several tokens may round differently from one
-over a single token), but a run of agreeing n-gram tokens costs about one draft forward
-per 4 tokens instead of one per token. With adaptive exit, agreeing n-gram tokens skip
+over a single token), but a run of agreeing n-gram tokens costs one draft forward
+instead of one per token. With adaptive exit, agreeing n-gram tokens skip
 the confidence test (two sources agree), so blocks can be longer than ``draft``'s. With
 a truncated head (FR-Spec) an n-gram token outside its K tokens never agrees, so the
 check drops it.
@@ -43,156 +43,287 @@ token with the target's probability and otherwise resamples from the target with
 it removed (exact, Leviathan et al. 2022 with a point-mass q); the model part
 carries the draft model's own distributions. Adaptive draft exit applies to the
 model part only: an n-gram token has no confidence to test.
+
+**The round, for every row at once.** 1. **n-gram match**: ``prompt_lookup.find_continuation`` on a numpy copy of the row's tokens
+   (no torch op, so no host sync), up to the row's ``max_tokens``.
+2. **check** (``ngram_check=True``): one draft-model forward over the batch feeds each row's
+   tokens not yet in the draft cache, then its n-gram candidates, aligned on the right as in
+   ``DraftModelDrafter.propose`` (a row with fewer new tokens re-feeds some it already
+   holds; only a sequence shorter than the width pads on the right). Row b keeps its leading
+   candidates that equal the draft model's greedy choice (``DraftModelDrafter.check``, batched:
+   all candidates in one forward, where the single-sequence check feeds 4 per forward and stops
+   at the first disagreement). The logits after the kept candidates give the first token of the
+   row's model part, with no forward of its own. Reading the kept counts is one host sync, in
+   rounds where some row has candidates.
+3. **model part**: ``batched.draft_batch`` drafts the rest of each row's block from where its
+   check stopped (positions ``len + kept``), as ``DraftModelDrafter`` does.
+
+With ``ngram_check=False`` every n-gram token is kept unchecked; the first forward feeds them
+(as context for the model part) only to rows whose block the match leaves unfilled.
+
+**Long prompts** (``max_model_prompt_tokens=N``): a row whose prompt has more than N tokens
+skips the draft model for its whole generation: it is not prefilled, and proposes its n-gram
+match alone, unchecked, up to ``cascade.LONG_PROMPT_BLOCK`` tokens a block. Every forward
+still spans slots 0 .. n - 1 (the fast path's buckets take the active rows as a prefix of the
+slots), so such a row gets placeholder tokens at positions 0 .. of its own draft slot, which
+no real row reads; its logits are ignored.
+
+**Exactness.** The target verifies every token, so greedy output equals target-only decoding
+whatever the check keeps. When sampling, the n-gram tokens get one-hot rows of ``probs`` (a
+point-mass q: speculative sampling accepts such a token with the target's probability and
+otherwise resamples from the target with it removed, Leviathan et al. 2022); the model part
+carries the draft model's own distributions; a row drafted by n-grams alone gives None (the
+engine then treats its block as one-hot). Greedy agreement with the draft model is a
+deterministic function of the context, so kept candidates stay point masses. Adaptive draft
+exit applies to the model part only.
+
+**Draft context window** (``context_window=W``): the draft model is prefilled with a row's last W
+prompt tokens only (``DraftModelDrafter``); the n-gram part still matches against the whole
+sequence. **Truncated head** (``head``, FR-Spec): the model part proposes among the head's K
+tokens, and a checked n-gram token outside them never agrees, so the check drops it (unchecked,
+any token).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS
-from specdecode.drafters.base import Draft, Drafter, ExitPolicy
-from specdecode.drafters.draft_head import DraftHead
+from specdecode.drafters.base import draft_batch, draft_views
 from specdecode.drafters.control import check_optional_count
+from specdecode.drafters.draft_head import DraftHead
 from specdecode.drafters.draft_model import DraftModelDrafter
-from specdecode.drafters.prompt_lookup import PromptLookupDrafter, find_continuation
-from specdecode.engine.protocol import ModelRunnerProtocol
-from specdecode.engine.sampling import Sampler
+from specdecode.drafters.prompt_lookup import check_ngram_sizes, find_continuation
+from specdecode.engine.batch_cache import to_device
+from specdecode.engine.protocol import Draft
+from specdecode.engine.sampling import Sampler, check_finite
 from specdecode.errors import InvalidArgumentError
+
+__all__ = ["LONG_PROMPT_BLOCK", "CascadeDrafter"]
 
 #: Most tokens per block when a long prompt leaves the cascade to its n-gram matches: prompt
 #: lookup's default γ.
 LONG_PROMPT_BLOCK = DEFAULT_NUM_SPECULATIVE_TOKENS
 
 
-class CascadeDrafter(Drafter):
-    """n-gram match first, then a draft model for the rest of the block.
+class CascadeDrafter(DraftModelDrafter):
+    """n-gram match first, checked by the draft model, then the draft model, for every row at once.
 
     Args:
-        model: The draft model (a transformers causal LM with the target's vocabulary),
-            in eval mode, on the target's device, or a ``models.llama_cpp.LlamaCppModel``.
+        model: The draft model (the target's vocabulary; eager or SDPA attention).
         max_ngram, min_ngram: n-gram sizes of the match (1 <= min_ngram <= max_ngram).
-        head: The draft model's LM-head rows (``DraftModelDrafter``'s ``head``); the model part
-            proposes only the head's tokens, and so does the n-gram part when checked (unchecked,
-            any token).
-        runner: The draft model's ``ModelRunner`` or ``LlamaCppModelRunner`` (``DraftModelDrafter``'s).
-        ngram_check: Keep only the n-gram tokens the draft model agrees with (module
-            docstring); False proposes the whole match.
-        context_window: The draft model's context window (``DraftModelDrafter``): the n-gram
-            part still matches against the whole sequence.
-        max_model_prompt_tokens: N >= 1: a prompt of more than N tokens gets n-gram matches
-            alone, with no draft model (module docstring); None: the draft model always runs.
+        ngram_check: Keep only the n-gram tokens the draft model agrees with (module docstring);
+            False keeps the whole match.
+        max_model_prompt_tokens: N >= 1: a row whose prompt has more than N tokens gets n-gram
+            matches alone (module docstring); None: the draft model runs for every row.
+        context_window: The draft model's context window W (module docstring), or None.
+        head: The draft model's LM-head rows (``DraftModelDrafter``'s ``head``).
+        runner, one_sequence_reason: A one-sequence runner instead of ``model`` (the llama.cpp
+            draft; ``DraftModelDrafter``'s).
 
     Attributes:
-        num_forwards: Draft-model forwards in the current generation.
-        num_ngram_tokens: Tokens the n-gram part proposed (after the check) in the current generation.
+        num_forwards: Draft-model forwards since ``bind`` (prefills included).
+        num_ngram_tokens: n-gram tokens proposed (after the check) since ``bind``.
+        num_ngram_accepted: Of those, the ones the target accepted (known at ``rollback``).
 
     Raises:
-        InvalidArgumentError: Unless 1 <= min_ngram <= max_ngram; a truncated head's id past the model's rows;
-            ``context_window`` or ``max_model_prompt_tokens`` not None or an integer >= 1.
+        InvalidArgumentError: Unless 1 <= min_ngram <= max_ngram; ``ngram_check`` not a bool;
+            ``max_model_prompt_tokens`` or ``context_window`` not None or an integer >= 1;
+            ``DraftModelDrafter``'s.
+        UnsupportedModelError: At ``bind``, if the model's attention cannot take batch masks.
     """
 
     supports_exit_policy = True
-    uses_host_sequence = True
+    who = "draft model"
 
     def __init__(
         self,
-        model: PreTrainedModel,
+        model: PreTrainedModel | None = None,
         max_ngram: int = 3,
         min_ngram: int = 1,
-        head: DraftHead | None = None,
-        runner: ModelRunnerProtocol | None = None,
         ngram_check: bool = True,
-        context_window: int | None = None,
         max_model_prompt_tokens: int | None = None,
+        context_window: int | None = None,
+        head: DraftHead | None = None,
+        *,
+        runner=None,
+        one_sequence_reason: str = "the draft model runs one sequence",
     ) -> None:
-        PromptLookupDrafter(max_ngram, min_ngram)  # validates the n-gram sizes
+        check_ngram_sizes(max_ngram, min_ngram)
         if not isinstance(ngram_check, bool):
             raise InvalidArgumentError(f"ngram_check must be True or False, got {ngram_check!r}")
+        super().__init__(model, context_window, head, runner=runner, one_sequence_reason=one_sequence_reason)
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.ngram_check = ngram_check
-        self._model = DraftModelDrafter(model, head, runner, context_window)
-        self.max_model_prompt_tokens = check_optional_count("max_model_prompt_tokens", max_model_prompt_tokens,
-                                                            "no limit")
-        self.model_active = True  # False for this generation: the prompt was longer than max_model_prompt_tokens
-        self._sampler: Sampler | None = None
+        self.max_model_prompt_tokens = check_optional_count(
+            "max_model_prompt_tokens", max_model_prompt_tokens, "no limit"
+        )
+        self._model_rows: list[bool] = []  # per slot: whether the draft model drafts for the row
+        self._last: list[tuple[int, int]] | None = None  # per row of the last block: (length, n-gram tokens)
         self.num_ngram_tokens = 0
+        self.num_ngram_accepted = 0
 
-    @property
-    def num_forwards(self) -> int:  # type: ignore[override]
-        return self._model.num_forwards if self.model_active else 0
+    def bind(self, target_cache) -> None:
+        super().bind(target_cache)
+        self._model_rows = [False] * target_cache.num_slots
+        self._last = None
+        self.num_ngram_tokens = self.num_ngram_accepted = 0
 
-    @property
-    def compile_time_s(self) -> float:
-        return self._model.compile_time_s
-
-    def begin(self, prompt_ids: torch.Tensor, sampler: Sampler, target_cache: DynamicCache) -> None:
-        self._sampler = sampler
+    def join(self, slot: int, prompt_ids: torch.Tensor, sampler: Sampler) -> None:
+        """Prefill the draft model, unless the prompt is longer than ``max_model_prompt_tokens``."""
         limit = self.max_model_prompt_tokens
-        self.model_active = limit is None or prompt_ids.shape[1] <= limit
-        if self.model_active:
-            self._model.begin(prompt_ids, sampler, target_cache)
-        self.num_ngram_tokens = 0
+        self._model_rows[slot] = limit is None or prompt_ids.shape[1] <= limit
+        if self._model_rows[slot]:
+            super().join(slot, prompt_ids, sampler)
+        else:
+            self._num_cached[slot] = self._offsets[slot] = 0
+            self._samplers[slot] = sampler
 
-    def propose(
-        self,
-        sequence: torch.Tensor,
-        max_tokens: int,
-        exit_policy: ExitPolicy | None = None,
-        host_sequence: torch.Tensor | None = None,
-    ) -> Draft:
-        """Up to ``max_tokens`` tokens: the n-gram continuation, then the draft model's.
+    @torch.inference_mode()
+    def propose(self, sequences, max_tokens, exits=None, exit_rule="row") -> Draft:
+        """Per row, up to ``max_tokens[b]`` tokens: its (checked) n-gram match, then the draft model's.
 
         Args:
-            sequence: (1, L) long, the sequence so far.
-            max_tokens: Most tokens to propose (>= 1).
-            exit_policy: Ends the model part early (adaptive draft exit).
-            host_sequence: The same tokens as an (L,) int64 numpy array (the decoder's host
-                copy): the n-gram match runs there, with no host sync.
+            sequences: Per row, its tokens so far (a list of ints; the last one in no cache).
+            max_tokens: Per row, the most tokens to propose (>= 0).
+            exits: Per row, an ``ExitPolicy`` or None (the model part's adaptive exit), or None.
+            exit_rule: "row" or "batch" (``base.draft_batch``).
 
         Returns:
-            A ``Draft`` of k <= max_tokens tokens; ``probs`` (k, V) when sampling, with
-            one-hot rows for the n-gram tokens.
+            A ``Draft``; a sampling row's ``probs`` have one-hot rows for its n-gram tokens.
+
+        Raises:
+            NonFiniteLogitsError: If a draft forward gives NaN or inf (checked on the host when
+                sampling or with exits; otherwise the flag goes to ``Draft.finite``).
         """
-        seq = sequence[0] if host_sequence is None else host_sequence
-        if not self.model_active:  # a long prompt: n-gram matches alone, as prompt lookup
-            ngram = find_continuation(seq, min(max_tokens, LONG_PROMPT_BLOCK), self.max_ngram, self.min_ngram)
-            self.num_ngram_tokens += int(ngram.shape[0])
-            return Draft(torch.as_tensor(ngram))
-        ngram = find_continuation(seq, max_tokens, self.max_ngram, self.min_ngram)
-        m = int(ngram.shape[0])
-        if host_sequence is not None:  # to the draft model's device, without a device read
-            ngram = torch.from_numpy(ngram).to(sequence.device, non_blocking=True)
-        first_logits = None
-        # Greedy without an exit policy, the check's finiteness flags join the draft's (read by the
-        # decoder in the round's one host sync); otherwise the check raises at once.
-        flags = [] if self._sampler.greedy and exit_policy is None else None
-        if m and self.ngram_check:
-            m, first_logits = self._model.check(sequence, ngram, finite_out=flags)
-            ngram = ngram[:m]
-        self.num_ngram_tokens += m
-        checked = torch.stack(flags).all() if flags else None
-        if m == max_tokens:  # probs None: verification treats the block as one-hot
-            return Draft(ngram, None, checked, "draft model")
-        fed = torch.cat([sequence, ngram.unsqueeze(0)], dim=1) if m else sequence
-        model_part = self._model.propose(fed, max_tokens - m, exit_policy, first_logits)
-        finite = model_part.finite
-        if checked is not None:
-            finite = checked if finite is None else finite & checked
-        if not m:  # no n-gram token kept (no match, or the check kept none): the model part alone
-            return model_part if finite is model_part.finite else Draft(
-                model_part.tokens, model_part.probs, finite, model_part.who
-            )
-        tokens = torch.cat([ngram, model_part.tokens])
-        if model_part.probs is None:
-            return Draft(tokens, None, finite, model_part.who)
-        return Draft(tokens, torch.cat([self._one_hot(ngram), model_part.probs]))
+        n = len(sequences)
+        lengths = [len(s) for s in sequences]
+        uses_model = self._model_rows[:n]
+        ngrams = []
+        for s, cap, own in zip(sequences, max_tokens, uses_model):
+            limit = cap if own else min(cap, LONG_PROMPT_BLOCK)
+            found = find_continuation(np.asarray(s, dtype=np.int64), limit, self.max_ngram, self.min_ngram) \
+                if limit > 0 else []
+            ngrams.append(list(map(int, found)))
+        # The n-gram tokens fed to the draft model: all of them to check them, or unchecked as the
+        # context of a model part that follows them.
+        fed = [
+            ng if own and (self.ngram_check or len(ng) < cap) else []
+            for ng, cap, own in zip(ngrams, max_tokens, uses_model)
+        ]
+        needs = [own and cap > 0 and (self.ngram_check or len(ng) < cap)
+                 for ng, cap, own in zip(ngrams, max_tokens, uses_model)]
+        if not any(needs):
+            self._last = [(length, len(ng)) for length, ng in zip(lengths, ngrams)]
+            self.num_ngram_tokens += sum(len(ng) for ng in ngrams)
+            width = max(1, max(len(ng) for ng in ngrams))
+            ids = to_device([ng + [0] * (width - len(ng)) for ng in ngrams], self._device)
+            return Draft(ids, [len(ng) for ng in ngrams], None, None, self.who)
+        with self.head.applied():
+            return self._propose_with_model(sequences, lengths, max_tokens, uses_model, ngrams, fed, exits, exit_rule)
 
-    def _one_hot(self, tokens: torch.Tensor) -> torch.Tensor:
-        """(m, V) float32 point masses at ``tokens``."""
-        rows = torch.zeros((tokens.shape[0], self._sampler.vocab_size), dtype=torch.float32, device=tokens.device)
-        return rows.scatter_(1, tokens.unsqueeze(1), 1.0)
+    def _propose_with_model(self, sequences, lengths, max_tokens, uses_model, ngrams, fed, exits, exit_rule):
+        n, device = len(sequences), self._device
+        samplers, offsets = self._samplers[:n], self._offsets[:n]
+        # The first forward: each drafting row's uncached tokens and fed n-gram tokens, on the right.
+        ends = [length + len(f) for length, f in zip(lengths, fed)]
+        width = max(end - cached for end, cached, own in zip(ends, self._num_cached[:n], uses_model) if own)
+        starts, feeds, at_fed = [], [], []
+        for b in range(n):
+            if uses_model[b]:  # the row's draft-cache positions are offsets[b] fewer (context window)
+                start = max(ends[b] - width, offsets[b])  # <= the row's cached length <= its length - 1
+                feed = sequences[b][start:] + fed[b]
+                starts.append(start - offsets[b])
+            else:  # a long-prompt row: placeholders in its own unused draft slot
+                feed = [0]
+                starts.append(0)
+            at_fed.append(len(feed) - 1 - len(fed[b]))  # feed index whose logits predict fed[b][0]
+            feeds.append(feed + feed[-1:] * (width - len(feed)))
+        keep = width - min(at_fed)
+        at_fed = [o - (width - keep) for o in at_fed]  # into the kept logits
+        logits = self.runner(to_device(feeds, device), starts, keep)  # (n, keep, V), or K columns (FR-Spec)
+        self.head.check_logits(logits)
+        self.num_forwards += 1
+        deferred = all(s.greedy for s in samplers) and exits is None
+        finite = torch.isfinite(logits).all() if deferred else None
+        if not deferred:
+            check_finite(logits, self.who)
+        longest = max(len(f) for f in fed)
+        if self.ngram_check and longest:
+            # (n, keep): the draft's greedy token after each fed token (a truncated head's: among its K)
+            choice = self.head.ids[logits.argmax(-1)] if self.head.ids is not None else \
+                logits[..., : samplers[0].vocab_size].argmax(-1)
+            index = [[o + min(j, max(len(f) - 1, 0)) for j in range(longest)] for o, f in zip(at_fed, fed)]
+            candidates = to_device([f + [-1] * (longest - len(f)) for f in fed], device)  # -1 matches nothing
+            agree = choice.gather(1, to_device(index, device)) == candidates
+            kept_t = agree.long().cumprod(1).sum(1)  # (n,) leading agreeing candidates
+            first = logits[torch.arange(n, device=device), to_device(at_fed, device) + kept_t]
+            kept = kept_t.tolist()  # the check's one host sync
+        else:
+            kept = [len(f) for f in fed]
+            at = [o + k for o, k in zip(at_fed, kept)]
+            first = logits[torch.arange(n, device=device), to_device(at, device)]
+        blocks = [ng[:k] if f else ng for ng, f, k in zip(ngrams, fed, kept)]  # the n-gram tokens proposed
+        valid = [length + k if own else 0 for length, k, own in zip(lengths, kept, uses_model)]
+        model_tokens = [cap - len(blk) if own else 0 for cap, blk, own in zip(max_tokens, blocks, uses_model)]
+        model = None
+        steps = 1
+        if max(model_tokens) > 0:
 
-    def rollback(self, num_valid: int) -> None:
-        if self.model_active:
-            self._model.rollback(num_valid)
+            at = [v - o for v, o in zip(valid, offsets)]  # draft-cache positions
+            views = draft_views(samplers, [s + blk for s, blk in zip(sequences, blocks)], self.head)  # [processors]
+            model, steps = draft_batch(self._step, first, at, model_tokens, samplers, exits, exit_rule, self.who,
+                                       self.head, views)
+            self.num_forwards += steps - 1
+        num = [len(blk) + (model.num_tokens[b] if model is not None else 0) for b, blk in enumerate(blocks)]
+        for b in range(n):
+            if uses_model[b]:
+                self._num_cached[b] = valid[b] + min(num[b] - len(blocks[b]), steps - 1)
+        self._last = [(length, len(blk)) for length, blk in zip(lengths, blocks)]
+        self.num_ngram_tokens += sum(len(blk) for blk in blocks)
+        tokens = self._join_tokens(blocks, model, num)
+        if model is not None and model.finite is not None:
+            finite = model.finite if finite is None else finite & model.finite
+        return Draft(tokens, num, self._probs(blocks, model, samplers), finite, self.who)
+
+    def _join_tokens(self, blocks: list[list[int]], model: Draft | None, num: list[int]) -> torch.Tensor:
+        """(n, max(1, max(num))) long: each row's n-gram tokens, then its model tokens, then padding."""
+        device = self._device
+        longest = max(len(blk) for blk in blocks)
+        ngram = to_device([blk + [0] * (longest - len(blk)) for blk in blocks], device) if longest else None
+        if model is None:
+            return ngram if ngram is not None else torch.zeros((len(blocks), 1), dtype=torch.long, device=device)
+        if ngram is None:
+            return model.tokens
+        both = torch.cat([ngram, model.tokens], dim=1)  # (n, A + S)
+        last, total = both.shape[1] - 1, max(1, max(num))
+        index = [[j if j < len(blk) else min(longest + j - len(blk), last) for j in range(total)] for blk in blocks]
+        return both.gather(1, to_device(index, device))
+
+    def _probs(self, blocks, model: Draft | None, samplers) -> list[torch.Tensor | None] | None:
+        """Per row, one-hot rows for its n-gram tokens, then the model part's distributions (sampling rows)."""
+        if model is None or model.probs is None:
+            return None  # no sampling row drafted with the model: every q is one-hot
+        out: list[torch.Tensor | None] = []
+        for blk, q, sampler in zip(blocks, model.probs, samplers):
+            if q is None or not blk:
+                out.append(q)
+                continue
+            index = to_device(blk, q.device).unsqueeze(1)
+            one_hot = torch.zeros((len(blk), sampler.vocab_size), dtype=torch.float32, device=q.device)
+            out.append(torch.cat([one_hot.scatter_(1, index, 1.0), q]))
+        return out
+
+    def rollback(self, num_valid: list[int]) -> None:
+        if self._last is not None:
+            for (length, m), valid in zip(self._last, num_valid):
+                self.num_ngram_accepted += max(0, min(m, valid - length))
+            self._last = None
+        super().rollback(num_valid)
+
+    def move(self, src: int, dst: int, num_valid: int) -> None:
+        super().move(src, dst, num_valid)
+        self._model_rows[dst] = self._model_rows[src]
+        self._model_rows[src] = False

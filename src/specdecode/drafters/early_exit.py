@@ -7,18 +7,15 @@ N - 1; its own final norm and LM head turn the hidden state into logits.
 
 It is a layer-skip drafter whose skip set is every sublayer of layers N .. L-1:
 those layers are bypassed whole (``layer_skip.draft_mode``), so the stock forward
-still applies the final norm and head. They also append zero placeholders to
-their layers of the shared target cache, so every layer keeps one length and the
-crop after drafting (``kv_cache.rollback``) is exact; see ``LayerSkipDrafter``.
+still applies the final norm and head; see ``LayerSkipDrafter``.
 """
 
 from __future__ import annotations
 
 from transformers import PreTrainedModel
 
-from specdecode.engine.fast_path import ModelRunner
+from specdecode.drafters.layer_skip import LayerSkipDrafter, SkipSet, decoder_layers
 from specdecode.errors import InvalidArgumentError
-from specdecode.drafters.layer_skip import LayerSkipDrafter, SkipSet, _calls_unchanged, decoder_layers
 
 
 def exit_skip_set(exit_layer: int, num_layers: int) -> SkipSet:
@@ -37,29 +34,22 @@ def exit_skip_set(exit_layer: int, num_layers: int) -> SkipSet:
 
 
 class EarlyExitDrafter(LayerSkipDrafter):
-    """Drafts with the target's first ``exit_layer`` decoder layers, final norm and LM head.
+    """The target's first ``exit_layer`` decoder layers, final norm and LM head draft for every row.
 
     Args:
-        model: The target model (the one the decoder verifies with), in eval mode.
+        model: The target model (the one the engine verifies with), in eval mode.
         exit_layer: N, how many leading decoder layers the draft runs, 1 <= N <= L - 1.
-        runner: Runs the draft forwards (see ``LayerSkipDrafter``).
 
     Raises:
         InvalidArgumentError: If ``exit_layer`` is outside 1..L-1.
         UnsupportedModelError: If the decoder layers cannot be found.
     """
 
-    def __init__(self, model: PreTrainedModel, exit_layer: int, runner: ModelRunner | None = None) -> None:
-        super().__init__(model, exit_skip_set(exit_layer, len(decoder_layers(model))), runner)
+    who = "early-exit draft"
+
+    def __init__(self, model: PreTrainedModel, exit_layer: int) -> None:
+        super().__init__(model, exit_skip_set(exit_layer, len(decoder_layers(model))))
         self.exit_layer = exit_layer
-
-    def batch_drafter(self):
-        """``drafters.batched.BatchEarlyExitDrafter`` at this exit layer (the batched round's form)."""
-        from specdecode.drafters.batched import BatchEarlyExitDrafter  # it imports this module
-
-        if not _calls_unchanged(self, EarlyExitDrafter):  # a subclass that changes a call drives itself
-            return None
-        return BatchEarlyExitDrafter(self.model, self.exit_layer)
 
 
 def check_exit_layer_given(exit_layer: int | None) -> None:

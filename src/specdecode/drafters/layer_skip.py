@@ -29,14 +29,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
-from specdecode.drafters.base import Draft, Drafter, ExitPolicy, draft_autoregressively
+from specdecode.drafters.base import Draft, Drafter, draft_batch
 from specdecode.engine import kv_cache
-from specdecode.engine.batch_cache import BatchKVCache, batch_forward
-from specdecode.engine.fast_path import ModelRunner
-from specdecode.errors import InvalidArgumentError, UnsupportedModelError
+from specdecode.engine.batch_cache import to_device
+from specdecode.engine.batch_runner import BatchRunner
 from specdecode.engine.sampling import Sampler
+from specdecode.errors import InvalidArgumentError, UnsupportedModelError
 
 logger = logging.getLogger(__name__)
 
@@ -320,138 +320,82 @@ def draft_mode(model: PreTrainedModel, skip_set: SkipSet) -> Iterator[None]:
 
 
 class LayerSkipDrafter(Drafter):
-    """Drafts with the target model itself, some sublayers skipped (Draft & Verify).
+    """The target itself, some sublayers skipped, drafts for every row (Draft & Verify).
 
-    KV cache: the drafter has none of its own. It writes into the TARGET's cache
-    (given to ``begin``: a ``DynamicCache``, or the fast path's ``StaticKVCache``)
-    and restores it before ``propose`` returns, so drafting costs no prefill and no
-    extra memory beyond the block.
+    KV cache: the drafter has none of its own, so drafting costs no prefill and no memory
+    beyond the block. It writes into the target's batch cache at each row's next positions,
+    past its confirmed ones, attending to the confirmed positions' full-model keys and
+    values in its non-skipped layers (Draft & Verify reuses them too); the target's
+    verification then overwrites the drafted positions, so nothing is restored, and skipped
+    sublayers need no placeholders (each row's positions are given to every layer). On the
+    fast path its forwards get graphs of their own, traced in draft mode (one set per skip set).
 
     Args:
-        model: The target model (the one the decoder verifies with), in eval mode.
+        model: The target model.
         skip_set: Sublayers skipped while drafting.
-        runner: Runs the draft-mode forwards (a ``ModelRunner`` of ``model``, not the
-            decoder's own: its compiled graphs are those of the skipped model, one set per
-            skip set); None makes one with the device's default ``compile``. Used on the fast
-            path when the target cache is static; eager otherwise.
 
     Raises:
-        InvalidArgumentError: If a skip-set index is outside 0..L-1 (L decoder layers).
-        UnsupportedModelError: If the decoder layers cannot be found.
+        InvalidArgumentError: If a skip-set index is out of range, or at ``bind`` if the cache
+            belongs to another model.
     """
 
     supports_exit_policy = True
     who = "layer-skip draft"
 
-    def __init__(self, model: PreTrainedModel, skip_set: SkipSet, runner: ModelRunner | None = None) -> None:
-        self.num_layers = len(decoder_layers(model))
-        skip_set.check(self.num_layers)
+    def __init__(self, model: PreTrainedModel, skip_set: SkipSet) -> None:
+        skip_set.check(len(decoder_layers(model)))
         self.model = model
         self.skip_set = skip_set
-        self.runner = runner if runner is not None else ModelRunner(model, buckets=(1,), name="layer-skip draft")
-        self._cache: DynamicCache | None = None
-        self._sampler: Sampler | None = None
+        self.cache: BatchKVCache | None = None
+        self.runner: BatchRunner | None = None
+        self._samplers: list[Sampler | None] = []
 
-    def begin(self, prompt_ids: torch.Tensor, sampler: Sampler, target_cache: DynamicCache) -> None:
-        """Start a sequence. ``target_cache`` must be the cache of ``model`` (the decoder's target).
-
-        Raises:
-            InvalidArgumentError: If ``target_cache`` has a layer count other than the model's.
-        """
-        if len(target_cache.layers) != self.num_layers:
+    def bind(self, target_cache) -> None:
+        if target_cache.owner is not self.model:
             raise InvalidArgumentError(
-                f"the target cache has {len(target_cache.layers)} layers but the layer-skip drafter's model has "
-                f"{self.num_layers}: a self-speculative drafter must wrap the decoder's own target model"
+                f"the {self.who}er must wrap the batched decoder's own target model: its cache belongs to another model"
             )
-        self._cache = target_cache
-        self._sampler = sampler
+        self.cache = target_cache
+        key = ("layer-skip runner", self.skip_set)  # another drafter of the skip set reuses its graphs
+        self.runner = target_cache.shared.get(key) or BatchRunner(self.model, target_cache, (1,), self.who)
+        target_cache.shared[key] = self.runner
+        self._samplers = [None] * target_cache.num_slots
         self.num_forwards = 0
 
-    @torch.inference_mode()
-    def propose(self, sequence: torch.Tensor, max_tokens: int, exit_policy: ExitPolicy | None = None) -> Draft:
-        """Draft up to ``max_tokens`` tokens after ``sequence`` (1, L) in draft mode.
-
-        Args:
-            sequence: (1, L) long; the target cache holds its first L - 1 positions.
-            max_tokens: Most tokens to draft (>= 1).
-            exit_policy: Optional object with ``should_stop(top_prob) -> bool``
-                (``AdaptiveDraftExit``): drafting ends after the first token whose
-                top probability is below its threshold.
-
-        Returns:
-            A ``Draft`` of k <= max_tokens tokens; ``probs`` (k, V) when sampling.
-        """
-        cache, sampler = self._cache, self._sampler
-        # KV cache sharing. The cache is the target's: it holds the confirmed positions
-        # 0 .. L-2 with full-model keys/values, which are exactly what the draft pass
-        # should attend to in its non-skipped layers (Draft & Verify reuses them too).
-        # Each draft forward appends its positions to EVERY layer: real (draft-mode)
-        # keys/values in the layers that run attention, zero placeholders in skipped
-        # ones (draft_mode does that). Equal lengths matter because transformers derives
-        # the position ids and the attention-mask sizes from the cache length
-        # (get_seq_length / get_mask_sizes of one layer per attention type), and
-        # DynamicCache.crop removes the same count from every layer. The draft-mode
-        # entries are wrong for the full model, so before returning we crop back by
-        # exactly what drafting appended (kv_cache.truncate): the verification forward
-        # then sees the cache as it was and writes full-model entries for the same
-        # positions. No crop happens between draft forwards: sliding-window layers are in
-        # "past recording" mode (kv_cache.new_cache) and keep every entry until the one
-        # crop, which also trims them back to the window; a crop(0) in between would drop
-        # pre-draft entries still needed after the rollback.
-        # A static cache (the fast path) is simpler: one write position serves all layers,
-        # so skipped layers need no placeholders, and restoring is moving that position
-        # back. Its cache never empties, so it holds exactly L - 1 positions here.
-        if isinstance(cache, BatchKVCache):  # the batched round at B = 1 (a wrapped drafter): slot 0
-            return self._propose_in_slot(cache, sequence, max_tokens, exit_policy)
-        start = sequence.shape[1] - 1 if kv_cache.is_static(cache) else cache.get_seq_length()
-        try:
+    def warm_up(self, max_rows: int, max_block: int) -> None:
+        """On the fast path, every bucket of the draft-mode graphs once (the eager widths are the target's)."""
+        if self.cache.fast is not None:
             with draft_mode(self.model, self.skip_set):
-                draft = draft_autoregressively(
-                    self.runner, cache, sequence[:, start:], max_tokens, sampler, exit_policy, "layer-skip draft"
-                )
-        finally:
-            kv_cache.truncate(cache, start)
-        self.num_forwards += len(draft)
-        return draft
+                self.runner.warm_up()
 
-    def _propose_in_slot(self, cache: BatchKVCache, sequence: torch.Tensor, max_tokens: int,
-                         exit_policy: ExitPolicy | None) -> Draft:
-        """Draft into slot 0 of the batched engine's cache, eagerly, after its L - 1 confirmed
-        positions; the positions drafted into lie past them, where the verification overwrites them."""
-        position = [sequence.shape[1] - 1]
+    def join(self, slot: int, prompt_ids: torch.Tensor, sampler: Sampler) -> None:
+        self._samplers[slot] = sampler
 
-        def forward(ids: torch.Tensor, _cache, logits_to_keep: int) -> torch.Tensor:
-            logits = batch_forward(self.model, cache, ids, 0, position, logits_to_keep)
-            position[0] += ids.shape[1]
-            return logits
+    @torch.inference_mode()
+    def propose(self, sequences, max_tokens, exits=None, exit_rule="row") -> Draft:
+        n = len(sequences)
+        pending = to_device([s[-1:] for s in sequences], self.cache.device)
+        starts = [len(s) - 1 for s in sequences]  # the target cache holds len - 1 positions of each row
 
         with draft_mode(self.model, self.skip_set):
-            draft = draft_autoregressively(
-                forward, cache, sequence[:, position[0]:], max_tokens, self._sampler, exit_policy, self.who
+            first = self._step(pending, starts)
+            draft, steps = draft_batch(
+                self._step, first, [s + 1 for s in starts], max_tokens, self._samplers[:n], exits, exit_rule, self.who
             )
-        self.num_forwards += len(draft)
+        self.num_forwards += steps
         return draft
 
-    def batch_drafter(self):
-        """``drafters.batched.BatchLayerSkipDrafter`` with this skip set (the batched round's form);
-        None for a subclass that changes a call (it is then driven itself, drafting into slot 0)."""
-        from specdecode.drafters.batched import BatchLayerSkipDrafter  # it imports this module
+    def _step(self, token: torch.Tensor, at: list[int]) -> torch.Tensor:
+        """(n, 1) ids at positions ``at`` of the target's cache, in draft mode: (n, V) logits."""
+        return self.runner(token, at, 1)[:, -1]
 
-        if not _calls_unchanged(self, LayerSkipDrafter):
-            return None
-        return BatchLayerSkipDrafter(self.model, self.skip_set)
+    def rollback(self, num_valid: list[int]) -> None:
+        """Nothing to do: the engine keeps the target rows' lengths."""
 
-    @property
-    def compile_time_s(self) -> float:
-        return self.runner.compile_time_s
+    def move(self, src: int, dst: int, num_valid: int) -> None:
+        self._samplers[dst] = self._samplers[src]
+        self._samplers[src] = None
 
-    def rollback(self, num_valid: int) -> None:
-        """Nothing to do: the decoder rolls back the shared target cache itself."""
-
-
-def _calls_unchanged(drafter, base: type) -> bool:
-    """Whether ``drafter``'s class keeps ``base``'s ``begin``, ``propose`` and ``rollback``."""
-    return all(getattr(type(drafter), name) is getattr(base, name) for name in ("begin", "propose", "rollback"))
 
 
 def resolve_skip_set(skip_set: SkipSet | None, skip_layers: str | None, skip_config: str | Path | None) -> SkipSet:

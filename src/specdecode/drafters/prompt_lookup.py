@@ -17,11 +17,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
-from transformers import DynamicCache
 
-from specdecode.drafters.base import Draft, Drafter
-from specdecode.errors import InvalidArgumentError
+from specdecode.engine.batch_cache import to_device
+from specdecode.engine.protocol import Draft, Drafter
 from specdecode.engine.sampling import Sampler
+from specdecode.errors import InvalidArgumentError
 
 
 def find_continuation(sequence, max_tokens: int, max_ngram: int, min_ngram: int):
@@ -65,12 +65,29 @@ def _find_continuation_host(sequence: np.ndarray, max_tokens: int, max_ngram: in
     return sequence[:0].copy()
 
 
+def check_ngram_sizes(max_ngram: int, min_ngram: int) -> None:
+    """Raise unless 1 <= min_ngram <= max_ngram (integers).
+
+    Raises:
+        InvalidArgumentError: Naming the bad value and the allowed range.
+    """
+    for name, v in (("min_ngram", min_ngram), ("max_ngram", max_ngram)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise InvalidArgumentError(f"prompt lookup {name} must be an integer >= 1, got {v!r}")
+    if min_ngram > max_ngram:
+        raise InvalidArgumentError(
+            f"prompt lookup min_ngram ({min_ngram}) must be <= max_ngram ({max_ngram}); "
+            "allowed: 1 <= min_ngram <= max_ngram"
+        )
+
+
 class PromptLookupDrafter(Drafter):
-    """Proposes the continuation of the most recent earlier match of the last n-gram.
+    """Per row, proposes the continuation of the most recent earlier match of its last n-gram.
 
     Deterministic, so ``Draft.probs`` is None (verification treats it as one-hot);
-    ``num_forwards`` stays 0. A round without a match proposes nothing, and the
-    decoder makes a plain target step.
+    ``num_forwards`` stays 0. A row without a match proposes nothing, and takes a plain
+    target step. The match runs on the host, in numpy, on the sequences the engine passes
+    (no torch op, so no host sync whatever the device).
 
     Args:
         max_ngram: Longest n-gram to match (>= min_ngram).
@@ -80,33 +97,34 @@ class PromptLookupDrafter(Drafter):
         InvalidArgumentError: Unless 1 <= min_ngram <= max_ngram.
     """
 
+    who = "prompt lookup"
+
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
-        for name, v in (("min_ngram", min_ngram), ("max_ngram", max_ngram)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise InvalidArgumentError(f"prompt lookup {name} must be an integer >= 1, got {v!r}")
-        if min_ngram > max_ngram:
-            raise InvalidArgumentError(
-                f"prompt lookup min_ngram ({min_ngram}) must be <= max_ngram ({max_ngram}); "
-                "allowed: 1 <= min_ngram <= max_ngram"
-            )
+        check_ngram_sizes(max_ngram, min_ngram)
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
+        self._device = None
 
-    uses_host_sequence = True
-
-    def begin(self, prompt_ids: torch.Tensor, sampler: Sampler, target_cache: DynamicCache) -> None:
+    def bind(self, target_cache) -> None:
+        self._device = target_cache.device
         self.num_forwards = 0
 
-    def propose(self, sequence: torch.Tensor, max_tokens: int, host_sequence: np.ndarray | None = None) -> Draft:
-        """Up to ``max_tokens`` tokens copied from after the last n-gram's latest earlier match.
+    def join(self, slot: int, prompt_ids: torch.Tensor, sampler: Sampler) -> None:
+        """Nothing to keep: the sequence is passed to every ``propose``."""
 
-        ``host_sequence``: the same tokens as ``sequence`` (1, L), as an (L,) int64 numpy array
-        (the decoder's host copy); the match then runs there, with no host sync, and the
-        draft's tokens are a CPU tensor.
-        """
-        if host_sequence is None:
-            return Draft(find_continuation(sequence[0], max_tokens, self.max_ngram, self.min_ngram))
-        return Draft(torch.from_numpy(find_continuation(host_sequence, max_tokens, self.max_ngram, self.min_ngram)))
+    def propose(self, sequences, max_tokens, exits=None, exit_rule="row") -> Draft:
+        found = [
+            find_continuation(np.asarray(s, dtype=np.int64), cap, self.max_ngram, self.min_ngram).tolist()
+            if cap > 0
+            else []
+            for s, cap in zip(sequences, max_tokens)
+        ]
+        width = max(1, max(len(f) for f in found))
+        ids = to_device([f + [0] * (width - len(f)) for f in found], self._device)
+        return Draft(ids, [len(f) for f in found], None, None, self.who)
 
-    def rollback(self, num_valid: int) -> None:
-        """Nothing to do: the drafter keeps no state."""
+    def rollback(self, num_valid: list[int]) -> None:
+        """Nothing to do: no state."""
+
+    def move(self, src: int, dst: int, num_valid: int) -> None:
+        """Nothing to do: no state."""

@@ -2,18 +2,19 @@
 
 - ``decoder``: ``SpeculativeDecoder``, ``GenerationStream``, ``GenerationResult``
   (the four-step round: draft, verify, accept, emit);
-- ``protocol``: what the engine asks of a drafter (``Drafter``, ``Draft``,
-  ``ExitPolicy``) and of a draft-length policy (``DraftPolicy``); drafters live in
-  ``specdecode.drafters`` and reach the engine only through these;
+- ``protocol``: what the engine asks of a drafter (``Drafter``, ``Draft``, ``ExitPolicy``:
+  one batch-native protocol), of a runner (``BatchRunnerProtocol``, ``TargetRunnerProtocol``)
+  and of a draft-length policy (``DraftPolicy``); drafters live in ``specdecode.drafters``
+  and reach the engine only through these;
 - ``verification``: greedy verification and speculative sampling's rejection step;
 - ``sampling``: the ``Sampler`` shared by target and drafters (temperature, top-k, top-p, min-p);
 - ``processors``: penalties, ``logit_bias`` and logprobs, applied to a verification block row by
   row as autoregressive decoding would (``LogitsProcessing``, ``TokenLogprob``);
-- ``kv_cache``: cache creation and rollback;
+- ``kv_cache``: ``DynamicCache`` helpers (prompt caches) and context lengths;
+- ``fast_path``: the fast path's settings per model (``ModelRunner``);
 - ``batch_rows``: a batched request's state (``BatchRow``) and ``BatchEvent``;
 - ``batched``: ``BatchedSpeculativeDecoder``, many rows at once with continuous batching,
-  on ``batch_cache.BatchKVCache`` (per-row positions and masks); its drafters implement
-  ``protocol.BatchDrafter``; ``batch_runner``: its fast path (``BatchRunner``, forwards
+  on ``batch_cache.BatchKVCache`` (per-row positions and masks); ``batch_runner``: its fast path (``BatchRunner``, forwards
   compiled at (rows, width) buckets, CUDA graphs on CUDA);
 - ``compat``: ``torch.compile`` options feature-detected for the torch installed (2.11 and later);
 - ``compile_cache``: compiled graphs kept in specdecode's cache folder, reused by later processes;
@@ -28,14 +29,12 @@ from specdecode.engine.batch_cache import BatchKVCache
 from specdecode.engine.batched import BatchedSpeculativeDecoder, BatchEvent
 from specdecode.engine.decoder import GenerationResult, GenerationStream, SpeculativeDecoder
 from specdecode.engine.processors import LogitsProcessing, TokenLogprob
-from specdecode.engine.protocol import BatchDraft, BatchDrafter, Draft, Drafter, DraftPolicy, ExitPolicy, RoundController
+from specdecode.engine.protocol import Draft, Drafter, DraftPolicy, ExitPolicy, RoundController
 from specdecode.engine.sampling import Sampler, check_finite
 from specdecode.engine.stats import BatchStats, SpecDecodingStats
 from specdecode.engine.verification import VerificationResult, greedy_verify, rejection_sample
 
 __all__ = [
-    "BatchDraft",
-    "BatchDrafter",
     "BatchEvent",
     "BatchKVCache",
     "BatchStats",

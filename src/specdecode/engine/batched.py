@@ -2,7 +2,7 @@
 
 Each round (Medusa's four steps, for every active row at once):
 
-1. **draft**: the batch drafter (``engine.protocol.BatchDrafter``) proposes k_b <= γ
+1. **draft**: the batch drafter (``engine.protocol.Drafter``) proposes k_b <= γ
    tokens per row; rows may draft different numbers (prompt lookup finds no match,
    adaptive draft exit stops a row, a row is near its length budget);
 2. **verify**: ONE target forward over (n, K + 1), K = max k_b: row b feeds its pending
@@ -32,8 +32,8 @@ The number of draft tokens γ is an engine setting, as in vLLM: a request's
 ``GenerationConfig.num_speculative_tokens`` is not used (``SpeculativeDecoder``, which runs
 this engine with one row, sizes an engine per γ). Banned words work per row; a request may
 bring a prompt cache (``add``: its keys and values are copied into the row's slot, and only
-the rest of the prompt is prefilled). A one-sequence drafter (the llama.cpp draft) runs at
-B = 1 only (``engine.one_row.OneRowDrafter``). Decode-time forwards run on the fast path
+the rest of the prompt is prefilled). A drafter whose model runs one sequence (the llama.cpp draft)
+refuses an engine of more than one row. Decode-time forwards run on the fast path
 (``batch_runner``: compiled at a few (rows, width) buckets, CUDA graphs on CUDA) where
 ``compile`` is on; prefills run eagerly.
 """
@@ -64,7 +64,7 @@ from specdecode.engine.batch_cache import (
 from specdecode.engine.batch_rows import BatchEvent, BatchRow, check_prompt_cache, request_prompt
 from specdecode.engine.batch_runner import BatchRunner, check_row_buckets, default_batch_compile
 from specdecode.engine.processors import process_rows
-from specdecode.engine.protocol import BATCH_EXIT_RULES, BatchDraft, BatchDrafter, DraftPolicy
+from specdecode.engine.protocol import BATCH_EXIT_RULES, Draft, Drafter, DraftPolicy
 from specdecode.engine.results import GenerationResult
 from specdecode.engine.sampling import check_finite, logits_width, raise_non_finite
 from specdecode.engine.stats import SpecDecodingStats
@@ -82,7 +82,7 @@ class BatchedSpeculativeDecoder:
 
     Args:
         target: The target model (transformers causal LM, eval mode, eager or SDPA attention).
-        drafter: A ``BatchDrafter`` (``specdecode.drafters.batched``); None decodes
+        drafter: A ``Drafter`` (``specdecode.drafters``); None decodes
             autoregressively (the batched baseline).
         max_batch_size: Rows decoded at once (>= 1); more requests wait in a queue.
         max_length: Positions per row in the cache: a request needs its prompt plus
@@ -139,7 +139,7 @@ class BatchedSpeculativeDecoder:
     def __init__(
         self,
         target: PreTrainedModel,
-        drafter: BatchDrafter | None = None,
+        drafter: Drafter | None = None,
         *,
         max_batch_size: int = 8,
         max_length: int = 2048,
@@ -512,7 +512,7 @@ class BatchedSpeculativeDecoder:
         t0, compiling = time.perf_counter(), self.compile_time_s
         caps = self._caps() if self.drafter is not None else [0] * len(rows)
         sequences = [row.tokens for row in rows]
-        draft: BatchDraft | None = None
+        draft: Draft | None = None
         n = len(rows)
         k = [0] * n
         forwards_before = self.drafter.num_forwards if self.drafter is not None else 0

@@ -20,10 +20,8 @@ one row, B = 1: one implementation of the four steps for one sequence and for ma
 
 Autoregressive decoding is the same loop with k = 0: one target forward, one token.
 
-A ``Drafter`` that keeps its own one-sequence state runs in that round through
-``engine.one_row.OneRowDrafter``; one that writes into the target's cache (layer skip, early
-exit) gives its batch-native form (``Drafter.batch_drafter``). The engine is kept across
-generations; its cache is sized per generation (prompt + ``max_new_tokens`` + the longest
+Drafters are batch-native (``engine.protocol.Drafter``): the same drafter object serves one
+row here and many in the serving engine. The engine is kept across generations; its cache is sized per generation (prompt + ``max_new_tokens`` + the longest
 block + 1, rounded up to ``CACHE_STEP``) and rebuilt only when a generation needs more
 positions or another γ.
 """
@@ -40,7 +38,6 @@ from specdecode.engine import kv_cache
 from specdecode.engine.batch_rows import BatchRow, check_prompt_cache
 from specdecode.engine.batched import BatchedSpeculativeDecoder
 from specdecode.engine.fast_path import DRAFT_BUCKETS, ModelRunner
-from specdecode.engine.one_row import OneRowDrafter
 from specdecode.engine.protocol import Drafter, DraftPolicy
 from specdecode.engine.results import GenerationResult, as_2d
 from specdecode.engine.sampling import logits_width
@@ -174,9 +171,10 @@ class SpeculativeDecoder:
             batch cache, forwards compiled at fixed widths, CUDA graphs on CUDA); None: the
             device default (``batch_runner.default_batch_compile``: on for CUDA, off for CPU).
             Ignored when ``runner`` is given. A drafter with a model of its own runs it with
-            its own runner's setting (``SpeculativeGenerator`` gives it the same).
-        runner: A target ``ModelRunner`` whose settings (``compile``, ``graphs``) the round
-            takes (``SpeculativeGenerator`` keeps one per model); None makes one from ``compile``.
+            the same setting (its cache follows the target's).
+        runner: A target ``fast_path.ModelRunner`` whose settings (``compile``, ``graphs``) the round
+            takes, and whose one-row engine decoders sharing it share (``SpeculativeGenerator``
+            keeps one per model); None makes one from ``compile``.
 
     Raises:
         InvalidArgumentError: If adaptive draft exit is asked of a drafter that gives
@@ -216,21 +214,18 @@ class SpeculativeDecoder:
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.vocab_size = logits_width(target)
         self.runner = runner if runner is not None else ModelRunner(target, compile=compile, name="target model")
-        batch = getattr(drafter, "batch_drafter", None) if drafter is not None else None
-        native = batch() if callable(batch) else None
-        self._batch_drafter = native if native is not None or drafter is None else OneRowDrafter(drafter)
         self._engine: BatchedSpeculativeDecoder | None = None
         self._target_runners: list = []  # the round's target runners (BatchRunner) this decoder used
 
     def compile_time_s(self) -> float:
         """Seconds the round's runners (target and drafter) have spent compiling, over their lives."""
-        drafter = float(getattr(self._batch_drafter, "compile_time_s", 0.0))
+        drafter = self.drafter.compile_time_s if self.drafter is not None else 0.0
         return sum(r.compile_time_s for r in self._target_runners) + drafter
 
     def _engine_for(self, config: GenerationConfig, num_prompt_tokens: int) -> BatchedSpeculativeDecoder:
         """The one-row engine for a generation: kept while its γ matches and its cache holds the
         prompt, ``max_new_tokens`` and the longest block + 1; otherwise rebuilt, sized for it."""
-        speculative = self._batch_drafter is not None
+        speculative = self.drafter is not None
         gamma = config.num_speculative_tokens if speculative else 0
         # The runner's latest one-row engine (this decoder's or another's with the same runner) owns
         # the newest cache and graphs: share them, never a stale engine of this decoder's own.
@@ -250,7 +245,7 @@ class SpeculativeDecoder:
         length = -(-need // CACHE_STEP) * CACHE_STEP
         self._engine = BatchedSpeculativeDecoder(
             self.target,
-            self._batch_drafter,
+            self.drafter,
             max_batch_size=1,
             max_length=length,
             num_speculative_tokens=gamma if speculative else 1,

@@ -1,6 +1,4 @@
-"""KV-cache creation and rollback: transformers' ``DynamicCache``, and a static cache.
-
-**Dynamic cache (the eager path).**
+"""KV-cache helpers: transformers' ``DynamicCache`` (creation, rollback) and context lengths.
 
 Rollback after a rejection is ``DynamicCache.crop(-num_rejected)``. Sliding-window
 layers (Gemma 2/3, Mistral) drop old keys as they go, which would make a crop
@@ -16,25 +14,15 @@ positions after a trim, so going back r more positions would leave its window r
 keys short. Then ``rollback`` empties the whole cache and returns 0, and the
 caller re-encodes the sequence (rare; exact either way).
 
-**Static cache (the fast path, ``StaticKVCache``).** gpt-fast's design on
-transformers' ``StaticLayer``: every layer's keys and values live in tensors of
-``capacity`` positions allocated once, and ONE write-position tensor, shared by
-all layers, says where the next forward writes. Rolling back is setting that
-position; rejected positions stay in memory and are overwritten by the next
-round. They are never read: the causal mask lets a query at position p attend to
-keys 0..p only, and every position <= p was written by a confirmed token (or by
-the same forward). Every layer is a full-length layer, sliding-window layers
-included: transformers builds their sliding mask over the full length, so they
-stay exact however far a rollback goes, at the memory cost of full-length keys.
-Because the position is shared, a layer whose attention is skipped (layer-skip
-drafting) needs no placeholder entries to keep in step.
+The round's own cache is ``batch_cache.BatchKVCache`` (static, one slot per row); a
+``DynamicCache`` here is a prompt cache (``SpeculativeDecoder.prompt_cache``) or the search's
+teacher-forced forwards.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import Cache, StaticLayer
 
 from specdecode.errors import InvalidArgumentError
 
@@ -47,90 +35,12 @@ def new_cache(model: PreTrainedModel) -> DynamicCache:
     return cache
 
 
-class _SharedPositionLayer(StaticLayer):
-    """A ``StaticLayer`` that writes at a position tensor shared by all layers and never moves it.
-
-    ``StaticCache``'s layers each keep and advance their own counter; here the cache
-    (``StaticKVCache``) owns the one position and advances it once per forward.
-    """
-
-    def __init__(self, max_cache_len: int, position: torch.Tensor) -> None:
-        super().__init__(max_cache_len=max_cache_len)
-        self.cumulative_length = position
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        position = self.cumulative_length
-        super().lazy_initialization(key_states, value_states)
-        self.cumulative_length = position  # the parent moves it to the device: keep the shared one
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Write (B, H, w, D) keys/values at positions ``position .. position + w - 1``; return all of them."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        index = torch.arange(key_states.shape[-2], device=self.device) + self.cumulative_length
-        self.keys.index_copy_(2, index, key_states)
-        self.values.index_copy_(2, index, value_states)
-        return self.keys, self.values
-
-
-class StaticKVCache(Cache):
-    """A preallocated cache of ``capacity`` positions per layer, rolled back by moving one position.
-
-    Args:
-        model: The model it is for (layer count from its text config; tensors are allocated
-            at the first forward, with that forward's dtype, device and head shapes).
-        capacity: Positions per layer (>= 1).
-
-    Attributes:
-        position: 0-dim long tensor on the model's device: positions written so far, where
-            the next forward writes. ``get_seq_length()`` returns it, so transformers derives
-            position ids from it without a host sync.
-        capacity: As given.
-        generation: Counts the generations that took this cache (``ModelRunner.new_cache``),
-            so that a generation can tell when another one reused it under it.
-
-    Raises:
-        InvalidArgumentError: If ``capacity`` < 1.
-    """
-
-    #: Rolled back by position, never cropped (``is_static``); ``fast_path.ModelRunner.new_cache`` makes
-    #: one exactly when the runner's ``static_cache`` is True.
-    static = True
-
-    def __init__(self, model: PreTrainedModel, capacity: int) -> None:
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-            raise InvalidArgumentError(f"static cache capacity must be an integer >= 1, got {capacity!r}")
-        config = model.config.get_text_config(decoder=True)
-        self.capacity = capacity
-        self.generation = 0
-        # An inference tensor, like the keys and values the first forward allocates (forwards
-        # run under inference mode): compiled graphs then see one kind of tensor throughout.
-        with torch.inference_mode():
-            self.position = torch.zeros((), dtype=torch.long, device=model.device)
-        torch._dynamo.mark_static_address(self.position)
-        layers = [_SharedPositionLayer(capacity, self.position) for _ in range(config.num_hidden_layers)]
-        super().__init__(layers=layers)
-
-    def advance(self, num_tokens: int) -> None:
-        """After a forward over ``num_tokens`` positions: the next one writes after them (no host sync)."""
-        with torch.inference_mode():
-            self.position.add_(num_tokens)
-
-    def set_length(self, num_positions: int) -> None:
-        """Roll back (or forward) to ``num_positions`` written positions (no host sync)."""
-        with torch.inference_mode():
-            self.position.fill_(num_positions)
-
-
 def is_static(cache) -> bool:
-    """Whether ``cache`` is rolled back by position rather than cropped, for code that holds a cache
-    but not the runner that made it (``protocol.ModelRunnerProtocol.static_cache`` decides, and the
-    cache carries the decision).
+    """Whether ``cache`` is rolled back by position rather than cropped (the layer-skip hooks ask).
 
     transformers' ``DynamicCache`` is the cropped cache, and None (no cache) is not static;
-    every other cache states it with a ``static`` attribute: True for ``StaticKVCache`` and the
-    batched engine's ``batch_cache.BatchKVCache`` (whose skipped sublayers need no placeholders
-    either), False for ``models.llama_cpp.LlamaCppCache``.
+    every other cache states it with a ``static`` attribute: True for the round's
+    ``batch_cache.BatchKVCache`` (whose skipped sublayers need no placeholders).
 
     Raises:
         InvalidArgumentError: A cache of another kind that does not state it (never guessed).
@@ -141,7 +51,7 @@ def is_static(cache) -> bool:
     if not isinstance(static, bool):
         raise InvalidArgumentError(
             f"a {type(cache).__name__} cannot be used here: the decoder knows transformers' DynamicCache and "
-            "specdecode's own caches (StaticKVCache, BatchKVCache), which state whether they are static"
+            "specdecode's BatchKVCache, which states that it is static"
         )
     return static
 
@@ -149,11 +59,8 @@ def is_static(cache) -> bool:
 def rollback(cache, num_cached: int, num_valid: int) -> int:
     """Drop cached positions past ``num_valid``; returns the new cached length.
 
-    A ``StaticKVCache`` only moves its write position (nothing is copied or freed), and
-    never loses a window.
-
     Args:
-        cache: The cache to trim in place.
+        cache: The ``DynamicCache`` to trim in place.
         num_cached: Positions it holds now.
         num_valid: Positions whose keys and values belong to confirmed tokens.
 
@@ -162,28 +69,11 @@ def rollback(cache, num_cached: int, num_valid: int) -> int:
         every key the position after ``num_valid`` attends to, and the cache was emptied.
     """
     excess = max(num_cached - num_valid, 0)
-    if is_static(cache):
-        if excess:
-            cache.set_length(num_valid)
-        return num_cached - excess
     if excess and _loses_window(cache, num_cached, num_valid):
         cache.crop(-num_cached)
         return 0
     cache.crop(-excess)
     return num_cached - excess
-
-
-def truncate(cache, num_positions: int) -> None:
-    """Cut every layer of ``cache`` back to ``num_positions`` (after drafting into a shared cache).
-
-    A dynamic cache's layers are each cropped by their own excess: equal after a normal
-    block, different after a forward that failed midway. A static cache moves its position.
-    """
-    if is_static(cache):
-        cache.set_length(num_positions)
-        return
-    for layer in cache.layers:
-        layer.crop(-(layer.get_seq_length() - num_positions))
 
 
 def _loses_window(cache: DynamicCache, num_cached: int, num_valid: int) -> bool:

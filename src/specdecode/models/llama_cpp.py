@@ -1,4 +1,4 @@
-"""A draft model run by llama.cpp: ``LlamaCppModel``, its ``LlamaCppModelRunner`` and ``LlamaCppCache``.
+"""A model run by llama.cpp: ``LlamaCppModel`` and ``LlamaCppCache`` (its runner: ``llama_cpp_target``).
 
 On a CPU the draft model's step is most of a speculative round's cost. llama.cpp runs
 the draft's own GGUF file (Q4_K_M for the offline models) with its quantized kernels:
@@ -15,14 +15,11 @@ llama.cpp's forward over several tokens grows with every token on that machine (
 torch's bf16 forward barely grows (1.5B: 247, 211, 260, 278 ms), so it is a draft model here, not a
 target to verify with. The target must be on the CPU too (the drafts are CPU tensors).
 
-``LlamaCppModelRunner`` implements ``engine.protocol.ModelRunnerProtocol``, the interface
-the model-based drafters call (``runner(ids, cache, logits_to_keep)``, ``new_cache``,
-``check_owner``; never compiled), and ``LlamaCppCache`` ``engine.protocol.KVCache``, the part
-of a ``DynamicCache`` that ``engine.kv_cache.rollback`` uses (``get_seq_length``, ``crop(-n)``,
-no sliding layers). A rollback removes the rejected positions from llama.cpp's KV cache
-(``llama_memory_seq_rm``); nothing is recomputed.
+``models.llama_cpp_target.LlamaCppTargetRunner`` runs a model's forwards for the round, one
+sequence addressed by position, for a target or a draft. A rollback removes the rejected
+positions from llama.cpp's KV cache (``llama_memory_seq_rm``); nothing is recomputed.
 
-A model holds one llama.cpp context, so one generation at a time: a new cache takes the
+A model holds one llama.cpp context, so one generation at a time: a new prefill takes the
 context over, and the older generation's cache then refuses every forward and rollback.
 Models whose memory cannot drop positions (recurrent or hybrid architectures) are refused.
 
@@ -390,25 +387,18 @@ class LlamaCppModel:
 
 
 class LlamaCppCache:
-    """The llama.cpp context's KV cache, as ``engine.kv_cache.rollback`` sees a cache.
+    """What a runner knows of the llama.cpp context's KV cache (``llama_cpp_target.LlamaCppTargetRunner``).
 
     Attributes:
         tokens: The ids whose keys and values the context holds, in position order.
-        generation: Which ``LlamaCppModelRunner.new_cache`` call made it: it may touch the
-            model's context only while ``model.generation`` is the same.
-        layers: Empty: no sliding-window layer can lose keys on a rollback.
+        generation: Which prefill made it: it may touch the model's context only while
+            ``model.generation`` is the same.
     """
-
-    layers = ()
-    static = False  # cropped, as a DynamicCache (``engine.kv_cache.is_static``)
 
     def __init__(self, model: LlamaCppModel, generation: int) -> None:
         self.model = model
         self.generation = generation
         self.tokens: list[int] = []
-
-    def get_seq_length(self) -> int:
-        return len(self.tokens)
 
     def check_owner(self) -> None:
         """Raise unless this cache's generation still owns the model's context.
@@ -422,85 +412,3 @@ class LlamaCppCache:
                 "context; generations that share a llama.cpp draft model cannot be interleaved (finish a stream "
                 "before starting the next)"
             )
-
-    def crop(self, max_length: int) -> None:
-        """Drop the last ``-max_length`` positions (``max_length`` <= 0; more than it holds empties it),
-        as ``DynamicCache.crop`` with a negative value; 0 keeps everything (``kv_cache.rollback``
-        calls ``crop(-0)`` after a fully accepted block). A positive value keeps that many.
-
-        Raises:
-            InvalidArgumentError: A later generation owns the model's context (``check_owner``).
-        """
-        keep = max(0, len(self.tokens) + max_length) if max_length <= 0 else max_length
-        if keep < len(self.tokens):
-            self.check_owner()
-            self.model.remove_from(keep)
-            del self.tokens[keep:]
-
-
-class LlamaCppModelRunner:
-    """Runs a ``LlamaCppModel``'s forwards for a drafter (``engine.protocol.ModelRunnerProtocol``, as
-    ``engine.fast_path.ModelRunner``; never compiled). The models layer does not import the engine, so it
-    implements the protocol structurally (tests/test_interfaces.py checks it).
-
-    Args:
-        model: The llama.cpp model.
-        name: For messages.
-
-    Attributes:
-        compile: Always False; ``static_cache`` False; ``compile_time_s`` 0; ``max_bucket`` 0.
-        num_eager_forwards: Forwards run.
-    """
-
-    compile = False
-    static_cache = False  # its caches are cropped (``LlamaCppCache``)
-    graphs = False
-    buckets: tuple[int, ...] = ()
-    max_bucket = 0
-    compile_time_s = 0.0
-
-    def __init__(self, model: LlamaCppModel, name: str = "draft model") -> None:
-        self.model = model
-        self.name = name
-        self.num_eager_forwards = 0
-
-    def with_buckets(self, buckets: tuple[int, ...]) -> None:
-        """Nothing is compiled: ignored."""
-
-    def new_cache(self, num_positions: int = 0) -> LlamaCppCache:
-        """An empty cache for a generation of up to about ``num_positions`` positions.
-
-        It takes the model's one context over (emptied; an older generation's cache then refuses
-        to run), sized up front with room for ``num_positions`` plus ``CONTEXT_STEP // 4``, so
-        that a generation rarely grows it midway (a reload and a re-encode).
-        """
-        model = self.model
-        model.generation += 1
-        model.remove_from(0)
-        model.ensure_context(num_positions + CONTEXT_STEP // 4, [])
-        return LlamaCppCache(model, model.generation)
-
-    def check_owner(self, cache: LlamaCppCache, generation: int) -> None:
-        """Raise unless ``cache``, made as generation ``generation``, still owns the model's context.
-
-        Raises:
-            InvalidArgumentError: If a later generation took the model's context over.
-        """
-        if cache.generation != generation:
-            raise InvalidArgumentError(f"{self.name}: the cache belongs to another generation")
-        cache.check_owner()
-
-    @torch.inference_mode()
-    def __call__(self, ids: torch.Tensor, cache: LlamaCppCache, logits_to_keep: int) -> torch.Tensor:
-        """One forward over ``ids`` (1, w), appended to ``cache``: (1, logits_to_keep, V) float32 logits.
-
-        Raises:
-            InvalidArgumentError: See ``LlamaCppModel.decode``; or a later generation owns the context.
-        """
-        cache.check_owner()
-        tokens = [int(t) for t in ids[0].tolist()]
-        self.model.ensure_context(len(cache.tokens) + len(tokens), cache.tokens)
-        logits = self.model.decode(tokens, len(cache.tokens), logits_to_keep)
-        cache.tokens.extend(tokens)
-        self.num_eager_forwards += 1
-        return logits.unsqueeze(0)

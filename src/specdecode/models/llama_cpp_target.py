@@ -23,7 +23,8 @@ kernels give the same logits for a token whatever the batch it is in (checked in
 on a tiny GGUF file, tests/models/test_llama_cpp_target.py); on quantized weights a batch
 of k tokens may round differently from single steps (the bench reports the agreement).
 
-It implements ``engine.protocol.TargetRunnerProtocol`` structurally (the models layer does not
+It serves a GGUF draft model too (``drafters.draft_model.DraftModelDrafter``'s ``runner``). It
+implements ``engine.protocol.TargetRunnerProtocol`` and ``BatchRunnerProtocol`` structurally (the models layer does not
 import the engine; tests/test_interfaces.py checks it).
 
 Source: llama.cpp's C API through llama-cpp-python (https://github.com/abetlen/llama-cpp-python):
@@ -86,6 +87,7 @@ class LlamaCppTargetRunner:
 
     device = torch.device("cpu")
     dtype = torch.float32
+    compile_time_s = 0.0  # nothing is compiled
 
     def __init__(self, model: LlamaCppModel, name: str = "target model") -> None:
         self.model = model

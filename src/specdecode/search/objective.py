@@ -34,7 +34,6 @@ from specdecode.config import GenerationConfig
 from specdecode.drafters.layer_skip import SUBLAYERS, LayerSkipDrafter, SkipSet, decoder_layers, draft_mode
 from specdecode.engine import kv_cache
 from specdecode.engine.decoder import SpeculativeDecoder
-from specdecode.engine.fast_path import ModelRunner
 from specdecode.errors import DatasetError, InvalidArgumentError
 
 logger = logging.getLogger(__name__)
@@ -528,7 +527,7 @@ def measure_speedup(
     """
     # Eager on every device, like the reference: a fast-path graph per trial's skip set would cost
     # more compile time than the trial measures.
-    drafter = LayerSkipDrafter(model, skip_set, ModelRunner(model, compile=False))
+    drafter = LayerSkipDrafter(model, skip_set)
     decoder = SpeculativeDecoder(model, drafter, eos_token_ids=eos, compile=False)
     config = GenerationConfig(max_new_tokens=max_new_tokens, num_speculative_tokens=num_speculative_tokens)
     decoder.generate(list(prompts[0]), GenerationConfig(max_new_tokens=warmup_tokens,
