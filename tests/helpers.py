@@ -37,34 +37,80 @@ def perturbed_copy(model: torch.nn.Module, noise: float, seed: int = 0) -> torch
 
 
 class ScriptedDrafter(Drafter):
-    """Proposes fixed tokens, to place EOS or rejections exactly where a test wants them."""
+    """Proposes fixed tokens to every row, to place EOS or rejections exactly where a test wants them."""
 
     def __init__(self, script: list[int]) -> None:
         self.script = script
 
-    def begin(self, prompt_ids, sampler, target_cache) -> None:
+    def bind(self, target_cache) -> None:
         self.num_forwards = 0
 
-    def propose(self, sequence, max_tokens):
-        return Draft(torch.tensor(self.script[:max_tokens], dtype=torch.long))
+    def join(self, slot, prompt_ids, sampler) -> None:
+        pass
+
+    def propose(self, sequences, max_tokens, exits=None, exit_rule="row"):
+        rows = [self.script[:cap] for cap in max_tokens]
+        width = max(1, max(len(r) for r in rows))
+        ids = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long)
+        return Draft(ids, [len(r) for r in rows])
 
     def rollback(self, num_valid) -> None:
         pass
 
+    def move(self, src, dst, num_valid) -> None:
+        pass
+
 
 class CorruptingDrafter(DraftModelDrafter):
-    """A draft-model drafter that replaces every ``period``-th proposal with a wrong token."""
+    """A draft-model drafter that replaces every ``period``-th proposed token with a wrong one."""
 
     def __init__(self, model, period: int = 3) -> None:
         super().__init__(model)
         self.period = period
         self._count = 0
 
-    def propose(self, sequence, max_tokens):
-        draft = super().propose(sequence, max_tokens)
+    def propose(self, sequences, max_tokens, exits=None, exit_rule="row"):
+        draft = super().propose(sequences, max_tokens, exits, exit_rule)
         tokens = draft.tokens.clone()
-        for i in range(len(tokens)):
-            self._count += 1
-            if self._count % self.period == 0:
-                tokens[i] = (tokens[i] + 1) % 40 + 3
-        return Draft(tokens, draft.probs)
+        for b, k in enumerate(draft.num_tokens):
+            for i in range(k):
+                self._count += 1
+                if self._count % self.period == 0:
+                    tokens[b, i] = (tokens[b, i] + 1) % 40 + 3
+        return Draft(tokens, draft.num_tokens, draft.probs, draft.finite, draft.who)
+
+
+class Recorder(Drafter):
+    """Wraps a drafter at B = 1; records (sequence length, tokens proposed) and the cap of every
+    ``propose`` (row 0)."""
+
+    supports_exit_policy = True
+
+    def __init__(self, inner: Drafter) -> None:
+        self.inner, self.calls, self.caps = inner, [], []
+        self.who = inner.who
+
+    @property
+    def num_forwards(self) -> int:
+        return self.inner.num_forwards
+
+    def bind(self, target_cache) -> None:
+        self.inner.bind(target_cache)
+
+    def warm_up(self, max_rows, max_block) -> None:
+        self.inner.warm_up(max_rows, max_block)
+
+    def join(self, slot, prompt_ids, sampler) -> None:
+        self.inner.join(slot, prompt_ids, sampler)
+
+    def propose(self, sequences, max_tokens, exits=None, exit_rule="row"):
+        draft = self.inner.propose(sequences, max_tokens, exits, exit_rule)
+        self.calls.append((len(sequences[0]), draft.num_tokens[0]))
+        self.caps.append(max_tokens[0])
+        return draft
+
+    def rollback(self, num_valid) -> None:
+        self.inner.rollback(num_valid)
+
+    def move(self, src, dst, num_valid) -> None:
+        self.inner.move(src, dst, num_valid)

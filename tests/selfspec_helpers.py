@@ -33,12 +33,13 @@ def prompt_ids(length: int, seed: int, vocab: int = VOCAB) -> torch.Tensor:
     return torch.randint(3, vocab, (1, length), generator=torch.Generator().manual_seed(seed))
 
 
-def cache_snapshot(cache, length: int | None = None) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-    """(length, keys, values) of every layer, cloned. The batched round's cache (``BatchKVCache``,
-    slot 0 at B = 1) holds ``length`` confirmed positions; drafting may write past them."""
+def cache_snapshot(cache, lengths) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """Per layer and row b, (length, keys, values) of the row's first ``lengths[b]`` positions of the
+    round's cache (``BatchKVCache``, rows in slots 0 .. n - 1), cloned: its confirmed positions
+    (drafting may write past them). A ``DynamicCache``: every layer whole, ``lengths`` ignored."""
     if hasattr(cache, "num_slots"):
-        return [(length, layer.keys[:1, :, :length].clone(), layer.values[:1, :, :length].clone())
-                for layer in cache.layers]
+        return [(n, layer.keys[b, :, :n].clone(), layer.values[b, :, :n].clone())
+                for layer in cache.layers for b, n in enumerate(lengths)]
     return [(layer.get_seq_length(), layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
 
 
@@ -100,13 +101,14 @@ def violations(exact: dict, freq: dict, n: int, z: float = 4.5) -> list[str]:
 
 
 class CacheCheckingDrafter(Drafter):
-    """Wraps a self-speculative drafter; asserts around every ``propose`` that the target
-    cache comes back tensor-equal (and held every token but the pending one)."""
+    """Wraps a self-speculative drafter; asserts around every ``propose`` that each row's confirmed
+    positions of the target cache come back tensor-equal (all but its pending token)."""
 
     supports_exit_policy = True
 
     def __init__(self, inner: Drafter) -> None:
         self.inner = inner
+        self.who = inner.who
         self.checked = 0
         self._cache = None
 
@@ -114,23 +116,29 @@ class CacheCheckingDrafter(Drafter):
     def num_forwards(self) -> int:
         return self.inner.num_forwards
 
-    def begin(self, prompt_ids, sampler, target_cache) -> None:
+    def bind(self, target_cache) -> None:
         self._cache = target_cache
-        self.inner.begin(prompt_ids, sampler, target_cache)
+        self.inner.bind(target_cache)
 
-    def propose(self, sequence, max_tokens, exit_policy=None):
-        before = cache_snapshot(self._cache, sequence.shape[1] - 1)
-        assert before[0][0] == sequence.shape[1] - 1
-        if exit_policy is None:
-            draft = self.inner.propose(sequence, max_tokens)
-        else:
-            draft = self.inner.propose(sequence, max_tokens, exit_policy=exit_policy)
-        assert_same_cache(before, cache_snapshot(self._cache, sequence.shape[1] - 1))
+    def warm_up(self, max_rows, max_block) -> None:
+        self.inner.warm_up(max_rows, max_block)
+
+    def join(self, slot, prompt_ids, sampler) -> None:
+        self.inner.join(slot, prompt_ids, sampler)
+
+    def propose(self, sequences, max_tokens, exits=None, exit_rule="row"):
+        lengths = [len(s) - 1 for s in sequences]
+        before = cache_snapshot(self._cache, lengths)
+        draft = self.inner.propose(sequences, max_tokens, exits, exit_rule)
+        assert_same_cache(before, cache_snapshot(self._cache, lengths))
         self.checked += 1
         return draft
 
     def rollback(self, num_valid) -> None:
         self.inner.rollback(num_valid)
+
+    def move(self, src, dst, num_valid) -> None:
+        self.inner.move(src, dst, num_valid)
 
 
 #: Every speculative method with the options it needs on the tiny 4-layer models (the
@@ -192,13 +200,14 @@ def quantized_pair(arch: str, scheme: str, draft_head: str | None = None, group_
 
 
 class DraftSpy(DraftModelDrafter):
-    """A ``DraftModelDrafter`` that records each block as (position of its first token, tokens)."""
+    """A ``DraftModelDrafter`` that records each row's block as (position of its first token, tokens)."""
 
     def __init__(self, *a, **k) -> None:
         super().__init__(*a, **k)
         self.drafts: list[tuple[int, list[int]]] = []
 
-    def propose(self, sequence, max_tokens, exit_policy=None, first_logits=None):
-        draft = super().propose(sequence, max_tokens, exit_policy, first_logits)
-        self.drafts.append((sequence.shape[1], draft.tokens.tolist()))
+    def propose(self, sequences, max_tokens, exits=None, exit_rule="row"):
+        draft = super().propose(sequences, max_tokens, exits, exit_rule)
+        for b, seq in enumerate(sequences):
+            self.drafts.append((len(seq), draft.tokens[b, : draft.num_tokens[b]].tolist()))
         return draft

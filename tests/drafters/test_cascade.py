@@ -19,7 +19,8 @@ from selfspec_helpers import (  # noqa: F401  (one_thread is a fixture)
     violations,
 )
 from specdecode import DraftControl, GenerationConfig, InvalidArgumentError, SpeculativeDecoder
-from specdecode.drafters import CascadeDrafter, DraftModelDrafter
+from specdecode.drafters import CascadeDrafter
+from specdecode.engine.batch_cache import BatchKVCache
 from specdecode.engine.sampling import Sampler
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -34,12 +35,13 @@ class Spy(CascadeDrafter):
         self.blocks: list[tuple[int, int]] = []
         self.drafts: list[tuple[int, list[int]]] = []  # (position of the first draft token, tokens)
 
-    def propose(self, sequence, max_tokens, exit_policy=None, **kwargs):
+    def propose(self, sequences, max_tokens, exits=None, exit_rule="row"):
         before = self.num_ngram_tokens
-        draft = super().propose(sequence, max_tokens, exit_policy, **kwargs)
-        m = self.num_ngram_tokens - before
-        self.blocks.append((m, len(draft) - m))
-        self.drafts.append((sequence.shape[1], draft.tokens.tolist()))
+        draft = super().propose(sequences, max_tokens, exits, exit_rule)
+        m = self.num_ngram_tokens - before  # one row
+        k = draft.num_tokens[0]
+        self.blocks.append((m, k - m))
+        self.drafts.append((len(sequences[0]), draft.tokens[0, :k].tolist()))
         return draft
 
 
@@ -49,13 +51,15 @@ def test_unchecked_ngram_tokens_come_first_and_the_model_continues_after_them():
     drafter = CascadeDrafter(draft, max_ngram=2, ngram_check=False)
     seq = torch.tensor([[5, 6, 7, 8, 5, 6]])
     sampler = Sampler(GenerationConfig(), target.config.vocab_size, "cpu")
-    drafter.begin(seq[:, :4], sampler, None)
-    block = drafter.propose(seq, 5)
+    drafter.bind(BatchKVCache(target, 1, 64))
+    drafter.join(0, seq[:, :4], sampler)
+    block = drafter.propose([seq[0].tolist()], [5])
+    tokens = block.tokens[0, : block.num_tokens[0]]
     # (5, 6) occurred at 0, followed by 7, 8, 5, 6: all four come from the match, then one from the model.
-    assert block.tokens[:4].tolist() == [7, 8, 5, 6]
+    assert tokens[:4].tolist() == [7, 8, 5, 6]
     with torch.no_grad():  # the model's token is its greedy choice after the match
-        expected = int(draft(torch.cat([seq, block.tokens[:4].view(1, -1)], dim=1)).logits[0, -1].argmax())
-    assert block.tokens[4:].tolist() == [expected]
+        expected = int(draft(torch.cat([seq, tokens[:4].view(1, -1)], dim=1)).logits[0, -1].argmax())
+    assert tokens[4:].tolist() == [expected]
     assert drafter.num_ngram_tokens == 4 and drafter.num_forwards == 2  # prefill + one draft forward
 
 
@@ -156,51 +160,12 @@ def test_sampling_preserves_target_distribution(ngram_check):
     assert any(m and k for m, k in spy.blocks), "no block mixed n-gram and model tokens"
 
 
-@pytest.mark.parametrize("width", [2, 3, 4])
-def test_check_keeps_the_leading_tokens_the_draft_would_draft(width):
-    """Hand-checked: the draft's own greedy tokens, then a wrong one. The check keeps exactly the
-    agreeing prefix across forwards of ``width`` tokens, and drafting goes on from its logits."""
-    draft = make_tiny_model("qwen2", num_layers=2, seed=3)
-    seq = torch.tensor([[3, 4, 5, 6, 7]])
-    greedy = autoregressive(draft, seq, GenerationConfig(max_new_tokens=9, stop_on_eos=False))
-    wrong = (greedy[6] + 1) % draft.config.vocab_size
-    candidates = torch.tensor(greedy[:6] + [wrong, greedy[7]])
-    drafter = DraftModelDrafter(draft)
-    drafter.begin(seq[:, :-1], Sampler(GenerationConfig(), draft.config.vocab_size, "cpu"), None)
-    a, row = drafter.check(seq, candidates, width=width)
-    assert a == 6
-    assert int(row.argmax()) == greedy[6]
-    assert drafter.num_forwards == 1 + -(-(1 + 7) // width)  # prefill, then the 1 + 7 tokens fed in widths
-    kept = torch.cat([seq, candidates[:a].view(1, -1)], dim=1)
-    block = drafter.propose(kept, 3, first_logits=row)
-    assert block.tokens.tolist() == greedy[6:9]
-
-
 def test_bad_check_arguments_are_refused():
     draft = make_tiny_model("llama", num_layers=1)
     with pytest.raises(InvalidArgumentError, match="ngram_check must be True or False, got 'yes'"):
         CascadeDrafter(draft, ngram_check="yes")
-    drafter = DraftModelDrafter(draft)
-    drafter.begin(torch.tensor([[1, 2, 3]]), Sampler(GenerationConfig(), draft.config.vocab_size, "cpu"), None)
-    with pytest.raises(InvalidArgumentError, match="check width must be an integer >= 2, got 1"):
-        drafter.check(torch.tensor([[1, 2, 3, 4]]), torch.tensor([5]), width=1)
-    with pytest.raises(InvalidArgumentError, match="at least one candidate"):
-        drafter.check(torch.tensor([[1, 2, 3, 4]]), torch.tensor([], dtype=torch.long))
 
 
 def test_bad_ngram_sizes_are_refused():
     with pytest.raises(InvalidArgumentError, match="min_ngram \\(3\\) must be <= max_ngram \\(2\\)"):
         CascadeDrafter(make_tiny_model("llama", num_layers=1), max_ngram=2, min_ngram=3)
-
-
-def test_check_finiteness_reaches_the_draft_when_the_check_keeps_no_token():
-    """Greedy: the check's finiteness flags join the draft's even when it kept none of the n-gram."""
-    model = make_tiny_model("llama", num_layers=2)
-    drafter = CascadeDrafter(model)
-    seq = torch.tensor([[5, 6, 7, 8, 5, 6]])
-    drafter.begin(seq[:, :-1], Sampler(GenerationConfig(), model.config.vocab_size, "cpu"), None)
-    drafter._model.check = lambda sequence, ngram, finite_out=None: (
-        finite_out.append(torch.tensor(False)) or (0, None)
-    )
-    draft = drafter.propose(seq, 3, host_sequence=seq[0].numpy().copy())
-    assert draft.finite is not None and not bool(draft.finite)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import VOCAB, make_tiny_model
+from helpers import Recorder, ScriptedDrafter
 from selfspec_helpers import (  # noqa: F401  (one_thread is a fixture)
     CacheCheckingDrafter,
     autoregressive,
@@ -165,42 +166,11 @@ def _control_logits(model):
     return model.register_forward_hook(hook, with_kwargs=True)
 
 
-class _Recorder(Drafter):
-    """Wraps a drafter; records (sequence length, tokens proposed) and the cap per ``propose``."""
-
-    supports_exit_policy = True
-
-    def __init__(self, inner):
-        self.inner, self.calls, self.caps = inner, [], []
-
-    @property
-    def num_forwards(self):
-        return self.inner.num_forwards
-
-    def begin(self, prompt_ids, sampler, target_cache):
-        self.inner.begin(prompt_ids, sampler, target_cache)
-
-    def propose(self, sequence, max_tokens, **kw):
-        draft = self.inner.propose(sequence, max_tokens, **kw)
-        self.calls.append((sequence.shape[1], len(draft)))
-        self.caps.append(max_tokens)
-        return draft
-
-    def rollback(self, num_valid):
-        self.inner.rollback(num_valid)
-
-
-class _WrongDrafter(Drafter):
+class _WrongDrafter(ScriptedDrafter):
     """Always proposes the pad token, which the controlled target never produces."""
 
-    def begin(self, prompt_ids, sampler, target_cache):
-        pass
-
-    def propose(self, sequence, max_tokens):
-        return Draft(torch.zeros(max_tokens, dtype=torch.long))
-
-    def rollback(self, num_valid):
-        pass
+    def __init__(self) -> None:
+        super().__init__([0] * 64)
 
 
 def test_gate_switches_off_and_on_with_target_confidence():
@@ -217,7 +187,7 @@ def test_gate_switches_off_and_on_with_target_confidence():
         gated = [j for j in range(1, budget - 1) if j not in drafts]
         assert drafts and gated  # the chain has both kinds of token
 
-        drafter = _Recorder(_WrongDrafter())
+        drafter = Recorder(_WrongDrafter())
         config = GenerationConfig(max_new_tokens=budget, num_speculative_tokens=3, stop_on_eos=False)
         result = SpeculativeDecoder(model, drafter, draft_control=DraftControl(confidence_gate=0.5)).generate(
             prompt, config
@@ -252,7 +222,7 @@ def test_gate_looks_at_the_last_token_of_an_accepted_block():
                 j += 1
         assert expected and gated
 
-        drafter = _Recorder(CacheCheckingDrafter(LayerSkipDrafter(model, SkipSet(mlp=(0,)))))
+        drafter = Recorder(CacheCheckingDrafter(LayerSkipDrafter(model, SkipSet(mlp=(0,)))))
         config = GenerationConfig(max_new_tokens=budget, num_speculative_tokens=3, stop_on_eos=False)
         result = SpeculativeDecoder(model, drafter, draft_control=DraftControl(confidence_gate=0.5)).generate(
             prompt, config
@@ -291,7 +261,7 @@ def test_adaptive_exit_stops_after_the_first_unconfident_token():
         assert any(k == 4 for _, k in expected_blocks)  # full blocks
         assert any(k == 1 for _, k in expected_blocks)  # a block of its unconfident first token only
 
-        drafter = _Recorder(CacheCheckingDrafter(LayerSkipDrafter(model, SkipSet(attn=(1,)))))
+        drafter = Recorder(CacheCheckingDrafter(LayerSkipDrafter(model, SkipSet(attn=(1,)))))
         control = DraftControl(adaptive_exit=True, exit_threshold=0.6, epsilon=0.0, max_draft_tokens=4)
         config = GenerationConfig(max_new_tokens=budget, stop_on_eos=False)
         result = SpeculativeDecoder(model, drafter, draft_control=control).generate(prompt, config)
@@ -366,7 +336,7 @@ def test_adaptive_exit_extremes_in_the_loop():
     config = GenerationConfig(max_new_tokens=25, stop_on_eos=False)
     for threshold, block in ((1.0, 1), (0.0, 5)):
         control = DraftControl(adaptive_exit=True, exit_threshold=threshold, epsilon=0.0, max_draft_tokens=5)
-        drafter = _Recorder(LayerSkipDrafter(model, SkipSet(attn=(1, 2))))
+        drafter = Recorder(LayerSkipDrafter(model, SkipSet(attn=(1, 2))))
         result = SpeculativeDecoder(model, drafter, draft_control=control).generate(prompt, config)
         assert result.token_ids == autoregressive(model, prompt, config)
         remaining = [25 - (length - 4) for length, _ in drafter.calls]
@@ -382,7 +352,7 @@ def test_sampling_with_adaptive_exit_and_gate_preserves_target_distribution():
     prompt = [1, 5, 3, 6]
     config = GenerationConfig(max_new_tokens=4, stop_on_eos=False, temperature=1.0)
     control = DraftControl(adaptive_exit=True, exit_threshold=0.35, max_draft_tokens=3, confidence_gate=0.09)
-    drafter = _Recorder(LayerSkipDrafter(model, SkipSet(attn=(1,), mlp=(0,))))
+    drafter = Recorder(LayerSkipDrafter(model, SkipSet(attn=(1,), mlp=(0,))))
     dec = SpeculativeDecoder(model, drafter, draft_control=control)
     freq = sample_counts(dec, prompt, config, n, vocab)
     assert violations(exact_marginals(model, prompt, config, vocab), freq, n) == []

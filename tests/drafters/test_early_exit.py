@@ -11,8 +11,8 @@ from conftest import make_tiny_model
 from selfspec_helpers import CacheCheckingDrafter, autoregressive, one_thread, prompt_ids  # noqa: F401
 from specdecode import DraftModelDrafter, GenerationConfig, InvalidArgumentError, SpeculativeDecoder
 from specdecode.drafters.early_exit import EarlyExitDrafter, exit_skip_set
-from specdecode.engine.kv_cache import new_cache
 from specdecode.drafters.layer_skip import SkipSet
+from specdecode.engine.batch_cache import BatchKVCache, batch_prefill
 from specdecode.engine.sampling import Sampler
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -51,20 +51,21 @@ def test_draft_equals_truncated_model(arch, temperature):
     config = GenerationConfig(temperature=temperature, seed=5, num_speculative_tokens=6)
     def draft(drafter):
         sampler = Sampler(config, 48, "cpu")  # same seed for both
-        cache = new_cache(model)
-        with torch.inference_mode():
-            model(seq[:, :-1], past_key_values=cache, use_cache=True)  # the target's prefill
-        drafter.begin(seq[:, :-1], sampler, cache)
-        return drafter.propose(seq, 6)
+        cache = BatchKVCache(model, 1, 64)
+        batch_prefill(model, cache, seq[:, :-1], 0)  # the target's prefill
+        drafter.bind(cache)
+        drafter.join(0, seq[:, :-1], sampler)
+        block = drafter.propose([seq[0].tolist()], [6])
+        return block.tokens[0, : block.num_tokens[0]], block.probs[0] if block.probs is not None else None
 
     for n in (1, 2, 3):
-        got = draft(EarlyExitDrafter(model, n))
-        want = draft(DraftModelDrafter(_truncated(model, n)))
-        assert got.tokens.tolist() == want.tokens.tolist(), (arch, n)
+        got, got_q = draft(EarlyExitDrafter(model, n))
+        want, want_q = draft(DraftModelDrafter(_truncated(model, n)))
+        assert got.tolist() == want.tolist() and len(got) == 6, (arch, n)
         if temperature:
-            torch.testing.assert_close(got.probs, want.probs, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(got_q, want_q, rtol=1e-5, atol=1e-6)
         else:
-            assert got.probs is None
+            assert got_q is None
 
 
 @pytest.mark.parametrize("gamma", [1, 3, 8])

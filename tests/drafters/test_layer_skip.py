@@ -242,12 +242,13 @@ def test_greedy_equals_autoregressive(arch, gamma):
     assert any(0 < r < 1 for r in rates), rates  # some drafts accepted, some rejected
 
 
-def test_begin_rejects_a_foreign_cache():
-    from specdecode.engine.kv_cache import new_cache
+def test_bind_rejects_a_foreign_cache():
+    from specdecode.engine.batch_cache import BatchKVCache
 
     drafter = LayerSkipDrafter(make_tiny_model("llama", num_layers=4), SkipSet(attn=(1,)))
-    with pytest.raises(InvalidArgumentError, match="target cache has 2 layers but the layer-skip drafter's model has 4"):
-        drafter.begin(prompt_ids(3, 0), None, new_cache(make_tiny_model("llama", num_layers=2)))
+    with pytest.raises(InvalidArgumentError, match="layer-skip drafter must wrap the batched decoder's own target "
+                                                   "model: its cache belongs to another model"):
+        drafter.bind(BatchKVCache(make_tiny_model("llama", num_layers=4), 1, 16))
 
 
 # ---------------------------------------------------------------- speculative sampling keeps the target law

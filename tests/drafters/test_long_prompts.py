@@ -20,6 +20,7 @@ from selfspec_helpers import (  # noqa: F401  (one_thread is a fixture)
 )
 from specdecode import DraftControl, GenerationConfig, InvalidArgumentError, SpeculativeDecoder
 from specdecode.drafters import CascadeDrafter, DraftModelDrafter, PromptLookupDrafter
+from specdecode.engine.batch_cache import BatchKVCache
 from specdecode.engine.sampling import Sampler
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -34,16 +35,21 @@ def test_the_draft_sees_only_the_window():
     prompt = torch.tensor([LONG_PROMPT])
     sampler = Sampler(GenerationConfig(), draft.config.vocab_size, "cpu")
     drafter = DraftModelDrafter(draft, context_window=5)
-    drafter.begin(prompt[:, :-1], sampler, None)
-    assert drafter._cache.get_seq_length() == 5
-    block = drafter.propose(prompt, 4)
+    drafter.bind(BatchKVCache(draft, 1, 64))
+
+    def held() -> int:  # positions of the draft's cache: sequence positions less the window's offset
+        return drafter._num_cached[0] - drafter._offsets[0]
+
+    drafter.join(0, prompt[:, :-1], sampler)
+    assert held() == 5
+    block = drafter.propose([LONG_PROMPT], [4])
     alone = autoregressive(draft, prompt[:, -6:], GenerationConfig(max_new_tokens=4, stop_on_eos=False))
-    assert block.tokens.tolist() == alone
-    assert drafter._cache.get_seq_length() == 5 + 1 + 3  # the window, the pending token, 3 of 4 drafts fed
+    assert block.tokens[0, : block.num_tokens[0]].tolist() == alone
+    assert held() == 5 + 1 + 3  # the window, the pending token, 3 of 4 drafts fed
     whole = autoregressive(draft, prompt, GenerationConfig(max_new_tokens=4, stop_on_eos=False))
     assert alone != whole, "this check needs a prompt whose beginning changes the draft's tokens"
-    drafter.rollback(len(LONG_PROMPT) + 1)  # sequence positions: the prompt and one accepted token
-    assert drafter._cache.get_seq_length() == 5 + 1 + 1
+    drafter.rollback([len(LONG_PROMPT) + 1])  # sequence positions: the prompt and one accepted token
+    assert held() == 5 + 1 + 1
 
 
 @pytest.mark.parametrize("method", ["draft", "cascade"])

@@ -15,6 +15,7 @@ from selfspec_helpers import (  # noqa: F401  (one_thread is a fixture)
     sample_counts,
     violations,
 )
+from specdecode.engine.batch_cache import BatchKVCache
 from specdecode import GenerationConfig, InvalidArgumentError, SpeculativeDecoder
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter, find_continuation
 
@@ -64,12 +65,12 @@ def test_ngram_validation():
 
 def test_drafter_proposes_without_a_model():
     drafter = PromptLookupDrafter(max_ngram=2)
-    drafter.begin(torch.tensor([[5, 6, 7]]), None, None)
-    seq = torch.tensor([[5, 6, 7, 8, 5, 6]])
-    draft = drafter.propose(seq, 3)
-    assert draft.tokens.tolist() == [7, 8, 5] and draft.probs is None
-    seq[0, 2] = 0  # the draft does not alias the caller's buffer
-    assert draft.tokens.tolist() == [7, 8, 5]
+    drafter.bind(BatchKVCache(make_tiny_model("llama", num_layers=1), 2, 16))
+    seq = [5, 6, 7, 8, 5, 6]
+    draft = drafter.propose([seq, [9, 9, 3]], [3, 3])  # row 1: no earlier match of (9, 3) or 3
+    assert draft.tokens[0].tolist() == [7, 8, 5] and draft.num_tokens == [3, 0] and draft.probs is None
+    seq[2] = 0  # the draft does not alias the caller's list
+    assert draft.tokens[0].tolist() == [7, 8, 5] and draft.tokens.dtype == torch.long
     assert drafter.num_forwards == 0
 
 
@@ -111,7 +112,3 @@ def test_host_matching_equals_tensor_matching():
             want = find_continuation(seq, 5, max_ngram, min_ngram).tolist()
             got = find_continuation(seq.numpy().astype(np.int64), 5, max_ngram, min_ngram)
             assert isinstance(got, np.ndarray) and got.tolist() == want, (trial, seq.tolist(), max_ngram)
-    drafter = PromptLookupDrafter()
-    seq = torch.tensor([[5, 6, 7, 8, 5, 6]])
-    draft = drafter.propose(seq, 3, host_sequence=seq[0].numpy().copy())
-    assert draft.tokens.tolist() == [7, 8, 5] and draft.tokens.dtype == torch.long

@@ -19,6 +19,7 @@ from selfspec_helpers import (  # noqa: F401  (one_thread is a fixture)
 )
 from specdecode import GenerationConfig, InvalidArgumentError, SpeculativeDecoder
 from specdecode.drafters import CascadeDrafter, DraftHead, DraftModelDrafter
+from specdecode.engine.batch_cache import BatchKVCache
 from specdecode.engine.sampling import Sampler
 from specdecode.errors import UnsupportedModelError
 
@@ -31,19 +32,20 @@ class Spy:
 
     def __init__(self, drafter) -> None:
         self.drafter, self.model_tokens = drafter, []
-        inner = drafter._model if isinstance(drafter, CascadeDrafter) else drafter
-        propose = inner.propose
+        propose = drafter.propose
 
-        def recording(sequence, max_tokens, exit_policy=None, first_logits=None):
-            draft = propose(sequence, max_tokens, exit_policy, first_logits)
-            self.model_tokens += draft.tokens.tolist()
+        def recording(sequences, max_tokens, exits=None, exit_rule="row"):
+            before = getattr(drafter, "num_ngram_tokens", 0)
+            draft = propose(sequences, max_tokens, exits, exit_rule)
+            m = getattr(drafter, "num_ngram_tokens", 0) - before  # one row: its n-gram tokens come first
+            self.model_tokens += draft.tokens[0, m : draft.num_tokens[0]].tolist()
             return draft
 
-        inner.propose = recording
+        drafter.propose = recording
 
 
 def _make(method: str, draft, head: DraftHead):
-    return CascadeDrafter(draft, head=head) if method == "cascade" else DraftModelDrafter(draft, head)
+    return CascadeDrafter(draft, head=head) if method == "cascade" else DraftModelDrafter(draft, head=head)
 
 
 # --- the head itself ---------------------------------------------------------------------------
@@ -207,14 +209,16 @@ def test_draft_probs_are_zero_outside_k():
     drafter = DraftModelDrafter(model, head=DraftHead.truncated([4, 8, 15, 16, 23, 42]))
     sampler = Sampler(GenerationConfig(temperature=1.0, seed=0), VOCAB, "cpu")
     prompt = torch.tensor([[5, 6, 7]])
-    drafter.begin(prompt[:, :2], sampler, None)  # the sequence's last token is fed by propose
-    draft = drafter.propose(prompt, 3)
-    assert draft.probs.shape == (3, VOCAB)
-    torch.testing.assert_close(draft.probs.sum(-1), torch.ones(3))
+    drafter.bind(BatchKVCache(model, 1, 16))
+    drafter.join(0, prompt[:, :2], sampler)  # the sequence's last token is fed by propose
+    draft = drafter.propose([prompt[0].tolist()], [3])
+    (q,) = draft.probs
+    assert q.shape == (3, VOCAB) and draft.num_tokens == [3]
+    torch.testing.assert_close(q.sum(-1), torch.ones(3))
     outside = torch.ones(VOCAB, dtype=torch.bool)
     outside[[4, 8, 15, 16, 23, 42]] = False
-    assert torch.all(draft.probs[:, outside] == 0)
-    assert set(draft.tokens.tolist()) <= {4, 8, 15, 16, 23, 42}
+    assert torch.all(q[:, outside] == 0)
+    assert set(draft.tokens[0].tolist()) <= {4, 8, 15, 16, 23, 42}
 
 
 # --- bad input -----------------------------------------------------------------------------------
@@ -241,7 +245,8 @@ def test_ids_past_the_head_or_the_target_vocabulary_are_refused():
         DraftModelDrafter(model, head=DraftHead.truncated([3, 48]))
     drafter = DraftModelDrafter(model, head=DraftHead.truncated([3, 40]))
     with pytest.raises(InvalidArgumentError, match=r"token id 40 is outside the target's vocabulary 0\.\.31"):
-        drafter.begin(torch.tensor([[5]]), Sampler(GenerationConfig(), 32, "cpu"), None)
+        drafter.bind(BatchKVCache(model, 1, 16))
+        drafter.join(0, torch.tensor([[5]]), Sampler(GenerationConfig(), 32, "cpu"))
 
 
 def test_a_model_without_an_output_embedding_is_refused():

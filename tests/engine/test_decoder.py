@@ -130,7 +130,15 @@ def test_kv_cache_after_rollback_equals_fresh_forward(arch):
             torch.testing.assert_close(got.keys[:1, :, length - kept : length], want.keys, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(got.values[:1, :, length - kept : length], want.values, rtol=1e-5, atol=1e-5)
         # The drafter's cache, too, holds exactly the confirmed tokens' entries, not a rejected one.
-        assert drafter._cache.get_seq_length() <= length
+        held = drafter._num_cached[0]
+        assert held <= length
+        fresh_draft = new_cache(drafter.model)
+        with torch.inference_mode():
+            drafter.model(seq[:, :held], past_key_values=fresh_draft, use_cache=True)
+        fresh_draft.crop(0)
+        for got, want in zip(drafter.cache.layers, fresh_draft.layers):
+            kept = want.keys.shape[-2]
+            torch.testing.assert_close(got.keys[:1, :, held - kept : held], want.keys, rtol=1e-5, atol=1e-5)
     assert rejections > 0
 
 

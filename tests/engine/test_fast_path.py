@@ -32,7 +32,8 @@ from specdecode import (
 )
 from specdecode.drafters.cascade import CascadeDrafter
 from specdecode.engine import kv_cache
-from specdecode.engine.fast_path import DRAFT_BUCKETS, STATIC_CACHE_STEP, ModelRunner, resolve_compile
+from specdecode.engine.decoder import CACHE_STEP
+from specdecode.engine.fast_path import ModelRunner, resolve_compile
 
 PROMPTS = [(0, 1), (1, 5), (2, 13), (3, 29)]  # (seed, length): 13 and 29 cross the sliding window of 6
 
@@ -42,24 +43,21 @@ def _prompt(length: int, seed: int) -> torch.Tensor:
 
 
 def _runners(target, draft, graphs: bool) -> dict:
-    return {
-        "target": ModelRunner(target, compile=True, graphs=graphs, name="target"),
-        "draft": ModelRunner(draft, compile=True, graphs=graphs, buckets=DRAFT_BUCKETS, name="draft"),
-        "skip": ModelRunner(target, compile=True, graphs=graphs, name="layer-skip"),
-    }
+    """The target's fast-path settings (drafters follow the round's)."""
+    return {"target": ModelRunner(target, compile=True, graphs=graphs, name="target")}
 
 
 def _drafters(target, draft, runners) -> dict:
     return {
         "autoregressive": lambda: None,
-        "draft": lambda: DraftModelDrafter(draft, runner=runners["draft"]),
-        "cascade": lambda: CascadeDrafter(draft, runner=runners["draft"]),
+        "draft": lambda: DraftModelDrafter(draft),
+        "cascade": lambda: CascadeDrafter(draft),
         # the draft context window (prompts 13 and 29 are longer) and the cascade's prompt limit
-        "draft-window": lambda: DraftModelDrafter(draft, runner=runners["draft"], context_window=4),
-        "cascade-window": lambda: CascadeDrafter(draft, runner=runners["draft"], context_window=4),
-        "cascade-limit": lambda: CascadeDrafter(draft, runner=runners["draft"], max_model_prompt_tokens=10),
-        "layer-skip": lambda: LayerSkipDrafter(target, SkipSet(attn=(1,), mlp=(1, 2)), runner=runners["skip"]),
-        "early-exit": lambda: EarlyExitDrafter(target, 2, runner=runners["skip"]),
+        "draft-window": lambda: DraftModelDrafter(draft, context_window=4),
+        "cascade-window": lambda: CascadeDrafter(draft, context_window=4),
+        "cascade-limit": lambda: CascadeDrafter(draft, max_model_prompt_tokens=10),
+        "layer-skip": lambda: LayerSkipDrafter(target, SkipSet(attn=(1,), mlp=(1, 2))),
+        "early-exit": lambda: EarlyExitDrafter(target, 2),
         "prompt-lookup": lambda: PromptLookupDrafter(),
     }
 
@@ -111,12 +109,14 @@ def test_static_cache_after_rollback_equals_fresh_forward(arch):
         rejections += len(next(rounds)) < 5
         confirmed = stream._row.tokens[:-1]
         n = len(confirmed)
-        fresh = kv_cache.StaticKVCache(target, 64)
+        fresh = kv_cache.new_cache(target)
         with torch.inference_mode():
             target(torch.tensor([confirmed]), past_key_values=fresh, use_cache=True)
+        fresh.crop(0)  # a sliding layer keeps its window's last positions
         for got, want in zip(dec._engine.cache.layers, fresh.layers):
-            torch.testing.assert_close(got.keys[:1, :, :n], want.keys[:, :, :n], rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(got.values[:1, :, :n], want.values[:, :, :n], rtol=1e-5, atol=1e-5)
+            kept = want.keys.shape[-2]
+            torch.testing.assert_close(got.keys[:1, :, n - kept : n], want.keys, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got.values[:1, :, n - kept : n], want.values, rtol=1e-5, atol=1e-5)
     assert rejections > 0
 
 
@@ -138,9 +138,8 @@ def test_interleaved_fast_path_streams_are_refused():
     """Two generations on one runner share its static cache: the older one must not go on silently."""
     target = make_tiny_model("llama")
     runner = ModelRunner(target, compile=True, graphs=False)
-    draft_runner = ModelRunner(perturbed_copy(target, 0.3), compile=True, graphs=False)
     config = GenerationConfig(max_new_tokens=10, num_speculative_tokens=3, stop_on_eos=False)
-    for drafter in (None, DraftModelDrafter(draft_runner.model, runner=draft_runner)):
+    for drafter in (None, DraftModelDrafter(perturbed_copy(target, 0.3))):
         dec = SpeculativeDecoder(target, drafter, runner=runner)
         first = iter(dec.stream(_prompt(5, 0), config))
         next(first)
@@ -149,20 +148,21 @@ def test_interleaved_fast_path_streams_are_refused():
             next(first)
 
 
-def test_runner_reuses_and_grows_its_cache():
+def test_the_one_row_engine_is_kept_and_grows_with_the_generation():
+    """The engine (its static cache, its compiled buckets) is kept while generations fit, and rebuilt
+    larger, with the same output, when one needs more positions."""
     target = make_tiny_model("llama", max_position_embeddings=4096)
     runner = ModelRunner(target, compile=True, graphs=False)
-    first = runner.new_cache(10)
-    assert first.capacity == STATIC_CACHE_STEP and runner.new_cache(STATIC_CACHE_STEP) is first
-    grown = runner.new_cache(STATIC_CACHE_STEP + 1)
-    assert grown is not first and grown.capacity == 2 * STATIC_CACHE_STEP
-    assert int(grown.position) == 0
-    # A generation longer than the first cache: it grows, and the output is unchanged.
+    dec = SpeculativeDecoder(target, runner=runner)
     prompt, config = _prompt(5, 1), GenerationConfig(max_new_tokens=8, stop_on_eos=False)
     eager = SpeculativeDecoder(target, compile=False).generate(prompt, config).token_ids
-    assert SpeculativeDecoder(target, runner=runner).generate(prompt, config).token_ids == eager
-    assert not kv_cache.is_static(kv_cache.new_cache(target))
-    assert not kv_cache.is_static(ModelRunner(target, compile=False).new_cache(10))
+    assert dec.generate(prompt, config).token_ids == eager
+    first = runner.one_row_engine
+    assert first.max_length == CACHE_STEP and dec.generate(_prompt(9, 2), config) and runner.one_row_engine is first
+    long = GenerationConfig(max_new_tokens=CACHE_STEP, stop_on_eos=False)
+    want = SpeculativeDecoder(target, compile=False).generate(prompt, long).token_ids
+    assert dec.generate(prompt, long).token_ids == want
+    assert runner.one_row_engine is not first and runner.one_row_engine.max_length == 2 * CACHE_STEP
 
 
 def test_compile_flag_and_defaults():
@@ -171,10 +171,6 @@ def test_compile_flag_and_defaults():
     assert resolve_compile(True, "cpu") is True
     with pytest.raises(InvalidArgumentError, match="compile must be True, False or None.*'yes'"):
         ModelRunner(model, compile="yes")
-    with pytest.raises(InvalidArgumentError, match=r"buckets must be integers >= 1, got \(0,\)"):
-        ModelRunner(model, compile=True, buckets=(0,))
-    with pytest.raises(InvalidArgumentError, match="capacity must be an integer >= 1, got 0"):
-        kv_cache.StaticKVCache(model, 0)
     assert SpeculativeDecoder(model).runner.compile is False  # CPU default
 
 
@@ -251,7 +247,7 @@ def test_compiled_speculative_sampling_matches_target_distribution(fresh_dynamo)
     index = {k: i for i, k in enumerate(keys)}
     want = torch.tensor([cells[k] for k in keys])
     runners = _runners(target, draft, graphs=True)
-    dec = SpeculativeDecoder(target, DraftModelDrafter(draft, runner=runners["draft"]), runner=runners["target"])
+    dec = SpeculativeDecoder(target, DraftModelDrafter(draft), runner=runners["target"])
     counts = torch.zeros(len(keys))
     accepted = 0
     for seed in range(N):

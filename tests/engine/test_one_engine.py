@@ -1,6 +1,6 @@
 """What the batched engine gained so that ``SpeculativeDecoder`` runs it with one row: the prompt
 cache (copied into a row's slot, only the rest of the prompt prefilled), a one-sequence drafter
-driven at B = 1 (``engine.one_row.OneRowDrafter``, the llama.cpp draft's form) that refuses more
+behind a one-sequence runner at B = 1 (the llama.cpp draft's form) that refuses more
 rows, and γ per generation."""
 
 from __future__ import annotations
@@ -12,10 +12,9 @@ import torch
 
 from conftest import make_tiny_model
 from helpers import perturbed_copy
-from specdecode import DraftModelDrafter, GenerationConfig, PromptLookupDrafter, SpeculativeDecoder
-from specdecode.drafters import DraftModelDrafter
+from specdecode import CascadeDrafter, DraftModelDrafter, GenerationConfig, PromptLookupDrafter, SpeculativeDecoder
+from specdecode.engine.kv_cache import new_cache
 from specdecode.engine.batched import BatchedSpeculativeDecoder
-from specdecode.engine.one_row import OneRowDrafter
 from specdecode.errors import InvalidArgumentError
 
 PROMPTS = [[5, 9, 12, 30, 41, 8, 11, 19, 7, 3], [13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24]]
@@ -78,25 +77,57 @@ def test_batched_prompt_cache_must_leave_a_token():
     assert not engine.has_work
 
 
-def test_one_row_drafter_refuses_more_rows():
+class _SequenceRunner:
+    """A one-sequence runner of a torch model, as ``LlamaCppTargetRunner`` is of a GGUF model: positions
+    held in one ``DynamicCache``, a forward at a lower start first drops what lies past it."""
+
+    name = "stand-in draft"
+    compile_time_s = 0.0
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.cache = None
+        self.calls: list[tuple[int, int]] = []  # (start, width)
+
+    @torch.inference_mode()
+    def prefill(self, ids):
+        self.cache = new_cache(self.model)
+        return self(ids, [0], 1)[0, -1]
+
+    @torch.inference_mode()
+    def __call__(self, ids, starts, logits_to_keep):
+        assert ids.shape[0] == 1 and len(starts) == 1
+        start = starts[0]
+        assert start <= self.cache.get_seq_length()
+        self.cache.crop(start - self.cache.get_seq_length())  # drop what lies past start
+        self.calls.append((start, ids.shape[1]))
+        return self.model(ids, past_key_values=self.cache, use_cache=True, logits_to_keep=logits_to_keep).logits
+
+
+def test_a_one_sequence_draft_refuses_more_rows():
     target = make_tiny_model("llama", num_layers=2)
-    drafter = OneRowDrafter(DraftModelDrafter(perturbed_copy(target, 0.3)), "llama.cpp's draft runs one sequence")
+    drafter = DraftModelDrafter(runner=_SequenceRunner(perturbed_copy(target, 0.3)),
+                                one_sequence_reason="llama.cpp's draft runs one sequence")
     with pytest.raises(InvalidArgumentError, match="max_batch_size is 4, but llama.cpp's draft runs one sequence"):
         BatchedSpeculativeDecoder(target, drafter, max_batch_size=4, max_length=64)
 
 
-@pytest.mark.parametrize("make", [lambda t: DraftModelDrafter(perturbed_copy(t, 0.3)), lambda t: PromptLookupDrafter()])
-def test_one_row_drafter_in_the_batched_engine(make):
-    """A one-sequence drafter driven by the batched engine at B = 1 gives target-only output."""
-    target = make_tiny_model("qwen2", num_layers=3)
+@pytest.mark.parametrize("cls", [DraftModelDrafter, CascadeDrafter])
+def test_a_one_sequence_draft_in_the_round(cls):
+    """A draft model behind a one-sequence runner (the llama.cpp draft's form) gives target-only output,
+    drafts the same blocks as the same model in torch, and its runner is rolled back by position."""
+    target = make_tiny_model("llama", num_layers=3)
+    draft = perturbed_copy(target, 0.5)
     config = GenerationConfig(max_new_tokens=20, num_speculative_tokens=4, stop_on_eos=False)
     prompt = PROMPTS[1] + PROMPTS[1][:6]
     expected = SpeculativeDecoder(target).generate(prompt, config).token_ids
-    engine = BatchedSpeculativeDecoder(target, OneRowDrafter(make(target)), max_batch_size=1, max_length=64,
-                                       num_speculative_tokens=4)
-    (result,) = engine.generate([prompt], config)
-    assert result.token_ids == expected
-    assert result.stats.num_drafted_tokens > 0
+    runner = _SequenceRunner(draft)
+    results = [SpeculativeDecoder(target, d).generate(prompt, config) for d in (cls(runner=runner), cls(draft))]
+    assert [r.token_ids for r in results] == [expected, expected]
+    assert results[0].stats.num_drafted_tokens == results[1].stats.num_drafted_tokens > 0
+    assert 0 < results[0].stats.num_accepted_tokens == results[1].stats.num_accepted_tokens < results[0].stats.num_drafted_tokens
+    # some forward started before the end of the previous one: a rollback by position
+    assert any(start < p_start + p_width for (p_start, p_width), (start, _) in zip(runner.calls, runner.calls[1:]))
 
 
 def test_gamma_per_generation():

@@ -1,6 +1,6 @@
-"""The batched cascade (``drafters.batched_cascade``): each row's greedy output equals target-only
+"""The cascade (``drafters.cascade``) over many rows: each row's greedy output equals target-only
 decoding (float32), n-gram tokens are checked, proposed and accepted, long-prompt rows get
-n-gram matches alone, and the blocks are the single-sequence cascade's."""
+n-gram matches alone, and ``generate`` proposes the batched engine's blocks at B = 1."""
 
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ from conftest import make_tiny_model
 from helpers import perturbed_copy
 from selfspec_helpers import REPETITIVE, exact_marginals, one_thread, violations  # noqa: F401 (a fixture)
 from specdecode import DraftControl, GenerationConfig, SpeculativeDecoder
-from specdecode.drafters import DraftModelDrafter, PromptLookupDrafter
-from specdecode.drafters import CascadeDrafter
+from specdecode.drafters import PromptLookupDrafter
 from specdecode.drafters.cascade import LONG_PROMPT_BLOCK, CascadeDrafter
 from specdecode.drafters.draft_head import DraftHead
 from specdecode.drafters.draft_model import DraftModelDrafter
@@ -74,19 +73,6 @@ def test_greedy_rows_equal_target_alone(arch):
             assert 0 < dec.stats.num_accepted_tokens < dec.stats.num_drafted_tokens, case
 
 
-class _SingleSpy(CascadeDrafter):
-    """Keeps every block the single-sequence cascade proposes."""
-
-    def __init__(self, *a, **k) -> None:
-        super().__init__(*a, **k)
-        self.blocks: list[list[int]] = []
-
-    def propose(self, sequence, max_tokens, exit_policy=None, **kwargs):
-        draft = super().propose(sequence, max_tokens, exit_policy, **kwargs)
-        self.blocks.append(draft.tokens.tolist())
-        return draft
-
-
 class _BatchSpy(CascadeDrafter):
     """Keeps every block of row 0."""
 
@@ -101,36 +87,23 @@ class _BatchSpy(CascadeDrafter):
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "mistral"])
-def test_blocks_are_the_single_sequence_cascades(arch):
-    """At B = 1 the batched cascade proposes the blocks ``CascadeDrafter`` does (its check feeds 4
-    tokens per forward, the batched one all candidates at once: same kept tokens on these float32
-    models), n-gram tokens kept by the check and followed by model tokens included."""
+def test_generate_and_the_batched_engine_propose_the_same_blocks(arch):
+    """The cascade under ``SpeculativeDecoder`` (``generate``) and under the batched engine at B = 1
+    proposes the same blocks, n-gram tokens kept by the check and followed by model tokens included."""
     target = make_tiny_model(arch, num_layers=3)
     draft = perturbed_copy(target, noise=0.3, seed=1)
     configs = _configs(num_speculative_tokens=4)
     for check, limit in ((True, None), (False, None), (True, LONG)):
-        single = _SingleSpy(draft, ngram_check=check, max_model_prompt_tokens=limit)
+        single = _BatchSpy(draft, ngram_check=check, max_model_prompt_tokens=limit)
         dec = SpeculativeDecoder(target, single, compile=False)
-        ngram = 0
         for p, c in zip(PROMPTS, configs):
             dec.generate(p, c)
-            ngram += single.num_ngram_tokens
+        ngram = single.num_ngram_tokens
         batched = _BatchSpy(draft, ngram_check=check, max_model_prompt_tokens=limit)
         bdec = BatchedSpeculativeDecoder(target, batched, max_batch_size=1, max_length=96, num_speculative_tokens=4)
         bdec.generate(PROMPTS, _configs())
         assert batched.blocks == single.blocks, (arch, check, limit)
         assert batched.num_ngram_tokens == ngram > 0, (arch, check, limit)
-
-
-class _SingleDraftSpy(DraftModelDrafter):
-    def __init__(self, *a, **k) -> None:
-        super().__init__(*a, **k)
-        self.blocks: list[list[int]] = []
-
-    def propose(self, sequence, max_tokens, exit_policy=None, first_logits=None):
-        draft = super().propose(sequence, max_tokens, exit_policy, first_logits)
-        self.blocks.append(draft.tokens.tolist())
-        return draft
 
 
 class _BatchDraftSpy(DraftModelDrafter):
@@ -147,14 +120,14 @@ class _BatchDraftSpy(DraftModelDrafter):
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
 def test_draft_context_window(arch):
     """A draft context window of 3 tokens (the draft model and the cascade): at B = 1 the blocks are
-    the single-sequence drafters' with the same window; at B = 3 (rows joining mid-flight) every row
+    the same under ``generate`` and the batched engine; at B = 3 (rows joining mid-flight) every row
     equals target-only decoding."""
     target = make_tiny_model(arch, num_layers=3)
     draft = perturbed_copy(target, noise=0.3, seed=1)
     configs = _configs(num_speculative_tokens=4)
     expected = _alone(target, PROMPTS, configs)
-    for single, batched in ((_SingleDraftSpy(draft, context_window=3), _BatchDraftSpy(draft, 3)),
-                            (_SingleSpy(draft, context_window=3), _BatchSpy(draft, context_window=3))):
+    for single, batched in ((_BatchDraftSpy(draft, 3), _BatchDraftSpy(draft, 3)),
+                            (_BatchSpy(draft, context_window=3), _BatchSpy(draft, context_window=3))):
         dec = SpeculativeDecoder(target, single, compile=False)
         assert [dec.generate(p, c).token_ids for p, c in zip(PROMPTS, configs)] == expected
         bdec = BatchedSpeculativeDecoder(target, batched, max_batch_size=1, max_length=96, num_speculative_tokens=4)
@@ -171,7 +144,7 @@ def test_draft_context_window(arch):
 @pytest.mark.parametrize("arch", ["qwen2", "gemma2"])
 def test_truncated_draft_head(arch):
     """FR-Spec's truncated head (K = 12 of 48 tokens) for the draft model and the cascade: at B = 1
-    the blocks are the single-sequence drafters' with the same head; at B = 3 every row equals
+    the blocks are the same under ``generate`` and the batched engine; at B = 3 every row equals
     target-only decoding, greedy, and sampling rows' q are zero outside the K tokens."""
     target = make_tiny_model(arch, num_layers=3)
     draft = perturbed_copy(target, noise=0.3, seed=1)
@@ -180,8 +153,8 @@ def test_truncated_draft_head(arch):
     common = sorted({t for out in expected for t in out})[:8]  # K tokens: some the target picks, some it never does
     ids = sorted({*common, 0, 1, 40, 41, 42, 43, 44, 45, 46, 47})[:12]
     head = DraftHead.truncated(ids)
-    for single, batched in ((_SingleDraftSpy(draft, head), _BatchDraftSpy(draft, head=head)),
-                            (_SingleSpy(draft, head=head), _BatchSpy(draft, head=head))):
+    for single, batched in ((_BatchDraftSpy(draft, head=head), _BatchDraftSpy(draft, head=head)),
+                            (_BatchSpy(draft, head=head), _BatchSpy(draft, head=head))):
         dec = SpeculativeDecoder(target, single, compile=False)
         assert [dec.generate(p, c).token_ids for p, c in zip(PROMPTS, configs)] == expected
         bdec = BatchedSpeculativeDecoder(target, batched, max_batch_size=1, max_length=96, num_speculative_tokens=4)
