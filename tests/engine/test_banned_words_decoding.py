@@ -385,9 +385,9 @@ class RecordingDrafter(DraftModelDrafter):
         super().__init__(model)
         self.proposed: list[list[int]] = []
 
-    def propose(self, sequence, max_tokens, exit_policy=None, **kwargs):
-        draft = super().propose(sequence, max_tokens, exit_policy, **kwargs)
-        self.proposed.append(draft.tokens.tolist())
+    def propose(self, sequences, max_tokens, exits=None, exit_rule="row"):
+        draft = super().propose(sequences, max_tokens, exits, exit_rule)
+        self.proposed.append(draft.tokens[0, : draft.num_tokens[0]].tolist())
         return draft
 
 

@@ -19,17 +19,19 @@ import json, os
 import torch
 from torch._dynamo.utils import counters
 from transformers import LlamaConfig, LlamaForCausalLM
-from specdecode.engine.fast_path import ModelRunner
+from specdecode.engine.batch_cache import BatchKVCache, FastPath, batch_prefill
+from specdecode.engine.batch_runner import BatchRunner
 
 torch.set_num_threads(1)
 torch.manual_seed(0)
 config = LlamaConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_attention_heads=4,
                      num_key_value_heads=2, num_hidden_layers=1, max_position_embeddings=64)
 model = LlamaForCausalLM(config).eval()
-runner = ModelRunner(model, compile=True, buckets=(1,))
-cache = runner.new_cache(8)
-runner(torch.tensor([[3, 4, 5]]), cache, 1)  # the prefill: eager
-logits = runner(torch.tensor([[6]]), cache, 1)  # width 1: compiled
+cache = BatchKVCache(model, 1, 16, fast=FastPath((1,), 1))
+runner = BatchRunner(model, cache, (1,), "target model")
+with torch.inference_mode():
+    batch_prefill(model, cache, torch.tensor([[3, 4, 5]]), 0)  # the prefill: eager
+    logits = runner(torch.tensor([[6]]), [3], 1)  # width 1: compiled
 print(json.dumps({"dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR"), "compile_time_s": runner.compile_time_s,
                   "hits": counters["inductor"]["fxgraph_cache_hit"],
                   "misses": counters["inductor"]["fxgraph_cache_miss"],

@@ -230,13 +230,15 @@ def test_ids_outside_the_vocabulary_are_refused_at_the_start():
 class _RawDrafter(DraftModelDrafter):
     """A draft model that ignores the processors (its sampler's ``drafting`` gives None)."""
 
-    def propose(self, sequence, max_tokens, exit_policy=None, first_logits=None):
-        sampler = self._sampler
-        sampler.drafting = lambda seq: None  # an instance attribute: this generation's sampler only
+    def propose(self, sequences, max_tokens, exits=None, exit_rule="row"):
+        samplers = [s for s in self._samplers[: len(sequences)] if s is not None]
+        for sampler in samplers:
+            sampler.drafting = lambda seq: None  # an instance attribute: this generation's samplers only
         try:
-            return super().propose(sequence, max_tokens, exit_policy, first_logits)
+            return super().propose(sequences, max_tokens, exits, exit_rule)
         finally:
-            del sampler.drafting
+            for sampler in samplers:
+                del sampler.drafting
 
 
 def test_the_draft_models_q_gets_the_processors_on_its_own_context():
@@ -265,15 +267,14 @@ def test_processors_add_no_host_sync_to_a_round(method):
     processor still reads the device once (``test_host_syncs``'s counter and bound)."""
     from test_host_syncs import SyncCounter
 
-    from specdecode.engine.fast_path import DRAFT_BUCKETS, ModelRunner
+    from specdecode.engine.fast_path import ModelRunner
 
     target = make_tiny_model("llama", num_layers=2)
     draft = perturbed_copy(target, noise=0.3, seed=1)
     target_runner = ModelRunner(target, compile=True, graphs=False, name="target")
     drafter = {
         "autoregressive": lambda: None,
-        "draft": lambda: DraftModelDrafter(draft, runner=ModelRunner(draft, compile=True, graphs=False,
-                                                                      buckets=DRAFT_BUCKETS, name="draft")),
+        "draft": lambda: DraftModelDrafter(draft),
         "prompt-lookup": lambda: PromptLookupDrafter(),
     }[method]()
     config = GenerationConfig(max_new_tokens=30, num_speculative_tokens=4, stop_on_eos=False, **PROCESSORS["all"])

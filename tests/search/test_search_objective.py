@@ -32,13 +32,13 @@ from selfspec_helpers import prompt_ids  # noqa: E402
 class RecordingDrafter(LayerSkipDrafter):
     """A layer-skip drafter that records each block: (sequence length, drafted tokens)."""
 
-    def begin(self, prompt_ids, sampler, target_cache):
-        super().begin(prompt_ids, sampler, target_cache)
+    def join(self, slot, prompt_ids, sampler):
+        super().join(slot, prompt_ids, sampler)
         self.blocks = []
 
-    def propose(self, sequence, max_tokens, exit_policy=None, **kwargs):
-        draft = super().propose(sequence, max_tokens, exit_policy, **kwargs)
-        self.blocks.append((int(sequence.shape[1]), draft.tokens.tolist()))
+    def propose(self, sequences, max_tokens, exits=None, exit_rule="row"):
+        draft = super().propose(sequences, max_tokens, exits, exit_rule)
+        self.blocks.append((len(sequences[0]), draft.tokens[0, : draft.num_tokens[0]].tolist()))
         return draft
 
 

@@ -214,12 +214,6 @@ class BoundDraftHead:
                 "be truncated"
             )
 
-    def token(self, sampler: Sampler, logits: torch.Tensor) -> torch.Tensor:
-        """Greedy draft tokens. ``logits``: (m, K) (or (m, V') for the full head) -> (m,) long vocabulary ids."""
-        if self.ids is None:
-            return sampler.argmax(logits)
-        return self.ids[logits.argmax(dim=-1)]
-
     def probs(self, sampler: Sampler, logits: torch.Tensor) -> torch.Tensor:
         """The draft distribution q: (m, K) logits -> (m, V) float32, zero outside the K ids.
 

@@ -100,15 +100,21 @@ class DraftModelDrafter(Drafter):
                 )
             self.runner = self._sequence_runner
         else:
-            self.cache = BatchKVCache(
-                self.model,
-                target_cache.num_slots,
-                target_cache.capacity,
-                prefill_chunk_tokens=target_cache.prefill_chunk_tokens,
-                prefill_pad_multiple=target_cache.prefill_pad_multiple,
-                fast=target_cache.fast,
-            )
-            self.runner = BatchRunner(self.model, self.cache, (1, 2), self.who)
+            # Drafters of this model (and head) on one target cache share the draft cache and its
+            # compiled buckets: decoders that alternate on a generator's cache compile once.
+            key = ("draft model", id(self.model), None if self.head.ids is None else id(self.head.ids))
+            shared = target_cache.shared.get(key)
+            if shared is None:
+                cache = BatchKVCache(
+                    self.model,
+                    target_cache.num_slots,
+                    target_cache.capacity,
+                    prefill_chunk_tokens=target_cache.prefill_chunk_tokens,
+                    prefill_pad_multiple=target_cache.prefill_pad_multiple,
+                    fast=target_cache.fast,
+                )
+                shared = target_cache.shared[key] = (cache, BatchRunner(self.model, cache, (1, 2), self.who))
+            self.cache, self.runner = shared
         self._device = target_cache.device
         self._num_cached = [0] * target_cache.num_slots
         self._offsets = [0] * target_cache.num_slots
