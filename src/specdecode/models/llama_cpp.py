@@ -231,7 +231,7 @@ class LlamaCppModel:
         self.name = name or self.path.name
         self.llama_cpp = import_llama_cpp(f"the llama.cpp {self.role} {self.name!r}")
         self.n_threads = n_threads if n_threads is not None else torch.get_num_threads()
-        self.generation = 0  # the generation that owns the context (LlamaCppModelRunner.new_cache)
+        self.generation = 0  # the generation that owns the context (LlamaCppTargetRunner.prefill)
         self._load(CONTEXT_STEP)
         lib = self.llama_cpp
         model = self._llm.model
