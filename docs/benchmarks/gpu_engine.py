@@ -52,7 +52,7 @@ What it prints (each as a Markdown table; warm-up and compilation seconds apart 
    single-sequence table again.
 
 Time on an H100 (estimated from the 2026-11-25 figures of the GPU README): loading about 15 s once
-the dense copies exist, 60-120 s for the first de-quantization; forwards: 7 widths of 26-43 s of
+the dense copies exist, 60-120 s for the first de-quantization; forwards: 6 buckets of 26-43 s of
 compilation each with inductor's disk cache cold, 8-14 s warm (a second run on the same machine);
 single: 16 prompts x 5 methods x 128 tokens at 190-490 tok/s, about 50 s, plus about 40 s to compile
 ``hf-generate-static``; batched, eager, about 90 s; baselines about 75 s. Warm about 330 s; all cold

@@ -274,8 +274,7 @@ def test_the_context_grows_and_keeps_what_it_held(monkeypatch):
     grown = runner.forward(ids[250:], 250, 3)  # past 256 positions: the small one reloads and re-encodes
     assert small.n_ctx >= 270 and runner.tokens == ids
     reference_runner = draft_runner(large)
-    reference_runner.prefill(ids[:150])
-    reference_runner.forward(ids[150:250], 150, 1)
+    reference_runner.prefill(ids[:250])  # the batches of the grown one: its re-encode is one batch of 250
     reference = reference_runner.forward(ids[250:], 250, 3)
     assert torch.allclose(grown, reference, atol=1e-2, rtol=1e-3)
     assert torch.equal(grown.argmax(-1), reference.argmax(-1))
@@ -365,10 +364,12 @@ def test_llama_cpp_draft_samples_with_its_own_distribution(gemma_pair):
         del drafter.propose
     assert decoder.generate(ids, config).token_ids == first
     assert blocks
-    for d in blocks:
-        assert d.probs is not None and d.probs.shape[0] == len(d)
-        assert torch.allclose(d.probs.sum(-1), torch.ones(len(d)), atol=1e-4)
-        assert all(float(d.probs[i, t]) > 0 for i, t in enumerate(d.tokens.tolist()))
+    for d in blocks:  # one row: its k tokens and their (k, V) distributions
+        assert d.probs is not None and len(d.probs) == 1 and len(d.num_tokens) == 1
+        q, k = d.probs[0], d.num_tokens[0]
+        assert k >= 1 and q.shape == (k, drafter.runner.vocab_size)
+        assert torch.allclose(q.sum(-1), torch.ones(k), atol=1e-4)
+        assert all(float(q[i, t]) > 0 for i, t in enumerate(d.tokens[0, :k].tolist()))
 
 
 @pytest.mark.real_model
