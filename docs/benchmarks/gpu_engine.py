@@ -27,19 +27,21 @@ the offline models (every section end to end, tiny settings)::
 
 What it prints (each as a Markdown table; warm-up and compilation seconds apart from timed runs):
 
-1. ``forwards``: ms per forward through ``specdecode.engine.fast_path.ModelRunner`` (the generator's own
-   runners, so the graphs compiled here serve every later section) at every compiled width: target
-   1, γ + 1 and the adaptive exit's longest block + 1; draft ``DRAFT_BUCKETS``. After ``--context``
-   (300) tokens; ``--repeats`` calls between ``torch.cuda.synchronize()``s, after 3 untimed ones.
+1. ``forwards``: ms per forward through the round's runners (``specdecode.engine.batch_runner.BatchRunner``)
+   of the ``draft`` method's one-row engine, sized for the longest prompt before ``single`` runs on it:
+   the target at its widths 1 and γ + 1 (with the adaptive methods, also the adaptive engine's
+   target at its longest block + 1), the draft model at 1 and 2. After ``--context`` (300) tokens
+   in slot 0; ``--repeats`` calls at the same position (the static cache: each call overwrites the
+   last) between ``torch.cuda.synchronize()``s, after 3 untimed ones.
 2. ``single``: greedy, ``--max-new-tokens`` (128), ``--prompts`` (8) held-out code prompts
    (HumanEval-style stubs, continued raw) and 8 prose prompts (MT-bench-style, chat template), whole
    prompt timed: ``hf-generate-static`` and our fast-path methods. tok/s, × compiled
    ``autoregressive``, acceptance rate α and τ (tokens per target forward, bonus counted).
 3. ``rounds``: per method, ms per round (decode time / target forwards) and its overhead: the round
-   minus the cost of the forwards it ran, each priced at the cost measured in 1. for its width
-   (compiled bucket). The forwards are counted by wrapping ``ModelRunner.__call__`` during the timed
-   runs (restored after; about 1 µs a call), the first call of each runner per generation being its
-   prefill; if that count disagrees with the stats, it falls back to the stats (target forwards
+   minus the cost of the forwards it ran, each priced at the cost measured as in 1. on the runner that
+   ran it, for its width (its compiled bucket). The forwards are counted by wrapping
+   ``BatchRunner.__call__`` during the timed runs (restored after; about 1 µs a call; prefills do not go
+   through it); if that count disagrees with the stats, it falls back to the stats (target forwards
    priced by block size from ``drafted_by_position``, decode-phase draft forwards at width 1)
    and says so in the table's last column.
 4. ``batched``: total tok/s at B = 1, 8, 32 for autoregressive, draft and prompt-lookup on up to 32
@@ -50,7 +52,7 @@ What it prints (each as a Markdown table; warm-up and compilation seconds apart 
    single-sequence table again.
 
 Time on an H100 (estimated from the 2026-11-25 figures of the GPU README): loading about 15 s once
-the dense copies exist, 60-120 s for the first de-quantization; forwards: 7 widths of 26-43 s of
+the dense copies exist, 60-120 s for the first de-quantization; forwards: 6 buckets of 26-43 s of
 compilation each with inductor's disk cache cold, 8-14 s warm (a second run on the same machine);
 single: 16 prompts x 5 methods x 128 tokens at 190-490 tok/s, about 50 s, plus about 40 s to compile
 ``hf-generate-static``; batched, eager, about 90 s; baselines about 75 s. Warm about 330 s; all cold
@@ -234,21 +236,17 @@ def compile_shim(enabled: bool):
 
 
 class ForwardLog:
-    """Every ``ModelRunner`` call while ``recording``: (runner, tokens). Wraps the class's ``__call__``
-    and restores it in ``finally``."""
+    """Every decode-time forward of the round while ``recording``: (runner, tokens). Wraps
+    ``BatchRunner.__call__`` (the target's and a draft model's runners; prefills bypass it) and
+    restores it in ``finally``."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[object, int]] = []
         try:
-            from specdecode.engine.fast_path import ModelRunner
-        except ImportError:
-            ModelRunner = None
-        self.runner_class = ModelRunner
-        try:  # SpeculativeDecoder runs the batched round with one row: its target forwards go here
             from specdecode.engine.batch_runner import BatchRunner
         except ImportError:
             BatchRunner = None
-        self.batch_class = BatchRunner
+        self.runner_class = BatchRunner
 
     @contextlib.contextmanager
     def recording(self):
@@ -256,31 +254,28 @@ class ForwardLog:
             yield
             return
         original, calls = self.runner_class.__call__, self.calls
-        batch_original = self.batch_class.__call__ if self.batch_class is not None else None
 
         def call(runner, ids, *args, **kwargs):
             calls.append((runner, int(ids.shape[1])))
             return original(runner, ids, *args, **kwargs)
 
-        def batch_call(runner, ids, *args, **kwargs):  # decode-time only (prefills bypass it)
-            calls.append((runner, int(ids.shape[1]), "batch"))
-            return batch_original(runner, ids, *args, **kwargs)
-
         self.runner_class.__call__ = call
-        if self.batch_class is not None:
-            self.batch_class.__call__ = batch_call
         try:
             yield
         finally:
             self.runner_class.__call__ = original
-            if self.batch_class is not None:
-                self.batch_class.__call__ = batch_original
+
+
+def is_target(runner) -> bool:
+    """Whether a round's runner runs the target (the engine names it so; a draft's is "draft model")."""
+    return getattr(runner, "name", "") == "target model"
 
 
 def priced_width(runner, width: int) -> int:
-    """The width a forward over ``width`` tokens is priced at: its compiled bucket, else itself (eager)."""
-    if getattr(runner, "compile", False):
-        return next((b for b in getattr(runner, "buckets", ()) if b >= width), width)
+    """The width a forward over ``width`` tokens is priced at: its compiled bucket on the fast path (the
+    smallest of the runner's widths that holds it), else itself (eager, or wider than every bucket)."""
+    if getattr(runner, "fast", None) is not None:
+        return next((b for b in getattr(runner, "widths", ()) if b >= width), width)
     return width
 
 
@@ -331,7 +326,7 @@ class Run:
         self.device = gen.target.model.device
         self.deadline = start + args.budget_s
         self.costs: dict[tuple[int, int], float] = {}  # (id(runner), priced width) -> ms per forward
-        self.runner_names: dict[int, str] = {}
+        self.decoders: dict[tuple, object] = {}  # (base method, adaptive, fast) -> SpeculativeDecoder
         self.tallies: dict[str, dict[str, Tally]] = {}
         self.warmups: dict[str, float] = {}
         self.skipped: list[str] = []
@@ -340,6 +335,7 @@ class Run:
         self.batched: dict[tuple[str, int], dict] = {}  # (method, B) -> results
         self.log = ForwardLog()
         self._encoded: dict = {}
+        self._runners: dict[str, object] | None = None
 
     def compile(self) -> bool:
         return not self.args.no_compile
@@ -360,13 +356,40 @@ class Run:
             self._encoded[key] = [self.gen.encode(p, chat=chat) for p in prompts]
         return self._encoded[key]
 
+    def decoder(self, base: str, adaptive: bool, fast: bool):
+        """The ``SpeculativeDecoder`` of a method, made once: its drafter (a draft model's cache and compiled
+        widths) and one-row engine serve every section."""
+        key = (base, adaptive, fast)
+        if key not in self.decoders:
+            control = DraftControl(adaptive_exit=True) if adaptive else None
+            self.decoders[key] = self.gen.decoder(base, draft_control=control, compile=fast and self.compile())
+        return self.decoders[key]
+
+    def engine(self, base: str, adaptive: bool):
+        """The fast-path decoder's one-row engine of a method, made now if need be, sized for the longest
+        prompt and ``--max-new-tokens`` (so ``single`` runs on the same engine, cache and graphs)."""
+        dec = self.decoder(base, adaptive, True)
+        longest = max(int(t.shape[1]) for k in ("code", "prose", "warmup") for t in self.encoded(k))
+        config = GenerationConfig(max_new_tokens=self.args.max_new_tokens, num_speculative_tokens=self.args.gamma)
+        return dec._engine_for(config, longest)
+
     def runners(self) -> dict[str, object]:
-        """The generator's target and draft runners (the decoders of ``single`` use the same ones)."""
-        out = {"target": self.gen.runner("target", self.compile())}
-        if self.gen.draft is not None:
-            out["draft"] = self.gen.runner("draft", self.compile(), 0)
-        for name, r in out.items():
-            self.runner_names[id(r)] = name
+        """The round's runners ``forwards`` measures: the target's and the draft model's ``BatchRunner`` of
+        the ``draft`` method's one-row engine (``autoregressive``'s without a draft model), and with an
+        adaptive method, the target's of ``draft+adaptive``'s engine (wider verifications). Made once and
+        kept (a later engine of the same decoder has runners of its own; these still measure as they did)."""
+        if self._runners is not None:
+            return self._runners
+        speculative = self.gen.draft is not None
+        engine = self.engine("draft" if speculative else "autoregressive", False)
+        out = {"target": engine.runner}
+        if speculative:
+            out["draft"] = engine.drafter.runner
+            if any(m in self.args.methods for m in ("draft+adaptive", "cascade+adaptive")):
+                adaptive = self.engine("draft", True).runner
+                if adaptive is not engine.runner:
+                    out["target (adaptive)"] = adaptive
+        self._runners = out
         return out
 
 
@@ -375,60 +398,54 @@ class Run:
 
 @torch.inference_mode()
 def forward_ms(run: Run, runner, width: int, keep: int = 1) -> tuple[float, float]:
-    """(ms per forward over ``width`` tokens after ``--context`` cached, seconds of first calls)."""
-    args, device = run.args, run.device
+    """(ms per forward over ``width`` tokens after ``--context`` cached, seconds of first calls).
+
+    ``runner`` is a round's ``BatchRunner``: the context is prefilled into slot 0 of its cache (shortened
+    to fit the slot), then each call writes ``width`` tokens at the position after it, overwriting the
+    last call's (a static cache: no rollback to run). The slot holds garbage afterwards, which the next
+    generation's prefill overwrites.
+    """
+    from specdecode.engine.batch_cache import batch_prefill
+
+    args, device, cache = run.args, run.device, runner.cache
     vocab = runner.model.config.get_text_config(decoder=True).vocab_size
-    ids = torch.randint(3, min(vocab, 5000), (1, args.context), device=device)
-    cache = runner.new_cache(args.context + max(width, 16) + 16)
-    runner(ids, cache, 1)  # the prefill (eager)
-    from specdecode.engine.kv_cache import truncate
-
-    def reset():
-        truncate(cache, args.context)
-
+    context = max(1, min(args.context, cache.capacity - width))
+    ids = torch.randint(3, min(vocab, 5000), (1, context), device=device)
+    batch_prefill(runner.model, cache, ids, 0)
     keep = min(keep, width)
-    x = ids[:, :width].contiguous()
+    x = ids[:, :width].contiguous() if width <= context else ids[:, -1:].expand(1, width).contiguous()
     c0, t0 = runner.compile_time_s, time.perf_counter()
     for _ in range(3):
-        runner(x, cache, keep)
-        reset()
+        runner(x, [context], keep)
     sync(device)
-    first_s = runner.compile_time_s - c0 if runner.compile else time.perf_counter() - t0
+    first_s = runner.compile_time_s - c0 if runner.fast is not None else time.perf_counter() - t0
     t0 = time.perf_counter()
     for _ in range(args.repeats):
-        runner(x, cache, keep)
-        reset()
+        runner(x, [context], keep)
     sync(device)
     return 1000 * (time.perf_counter() - t0) / args.repeats, first_s
 
 
 def measure(run: Run, runner, width: int) -> float:
-    """The cost of a forward over ``width`` tokens: as measured by ``forwards``, else measured now."""
+    """The cost of a forward over ``width`` tokens on ``runner``: as measured by ``forwards``, else now."""
     key = (id(runner), priced_width(runner, width))
     if key not in run.costs:
-        keep = key[1] if run.runner_names.get(id(runner)) == "target" else 1
+        keep = key[1] if is_target(runner) else 1
         run.costs[key], _ = forward_ms(run, runner, key[1], keep)
     return run.costs[key]
 
 
 def section_forwards(run: Run) -> None:
-    from specdecode.engine.fast_path import DRAFT_BUCKETS
-
     args, runners = run.args, run.runners()
-    target_widths = {1, args.gamma + 1}
-    if any(m in args.methods for m in ("draft+adaptive", "cascade+adaptive")):
-        target_widths.add(DraftControl(adaptive_exit=True).max_draft_tokens + 1)
-    runners["target"].with_buckets(tuple(sorted(target_widths)))
-    widths = {"target": sorted(target_widths | set(runners["target"].buckets if run.compile() else ()))}
-    if "draft" in runners:
-        widths["draft"] = sorted(set(DRAFT_BUCKETS) | set(runners["draft"].buckets if run.compile() else ()))
     rows = []
-    for name, ws in widths.items():
-        for w in ws:
+    for name, runner in runners.items():
+        # its compiled widths; eager, the widths the rounds run most (one step, a verification, a first feed)
+        widths = sorted(set(runner.widths) | ({1, args.gamma + 1} if name == "target" else set()))
+        for w in widths:
             if run.over_budget(f"forwards: {name} width {w}"):
                 continue
-            ms, first_s = forward_ms(run, runners[name], w, w if name == "target" else 1)
-            run.costs[(id(runners[name]), priced_width(runners[name], w))] = ms
+            ms, first_s = forward_ms(run, runner, w, w if is_target(runner) else 1)
+            run.costs[(id(runner), priced_width(runner, w))] = ms
             rows.append([name, w, fmt(ms, 2), fmt(ms / w, 3), fmt(first_s, 1)])
             say(f"  {name} width {w}: {ms:.2f} ms (first calls {first_s:.1f} s)")
     mode = "compiled (fast path)" if run.compile() else "eager (--no-compile)"
@@ -460,8 +477,7 @@ def method_runner(run: Run, kind: str, base: str, adaptive: bool, fast: bool) ->
                         target_forwards=r["target_forwards"], tokens_from_forwards=n, warmup_s=0.0)
 
         return generate_hf
-    control = DraftControl(adaptive_exit=True) if adaptive else None
-    dec = gen.decoder(base, draft_control=control, compile=fast and run.compile())
+    dec = run.decoder(base, adaptive, fast)
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, num_speculative_tokens=args.gamma)
 
     def generate_ours(ids, max_new_tokens):
@@ -476,7 +492,7 @@ def method_runner(run: Run, kind: str, base: str, adaptive: bool, fast: bool) ->
                     drafted=s.num_drafted_tokens, accepted=s.num_accepted_tokens, target_forwards=s.num_target_forwards,
                     tokens_from_forwards=s.num_tokens_from_forwards, draft_forwards=s.num_draft_forwards,
                     decode_s=s.decode_time_s, drafted_by_position=list(s.drafted_by_position),
-                    calls=list(run.log.calls), target_runner=dec.runner)
+                    calls=list(run.log.calls))
 
     return generate_ours
 
@@ -493,19 +509,10 @@ def add_outcome(t: Tally, out: dict, index: int) -> None:
     t.drafted_by_position += [0] * (len(dbp) - len(t.drafted_by_position))
     for i, v in enumerate(dbp):
         t.drafted_by_position[i] += v
-    seen = set()
-    for runner, width, *batch in out.get("calls", ()):
-        if batch:  # the one-row round's target runner (BatchRunner): priced as the target's forwards
-            target = out["target_runner"]
-            if getattr(runner, "name", "") != "target model" or runner.model is not getattr(target, "model", None):
-                continue
-            runner = target
-        elif id(runner) not in seen:  # a runner's first call in a generation is its prefill
-            seen.add(id(runner))
-            continue
+    for runner, width in out.get("calls", ()):  # decode-time forwards only (prefills bypass the runners)
         key = (runner, priced_width(runner, width))
         t.decode_calls[key] = t.decode_calls.get(key, 0) + 1
-        if runner is out["target_runner"]:
+        if is_target(runner):
             t.counted_target += 1
 
 
@@ -597,7 +604,6 @@ def section_rounds(run: Run) -> None:
                for t in run.tallies.get(n, {}).values()):
         say("no single-sequence runs yet: running the fast-path methods on the prompts first")
         run_methods(run, slow=False)
-    runners = run.runners()
     rows = []
     for name in ("autoregressive", "draft", "draft+adaptive", "cascade+adaptive", "prompt-lookup"):
         for s in SETS:
@@ -608,11 +614,12 @@ def section_rounds(run: Run) -> None:
             if run.log.runner_class is not None and t.counted_target == t.target_forwards:
                 how = "counted"
                 fwd_ms = sum(n * measure(run, r, w) for (r, w), n in t.decode_calls.items())
-                draft_n = sum(n for (r, w), n in t.decode_calls.items() if r is runners.get("draft"))
+                draft_n = sum(n for (r, w), n in t.decode_calls.items() if not is_target(r))
                 if t.draft_forwards and draft_n != t.draft_forwards:  # stats: decode-phase draft forwards
                     how += f" (stats: {t.draft_forwards} draft forwards)"
             else:  # price from the stats: blocks of k drafted tokens -> a target forward over k + 1 tokens
                 how = f"stats (counted {t.counted_target} target forwards, stats {t.target_forwards})"
+                runners = run.runners()
                 dbp, target = t.drafted_by_position, runners["target"]
                 sizes = {k + 1: dbp[k] - (dbp[k + 1] if k + 1 < len(dbp) else 0) for k in range(len(dbp))}
                 sizes[0] = t.target_forwards - (dbp[0] if dbp else 0)

