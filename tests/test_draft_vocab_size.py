@@ -52,7 +52,7 @@ def test_make_drafter_builds_the_truncated_head(generator, small_corpus):
     # the 3 special tokens, then the corpus's most frequent words: w5 (3x), w9 (2x), then w7 w12 w30 (ties: lower id)
     assert d.head.ids.tolist() == [0, 1, 2, 5, 7, 9, 12, 30]
     c = gen.make_drafter("cascade", draft_vocab_size=8, prompt_lookup_max_ngram=2)
-    assert isinstance(c, CascadeDrafter) and torch.equal(c._model.head.ids, d.head.ids)
+    assert isinstance(c, CascadeDrafter) and torch.equal(c.head.ids, d.head.ids)
     assert len(small_corpus) == 1  # counted once per generator
     for k in (None, 0):
         assert gen.make_drafter("draft", draft_vocab_size=k).head.ids is None
@@ -103,7 +103,7 @@ def test_bench_method_option(generator, small_corpus):
     spec = MethodSpec.parse("cascade:draft_vocab_size=6+adaptive")
     assert spec.options == {"draft_vocab_size": 6}
     dec = build_decoder(generator, spec.base, {**spec.options, "draft_control": spec.draft_control})
-    assert isinstance(dec, SpeculativeDecoder) and dec.drafter._model.head.size == 6
+    assert isinstance(dec, SpeculativeDecoder) and dec.drafter.head.size == 6
     with pytest.raises(InvalidArgumentError, match="not to 'prompt-lookup'"):
         build_decoder(generator, "prompt-lookup", MethodSpec.parse("prompt-lookup:draft_vocab_size=6").options)
 

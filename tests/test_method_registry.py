@@ -93,11 +93,12 @@ def test_the_batched_cascade_is_built_with_its_options():
         gen.batch_decoder("cascade", max_model_prompt_tokens=0)
 
 
-def test_unknown_methods_and_methods_without_a_batch_mode(generator):
-    with pytest.raises(InvalidArgumentError, match="'medusa' has no batch mode; allowed with a batch: autoregressive, "
+def test_unknown_methods_and_every_method_has_a_batch_mode(generator):
+    assert pipeline.BATCH_METHODS == pipeline.METHODS  # one drafter per method, for one row or many
+    with pytest.raises(InvalidArgumentError, match="unknown method 'medusa'; allowed: autoregressive, "
                                                    "draft, cascade, layer-skip, early-exit, prompt-lookup"):
         generator.batch_decoder("medusa")
-    with pytest.raises(InvalidArgumentError, match="batched method 'cascade' needs a draft model"):
+    with pytest.raises(InvalidArgumentError, match="method 'cascade' needs a draft model"):
         generator.batch_decoder("cascade")
     with pytest.raises(InvalidArgumentError, match="unknown method 'medusa'; allowed: autoregressive, draft"):
         generator.make_drafter("medusa")

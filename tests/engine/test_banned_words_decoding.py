@@ -36,7 +36,6 @@ from specdecode import (
     SkipSet,
     SpeculativeDecoder,
 )
-from specdecode.engine import kv_cache
 from specdecode.engine.banned_words import read_banned_words
 
 EOS = 2
@@ -425,7 +424,9 @@ def masked_greedy_reference(model, prompt: list[int], n: int, forbidden: dict[in
     return seq[len(prompt) :]
 
 
-def test_greedy_with_banned_words_equals_masked_reference(arch, monkeypatch):
+def test_greedy_with_banned_words_equals_masked_reference(arch):
+    """Rollbacks past the sliding window (6) too: the target's and the draft's batch caches keep every
+    position, so nothing is re-encoded."""
     target = make_tiny_model(arch)
     draft = make_tiny_model(arch, num_layers=1, seed=7)
     tok = make_tiny_tokenizer()
@@ -438,19 +439,8 @@ def test_greedy_with_banned_words_equals_masked_reference(arch, monkeypatch):
     words = (tok.decode(plain[7:9]), tok.decode(plain[20:22]))
     config = dataclasses.replace(base, banned_words=words)
 
-    emptied = []
-    real_rollback = kv_cache.rollback
-
-    def spy(cache, num_cached, num_valid):
-        got = real_rollback(cache, num_cached, num_valid)
-        if got < min(num_cached, num_valid):
-            emptied.append((num_cached, num_valid))
-        return got
-
-    monkeypatch.setattr(kv_cache, "rollback", spy)
     outputs = {}
     for method in METHODS:
-        emptied.clear()
         dec = SpeculativeDecoder(target, make_drafter(method, target, draft), eos_token_ids=[EOS], tokenizer=tok)
         stream, text, prefixes = run_stream(dec, prompt, config, tokenizer=tok)
         assert stream.stats.num_banned_word_rollbacks > 0, method
@@ -461,9 +451,6 @@ def test_greedy_with_banned_words_equals_masked_reference(arch, monkeypatch):
         assert_masks_respected(stream)
         expected = masked_greedy_reference(target, prompt, n, stream.forbidden_tokens)
         assert stream.token_ids == expected, (arch, method, words, stream.forbidden_tokens)
-        if arch in ("mistral", "gemma2", "gemma3") and method == "draft-model":
-            # The target's batch cache keeps every position; the draft model's cropped cache cannot.
-            assert emptied, "a banned-word rollback past the sliding window should have emptied the draft's cache"
         outputs[method] = stream.token_ids
     assert len({tuple(v) for v in outputs.values()}) == 1, outputs
 

@@ -2,7 +2,7 @@
 
 Each round (Medusa's four steps, for every active row at once):
 
-1. **draft**: the batch drafter (``engine.protocol.Drafter``) proposes k_b <= γ
+1. **draft**: the drafter (``engine.protocol.Drafter``, batch-native) proposes k_b <= γ
    tokens per row; rows may draft different numbers (prompt lookup finds no match,
    adaptive draft exit stops a row, a row is near its length budget);
 2. **verify**: ONE target forward over (n, K + 1), K = max k_b: row b feeds its pending
