@@ -65,6 +65,7 @@ DRAFT_BACKENDS = ("torch", "llama-cpp")
 #: ``max_verify_tokens`` of batched decoding on a CPU: Qwen2.5-Coder 1.5B in bf16 on a 2-core
 #: AVX512-BF16 EPYC verified up to 12 tokens in about one step (160-170 ms) and 16 in 287 ms
 #: (``docs/benchmarks/batched_forward_cost.py``), so B rows draft at most 12 // B - 1 tokens.
+#: "auto" raises it to the longest block + 1 where that is more (``auto_verify_tokens``).
 BATCH_VERIFY_TOKENS_CPU = 12
 
 
@@ -134,6 +135,20 @@ def prompt_limit_by_default(method: str, draft_scheme: str, draft_backend: str |
     on CUDA, it was not measured."""
     cheap_prefill = draft_scheme == "int4" or draft_backend == "llama-cpp"
     return MAX_MODEL_PROMPT_TOKENS if method == "cascade" and cheap_prefill else None
+
+
+def auto_verify_tokens(device: torch.device, num_speculative_tokens: int, control: DraftControl | None) -> int | None:
+    """``max_verify_tokens="auto"``: None off CPU; on a CPU ``BATCH_VERIFY_TOKENS_CPU`` or, where more,
+    the longest block + 1 (γ, or adaptive exit's ``max_draft_tokens``). A lone row then drafts the
+    blocks that ``SpeculativeDecoder`` (``generate``, no budget) drafts: with 12 a lone row's adaptive
+    blocks stopped at 11 and a server request took more verifications than ``generate`` (issue 31).
+    With adaptive exit's default 12-token blocks, 2..8 rows draft what 12 gave them (13 // n == 12 // n);
+    longer blocks (``max_draft_tokens``, γ > 12) raise the budget for every row count."""
+    if device.type != "cpu":
+        return None
+    block = control.controller(num_speculative_tokens).max_tokens if control is not None and control.active \
+        else num_speculative_tokens
+    return max(BATCH_VERIFY_TOKENS_CPU, block + 1)
 
 
 def eos_token_ids(loaded: LoadedModel) -> set[int]:
@@ -550,9 +565,10 @@ class SpeculativeGenerator:
             max_batch_size, max_length, num_speculative_tokens, exit_rule: See
                 ``BatchedSpeculativeDecoder``.
             draft_control: Per-row adaptive draft exit and gating; ignored by "autoregressive".
-            max_verify_tokens: See ``BatchedSpeculativeDecoder``; "auto": ``BATCH_VERIFY_TOKENS_CPU``
-                on a CPU (measured: a verification over more tokens costs more than one step), no
-                limit on other devices (not measured).
+            max_verify_tokens: See ``BatchedSpeculativeDecoder``; "auto": ``auto_verify_tokens``
+                (on a CPU ``BATCH_VERIFY_TOKENS_CPU``, or the longest block + 1 where that is more,
+                so a lone row drafts what ``decoder``'s one-row engine drafts; no limit on other
+                devices, not measured).
             skip_set .. draft_vocab_size: See ``make_drafter``.
             compile: The batched fast path (compiled (rows, width) buckets, CUDA graphs on CUDA):
                 True, False, or None for the device's default (``BatchedSpeculativeDecoder``).
@@ -572,6 +588,9 @@ class SpeculativeGenerator:
             draft_context_window=draft_context_window, draft_vocab_size=draft_vocab_size,
             draft_backend=draft_backend,
         ))
+        control = draft_control if drafter is not None else None
+        if max_verify_tokens == "auto":
+            max_verify_tokens = auto_verify_tokens(target.device, num_speculative_tokens, control)
         return BatchedSpeculativeDecoder(
             target,
             drafter,
@@ -580,13 +599,9 @@ class SpeculativeGenerator:
             num_speculative_tokens=num_speculative_tokens,
             eos_token_ids=self._eos,
             tokenizer=self.tokenizer,
-            draft_control=draft_control if drafter is not None else None,
+            draft_control=control,
             exit_rule=exit_rule,
-            max_verify_tokens=(
-                (BATCH_VERIFY_TOKENS_CPU if target.device.type == "cpu" else None)
-                if max_verify_tokens == "auto"
-                else max_verify_tokens
-            ),
+            max_verify_tokens=max_verify_tokens,
             compile=compile,
         )
 

@@ -76,7 +76,9 @@ def add_arguments(p: argparse.ArgumentParser, *, default_target: str, default_dr
     p.add_argument("--exit-rule", default="row", choices=("row", "batch"),
                    help="with --adaptive-draft-exit: a row stops at its own unsure token, or the batch at the last")
     p.add_argument("--max-verify-tokens", default="auto",
-                   help="most tokens one verification forward takes ('auto': 12 on CPU, none elsewhere; 'none')")
+                   help="most tokens one verification forward takes ('auto': on CPU 12, or the longest draft "
+                        "block + 1 where more, so one request drafts as specdecode generate; none elsewhere; "
+                        "'none')")
     p.add_argument("--skip-layers", default=None, help="layer-skip: e.g. 'attn=2,15;mlp=2,15'")
     p.add_argument("--skip-config", default=None, help="layer-skip: a skip-set JSON file")
     p.add_argument("--exit-layer", type=int, default=None, help="early-exit: layers the draft runs")
