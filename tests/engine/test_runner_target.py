@@ -12,6 +12,8 @@ the engine gives llama.cpp's own greedy tokens (``Llama.generate``), target-only
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from conftest import make_tiny_model, make_tiny_tokenizer
@@ -48,6 +50,15 @@ def test_greedy_tokens_are_the_torch_targets(tiny, backed, lookup):
     assert got.stats.num_target_forwards == backed.num_forwards - 1  # every forward but the prefill is a round's
     if lookup:
         assert got.stats.num_drafted_tokens > 0 and got.stats.num_target_forwards < 40
+
+
+def test_sampling_is_the_torch_targets(tiny, backed):
+    """The same seed gives the same tokens: the same logits, the same draws (speculative sampling)."""
+    config = GenerationConfig(max_new_tokens=30, num_speculative_tokens=3, temperature=0.9, top_p=0.95, seed=7,
+                              stop_on_eos=False)
+    expected = _generate(tiny, PromptLookupDrafter(3), config).token_ids
+    assert _generate(backed, PromptLookupDrafter(3), config).token_ids == expected
+    assert _generate(backed, PromptLookupDrafter(3), dataclasses.replace(config, seed=8)).token_ids != expected
 
 
 def test_stop_strings_and_banned_words_are_the_torch_targets(tiny, backed):
