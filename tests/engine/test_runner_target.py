@@ -52,6 +52,17 @@ def test_greedy_tokens_are_the_torch_targets(tiny, backed, lookup):
         assert got.stats.num_drafted_tokens > 0 and got.stats.num_target_forwards < 40
 
 
+def test_logits_processors_are_the_torch_targets(tiny, backed):
+    config = GenerationConfig(max_new_tokens=30, num_speculative_tokens=3, repetition_penalty=1.5,
+                              frequency_penalty=0.5, logprobs=True, stop_on_eos=False)
+    expected = _generate(tiny, PromptLookupDrafter(3), config)
+    got = _generate(backed, PromptLookupDrafter(3), config)
+    assert got.token_ids == expected.token_ids
+    assert got.token_ids != _generate(tiny, None, GenerationConfig(max_new_tokens=30, stop_on_eos=False)).token_ids
+    assert [lp.token_id for lp in got.logprobs] == got.token_ids
+    assert [lp.logprob for lp in got.logprobs] == pytest.approx([lp.logprob for lp in expected.logprobs], abs=1e-5)
+
+
 def test_sampling_is_the_torch_targets(tiny, backed):
     """The same seed gives the same tokens: the same logits, the same draws (speculative sampling)."""
     config = GenerationConfig(max_new_tokens=30, num_speculative_tokens=3, temperature=0.9, top_p=0.95, seed=7,
