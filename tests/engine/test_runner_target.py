@@ -124,6 +124,14 @@ def test_decoders_of_one_target_share_its_memory(backed):
     assert first._engine.cache is second._engine.cache  # one RunnerTargetCache for the target
 
 
+def test_measuring_the_costs_takes_a_stream_over(backed):
+    stream = iter(SpeculativeDecoder(backed).stream(PROMPT, GenerationConfig(max_new_tokens=8, stop_on_eos=False)))
+    next(stream)
+    measured_cost_policy(backed, context_tokens=20)
+    with pytest.raises(InvalidArgumentError, match="this generation was taken over by a newer one"):
+        list(stream)
+
+
 def test_the_cost_policy_comes_from_measured_costs(backed):
     policy = measured_cost_policy(backed, max_tokens=5, context_tokens=20)
     assert isinstance(policy, CostModelPolicy) and list(backed.forward_costs) == [1, 2, 4, 8]

@@ -180,12 +180,18 @@ def measured_cost_policy(target, max_tokens: int = MEASURED_WIDTHS[-1] - 1, cont
         context_tokens: Positions of the context the costs are measured after (a prompt's size:
             attention grows with it).
 
+    The measurement takes the target's memory over: a generation streaming on it then stops with
+    ``GenerationStream``'s "taken over" error.
+
     Raises:
         InvalidArgumentError: As ``TargetRunnerProtocol.measure_forward_costs`` and ``DraftCostModel``.
     """
     if not target.forward_costs:
         context = [(100 + i) % target.vocab_size for i in range(context_tokens)]
         target.measure_forward_costs(context, MEASURED_WIDTHS, repeats=3, warmup=1)
+        engine = forwards_of(target).one_row_engine
+        if engine is not None:  # the measurement took the target's memory: a stream in flight says so
+            engine.cache.generation += 1
     costs = ForwardCosts(dict(target.forward_costs))
     model = DraftCostModel(costs, draft_step_s=0.0, max_tokens=max_tokens)
     logger.info("draft length from measured costs of the %s (%s): break-even acceptance %s", target.name,
