@@ -20,7 +20,7 @@ from runner_target_helpers import PROMPT, TorchBackedModel, llama_cpp_greedy
 from specdecode import GenerationConfig, SpeculativeGenerator
 from specdecode.drafters.control import DraftControl
 from specdecode.engine.cost_model import CostModelPolicy
-from specdecode.errors import InvalidArgumentError
+from specdecode.errors import InvalidArgumentError, ModelNotFoundError
 from specdecode.models import LoadedModel
 from specdecode.models.llama_cpp_target import LlamaCppTargetRunner
 from tiny_gguf import write_tiny_gguf
@@ -46,11 +46,17 @@ def gen(tiny):
     (dict(quantize_group_size=64), r"quantize_group_size=64 quantize torch weights"),
     (dict(dtype="bfloat16"), r"dtype='bfloat16': backend='llama-cpp' runs the GGUF file's own weight types"),
     (dict(draft_backend="llama-cpp"), r"draft_backend='llama-cpp' with backend='llama-cpp' is not built yet"),
+    (dict(device="meta"), r"backend='llama-cpp' runs the target on the CPU, but the device is meta"),
 ])
 def test_from_pretrained_refuses_what_llama_cpp_cannot_apply(options, message):
     options = {"backend": "llama-cpp", **options}
     with pytest.raises(InvalidArgumentError, match=message):
         SpeculativeGenerator.from_pretrained("missing.gguf", **options)
+
+
+def test_device_auto_is_the_cpu_for_llama_cpp():
+    with pytest.raises(ModelNotFoundError, match=r"GGUF file 'missing.gguf' \(backend 'llama-cpp'\) does not exist"):
+        SpeculativeGenerator.from_pretrained("missing.gguf", backend="llama-cpp", device="auto")
 
 
 def test_from_pretrained_refuses_a_target_that_is_not_a_gguf_file(tmp_path):

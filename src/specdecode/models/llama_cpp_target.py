@@ -280,8 +280,8 @@ def check_llama_cpp_target_options(*, dtype, device, quantize: str, draft_quanti
     Raises:
         InvalidArgumentError: A torch quantization (``quantize`` other than "none", ``draft_quantize``,
             ``draft_quantize_head``, ``quantize_group_size``): the GGUF file keeps its own; a ``dtype``
-            other than "auto" or "float32" (llama.cpp's logits are float32); a device other than the
-            CPU; ``draft_backend="llama-cpp"`` (the llama.cpp draft beside a llama.cpp target is not
+            other than "auto" or "float32" (llama.cpp's logits are float32); a device other than
+            "auto" or the CPU; ``draft_backend="llama-cpp"`` (the llama.cpp draft beside a llama.cpp target is not
             built yet).
     """
     given = [f"{name}={value!r}" for name, value in (
@@ -298,7 +298,8 @@ def check_llama_cpp_target_options(*, dtype, device, quantize: str, draft_quanti
             f"dtype={dtype!r}: backend='llama-cpp' runs the GGUF file's own weight types and gives float32 logits; "
             "leave dtype out (or 'float32')"
         )
-    dev = device if isinstance(device, torch.device) else resolve_device(device)
+    dev = torch.device("cpu") if device == "auto" else device if isinstance(device, torch.device) else \
+        resolve_device(device)  # "auto": the CPU, where llama.cpp runs
     if dev.type != "cpu":
         raise InvalidArgumentError(
             f"backend='llama-cpp' runs the target on the CPU, but the device is {dev}; use device='cpu' (--device cpu)"
