@@ -19,6 +19,7 @@ from specdecode import method_registry
 from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS, GenerationConfig, parse_logit_bias
 from specdecode.drafters.control import LENGTH_SCHEDULES, DraftControl
 from specdecode.errors import InvalidArgumentError, SpecDecodeError
+from specdecode.models.llama_cpp_target import TARGET_BACKENDS, check_llama_cpp_target_options
 from specdecode.models.loading import resolve_device
 from specdecode.models.quantize import (
     INT4_GROUP_SIZES,
@@ -42,6 +43,10 @@ from specdecode.pipeline import (
 )
 
 logger = logging.getLogger(__name__)
+
+#: ``generate``'s method under --backend llama-cpp when --method is not given (the cascade's draft model
+#: does not run beside a llama.cpp target yet).
+LLAMA_CPP_COMMAND_METHOD = "prompt-lookup"
 
 
 def _prompt_limit_by_default(args, draft_quantize: str | None) -> int | None:
@@ -164,12 +169,26 @@ def processor_options(args) -> dict:
     )
 
 
+class _Given(argparse.Action):
+    """Stores the value and records that the flag was given (``<dest>_given``): --method's default depends
+    on --backend."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+        setattr(namespace, f"{self.dest}_given", True)
+
+
 def add_generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text from one prompt, speculatively or not")
     p.add_argument("--target", default=DEFAULT_TARGET, help="offline model name, .gguf file, folder or hub id")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model (methods 'draft' and 'cascade')")
-    p.add_argument("--method", default=COMMAND_METHOD, choices=METHODS,
-                   help="default: cascade (n-gram match checked by the draft model, then the draft model)")
+    p.add_argument("--method", default=COMMAND_METHOD, choices=METHODS, action=_Given,
+                   help="default: cascade (n-gram match checked by the draft model, then the draft model); with "
+                        f"--backend llama-cpp: {LLAMA_CPP_COMMAND_METHOD}")
+    p.add_argument("--backend", default="torch", choices=TARGET_BACKENDS,
+                   help="what runs the target: torch (default) or llama-cpp (its GGUF file in llama.cpp, no torch "
+                        "weights; methods autoregressive and prompt-lookup, whose draft length per round comes from "
+                        "the measured forward costs; needs pip install 'specdecode[llamacpp]')")
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="apply the chat template (default: when the tokenizer has one)")
@@ -361,6 +380,18 @@ def run_generate(args) -> int:
     )
     if not args.prompt.strip():
         raise SpecDecodeError("the prompt is empty: pass some text with --prompt")
+    llama = args.backend == "llama-cpp"
+    if llama and not getattr(args, "method_given", False):
+        args.method = LLAMA_CPP_COMMAND_METHOD
+    if llama:  # what the llama.cpp target cannot run, refused before loading
+        why = method_registry.LLAMA_CPP_TARGET_REFUSALS.get(args.method)
+        if why is not None:
+            raise InvalidArgumentError(f"--method {args.method} does not run with --backend llama-cpp: {why}; use "
+                                       "--method prompt-lookup or autoregressive, or --backend torch")
+        check_llama_cpp_target_options(dtype=args.dtype, device=args.device, quantize=args.quantize,
+                                       draft_quantize=args.draft_quantize, draft_quantize_head=args.draft_quantize_head,
+                                       quantize_group_size=args.quantize_group_size,
+                                       draft_backend=args.draft_backend or "torch")
     _check_method_options(args)  # before minutes of model loading
     control = DraftControl(
         adaptive_exit=_adaptive_by_default(args) if args.adaptive_draft_exit is None else args.adaptive_draft_exit,
@@ -401,7 +432,7 @@ def run_generate(args) -> int:
                                               quantize=args.quantize, draft_quantize=draft_quantize,
                                               draft_quantize_head=args.draft_quantize_head,
                                               quantize_group_size=args.quantize_group_size,
-                                              draft_backend=args.draft_backend or "torch")
+                                              draft_backend=args.draft_backend or "torch", backend=args.backend)
     stream = gen.stream(args.prompt, config, method=args.method, chat=args.chat, **options)
     if args.json:
         for _ in stream:
@@ -412,6 +443,7 @@ def run_generate(args) -> int:
             "token_ids": stream.token_ids,
             "finish_reason": stream.finish_reason,
             "method": args.method,
+            "backend": args.backend,
             "target": args.target,
             "draft": draft,
             "draft_backend": (args.draft_backend or "torch") if draft is not None else None,

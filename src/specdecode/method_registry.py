@@ -239,6 +239,41 @@ def refused_option(method: str, options: Mapping[str, object]) -> tuple[str, obj
     return None
 
 
+#: Why a method does not run on a target run by llama.cpp (``SpeculativeGenerator.backend == "llama-cpp"``).
+LLAMA_CPP_TARGET_REFUSALS: Mapping[str, str] = MappingProxyType({
+    **dict.fromkeys(("draft", "cascade"), (
+        "not built yet: its draft model would run in llama.cpp beside the target, and that draft is being made "
+        "batch-native")),
+    **dict.fromkeys(("layer-skip", "early-exit"), (
+        "it drafts with the target's own torch layers, and a target run by llama.cpp has none (no torch weights "
+        "are loaded)")),
+})
+
+
+def refuse_on_llama_cpp_target(generator, method: str, options: DrafterOptions) -> None:
+    """Refuse what cannot run on ``generator``'s target when llama.cpp runs it (``LLAMA_CPP_TARGET_REFUSALS``);
+    nothing for a torch target.
+
+    Raises:
+        InvalidArgumentError: ``draft_vocab_size`` (FR-Spec's head needs torch layers), or a method of
+            ``LLAMA_CPP_TARGET_REFUSALS``, naming why and what runs instead.
+    """
+    if getattr(generator, "backend", "torch") != "llama-cpp":
+        return
+    if given("draft_vocab_size", options.draft_vocab_size):
+        raise InvalidArgumentError(
+            f"draft_vocab_size={options.draft_vocab_size!r} (FR-Spec's truncated head) needs torch layers, and with "
+            "backend='llama-cpp' the target runs in llama.cpp with no torch layers: leave it out, or use "
+            "backend='torch'"
+        )
+    why = LLAMA_CPP_TARGET_REFUSALS.get(method)
+    if why is not None:
+        raise InvalidArgumentError(
+            f"method {method!r} does not run with backend='llama-cpp': {why}; use 'prompt-lookup' or "
+            "'autoregressive', or backend='torch'"
+        )
+
+
 def check_method(method: str) -> Method:
     """The entry of ``method``.
 
@@ -260,11 +295,13 @@ def make_drafter(generator, method: str, options: DrafterOptions) -> Drafter | N
     Raises:
         InvalidArgumentError: A method-only option ``method`` does not take (named with its flag and
             the methods that take it); an unknown method; the factory's own errors (a missing draft
-            model, skip set or exit layer, an option out of range).
+            model, skip set or exit layer, an option out of range); what a llama.cpp target refuses
+            (``refuse_on_llama_cpp_target``).
         VocabularyMismatchError: A llama.cpp draft's tokens differ from the target's.
 
     A llama.cpp draft runs one sequence: its drafter refuses an engine of more than one row.
     """
+    refuse_on_llama_cpp_target(generator, method, options)
     refused = refused_option(method, {k: getattr(options, k) for k in (
         "draft_backend", "draft_vocab_size", "max_model_prompt_tokens", "draft_context_window")})
     if refused is not None:

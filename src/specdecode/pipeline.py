@@ -36,6 +36,7 @@ from specdecode.drafters.layer_skip import SkipSet
 from specdecode.engine.batched import BatchedSpeculativeDecoder
 from specdecode.engine.decoder import GenerationResult, GenerationStream, SpeculativeDecoder
 from specdecode.engine.fast_path import ModelRunner, resolve_compile
+from specdecode.engine.runner_target import measured_cost_policy
 from specdecode.errors import InvalidArgumentError
 from specdecode.method_registry import DrafterOptions
 from specdecode.models import LoadedModel, check_vocabularies, load_model
@@ -46,7 +47,7 @@ from specdecode.models.llama_cpp import (
     load_llama_cpp_model,
     load_with_llama_cpp_draft,
 )
-from specdecode.models.llama_cpp_target import LlamaCppTargetRunner
+from specdecode.models.llama_cpp_target import LlamaCppTargetRunner, load_llama_cpp_target
 from specdecode.models.quantize import check_quantize, resolve_pair_quantization
 from specdecode.models.token_frequencies import TokenFrequencies, load_or_count, special_token_ids
 
@@ -139,11 +140,9 @@ def prompt_limit_by_default(method: str, draft_scheme: str, draft_backend: str |
 
 def auto_verify_tokens(device: torch.device, num_speculative_tokens: int, control: DraftControl | None) -> int | None:
     """``max_verify_tokens="auto"``: None off CPU; on a CPU ``BATCH_VERIFY_TOKENS_CPU`` or, where more,
-    the longest block + 1 (γ, or adaptive exit's ``max_draft_tokens``). A lone row then drafts the
-    blocks that ``SpeculativeDecoder`` (``generate``, no budget) drafts: with 12 a lone row's adaptive
-    blocks stopped at 11 and a server request took more verifications than ``generate`` (issue 31).
-    With adaptive exit's default 12-token blocks, 2..8 rows draft what 12 gave them (13 // n == 12 // n);
-    longer blocks (``max_draft_tokens``, γ > 12) raise the budget for every row count."""
+    the longest block + 1, so a lone row drafts the blocks ``generate`` drafts (with 12, a server
+    request's adaptive blocks stopped at 11: one more verification). Longer blocks than 12 raise
+    the budget for every row count."""
     if device.type != "cpu":
         return None
     block = control.controller(num_speculative_tokens).max_tokens if control is not None and control.active \
@@ -152,20 +151,23 @@ def auto_verify_tokens(device: torch.device, num_speculative_tokens: int, contro
 
 
 def eos_token_ids(loaded: LoadedModel) -> set[int]:
-    """End-of-sequence ids from the generation config (int or list), else the tokenizer's."""
-    eos = loaded.model.generation_config.eos_token_id
+    """End-of-sequence ids from the generation config (int or list), else the tokenizer's; a llama.cpp
+    target: the tokenizer's and its GGUF file's end-of-sequence and end-of-turn ids."""
+    gguf = loaded.model.end_of_sequence_ids() if isinstance(loaded.model, LlamaCppTargetRunner) else None
+    eos = loaded.tokenizer.eos_token_id if gguf is not None else loaded.model.generation_config.eos_token_id
     if eos is None:
         eos = loaded.tokenizer.eos_token_id
     if eos is None:
-        return set()
-    return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+        return gguf or set()
+    return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])} | (gguf or set())
 
 
 class SpeculativeGenerator:
     """A target model, an optional draft model, and the decoders built on them.
 
     Args:
-        target: The loaded target model and tokenizer.
+        target: The loaded target model and tokenizer; for ``backend`` "llama-cpp" (``from_pretrained``)
+            its ``model`` is a ``LlamaCppTargetRunner``.
         draft: The loaded draft model, needed only for ``method="draft"`` and "cascade"; the
             self-speculative methods ("layer-skip", "early-exit") draft with the
             target, "prompt-lookup" with no model.
@@ -184,6 +186,7 @@ class SpeculativeGenerator:
     def __init__(self, target: LoadedModel, draft: LoadedModel | None = None, *, cache_dir=None,
                  llama_cpp_draft: LlamaCppModel | None = None) -> None:
         self.target = target
+        self.backend = "llama-cpp" if isinstance(target.model, LlamaCppTargetRunner) else "torch"  # what runs it
         self.draft = draft
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         self._llama_cpp_draft = llama_cpp_draft
@@ -210,8 +213,13 @@ class SpeculativeGenerator:
         draft_quantize_head: str | None = None,
         quantize_group_size: int | None = None,
         draft_backend: str = "torch",
+        backend: str = "torch",
     ) -> SpeculativeGenerator:
         """Load target and draft (see ``specdecode.models.load_model`` for specs and errors).
+
+        ``backend``: "torch" (a transformers target) or "llama-cpp": the target's GGUF file in llama.cpp,
+        its tokenizer only from transformers, no draft model (``models.llama_cpp_target``); one
+        sequence at a time, "autoregressive" and "prompt-lookup" (draft lengths: ``decoder``).
 
         ``draft_backend``: "torch" loads the draft as a transformers model; "llama-cpp" runs its
         GGUF file (an offline model or a ``.gguf`` path) in llama.cpp (the ``llamacpp`` extra)
@@ -248,6 +256,11 @@ class SpeculativeGenerator:
         """
         if draft_backend not in DRAFT_BACKENDS:
             raise InvalidArgumentError(f"unknown draft_backend {draft_backend!r}; allowed: {', '.join(DRAFT_BACKENDS)}")
+        if backend != "torch":  # "llama-cpp" (else refused); no draft model: "draft" and "cascade" refuse it
+            return cls(load_llama_cpp_target(
+                target, cache_dir=cache_dir, backend=backend, dtype=dtype, device=device, quantize=quantize,
+                draft_quantize=draft_quantize, draft_quantize_head=draft_quantize_head,
+                quantize_group_size=quantize_group_size, draft_backend=draft_backend), None, cache_dir=cache_dir)
         if draft_backend == "llama-cpp":
             t, d = load_with_llama_cpp_draft(target, draft, dtype=dtype, device=device, cache_dir=cache_dir,
                                              quantize=quantize, draft_quantize=draft_quantize,
@@ -511,9 +524,11 @@ class SpeculativeGenerator:
                 (``specdecode.drafters.control.DraftControl``); ignored by "autoregressive".
             skip_set .. max_model_prompt_tokens, draft_backend: See ``make_drafter``.
 
+        A llama.cpp target with no ``draft_control``: draft lengths from its measured costs (``measured_cost_policy``).
+
         Raises:
             InvalidArgumentError: See ``make_drafter``; also adaptive draft exit with
-                "prompt-lookup", whose drafts carry no probabilities.
+                "prompt-lookup", whose drafts carry no probabilities; ``compile=True`` with a llama.cpp target.
         """
         drafter = self.make_drafter(
             method,
@@ -530,9 +545,12 @@ class SpeculativeGenerator:
             compile=compile,
             draft_backend=draft_backend,
         )
+        llama = self.backend == "llama-cpp"  # the target in llama.cpp: one row, nothing compiled (runner_target)
+        if llama and draft_control is None and drafter is not None:
+            draft_control = measured_cost_policy(self.target.model)
         return SpeculativeDecoder(
             self.target.model, drafter, eos_token_ids=self._eos, tokenizer=self.tokenizer, draft_control=draft_control,
-            runner=self.runner(compile),
+            runner=None if llama else self.runner(compile), compile=compile,
         )
 
     def batch_decoder(

@@ -33,9 +33,9 @@ The number of draft tokens γ is an engine setting, as in vLLM: a request's
 this engine with one row, sizes an engine per γ). Banned words work per row; a request may
 bring a prompt cache (``add``: its keys and values are copied into the row's slot, and only
 the rest of the prompt is prefilled). A drafter whose model runs one sequence (the llama.cpp draft)
-refuses an engine of more than one row. Decode-time forwards run on the fast path
-(``batch_runner``: compiled at a few (rows, width) buckets, CUDA graphs on CUDA) where
-``compile`` is on; prefills run eagerly.
+refuses an engine of more than one row, as does a target run outside torch (llama.cpp,
+``engine.runner_target``). Decode-time forwards run on the fast path (``batch_runner``: compiled
+at a few (rows, width) buckets, CUDA graphs on CUDA) where ``compile`` is on; prefills run eagerly.
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ from specdecode.engine.batch_runner import BatchRunner, check_row_buckets, defau
 from specdecode.engine.processors import process_rows
 from specdecode.engine.protocol import BATCH_EXIT_RULES, Draft, Drafter, DraftPolicy
 from specdecode.engine.results import GenerationResult
+from specdecode.engine.runner_target import RunnerTargetCache, is_runner_target, runner_target_parts
 from specdecode.engine.sampling import check_finite, logits_width, raise_non_finite
 from specdecode.engine.stats import SpecDecodingStats
 from specdecode.engine.verification import greedy_verify, sample_block
@@ -81,7 +82,8 @@ class BatchedSpeculativeDecoder:
     """Target-only or speculative decoding of many sequences at once, with continuous batching.
 
     Args:
-        target: The target model (transformers causal LM, eval mode, eager or SDPA attention).
+        target: The target model (transformers causal LM, eval mode, eager or SDPA attention), or one
+            run outside torch (``protocol.TargetRunnerProtocol``: llama.cpp, one row; ``engine.runner_target``).
         drafter: A ``Drafter`` (``specdecode.drafters``); None decodes
             autoregressively (the batched baseline).
         max_batch_size: Rows decoded at once (>= 1); more requests wait in a queue.
@@ -189,7 +191,10 @@ class BatchedSpeculativeDecoder:
         rows = check_row_buckets(row_buckets, max_batch_size)
         fast = FastPath(rows, max(self.max_block + 1, 2), graphs) if self.compile else None
         previous = shared_with
-        if previous is not None and previous.target is target and previous.cache.num_slots == max_batch_size \
+        if is_runner_target(target):  # its own memory, one sequence: refuses max_batch_size > 1 and compile
+            self.cache, self.runner = runner_target_parts(target, max_batch_size, max_length, self.compile, previous,
+                                                          prefill_chunk_tokens, prefill_pad_multiple)
+        elif previous is not None and previous.target is target and previous.cache.num_slots == max_batch_size \
                 and previous.cache.capacity >= max_length and previous.compile == self.compile \
                 and (fast is None or (previous.cache.fast.rows, previous.cache.fast.graphs) == (fast.rows, fast.graphs)) \
                 and previous.runner.widths[-1] >= self.max_block + 1 \
@@ -310,7 +315,8 @@ class BatchedSpeculativeDecoder:
             raise InvalidArgumentError("warm_up runs before any request: requests are queued or running")
         t0 = time.perf_counter()
         widths, logit_widths = warm_up_widths(self.cache, self.max_batch_size, self.max_block)
-        warm_up_forwards(self.target, self.cache, widths, logit_widths)
+        if not isinstance(self.cache, RunnerTargetCache):  # llama.cpp keeps no per-shape kernels
+            warm_up_forwards(self.target, self.cache, widths, logit_widths)
         if self.compile:
             self.runner.warm_up()
         if self.drafter is not None:
@@ -463,7 +469,8 @@ class BatchedSpeculativeDecoder:
                         logger.debug("request %d: prompt cache not usable (a trimmed sliding layer): re-encoded",
                                      row.request_id)
                     row.prompt_cache = None  # not kept: the slot holds it now
-                logits = batch_prefill(self.target, self.cache, prompt, slot, start)
+                external = isinstance(self.cache, RunnerTargetCache)  # a target outside torch prefills itself
+                logits = self.cache.prefill(prompt) if external else batch_prefill(self.target, self.cache, prompt, slot, start)
                 check_finite(logits, "target model")
                 token = row.sampler.choose(logits)
                 if self.drafter is not None:

@@ -40,6 +40,7 @@ from specdecode.engine.batched import BatchedSpeculativeDecoder
 from specdecode.engine.fast_path import DRAFT_BUCKETS, ModelRunner
 from specdecode.engine.protocol import Drafter, DraftPolicy
 from specdecode.engine.results import GenerationResult, as_2d
+from specdecode.engine.runner_target import forwards_of, is_runner_target
 from specdecode.engine.sampling import logits_width
 from specdecode.engine.stats import SpecDecodingStats
 from specdecode.errors import InvalidArgumentError
@@ -159,7 +160,9 @@ class SpeculativeDecoder:
 
     Args:
         target: The target model, a transformers causal LM in eval mode (eager or SDPA
-            attention: the batched round's cache takes 4D masks, ``batch_cache.BatchKVCache``).
+            attention: the batched round's cache takes 4D masks, ``batch_cache.BatchKVCache``);
+            or a target run outside torch (``protocol.TargetRunnerProtocol``: the target's GGUF
+            file in llama.cpp, ``engine.runner_target``), whose forwards are never compiled.
         drafter: Proposes draft tokens; ``None`` gives plain autoregressive decoding
             with a KV cache (the baseline).
         eos_token_ids: Token ids that end generation.
@@ -213,6 +216,11 @@ class SpeculativeDecoder:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.vocab_size = logits_width(target)
+        if runner is None and is_runner_target(target):
+            if compile:
+                raise InvalidArgumentError(f"compile=True compiles torch forwards, but the {target.name} runs in "
+                                           "llama.cpp: use compile=None or False")
+            runner = forwards_of(target)
         self.runner = runner if runner is not None else ModelRunner(target, compile=compile, name="target model")
         self._engine: BatchedSpeculativeDecoder | None = None
         self._target_runners: list = []  # the round's target runners (BatchRunner) this decoder used
@@ -315,8 +323,14 @@ class SpeculativeDecoder:
             ``kv_cache.new_cache``).
 
         Raises:
-            InvalidArgumentError: If the prefix is empty or has a batch size other than 1.
+            InvalidArgumentError: If the prefix is empty or has a batch size other than 1, or the
+                target runs outside torch (llama.cpp: no torch keys and values to keep).
         """
+        if is_runner_target(self.target):
+            raise InvalidArgumentError(
+                f"a prompt cache holds a torch model's keys and values, but the {self.target.name} runs in llama.cpp: "
+                "pass the whole prompt"
+            )
         prefix_ids = as_2d(prefix_ids)
         if prefix_ids.dim() != 2 or prefix_ids.shape[0] != 1 or prefix_ids.shape[1] == 0:
             raise InvalidArgumentError(

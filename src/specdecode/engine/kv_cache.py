@@ -90,8 +90,13 @@ def _loses_window(cache: DynamicCache, num_cached: int, num_valid: int) -> bool:
 def context_length(model: PreTrainedModel) -> int | None:
     """The most positions ``model`` is documented to handle: its config's ``max_position_embeddings``.
 
-    Returns None when the (text) config does not state it.
+    Returns None when the (text) config does not state it. A target run outside torch
+    (``protocol.TargetRunnerProtocol``, llama.cpp) states its own ``context_length`` (its GGUF
+    file's training context).
     """
+    own = getattr(model, "context_length", None)
+    if not isinstance(model, torch.nn.Module) and isinstance(own, int):
+        return own if own > 0 else None
     config = model.config
     get_text = getattr(config, "get_text_config", None)
     if callable(get_text):

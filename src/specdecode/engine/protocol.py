@@ -59,6 +59,7 @@ class TargetRunnerProtocol(Protocol):
     Attributes:
         name: For messages ("target model").
         vocab_size: V, the width of the logits.
+        context_length: The positions it was trained for, or None (``kv_cache.context_length``).
         forward_costs: Width (tokens in one forward) -> seconds, measured at warm-up
             (``measure_forward_costs``; empty before); what ``engine.cost_model.ForwardCosts`` takes.
         num_forwards: Forwards run, prefills included.
@@ -66,6 +67,7 @@ class TargetRunnerProtocol(Protocol):
 
     name: str
     vocab_size: int
+    context_length: int | None
     forward_costs: Mapping[int, float]
     num_forwards: int
 

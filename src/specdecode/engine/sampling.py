@@ -28,8 +28,11 @@ def logits_width(model: torch.nn.Module) -> int:
 
     The output embedding is an ``nn.Linear`` or a weight-only quantized layer
     (``specdecode.models.quantize``); both carry ``out_features``, and a module with only a
-    (V, H) ``weight`` also counts.
+    (V, H) ``weight`` also counts. A target run outside torch (``protocol.TargetRunnerProtocol``,
+    llama.cpp) states its own ``vocab_size`` (its GGUF file's).
     """
+    if not isinstance(model, torch.nn.Module) and isinstance(getattr(model, "vocab_size", None), int):
+        return int(model.vocab_size)
     head = model.get_output_embeddings()
     return int(getattr(head, "out_features", None) or head.weight.shape[0])
 

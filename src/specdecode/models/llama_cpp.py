@@ -202,6 +202,7 @@ class LlamaCppModel:
     Attributes:
         path, name, n_threads, role, kv_cache_type: As given.
         vocab_size: V, the width of its logits (the GGUF vocabulary).
+        n_ctx_train: The positions it was trained for (the GGUF file's context length).
         n_ctx: Positions its current context holds (grows in ``CONTEXT_STEP``s).
         device: Always ``torch.device("cpu")``; logits are float32 on the CPU.
 
@@ -260,6 +261,7 @@ class LlamaCppModel:
         self._llm = llm
         self.n_ctx = int(llm.n_ctx())
         self.vocab_size = int(llm.n_vocab())
+        self.n_ctx_train = int(self.llama_cpp.llama_model_n_ctx_train(llm.model))
         self.batch_size = BATCH  # the batch's and the context's n_batch, fixed at load
         self._batch = self.llama_cpp.llama_batch_init(self.batch_size, 0, 1)
 
@@ -303,6 +305,13 @@ class LlamaCppModel:
                     "target's tokenizer; the draft model must use the target's tokenizer"
                 )
 
+    def end_of_sequence_ids(self) -> set[int]:
+        """The GGUF vocabulary's end-of-sequence and end-of-turn token ids (those it names)."""
+        lib = self.llama_cpp
+        vocab = lib.llama_model_get_vocab(self._llm.model)
+        ids = {int(lib.llama_vocab_eos(vocab)), int(lib.llama_vocab_eot(vocab))}
+        return {i for i in ids if 0 <= i < self.vocab_size}
+
     def ensure_context(self, num_positions: int, cached: list[int]) -> None:
         """Grow the context to hold ``num_positions``, re-encoding the ``cached`` tokens (rare: a long sequence).
 
@@ -311,7 +320,7 @@ class LlamaCppModel:
         """
         if num_positions <= self.n_ctx:
             return
-        limit = int(self.llama_cpp.llama_model_n_ctx_train(self._llm.model))
+        limit = self.n_ctx_train
         if num_positions > limit:
             raise InvalidArgumentError(
                 f"the llama.cpp {self.role} {self.name!r} would need {num_positions} positions, past its training "

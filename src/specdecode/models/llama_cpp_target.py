@@ -17,6 +17,9 @@ decode loop what it needs of such a target, on one ``LlamaCppModel`` (``models.l
   warm-up, after a prompt-sized context), for the draft length per round
   (``engine.cost_model``).
 
+``load_llama_cpp_target`` loads it for ``SpeculativeGenerator.from_pretrained(backend="llama-cpp")``:
+the target's GGUF file in llama.cpp and its tokenizer, no torch weights.
+
 Every forward's logits are float32 on the CPU, a fresh (rows, V) tensor. Exactness: greedy
 decoding through this runner gives llama.cpp's own greedy tokens wherever llama.cpp's
 kernels give the same logits for a token whatever the batch it is in (checked in float32
@@ -34,16 +37,23 @@ Source: llama.cpp's C API through llama-cpp-python (https://github.com/abetlen/l
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import shutil
 import statistics
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from types import MappingProxyType
 
 import torch
 
 from specdecode.errors import InvalidArgumentError
-from specdecode.models.llama_cpp import CONTEXT_STEP, LlamaCppCache, LlamaCppModel
+from specdecode.models.dense_cache import dense_cache_valid, dense_dir
+from specdecode.models.llama_cpp import CONTEXT_STEP, LlamaCppCache, LlamaCppModel, gguf_path, import_llama_cpp
+from specdecode.models.loading import DTYPES, LoadedModel, resolve_device
+from specdecode.models.registry import OFFLINE_MODELS, default_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +90,8 @@ class LlamaCppTargetRunner:
     Attributes:
         model, name: As given.
         vocab_size: V, the width of the logits.
+        context_length: The positions the model was trained for (the GGUF file's), or None when
+            the model does not say.
         device: Always the CPU; ``dtype`` float32.
         forward_costs: Width -> seconds per forward, from ``measure_forward_costs`` (empty before).
         num_forwards: Forwards run (prefills included), over its life.
@@ -93,9 +105,16 @@ class LlamaCppTargetRunner:
         self.model = model
         self.name = name
         self.vocab_size = int(model.vocab_size)
+        trained = getattr(model, "n_ctx_train", None)
+        self.context_length = int(trained) if isinstance(trained, int) and trained > 0 else None
         self.forward_costs: Mapping[int, float] = MappingProxyType({})
         self.num_forwards = 0
         self._cache: LlamaCppCache | None = None
+
+    def end_of_sequence_ids(self) -> set[int]:
+        """The GGUF vocabulary's end-of-sequence and end-of-turn ids (``LlamaCppModel.end_of_sequence_ids``)."""
+        ids = getattr(self.model, "end_of_sequence_ids", None)
+        return set(ids()) if callable(ids) else set()
 
     @property
     def num_cached(self) -> int:
@@ -250,3 +269,118 @@ class LlamaCppTargetRunner:
         logger.info("%s: llama.cpp forward costs after %d positions, %d threads: %s", self.name, n,
                     self.model.n_threads, ", ".join(f"{w} tok {s * 1e3:.1f} ms" for w, s in costs.items()))
         return self.forward_costs
+
+
+#: What ``backend="llama-cpp"`` loads: the target in llama.cpp (``SpeculativeGenerator.from_pretrained``).
+TARGET_BACKENDS = ("torch", "llama-cpp")
+
+
+def check_llama_cpp_target_options(*, dtype, device, quantize: str, draft_quantize, draft_quantize_head,
+                                   quantize_group_size, draft_backend: str) -> None:
+    """Refuse the loading options that a target run by llama.cpp cannot apply (before anything is loaded).
+
+    Raises:
+        InvalidArgumentError: A torch quantization (``quantize`` other than "none", ``draft_quantize``,
+            ``draft_quantize_head``, ``quantize_group_size``): the GGUF file keeps its own; a ``dtype``
+            other than "auto" or "float32" (llama.cpp's logits are float32); a device other than
+            "auto" or the CPU; ``draft_backend="llama-cpp"`` (the llama.cpp draft beside a llama.cpp target is not
+            built yet).
+    """
+    given = [f"{name}={value!r}" for name, value in (
+        ("quantize", None if quantize == "none" else quantize), ("draft_quantize", draft_quantize),
+        ("draft_quantize_head", draft_quantize_head), ("quantize_group_size", quantize_group_size),
+    ) if value is not None]
+    if given:
+        raise InvalidArgumentError(
+            f"{' and '.join(given)} quantize torch weights, but backend='llama-cpp' runs the target's GGUF file with "
+            "its own quantization and loads no torch weights: leave them out"
+        )
+    if dtype not in ("auto", "float32", torch.float32):
+        raise InvalidArgumentError(
+            f"dtype={dtype!r}: backend='llama-cpp' runs the GGUF file's own weight types and gives float32 logits; "
+            "leave dtype out (or 'float32')"
+        )
+    dev = torch.device("cpu") if device == "auto" else device if isinstance(device, torch.device) else \
+        resolve_device(device)  # "auto": the CPU, where llama.cpp runs
+    if dev.type != "cpu":
+        raise InvalidArgumentError(
+            f"backend='llama-cpp' runs the target on the CPU, but the device is {dev}; use device='cpu' (--device cpu)"
+        )
+    if draft_backend == "llama-cpp":
+        raise InvalidArgumentError(
+            "draft_backend='llama-cpp' with backend='llama-cpp' is not built yet (the llama.cpp draft beside a "
+            "llama.cpp target is being made batch-native); use method 'prompt-lookup' or 'autoregressive'"
+        )
+
+
+def _target_tokenizer(spec: str, path: Path, cache_dir):
+    """The tokenizer of ``spec``: an offline model's dense copy's when one exists, else the one read from the
+    GGUF file once (33 s for Qwen2.5-Coder's on a 2-core EPYC) and kept under ``cache_dir``/tokenizers."""
+    from transformers import AutoTokenizer
+
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    if spec in OFFLINE_MODELS:
+        for dtype in DTYPES.values():
+            folder = dense_dir(cache, OFFLINE_MODELS[spec].name, dtype)
+            if dense_cache_valid(folder):
+                return AutoTokenizer.from_pretrained(str(folder))
+    st = path.stat()
+    ident = hashlib.sha256(f"{path}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    kept = cache / "tokenizers" / f"{path.stem}-{ident}"
+    if (kept / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(str(kept))
+    logger.info("reading the tokenizer of %s (once; kept in %s)", path, kept)
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tmp = None
+    try:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{kept.name}.", suffix=".partial", dir=kept.parent))
+        tokenizer.save_pretrained(str(tmp))
+        tmp.rename(kept)
+    except OSError as e:  # the tokenizer in memory is fine; only the next start reads the file again
+        logger.warning("could not keep the tokenizer in %s (%s); the next start reads the GGUF file again", kept, e)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return tokenizer
+
+
+def load_llama_cpp_target(spec: str, *, cache_dir=None, n_threads: int | None = None, **loading) -> LoadedModel:
+    """The target for ``backend="llama-cpp"``: its GGUF file in llama.cpp, and only the tokenizer from transformers.
+
+    Args:
+        spec: An offline model name (its packaged GGUF file, assembled once) or a ``.gguf`` path.
+        cache_dir: Where offline models are assembled (default ``default_cache_dir()``).
+        n_threads: llama.cpp's threads (default: torch's).
+        loading: ``SpeculativeGenerator.from_pretrained``'s other options, checked first: backend
+            (must be "llama-cpp"), and ``check_llama_cpp_target_options``'s (dtype, device,
+            quantize, draft_quantize, draft_quantize_head, quantize_group_size, draft_backend).
+
+    Returns:
+        A ``LoadedModel`` whose ``model`` is a ``LlamaCppTargetRunner`` (the KV cache in float16,
+        llama.cpp's default), with the tokenizer; no torch weights.
+
+    Raises:
+        InvalidArgumentError: An unknown backend; ``check_llama_cpp_target_options``'s; ``spec`` is not a GGUF file or
+            offline model, or llama-cpp-python is not installed.
+        ModelNotFoundError, ChecksumMismatchError: As ``gguf_path``.
+        UnsupportedModelError: llama.cpp cannot load the file.
+        VocabularyMismatchError: The tokenizer's ids are other tokens in the GGUF file.
+    """
+    if loading.get("backend", "llama-cpp") != "llama-cpp":
+        raise InvalidArgumentError(f"unknown backend {loading['backend']!r}; allowed: {', '.join(TARGET_BACKENDS)}")
+    loading.pop("backend", None)
+    options = dict(dtype="auto", device="cpu", quantize="none", draft_quantize=None, draft_quantize_head=None,
+                   quantize_group_size=None, draft_backend="torch")
+    unknown = set(loading) - set(options)
+    if unknown:
+        raise InvalidArgumentError(f"unknown loading options {sorted(unknown)}; allowed: {', '.join(options)}")
+    check_llama_cpp_target_options(**{**options, **loading})
+    path = gguf_path(spec, cache_dir, user=" (backend 'llama-cpp')", not_gguf=(
+        f"backend='llama-cpp' runs the target's GGUF file, but {spec!r} is not one; use an offline model "
+        f"({', '.join(OFFLINE_MODELS)}) or a .gguf path, or backend='torch'"
+    ))
+    import_llama_cpp(f"the llama.cpp target model {spec!r}")
+    tokenizer = _target_tokenizer(spec, path, cache_dir)
+    model = LlamaCppModel(path, n_threads=n_threads, name=spec, role="target model")
+    model.check_vocabulary(tokenizer)
+    return LoadedModel(LlamaCppTargetRunner(model, name="target model"), tokenizer, spec)
