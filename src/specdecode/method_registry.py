@@ -242,8 +242,8 @@ def refused_option(method: str, options: Mapping[str, object]) -> tuple[str, obj
 #: Why a method does not run on a target run by llama.cpp (``SpeculativeGenerator.backend == "llama-cpp"``).
 LLAMA_CPP_TARGET_REFUSALS: Mapping[str, str] = MappingProxyType({
     **dict.fromkeys(("draft", "cascade"), (
-        "not built yet: its draft model would run in llama.cpp beside the target, and that draft is being made "
-        "batch-native")),
+        "not built yet: loading a llama.cpp draft beside a llama.cpp target is not wired (use "
+        "'prompt-lookup', or a torch target with draft_backend='llama-cpp')")),
     **dict.fromkeys(("layer-skip", "early-exit"), (
         "it drafts with the target's own torch layers, and a target run by llama.cpp has none (no torch weights "
         "are loaded)")),

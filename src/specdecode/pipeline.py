@@ -56,8 +56,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
-#: Every method, and those with a batch mode (``SpeculativeGenerator.batch_decoder``): the
-#: method registry's (``specdecode.method_registry``).
+#: Every method (each has a batch mode): the method registry's (``specdecode.method_registry``).
 METHODS = method_registry.METHODS
 BATCH_METHODS = method_registry.BATCH_METHODS
 #: What runs a draft model's forwards: transformers (and specdecode's quantized layers), or
@@ -387,8 +386,7 @@ class SpeculativeGenerator:
             max_model_prompt_tokens: N for "cascade": a prompt of more than N tokens gets
                 n-gram matches alone, with no draft model and no draft prefill
                 (``drafters.cascade``); None: no limit.
-            compile: Accepted for every method that runs a model (``method_registry``); the
-                drafter's forwards follow the round's setting (``decoder``'s ``compile``).
+            compile: Taken by every method; the drafter follows the round's (``decoder``'s) setting.
             draft_backend: "torch" or "llama-cpp" for "draft" and "cascade": what runs the draft
                 model (``from_pretrained``); None: "llama-cpp" when the generator has a llama.cpp
                 draft and no torch draft, else "torch". llama.cpp's forwards are never compiled.
