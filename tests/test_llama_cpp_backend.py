@@ -70,8 +70,8 @@ def test_from_pretrained_refuses_a_target_that_is_not_a_gguf_file(tmp_path):
                                                r"drafts with the target's own torch layers"),
     ("early-exit", dict(exit_layer=1), r"method 'early-exit' does not run with backend='llama-cpp': it drafts with "
                                        r"the target's own torch layers"),
-    ("draft", {}, r"method 'draft' does not run with backend='llama-cpp': not built yet: its draft model would run "
-                  r"in llama.cpp beside the target"),
+    ("draft", {}, r"method 'draft' does not run with backend='llama-cpp': not built yet: loading a llama.cpp draft "
+                  r"beside a llama.cpp target is not wired"),
     ("cascade", {}, r"method 'cascade' does not run with backend='llama-cpp': not built yet"),
     ("draft", dict(draft_vocab_size=20), r"draft_vocab_size=20 \(FR-Spec's truncated head\) needs torch layers"),
 ])
