@@ -64,8 +64,6 @@ def test_adaptive_exit_matches_the_drafters(generator, name):
 
 def test_adaptive_exit_of_the_draft_model_methods():
     from specdecode.drafters import CascadeDrafter, DraftModelDrafter
-    from specdecode.drafters import DraftModelDrafter
-    from specdecode.drafters import CascadeDrafter
 
     assert REGISTRY["draft"].adaptive_exit == DraftModelDrafter.supports_exit_policy == True  # noqa: E712
     assert REGISTRY["cascade"].adaptive_exit == CascadeDrafter.supports_exit_policy == True  # noqa: E712

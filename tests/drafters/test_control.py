@@ -19,7 +19,7 @@ from selfspec_helpers import (  # noqa: F401  (one_thread is a fixture)
     sample_counts,
     violations,
 )
-from specdecode import Draft, DraftModelDrafter, Drafter, GenerationConfig, InvalidArgumentError, SpeculativeDecoder
+from specdecode import DraftModelDrafter, GenerationConfig, InvalidArgumentError, SpeculativeDecoder
 from specdecode.drafters.control import (
     AdaptiveDraftExit,
     ConfidenceGate,

@@ -33,7 +33,7 @@ from transformers import PreTrainedModel
 
 from specdecode.drafters.base import Draft, Drafter, draft_batch
 from specdecode.engine import kv_cache
-from specdecode.engine.batch_cache import to_device
+from specdecode.engine.batch_cache import BatchKVCache, to_device
 from specdecode.engine.batch_runner import BatchRunner
 from specdecode.engine.sampling import Sampler
 from specdecode.errors import InvalidArgumentError, UnsupportedModelError
