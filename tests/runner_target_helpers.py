@@ -1,5 +1,6 @@
-"""A stand-in for a llama.cpp target and llama.cpp's own greedy decoding, for the tests of a target run
-outside torch (tests/engine/test_runner_target.py, tests/test_llama_cpp_backend.py)."""
+"""A stand-in for a llama.cpp model (target or draft) and llama.cpp's own greedy decoding, for the tests of
+models run outside torch (tests/engine/test_runner_target.py, tests/test_llama_cpp_backend.py,
+tests/models/test_llama_cpp.py, tests/engine/test_one_engine.py)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ class TorchBackedModel:
     role = "target model"
     n_threads = 1
 
-    def __init__(self, model):
+    def __init__(self, model, role: str = "target model"):
         self.model = model
+        self.role = role
         self.generation = 0
         self.vocab_size = model.config.vocab_size
         self.cache = new_cache(model)

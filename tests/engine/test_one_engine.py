@@ -12,8 +12,9 @@ import torch
 
 from conftest import make_tiny_model
 from helpers import perturbed_copy
+from runner_target_helpers import TorchBackedModel
 from specdecode import CascadeDrafter, DraftModelDrafter, GenerationConfig, PromptLookupDrafter, SpeculativeDecoder
-from specdecode.engine.kv_cache import new_cache
+from specdecode.models.llama_cpp_target import LlamaCppTargetRunner
 from specdecode.engine.batched import BatchedSpeculativeDecoder
 from specdecode.errors import InvalidArgumentError
 
@@ -77,36 +78,19 @@ def test_batched_prompt_cache_must_leave_a_token():
     assert not engine.has_work
 
 
-class _SequenceRunner:
-    """A one-sequence runner of a torch model, as ``LlamaCppTargetRunner`` is of a GGUF model: positions
-    held in one ``DynamicCache``, a forward at a lower start first drops what lies past it."""
-
-    name = "stand-in draft"
-    compile_time_s = 0.0
-
-    def __init__(self, model) -> None:
-        self.model = model
-        self.cache = None
-        self.calls: list[tuple[int, int]] = []  # (start, width)
-
-    @torch.inference_mode()
-    def prefill(self, ids):
-        self.cache = new_cache(self.model)
-        return self(ids, [0], 1)[0, -1]
-
-    @torch.inference_mode()
-    def __call__(self, ids, starts, logits_to_keep):
-        assert ids.shape[0] == 1 and len(starts) == 1
-        start = starts[0]
-        assert start <= self.cache.get_seq_length()
-        self.cache.crop(start - self.cache.get_seq_length())  # drop what lies past start
-        self.calls.append((start, ids.shape[1]))
-        return self.model(ids, past_key_values=self.cache, use_cache=True, logits_to_keep=logits_to_keep).logits
+def _sequence_runner(model) -> tuple[LlamaCppTargetRunner, list[int]]:
+    """The llama.cpp runner over a stand-in that runs ``model`` in torch; returns it and the positions
+    of every rollback it made (``remove_from``)."""
+    backed = TorchBackedModel(model, role="draft model")
+    rollbacks: list[int] = []
+    remove_from = backed.remove_from
+    backed.remove_from = lambda position: rollbacks.append(position) or remove_from(position)
+    return LlamaCppTargetRunner(backed, name="stand-in draft"), rollbacks
 
 
 def test_a_one_sequence_draft_refuses_more_rows():
     target = make_tiny_model("llama", num_layers=2)
-    drafter = DraftModelDrafter(runner=_SequenceRunner(perturbed_copy(target, 0.3)),
+    drafter = DraftModelDrafter(runner=_sequence_runner(perturbed_copy(target, 0.3))[0],
                                 one_sequence_reason="llama.cpp's draft runs one sequence")
     with pytest.raises(InvalidArgumentError, match="max_batch_size is 4, but llama.cpp's draft runs one sequence"):
         BatchedSpeculativeDecoder(target, drafter, max_batch_size=4, max_length=64)
@@ -121,13 +105,12 @@ def test_a_one_sequence_draft_in_the_round(cls):
     config = GenerationConfig(max_new_tokens=20, num_speculative_tokens=4, stop_on_eos=False)
     prompt = PROMPTS[1] + PROMPTS[1][:6]
     expected = SpeculativeDecoder(target).generate(prompt, config).token_ids
-    runner = _SequenceRunner(draft)
+    runner, rollbacks = _sequence_runner(draft)
     results = [SpeculativeDecoder(target, d).generate(prompt, config) for d in (cls(runner=runner), cls(draft))]
     assert [r.token_ids for r in results] == [expected, expected]
     assert results[0].stats.num_drafted_tokens == results[1].stats.num_drafted_tokens > 0
     assert 0 < results[0].stats.num_accepted_tokens == results[1].stats.num_accepted_tokens < results[0].stats.num_drafted_tokens
-    # some forward started before the end of the previous one: a rollback by position
-    assert any(start < p_start + p_width for (p_start, p_width), (start, _) in zip(runner.calls, runner.calls[1:]))
+    assert any(position > 0 for position in rollbacks)  # rejected drafts rolled back by position
 
 
 def test_gamma_per_generation():

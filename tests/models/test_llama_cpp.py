@@ -20,6 +20,7 @@ import torch
 
 from conftest import make_tiny_model, make_tiny_tokenizer
 from helpers import perturbed_copy, run_generate
+from runner_target_helpers import TorchBackedModel as _TorchBacked
 from specdecode import GenerationConfig, SpeculativeDecoder, pipeline
 from specdecode.drafters import CascadeDrafter, DraftModelDrafter
 from specdecode.drafters.control import DraftControl
@@ -409,40 +410,8 @@ def test_generate_with_the_llama_cpp_draft(capsys):
 # the runner and cache with the drafters, on a stand-in that runs a tiny torch model (no llama.cpp)
 
 
-class TorchBackedModel:
-    """A ``LlamaCppModel`` stand-in whose forwards run a tiny transformers model on its own
-    ``DynamicCache``: what the drafters do through ``LlamaCppTargetRunner`` (positions, rollbacks,
-    ownership), checked without llama.cpp. ``decode`` refuses a position that is not the end of
-    what the model holds (llama.cpp's own rule)."""
-
-    n_ctx = 1 << 20
-    name = "torch-backed"
-    role = "draft model"
-
-    def __init__(self, model):
-        self.model = model
-        self.generation = 0
-        self.vocab_size = model.config.vocab_size
-        self.cache = new_cache(model)
-
-    def ensure_context(self, num_positions, cached):
-        pass
-
-    def remove_from(self, position):
-        held = self.cache.get_seq_length()
-        if position == 0:
-            self.cache = new_cache(self.model)
-        elif position < held:
-            self.cache.crop(position - held)
-
-    @torch.inference_mode()
-    def decode(self, ids, first_position, logits_to_keep):
-        held = self.cache.get_seq_length()
-        if first_position != held:
-            raise AssertionError(f"forward at position {first_position}, but the model holds {held}")
-        out = self.model(torch.tensor([ids]), past_key_values=self.cache, use_cache=True,
-                         logits_to_keep=logits_to_keep)
-        return out.logits[0].float()
+def TorchBackedModel(model):  # noqa: N802 (the shared stand-in, as a draft model)
+    return _TorchBacked(model, role="draft model")
 
 
 CASCADE_PROMPT = torch.tensor([[5, 9, 11, 5, 9, 11, 5, 9, 17, 5, 9]])
