@@ -213,7 +213,7 @@ def test_generate_refuses_a_draft_quantize_head_the_draft_does_not_have(monkeypa
                                                                         message):
     """In the flags' words and before anything loads: an int4 head needs an int4 draft, and a dense
     draft would ignore any head, saying why generate's int4 default did not apply."""
-    from specdecode import generate_command, pipeline
+    from specdecode import defaults, generate_command
     from specdecode.errors import InvalidArgumentError, SpecDecodeError
     from specdecode.pipeline import SpeculativeGenerator
 
@@ -226,7 +226,7 @@ def test_generate_refuses_a_draft_quantize_head_the_draft_does_not_have(monkeypa
     monkeypatch.setattr(SpeculativeGenerator, "from_pretrained", from_pretrained)
     monkeypatch.setattr(generate_command, "resolve_device", lambda name: torch.device(device))
     if not kernel:
-        monkeypatch.setattr(pipeline, "check_quantize", no_kernel)
+        monkeypatch.setattr(defaults, "check_quantize", no_kernel)
     code, out, err = _run(capsys, "--prompt", "w5", *flags)
     assert code == 2 and out == ""
     assert message in err
@@ -253,13 +253,13 @@ def test_draft_quantize_by_default_rule(flags, device, expected):
 
 def test_draft_quantize_default_needs_the_int4_kernel(monkeypatch):
     """A torch build without the int4 CPU kernel keeps a dense draft rather than failing."""
-    from specdecode import cli, generate_command, pipeline
+    from specdecode import cli, defaults, generate_command
     from specdecode.errors import InvalidArgumentError
 
     def refuse(scheme, device=None):
         raise InvalidArgumentError("no int4 kernel")
 
-    monkeypatch.setattr(pipeline, "check_quantize", refuse)
+    monkeypatch.setattr(defaults, "check_quantize", refuse)
     args = cli.build_parser().parse_args(["generate", "--prompt", "w5"])
     assert generate_command._draft_quantize_by_default(args, torch.device("cpu")) is None
 

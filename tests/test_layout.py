@@ -8,7 +8,8 @@ Layers (each may import those listed for it, and itself):
     drafters                   engine's protocol, sampler and cache helpers; never its decoder
     models                     loading only
     method_registry            engine, drafters, models (each method's drafter factory and options)
-    pipeline                   engine, drafters, models, method_registry
+    defaults                   + method_registry (default models and the commands' measured defaults)
+    pipeline                   engine, drafters, models, method_registry, defaults
     bench                      + pipeline
     search                     + pipeline, and bench's datasets only
     serve                      + pipeline, and bench's datasets only (the soak driver's prompts)
@@ -48,10 +49,11 @@ ALLOWED = {
     "drafters": BASE | {"engine"},
     "models": BASE,
     "method_registry": BASE | {"engine", "drafters", "models"},
-    "pipeline": BASE | {"engine", "drafters", "models", "method_registry"},
-    "bench": BASE | {"engine", "drafters", "models", "method_registry", "pipeline"},
-    "search": BASE | {"engine", "drafters", "models", "method_registry", "pipeline", "bench"},
-    "serve": BASE | {"engine", "drafters", "models", "method_registry", "pipeline", "bench"},
+    "defaults": BASE | {"engine", "drafters", "models", "method_registry"},
+    "pipeline": BASE | {"engine", "drafters", "models", "method_registry", "defaults"},
+    "bench": BASE | {"engine", "drafters", "models", "method_registry", "defaults", "pipeline"},
+    "search": BASE | {"engine", "drafters", "models", "method_registry", "defaults", "pipeline", "bench"},
+    "serve": BASE | {"engine", "drafters", "models", "method_registry", "defaults", "pipeline", "bench"},
 }
 # Finer rules inside an allowed layer: (importer layer, imported module prefix, allowed?) — first match wins.
 FINER = (

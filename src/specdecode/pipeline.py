@@ -29,6 +29,23 @@ import torch
 
 from specdecode import method_registry
 from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS, GenerationConfig
+from specdecode.defaults import (  # noqa: F401 (re-exported: the commands and tools import them from here)
+    DEFAULT_TARGET,
+    DEFAULT_DRAFT,
+    METHODS,
+    BATCH_METHODS,
+    DRAFT_BACKENDS,
+    BATCH_VERIFY_TOKENS_CPU,
+    COMMAND_METHOD,
+    ADAPTIVE_BY_DEFAULT,
+    MAX_MODEL_PROMPT_TOKENS,
+    adaptive_exit_by_default,
+    why_no_int4_draft,
+    draft_quantize_by_default,
+    prompt_limit_by_default,
+    auto_verify_tokens,
+    eos_token_ids,
+)
 from specdecode.drafters import Drafter
 from specdecode.drafters.control import DraftControl
 from specdecode.drafters.draft_head import DraftHead
@@ -48,117 +65,11 @@ from specdecode.models.llama_cpp import (
     load_with_llama_cpp_draft,
 )
 from specdecode.models.llama_cpp_target import LlamaCppTargetRunner, load_llama_cpp_target
-from specdecode.models.quantize import check_quantize, resolve_pair_quantization
+from specdecode.models.quantize import resolve_pair_quantization
 from specdecode.models.token_frequencies import TokenFrequencies, load_or_count, special_token_ids
 
 logger = logging.getLogger(__name__)
 
-
-DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
-DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
-#: Every method (each has a batch mode): the method registry's (``specdecode.method_registry``).
-METHODS = method_registry.METHODS
-BATCH_METHODS = method_registry.BATCH_METHODS
-#: What runs a draft model's forwards: transformers (and specdecode's quantized layers), or
-#: llama.cpp on the draft's GGUF file (``specdecode.models.llama_cpp``).
-DRAFT_BACKENDS = ("torch", "llama-cpp")
-#: ``max_verify_tokens`` of batched decoding on a CPU: Qwen2.5-Coder 1.5B in bf16 on a 2-core
-#: AVX512-BF16 EPYC verified up to 12 tokens in about one step (160-170 ms) and 16 in 287 ms
-#: (``docs/benchmarks/batched_forward_cost.py``), so B rows draft at most 12 // B - 1 tokens.
-#: "auto" raises it to the longest block + 1 where that is more (``auto_verify_tokens``).
-BATCH_VERIFY_TOKENS_CPU = 12
-
-
-# --- the commands' defaults (``specdecode generate`` and ``specdecode serve`` share them) -------------
-#: The method the commands run when none is named (the Python API's default stays "draft").
-COMMAND_METHOD = "cascade"
-#: Methods whose adaptive draft exit the commands turn on by default (``adaptive_exit_by_default``).
-ADAPTIVE_BY_DEFAULT = ("draft", "cascade")
-#: The commands' cascade with an int4 (or llama.cpp) draft skips the draft model for prompts longer
-#: than this: on 6 held-out Spec-Bench prompts of 705-1154 tokens prompt lookup beat the cascade on all
-#: 6, since the int4 draft's prefill costs ~3.4 s per 700 tokens; on the 9 evaluation prompts over 512
-#: tokens the limit was faster on 7 (docs/benchmarks/2026-11-25-cascade-long-prompts.md).
-MAX_MODEL_PROMPT_TOKENS = 512
-
-
-def adaptive_exit_by_default(method: str, quantize: str, num_speculative_tokens: int | None) -> bool:
-    """The commands' adaptive draft exit when none is asked for: on for ``ADAPTIVE_BY_DEFAULT`` with
-    an unquantized target and no explicit γ. Measured (docs/benchmarks/2026-11-25-cascade-tuning.md):
-    faster than a fixed γ = 5 with a bf16 target on HumanEval and Spec-Bench; with a quantized target
-    slower than γ = 3 (2026-11-23), and an explicit γ asks for blocks of that length."""
-    return method in ADAPTIVE_BY_DEFAULT and quantize == "none" and num_speculative_tokens is None
-
-
-def why_no_int4_draft(method: str, quantize: str, device: torch.device) -> str | None:
-    """Why the commands' int4 draft default does not apply to ``method`` (for messages), or None when it
-    applies: a method with a draft model, an unquantized target, a CPU with torch's int4 kernel."""
-    if not method_registry.REGISTRY[method].needs_draft_model:
-        return f"--method {method} has no draft model"
-    if quantize != "none":
-        return f"it follows --quantize {quantize}: the int4 default applies with --quantize none only"
-    if device.type != "cpu":
-        return f"the int4 default applies on CPU only, and the device is {device}"
-    try:
-        check_quantize("int4", device)  # a torch build without the int4 kernel (< 2.6) keeps a dense draft
-    except InvalidArgumentError:
-        return f"the int4 default needs torch's int4 CPU kernel (torch >= 2.6), which torch {torch.__version__} lacks"
-    return None
-
-
-def draft_quantize_by_default(method: str, quantize: str, device: torch.device, *, draft_quantize: str | None = None,
-                              draft_backend: str | None = None) -> str | None:
-    """The commands' draft quantization when ``draft_quantize`` is not given: "int4" where
-    ``why_no_int4_draft`` finds no reason against it, else None (= as ``quantize``). A llama.cpp
-    draft keeps its GGUF quantization (None).
-
-    A quantized draft leaves the output unchanged (the target verifies every token) and makes each
-    draft step cheaper. Measured on a 2-core EPYC with AVX512-BF16 and AVX512-VNNI (no AMX), bf16
-    Qwen2.5-Coder 1.5B target, 0.5B draft: the draft's 1-token forward 93.7 ms (bf16) -> 35.2 ms
-    (int4), c 0.42 -> 0.16 (2026-11-25); draft+adaptive 11.40 -> 18.53 tok/s on HumanEval and 7.35 ->
-    9.38 on Spec-Bench (2026-11-23, README "Quantized weights and llama.cpp"). The cost is quantizing
-    the draft on the first start (cached next to an offline model's dense copy). The Python API
-    (``SpeculativeGenerator.from_pretrained``) and ``bench`` keep draft_quantize=None: they name
-    their settings.
-    """
-    if draft_quantize is not None or draft_backend == "llama-cpp":
-        return None
-    return "int4" if why_no_int4_draft(method, quantize, device) is None else None
-
-
-def prompt_limit_by_default(method: str, draft_scheme: str, draft_backend: str | None = None) -> int | None:
-    """The cascade's prompt limit (``max_model_prompt_tokens``) when none is given:
-    ``MAX_MODEL_PROMPT_TOKENS`` for the cascade with an int4 draft (``draft_scheme``: the draft's
-    quantization) or a llama.cpp draft, else None. The int4 draft's prefill costs about twice a bf16
-    one per token on CPU; the llama.cpp draft's about the same as the int4 one's (700 tokens: 3.1 s
-    against 3.4 s, 2-core EPYC with avx512_bf16), and on the 6 held-out long prompts the limit made its
-    cascade faster too (docs/benchmarks/2026-11-25-llama-cpp-draft.md). With a dense torch draft, or
-    on CUDA, it was not measured."""
-    cheap_prefill = draft_scheme == "int4" or draft_backend == "llama-cpp"
-    return MAX_MODEL_PROMPT_TOKENS if method == "cascade" and cheap_prefill else None
-
-
-def auto_verify_tokens(device: torch.device, num_speculative_tokens: int, control: DraftControl | None) -> int | None:
-    """``max_verify_tokens="auto"``: None off CPU; on a CPU ``BATCH_VERIFY_TOKENS_CPU`` or, where more,
-    the longest block + 1, so a lone row drafts the blocks ``generate`` drafts (with 12, a server
-    request's adaptive blocks stopped at 11: one more verification). Longer blocks than 12 raise
-    the budget for every row count."""
-    if device.type != "cpu":
-        return None
-    block = control.controller(num_speculative_tokens).max_tokens if control is not None and control.active \
-        else num_speculative_tokens
-    return max(BATCH_VERIFY_TOKENS_CPU, block + 1)
-
-
-def eos_token_ids(loaded: LoadedModel) -> set[int]:
-    """End-of-sequence ids from the generation config (int or list), else the tokenizer's; a llama.cpp
-    target: the tokenizer's and its GGUF file's end-of-sequence and end-of-turn ids."""
-    gguf = loaded.model.end_of_sequence_ids() if isinstance(loaded.model, LlamaCppTargetRunner) else None
-    eos = loaded.tokenizer.eos_token_id if gguf is not None else loaded.model.generation_config.eos_token_id
-    if eos is None:
-        eos = loaded.tokenizer.eos_token_id
-    if eos is None:
-        return gguf or set()
-    return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])} | (gguf or set())
 
 
 class SpeculativeGenerator:
