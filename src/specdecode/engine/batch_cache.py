@@ -306,6 +306,15 @@ class BatchKVCache(Cache):
                     layer.keys[dst, :, :num_positions] = layer.keys[src, :, :num_positions]
                     layer.values[dst, :, :num_positions] = layer.values[src, :, :num_positions]
 
+    def prefill_row(self, model: PreTrainedModel, prompt_ids: torch.Tensor, slot: int, start: int = 0) -> torch.Tensor:
+        """``batch_prefill(model, self, prompt_ids, slot, start)``: the engine's prefill of a row, which a
+        target run outside torch does itself (``runner_target.RunnerTargetCache.prefill_row``)."""
+        return batch_prefill(model, self, prompt_ids, slot, start)
+
+    def warm_up_shapes(self, model: PreTrainedModel, widths: Sequence[int], logit_widths: set[int]) -> None:
+        """``warm_up_forwards(model, self, widths, logit_widths)``: every forward shape once, before requests."""
+        warm_up_forwards(model, self, widths, logit_widths)
+
     def load_prefix(self, slot: int, prefix) -> int:
         """Copy a transformers cache's positions into ``slot`` (a request's prompt cache).
 

@@ -23,7 +23,8 @@ Continuous batching: ``add`` queues a request at any time; at the start of each
 ``step`` queued requests join while slots are free (their prompt is prefilled alone,
 at batch size 1, into their slot), and after the round finished or cancelled rows
 leave. The last active row moves into a freed slot (one copy of its cache), so the
-active rows always occupy slots 0 .. n - 1 and every forward works on views.
+active rows always occupy slots 0 .. n - 1 and every forward works on views. That
+bookkeeping (add, cancel, generate, retire) is ``engine.batch_requests.BatchRequests``.
 
 transformers' assisted generation refuses batches; vLLM batches speculative decoding
 with the same per-row accounting (its ``SpecDecodingStats`` names are used here).
@@ -42,31 +43,27 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
-from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS, GenerationConfig, check_num_speculative_tokens
-from specdecode.engine import kv_cache
+from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS, check_num_speculative_tokens
 from specdecode.engine.banned_rows import mask_batch
 from specdecode.engine.batch_cache import (
     PREFILL_CHUNK_TOKENS,
     PREFILL_PAD_MULTIPLE,
     BatchKVCache,
     FastPath,
-    batch_prefill,
     to_device,
-    warm_up_forwards,
     warm_up_widths,
 )
-from specdecode.engine.batch_rows import BatchEvent, BatchRow, check_prompt_cache, request_prompt
+from specdecode.engine.batch_requests import BatchRequests
+from specdecode.engine.batch_rows import BatchEvent
 from specdecode.engine.batch_runner import BatchRunner, check_row_buckets, default_batch_compile
 from specdecode.engine.processors import process_rows
 from specdecode.engine.protocol import BATCH_EXIT_RULES, Draft, Drafter, DraftPolicy
-from specdecode.engine.results import GenerationResult
-from specdecode.engine.runner_target import RunnerTargetCache, is_runner_target, runner_target_parts
+from specdecode.engine.runner_target import is_runner_target, runner_target_parts
 from specdecode.engine.sampling import check_finite, logits_width, raise_non_finite
 from specdecode.engine.stats import SpecDecodingStats
 from specdecode.engine.verification import greedy_verify, sample_block
@@ -74,11 +71,7 @@ from specdecode.errors import InvalidArgumentError
 
 logger = logging.getLogger(__name__)
 
-#: Finished and cancelled request ids remembered, for clear errors on a repeated cancel.
-_FINISHED_MEMORY = 4096
-
-
-class BatchedSpeculativeDecoder:
+class BatchedSpeculativeDecoder(BatchRequests):
     """Target-only or speculative decoding of many sequences at once, with continuous batching.
 
     Args:
@@ -224,81 +217,12 @@ class BatchedSpeculativeDecoder:
         self.contain_errors = True
         #: Whether ``warm_up`` ran (a bench warms a compiling engine up once).
         self.warmed_up = False
-        self._rows: list[BatchRow] = []  # active, in slot order
-        self._waiting: deque[BatchRow] = deque()
-        self._finished: OrderedDict[int, str] = OrderedDict()
-        self._next_id = 0
-
-    # -- requests -----------------------------------------------------------------------------
-
-    @property
-    def num_running(self) -> int:
-        """Rows in the batch now."""
-        return len(self._rows)
-
-    @property
-    def num_waiting(self) -> int:
-        """Requests queued for a free slot."""
-        return len(self._waiting)
-
-    @property
-    def has_work(self) -> bool:
-        """Whether ``step`` has anything to do."""
-        return bool(self._rows or self._waiting)
+        self._init_requests()
 
     @property
     def compile_time_s(self) -> float:
         """Seconds spent compiling fast-path buckets (target and drafter), over the engine's life."""
         return self.runner.compile_time_s + getattr(self.drafter, "compile_time_s", 0.0)
-
-    def add(
-        self,
-        input_ids: torch.Tensor | Sequence[int],
-        config: GenerationConfig | None = None,
-        *,
-        prompt_cache: DynamicCache | None = None,
-    ) -> int:
-        """Queue a request; it joins the batch at the next ``step`` with a free slot.
-
-        Args:
-            input_ids: (1, n) or (n,) long prompt ids, or a list of ints, n >= 1.
-            config: Its generation parameters (per row: max_new_tokens, temperature, top_k,
-                top_p, seed, stop_strings, stop_on_eos, banned_words and their options).
-            prompt_cache: Optional target cache (transformers ``DynamicCache``, made by
-                ``SpeculativeDecoder.prompt_cache``) holding the first m prompt tokens,
-                1 <= m <= n - 1: when the row joins, its keys and values are copied into the
-                row's slot (``BatchKVCache.load_prefix``) and only tokens m .. n - 1 are
-                prefilled. It is read, never modified. A draft model prefills the whole prompt
-                itself. A cache that cannot be copied (a sliding-window layer trimmed to its
-                window) is ignored: the whole prompt is prefilled.
-
-        Returns:
-            The request id, for ``cancel`` and ``BatchEvent.request_id``.
-
-        Raises:
-            InvalidArgumentError: If the prompt is empty, not one row, holds an id outside the
-                target's vocabulary, does not fit ``max_length`` or the model's context
-                length with its ``max_new_tokens``, asks for banned words without a
-                tokenizer, or ``prompt_cache`` holds no tokens or not fewer than n. The batch
-                is left unchanged.
-        """
-        config = config or GenerationConfig()
-        prompt = request_prompt(input_ids, self.vocab_size)
-        kv_cache.check_context_length(self.target, len(prompt), config.max_new_tokens)
-        need = len(prompt) + config.max_new_tokens + self.max_block + 1
-        if need > self.max_length:
-            raise InvalidArgumentError(
-                f"the prompt has {len(prompt)} tokens and max_new_tokens is {config.max_new_tokens}: with the "
-                f"longest draft block ({self.max_block}) + 1 it needs {need} cache positions, past the batch "
-                f"cache's max_length of {self.max_length}; allowed: prompt + max_new_tokens <= "
-                f"{self.max_length - self.max_block - 1}"
-            )
-        check_prompt_cache(prompt_cache, len(prompt))
-        row = BatchRow(self._next_id, prompt, config, self)
-        row.prompt_cache = prompt_cache
-        self._next_id += 1
-        self._waiting.append(row)
-        return row.request_id
 
     def warm_up(self) -> float:
         """Run the target, and a draft model, once at every token count this engine's forwards can
@@ -315,8 +239,7 @@ class BatchedSpeculativeDecoder:
             raise InvalidArgumentError("warm_up runs before any request: requests are queued or running")
         t0 = time.perf_counter()
         widths, logit_widths = warm_up_widths(self.cache, self.max_batch_size, self.max_block)
-        if not isinstance(self.cache, RunnerTargetCache):  # llama.cpp keeps no per-shape kernels
-            warm_up_forwards(self.target, self.cache, widths, logit_widths)
+        self.cache.warm_up_shapes(self.target, widths, logit_widths)
         if self.compile:
             self.runner.warm_up()
         if self.drafter is not None:
@@ -327,95 +250,7 @@ class BatchedSpeculativeDecoder:
                     f", {len(self.runner.buckets)} compiled target buckets" if self.compile else "", seconds)
         return seconds
 
-    def cancel(self, request_id: int) -> None:
-        """Remove a request now (between rounds): queued, or running (its slot is freed).
-
-        Args:
-            request_id: As returned by ``add``.
-
-        Raises:
-            InvalidArgumentError: If the request already finished, was cancelled, or never existed;
-                other rows are untouched.
-        """
-        if isinstance(request_id, bool) or not isinstance(request_id, int):
-            raise InvalidArgumentError(f"request_id must be an int returned by add, got {request_id!r}")
-        for row in self._waiting:
-            if row.request_id == request_id:
-                self._waiting.remove(row)
-                self._forget(row, "cancelled")
-                return
-        for row in self._rows:
-            if row.request_id == request_id:
-                row.finish_reason = "cancelled"
-                self._retire()
-                return
-        if request_id in self._finished:
-            raise InvalidArgumentError(
-                f"request {request_id} is not running: it already ended ({self._finished[request_id]})"
-            )
-        raise InvalidArgumentError(f"request {request_id} is unknown (ids come from add)")
-
-    def generate(
-        self, prompts: Sequence[torch.Tensor | Sequence[int]], configs: GenerationConfig | Sequence | None = None
-    ) -> list[GenerationResult]:
-        """Decode ``prompts`` together to the end; results in the prompts' order.
-
-        Requests already in the engine run along; their events are not returned.
-
-        Args:
-            prompts: Each as ``add`` takes it.
-            configs: One ``GenerationConfig`` for all, or one per prompt (None: the defaults).
-
-        Returns:
-            One ``GenerationResult`` per prompt (``finish_reason`` "error" for a request whose
-            prefill failed or whose target logits were not finite).
-
-        Raises:
-            InvalidArgumentError: As ``add``, or a ``configs`` list of another length than
-                ``prompts``. On any error this call's requests are cancelled (none stays queued).
-        """
-        if configs is None or isinstance(configs, GenerationConfig):
-            configs = [configs] * len(prompts)
-        if len(configs) != len(prompts):
-            raise InvalidArgumentError(f"got {len(prompts)} prompts but {len(configs)} configs")
-        ids: list[int] = []
-        results: dict[int, GenerationResult] = {}
-        try:
-            for p, c in zip(prompts, configs):
-                ids.append(self.add(p, c))
-            while self.has_work:
-                for event in self.step():
-                    if event.result is not None:
-                        results[event.request_id] = event.result
-        except BaseException:
-            live = {row.request_id for row in (*self._rows, *self._waiting)}
-            for request_id in ids:
-                if request_id in live:
-                    self.cancel(request_id)
-            raise
-        return [results[i] for i in ids]
-
     # -- the loop -----------------------------------------------------------------------------
-
-    def request(self, request_id: int) -> BatchRow:
-        """The state of a queued or running request (``BatchRow``: its tokens, output, stats).
-
-        Raises:
-            InvalidArgumentError: If the request is neither queued nor running.
-        """
-        for row in (*self._rows, *self._waiting):
-            if row.request_id == request_id:
-                return row
-        raise InvalidArgumentError(f"request {request_id!r} is neither queued nor running")
-
-    def is_running(self, request_id: int) -> bool:
-        """Whether the request is queued or running."""
-        return any(row.request_id == request_id for row in (*self._rows, *self._waiting))
-
-    def cancel_all(self) -> None:
-        """Cancel every queued and running request (``cancel``)."""
-        for row in [*self._waiting, *self._rows]:
-            self.cancel(row.request_id)
 
     @torch.inference_mode()
     def step(self, *, decode: bool = True) -> list[BatchEvent]:
@@ -444,16 +279,6 @@ class BatchedSpeculativeDecoder:
             self._retire()
         return list(events.values())
 
-    def _event(self, events: dict, row: BatchRow, new: list[int]) -> None:
-        event = events.setdefault(row.request_id, BatchEvent(row.request_id, []))
-        event.token_ids.extend(new)
-        logprobs = row.logprobs_of(new)  # [processors]
-        if logprobs is not None:
-            event.logprobs = (event.logprobs or []) + logprobs
-        if row.finish_reason is not None:
-            event.finish_reason = row.finish_reason
-            event.result = row.result(self.tokenizer)
-
     def _admit(self, events: dict) -> None:
         while self._waiting and len(self._rows) < self.max_batch_size:
             row = self._waiting.popleft()
@@ -469,8 +294,7 @@ class BatchedSpeculativeDecoder:
                         logger.debug("request %d: prompt cache not usable (a trimmed sliding layer): re-encoded",
                                      row.request_id)
                     row.prompt_cache = None  # not kept: the slot holds it now
-                external = isinstance(self.cache, RunnerTargetCache)  # a target outside torch prefills itself
-                logits = self.cache.prefill(prompt) if external else batch_prefill(self.target, self.cache, prompt, slot, start)
+                logits = self.cache.prefill_row(self.target, prompt, slot, start)  # a llama.cpp target: its own
                 check_finite(logits, "target model")
                 token = row.sampler.choose(logits)
                 if self.drafter is not None:
@@ -617,34 +441,3 @@ class BatchedSpeculativeDecoder:
             values.append(p[token])
         for (b, _, _), p in zip(gate_rows, torch.stack(values).tolist()):
             self._rows[b].controller.gate.observe(p)
-
-    def _retire(self) -> None:
-        """Finished rows leave; the last row moves into each freed slot, so slots stay 0 .. n - 1."""
-        rows = self._rows
-        for i in range(len(rows) - 1, -1, -1):
-            if rows[i].finish_reason is None:
-                continue
-            self._forget(rows[i], rows[i].finish_reason)
-            last = len(rows) - 1
-            if i != last:
-                valid = len(rows[last].tokens) - 1
-                self.cache.move(last, i, valid)
-                if self.drafter is not None:
-                    self.drafter.move(last, i, valid)
-                rows[i] = rows[last]
-            rows.pop()
-
-    def _fail(self, events: dict, row: BatchRow, message: str) -> None:
-        """End ``row`` with ``finish_reason="error"`` (it leaves at the next ``_retire``); logged."""
-        logger.warning("%s", message)
-        row.finish_reason = "error"
-        if row not in self._rows:
-            self._forget(row, "error")
-        self._event(events, row, [])
-        events[row.request_id].error = message
-
-    def _forget(self, row: BatchRow, reason: str) -> None:
-        row.finish_reason = reason
-        self._finished[row.request_id] = reason
-        while len(self._finished) > _FINISHED_MEMORY:
-            self._finished.popitem(last=False)

@@ -85,6 +85,14 @@ class RunnerTargetCache:
         n = int(prompt_ids.shape[-1])
         return self.owner.prefill(prompt_ids, max(0, self.capacity - n)).unsqueeze(0)
 
+    def prefill_row(self, model, prompt_ids: torch.Tensor, slot: int = 0, start: int = 0) -> torch.Tensor:
+        """The engine's prefill of its one row: ``prefill(prompt_ids)`` (``model`` is the owner, ``slot`` 0,
+        ``start`` 0: a prompt cache is refused at ``load_prefix``)."""
+        return self.prefill(prompt_ids)
+
+    def warm_up_shapes(self, model, widths, logit_widths) -> None:
+        """Nothing: llama.cpp keeps no per-shape kernels (``BatchKVCache.warm_up_shapes`` runs torch's)."""
+
     def load_prefix(self, slot: int, prompt_cache) -> int:
         """Refused: a prompt cache holds torch keys and values.
 
