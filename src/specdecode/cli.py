@@ -23,6 +23,7 @@ from specdecode.generate_command import (
     add_quantize_arguments,
     run_generate,
 )
+from specdecode.models.llama_cpp_target import TARGET_BACKENDS
 from specdecode.models.quantize import QUANTIZE_SCHEMES
 from specdecode.pipeline import DEFAULT_DRAFT, DEFAULT_TARGET
 
@@ -163,6 +164,12 @@ def _add_bench(sub) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     add_quantize_arguments(p)
     p.add_argument("--device", default="auto")
+    p.add_argument("--backend", default="torch", choices=TARGET_BACKENDS,
+                   help="what runs the target of specdecode's methods: torch (default) or llama-cpp (its GGUF file "
+                   "in llama.cpp, as specdecode generate --backend llama-cpp; name the references llama-cpp and "
+                   "llama-cpp-lookup to compare with llama.cpp's own decoding of the same file: the report gives "
+                   "each method's tok/s ÷ theirs and its agreement with llama-cpp's greedy tokens; transformers' "
+                   "methods, layer-skip and early-exit are refused, or skipped when --methods is not given)")
     p.add_argument("--repeats", type=int, default=1, help="runs per (method, prompt); tok/s is their median")
     p.add_argument("--warmup-tokens", type=int, default=8,
                    help="length of each method's warm-up generation (timed and reported as warm-up seconds: "
