@@ -69,6 +69,8 @@ def test_unnamed_methods_it_cannot_run_are_skipped_with_the_reason(stand_in):
         assert "the target runs in llama.cpp and has none" in skipped[name]
     for name in ("layer-skip", "early-exit"):
         assert "does not run with backend='llama-cpp'" in skipped[name]
+    for name in REFERENCES:  # not "runs only when named": tried, and this stand-in has no GGUF file to run
+        assert "the target's llama.cpp model 'torch-backed' names none" in skipped[name]
     assert all(not runner.supports_prompt_cache for runner in runners.values())
 
 
@@ -207,6 +209,12 @@ def test_our_methods_give_llama_cpp_s_own_greedy_tokens(llama_gen, tiny_gguf, tm
     assert "| Exact match vs llama.cpp |" in md and "Tok/s ÷ `llama-cpp`'s tok/s, by category:" in md
     row = next(line for line in md.splitlines() if line.startswith("| `prompt-lookup` |"))
     assert "| 100% | 100% |" in row  # exact match vs AR, then vs llama.cpp
+
+
+def test_the_references_run_by_default(llama_gen):
+    runners, skipped = resolve_methods(llama_gen, None, BenchSettings(max_new_tokens=4))
+    assert {"autoregressive", "prompt-lookup", *REFERENCES} <= set(runners)
+    assert not set(REFERENCES) & set(skipped)
 
 
 def test_a_gguf_file_other_than_the_target_s_is_refused(llama_gen, tmp_path):

@@ -144,6 +144,9 @@ class LlamaCppRunner:
             self.path = check_available(settings.gguf_file or generator.target.name, generator.cache_dir, self.name)
             self.n_threads = torch.get_num_threads()
         else:  # the file our methods' target runs, with its threads and KV cache: the same model, timed alike
+            if getattr(backend, "path", None) is None:
+                raise InvalidArgumentError(f"method {self.name!r} runs the target's GGUF file, but the target's "
+                                           f"llama.cpp model {getattr(backend, 'name', '?')!r} names none")
             self.path = Path(backend.path)
             given = settings.gguf_file and check_available(settings.gguf_file, generator.cache_dir, self.name)
             if given and Path(given).resolve() != self.path.resolve():

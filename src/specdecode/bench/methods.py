@@ -411,7 +411,8 @@ def resolve_methods(
     Args:
         methods: The methods to run; ``None``: every available method whose requirements
             (such as a draft model) are met, but ``llama-cpp`` and ``llama-cpp-lookup`` (references, run only when
-            named); the others are skipped and reported.
+            named, except with the target in llama.cpp, ``generator.backend`` "llama-cpp", where they are what
+            our methods are compared with); the others are skipped and reported.
         settings: How every method generates; its ``compile`` applies to the specdecode
             methods whose name sets no ``compile`` option (``MethodSpec``).
         max_positions: The most positions one generation of the run needs (longest prompt
@@ -435,8 +436,8 @@ def resolve_methods(
     skipped: dict[str, str] = {}
     for name in names:
         try:
-            if name in LLAMA_CPP_REFERENCES:  # a second engine and model in memory: only when asked for
-                if not explicit:
+            if name in LLAMA_CPP_REFERENCES:  # a second engine and model in memory: with a torch target, when asked for
+                if not explicit and getattr(generator, "backend", "torch") != "llama-cpp":
                     raise InvalidArgumentError(f"{name!r} is a reference and runs only when named in the methods")
                 if settings.processor_settings():  # [processors]
                     raise InvalidArgumentError(f"method {name!r} does not take specdecode's processors "
