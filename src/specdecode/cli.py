@@ -23,6 +23,7 @@ from specdecode.generate_command import (
     add_quantize_arguments,
     run_generate,
 )
+from specdecode.models.llama_cpp_target import TARGET_BACKENDS
 from specdecode.models.quantize import QUANTIZE_SCHEMES
 from specdecode.pipeline import DEFAULT_DRAFT, DEFAULT_TARGET
 
@@ -148,8 +149,8 @@ def _add_bench(sub) -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None, help="first N prompts overall (after the category limit)")
     p.add_argument("--methods", nargs="+", default=None,
                    help="methods to run (default: all whose requirements are met, except llama-cpp and "
-                   "llama-cpp-lookup, reference columns that run only when named: pip install "
-                   "'specdecode[llamacpp]'): "
+                   "llama-cpp-lookup, reference columns that run only when named, or by default with --backend "
+                   "llama-cpp: pip install 'specdecode[llamacpp]'): "
                    + ", ".join(bench.available_methods())
                    + ". A specdecode method may carry options and draft-control modifiers: "
                    "NAME[:KEY=VALUE,...][+MODIFIER[=VALUE]...], e.g. early-exit:exit_layer=8+adaptive; "
@@ -163,6 +164,13 @@ def _add_bench(sub) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     add_quantize_arguments(p)
     p.add_argument("--device", default="auto")
+    p.add_argument("--backend", default="torch", choices=TARGET_BACKENDS,
+                   help="what runs the target of specdecode's methods: torch (default) or llama-cpp (its GGUF file "
+                   "in llama.cpp, as specdecode generate --backend llama-cpp; the references llama-cpp and "
+                   "llama-cpp-lookup, llama.cpp's own decoding of the same file, then run by default: the report "
+                   "gives each method's tok/s ÷ theirs and its agreement with llama-cpp's greedy tokens; "
+                   "transformers' methods, layer-skip and early-exit are refused, or skipped when --methods is "
+                   "not given)")
     p.add_argument("--repeats", type=int, default=1, help="runs per (method, prompt); tok/s is their median")
     p.add_argument("--warmup-tokens", type=int, default=8,
                    help="length of each method's warm-up generation (timed and reported as warm-up seconds: "

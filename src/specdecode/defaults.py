@@ -33,6 +33,9 @@ BATCH_VERIFY_TOKENS_CPU = 12
 # --- the commands' defaults (``specdecode generate`` and ``specdecode serve`` share them) -------------
 #: The method the commands run when none is named (the Python API's default stays "draft").
 COMMAND_METHOD = "cascade"
+#: The commands' method with the target in llama.cpp (``--backend llama-cpp``) when none is named: the
+#: cascade's draft model does not run beside a llama.cpp target yet.
+LLAMA_CPP_COMMAND_METHOD = "prompt-lookup"
 #: Methods whose adaptive draft exit the commands turn on by default (``adaptive_exit_by_default``).
 ADAPTIVE_BY_DEFAULT = ("draft", "cascade")
 #: The commands' cascade with an int4 (or llama.cpp) draft skips the draft model for prompts longer

@@ -15,7 +15,7 @@ import json
 import logging
 import sys
 
-from specdecode import method_registry
+from specdecode import defaults, method_registry
 from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS, GenerationConfig, parse_logit_bias
 from specdecode.drafters.control import LENGTH_SCHEDULES, DraftControl
 from specdecode.errors import InvalidArgumentError, SpecDecodeError
@@ -44,9 +44,8 @@ from specdecode.pipeline import (
 
 logger = logging.getLogger(__name__)
 
-#: ``generate``'s method under --backend llama-cpp when --method is not given (the cascade's draft model
-#: does not run beside a llama.cpp target yet).
-LLAMA_CPP_COMMAND_METHOD = "prompt-lookup"
+#: ``generate``'s method under --backend llama-cpp when --method is not given (``serve``'s too).
+LLAMA_CPP_COMMAND_METHOD = defaults.LLAMA_CPP_COMMAND_METHOD
 
 
 def _prompt_limit_by_default(args, draft_quantize: str | None) -> int | None:

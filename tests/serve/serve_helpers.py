@@ -60,12 +60,22 @@ def running_server(generator, method: str = "draft", *, max_batch_size: int = 4,
                    max_length: int = 256, delay_s: float = 0.0, **settings):
     """Start ``specdecode.serve`` on 127.0.0.1:<free port>; yields (base_url, engine, gated step)."""
     from specdecode.serve.app import ServeSettings
-    from specdecode.serve.command import build, make_uvicorn_server
+    from specdecode.serve.command import build
 
     decoder = generator.batch_decoder(method, max_batch_size=max_batch_size, max_length=max_length)
     gate = GatedStep(decoder, delay_s)
     settings = ServeSettings(**{"model_name": "tiny", "method": method, "shutdown_timeout_s": 2.0, **settings})
     app, engine, _ = build(generator, decoder, max_queue=max_queue, settings=settings)
+    with serving(app, engine, before_stop=gate.open) as url:
+        yield url, engine, gate
+
+
+@contextlib.contextmanager
+def serving(app, engine, before_stop=lambda: None):
+    """Run ``app`` (and its engine loop) with real uvicorn on 127.0.0.1:<free port>; yields the base URL.
+    ``before_stop`` runs first on the way out (e.g. opening a test's step gate, so that shutdown can finish)."""
+    from specdecode.serve.command import make_uvicorn_server
+
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
@@ -81,9 +91,9 @@ def running_server(generator, method: str = "draft", *, max_batch_size: int = 4,
         time.sleep(0.02)
     try:
         with torch.inference_mode(False):
-            yield f"http://127.0.0.1:{port}", engine, gate
+            yield f"http://127.0.0.1:{port}"
     finally:
-        gate.open()
+        before_stop()
         server.should_exit = True
         thread.join(30)
         sock.close()

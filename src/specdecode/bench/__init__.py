@@ -27,9 +27,17 @@ Methods:
 * ``llama-cpp``: llama.cpp (``pip install 'specdecode[llamacpp]'``) on the target's
   GGUF file, target only, with the same prompt ids, threads and greedy settings; a
   reference column next to ours (``vs_llama_cpp``), never a speedup baseline, and run
-  only when named.
+  only when named (by default with the target in llama.cpp, below).
 * ``llama-cpp-lookup``: the same with llama-cpp-python's own prompt-lookup speculation
   (``LlamaPromptLookupDecoding``, ``num_pred_tokens=2``): a reference column too, run only when named.
+
+With the target in llama.cpp (``SpeculativeGenerator.from_pretrained(backend="llama-cpp")``,
+``specdecode bench --backend llama-cpp``) specdecode's methods decode on its GGUF file, whole prompts
+timed (no prompt cache), next to ``llama-cpp``/``llama-cpp-lookup`` on the same file, threads and KV
+cache type, which then run by default; transformers' methods and those needing torch layers are
+refused (skipped when unnamed).
+The report then adds each method's agreement with ``llama-cpp``'s greedy tokens and its tok/s ÷
+the references', per category; the backend is in the identity and results.
 
 Speedups are relative to the *fastest* target-only baseline (``hf-generate``,
 ``hf-generate-static``, ``autoregressive`` and its compile variants; ``BASELINES``)

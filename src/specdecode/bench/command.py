@@ -14,17 +14,19 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from specdecode import pipeline
+from specdecode import method_registry, pipeline
+from specdecode.bench.hf_methods import HF_METHODS
 from specdecode.bench.llamacpp import check_available
 from specdecode.bench.methods import DRAFTER_OPTIONS, available_methods, check_method_names
 from specdecode.bench.records import RECORDS_FILE, SETTINGS_FILE, RecordStore
-from specdecode.bench.report import (ACCEPTANCE_PNG, LLAMA_CPP, LLAMA_CPP_REFERENCES, OVERALL, REFERENCE_METHOD,
-                                     RESULTS_JSON, RESULTS_MD, SPEEDUP_PNG, format_value)
+from specdecode.bench.report import (ACCEPTANCE_PNG, LLAMA_CPP, LLAMA_CPP_LOOKUP, LLAMA_CPP_REFERENCES, OVERALL,
+                                     REFERENCE_METHOD, RESULTS_JSON, RESULTS_MD, SPEEDUP_PNG, format_value)
 from specdecode.bench.runner import run_bench
 from specdecode.bench.settings import BenchSettings
 from specdecode.config import parse_logit_bias
 from specdecode.engine.banned_words import read_banned_words
 from specdecode.errors import InvalidArgumentError
+from specdecode.models.llama_cpp_target import check_llama_cpp_target_options
 from specdecode.models.quantize import (  # noqa: F401  (the flag checks were defined here before)
     check_draft_quantize_head_flag,
     check_quantize_group_size_flag,
@@ -93,6 +95,41 @@ def _check_draft_flags(args) -> None:
     check_quantize_group_size_flag(getattr(args, "quantize_group_size", None), args.quantize, draft, why)
 
 
+def _check_backend(args, methods: Sequence[str] | None) -> None:
+    """--backend llama-cpp: the flags and named methods that cannot run with the target in llama.cpp, refused
+    before anything loads (the same refusals as the pipeline's, in the flags' words).
+
+    Raises:
+        InvalidArgumentError: --batch-size (one sequence at a time), --compile, --prompt-cache, the torch
+            loading flags (``check_llama_cpp_target_options``), or a named transformers method or method that
+            the llama.cpp target refuses (``method_registry.LLAMA_CPP_TARGET_REFUSALS``).
+    """
+    if getattr(args, "backend", "torch") != "llama-cpp":
+        return
+    if getattr(args, "batch_size", None) is not None:
+        raise InvalidArgumentError(
+            f"--batch-size {args.batch_size} decodes several rows at once, but with --backend llama-cpp the target "
+            "runs one sequence at a time (llama.cpp's multi-sequence batches are not built): leave --batch-size out"
+        )
+    for flag, value in (("--compile", args.compile), ("--prompt-cache", args.prompt_cache)):
+        if value:
+            what = "compiles torch forwards" if flag == "--compile" else "copies a torch target's KV cache"
+            raise InvalidArgumentError(f"{flag} {what}, but with --backend llama-cpp the target runs in llama.cpp: "
+                                       f"leave {flag} out")
+    check_llama_cpp_target_options(dtype=args.dtype, device=args.device, quantize=args.quantize,
+                                   draft_quantize=args.draft_quantize, draft_quantize_head=args.draft_quantize_head,
+                                   quantize_group_size=args.quantize_group_size, draft_backend="torch")
+    for name in methods or ():
+        base = name.partition("+")[0].partition(":")[0]
+        why = ("it runs transformers' generate on the target's torch model, and the target in llama.cpp has none"
+               if base in HF_METHODS else method_registry.LLAMA_CPP_TARGET_REFUSALS.get(base))
+        if why is not None:
+            raise InvalidArgumentError(
+                f"method {name!r} does not run with --backend llama-cpp: {why}; leave it out (llama.cpp's own "
+                f"decoding: {', '.join(LLAMA_CPP_REFERENCES)}), or use --backend torch"
+            )
+
+
 def run(args) -> int:
     """``specdecode bench``: load the models once, run ``run_bench``, print a summary. Returns the exit code."""
     from rich.console import Console
@@ -122,6 +159,7 @@ def run(args) -> int:
         logit_bias=parse_logit_bias(args.logit_bias),
     )
     methods = _split_list(args.methods, _method_separator())
+    _check_backend(args, methods)
     if getattr(args, "batch_size", None) is not None:
         return _run_batched(args, settings, methods)
     if methods is not None:
@@ -142,7 +180,7 @@ def run(args) -> int:
         generator = pipeline.SpeculativeGenerator.from_pretrained(
             args.target, _draft_spec(args), dtype=args.dtype, device=args.device, quantize=args.quantize,
             draft_quantize=args.draft_quantize, draft_quantize_head=args.draft_quantize_head,
-            quantize_group_size=args.quantize_group_size,
+            quantize_group_size=args.quantize_group_size, backend=getattr(args, "backend", "torch"),
         )
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("ETA"), TimeRemainingColumn())
@@ -163,17 +201,25 @@ def run(args) -> int:
         err.print(f"interrupted: {kept} finished record(s) kept in {Path(args.out) / RECORDS_FILE}; "
                   "run the same command again to resume")
         return 130
-    table = Table(title=f"specdecode bench: {len(prompts)} prompts, {args.dataset}")
+    on_llama = results.get("backend") == "llama-cpp"
+    table = Table(title=f"specdecode bench: {len(prompts)} prompts, {args.dataset}"
+                  + (", target in llama.cpp (--backend llama-cpp)" if on_llama else ""))
     llama = LLAMA_CPP in results["summary"]  # a reference column: our tok/s next to llama.cpp's
-    for col in ("method", "tok/s", "speedup", *(["vs llama.cpp"] if llama else []), "acceptance", "τ",
-                "exact match vs AR", "warm-up s"):
+    lookup = LLAMA_CPP_LOOKUP in results["summary"]
+    agree = llama and on_llama  # greedy tokens against llama.cpp's own, the same file
+    for col in ("method", "tok/s", "speedup", *(["vs llama.cpp"] if llama else []),
+                *(["vs llama-cpp-lookup"] if lookup else []), "acceptance", "τ", "exact match vs AR",
+                *(["exact match vs llama.cpp"] if agree else []), "warm-up s"):
         table.add_column(col, justify="left" if col == "method" else "right")
     for method, by_cat in results["summary"].items():
         o = by_cat[OVERALL]
         table.add_row(method, format_value(o["tokens_per_s"]), format_value(o["speedup"], "{:.2f}×"),
                       *([format_value(o.get("vs_llama_cpp"), "{:.2f}×")] if llama else []),
+                      *([format_value(o.get("vs_llama_cpp_lookup"), "{:.2f}×")] if lookup else []),
                       format_value(o["acceptance_rate"], "{:.1%}"), format_value(o["mean_accepted_tokens"]),
                       "ref" if method == REFERENCE_METHOD else format_value(o["exact_match_rate"], "{:.0%}"),
+                      *(["ref" if method == LLAMA_CPP else format_value(o.get("exact_match_rate_vs_llama_cpp"),
+                                                                         "{:.0%}")] if agree else []),
                       format_value(results["methods"].get(method, {}).get("warmup_s"), "{:.1f}"))
     out = Console()
     out.print(table)

@@ -16,6 +16,11 @@ It is a reference, never a speedup baseline (``specdecode.bench.report``): it ru
 quantized Q4 kernels, so it is a different model from the de-quantized target and
 its greedy tokens may differ from ours. The report puts our tok/s next to its.
 
+With the target itself run by llama.cpp (``SpeculativeGenerator.from_pretrained(backend="llama-cpp")``,
+``specdecode bench --backend llama-cpp``) both run the same file: the reference then takes the
+target's file, threads and KV cache type (``backend_model``), and the report gives each method's
+agreement with its greedy tokens (``exact_match_rate_vs_llama_cpp``).
+
 llama-cpp-python is an optional extra (``pip install 'specdecode[llamacpp]'``, built
 from source) and is imported only here, when the method is built.
 
@@ -81,6 +86,13 @@ def gguf_file(spec: str, cache_dir: str | Path | None = None, method: str = METH
     ))
 
 
+def backend_model(generator: pipeline.SpeculativeGenerator):
+    """The ``LlamaCppModel`` that runs ``generator``'s target (backend "llama-cpp"), or None (a torch target)."""
+    if getattr(generator, "backend", "torch") != "llama-cpp":
+        return None
+    return generator.target.model.model
+
+
 def check_available(spec: str, cache_dir: str | Path | None = None, method: str = METHOD) -> Path:
     """``gguf_file(spec, cache_dir)`` once llama-cpp-python is known to import: the checks of
     ``LlamaCppRunner``, early.
@@ -103,12 +115,14 @@ class LlamaCppRunner:
 
     Args:
         generator: Gives the EOS ids and, unless ``settings.gguf_file`` is set, the target
-            spec (an offline model name) whose GGUF file is run.
+            spec (an offline model name) whose GGUF file is run. A target run by llama.cpp
+            (backend "llama-cpp") gives its file, threads and KV cache type instead.
         settings: The run's settings (temperature, banned words, ``gguf_file``).
 
     Raises:
         InvalidArgumentError: Banned words (llama.cpp cannot match them), a target that is not
-            a GGUF file, or llama-cpp-python not installed.
+            a GGUF file, llama-cpp-python not installed, or (backend "llama-cpp") a ``gguf_file``
+            other than the one the target runs.
         ModelNotFoundError, ChecksumMismatchError: As ``gguf_file``.
         UnsupportedModelError: llama.cpp cannot load the file.
     """
@@ -124,10 +138,26 @@ class LlamaCppRunner:
                 "banned words"
             )
         self.settings = settings
-        self.path = check_available(settings.gguf_file or generator.target.name, generator.cache_dir, self.name)
+        backend = backend_model(generator)
+        self.kv_cache_type: str | None = None  # None: llama.cpp's default (f16)
+        if backend is None:
+            self.path = check_available(settings.gguf_file or generator.target.name, generator.cache_dir, self.name)
+            self.n_threads = torch.get_num_threads()
+        else:  # the file our methods' target runs, with its threads and KV cache: the same model, timed alike
+            if getattr(backend, "path", None) is None:
+                raise InvalidArgumentError(f"method {self.name!r} runs the target's GGUF file, but the target's "
+                                           f"llama.cpp model {getattr(backend, 'name', '?')!r} names none")
+            self.path = Path(backend.path)
+            given = settings.gguf_file and check_available(settings.gguf_file, generator.cache_dir, self.name)
+            if given and Path(given).resolve() != self.path.resolve():
+                raise InvalidArgumentError(
+                    f"method {self.name!r} runs the GGUF file the target runs with backend 'llama-cpp' "
+                    f"({self.path}), but gguf_file is {settings.gguf_file!r} ({given}); leave gguf_file unset"
+                )
+            self.n_threads = int(backend.n_threads)
+            self.kv_cache_type = backend.kv_cache_type
         self.llama_cpp = import_llama_cpp(self.name)
         self.eos = frozenset(pipeline.eos_token_ids(generator.target))
-        self.n_threads = torch.get_num_threads()
         self.llm = None
         self._load(CONTEXT_STEP)
 
@@ -146,8 +176,11 @@ class LlamaCppRunner:
             raise UnsupportedModelError(f"llama.cpp cannot load GGUF file {self.path}: {e}") from e
 
     def _llama_options(self) -> dict[str, Any]:
-        """More ``llama_cpp.Llama`` arguments (none: target only)."""
-        return {}
+        """More ``llama_cpp.Llama`` arguments (target only: the KV cache type of a target run by llama.cpp)."""
+        if self.kv_cache_type is None:
+            return {}
+        kv = self.llama_cpp.GGML_TYPE_F32 if self.kv_cache_type == "f32" else self.llama_cpp.GGML_TYPE_F16
+        return {"type_k": kv, "type_v": kv}
 
     @property
     def n_ctx(self) -> int:
@@ -170,6 +203,7 @@ class LlamaCppRunner:
             "gguf_file": str(self.path),
             "llama_cpp_python": getattr(self.llama_cpp, "__version__", None),
             "n_threads": self.n_threads,
+            "kv_cache_type": self.kv_cache_type or "f16",
             "n_ctx": self.n_ctx,
             "n_batch": self.llm.n_batch,
             "sampling": self.sampling(),
@@ -295,7 +329,7 @@ class LlamaCppLookupRunner(LlamaCppRunner):
     def _llama_options(self) -> dict[str, Any]:
         lookup = self.llama_cpp.llama_speculative.LlamaPromptLookupDecoding(
             max_ngram_size=self.MAX_NGRAM_SIZE, num_pred_tokens=self.NUM_PRED_TOKENS)
-        return {"draft_model": lookup}
+        return {**super()._llama_options(), "draft_model": lookup}
 
     def describe(self) -> dict:
         return {

@@ -32,6 +32,7 @@ from specdecode.bench.settings import BenchSettings
 from specdecode.config import check_num_speculative_tokens
 from specdecode.drafters.control import DraftControl
 from specdecode.engine.decoder import SpeculativeDecoder
+from specdecode.engine.runner_target import is_runner_target
 from specdecode.errors import InvalidArgumentError
 
 logger = logging.getLogger(__name__)
@@ -307,11 +308,31 @@ def build_decoder(
     )
 
 
+def _describe_control(control) -> dict:
+    """A decoder's draft control, JSON-ready: a ``DraftControl``'s fields, or a policy's name and numbers (the
+    measured-cost policy of a target run by llama.cpp: its forward costs in seconds by width)."""
+    if isinstance(control, DraftControl):
+        return dataclasses.asdict(control)
+    out: dict[str, Any] = {"policy": type(control).__name__}
+    model = getattr(control, "model", None)
+    costs = getattr(getattr(model, "target", None), "seconds", None)
+    if costs:
+        out["forward_costs_s"] = {str(w): float(v) for w, v in costs.items()}
+        out["draft_step_s"] = getattr(model, "draft_step_s", None)
+        out["max_tokens"] = getattr(model, "max_tokens", None)
+    for name in ("prior", "prior_weight", "decay", "probe_every"):
+        if isinstance(getattr(control, name, None), (int, float)):
+            out[name] = getattr(control, name)
+    return out
+
+
 class _SpecdecodeRunner:
-    """Runs one specdecode method through its ``SpeculativeDecoder`` (built once, reused)."""
+    """Runs one specdecode method through its ``SpeculativeDecoder`` (built once, reused).
+
+    With a target run by llama.cpp (backend "llama-cpp") it cannot start from a prompt cache
+    (``supports_prompt_cache`` False: there are no torch keys and values to copy)."""
 
     kind = "specdecode"
-    supports_prompt_cache = True
 
     def __init__(
         self, name: str, decoder: SpeculativeDecoder, settings: BenchSettings, spec: MethodSpec | None = None
@@ -320,6 +341,8 @@ class _SpecdecodeRunner:
         self.decoder = decoder
         self.settings = settings
         self.spec = spec or MethodSpec(name, name)
+        self.backend = "llama-cpp" if is_runner_target(decoder.target) else "torch"
+        self.supports_prompt_cache = self.backend == "torch"
 
     def _gamma(self) -> int:
         return self.spec.num_speculative_tokens or self.settings.num_speculative_tokens
@@ -334,9 +357,10 @@ class _SpecdecodeRunner:
             "drafter": type(drafter).__name__ if drafter is not None else None,
             "num_speculative_tokens": self._gamma() if drafter is not None else None,
             "drafter_options": options,
-            "draft_control": dataclasses.asdict(control) if control is not None and drafter is not None else None,
+            "draft_control": _describe_control(control) if control is not None and drafter is not None else None,
             # The fast path as requested (None: the pipeline's device default).
             "compile": self.spec.compile if self.spec.compile is not None else self.settings.compile,
+            "backend": self.backend,
         }
 
     def __call__(
@@ -387,7 +411,8 @@ def resolve_methods(
     Args:
         methods: The methods to run; ``None``: every available method whose requirements
             (such as a draft model) are met, but ``llama-cpp`` and ``llama-cpp-lookup`` (references, run only when
-            named); the others are skipped and reported.
+            named, except with the target in llama.cpp, ``generator.backend`` "llama-cpp", where they are what
+            our methods are compared with); the others are skipped and reported.
         settings: How every method generates; its ``compile`` applies to the specdecode
             methods whose name sets no ``compile`` option (``MethodSpec``).
         max_positions: The most positions one generation of the run needs (longest prompt
@@ -399,7 +424,10 @@ def resolve_methods(
 
     Raises:
         InvalidArgumentError: An unknown method, or a requested method whose requirements
-            are not met (no draft model loaded; llama-cpp-python missing or a non-GGUF target).
+            are not met (no draft model loaded; llama-cpp-python missing or a non-GGUF target;
+            with a target run by llama.cpp, ``generator.backend`` "llama-cpp": transformers'
+            methods and those the pipeline refuses there, such as layer-skip; unnamed, they are
+            skipped with the reason).
         ModelNotFoundError, ChecksumMismatchError, UnsupportedModelError: the llama.cpp references' GGUF file.
     """
     explicit = methods is not None
@@ -408,8 +436,8 @@ def resolve_methods(
     skipped: dict[str, str] = {}
     for name in names:
         try:
-            if name in LLAMA_CPP_REFERENCES:  # a second engine and model in memory: only when asked for
-                if not explicit:
+            if name in LLAMA_CPP_REFERENCES:  # a second engine and model in memory: with a torch target, when asked for
+                if not explicit and getattr(generator, "backend", "torch") != "llama-cpp":
                     raise InvalidArgumentError(f"{name!r} is a reference and runs only when named in the methods")
                 if settings.processor_settings():  # [processors]
                     raise InvalidArgumentError(f"method {name!r} does not take specdecode's processors "
@@ -418,6 +446,12 @@ def resolve_methods(
                 runners[name] = runner_class(generator, settings)
             elif name in HF_METHODS:
                 spec = HF_METHODS[name]
+                if getattr(generator, "backend", "torch") != "torch":
+                    raise InvalidArgumentError(
+                        f"method {name!r} runs transformers' generate on the target's torch model, but with backend "
+                        f"{generator.backend!r} the target runs in llama.cpp and has none; leave {name!r} out (the "
+                        f"references there are {' and '.join(LLAMA_CPP_REFERENCES)}) or use backend 'torch'"
+                    )
                 if settings.banned_words:
                     raise InvalidArgumentError(
                         f"method {name!r} cannot ban words (transformers masks token ids, not text); "

@@ -71,7 +71,18 @@ def run_identity(generator: pipeline.SpeculativeGenerator, settings: BenchSettin
         **settings.processor_settings(),  # [processors] only those on: older folders still resume
         # Only runs that set the fast path name it, so folders made before the setting existed still resume.
         **({"compile": settings.compile} if settings.compile is not None else {}),
+        # Likewise only a target run by llama.cpp names its backend (and what decides its numbers).
+        **({"backend": generator.backend, **_llama_cpp_target(generator)} if generator.backend != "torch" else {}),
     }
+
+
+def _llama_cpp_target(generator: pipeline.SpeculativeGenerator) -> dict:
+    """What runs a target in llama.cpp: its GGUF file, threads and KV cache type (empty for a torch target)."""
+    model = getattr(generator.target.model, "model", None)
+    if generator.backend != "llama-cpp" or model is None:
+        return {}
+    return {"gguf_file": str(getattr(model, "path", None)), "n_threads": getattr(model, "n_threads", None),
+            "kv_cache_type": getattr(model, "kv_cache_type", None)}
 
 
 def environment(generator: pipeline.SpeculativeGenerator) -> dict:
@@ -117,7 +128,18 @@ def environment(generator: pipeline.SpeculativeGenerator) -> dict:
         },
         "device": str(model.device),
         "cuda_device": torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else None,
+        "backend": generator.backend,
+        **({"llama_cpp_target": {**_llama_cpp_target(generator), "llama_cpp_python": _llama_cpp_version()}}
+           if generator.backend == "llama-cpp" else {}),
     }
+
+
+def _llama_cpp_version() -> str | None:
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    return getattr(llama_cpp, "__version__", None)
 
 
 def record_key(record: Mapping[str, Any]) -> tuple[str, str, int]:

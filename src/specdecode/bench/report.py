@@ -25,6 +25,7 @@ REFERENCE_METHOD = "autoregressive"  # token agreement is measured against its o
 LLAMA_CPP = "llama-cpp"  # llama.cpp on the target's GGUF file: a reference column, never a speedup baseline
 LLAMA_CPP_LOOKUP = "llama-cpp-lookup"  # llama-cpp-python's own prompt-lookup speculation: a reference too
 LLAMA_CPP_REFERENCES = (LLAMA_CPP, LLAMA_CPP_LOOKUP)  # never a baseline; run only when named
+LLAMA_CPP_BACKEND = "llama-cpp"  # the run's target in llama.cpp (results' "backend"; ``SpeculativeGenerator.backend``)
 OVERALL = "overall"
 RESULTS_JSON = "results.json"
 RESULTS_MD = "results.md"
@@ -101,7 +102,14 @@ NOTES = MappingProxyType({
     "vs_llama_cpp": "tokens_per_s / llama-cpp's tokens_per_s in the same category (when llama-cpp ran): llama.cpp "
     "(llama-cpp-python) runs the target's GGUF file target-only with its quantized kernels, the same prompt ids, "
     "EOS, max_new_tokens, greedy settings, thread count and timing; its weights differ from the de-quantized "
-    "target's, so its tokens may differ too",
+    "target's, so its tokens may differ too (with backend 'llama-cpp' our methods run that same file in llama.cpp, "
+    "with the same threads and KV cache type); vs_llama_cpp_lookup: the same against llama-cpp-lookup",
+    "agreement_vs_llama_cpp": "exact_match_rate_vs_llama_cpp: share of generations whose whole token sequence "
+    "equals llama-cpp's (llama.cpp's own greedy decoding of the GGUF file) on the same prompt and repeat; "
+    "mean_first_divergence_vs_llama_cpp: mean index of the first differing token among the others. With backend "
+    "'llama-cpp' greedy outputs match where llama.cpp's kernels give a token the same logits in a k-token "
+    "verification as in a single step (float32 weights); on quantized weights a k-token batch may round "
+    "differently, and this rate says how often it changed the output",
     "acceptance_rate": "accepted draft tokens / drafted tokens; transformers methods: estimated from the target's "
     "forward input lengths (drafted) and new tokens - target forwards (accepted)",
     "mean_accepted_tokens": "tau: tokens per verifying target forward, the bonus/replacement token COUNTED "
@@ -120,15 +128,18 @@ NOTES = MappingProxyType({
 
 
 def _agreement(records: list[dict]) -> None:
-    """Annotate each record with ``exact_match`` and ``first_divergence`` vs. autoregressive's output."""
-    reference = {(r["prompt_id"], r["repeat"]): r["token_ids"] for r in records if r["method"] == REFERENCE_METHOD}
-    for r in records:
-        ref = reference.get((r["prompt_id"], r["repeat"]))
-        if ref is None or r["method"] == REFERENCE_METHOD:
-            r["exact_match"] = r["first_divergence"] = None
-        else:
-            r["first_divergence"] = first_divergence(r["token_ids"], ref)
-            r["exact_match"] = r["first_divergence"] is None
+    """Annotate each record with ``exact_match`` and ``first_divergence`` vs. autoregressive's output, and
+    ``exact_match_llama_cpp`` and ``first_divergence_llama_cpp`` vs. llama-cpp's (None where it did not run)."""
+    for reference_method, suffix in ((REFERENCE_METHOD, ""), (LLAMA_CPP, "_llama_cpp")):
+        reference = {(r["prompt_id"], r["repeat"]): r["token_ids"] for r in records
+                     if r["method"] == reference_method}
+        for r in records:
+            ref = reference.get((r["prompt_id"], r["repeat"]))
+            if ref is None or r["method"] == reference_method:
+                r["exact_match" + suffix] = r["first_divergence" + suffix] = None
+            else:
+                r["first_divergence" + suffix] = first_divergence(r["token_ids"], ref)
+                r["exact_match" + suffix] = r["first_divergence" + suffix] is None
 
 
 def _sum_positions(records: Iterable[dict], key: str) -> list[int]:
@@ -165,8 +176,9 @@ def summarize(records: Sequence[dict]) -> dict:
         sp, baselines[cat] = speedups(tps)
         for m, v in sp.items():
             summary[m][cat]["speedup"] = v
-            llama = tps.get(LLAMA_CPP)
-            summary[m][cat]["vs_llama_cpp"] = tps[m] / llama if llama and tps[m] is not None else None
+            for reference, key in ((LLAMA_CPP, "vs_llama_cpp"), (LLAMA_CPP_LOOKUP, "vs_llama_cpp_lookup")):
+                ref = tps.get(reference)
+                summary[m][cat][key] = tps[m] / ref if ref and tps[m] is not None else None
     return {"methods": summary, "baselines": baselines}
 
 
@@ -181,6 +193,8 @@ def _metrics(rs: list[dict]) -> dict:
     drafted = sum(r["drafted"] or 0 for r in rs)
     compared = [r for r in rs if r.get("exact_match") is not None]
     diverged = [r["first_divergence"] for r in compared if not r["exact_match"]]
+    vs_llama = [r for r in rs if r.get("exact_match_llama_cpp") is not None]
+    diverged_llama = [r["first_divergence_llama_cpp"] for r in vs_llama if not r["exact_match_llama_cpp"]]
     new_tokens = sum(r["new_tokens"] for r in rs)
     peaks = [r["peak_rss_mb"] for r in rs if r.get("peak_rss_mb") is not None]
     drafted_pos = _sum_positions(rs, "drafted_by_position")
@@ -200,6 +214,10 @@ def _metrics(rs: list[dict]) -> dict:
         "exact_match_rate": len([r for r in compared if r["exact_match"]]) / len(compared) if compared else None,
         "mean_first_divergence": statistics.fmean(diverged) if diverged else None,
         "compared": len(compared),
+        "exact_match_rate_vs_llama_cpp": (len([r for r in vs_llama if r["exact_match_llama_cpp"]]) / len(vs_llama)
+                                          if vs_llama else None),
+        "mean_first_divergence_vs_llama_cpp": statistics.fmean(diverged_llama) if diverged_llama else None,
+        "compared_vs_llama_cpp": len(vs_llama),
         "peak_rss_mb": max(peaks) if peaks else None,
         "banned_word_rollbacks": sum(r.get("banned_word_rollbacks") or 0 for r in rs),
         "banned_word_discarded_tokens": sum(r.get("banned_word_discarded_tokens") or 0 for r in rs),
@@ -249,6 +267,45 @@ def _quantized(ident: Mapping[str, Any]) -> str:
     return text
 
 
+def _target_text(results: Mapping[str, Any]) -> str:
+    """How the target ran: its dtype and torch quantization, or with backend 'llama-cpp' its GGUF file in llama.cpp."""
+    ident = results.get("identity", {})
+    if results.get("backend") != LLAMA_CPP_BACKEND:
+        return f"{ident.get('dtype')}{_quantized(ident)}"
+    about = results.get("environment", {}).get("llama_cpp_target", {})
+    return (f"backend llama-cpp: the target's GGUF file `{about.get('gguf_file')}` in llama.cpp "
+            f"({about.get('n_threads')} threads, {about.get('kv_cache_type')} KV cache)")
+
+
+def _agreement_text(method: str, o: Mapping[str, Any]) -> str:
+    """The 'Exact match vs llama.cpp' cell: the rate, with the mean first divergence where some differ."""
+    if method == LLAMA_CPP:
+        return "ref"
+    text = format_value(o.get("exact_match_rate_vs_llama_cpp"), "{:.0%}")
+    if o.get("mean_first_divergence_vs_llama_cpp") is not None:
+        text += f" (1st diff @{o['mean_first_divergence_vs_llama_cpp']:.0f})"
+    return text
+
+
+def _by_category_vs_llama_cpp(summary: Mapping[str, Mapping[str, dict]], cats: Sequence[str]) -> list[str]:
+    """Tok/s ÷ llama-cpp's and ÷ llama-cpp-lookup's per category and overall, with the agreement with llama-cpp's
+    tokens (issue 30's criteria are per category); no lines when neither reference ran."""
+    lines: list[str] = []
+    for reference, key in ((LLAMA_CPP, "vs_llama_cpp"), (LLAMA_CPP_LOOKUP, "vs_llama_cpp_lookup")):
+        if not summary.get(reference, {}).get(OVERALL):
+            continue
+        agreement = reference == LLAMA_CPP
+        head = ["Method", *cats, OVERALL, *(["Exact match vs llama.cpp"] if agreement else [])]
+        lines += ["", f"Tok/s ÷ `{reference}`'s tok/s, by category:", "", "| " + " | ".join(head) + " |",
+                  "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
+        for method, by_cat in summary.items():
+            cells = [format_value(by_cat.get(c, {}).get(key), "{:.2f}×") for c in [*cats, OVERALL]]
+            if agreement:
+                cells.append(_agreement_text(method, by_cat.get(OVERALL, {})))
+            lines.append("| " + " | ".join([f"`{method}`", *cells]) + " |")
+    return lines
+
+
 def markdown_report(results: Mapping[str, Any]) -> str:
     """A Spec-Bench-style leaderboard: methods × (category speedups, overall tokens/s, speedup, α, τ, agreement)."""
     summary = results["summary"]
@@ -258,12 +315,18 @@ def markdown_report(results: Mapping[str, Any]) -> str:
             "Acceptance α", "τ (incl. bonus)", "Fwd/token", "Exact match vs AR", "Peak RSS MB", "Warm-up s"]
     described = results.get("methods", {})
     llama = summary.get(LLAMA_CPP, {}).get(OVERALL)
+    lookup = summary.get(LLAMA_CPP_LOOKUP, {}).get(OVERALL)
+    on_llama = results.get("backend") == LLAMA_CPP_BACKEND  # our methods' target runs in llama.cpp
+    if lookup:
+        head.insert(head.index("Overall speedup") + 1, "vs llama-cpp-lookup")
     if llama:
         head.insert(head.index("Overall speedup") + 1, "vs llama.cpp")
+    if llama and on_llama:
+        head.insert(head.index("Exact match vs AR") + 1, "Exact match vs llama.cpp")
     lines = [
         "# specdecode bench",
         "",
-        f"Target `{ident.get('target')}`, draft `{ident.get('draft')}`, {ident.get('dtype')}{_quantized(ident)} on "
+        f"Target `{ident.get('target')}`, draft `{ident.get('draft')}`, {_target_text(results)} on "
         f"{ident.get('device')} ({env.get('cpu_model') or env.get('cuda_device') or '?'}, "
         f"{env.get('torch_threads')} torch threads); max_new_tokens {ident.get('max_new_tokens')}, "
         f"temperature {ident.get('temperature')}, γ {ident.get('num_speculative_tokens')}"
@@ -284,7 +347,6 @@ def markdown_report(results: Mapping[str, Any]) -> str:
             "vs llama.cpp = a method's overall tok/s ÷ llama-cpp's.",
             "",
         ]
-    lookup = summary.get(LLAMA_CPP_LOOKUP, {}).get(OVERALL)
     if lookup:
         about = results.get("methods", {}).get(LLAMA_CPP_LOOKUP, {})
         lines += [
@@ -310,14 +372,17 @@ def markdown_report(results: Mapping[str, Any]) -> str:
             f"({format_value(o.get('tokens_per_s_min'))}–{format_value(o.get('tokens_per_s_max'))})",
             format_value(o.get("speedup"), "{:.2f}×"),
             *([format_value(o.get("vs_llama_cpp"), "{:.2f}×")] if llama else []),
+            *([format_value(o.get("vs_llama_cpp_lookup"), "{:.2f}×")] if lookup else []),
             format_value(o.get("acceptance_rate"), "{:.1%}"),
             format_value(o.get("mean_accepted_tokens")),
             format_value(o.get("target_forwards_per_token")),
             agree,
+            *([_agreement_text(method, o)] if llama and on_llama else []),
             format_value(o.get("peak_rss_mb"), "{:.0f}"),
             format_value(described.get(method, {}).get("warmup_s"), "{:.1f}"),
         ]
         lines.append("| " + " | ".join(row) + " |")
+    lines += _by_category_vs_llama_cpp(summary, cats)
     skipped = results.get("skipped_methods") or {}
     if skipped:
         lines += ["", "Skipped: " + "; ".join(f"`{m}` ({why})" for m, why in skipped.items())]

@@ -86,7 +86,11 @@ def run_bench(
     call's methods × prompts × repeats.
 
     Args:
-        generator: The loaded target (and draft).
+        generator: The loaded target (and draft); with ``backend="llama-cpp"``
+            (``SpeculativeGenerator.from_pretrained``) specdecode's methods run the target's GGUF file
+            in llama.cpp, without a prompt cache (``prompt_cache`` None turns it off), transformers'
+            methods are refused (skipped when ``methods`` is None) and the llama.cpp references run
+            the same file with the same threads and KV cache type.
         prompts: Prompts with unique ids.
         methods: Methods to run (``available_methods()``); None: all whose requirements are met.
         settings: Generation settings (default ``BenchSettings()``).
@@ -125,9 +129,12 @@ def run_bench(
     runners, skipped = resolve_methods(generator, methods, settings, max_positions=max_positions)
     unsupported = [name for name, runner in runners.items() if not getattr(runner, "supports_prompt_cache", False)]
     if settings.prompt_cache and unsupported:
+        why = ("the target runs in llama.cpp (backend 'llama-cpp'), which holds no torch cache to copy"
+               if generator.backend == "llama-cpp" else
+               "transformers re-encodes the whole prompt on the first assisted step")
         raise InvalidArgumentError(
-            f"prompt_cache=True, but {', '.join(unsupported)} cannot start from a cached prompt (transformers "
-            "re-encodes the whole prompt on the first assisted step); leave prompt_cache unset (auto) or False"
+            f"prompt_cache=True, but {', '.join(unsupported)} cannot start from a cached prompt ({why}); "
+            "leave prompt_cache unset (auto) or False"
         )
     if settings.prompt_cache is None:  # auto
         settings = dataclasses.replace(settings, prompt_cache=not unsupported)
@@ -198,6 +205,7 @@ def run_bench(
     keys = {(m, p.id, r) for p, r, m in plan}
     records = [rec for rec in store.load() if record_key(rec) in keys]
     info = {
+        "backend": generator.backend,  # what ran the target of specdecode's methods: "torch" or "llama-cpp"
         "environment": environment(generator),
         "identity": run_identity(generator, settings),
         "settings": settings.to_dict(),

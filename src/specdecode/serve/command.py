@@ -6,6 +6,13 @@ The server's defaults are ``generate``'s on the same device (``pipeline``'s comm
 defaults): method ``cascade`` with adaptive draft exit, an int4 draft on a CPU, and the
 cascade's prompt limit for the draft model. Start-up logs each phase (loading, quantizing,
 warm-up) with its duration at ``--log-level info``.
+
+``--backend llama-cpp`` runs the target's GGUF file in llama.cpp (as ``generate --backend
+llama-cpp``, with its default method, ``defaults.LLAMA_CPP_COMMAND_METHOD``, and prompt lookup's
+draft length from the measured forward costs): one request at a time, since llama.cpp's
+multi-sequence batches are not built, so the engine has one row and further requests wait in
+the queue (``--max-queue``). What that backend cannot do is refused before loading
+(``check_llama_cpp_backend``).
 """
 
 from __future__ import annotations
@@ -17,9 +24,12 @@ from dataclasses import dataclass
 
 from specdecode import method_registry
 from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS
+from specdecode.defaults import LLAMA_CPP_COMMAND_METHOD
 from specdecode.drafters.control import DraftControl
+from specdecode.engine.runner_target import ONE_SEQUENCE, measured_cost_policy
 from specdecode.errors import InvalidArgumentError, SpecDecodeError
 from specdecode.method_registry import who_takes
+from specdecode.models.llama_cpp_target import TARGET_BACKENDS, check_llama_cpp_target_options
 from specdecode.models.loading import resolve_device
 from specdecode.models.quantize import (
     INT4_GROUP_SIZES,
@@ -42,20 +52,40 @@ logger = logging.getLogger(__name__)
 
 #: The methods with a batch mode (the method registry's): the server runs the batched engine.
 SERVE_METHODS = method_registry.BATCH_METHODS
+#: Rows decoded at once when --max-batch-size is not given (a target in llama.cpp: 1, the only value it takes).
+DEFAULT_MAX_BATCH_SIZE = 8
+
+
+class _Given(argparse.Action):
+    """Stores the value and records that the flag was given (``<dest>_given``): --method's default depends on
+    --backend, as ``generate``'s."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+        setattr(namespace, f"{self.dest}_given", True)
 
 
 def add_arguments(p: argparse.ArgumentParser, *, default_target: str, default_draft: str) -> None:
     """The ``serve`` subcommand's options."""
     p.add_argument("--target", default=default_target, help="offline model name, .gguf file, folder or hub id")
     p.add_argument("--draft", default=default_draft, help="draft model (methods 'draft' and 'cascade')")
-    p.add_argument("--method", default=COMMAND_METHOD, choices=SERVE_METHODS,
-                   help=f"decoding method of every request (default {COMMAND_METHOD}, as specdecode generate)")
+    p.add_argument("--method", default=COMMAND_METHOD, choices=SERVE_METHODS, action=_Given,
+                   help=f"decoding method of every request (default {COMMAND_METHOD}, as specdecode generate; with "
+                        f"--backend llama-cpp: {LLAMA_CPP_COMMAND_METHOD}, as generate --backend llama-cpp)")
+    p.add_argument("--backend", default="torch", choices=TARGET_BACKENDS,
+                   help="what runs the target: torch (default) or llama-cpp (its GGUF file in llama.cpp, no torch "
+                        "weights; methods autoregressive and prompt-lookup). With llama-cpp the server decodes ONE "
+                        "REQUEST AT A TIME (llama.cpp's multi-sequence batches are not built): --max-batch-size is 1 "
+                        "and further requests wait in the queue (--max-queue); needs pip install "
+                        "'specdecode[llamacpp]'")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --target)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health")
-    p.add_argument("--max-batch-size", type=int, default=8, help="rows decoded at once (default 8)")
+    p.add_argument("--max-batch-size", type=int, default=None,
+                   help=f"rows decoded at once (default {DEFAULT_MAX_BATCH_SIZE}; with --backend llama-cpp 1, the only "
+                        "value it takes: one request at a time)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait for a free row; beyond it the server answers 429 (default 64)")
     p.add_argument("--max-length", type=int, default=2048,
@@ -191,6 +221,20 @@ def run(args) -> int:
         SpecDecodeError: Bad options (before loading models), a missing ``serve`` extra, or
             the loading errors of ``SpeculativeGenerator.from_pretrained``.
     """
+    app, engine = load_server(args)
+    server = make_uvicorn_server(app, engine, host=args.host, port=args.port,
+                                 shutdown_timeout_s=args.shutdown_timeout, log_level=args.log_level)
+    server.run()
+    return 0
+
+
+def load_server(args):
+    """Everything ``run`` does before it listens: check the flags, load the models, build and warm up the
+    engine. Returns (ASGI app, ``EngineLoop``), not started (uvicorn's lifespan starts the engine thread).
+
+    Raises:
+        SpecDecodeError: As ``run``.
+    """
     try:
         import fastapi  # noqa: F401
         import sse_starlette  # noqa: F401
@@ -203,6 +247,7 @@ def run(args) -> int:
 
     if not 0 <= args.port <= 65535:
         raise InvalidArgumentError(f"--port must be in 0..65535, got {args.port}")
+    check_llama_cpp_backend(args)  # --method and --max-batch-size take their defaults here
     if args.method == "layer-skip" and args.skip_layers is None and args.skip_config is None:
         raise InvalidArgumentError("--method layer-skip needs --skip-layers SPEC or --skip-config FILE")
     if args.method == "early-exit" and args.exit_layer is None:
@@ -220,45 +265,87 @@ def run(args) -> int:
         max_prompt_tokens=args.max_length if args.max_prompt_tokens is None else args.max_prompt_tokens, max_tokens_limit=limit,
         max_body_bytes=args.max_body_bytes, shutdown_timeout_s=args.shutdown_timeout,
     )
-    plan = resolve_defaults(args, resolve_device(args.device))
+    backend = getattr(args, "backend", "torch")
+    plan = resolve_defaults(args, resolve_device("cpu" if backend == "llama-cpp" else args.device))
     _configure_logging(args.log_level)
     started = time.perf_counter()
-    logger.info("start-up: loading target %s%s", args.target,
+    logger.info("start-up: loading target %s%s%s", args.target, " in llama.cpp" if backend == "llama-cpp" else "",
                 f" and draft {plan.draft} ({plan.draft_quantize_note})" if plan.draft else "")
     gen = SpeculativeGenerator.from_pretrained(
         args.target, plan.draft, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir,
         quantize=args.quantize, draft_quantize=plan.draft_quantize, draft_quantize_head=args.draft_quantize_head,
-        quantize_group_size=args.quantize_group_size,
+        quantize_group_size=args.quantize_group_size, backend=backend,
     )
     loaded_s = time.perf_counter() - started
     logger.info("start-up: models loaded%s in %.1f s", " and quantized" if gen.target.quantize != "none" or (
         gen.draft is not None and gen.draft.quantize != "none") else "", loaded_s)
     t0 = time.perf_counter()
+    control = plan.draft_control
+    if gen.backend == "llama-cpp" and control is None and args.method != "autoregressive":
+        control = measured_cost_policy(gen.target.model)  # the draft length generate's decoder takes there
     decoder = gen.batch_decoder(
         args.method, max_batch_size=args.max_batch_size, max_length=args.max_length,
-        num_speculative_tokens=plan.num_speculative_tokens, draft_control=plan.draft_control,
+        num_speculative_tokens=plan.num_speculative_tokens, draft_control=control,
         exit_rule=args.exit_rule, max_verify_tokens=verify, skip_layers=args.skip_layers, skip_config=args.skip_config,
         exit_layer=args.exit_layer, prompt_lookup_max_ngram=args.prompt_lookup_max_ngram,
         prompt_lookup_min_ngram=args.prompt_lookup_min_ngram, compile=args.compile,
         ngram_check=args.ngram_check, max_model_prompt_tokens=plan.max_model_prompt_tokens,
         draft_context_window=args.draft_context_window, draft_vocab_size=args.draft_vocab_size,
     )
-    logger.info("start-up: batched engine built in %.1f s: method %s, %d rows, adaptive draft exit %s, "
-                "max_model_prompt_tokens %s", time.perf_counter() - t0, args.method, args.max_batch_size,
-                "on" if plan.draft_control is not None else "off", plan.max_model_prompt_tokens)
+    logger.info("start-up: batched engine built in %.1f s: method %s, %d rows%s, %s, max_model_prompt_tokens %s",
+                time.perf_counter() - t0, args.method, args.max_batch_size,
+                " (the target in llama.cpp: one request at a time, the others wait in the queue)"
+                if gen.backend == "llama-cpp" else "",
+                "draft length from measured costs" if control is not None and control is not plan.draft_control
+                else f"adaptive draft exit {'on' if plan.draft_control is not None else 'off'}",
+                plan.max_model_prompt_tokens)
     warm_s = 0.0
     if not args.no_warmup:
         logger.info("start-up: warm-up (every forward width the engine uses; --no-warmup skips it)")
         warm_s = decoder.warm_up()
         logger.info("start-up: warm-up done in %.1f s", warm_s)
     app, engine, _ = build(gen, decoder, max_queue=args.max_queue, settings=settings)
-    server = make_uvicorn_server(app, engine, host=args.host, port=args.port,
-                                 shutdown_timeout_s=args.shutdown_timeout, log_level=args.log_level)
     logger.info("start-up: ready in %.1f s (loading %.1f s, warm-up %.1f s); serving %s (%s) on http://%s:%d",
                 time.perf_counter() - started, loaded_s, warm_s, settings.model_name, args.method, args.host,
                 args.port)
-    server.run()
-    return 0
+    return app, engine
+
+
+def check_llama_cpp_backend(args) -> None:
+    """Give --method and --max-batch-size their defaults for --backend (``generate``'s method under
+    llama-cpp, ``LLAMA_CPP_COMMAND_METHOD``; one row there), and refuse before loading what a target
+    in llama.cpp cannot do, in the flags' words.
+
+    Raises:
+        InvalidArgumentError: With --backend llama-cpp: --max-batch-size other than 1 (one request at a
+            time), a method it refuses (``method_registry.LLAMA_CPP_TARGET_REFUSALS``: layer-skip,
+            early-exit, and for now draft and cascade), --compile, or the torch loading flags
+            (``check_llama_cpp_target_options``: --quantize, --draft-quantize, --draft-quantize-head,
+            --quantize-group-size, a --dtype other than auto/float32, a --device other than the CPU).
+    """
+    llama = getattr(args, "backend", "torch") == "llama-cpp"
+    if getattr(args, "max_batch_size", None) is None:
+        args.max_batch_size = 1 if llama else DEFAULT_MAX_BATCH_SIZE
+    if not llama:
+        return
+    if not getattr(args, "method_given", False):
+        args.method = LLAMA_CPP_COMMAND_METHOD
+    if args.max_batch_size != 1:
+        raise InvalidArgumentError(
+            f"--max-batch-size {args.max_batch_size}: with --backend llama-cpp the server decodes one request at a "
+            f"time ({ONE_SEQUENCE}); leave --max-batch-size out (or 1): further requests wait in the queue "
+            "(--max-queue)"
+        )
+    why = method_registry.LLAMA_CPP_TARGET_REFUSALS.get(args.method)
+    if why is not None:
+        raise InvalidArgumentError(f"--method {args.method} does not run with --backend llama-cpp: {why}; use "
+                                   "--method prompt-lookup or autoregressive, or --backend torch")
+    if args.compile:
+        raise InvalidArgumentError("--compile compiles torch forwards, but with --backend llama-cpp the target runs "
+                                   "in llama.cpp: leave --compile out")
+    check_llama_cpp_target_options(dtype=args.dtype, device=args.device, quantize=args.quantize,
+                                   draft_quantize=args.draft_quantize, draft_quantize_head=args.draft_quantize_head,
+                                   quantize_group_size=args.quantize_group_size, draft_backend="torch")
 
 
 @dataclass(frozen=True)
