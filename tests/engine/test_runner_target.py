@@ -175,3 +175,38 @@ def test_greedy_decoding_is_llama_cpps_own(llama_target, tiny_gguf, lookup):
     if lookup:  # drafts were verified, some accepted, some rejected and rolled back
         stats = result.stats
         assert 0 < stats.num_accepted_tokens < stats.num_drafted_tokens and stats.num_target_forwards < n
+
+
+def test_the_round_runs_torch_on_one_thread_around_a_llama_cpp_target_and_restores_it(tiny):
+    """Torch's OpenMP pool and llama.cpp's contend for the cores between forwards
+    (``runner_target.torch_threads``): the engine's torch work runs at 1 thread and the caller's
+    setting is back afterwards, also when the round raises."""
+    import torch
+
+    seen = []
+
+    class Recording(TorchBackedModel):
+        def decode(self, ids, first_position, logits_to_keep):
+            seen.append(torch.get_num_threads())
+            if len(seen) == 6 and self.fail:
+                raise RuntimeError("llama_decode failed")
+            return super().decode(ids, first_position, logits_to_keep)
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        model = Recording(tiny)
+        model.fail = False
+        config = GenerationConfig(max_new_tokens=8, stop_on_eos=False)
+        got = _generate(LlamaCppTargetRunner(model), None, config)
+        assert len(got.token_ids) == 8 and seen and set(seen) == {1}
+        assert torch.get_num_threads() == 2
+        seen.clear()
+        model.fail = True
+        with pytest.raises(RuntimeError, match="llama_decode failed"):
+            _generate(LlamaCppTargetRunner(model), None, config)
+        assert torch.get_num_threads() == 2
+        torch_target = _generate(tiny, None, config)  # a torch target keeps the caller's threads
+        assert torch_target.token_ids == got.token_ids and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

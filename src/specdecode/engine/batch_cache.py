@@ -159,6 +159,8 @@ class BatchKVCache(Cache):
     #: Rolled back by position, never cropped; skipped sublayers need no placeholders (``kv_cache.is_static``).
     static = True
 
+    torch_threads: int | None = None  # the engine keeps torch's thread count (``runner_target.torch_threads``)
+
     def __init__(
         self,
         model: PreTrainedModel,

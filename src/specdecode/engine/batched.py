@@ -63,7 +63,7 @@ from specdecode.engine.batch_rows import BatchEvent
 from specdecode.engine.batch_runner import BatchRunner, check_row_buckets, default_batch_compile
 from specdecode.engine.processors import process_rows
 from specdecode.engine.protocol import BATCH_EXIT_RULES, Draft, Drafter, DraftPolicy
-from specdecode.engine.runner_target import is_runner_target, runner_target_parts
+from specdecode.engine.runner_target import is_runner_target, runner_target_parts, torch_threads
 from specdecode.engine.sampling import check_finite, logits_width, raise_non_finite
 from specdecode.engine.stats import SpecDecodingStats
 from specdecode.engine.verification import greedy_verify, sample_block
@@ -272,11 +272,12 @@ class BatchedSpeculativeDecoder(BatchRequests):
         ``finish_reason="error"`` (``BatchEvent.error`` says why); the others are untouched.
         """
         events: dict[int, BatchEvent] = {}
-        self._admit(events)
-        self._retire()  # rows done at their first token (EOS, max_new_tokens=1) leave before the round
-        if self._rows and decode:
-            self._round(events)
-            self._retire()
+        with torch_threads(self.cache.torch_threads):  # 1 around a llama.cpp target's forwards
+            self._admit(events)
+            self._retire()  # rows done at their first token (EOS, max_new_tokens=1) leave before the round
+            if self._rows and decode:
+                self._round(events)
+                self._retire()
         return list(events.values())
 
     def _admit(self, events: dict) -> None:

@@ -24,6 +24,7 @@ lookup) drafts as many tokens per round as the measured costs say pay (``measure
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 
@@ -43,6 +44,29 @@ ONE_SEQUENCE = ("llama.cpp's target runs one sequence at a time (one llama.cpp c
 def is_runner_target(target) -> bool:
     """Whether ``target`` is a target run outside torch (``TargetRunnerProtocol``), not a transformers model."""
     return not isinstance(target, torch.nn.Module) and isinstance(target, TargetRunnerProtocol)
+
+
+@contextlib.contextmanager
+def torch_threads(num_threads: int | None):
+    """Run the body with torch at ``num_threads`` intra-op threads (None: unchanged), restored in ``finally``.
+
+    A round around a llama.cpp target does only small torch work (the logits' finiteness check,
+    argmax, sampling over one row of V), but at torch's 2 threads those small ops wake torch's
+    OpenMP pool between llama.cpp's forwards, and the two thread pools contend for the same cores:
+    measured on a 2-core EPYC (flags fma avx f16c avx2), Qwen2.5-Coder 1.5B Q4_K_M, 2 llama.cpp
+    threads, 40 greedy tokens, 3 repeats (``docs/benchmarks/llama_cpp_torch_threads.py``): a
+    decode loop with the engine's per-token torch ops took 70.7-73.9 ms per token at 2 torch
+    threads against 62.6-68.3 at 1, and llama.cpp's own ``Llama.generate`` 63.1-70.6.
+    """
+    before = torch.get_num_threads()
+    change = num_threads is not None and num_threads != before
+    if change:
+        torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        if change:
+            torch.set_num_threads(before)
 
 
 class RunnerTargetCache:
@@ -66,6 +90,7 @@ class RunnerTargetCache:
     num_slots = 1
     fast = None
     layers: tuple = ()
+    torch_threads = 1  # the engine's torch work around llama.cpp's forwards (``torch_threads``)
 
     def __init__(self, owner, capacity: int, prefill_chunk_tokens: int, prefill_pad_multiple: int) -> None:
         self.owner = owner
