@@ -136,6 +136,18 @@ def test_a_probe_with_nothing_to_offer_is_repeated_until_a_round_drafts():
     assert [control.round_cap() for _ in range(4)] == [0, 0, 0, 1]
 
 
+def test_no_probes_where_no_length_pays_at_any_acceptance():
+    # a draft step of 0.45 target steps (the 0.5B beside the 1.5B in llama.cpp at 1 thread, measured): k tokens
+    # cost 0.45k + C(k+1)/C(1) steps for at most k + 1 tokens: 2.16 steps for 2 at k = 1, 3.30 for 3 at k = 2 ...
+    slow = DraftCostModel(LLAMA_CPP_15B, draft_step_s=0.45 * 0.0327)
+    assert all(slow.break_even(k) is None for k in range(1, 8))
+    control = CostModelController(slow, max_tokens=5, estimate=AcceptanceEstimate(prior=1.0), probe_every=2)
+    assert not control.can_pay and [control.round_cap() for _ in range(6)] == [0] * 6 and control.num_probes == 0
+    cheap = CostModelController(DraftCostModel(LLAMA_CPP_15B, draft_step_s=0.09 * 0.0327), max_tokens=5,
+                                estimate=AcceptanceEstimate(prior=0.0), probe_every=2)  # pays at k = 1 for α >= 0.8
+    assert cheap.can_pay and [cheap.round_cap() for _ in range(2)] == [0, 1]
+
+
 def test_the_prompt_lookup_prior_drafts_after_one_accepted_probe():
     # PROMPT_LOOKUP_PRIOR (0.56, HumanEval) is below the break-even of k = 1 on these costs (56.0 / 32.7 - 1
     # = 0.71): plain steps. One accepted probe: α = (0.9 * 1.12 + 1) / (0.9 * 2 + 1) = 0.717 > 0.71: k = 1.

@@ -260,7 +260,10 @@ class CostModelController:
     ``estimate``; when that is 0 (a plain step: ``gated``), every ``probe_every``-th such
     round allows one token instead (a probe), so that the estimate sees new rounds. A probe
     stays due until a round records a draft: a probe in which the drafter had nothing to offer
-    (no ``record``, or ``record`` with ``num_drafted`` 0) is repeated the next round.
+    (no ``record``, or ``record`` with ``num_drafted`` 0) is repeated the next round. Where no
+    length pays even at α = 1 (``DraftCostModel.break_even`` None for every k up to
+    ``max_tokens``: a draft model almost as slow as the target), it never probes: every round is
+    a plain step.
 
     Args:
         model: The costs.
@@ -271,6 +274,7 @@ class CostModelController:
     Attributes:
         exit, gate: None (no adaptive exit, no confidence gate).
         num_probes: Probing rounds so far (a repeated probe counts each time).
+        can_pay: Whether some length up to ``max_tokens`` pays at some α (else no probes).
 
     Raises:
         InvalidArgumentError: ``max_tokens`` or ``probe_every`` < 1.
@@ -292,10 +296,11 @@ class CostModelController:
         self.num_probes = 0
         self._plain_steps = 0
         self._probe_due = False  # a probe was allowed and no round has drafted since
+        self.can_pay = any(model.break_even(k) is not None for k in range(1, self.max_tokens + 1))
 
     def _choice(self) -> int:
         k = self.model.best_length(self.estimate.value, self.max_tokens)
-        if k == 0 and self.max_tokens and (self._probe_due or self._plain_steps + 1 >= self.probe_every):
+        if k == 0 and self.can_pay and (self._probe_due or self._plain_steps + 1 >= self.probe_every):
             return 1
         return k
 
