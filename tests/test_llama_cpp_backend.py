@@ -3,7 +3,7 @@
 
 The generator's tests run on a stand-in target (a ``LlamaCppTargetRunner`` over a tiny torch model,
 tests/engine/test_runner_target.py) where llama.cpp is not needed: what it refuses (methods that need
-the target's torch layers or a draft model, more than one row, torch loading options), the draft
+the target's torch layers, a torch draft, a missing draft, more than one row, torch loading options), the draft
 length from measured costs, and the same tokens as the torch target for target-only decoding, stop
 strings and banned words. The last tests run llama.cpp on a float32 GGUF file of a tiny model: the
 generator's prompt lookup with the measured-cost policy gives llama.cpp's own greedy tokens, and a
@@ -45,7 +45,8 @@ def gen(tiny):
                             r"file with its own quantization"),
     (dict(quantize_group_size=64), r"quantize_group_size=64 quantize torch weights"),
     (dict(dtype="bfloat16"), r"dtype='bfloat16': backend='llama-cpp' runs the GGUF file's own weight types"),
-    (dict(draft_backend="llama-cpp"), r"draft_backend='llama-cpp' with backend='llama-cpp' is not built yet"),
+    (dict(draft_backend="torch"), r"draft_backend='torch' with backend='llama-cpp': a torch draft beside a llama.cpp "
+                                  r"target is not built; with backend='llama-cpp' the draft model runs in llama.cpp"),
     (dict(device="meta"), r"backend='llama-cpp' runs the target on the CPU, but the device is meta"),
 ])
 def test_from_pretrained_refuses_what_llama_cpp_cannot_apply(options, message):
@@ -70,12 +71,12 @@ def test_from_pretrained_refuses_a_target_that_is_not_a_gguf_file(tmp_path):
                                                r"drafts with the target's own torch layers"),
     ("early-exit", dict(exit_layer=1), r"method 'early-exit' does not run with backend='llama-cpp': it drafts with "
                                        r"the target's own torch layers"),
-    ("draft", {}, r"method 'draft' does not run with backend='llama-cpp': not built yet: loading a llama.cpp draft "
-                  r"beside a llama.cpp target is not wired"),
-    ("cascade", {}, r"method 'cascade' does not run with backend='llama-cpp': not built yet"),
+    ("draft", dict(draft_backend="torch"), r"draft_backend='torch' with backend='llama-cpp': a torch draft beside a "
+                                           r"llama.cpp target is not built"),
+    ("cascade", {}, r"methods 'draft' and 'cascade' need a draft model; with backend='llama-cpp' pass draft="),
     ("draft", dict(draft_vocab_size=20), r"draft_vocab_size=20 \(FR-Spec's truncated head\) needs torch layers"),
 ])
-def test_methods_that_need_torch_layers_or_a_draft_model_are_refused(gen, method, options, message):
+def test_what_needs_torch_layers_or_a_missing_draft_model_is_refused(gen, method, options, message):
     assert gen.backend == "llama-cpp"
     with pytest.raises(InvalidArgumentError, match=message):
         gen.decoder(method, **options)
@@ -124,7 +125,11 @@ def test_tokens_stop_strings_and_banned_words_are_the_torch_targets(gen, tiny):
 @pytest.mark.parametrize(("flags", "message"), [
     (["--method", "layer-skip", "--skip-layers", "attn=1"],
      "--method layer-skip does not run with --backend llama-cpp: it drafts with the target's own torch layers"),
-    (["--method", "cascade"], "--method cascade does not run with --backend llama-cpp: not built yet"),
+    (["--method", "draft", "--draft-backend", "torch"],
+     "draft_backend='torch' with backend='llama-cpp': a torch draft beside a llama.cpp target is not built"),
+    (["--method", "cascade"], "GGUF file 'missing.gguf' (backend 'llama-cpp') does not exist"),  # no refusal
+    (["--method", "draft", "--draft", "nodraft.gguf"],
+     "GGUF file 'nodraft.gguf' (the llama.cpp draft model) does not exist"),  # checked before the target
     (["--quantize", "int8"], "quantize='int8' quantize torch weights, but backend='llama-cpp'"),
     ([], "GGUF file 'missing.gguf' (backend 'llama-cpp') does not exist"),  # prompt-lookup by default, not cascade
 ])

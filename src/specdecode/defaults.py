@@ -33,8 +33,8 @@ BATCH_VERIFY_TOKENS_CPU = 12
 # --- the commands' defaults (``specdecode generate`` and ``specdecode serve`` share them) -------------
 #: The method the commands run when none is named (the Python API's default stays "draft").
 COMMAND_METHOD = "cascade"
-#: The commands' method with the target in llama.cpp (``--backend llama-cpp``) when none is named: the
-#: cascade's draft model does not run beside a llama.cpp target yet.
+#: The commands' method with the target in llama.cpp (``--backend llama-cpp``) when none is named ("draft"
+#: and "cascade" run there too, with the draft in llama.cpp; which is the default waits for their measurement).
 LLAMA_CPP_COMMAND_METHOD = "prompt-lookup"
 #: Methods whose adaptive draft exit the commands turn on by default (``adaptive_exit_by_default``).
 ADAPTIVE_BY_DEFAULT = ("draft", "cascade")

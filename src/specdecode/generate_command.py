@@ -56,7 +56,11 @@ def _prompt_limit_by_default(args, draft_quantize: str | None) -> int | None:
 
 
 def _adaptive_by_default(args) -> bool:
-    """Adaptive draft exit when --adaptive-draft-exit is not given: ``pipeline.adaptive_exit_by_default``."""
+    """Adaptive draft exit when --adaptive-draft-exit is not given: ``pipeline.adaptive_exit_by_default``;
+    off under --backend llama-cpp, where the draft length per round comes from the measured costs
+    (``engine.runner_target.measured_cost_policy``; a draft control given replaces it)."""
+    if getattr(args, "backend", "torch") == "llama-cpp":
+        return False
     return adaptive_exit_by_default(args.method, args.quantize, args.num_speculative_tokens)
 
 
@@ -186,8 +190,9 @@ def add_generate_parser(sub) -> None:
                         f"--backend llama-cpp: {LLAMA_CPP_COMMAND_METHOD}")
     p.add_argument("--backend", default="torch", choices=TARGET_BACKENDS,
                    help="what runs the target: torch (default) or llama-cpp (its GGUF file in llama.cpp, no torch "
-                        "weights; methods autoregressive and prompt-lookup, whose draft length per round comes from "
-                        "the measured forward costs; needs pip install 'specdecode[llamacpp]')")
+                        "weights; methods autoregressive, prompt-lookup, draft and cascade, the draft model in "
+                        "llama.cpp too (--draft: an offline model or .gguf file); the draft length per round comes "
+                        "from the measured forward costs; needs pip install 'specdecode[llamacpp]')")
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="apply the chat template (default: when the tokenizer has one)")
@@ -386,11 +391,12 @@ def run_generate(args) -> int:
         why = method_registry.LLAMA_CPP_TARGET_REFUSALS.get(args.method)
         if why is not None:
             raise InvalidArgumentError(f"--method {args.method} does not run with --backend llama-cpp: {why}; use "
-                                       "--method prompt-lookup or autoregressive, or --backend torch")
+                                       "--method prompt-lookup, draft, cascade or autoregressive, or --backend torch")
         check_llama_cpp_target_options(dtype=args.dtype, device=args.device, quantize=args.quantize,
                                        draft_quantize=args.draft_quantize, draft_quantize_head=args.draft_quantize_head,
-                                       quantize_group_size=args.quantize_group_size,
-                                       draft_backend=args.draft_backend or "torch")
+                                       quantize_group_size=args.quantize_group_size, draft_backend=args.draft_backend)
+        if method_registry.REGISTRY[args.method].needs_draft_model:
+            args.draft_backend = "llama-cpp"  # the only draft beside a llama.cpp target
     _check_method_options(args)  # before minutes of model loading
     control = DraftControl(
         adaptive_exit=_adaptive_by_default(args) if args.adaptive_draft_exit is None else args.adaptive_draft_exit,
@@ -431,7 +437,7 @@ def run_generate(args) -> int:
                                               quantize=args.quantize, draft_quantize=draft_quantize,
                                               draft_quantize_head=args.draft_quantize_head,
                                               quantize_group_size=args.quantize_group_size,
-                                              draft_backend=args.draft_backend or "torch", backend=args.backend)
+                                              draft_backend=args.draft_backend, backend=args.backend)
     stream = gen.stream(args.prompt, config, method=args.method, chat=args.chat, **options)
     if args.json:
         for _ in stream:

@@ -241,9 +241,6 @@ def refused_option(method: str, options: Mapping[str, object]) -> tuple[str, obj
 
 #: Why a method does not run on a target run by llama.cpp (``SpeculativeGenerator.backend == "llama-cpp"``).
 LLAMA_CPP_TARGET_REFUSALS: Mapping[str, str] = MappingProxyType({
-    **dict.fromkeys(("draft", "cascade"), (
-        "not built yet: loading a llama.cpp draft beside a llama.cpp target is not wired (use "
-        "'prompt-lookup', or a torch target with draft_backend='llama-cpp')")),
     **dict.fromkeys(("layer-skip", "early-exit"), (
         "it drafts with the target's own torch layers, and a target run by llama.cpp has none (no torch weights "
         "are loaded)")),
@@ -254,8 +251,11 @@ def refuse_on_llama_cpp_target(generator, method: str, options: DrafterOptions) 
     """Refuse what cannot run on ``generator``'s target when llama.cpp runs it (``LLAMA_CPP_TARGET_REFUSALS``);
     nothing for a torch target.
 
+    "draft" and "cascade" run there with the draft model in llama.cpp too.
+
     Raises:
-        InvalidArgumentError: ``draft_vocab_size`` (FR-Spec's head needs torch layers), or a method of
+        InvalidArgumentError: ``draft_vocab_size`` (FR-Spec's head needs torch layers), ``draft_backend``
+            "torch" (a torch draft beside a llama.cpp target is not built), or a method of
             ``LLAMA_CPP_TARGET_REFUSALS``, naming why and what runs instead.
     """
     if getattr(generator, "backend", "torch") != "llama-cpp":
@@ -266,11 +266,16 @@ def refuse_on_llama_cpp_target(generator, method: str, options: DrafterOptions) 
             "backend='llama-cpp' the target runs in llama.cpp with no torch layers: leave it out, or use "
             "backend='torch'"
         )
+    if options.draft_backend not in (None, "llama-cpp"):
+        raise InvalidArgumentError(
+            f"draft_backend={options.draft_backend!r} with backend='llama-cpp': a torch draft beside a llama.cpp "
+            "target is not built; the draft model runs in llama.cpp too: leave draft_backend out, or use 'llama-cpp'"
+        )
     why = LLAMA_CPP_TARGET_REFUSALS.get(method)
     if why is not None:
         raise InvalidArgumentError(
-            f"method {method!r} does not run with backend='llama-cpp': {why}; use 'prompt-lookup' or "
-            "'autoregressive', or backend='torch'"
+            f"method {method!r} does not run with backend='llama-cpp': {why}; use 'prompt-lookup', 'draft', "
+            "'cascade' or 'autoregressive', or backend='torch'"
         )
 
 

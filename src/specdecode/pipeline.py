@@ -61,11 +61,13 @@ from specdecode.models.dense_cache import dense_cache_valid
 from specdecode.models.llama_cpp import (
     LlamaCppModel,
     check_cpu_target,
+    gguf_path,
     load_llama_cpp_model,
     load_with_llama_cpp_draft,
 )
 from specdecode.models.llama_cpp_target import LlamaCppTargetRunner, load_llama_cpp_target
 from specdecode.models.quantize import resolve_pair_quantization
+from specdecode.models.registry import OFFLINE_MODELS
 from specdecode.models.token_frequencies import TokenFrequencies, load_or_count, special_token_ids
 
 logger = logging.getLogger(__name__)
@@ -86,15 +88,16 @@ class SpeculativeGenerator:
             offline GGUF file there). The draft's token frequencies (``draft_vocab_size``) go
             to its ``LoadedModel.dense_folder``.
         llama_cpp_draft: A draft model run by llama.cpp (``models.llama_cpp.load_llama_cpp_model``),
-            for "draft" and "cascade" with ``draft_backend="llama-cpp"``; with a torch ``draft``
-            and none given, it is loaded from the draft's GGUF file when first asked for.
+            for "draft" and "cascade" with ``draft_backend="llama-cpp"``, or its spec (an offline
+            model or a ``.gguf`` path: loaded, its vocabulary checked, when first asked for); with a
+            torch ``draft`` and none given, it is loaded from the draft's GGUF file when first asked for.
 
     Raises:
         VocabularyMismatchError: If the draft's tokenizer maps tokens differently.
     """
 
     def __init__(self, target: LoadedModel, draft: LoadedModel | None = None, *, cache_dir=None,
-                 llama_cpp_draft: LlamaCppModel | None = None) -> None:
+                 llama_cpp_draft: LlamaCppModel | str | None = None) -> None:
         self.target = target
         self.backend = "llama-cpp" if isinstance(target.model, LlamaCppTargetRunner) else "torch"  # what runs it
         self.draft = draft
@@ -122,16 +125,20 @@ class SpeculativeGenerator:
         draft_quantize: str | None = None,
         draft_quantize_head: str | None = None,
         quantize_group_size: int | None = None,
-        draft_backend: str = "torch",
+        draft_backend: str | None = None,
         backend: str = "torch",
     ) -> SpeculativeGenerator:
         """Load target and draft (see ``specdecode.models.load_model`` for specs and errors).
 
         ``backend``: "torch" (a transformers target) or "llama-cpp": the target's GGUF file in llama.cpp,
-        its tokenizer only from transformers, no draft model (``models.llama_cpp_target``); one
-        sequence at a time, "autoregressive" and "prompt-lookup" (draft lengths: ``decoder``).
+        its tokenizer only from transformers (``models.llama_cpp_target``); one sequence at a time,
+        "autoregressive", "prompt-lookup", "draft" and "cascade" (draft lengths: ``decoder``). The
+        draft runs in llama.cpp too (``draft_backend`` None or "llama-cpp"; "torch" is refused):
+        its GGUF file is loaded, and its vocabulary checked against the target's tokenizer
+        (VocabularyMismatchError), when a decoder first needs it; a ``.gguf`` path is checked to
+        exist here.
 
-        ``draft_backend``: "torch" loads the draft as a transformers model; "llama-cpp" runs its
+        ``draft_backend``: "torch" (None: the default) loads the draft as a transformers model; "llama-cpp" runs its
         GGUF file (an offline model or a ``.gguf`` path) in llama.cpp (the ``llamacpp`` extra)
         and loads no torch draft, so the draft quantization options do not apply (README, "A
         llama.cpp draft": 21.5 ms a draft step there against 27.6 ms for the int4 torch draft).
@@ -164,13 +171,16 @@ class SpeculativeGenerator:
                 anything is loaded); an unknown ``draft_backend``; for "llama-cpp", those of
                 ``models.llama_cpp.load_with_llama_cpp_draft`` (VocabularyMismatchError too).
         """
-        if draft_backend not in DRAFT_BACKENDS:
+        if draft_backend is not None and draft_backend not in DRAFT_BACKENDS:
             raise InvalidArgumentError(f"unknown draft_backend {draft_backend!r}; allowed: {', '.join(DRAFT_BACKENDS)}")
-        if backend != "torch":  # "llama-cpp" (else refused); no draft model: "draft" and "cascade" refuse it
-            return cls(load_llama_cpp_target(
+        if backend != "torch":  # "llama-cpp" (else refused); the draft in llama.cpp too, loaded on first use
+            if draft and draft not in OFFLINE_MODELS and draft_backend != "torch":  # cheap; an offline model
+                gguf_path(draft, cache_dir, user=" (the llama.cpp draft model)")  # assembles on first use
+            loaded = load_llama_cpp_target(
                 target, cache_dir=cache_dir, backend=backend, dtype=dtype, device=device, quantize=quantize,
                 draft_quantize=draft_quantize, draft_quantize_head=draft_quantize_head,
-                quantize_group_size=quantize_group_size, draft_backend=draft_backend), None, cache_dir=cache_dir)
+                quantize_group_size=quantize_group_size, draft_backend=draft_backend)
+            return cls(loaded, None, cache_dir=cache_dir, llama_cpp_draft=draft or None)
         if draft_backend == "llama-cpp":
             t, d = load_with_llama_cpp_draft(target, draft, dtype=dtype, device=device, cache_dir=cache_dir,
                                              quantize=quantize, draft_quantize=draft_quantize,
@@ -199,9 +209,13 @@ class SpeculativeGenerator:
             if self.draft is None:
                 raise InvalidArgumentError(
                     "draft_backend='llama-cpp' needs a draft model; pass draft=... (an offline model or a .gguf file)"
+                    if self.backend == "torch" else "methods 'draft' and 'cascade' need a draft model; with "
+                    "backend='llama-cpp' pass draft=... (an offline model or a .gguf file, run in llama.cpp)"
                 )
-            self._llama_cpp_draft = load_llama_cpp_model(self.draft.name, self.target.tokenizer, self.cache_dir,
-                                                         name=self.draft.name)
+            self._llama_cpp_draft = self.draft.name
+        if isinstance(self._llama_cpp_draft, str):  # a spec: loaded once, its vocabulary checked
+            self._llama_cpp_draft = load_llama_cpp_model(self._llama_cpp_draft, self.target.tokenizer,
+                                                         self.cache_dir, name=self._llama_cpp_draft)
         return self._llama_cpp_draft
 
     @property
@@ -328,9 +342,10 @@ class SpeculativeGenerator:
         return method_registry.make_drafter(self, method, options)
 
     def default_draft_backend(self) -> str:
-        """The draft backend when none is named: "llama-cpp" for a generator with a llama.cpp draft
-        and no torch draft, else "torch"."""
-        return "llama-cpp" if self.draft is None and self._llama_cpp_draft is not None else "torch"
+        """The draft backend when none is named: "llama-cpp" for a llama.cpp target (its draft runs
+        in llama.cpp too) or a generator with a llama.cpp draft and no torch draft, else "torch"."""
+        llama = self.backend == "llama-cpp" or (self.draft is None and self._llama_cpp_draft is not None)
+        return "llama-cpp" if llama else "torch"
 
     def llama_cpp_draft_runner(self) -> LlamaCppTargetRunner:
         """The llama.cpp draft's one-sequence runner, one per generator (its context is the draft's KV cache)."""
@@ -433,7 +448,8 @@ class SpeculativeGenerator:
                 (``specdecode.drafters.control.DraftControl``); ignored by "autoregressive".
             skip_set .. max_model_prompt_tokens, draft_backend: See ``make_drafter``.
 
-        A llama.cpp target with no ``draft_control``: draft lengths from its measured costs (``measured_cost_policy``).
+        A llama.cpp target with no ``draft_control``: draft lengths from its measured costs and, for
+        "draft" and "cascade", the llama.cpp draft's one-token forward (``measured_cost_policy``).
 
         Raises:
             InvalidArgumentError: See ``make_drafter``; also adaptive draft exit with
@@ -455,12 +471,20 @@ class SpeculativeGenerator:
             draft_backend=draft_backend,
         )
         llama = self.backend == "llama-cpp"  # the target in llama.cpp: one row, nothing compiled (runner_target)
-        if llama and draft_control is None and drafter is not None:
-            draft_control = measured_cost_policy(self.target.model)
+        draft_control = self._measured_policy(method, draft_control, drafter)
         return SpeculativeDecoder(
             self.target.model, drafter, eos_token_ids=self._eos, tokenizer=self.tokenizer, draft_control=draft_control,
             runner=None if llama else self.runner(compile), compile=compile,
         )
+
+    def _measured_policy(self, method: str, draft_control, drafter):
+        """``draft_control``, or for a llama.cpp target given none (and a drafter), the draft length from
+        measured costs: the target's and, for methods with a draft model, the llama.cpp draft's
+        one-token forward (``measured_cost_policy``)."""
+        if self.backend != "llama-cpp" or draft_control is not None or drafter is None:
+            return draft_control
+        with_model = method_registry.REGISTRY[method].needs_draft_model
+        return measured_cost_policy(self.target.model, draft_runner=self.llama_cpp_draft_runner() if with_model else None)
 
     def batch_decoder(
         self,
@@ -491,7 +515,8 @@ class SpeculativeGenerator:
             method: One of ``BATCH_METHODS``.
             max_batch_size, max_length, num_speculative_tokens, exit_rule: See
                 ``BatchedSpeculativeDecoder``.
-            draft_control: Per-row adaptive draft exit and gating; ignored by "autoregressive".
+            draft_control: Per-row adaptive draft exit and gating; ignored by "autoregressive". None
+                with a llama.cpp target: draft lengths from measured costs, as ``decoder``.
             max_verify_tokens: See ``BatchedSpeculativeDecoder``; "auto": ``auto_verify_tokens``
                 (on a CPU ``BATCH_VERIFY_TOKENS_CPU``, or the longest block + 1 where that is more,
                 so a lone row drafts what ``decoder``'s one-row engine drafts; no limit on other
@@ -515,7 +540,7 @@ class SpeculativeGenerator:
             draft_context_window=draft_context_window, draft_vocab_size=draft_vocab_size,
             draft_backend=draft_backend,
         ))
-        control = draft_control if drafter is not None else None
+        control = self._measured_policy(method, draft_control, drafter) if drafter is not None else None
         if max_verify_tokens == "auto":
             max_verify_tokens = auto_verify_tokens(target.device, num_speculative_tokens, control)
         return BatchedSpeculativeDecoder(

@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 
 from specdecode.engine.cost_model import (
+    DRAFT_MODEL_PRIOR,
+    PROMPT_LOOKUP_PRIOR,
     AcceptanceEstimate,
     CostModelController,
     CostModelPolicy,
@@ -111,10 +113,53 @@ def test_the_controller_follows_the_acceptance_rate_and_probes_while_plain():
         k = control.round_cap()
         if k:
             control.record(k, k, 0)
-    caps = [control.round_cap() for _ in range(12)]
+    caps = []
+    for _ in range(12):
+        caps.append(control.round_cap())
+        if caps[-1]:
+            control.record(caps[-1], 1, 0)  # the probe drafted a token, rejected
     first = caps.index(1)
     assert first < 4 and caps[first:first + 9] == [1, 0, 0, 0, 1, 0, 0, 0, 1]  # plain steps, a probe every 4th
     assert control.num_probes >= 3
+
+
+def test_a_probe_with_nothing_to_offer_is_repeated_until_a_round_drafts():
+    # α = 0.3: plain steps; prompt lookup finds no match in the first probes (the engine records nothing, or 0)
+    control = CostModelController(DraftCostModel(LLAMA_CPP_15B), max_tokens=5, estimate=AcceptanceEstimate(prior=0.3),
+                                  probe_every=4)
+    caps = [control.round_cap() for _ in range(6)]
+    assert caps == [0, 0, 0, 1, 1, 1]  # the 4th round probes; no draft came, so it probes again
+    control.record(1, 0, 0)  # nothing drafted: no evidence, α unchanged, the probe still due
+    assert control.estimate.value == pytest.approx(0.3) and control.round_cap() == 1
+    control.record(1, 1, 0)  # a match, rejected: α falls, the probe is spent
+    assert control.estimate.value < 0.3
+    assert [control.round_cap() for _ in range(4)] == [0, 0, 0, 1]
+
+
+def test_no_probes_where_no_length_pays_at_any_acceptance():
+    # a draft step of 0.45 target steps (the 0.5B beside the 1.5B in llama.cpp at 1 thread, measured): k tokens
+    # cost 0.45k + C(k+1)/C(1) steps for at most k + 1 tokens: 2.16 steps for 2 at k = 1, 3.30 for 3 at k = 2 ...
+    slow = DraftCostModel(LLAMA_CPP_15B, draft_step_s=0.45 * 0.0327)
+    assert all(slow.break_even(k) is None for k in range(1, 8))
+    control = CostModelController(slow, max_tokens=5, estimate=AcceptanceEstimate(prior=1.0), probe_every=2)
+    assert not control.can_pay and [control.round_cap() for _ in range(6)] == [0] * 6 and control.num_probes == 0
+    cheap = CostModelController(DraftCostModel(LLAMA_CPP_15B, draft_step_s=0.09 * 0.0327), max_tokens=5,
+                                estimate=AcceptanceEstimate(prior=0.0), probe_every=2)  # pays at k = 1 for α >= 0.8
+    assert cheap.can_pay and [cheap.round_cap() for _ in range(2)] == [0, 1]
+
+
+def test_the_prompt_lookup_prior_drafts_after_one_accepted_probe():
+    # PROMPT_LOOKUP_PRIOR (0.56, HumanEval) is below the break-even of k = 1 on these costs (56.0 / 32.7 - 1
+    # = 0.71): plain steps. One accepted probe: α = (0.9 * 1.12 + 1) / (0.9 * 2 + 1) = 0.717 > 0.71: k = 1.
+    model = DraftCostModel(LLAMA_CPP_15B)
+    assert model.break_even(1) == pytest.approx(0.0560 / 0.0327 - 1, abs=1e-4)
+    control = CostModelPolicy(model, prior=PROMPT_LOOKUP_PRIOR).controller(5)
+    assert control.estimate.value == pytest.approx(0.56) and control.gated
+    control.record(1, 1, 1)
+    assert control.estimate.value == pytest.approx(2.008 / 2.8) and control.round_cap() == 1
+    # the draft model's prior with its cost (0.09 of a step, issue 30) drafts from the start
+    drafting = CostModelPolicy(DraftCostModel(LLAMA_CPP_15B, draft_step_s=0.09 * 0.0327), prior=DRAFT_MODEL_PRIOR)
+    assert drafting.controller(5).round_cap() == 2
 
 
 def test_the_policy_makes_fresh_controllers_capped_by_gamma():

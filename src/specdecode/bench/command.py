@@ -118,7 +118,7 @@ def _check_backend(args, methods: Sequence[str] | None) -> None:
                                        f"leave {flag} out")
     check_llama_cpp_target_options(dtype=args.dtype, device=args.device, quantize=args.quantize,
                                    draft_quantize=args.draft_quantize, draft_quantize_head=args.draft_quantize_head,
-                                   quantize_group_size=args.quantize_group_size, draft_backend="torch")
+                                   quantize_group_size=args.quantize_group_size, draft_backend=None)
     for name in methods or ():
         base = name.partition("+")[0].partition(":")[0]
         why = ("it runs transformers' generate on the target's torch model, and the target in llama.cpp has none"

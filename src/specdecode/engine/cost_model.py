@@ -23,9 +23,31 @@ a plain step at the current α.
 and accepted a, the tokens 1 .. a were accepted and, if a < k, token a + 1 was rejected
 and ended the block: a successes in a + [a < k] trials, counted with exponential
 forgetting so that the estimate follows the text (code that copies from the prompt, then
-prose that does not). ``CostModelController`` is the per-generation ``RoundController``
-(``engine.protocol``) that a decode loop asks each round; while the model says "plain
-step" it still drafts one token every ``probe_every`` rounds, so that α can rise again.
+prose that does not). Only rounds that drafted something count: a round in which the drafter
+had nothing to offer (prompt lookup without a match) is a plain step whatever k was allowed,
+so α is the acceptance of the drafts that exist, the quantity that decides whether to verify
+them. ``CostModelController`` is the per-generation ``RoundController`` (``engine.protocol``)
+that a decode loop asks each round; while the model says "plain step" it still allows one
+token every ``probe_every`` rounds, and keeps allowing one each round until a round has
+actually drafted (a probe that found no match is not spent), so that α can rise again as
+soon as there is something to copy.
+
+**The prior** (α before any round) is the drafter's measured acceptance, counted as α is
+(accepted tokens in trials to the first rejection, over the rounds that drafted), greedy, from
+the project's bench records (``docs/benchmarks/data``):
+
+* prompt lookup: 0.56 on HumanEval (20 prompts, 867 rounds with a match,
+  ``2026-11-25-cascade-humaneval20/records.jsonl``), 0.45 on Spec-Bench (65 prompts,
+  ``2026-11-25-cascade-specbench65``): ``PROMPT_LOOKUP_PRIOR`` = 0.56, the code figure;
+* the 0.5B draft model for the 1.5B target (``draft`` and ``cascade`` with the llama.cpp
+  draft, ``2026-11-25-llama-cpp-draft-humaneval20``): 0.88 (a lower bound, as adaptive exit's
+  short blocks count as rejected there): ``DRAFT_MODEL_PRIOR``.
+
+With the prior 0.5 of before, prompt lookup sat at the break-even of the measured llama.cpp
+costs (0.62-0.71 for k = 1) and its one-token probes were mostly spent on rounds without a
+match, so it almost never drafted; the prior is still below break-even for prompt lookup
+(its average draft does not pay there), but the first accepted probe lifts α above it, and
+that probe now comes at the first match after ``probe_every`` plain steps.
 
 This is the small version that a general engine cost model (the tree-drafting issue) will
 replace; it knows linear drafts only.
@@ -42,6 +64,9 @@ from specdecode.errors import InvalidArgumentError
 
 #: The verification widths measured at warm-up (tokens fed to the target in one forward).
 MEASURED_WIDTHS = (1, 2, 4, 8)
+#: α before any round for prompt lookup and for a draft model (module docstring, "The prior").
+PROMPT_LOOKUP_PRIOR = 0.56
+DRAFT_MODEL_PRIOR = 0.88
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -233,7 +258,12 @@ class CostModelController:
 
     Each round drafts ``model.best_length(α)`` tokens (capped by ``max_tokens``), α from
     ``estimate``; when that is 0 (a plain step: ``gated``), every ``probe_every``-th such
-    round drafts one token instead, so that the estimate sees new rounds.
+    round allows one token instead (a probe), so that the estimate sees new rounds. A probe
+    stays due until a round records a draft: a probe in which the drafter had nothing to offer
+    (no ``record``, or ``record`` with ``num_drafted`` 0) is repeated the next round. Where no
+    length pays even at α = 1 (``DraftCostModel.break_even`` None for every k up to
+    ``max_tokens``: a draft model almost as slow as the target), it never probes: every round is
+    a plain step.
 
     Args:
         model: The costs.
@@ -243,7 +273,8 @@ class CostModelController:
 
     Attributes:
         exit, gate: None (no adaptive exit, no confidence gate).
-        num_probes: Probing rounds so far.
+        num_probes: Probing rounds so far (a repeated probe counts each time).
+        can_pay: Whether some length up to ``max_tokens`` pays at some α (else no probes).
 
     Raises:
         InvalidArgumentError: ``max_tokens`` or ``probe_every`` < 1.
@@ -264,10 +295,12 @@ class CostModelController:
         self.probe_every = probe_every
         self.num_probes = 0
         self._plain_steps = 0
+        self._probe_due = False  # a probe was allowed and no round has drafted since
+        self.can_pay = any(model.break_even(k) is not None for k in range(1, self.max_tokens + 1))
 
     def _choice(self) -> int:
         k = self.model.best_length(self.estimate.value, self.max_tokens)
-        if k == 0 and self.max_tokens and self._plain_steps + 1 >= self.probe_every:
+        if k == 0 and self.can_pay and (self._probe_due or self._plain_steps + 1 >= self.probe_every):
             return 1
         return k
 
@@ -284,12 +317,22 @@ class CostModelController:
         else:
             if self.model.best_length(self.estimate.value, self.max_tokens) == 0:
                 self.num_probes += 1
+                self._probe_due = True
             self._plain_steps = 0
         return k
 
     def record(self, cap: int, num_drafted: int, num_accepted: int) -> None:
-        """After verifying a block of ``num_drafted`` >= 1 tokens drafted under ``cap``."""
+        """After verifying a block of ``num_drafted`` tokens drafted under ``cap``; a round that
+        drafted nothing (``num_drafted`` 0) is no evidence about α and changes nothing.
+
+        Raises:
+            InvalidArgumentError: As ``AcceptanceEstimate.update`` (``num_accepted`` outside
+                0 .. ``num_drafted``, a negative ``num_drafted``).
+        """
+        if num_drafted == 0 and num_accepted == 0:
+            return
         self.estimate.update(num_drafted, num_accepted)
+        self._probe_due = False
 
 
 @dataclass(frozen=True)

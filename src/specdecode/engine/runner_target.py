@@ -17,9 +17,13 @@ B = 1, with no ``batch_cache.BatchKVCache`` and no ``batch_runner.BatchRunner``:
 target share one engine and one ``RunnerTargetCache`` (``forwards_of``), whose ``generation``
 tells a stream that a newer one took the target's memory over.
 
-Where verification is far from flat (llama.cpp on a CPU), a drafter that costs nothing (prompt
-lookup) drafts as many tokens per round as the measured costs say pay (``measured_cost_policy``:
-``engine.cost_model.CostModelPolicy`` on the target's ``measure_forward_costs``).
+Drafters bind as to a torch target: prompt lookup, and a draft model run by llama.cpp too
+(``drafters.draft_model.DraftModelDrafter`` and ``CascadeDrafter`` with a ``runner``, one
+sequence: the llama.cpp draft beside the llama.cpp target, ``backend="llama-cpp"`` with a draft).
+
+Where verification is far from flat (llama.cpp on a CPU), each round drafts as many tokens as
+the measured costs say pay (``measured_cost_policy``: ``engine.cost_model.CostModelPolicy`` on
+the target's ``measure_forward_costs`` and, for a draft model, its one-token forward).
 """
 
 from __future__ import annotations
@@ -30,7 +34,14 @@ from collections.abc import Sequence
 
 import torch
 
-from specdecode.engine.cost_model import MEASURED_WIDTHS, CostModelPolicy, DraftCostModel, ForwardCosts
+from specdecode.engine.cost_model import (
+    DRAFT_MODEL_PRIOR,
+    MEASURED_WIDTHS,
+    PROMPT_LOOKUP_PRIOR,
+    CostModelPolicy,
+    DraftCostModel,
+    ForwardCosts,
+)
 from specdecode.engine.protocol import TargetRunnerProtocol
 from specdecode.errors import InvalidArgumentError
 
@@ -201,10 +212,10 @@ def runner_target_parts(target, max_batch_size: int, max_length: int, compile: b
     return RunnerTargetCache(target, max_length, prefill_chunk_tokens, prefill_pad_multiple), forwards_of(target)
 
 
-def measured_cost_policy(target, max_tokens: int = MEASURED_WIDTHS[-1] - 1, context_tokens: int = 256
-                         ) -> CostModelPolicy:
-    """The draft policy of a drafter that costs nothing (prompt lookup) on ``target``: a ``CostModelPolicy``
-    on its forward costs, measured once at warm-up (kept as ``target.forward_costs``) and logged.
+def measured_cost_policy(target, max_tokens: int = MEASURED_WIDTHS[-1] - 1, context_tokens: int = 256,
+                         draft_runner=None, prior: float | None = None) -> CostModelPolicy:
+    """The draft policy on ``target``: a ``CostModelPolicy`` on its forward costs, measured once at
+    warm-up (kept as ``target.forward_costs``) and logged, and on the drafter's cost per token.
 
     Args:
         target: The target (``TargetRunnerProtocol``).
@@ -212,9 +223,17 @@ def measured_cost_policy(target, max_tokens: int = MEASURED_WIDTHS[-1] - 1, cont
             ``MEASURED_WIDTHS[-1]`` = max_tokens + 1 tokens); a generation's γ caps it too.
         context_tokens: Positions of the context the costs are measured after (a prompt's size:
             attention grows with it).
+        draft_runner: The draft model's one-sequence runner (``LlamaCppTargetRunner`` of the
+            llama.cpp draft, for "draft" and "cascade"), or None for a drafter that costs nothing
+            (prompt lookup). Its one-token forward after the same context is measured once (kept
+            as its ``forward_costs``) and is the cost per drafted token (``draft_step_s``): a round
+            of k drafted tokens runs k draft forwards, the first of 1-2 tokens (the cascade's
+            n-gram tokens cost less; it is charged as a draft model, the cautious side).
+        prior: α before any round; None: ``DRAFT_MODEL_PRIOR`` with ``draft_runner``, else
+            ``PROMPT_LOOKUP_PRIOR`` (``engine.cost_model``, "The prior").
 
-    The measurement takes the target's memory over: a generation streaming on it then stops with
-    ``GenerationStream``'s "taken over" error.
+    The measurements take the target's (and the draft's) memory over: a generation streaming on
+    it then stops with ``GenerationStream``'s "taken over" error.
 
     Raises:
         InvalidArgumentError: As ``TargetRunnerProtocol.measure_forward_costs`` and ``DraftCostModel``.
@@ -225,10 +244,19 @@ def measured_cost_policy(target, max_tokens: int = MEASURED_WIDTHS[-1] - 1, cont
         engine = forwards_of(target).one_row_engine
         if engine is not None:  # the measurement took the target's memory: a stream in flight says so
             engine.cache.generation += 1
+    draft_step_s = 0.0
+    if draft_runner is not None:
+        if 1 not in draft_runner.forward_costs:
+            context = [(100 + i) % draft_runner.vocab_size for i in range(context_tokens)]
+            draft_runner.measure_forward_costs(context, (1,), repeats=5, warmup=1)
+        draft_step_s = float(draft_runner.forward_costs[1])
+    if prior is None:
+        prior = DRAFT_MODEL_PRIOR if draft_runner is not None else PROMPT_LOOKUP_PRIOR
     costs = ForwardCosts(dict(target.forward_costs))
-    model = DraftCostModel(costs, draft_step_s=0.0, max_tokens=max_tokens)
-    logger.info("draft length from measured costs of the %s (%s): break-even acceptance %s", target.name,
-                ", ".join(f"{w} tok {s * 1e3:.1f} ms" for w, s in costs.seconds.items()),
+    model = DraftCostModel(costs, draft_step_s=draft_step_s, max_tokens=max_tokens)
+    logger.info("draft length from measured costs of the %s (%s; a drafted token %.1f ms%s): break-even acceptance "
+                "%s; prior %.2f", target.name, ", ".join(f"{w} tok {s * 1e3:.1f} ms" for w, s in costs.seconds.items()),
+                draft_step_s * 1e3, f", the {draft_runner.name}'s step" if draft_runner is not None else "",
                 ", ".join(f"k={k}: {a:.2f}" if a is not None else f"k={k}: never"
-                          for k, a in ((k, model.break_even(k)) for k in range(1, min(max_tokens, 4) + 1))))
-    return CostModelPolicy(model)
+                          for k, a in ((k, model.break_even(k)) for k in range(1, min(max_tokens, 4) + 1))), prior)
+    return CostModelPolicy(model, prior=prior)

@@ -18,7 +18,10 @@ decode loop what it needs of such a target, on one ``LlamaCppModel`` (``models.l
   (``engine.cost_model``).
 
 ``load_llama_cpp_target`` loads it for ``SpeculativeGenerator.from_pretrained(backend="llama-cpp")``:
-the target's GGUF file in llama.cpp and its tokenizer, no torch weights.
+the target's GGUF file in llama.cpp and its tokenizer, no torch weights. A draft model beside it
+runs in llama.cpp too (its GGUF file, another ``LlamaCppModel`` and its own runner, loaded on
+first use: ``SpeculativeGenerator.llama_cpp_draft``); a torch draft beside it is refused
+(``check_llama_cpp_target_options``).
 
 Every forward's logits are float32 on the CPU, a fresh (rows, V) tensor. Exactness: greedy
 decoding through this runner gives llama.cpp's own greedy tokens wherever llama.cpp's
@@ -276,15 +279,15 @@ TARGET_BACKENDS = ("torch", "llama-cpp")
 
 
 def check_llama_cpp_target_options(*, dtype, device, quantize: str, draft_quantize, draft_quantize_head,
-                                   quantize_group_size, draft_backend: str) -> None:
+                                   quantize_group_size, draft_backend: str | None) -> None:
     """Refuse the loading options that a target run by llama.cpp cannot apply (before anything is loaded).
 
     Raises:
         InvalidArgumentError: A torch quantization (``quantize`` other than "none", ``draft_quantize``,
             ``draft_quantize_head``, ``quantize_group_size``): the GGUF file keeps its own; a ``dtype``
             other than "auto" or "float32" (llama.cpp's logits are float32); a device other than
-            "auto" or the CPU; ``draft_backend="llama-cpp"`` (the llama.cpp draft beside a llama.cpp target is not
-            built yet).
+            "auto" or the CPU; ``draft_backend="torch"`` (a torch draft beside a llama.cpp target is not
+            built: the draft runs in llama.cpp too; None or "llama-cpp" is that).
     """
     given = [f"{name}={value!r}" for name, value in (
         ("quantize", None if quantize == "none" else quantize), ("draft_quantize", draft_quantize),
@@ -306,10 +309,11 @@ def check_llama_cpp_target_options(*, dtype, device, quantize: str, draft_quanti
         raise InvalidArgumentError(
             f"backend='llama-cpp' runs the target on the CPU, but the device is {dev}; use device='cpu' (--device cpu)"
         )
-    if draft_backend == "llama-cpp":
+    if draft_backend not in (None, "llama-cpp"):
         raise InvalidArgumentError(
-            "draft_backend='llama-cpp' with backend='llama-cpp' is not built yet (the llama.cpp draft beside a "
-            "llama.cpp target is being made batch-native); use method 'prompt-lookup' or 'autoregressive'"
+            f"draft_backend={draft_backend!r} with backend='llama-cpp': a torch draft beside a llama.cpp target is "
+            "not built; with backend='llama-cpp' the draft model runs in llama.cpp too (its GGUF file: an offline "
+            "model or a .gguf path): leave draft_backend out, or use 'llama-cpp' (allowed: llama-cpp, or None)"
         )
 
 
@@ -370,7 +374,7 @@ def load_llama_cpp_target(spec: str, *, cache_dir=None, n_threads: int | None = 
         raise InvalidArgumentError(f"unknown backend {loading['backend']!r}; allowed: {', '.join(TARGET_BACKENDS)}")
     loading.pop("backend", None)
     options = dict(dtype="auto", device="cpu", quantize="none", draft_quantize=None, draft_quantize_head=None,
-                   quantize_group_size=None, draft_backend="torch")
+                   quantize_group_size=None, draft_backend=None)
     unknown = set(loading) - set(options)
     if unknown:
         raise InvalidArgumentError(f"unknown loading options {sorted(unknown)}; allowed: {', '.join(options)}")

@@ -26,7 +26,7 @@ from specdecode import method_registry
 from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS
 from specdecode.defaults import LLAMA_CPP_COMMAND_METHOD
 from specdecode.drafters.control import DraftControl
-from specdecode.engine.runner_target import ONE_SEQUENCE, measured_cost_policy
+from specdecode.engine.runner_target import ONE_SEQUENCE
 from specdecode.errors import InvalidArgumentError, SpecDecodeError
 from specdecode.method_registry import who_takes
 from specdecode.models.llama_cpp_target import TARGET_BACKENDS, check_llama_cpp_target_options
@@ -280,9 +280,8 @@ def load_server(args):
     logger.info("start-up: models loaded%s in %.1f s", " and quantized" if gen.target.quantize != "none" or (
         gen.draft is not None and gen.draft.quantize != "none") else "", loaded_s)
     t0 = time.perf_counter()
-    control = plan.draft_control
-    if gen.backend == "llama-cpp" and control is None and args.method != "autoregressive":
-        control = measured_cost_policy(gen.target.model)  # the draft length generate's decoder takes there
+    control = plan.draft_control  # None under a llama.cpp target: batch_decoder measures its costs
+    measured = gen.backend == "llama-cpp" and control is None and args.method != "autoregressive"
     decoder = gen.batch_decoder(
         args.method, max_batch_size=args.max_batch_size, max_length=args.max_length,
         num_speculative_tokens=plan.num_speculative_tokens, draft_control=control,
@@ -296,7 +295,7 @@ def load_server(args):
                 time.perf_counter() - t0, args.method, args.max_batch_size,
                 " (the target in llama.cpp: one request at a time, the others wait in the queue)"
                 if gen.backend == "llama-cpp" else "",
-                "draft length from measured costs" if control is not None and control is not plan.draft_control
+                "draft length from measured costs" if measured
                 else f"adaptive draft exit {'on' if plan.draft_control is not None else 'off'}",
                 plan.max_model_prompt_tokens)
     warm_s = 0.0
@@ -345,7 +344,7 @@ def check_llama_cpp_backend(args) -> None:
                                    "in llama.cpp: leave --compile out")
     check_llama_cpp_target_options(dtype=args.dtype, device=args.device, quantize=args.quantize,
                                    draft_quantize=args.draft_quantize, draft_quantize_head=args.draft_quantize_head,
-                                   quantize_group_size=args.quantize_group_size, draft_backend="torch")
+                                   quantize_group_size=args.quantize_group_size, draft_backend=None)
 
 
 @dataclass(frozen=True)
