@@ -124,19 +124,24 @@ class BatchRunner:
         self._warm_calls = 2 if self._cuda else 1  # CUDA graph trees record at the second call
         self._buckets: dict[tuple[int, int], _Bucket] = {}
 
+    takes_trees = True  # tree forwards (``engine.tree``), eagerly
+
     @property
     def buckets(self) -> list[tuple[int, int]]:
         """Every (rows, width) bucket this runner runs on the fast path (none without it)."""
         return [(r, w) for r in self.rows for w in self.widths]
 
     @torch.inference_mode()
-    def __call__(self, ids: torch.Tensor, starts: Sequence[int], logits_to_keep: int) -> torch.Tensor:
+    def __call__(self, ids: torch.Tensor, starts: Sequence[int], logits_to_keep: int,
+                 trees: Sequence | None = None) -> torch.Tensor:
         """One forward over slots 0 .. n - 1, row i at positions ``starts[i] ..``.
 
         Args:
             ids: (n, w) long token ids on the model's device.
             starts: (n,) each row's cached length, as Python ints.
             logits_to_keep: The last positions (of the w) to return logits for.
+            trees: A tree forward (``engine.tree``; per row a ``TokenTree``): run eagerly (the
+                compiled buckets take linear blocks).
 
         Returns:
             (n, logits_to_keep, V) logits, safe to keep across later forwards.
@@ -147,9 +152,9 @@ class BatchRunner:
         n, w = ids.shape
         rows = next((r for r in self.rows if r >= n), None)
         width = next((b for b in self.widths if b >= w), None)
-        if rows is None or width is None or not self.cache.layers[0].is_initialized:
+        if rows is None or width is None or trees is not None or not self.cache.layers[0].is_initialized:
             self.num_eager_forwards += 1
-            return batch_forward(self.model, self.cache, ids, 0, starts, logits_to_keep)
+            return batch_forward(self.model, self.cache, ids, 0, starts, logits_to_keep, trees)
         end = max(starts) + w
         if end > self.cache.capacity:
             raise InvalidArgumentError(

@@ -87,6 +87,19 @@ class TokenTree:
             out.append(self.parents[out[-1]])
         return out[::-1]
 
+    @property
+    def is_chain(self) -> bool:
+        """Whether every node's parent is the node before it (a linear draft)."""
+        return all(p == t - 1 for t, p in enumerate(self.parents))
+
+    def first_chain(self) -> list[int]:
+        """The nodes after node 0 along first children (the tree's leading linear draft)."""
+        out, node = [], 0
+        while self.children[node]:
+            node = self.children[node][0]
+            out.append(node)
+        return out
+
     def ancestor_mask(self, width: int | None = None) -> torch.Tensor:
         """(W, W) bool on the CPU: [t, j] True iff node j is node t or one of its ancestors.
 
