@@ -66,7 +66,7 @@ from specdecode.engine.protocol import BATCH_EXIT_RULES, Draft, Drafter, DraftPo
 from specdecode.engine.runner_target import is_runner_target, runner_target_parts, torch_threads
 from specdecode.engine.sampling import check_finite, logits_width, raise_non_finite
 from specdecode.engine.stats import SpecDecodingStats
-from specdecode.engine.tree import TokenTree, greedy_tree_verify
+from specdecode.engine.tree import TokenTree, greedy_tree_verify, tree_rejection_sample
 from specdecode.engine.verification import greedy_verify, sample_block
 from specdecode.errors import InvalidArgumentError
 
@@ -396,9 +396,17 @@ class BatchedSpeculativeDecoder(BatchRequests):
                            f"{logits.dtype} forward for request {row.request_id}")
                 continue
             tree = trees[b] if trees is not None else None
-            if tree is not None:  # [trees] greedy: the accepted path's keys and values move into place
-                path, token = greedy_tree_verify(tree, [sequences[b][-1], *drafted[b][:kb]],
-                                                 argmax[b * (K + 1) : (b + 1) * (K + 1)])
+            if tree is not None:  # [trees] the accepted path's keys and values move into place
+                nodes = [sequences[b][-1], *drafted[b][:kb]]
+                try:
+                    path, token = greedy_tree_verify(tree, nodes, argmax[b * (K + 1) : (b + 1) * (K + 1)]) \
+                        if row.sampler.greedy else \
+                        tree_rejection_sample(row.sampler, row.sampler.probs(logits[b, : kb + 1]), tree, nodes)
+                except Exception as exc:  # noqa: BLE001 -- this row ends ("error", logged); the others go on
+                    if not self.contain_errors:
+                        raise
+                    self._fail(events, row, f"request {row.request_id} failed in its sampling: {type(exc).__name__}: {exc}")
+                    continue
                 self.cache.keep_path(b, len(row.tokens) - 1, path)
                 a, node = len(path) - 1, path[-1]
                 new = [drafted[b][n - 1] for n in path[1:]] + [token]
@@ -452,8 +460,8 @@ class BatchedSpeculativeDecoder(BatchRequests):
 
     def _trees(self, draft: Draft, k: list[int]) -> tuple:
         """[trees] The trees this round verifies: ``(trees, tokens, probs)``, trees None when no row has
-        one. A row that cannot be verified as a tree (sampling, logits processors, banned words, a
-        runner without tree forwards) keeps its tree's first chain: its tokens (and draft
+        one. A row that cannot be verified as a tree (logits processors, banned words, sampling
+        with draft probabilities, a runner without tree forwards) keeps its tree's first chain: its tokens (and draft
         probabilities) are gathered into place and ``k[b]`` shrinks to the chain's length."""
         if draft.trees is None:
             return None, draft.tokens, draft.probs
@@ -462,7 +470,8 @@ class BatchedSpeculativeDecoder(BatchRequests):
         for b, (row, tree) in enumerate(zip(self._rows, draft.trees)):
             if tree is None or tree.is_chain or not k[b]:
                 trees.append(None)
-            elif takes and row.sampler.greedy and row.sampler.processors is None and row.banned is None:
+            elif takes and row.sampler.processors is None and row.banned is None and (
+                    row.sampler.greedy or probs is None or probs[b] is None):  # sampling: deterministic candidates
                 trees.append(tree)
             else:
                 index = torch.tensor([c - 1 for c in tree.first_chain()], dtype=torch.long, device=tokens.device)

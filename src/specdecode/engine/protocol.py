@@ -179,9 +179,10 @@ class Draft:
         who: The drafting model, for the error message when ``finite`` is False.
         trees: Per row, the ``engine.tree.TokenTree`` of its block (node 0 the pending token,
             nodes 1 .. k_b the tokens ``tokens[b, :k_b]``), or None for a linear block; None
-            altogether for linear drafts. The engine verifies a greedy row's tree in one forward
-            and keeps the accepted path; a row it cannot verify as a tree (sampling, logits
-            processors, banned words, a target outside torch) gets the tree's first chain (``first_chain``).
+            altogether for linear drafts. The engine verifies a row's tree in one forward (greedy,
+            or multi-candidate speculative sampling of deterministic candidates) and keeps the
+            accepted path; a row it cannot verify as a tree (logits processors, banned words,
+            draft probabilities, a target outside torch) gets the tree's first chain (``first_chain``).
     """
 
     tokens: torch.Tensor

@@ -165,3 +165,47 @@ def greedy_tree_verify(tree: TokenTree, tokens: Sequence[int], target_argmax: Se
             return path, int(wanted)
         node = child
         path.append(child)
+
+
+def tree_rejection_sample(sampler, target_probs: torch.Tensor, tree: TokenTree,
+                          tokens: Sequence[int]) -> tuple[list[int], int]:
+    """Speculative sampling of one row's tree of deterministic candidates: the accepted path and the next token.
+
+    Multi-candidate speculative sampling with one-hot draft distributions (SpecInfer, Miao et al.
+    2024, Algorithm 2, "multi-step speculative sampling"; the same as recursive rejection sampling
+    for candidates without probabilities): at node t with target distribution p, each child c in
+    order is accepted with probability p(x_c) / sum(p); on rejection x_c's mass is removed from p
+    (p <- norm(max(0, p - onehot(x_c)))). Accepting moves the walk to c; when every child is
+    rejected (or t is a leaf) the next token is drawn from what is left of p. Each emitted token
+    is then distributed exactly as the target's sampling, whatever the candidates (tested in
+    tests/engine/test_verification.py).
+
+    Args:
+        sampler: The row's sampler (its ``torch.Generator``).
+        target_probs: (T, V) float32, the target's warped distributions at the tree's nodes.
+        tree: The row's tree.
+        tokens: T token ids, node by node (``tokens[0]`` not checked).
+
+    Returns:
+        ``(path, next_token)`` as ``greedy_tree_verify``.
+
+    Reads one value per examined candidate back to the host (sampling tree rows only).
+    """
+    node, path = 0, [0]
+    while True:
+        p, owned, moved = target_probs[node], False, False
+        for child in tree.children[node]:
+            total = float(p.sum())
+            if total <= 0.0:  # rounding only: every remaining token was proposed and rejected
+                break
+            if float(sampler.uniform(1, p.device)[0]) * total < float(p[tokens[child]]):
+                node, moved = child, True
+                path.append(child)
+                break
+            if not owned:
+                p, owned = p.clone(), True
+            p[tokens[child]] = 0.0
+        if not moved:
+            if float(p.sum()) <= 0.0:
+                p = target_probs[node]
+            return path, int(sampler.sample((p / p.sum()).unsqueeze(0))[0])
