@@ -85,6 +85,7 @@ class _Window:
         self.kv_len = 0
         self.static = False
         self.index: torch.Tensor | None = None  # (b, 1, T, 1) long write positions
+        self.tree: tuple | None = None  # a static tree forward: (depth (b, T) long, ancestors (b, T, T) bool)
 
 
 class _RowLayer(StaticLayer):
@@ -276,7 +277,16 @@ class BatchKVCache(Cache):
         position (a dict by layer type where the model has ``layer_types``). Traced into graphs."""
         index = self._window.index
         positions = index.view(index.shape[0], index.shape[2])
-        mask = self.attention_mask(positions, self.num_positions, dtype)
+        allowed = None
+        if self._window.tree is not None:  # [trees] node t at index start + t, position start + depth
+            depth, ancestors = self._window.tree
+            rows, width = positions.shape
+            start = positions[:, :1]
+            rel = torch.arange(self.num_positions, device=positions.device)[None, :] - start  # (R, P)
+            block = ancestors.gather(2, rel.clamp(0, width - 1)[:, None, :].expand(rows, width, self.num_positions))
+            allowed = ((rel < 0)[:, None, :] | ((rel < width)[:, None, :] & (rel >= 0)[:, None, :] & block))[:, None]
+            positions = start + depth
+        mask = self.attention_mask(positions, self.num_positions, dtype, allowed)
         if self.max_position is not None:
             positions = positions.clamp(max=self.max_position)  # only padding lies past the context
         return positions, mask
