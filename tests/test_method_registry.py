@@ -21,7 +21,8 @@ from specdecode.serve import command as serve_command
 
 def test_the_method_tables_are_the_registrys():
     assert pipeline.METHODS == tuple(REGISTRY) == (
-        "autoregressive", "draft", "cascade", "layer-skip", "early-exit", "prompt-lookup")
+        "autoregressive", "draft", "cascade", "layer-skip", "early-exit", "prompt-lookup",
+        "token-recycling")
     assert pipeline.BATCH_METHODS == pipeline.METHODS  # every method has a batch mode (issue 28)
     assert serve_command.SERVE_METHODS == pipeline.BATCH_METHODS
     assert [m for m in REGISTRY.values() if m.needs_draft_model] == [REGISTRY["draft"], REGISTRY["cascade"]]

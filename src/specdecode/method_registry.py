@@ -24,6 +24,7 @@ from specdecode.drafters import CascadeDrafter, DraftModelDrafter, Drafter
 from specdecode.drafters.early_exit import EarlyExitDrafter, check_exit_layer_given
 from specdecode.drafters.layer_skip import LayerSkipDrafter, SkipSet, resolve_skip_set
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
+from specdecode.drafters.token_recycling import TokenRecyclingDrafter
 from specdecode.errors import InvalidArgumentError
 
 logger = logging.getLogger(__name__)
@@ -143,6 +144,13 @@ def _prompt_lookup(generator, o: DrafterOptions) -> PromptLookupDrafter:
     return PromptLookupDrafter(o.prompt_lookup_max_ngram, o.prompt_lookup_min_ngram)
 
 
+def _token_recycling(generator, o: DrafterOptions) -> TokenRecyclingDrafter:
+    """One drafter per generator: its adjacency matrix keeps learning across decoders and requests."""
+    if generator.token_recycler is None:
+        generator.token_recycler = TokenRecyclingDrafter()
+    return generator.token_recycler
+
+
 # --- the registry ----------------------------------------------------------------------------
 
 _NGRAMS = frozenset({"prompt_lookup_max_ngram", "prompt_lookup_min_ngram"})
@@ -158,6 +166,7 @@ REGISTRY: Mapping[str, Method] = MappingProxyType({m.name: m for m in (
            adaptive_exit=True),
     Method("early-exit", _early_exit, frozenset({"exit_layer", "compile"}), adaptive_exit=True),
     Method("prompt-lookup", _prompt_lookup, _NGRAMS),
+    Method("token-recycling", _token_recycling),
 )})
 
 #: The method names, in order.

@@ -104,6 +104,8 @@ class SpeculativeGenerator:
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         self._llama_cpp_draft = llama_cpp_draft
         self._llama_cpp_runner: LlamaCppTargetRunner | None = None
+        #: The "token-recycling" drafter, one per generator (its adjacency matrix learns across requests).
+        self.token_recycler = None
         self._token_frequencies: TokenFrequencies | None = None
         # The target's fast-path settings and one-row engine, kept for the generator's life so
         # later decoders share its cache and compiled buckets: compile -> runner.

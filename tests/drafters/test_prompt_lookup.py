@@ -112,3 +112,36 @@ def test_host_matching_equals_tensor_matching():
             want = find_continuation(seq, 5, max_ngram, min_ngram).tolist()
             got = find_continuation(seq.numpy().astype(np.int64), 5, max_ngram, min_ngram)
             assert isinstance(got, np.ndarray) and got.tolist() == want, (trial, seq.tolist(), max_ngram)
+
+
+def test_several_matches_make_a_trie():
+    import numpy as np
+
+    from specdecode.drafters.prompt_lookup import continuation_tree, find_continuations
+
+    seq = np.array([1, 2, 3, 4, 1, 2, 3, 9, 8, 1, 2, 5, 1, 2], dtype=np.int64)
+    # (1, 2) occurred at 9, 4 and 0: continuations 5.., 3 9.., 3 4.. (most recent first).
+    found = find_continuations(seq, 3, max_ngram=2, min_ngram=2, max_branches=3)
+    assert found == [[5, 1, 2], [3, 9, 8], [3, 4, 1]]
+    tokens, parents = continuation_tree(found, 8)
+    assert tokens == [5, 1, 2, 3, 9, 8, 4, 1] and parents == [0, 1, 2, 0, 4, 5, 4, 7]  # "3" once, shared
+    tokens, parents = continuation_tree(found, 3)  # one node kept for the other first token (3)
+    assert tokens == [5, 1, 3] and parents == [0, 1, 0]
+    assert find_continuations(seq, 3, 2, 2, max_branches=1) == [find_continuation(seq, 3, 2, 2).tolist()]
+    with pytest.raises(InvalidArgumentError, match="branches must be an integer >= 1, got 0"):
+        PromptLookupDrafter(branches=0)
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_multi_match_trees_give_target_only_tokens(arch, rows):
+    from specdecode.engine.batched import BatchedSpeculativeDecoder
+
+    model = make_tiny_model(arch, num_layers=2)
+    prompts = [[5, 9, 12, 7, 5, 9, 13, 7, 5, 9, 12, 8, 5, 9], [4, 6, 4, 7, 4, 6, 8, 4]]
+    config = GenerationConfig(max_new_tokens=30, stop_on_eos=False)
+    expected = [autoregressive(model, torch.tensor([p]), config) for p in prompts]
+    dec = BatchedSpeculativeDecoder(model, PromptLookupDrafter(branches=3), max_batch_size=rows, max_length=64,
+                                    num_speculative_tokens=6)
+    results = dec.generate(prompts, config)
+    assert [r.token_ids for r in results] == expected
+    assert sum(r.stats.num_drafted_tokens for r in results) > 0

@@ -140,7 +140,7 @@ def test_warm_up_runs_every_bucket_and_leaves_decoding_exact():
                                         compile=True, graphs=False)
         dec.warm_up()
         for runner, widths in ((dec.runner, (1, 4)), (dec.drafter.runner, dec.drafter.runner.widths)):
-            assert set(runner._buckets) == {(r, w) for r in (1, 2, 3) for w in widths}
+            assert set(runner._buckets) == {(r, w, False) for r in (1, 2, 3) for w in widths}  # (rows, width, tree)
             assert all(b.calls >= 1 for b in runner._buckets.values())
         assert dec.drafter.runner.widths == ((1, 2) if isinstance(dec.drafter, DraftModelDrafter) else (1,))
         assert [r.token_ids for r in dec.generate(PROMPTS, configs)] == expected

@@ -8,7 +8,9 @@
   tokens (FR-Spec), for the two drafters above;
 - ``layer_skip``: Draft & Verify's self-speculative drafter (``SkipSet``, ``draft_mode``);
 - ``early_exit``: the first N layers, then the final norm and LM head;
-- ``prompt_lookup``: n-gram match against the prompt and the output, no model cost;
+- ``prompt_lookup``: n-gram match against the prompt and the output, no model cost (with
+  ``branches`` > 1 several matches as a token tree);
+- ``token_recycling``: Token Recycling, a token tree from the target's recycled top-k, no model;
 - ``control``: adaptive draft exit, draft-length schedules, target-confidence gating
   (``DraftControl``).
 
@@ -32,6 +34,7 @@ from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.early_exit import EarlyExitDrafter, exit_skip_set
 from specdecode.drafters.layer_skip import SUBLAYERS, LayerSkipDrafter, SkipSet, decoder_layers, draft_mode
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter, find_continuation
+from specdecode.drafters.token_recycling import TokenRecyclingDrafter
 
 __all__ = [
     "LENGTH_SCHEDULES",
@@ -52,6 +55,7 @@ __all__ = [
     "LayerSkipDrafter",
     "PromptLookupDrafter",
     "SkipSet",
+    "TokenRecyclingDrafter",
     "decoder_layers",
     "draft_batch",
     "draft_mode",

@@ -21,6 +21,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from specdecode.engine.batch_cache import to_device
 from specdecode.engine.protocol import Draft, Drafter
 from specdecode.engine.sampling import Sampler
+from specdecode.engine.tree import TokenTree
 from specdecode.errors import InvalidArgumentError
 
 
@@ -65,6 +66,65 @@ def _find_continuation_host(sequence: np.ndarray, max_tokens: int, max_ngram: in
     return sequence[:0].copy()
 
 
+def find_continuations(sequence: np.ndarray, max_tokens: int, max_ngram: int, min_ngram: int,
+                       max_branches: int) -> list[list[int]]:
+    """Up to ``max_branches`` different continuations of earlier matches of the sequence's last n-gram.
+
+    Matches of the longest n first, most recent first within an n (the first is
+    ``find_continuation``'s); then shorter n while fewer were found. Identical continuations
+    count once, and a continuation that is a prefix of one already found adds nothing.
+
+    Args:
+        sequence: (L,) int64 numpy array.
+        max_tokens, max_ngram, min_ngram: As ``find_continuation``.
+        max_branches: Most continuations (>= 1).
+
+    Returns:
+        Lists of 1 .. ``max_tokens`` ids, best first.
+    """
+    length, found = sequence.shape[0], []
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        windows = sliding_window_view(sequence[: length - 1], n)
+        for hit in np.flatnonzero((windows == sequence[length - n :]).all(axis=1))[::-1]:
+            start = int(hit) + n
+            cont = sequence[start : start + max_tokens].tolist()
+            if cont and not any(f[: len(cont)] == cont for f in found):
+                found.append(cont)
+                if len(found) == max_branches:
+                    return found
+    return found
+
+
+def continuation_tree(continuations: list[list[int]], max_nodes: int) -> tuple[list[int], list[int]]:
+    """The continuations merged into a trie of at most ``max_nodes`` drafted nodes (shared prefixes once).
+
+    The first continuation keeps all it can after one node is reserved for each other
+    continuation's first token that differs from it; the others follow in order while nodes
+    are left.
+
+    Returns:
+        ``(tokens, parents)``: the nodes' tokens, and per node its parent (0: the pending token;
+        node i is ``tokens[i - 1]``), each parent before its children.
+    """
+    others = len({c[0] for c in continuations[1:]} - {continuations[0][0]}) if continuations else 0
+    tokens: list[int] = []
+    parents: list[int] = []
+    child: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+    for i, cont in enumerate(continuations):
+        limit = max(1, max_nodes - others) if i == 0 else max_nodes
+        node = 0
+        for token in cont:
+            nxt = child.get((node, token))
+            if nxt is None:
+                if len(tokens) >= limit:
+                    break
+                tokens.append(token)
+                parents.append(node)
+                nxt = child[(node, token)] = len(tokens)
+            node = nxt
+    return tokens, parents
+
+
 def check_ngram_sizes(max_ngram: int, min_ngram: int) -> None:
     """Raise unless 1 <= min_ngram <= max_ngram (integers).
 
@@ -89,20 +149,29 @@ class PromptLookupDrafter(Drafter):
     target step. The match runs on the host, in numpy, on the sequences the engine passes
     (no torch op, so no host sync whatever the device).
 
+    With ``branches`` > 1 it drafts a token tree (``engine.tree``): several matches' continuations
+    merged into a trie (``find_continuations``, ``continuation_tree``), so the target's single
+    verification forward checks several guesses where the most recent match is wrong (the
+    multi-match n-gram drafter of issue 29). A round's nodes are at most the row's budget.
+
     Args:
         max_ngram: Longest n-gram to match (>= min_ngram).
         min_ngram: Shortest n-gram to match (>= 1).
+        branches: Most continuations per round (>= 1; 1: a linear draft, the most recent match).
 
     Raises:
-        InvalidArgumentError: Unless 1 <= min_ngram <= max_ngram.
+        InvalidArgumentError: Unless 1 <= min_ngram <= max_ngram, or ``branches`` < 1.
     """
 
     who = "prompt lookup"
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, branches: int = 1) -> None:
         check_ngram_sizes(max_ngram, min_ngram)
+        if isinstance(branches, bool) or not isinstance(branches, int) or branches < 1:
+            raise InvalidArgumentError(f"prompt lookup branches must be an integer >= 1, got {branches!r}")
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
+        self.branches = branches
         self._device = None
 
     def bind(self, target_cache) -> None:
@@ -113,6 +182,8 @@ class PromptLookupDrafter(Drafter):
         """Nothing to keep: the sequence is passed to every ``propose``."""
 
     def propose(self, sequences, max_tokens, exits=None, exit_rule="row") -> Draft:
+        if self.branches > 1:
+            return self._propose_trees(sequences, max_tokens)
         found = [
             find_continuation(np.asarray(s, dtype=np.int64), cap, self.max_ngram, self.min_ngram).tolist()
             if cap > 0
@@ -122,6 +193,18 @@ class PromptLookupDrafter(Drafter):
         width = max(1, max(len(f) for f in found))
         ids = to_device([f + [0] * (width - len(f)) for f in found], self._device)
         return Draft(ids, [len(f) for f in found], None, None, self.who)
+
+    def _propose_trees(self, sequences, max_tokens) -> Draft:
+        rows, trees = [], []
+        for s, cap in zip(sequences, max_tokens):
+            found = find_continuations(np.asarray(s, dtype=np.int64), cap, self.max_ngram, self.min_ngram,
+                                       self.branches) if cap > 0 else []
+            tokens, parents = continuation_tree(found, cap)
+            rows.append(tokens)
+            trees.append(TokenTree((-1, *parents)) if tokens else None)
+        width = max(1, max(len(r) for r in rows))
+        ids = to_device([r + [0] * (width - len(r)) for r in rows], self._device)
+        return Draft(ids, [len(r) for r in rows], None, None, self.who, trees=trees)
 
     def rollback(self, num_valid: list[int]) -> None:
         """Nothing to do: no state."""

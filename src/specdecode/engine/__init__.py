@@ -7,6 +7,9 @@
   and of a draft-length policy (``DraftPolicy``); drafters live in ``specdecode.drafters``
   and reach the engine only through these;
 - ``verification``: greedy verification and speculative sampling's rejection step;
+- ``tree``: token trees (``TokenTree``): tree positions and ancestor masks for one verification
+  forward over several candidates, greedy tree verification and multi-candidate speculative
+  sampling (``BatchKVCache.prepare(trees=)`` and ``keep_path`` do the cache side);
 - ``sampling``: the ``Sampler`` shared by target and drafters (temperature, top-k, top-p, min-p);
 - ``processors``: penalties, ``logit_bias`` and logprobs, applied to a verification block row by
   row as autoregressive decoding would (``LogitsProcessing``, ``TokenLogprob``);

@@ -42,6 +42,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, StaticLayer
 
+from specdecode.engine.tree import TokenTree, tree_inputs
 from specdecode.errors import InvalidArgumentError, UnsupportedModelError
 
 #: Attention implementations that take a prepared 4D float mask.
@@ -84,6 +85,7 @@ class _Window:
         self.kv_len = 0
         self.static = False
         self.index: torch.Tensor | None = None  # (b, 1, T, 1) long write positions
+        self.tree: tuple | None = None  # a static tree forward: (depth (b, T) long, ancestors (b, T, T) bool)
 
 
 class _RowLayer(StaticLayer):
@@ -221,7 +223,8 @@ class BatchKVCache(Cache):
         layers = [_RowLayer(self.num_positions, num_slots, self._window) for _ in range(config.num_hidden_layers)]
         super().__init__(layers=layers)
 
-    def prepare(self, lo: int, starts: Sequence[int], width: int, dtype: torch.dtype, device) -> tuple:
+    def prepare(self, lo: int, starts: Sequence[int], width: int, dtype: torch.dtype, device,
+                trees: Sequence[TokenTree] | None = None) -> tuple:
         """Set up a forward of ``width`` tokens for slots ``lo .. lo + len(starts) - 1``.
 
         Args:
@@ -230,6 +233,11 @@ class BatchKVCache(Cache):
             width: T, tokens per row (rows with fewer real tokens are padded on the right).
             dtype: The mask's dtype (the model's).
             device: Where the model runs.
+            trees: A tree forward (``engine.tree``): per row a ``TokenTree`` of at most T nodes.
+                Token t is still written at index ``start + t``, but its position id is
+                ``start + depth(t)`` and it sees the row's keys before ``start`` and its own
+                ancestors in the block only. None: a linear block (token t at ``start + t``,
+                seeing everything before it).
 
         Returns:
             ``(position_ids, attention_mask)``: (b, T) long, and a (b, 1, T, kv_len) float mask
@@ -251,7 +259,14 @@ class BatchKVCache(Cache):
         w.lo, w.hi, w.kv_len, w.static = lo, lo + b, end, False
         positions = to_device(starts, device)[:, None] + torch.arange(width, device=device)
         w.index = positions[:, None, :, None]
-        mask = self.attention_mask(positions, end, dtype)
+        allowed = None
+        if trees is not None:
+            written = positions  # (b, T): node t's cache index start + t
+            positions, ancestors = tree_inputs(trees, starts, width, device)
+            context = torch.arange(end, device=device)[None, :] < written[:, :1]  # (b, end): keys before start
+            allowed = context[:, None, None, :].expand(b, 1, width, end).clone()
+            allowed[:, 0].scatter_(2, written[:, None, :].expand(b, width, width), ancestors)
+        mask = self.attention_mask(positions, end, dtype, allowed)
         if self.max_position is not None and end - 1 > self.max_position:
             positions = positions.clamp(max=self.max_position)  # only padding lies past the context
         return positions, mask
@@ -262,20 +277,32 @@ class BatchKVCache(Cache):
         position (a dict by layer type where the model has ``layer_types``). Traced into graphs."""
         index = self._window.index
         positions = index.view(index.shape[0], index.shape[2])
-        mask = self.attention_mask(positions, self.num_positions, dtype)
+        allowed = None
+        if self._window.tree is not None:  # [trees] node t at index start + t, position start + depth
+            depth, ancestors = self._window.tree
+            rows, width = positions.shape
+            start = positions[:, :1]
+            rel = torch.arange(self.num_positions, device=positions.device)[None, :] - start  # (R, P)
+            block = ancestors.gather(2, rel.clamp(0, width - 1)[:, None, :].expand(rows, width, self.num_positions))
+            allowed = ((rel < 0)[:, None, :] | ((rel < width)[:, None, :] & (rel >= 0)[:, None, :] & block))[:, None]
+            positions = start + depth
+        mask = self.attention_mask(positions, self.num_positions, dtype, allowed)
         if self.max_position is not None:
             positions = positions.clamp(max=self.max_position)  # only padding lies past the context
         return positions, mask
 
-    def attention_mask(self, positions: torch.Tensor, kv_len: int, dtype: torch.dtype):
+    def attention_mask(self, positions: torch.Tensor, kv_len: int, dtype: torch.dtype,
+                       allowed: torch.Tensor | None = None):
         """The 4D float mask for queries at ``positions`` (b, T) over keys 0 .. kv_len - 1 of each row.
 
         Query (b, t) sees key j iff j <= positions[b, t] (and j > positions[b, t] - window in
         a sliding-window layer). Returns one (b, 1, T, kv_len) tensor, or a dict by layer type.
+        ``allowed``: (b, 1, T, kv_len) bool, the keys each query may see in place of j <=
+        positions[b, t] (a tree forward, ``prepare``); the window still applies.
         """
         keys = torch.arange(kv_len, device=positions.device)
         query = positions[:, None, :, None]
-        causal = keys <= query
+        causal = keys <= query if allowed is None else allowed
         low = torch.finfo(dtype).min
 
         def as_float(allowed: torch.Tensor) -> torch.Tensor:
@@ -307,6 +334,32 @@ class BatchKVCache(Cache):
                 if layer.is_initialized:
                     layer.keys[dst, :, :num_positions] = layer.keys[src, :, :num_positions]
                     layer.values[dst, :, :num_positions] = layer.values[src, :, :num_positions]
+
+    def keep_path(self, slot: int, start: int, path: Sequence[int]) -> None:
+        """After a tree forward (``prepare(..., trees=)``): move the accepted path's keys and values
+        into place, node ``path[i]`` (written at ``start + path[i]``) to ``start + i``, one gather per
+        layer. Nothing moves when the path is ``0, 1, .., n - 1`` (a linear draft's prefix).
+
+        Args:
+            slot: The row's slot.
+            start: Its cached length before the tree forward.
+            path: Node indices from node 0 on, increasing (``tree.greedy_tree_verify``'s path).
+
+        Raises:
+            InvalidArgumentError: A path that does not start at node 0 or does not increase.
+        """
+        path = [int(p) for p in path]
+        if not path or path[0] != 0 or any(b <= a for a, b in zip(path, path[1:])):
+            raise InvalidArgumentError(f"a kept path starts at node 0 and increases, got {path!r}")
+        if path == list(range(len(path))):
+            return
+        index = torch.tensor(path, dtype=torch.long, device=self.device) + start
+        end = start + len(path)
+        with torch.inference_mode():  # the tensors are inference tensors (allocated in a forward)
+            for layer in self.layers:
+                if layer.is_initialized:
+                    layer.keys[slot, :, start:end] = layer.keys[slot, :, index]
+                    layer.values[slot, :, start:end] = layer.values[slot, :, index]
 
     def prefill_row(self, model: PreTrainedModel, prompt_ids: torch.Tensor, slot: int, start: int = 0) -> torch.Tensor:
         """``batch_prefill(model, self, prompt_ids, slot, start)``: the engine's prefill of a row, which a
@@ -370,6 +423,7 @@ def batch_forward(
     lo: int,
     starts: Sequence[int],
     logits_to_keep: int,
+    trees: Sequence[TokenTree] | None = None,
 ) -> torch.Tensor:
     """One forward of ``model`` over rows in slots ``lo ..``, each continuing at its own position.
 
@@ -380,6 +434,7 @@ def batch_forward(
         lo: First slot.
         starts: (b,) cached length of each row, as Python ints.
         logits_to_keep: Last positions to compute logits for.
+        trees: A tree forward: per row a ``TokenTree`` (``BatchKVCache.prepare``), or None.
 
     Returns:
         (b, logits_to_keep, V) logits.
@@ -387,7 +442,7 @@ def batch_forward(
     Raises:
         InvalidArgumentError: As ``BatchKVCache.prepare``.
     """
-    positions, mask = cache.prepare(lo, starts, ids.shape[1], model.dtype, ids.device)
+    positions, mask = cache.prepare(lo, starts, ids.shape[1], model.dtype, ids.device, trees)
     out = model(
         input_ids=ids,
         position_ids=positions,

@@ -45,6 +45,7 @@ from transformers import PreTrainedModel
 
 from specdecode.engine.batch_cache import BatchKVCache, batch_forward
 from specdecode.engine.compat import compile_function
+from specdecode.engine.tree import TokenTree, tree_inputs
 from specdecode.errors import InvalidArgumentError
 
 logger = logging.getLogger(__name__)
@@ -124,19 +125,26 @@ class BatchRunner:
         self._warm_calls = 2 if self._cuda else 1  # CUDA graph trees record at the second call
         self._buckets: dict[tuple[int, int], _Bucket] = {}
 
+    takes_trees = True  # tree forwards (``engine.tree``), eagerly
+
     @property
     def buckets(self) -> list[tuple[int, int]]:
         """Every (rows, width) bucket this runner runs on the fast path (none without it)."""
         return [(r, w) for r in self.rows for w in self.widths]
 
     @torch.inference_mode()
-    def __call__(self, ids: torch.Tensor, starts: Sequence[int], logits_to_keep: int) -> torch.Tensor:
+    def __call__(self, ids: torch.Tensor, starts: Sequence[int], logits_to_keep: int,
+                 trees: Sequence | None = None) -> torch.Tensor:
         """One forward over slots 0 .. n - 1, row i at positions ``starts[i] ..``.
 
         Args:
             ids: (n, w) long token ids on the model's device.
             starts: (n,) each row's cached length, as Python ints.
             logits_to_keep: The last positions (of the w) to return logits for.
+            trees: A tree forward (``engine.tree``; per row a ``TokenTree``): on the fast path it
+                runs a bucket of its own (the same shapes, plus each node's depth and ancestor
+                mask in persistent buffers; compiled at its first use), so the linear graphs
+                stay as they are.
 
         Returns:
             (n, logits_to_keep, V) logits, safe to keep across later forwards.
@@ -149,18 +157,23 @@ class BatchRunner:
         width = next((b for b in self.widths if b >= w), None)
         if rows is None or width is None or not self.cache.layers[0].is_initialized:
             self.num_eager_forwards += 1
-            return batch_forward(self.model, self.cache, ids, 0, starts, logits_to_keep)
+            return batch_forward(self.model, self.cache, ids, 0, starts, logits_to_keep, trees)
         end = max(starts) + w
         if end > self.cache.capacity:
             raise InvalidArgumentError(
                 f"a forward would write position {end - 1}, past the batch cache's capacity of {self.cache.capacity}"
             )
-        bucket = self._bucket(rows, width)
+        bucket = self._bucket(rows, width, trees is not None)
         bucket.ids[:n, :w].copy_(ids)
         if width > w:
             bucket.ids[:n, w:].copy_(ids[:, -1:].expand(n, width - w))
         index = [[s + t for t in range(width)] for s in starts] + [list(range(width))] * (rows - n)
         _copy_from_host(bucket.index.view(rows, width), index)
+        if trees is not None:  # [trees] each node's depth and ancestors; free rows: a chain
+            chains = [TokenTree.chain(width - 1)] * (rows - n)
+            positions, ancestors = tree_inputs([*trees, *chains], [*starts, *[0] * (rows - n)], width, "cpu")
+            _copy_from_host(bucket.depth, (positions - positions[:, :1]).tolist())
+            bucket.ancestors.copy_(ancestors.to(bucket.ancestors.device, non_blocking=self._cuda))
         logits = self._run(bucket)
         out = logits[:n, w - logits_to_keep : w]
         return out.clone() if self._cuda else out
@@ -179,15 +192,16 @@ class BatchRunner:
                 for _ in range(self._warm_calls):
                     self._run(bucket)
 
-    def _bucket(self, rows: int, width: int) -> _Bucket:
-        bucket = self._buckets.get((rows, width))
+    def _bucket(self, rows: int, width: int, tree: bool = False) -> _Bucket:
+        bucket = self._buckets.get((rows, width, tree))
         if bucket is None:
-            bucket = self._buckets[(rows, width)] = _Bucket(self, rows, width)
+            bucket = self._buckets[(rows, width, tree)] = _Bucket(self, rows, width, tree)
         return bucket
 
     def _run(self, bucket: _Bucket) -> torch.Tensor:
         window = self.cache._window
         window.static, window.index = True, bucket.index
+        window.tree = (bucket.depth, bucket.ancestors) if bucket.tree else None
         first = bucket.calls < self._warm_calls
         t0 = time.perf_counter() if first else 0.0
         if self._cuda:
@@ -205,15 +219,21 @@ class BatchRunner:
 class _Bucket:
     """One (rows, width) bucket: persistent input buffers and its own compiled forward."""
 
-    def __init__(self, runner: BatchRunner, rows: int, width: int) -> None:
+    def __init__(self, runner: BatchRunner, rows: int, width: int, tree: bool = False) -> None:
         device = runner.cache.device
-        self.rows, self.width, self.calls = rows, width, 0
+        self.rows, self.width, self.calls, self.tree = rows, width, 0, tree
+        self.depth = self.ancestors = None
         with torch.inference_mode():
             self.ids = torch.zeros((rows, width), dtype=torch.long, device=device)
             self.index = torch.zeros((rows, 1, width, 1), dtype=torch.long, device=device)
-        torch._dynamo.mark_static_address(self.ids)
-        torch._dynamo.mark_static_address(self.index)
-        self.forward = _forward_function(runner.model, f"r{rows}w{width}", runner.fast.graphs, runner._cuda)
+            if tree:  # [trees] node depths and ancestor masks (``BatchKVCache.static_inputs``)
+                self.depth = torch.zeros((rows, width), dtype=torch.long, device=device)
+                self.ancestors = torch.zeros((rows, width, width), dtype=torch.bool, device=device)
+        for buffer in (self.ids, self.index, self.depth, self.ancestors):
+            if buffer is not None:
+                torch._dynamo.mark_static_address(buffer)
+        tag = f"r{rows}w{width}{'t' if tree else ''}"
+        self.forward = _forward_function(runner.model, tag, runner.fast.graphs, runner._cuda)
 
 
 def _forward_function(model: PreTrainedModel, tag: str, graphs: bool, cuda: bool) -> Callable:

@@ -66,6 +66,7 @@ from specdecode.engine.protocol import BATCH_EXIT_RULES, Draft, Drafter, DraftPo
 from specdecode.engine.runner_target import is_runner_target, runner_target_parts, torch_threads
 from specdecode.engine.sampling import check_finite, logits_width, raise_non_finite
 from specdecode.engine.stats import SpecDecodingStats
+from specdecode.engine.tree import TokenTree, greedy_tree_verify, tree_rejection_sample
 from specdecode.engine.verification import greedy_verify, sample_block
 from specdecode.errors import InvalidArgumentError
 
@@ -353,13 +354,19 @@ class BatchedSpeculativeDecoder(BatchRequests):
             if exits is not None and all(e is None for e in exits):
                 exits = None  # gating or a schedule only: no per-step host sync
             draft = self.drafter.propose(sequences, caps, exits, self.exit_rule)
-            k = draft.num_tokens
+            k = list(draft.num_tokens)
+        trees, tokens, probs = self._trees(draft, k) if draft is not None else (None, None, None)
         K = max(k)
         # verify: one forward, row b at its own position len_b - 1, padded on the right to K + 1.
         pending = to_device([[s[-1]] for s in sequences], device)
-        ids = torch.cat([pending, draft.tokens[:, :K]], dim=1) if K else pending
-        logits = self.runner(ids, [len(s) - 1 for s in sequences], K + 1)
+        ids = torch.cat([pending, tokens[:, :K]], dim=1) if K else pending
+        starts = [len(s) - 1 for s in sequences]
+        if trees is None:
+            logits = self.runner(ids, starts, K + 1)
+        else:  # [trees] rows without a tree verify their block as a chain
+            logits = self.runner(ids, starts, K + 1, trees=[t or TokenTree.chain(k[b]) for b, t in enumerate(trees)])
         logits = logits[..., : self.vocab_size] if logits.shape[-1] > self.vocab_size else logits
+        target_logits = logits
         # The round's one host sync: drafts, the target's argmax, finiteness flags (per position).
         finite = torch.isfinite(logits).all(-1).flatten()  # before the banned-word masks add -inf
         logits = process_rows(logits, [row.sampler.processors for row in rows], ids)  # [processors]
@@ -388,14 +395,30 @@ class BatchedSpeculativeDecoder(BatchRequests):
                 self._fail(events, row, f"the target model produced non-finite logits (NaN or inf) in a "
                            f"{logits.dtype} forward for request {row.request_id}")
                 continue
-            if row.sampler.greedy:
+            tree = trees[b] if trees is not None else None
+            if tree is not None:  # [trees] the accepted path's keys and values move into place
+                nodes = [sequences[b][-1], *drafted[b][:kb]]
+                try:
+                    path, token = greedy_tree_verify(tree, nodes, argmax[b * (K + 1) : (b + 1) * (K + 1)]) \
+                        if row.sampler.greedy else \
+                        tree_rejection_sample(row.sampler, row.sampler.probs(logits[b, : kb + 1]), tree, nodes)
+                except Exception as exc:  # noqa: BLE001 -- this row ends ("error", logged); the others go on
+                    if not self.contain_errors:
+                        raise
+                    self._fail(events, row, f"request {row.request_id} failed in its sampling: {type(exc).__name__}: {exc}")
+                    continue
+                self.cache.keep_path(b, len(row.tokens) - 1, path)
+                a, node = len(path) - 1, path[-1]
+                new = [drafted[b][n - 1] for n in path[1:]] + [token]
+            elif row.sampler.greedy:
                 verdict = greedy_verify(drafted[b][:kb], argmax[b * (K + 1) : (b + 1) * (K + 1)])
-                a = verdict.num_accepted
+                a = node = verdict.num_accepted
                 new = drafted[b][:a] + [verdict.next_token]
             else:
                 try:
-                    q = draft.probs[b] if draft is not None and draft.probs is not None else None
+                    q = probs[b] if probs is not None else None
                     a, new = sample_block(row.sampler, logits[b, : kb + 1], ids[b, 1 : kb + 1], q, drafted[b])
+                    node = a
                 except Exception as exc:  # noqa: BLE001 -- this row ends ("error", logged); the others go on
                     if not self.contain_errors:
                         raise
@@ -410,13 +433,15 @@ class BatchedSpeculativeDecoder(BatchRequests):
                 if row.controller.exit is not None:
                     row.stats.final_draft_threshold = row.controller.exit.threshold
                 if row.controller.gate is not None:
-                    gate_rows.append((b, a, new[-1]))
+                    gate_rows.append((b, node, new[-1]))
             self.stats.record_block(kb, a)
             out = row.emit(new, self.stats)
             self.stats.num_new_tokens += len(out)
             self._event(events, row, out)
         if gate_rows:
             self._observe_gates(logits, gate_rows)
+        if self.drafter is not None and self.drafter.observes_target:  # [trees] Token Recycling learns
+            self.drafter.observe(ids, target_logits, [kb + 1 for kb in k])
         draft_forwards = 0
         if self.drafter is not None:
             self.drafter.rollback([len(row.tokens) - 1 for row in rows])
@@ -433,12 +458,39 @@ class BatchedSpeculativeDecoder(BatchRequests):
             row.stats.warmup_s += compiled
             row.stats.num_draft_forwards += draft_forwards
 
+    def _trees(self, draft: Draft, k: list[int]) -> tuple:
+        """[trees] The trees this round verifies: ``(trees, tokens, probs)``, trees None when no row has
+        one. A row that cannot be verified as a tree (logits processors, banned words, sampling
+        with draft probabilities, a runner without tree forwards) keeps its tree's first chain: its tokens (and draft
+        probabilities) are gathered into place and ``k[b]`` shrinks to the chain's length."""
+        if draft.trees is None:
+            return None, draft.tokens, draft.probs
+        takes = getattr(self.runner, "takes_trees", False)
+        trees, tokens, probs = [], draft.tokens, draft.probs
+        for b, (row, tree) in enumerate(zip(self._rows, draft.trees)):
+            if tree is None or tree.is_chain or not k[b]:
+                trees.append(None)
+            elif takes and row.sampler.processors is None and row.banned is None and (
+                    row.sampler.greedy or probs is None or probs[b] is None):  # sampling: deterministic candidates
+                trees.append(tree)
+            else:
+                index = torch.tensor([c - 1 for c in tree.first_chain()], dtype=torch.long, device=tokens.device)
+                tokens = tokens.clone() if tokens is draft.tokens else tokens
+                tokens[b, : len(index)] = draft.tokens[b, index]
+                if probs is not None and probs[b] is not None:
+                    probs = list(probs)
+                    probs[b] = probs[b][index]
+                k[b] = len(index)
+                trees.append(None)
+        return (trees if any(t is not None for t in trees) else None), tokens, probs
+
     def _observe_gates(self, logits: torch.Tensor, gate_rows: list[tuple[int, int, int]]) -> None:
         """Feed confidence gates the target's probability of each row's new token (one host sync)."""
         values = []
-        for b, a, token in gate_rows:
+        for b, node, token in gate_rows:
             row = self._rows[b]
-            p = torch.softmax(logits[b, a].float(), -1) if row.sampler.greedy else row.sampler.probs(logits[b, a : a + 1])[0]
+            p = torch.softmax(logits[b, node].float(), -1) if row.sampler.greedy else \
+                row.sampler.probs(logits[b, node : node + 1])[0]
             values.append(p[token])
         for (b, _, _), p in zip(gate_rows, torch.stack(values).tolist()):
             self._rows[b].controller.gate.observe(p)

@@ -25,7 +25,9 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
+
 from specdecode.engine.sampling import Sampler
+from specdecode.engine.tree import TokenTree
 
 
 @runtime_checkable
@@ -36,14 +38,18 @@ class BatchRunnerProtocol(Protocol):
         name: For messages ("target model", "draft model", "layer-skip draft").
         compile_time_s: Seconds spent compiling (first calls of compiled widths), over its life;
             0 for a runner that compiles nothing.
+        takes_trees: Whether ``__call__`` takes ``trees`` (tree verification, ``engine.tree``).
     """
 
     name: str
     compile_time_s: float
+    takes_trees: bool
 
-    def __call__(self, ids: torch.Tensor, starts: Sequence[int], logits_to_keep: int) -> torch.Tensor:
+    def __call__(self, ids: torch.Tensor, starts: Sequence[int], logits_to_keep: int,
+                 trees: Sequence[TokenTree] | None = None) -> torch.Tensor:
         """(n, w) ids, row b written at positions ``starts[b] ..`` of its slot (what a row held from
-        ``starts[b]`` on is overwritten): (n, logits_to_keep, V) logits, the last rows."""
+        ``starts[b]`` on is overwritten): (n, logits_to_keep, V) logits, the last rows. ``trees``: a
+        tree forward (``engine.tree``), only where ``takes_trees``."""
 
 
 @runtime_checkable
@@ -89,8 +95,9 @@ class TargetRunnerProtocol(Protocol):
                               warmup: int) -> Mapping[int, float]:
         """Seconds per forward at each width after a context of ``context_ids``; kept as ``forward_costs``."""
 
-    def __call__(self, ids: torch.Tensor, starts: Sequence[int], logits_to_keep: int) -> torch.Tensor:
-        """``batch_runner.BatchRunner``'s call at one row: (1, w) ids at ``starts[0]``; (1, logits_to_keep, V)."""
+    def __call__(self, ids: torch.Tensor, starts: Sequence[int], logits_to_keep: int, trees=None) -> torch.Tensor:
+        """``batch_runner.BatchRunner``'s call at one row: (1, w) ids at ``starts[0]``; (1, logits_to_keep, V)
+        (``trees`` refused: linear blocks only)."""
 
 
 class ExitPolicy(Protocol):
@@ -170,6 +177,12 @@ class Draft:
         finite: 0-dim bool tensor, whether every draft forward gave finite logits (read in the
             round's host sync), or None when already checked or no model ran.
         who: The drafting model, for the error message when ``finite`` is False.
+        trees: Per row, the ``engine.tree.TokenTree`` of its block (node 0 the pending token,
+            nodes 1 .. k_b the tokens ``tokens[b, :k_b]``), or None for a linear block; None
+            altogether for linear drafts. The engine verifies a row's tree in one forward (greedy,
+            or multi-candidate speculative sampling of deterministic candidates) and keeps the
+            accepted path; a row it cannot verify as a tree (logits processors, banned words,
+            draft probabilities, a target outside torch) gets the tree's first chain (``first_chain``).
     """
 
     tokens: torch.Tensor
@@ -177,6 +190,7 @@ class Draft:
     probs: list[torch.Tensor | None] | None = None
     finite: torch.Tensor | None = None
     who: str = "draft model"
+    trees: list[TokenTree | None] | None = None
 
 
 class Drafter(abc.ABC):
@@ -243,6 +257,15 @@ class Drafter(abc.ABC):
     @abc.abstractmethod
     def move(self, src: int, dst: int, num_valid: int) -> None:
         """The row in slot ``src`` (``num_valid`` confirmed tokens) moves to slot ``dst``."""
+
+    #: Whether the engine calls ``observe`` after each verification (a drafter that learns from the
+    #: target's logits: Token Recycling).
+    observes_target: bool = False
+
+    def observe(self, ids: torch.Tensor, logits: torch.Tensor, num_nodes: list[int]) -> None:
+        """After a verification: (n, W) ids fed (the pending token, then the draft), (n, W, V) the
+        target's logits there (after no processor), ``num_nodes[b]`` the real nodes of row b (the
+        rest is padding). Called only when ``observes_target``."""
 
     def warm_up(self, max_rows: int, max_block: int) -> None:
         """Run a model of its own once at every width it can take (after ``bind``, before any

@@ -161,6 +161,7 @@ class RunnerTargetForwards:
 
     compile = False
     graphs = False
+    takes_trees = False  # llama.cpp's forwards are linear here: a tree draft is verified as its first chain
     compile_time_s = 0.0
     buckets: tuple[int, ...] = ()
 
@@ -170,9 +171,10 @@ class RunnerTargetForwards:
         self.widths: tuple[int, ...] = (1,)
         self.one_row_engine = None
 
-    def __call__(self, ids: torch.Tensor, starts: Sequence[int], logits_to_keep: int) -> torch.Tensor:
-        """(1, w) ids at ``starts[0]``: (1, logits_to_keep, V) float32 logits (the target's ``__call__``)."""
-        return self.target(ids, starts, logits_to_keep)
+    def __call__(self, ids: torch.Tensor, starts: Sequence[int], logits_to_keep: int, trees=None) -> torch.Tensor:
+        """(1, w) ids at ``starts[0]``: (1, logits_to_keep, V) float32 logits (the target's ``__call__``;
+        ``trees`` refused there: ``takes_trees`` is False)."""
+        return self.target(ids, starts, logits_to_keep, trees)
 
     def warm_up(self) -> None:
         """Nothing: llama.cpp keeps no per-shape kernels (its forward costs are measured by the pipeline)."""

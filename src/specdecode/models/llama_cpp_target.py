@@ -103,6 +103,7 @@ class LlamaCppTargetRunner:
     device = torch.device("cpu")
     dtype = torch.float32
     compile_time_s = 0.0  # nothing is compiled
+    takes_trees = False  # linear blocks only (tree verification: engine.tree)
 
     def __init__(self, model: LlamaCppModel, name: str = "target model") -> None:
         self.model = model
@@ -217,7 +218,7 @@ class LlamaCppTargetRunner:
             del cache.tokens[num_positions:]
 
     @torch.inference_mode()
-    def __call__(self, ids: torch.Tensor, starts: Sequence[int], logits_to_keep: int) -> torch.Tensor:
+    def __call__(self, ids: torch.Tensor, starts: Sequence[int], logits_to_keep: int, trees=None) -> torch.Tensor:
         """``engine.batch_runner.BatchRunner``'s call at one row: (1, w) ids at ``starts[0]``.
 
         Returns:
@@ -225,8 +226,11 @@ class LlamaCppTargetRunner:
 
         Raises:
             InvalidArgumentError: More than one row (llama.cpp's multi-sequence batches are not
-                built), or ``forward``'s.
+                built), a tree forward (``takes_trees`` is False: its forwards here are linear),
+                or ``forward``'s.
         """
+        if trees is not None:
+            raise InvalidArgumentError(f"the llama.cpp {self.name} runs linear blocks only, not token trees")
         if ids.dim() != 2 or ids.shape[0] != 1 or len(starts) != 1:
             raise InvalidArgumentError(
                 f"the llama.cpp {self.name} runs one sequence at a time, got ids of shape {tuple(ids.shape)} "

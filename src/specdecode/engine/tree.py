@@ -1,0 +1,211 @@
+"""Token trees for tree verification: one target forward checks several candidate continuations.
+
+A tree of T nodes is fed to the target as one block (Medusa, Cai et al. 2024, section 2.1.2;
+SpecInfer, Miao et al. 2024, "tree-based parallel decoding"): node 0 is the row's pending
+token (the last emitted token, not yet in the cache), every other node is a drafted token
+whose parent is an earlier node. Node t is written at cache index ``start + t`` but takes
+the position id ``start + depth(t)``, and it attends to the cached context and to its own
+ancestors (itself included) only, so its logits are exactly those of a linear forward over
+the path root → t. ``TokenTree`` holds the structure; ``BatchKVCache.prepare(..., tree=)``
+builds the positions and masks; after verification ``BatchKVCache.keep_path`` moves the
+accepted path's keys and values to ``start + 1 ..`` (one gather per layer), and the rest is
+overwritten by later forwards.
+
+A linear draft of k tokens is the chain tree ``parents = [-1, 0, 1, .., k - 1]``.
+
+Greedy verification (``greedy_tree_verify``) walks from the root: at node t the target's
+choice is ``argmax[t]``; if a child of t holds that token the walk moves there, otherwise it
+stops and ``argmax[t]`` is the bonus (or replacement) token. The accepted tokens are exactly
+the longest prefix of target-greedy decoding that the tree contains, so the output equals
+target-only greedy decoding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from specdecode.errors import InvalidArgumentError
+
+
+@dataclass(frozen=True)
+class TokenTree:
+    """The shape of one row's token tree, nodes in topological order (every parent before its children).
+
+    Args:
+        parents: T entries; ``parents[0]`` is -1 (node 0, the pending token, whose parent is the
+            cached context); ``parents[t]`` for t >= 1 is an index in 0 .. t - 1.
+
+    Attributes:
+        parents: As given, a tuple.
+        depths: Per node, its distance from node 0 (node 0: 0).
+        children: Per node, the indices of its children, in order.
+
+    Raises:
+        InvalidArgumentError: No nodes, ``parents[0]`` other than -1, or a parent that is not an
+            earlier node.
+    """
+
+    parents: tuple[int, ...]
+    depths: tuple[int, ...] = field(init=False)
+    children: tuple[tuple[int, ...], ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        parents = tuple(int(p) for p in self.parents)
+        if not parents or parents[0] != -1:
+            raise InvalidArgumentError(
+                f"a token tree's parents must start with -1 (node 0, the pending token), got {list(self.parents)!r}"
+            )
+        depths, children = [0], [[] for _ in parents]
+        for t, p in enumerate(parents[1:], start=1):
+            if not 0 <= p < t:
+                raise InvalidArgumentError(f"node {t}'s parent must be an earlier node, in 0..{t - 1}, got {p}")
+            depths.append(depths[p] + 1)
+            children[p].append(t)
+        object.__setattr__(self, "parents", parents)
+        object.__setattr__(self, "depths", tuple(depths))
+        object.__setattr__(self, "children", tuple(tuple(c) for c in children))
+
+    @classmethod
+    def chain(cls, num_drafted: int) -> TokenTree:
+        """The tree of a linear draft of ``num_drafted`` tokens (>= 0): node t's parent is t - 1."""
+        if isinstance(num_drafted, bool) or not isinstance(num_drafted, int) or num_drafted < 0:
+            raise InvalidArgumentError(f"num_drafted must be an integer >= 0, got {num_drafted!r}")
+        return cls((-1, *range(num_drafted)))
+
+    @property
+    def num_nodes(self) -> int:
+        """T, the nodes (the pending token included)."""
+        return len(self.parents)
+
+    def path(self, node: int) -> list[int]:
+        """The nodes from 0 to ``node``, both included."""
+        out = [node]
+        while self.parents[out[-1]] >= 0:
+            out.append(self.parents[out[-1]])
+        return out[::-1]
+
+    @property
+    def is_chain(self) -> bool:
+        """Whether every node's parent is the node before it (a linear draft)."""
+        return all(p == t - 1 for t, p in enumerate(self.parents))
+
+    def first_chain(self) -> list[int]:
+        """The nodes after node 0 along first children (the tree's leading linear draft)."""
+        out, node = [], 0
+        while self.children[node]:
+            node = self.children[node][0]
+            out.append(node)
+        return out
+
+    def ancestor_mask(self, width: int | None = None) -> torch.Tensor:
+        """(W, W) bool on the CPU: [t, j] True iff node j is node t or one of its ancestors.
+
+        ``width`` W >= T pads the block: a padding query t >= T sees itself only, and no real
+        node sees a padding key.
+        """
+        w = self.num_nodes if width is None else width
+        if w < self.num_nodes:
+            raise InvalidArgumentError(f"width must be at least the tree's {self.num_nodes} nodes, got {w}")
+        mask = torch.eye(w, dtype=torch.bool)
+        for t in range(1, self.num_nodes):
+            mask[t] |= mask[self.parents[t]]
+        return mask
+
+
+def tree_inputs(trees: Sequence[TokenTree], starts: Sequence[int], width: int, device) -> tuple:
+    """Per-row position ids and ancestor masks of a tree forward (``BatchKVCache.prepare``).
+
+    Args:
+        trees: One ``TokenTree`` per row (b rows), each of at most ``width`` nodes.
+        starts: Per row, its cached length: node t is written at index ``start + t``.
+        width: W, the block's width (rows with fewer nodes are padded on the right; a padding
+            node sits at depth ``t``, past every real node's position, and sees only itself).
+        device: Where the model runs.
+
+    Returns:
+        ``(positions, ancestors)``: (b, W) long position ids ``start + depth``, and (b, W, W) bool.
+
+    Raises:
+        InvalidArgumentError: A tree wider than ``width``, or trees and starts of different lengths.
+    """
+    if len(trees) != len(starts):
+        raise InvalidArgumentError(f"got {len(trees)} trees for {len(starts)} rows")
+    depth_rows, masks = [], []
+    for tree, start in zip(trees, starts):
+        if tree.num_nodes > width:
+            raise InvalidArgumentError(f"a tree of {tree.num_nodes} nodes does not fit a block of width {width}")
+        depths = list(tree.depths) + list(range(tree.num_nodes, width))  # padding: positions past the tree
+        depth_rows.append([start + d for d in depths])
+        masks.append(tree.ancestor_mask(width))
+    positions = torch.tensor(depth_rows, dtype=torch.long).to(device)
+    return positions, torch.stack(masks).to(device)
+
+
+def greedy_tree_verify(tree: TokenTree, tokens: Sequence[int], target_argmax: Sequence[int]) -> tuple[list[int], int]:
+    """Greedy verification of one row's tree: the accepted path and the bonus (or replacement) token.
+
+    Args:
+        tree: Its shape.
+        tokens: T token ids, node by node (``tokens[0]``, the pending token, is not checked).
+        target_argmax: T ids: entry t is the target's greedy choice after the path root → t.
+
+    Returns:
+        ``(path, next_token)``: the accepted nodes from node 0 on (``path[1:]`` are the accepted
+        drafted nodes, their tokens the accepted tokens, in order), and ``target_argmax`` at the
+        path's last node. Among children holding the same token the first in order is taken.
+    """
+    node, path = 0, [0]
+    while True:
+        wanted = target_argmax[node]
+        child = next((c for c in tree.children[node] if tokens[c] == wanted), None)
+        if child is None:
+            return path, int(wanted)
+        node = child
+        path.append(child)
+
+
+def tree_rejection_sample(sampler, target_probs: torch.Tensor, tree: TokenTree,
+                          tokens: Sequence[int]) -> tuple[list[int], int]:
+    """Speculative sampling of one row's tree of deterministic candidates: the accepted path and the next token.
+
+    Multi-candidate speculative sampling with one-hot draft distributions (SpecInfer, Miao et al.
+    2024, Algorithm 2, "multi-step speculative sampling"; the same as recursive rejection sampling
+    for candidates without probabilities): at node t with target distribution p, each child c in
+    order is accepted with probability p(x_c) / sum(p); on rejection x_c's mass is removed from p
+    (p <- norm(max(0, p - onehot(x_c)))). Accepting moves the walk to c; when every child is
+    rejected (or t is a leaf) the next token is drawn from what is left of p. Each emitted token
+    is then distributed exactly as the target's sampling, whatever the candidates (tested in
+    tests/engine/test_verification.py).
+
+    Args:
+        sampler: The row's sampler (its ``torch.Generator``).
+        target_probs: (T, V) float32, the target's warped distributions at the tree's nodes.
+        tree: The row's tree.
+        tokens: T token ids, node by node (``tokens[0]`` not checked).
+
+    Returns:
+        ``(path, next_token)`` as ``greedy_tree_verify``.
+
+    Reads one value per examined candidate back to the host (sampling tree rows only).
+    """
+    node, path = 0, [0]
+    while True:
+        p, owned, moved = target_probs[node], False, False
+        for child in tree.children[node]:
+            total = float(p.sum())
+            if total <= 0.0:  # rounding only: every remaining token was proposed and rejected
+                break
+            if float(sampler.uniform(1, p.device)[0]) * total < float(p[tokens[child]]):
+                node, moved = child, True
+                path.append(child)
+                break
+            if not owned:
+                p, owned = p.clone(), True
+            p[tokens[child]] = 0.0
+        if not moved:
+            if float(p.sum()) <= 0.0:
+                p = target_probs[node]
+            return path, int(sampler.sample((p / p.sum()).unsqueeze(0))[0])
