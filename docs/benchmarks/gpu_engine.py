@@ -105,12 +105,13 @@ METHODS = (
     ("draft+adaptive", "ours", "draft", True, True, False),
     ("cascade+adaptive", "ours", "cascade", True, True, False),
     ("prompt-lookup", "ours", "prompt-lookup", False, True, False),
+    ("token-recycling", "ours", "token-recycling", False, True, False),
     ("autoregressive-eager", "ours", "autoregressive", False, False, True),
     ("hf-generate", "hf", "hf-generate", False, False, True),
     ("hf-assisted", "hf", "hf-assisted", False, False, True),
 )
 TABLE_ORDER = ("hf-generate", "hf-generate-static", "hf-assisted", "autoregressive-eager", "autoregressive",
-               "draft", "draft+adaptive", "cascade+adaptive", "prompt-lookup")
+               "draft", "draft+adaptive", "cascade+adaptive", "prompt-lookup", "token-recycling")
 BATCH_METHODS = ("autoregressive", "draft", "prompt-lookup")
 SETS = ("code", "prose")
 
@@ -478,7 +479,8 @@ def method_runner(run: Run, kind: str, base: str, adaptive: bool, fast: bool) ->
 
         return generate_hf
     dec = run.decoder(base, adaptive, fast)
-    config = GenerationConfig(max_new_tokens=args.max_new_tokens, num_speculative_tokens=args.gamma)
+    gamma = args.tree_nodes if base == "token-recycling" else args.gamma  # a tree's drafted nodes
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, num_speculative_tokens=gamma)
 
     def generate_ours(ids, max_new_tokens):
         run.log.calls.clear()
@@ -798,6 +800,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--slow-prompts", type=int, default=2, help="prompts per set for the slow baselines")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--gamma", type=int, default=5, help="num_speculative_tokens γ")
+    p.add_argument("--tree-nodes", type=int, default=16,
+                   help="token-recycling's tree size (drafted nodes; issue 29: verification is nearly flat up to 64)")
     p.add_argument("--context", type=int, default=300, help="cached tokens before a timed forward")
     p.add_argument("--repeats", type=int, default=20, help="timed calls per forward width")
     p.add_argument("--warmup-tokens", type=int, default=16, help="new tokens of each method's warm-up run")
@@ -824,7 +828,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if bad:
             p.error(f"{flag}: unknown {bad}; allowed: {', '.join(allowed)}")
     for name, low, high in (("prompts", 1, 8), ("slow_prompts", 1, 8), ("batch_prompts", 1, 32),
-                            ("max_new_tokens", 1, 4096), ("gamma", 1, 64), ("context", 1, 8192),
+                            ("max_new_tokens", 1, 4096), ("gamma", 1, 64), ("tree_nodes", 1, 64), ("context", 1, 8192),
                             ("repeats", 1, 10_000), ("warmup_tokens", 1, 4096), ("batch_groups", 1, 32)):
         if not low <= getattr(args, name) <= high:
             p.error(f"--{name.replace('_', '-')} must be in {low}..{high}, got {getattr(args, name)}")
