@@ -54,6 +54,7 @@ from specdecode.engine.batched import BatchedSpeculativeDecoder
 from specdecode.engine.decoder import GenerationResult, GenerationStream, SpeculativeDecoder
 from specdecode.engine.fast_path import ModelRunner, resolve_compile
 from specdecode.engine.runner_target import measured_cost_policy
+from specdecode.engine.tree_cost import MeasuredSizePolicy
 from specdecode.errors import InvalidArgumentError
 from specdecode.method_registry import DrafterOptions
 from specdecode.models import LoadedModel, check_vocabularies, load_model
@@ -104,8 +105,10 @@ class SpeculativeGenerator:
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         self._llama_cpp_draft = llama_cpp_draft
         self._llama_cpp_runner: LlamaCppTargetRunner | None = None
-        #: The "token-recycling" drafter, one per generator (its adjacency matrix learns across requests).
+        #: The "token-recycling" drafter and its tree-size policy, one per generator (its adjacency matrix
+        #: and the measured costs of its sizes learn across requests).
         self.token_recycler = None
+        self.size_policy: MeasuredSizePolicy | None = None
         self._token_frequencies: TokenFrequencies | None = None
         # The target's fast-path settings and one-row engine, kept for the generator's life so
         # later decoders share its cache and compiled buckets: compile -> runner.
@@ -480,10 +483,18 @@ class SpeculativeGenerator:
         )
 
     def _measured_policy(self, method: str, draft_control, drafter):
-        """``draft_control``, or for a llama.cpp target given none (and a drafter), the draft length from
+        """``draft_control``, or where none is given (and a drafter): for "token-recycling" the tree size
+        from this generator's measured rounds (``engine.tree_cost.MeasuredSizePolicy``, one per
+        generator, so what it learned carries over); for a llama.cpp target the draft length from
         measured costs: the target's and, for methods with a draft model, the llama.cpp draft's
         one-token forward (``measured_cost_policy``)."""
-        if self.backend != "llama-cpp" or draft_control is not None or drafter is None:
+        if draft_control is not None or drafter is None:
+            return draft_control
+        if method == "token-recycling":
+            if self.size_policy is None:
+                self.size_policy = MeasuredSizePolicy()
+            return self.size_policy
+        if self.backend != "llama-cpp":
             return draft_control
         with_model = method_registry.REGISTRY[method].needs_draft_model
         return measured_cost_policy(self.target.model, draft_runner=self.llama_cpp_draft_runner() if with_model else None)

@@ -452,7 +452,10 @@ class BatchedSpeculativeDecoder(BatchRequests):
         self.stats.warmup_s += compiled
         self.stats.record_round(n)
         self.stats.decode_time_s += elapsed
-        for row in rows:
+        for b, row in enumerate(rows):
+            timed = getattr(row.controller, "record_round", None)  # a policy priced by measured rounds
+            if timed is not None:
+                timed(caps[b], k[b], elapsed)
             row.stats.record_round(n)
             row.stats.decode_time_s += elapsed
             row.stats.warmup_s += compiled
