@@ -235,6 +235,9 @@ def add_generate_parser(sub) -> None:
                    help="prompt-lookup and cascade: longest n-gram matched")
     g.add_argument("--prompt-lookup-min-ngram", type=int, default=1,
                    help="prompt-lookup and cascade: shortest n-gram matched")
+    g.add_argument("--prompt-lookup-branches", type=int, default=1,
+                   help="prompt-lookup: matches drafted per round as a token tree, verified in one forward "
+                        "(default 1: the most recent match, a linear draft)")
     g.add_argument("--ngram-check", action=argparse.BooleanOptionalAction, default=True,
                    help="cascade: keep only the n-gram tokens the draft model itself would draft (default); "
                         "--no-ngram-check proposes the whole match")
@@ -325,7 +328,7 @@ def _check_method_options(args) -> None:
     if args.exit_layer is not None and args.exit_layer < 1:
         raise InvalidArgumentError(f"--exit-layer {args.exit_layer} is out of range: it must be in 1..L-1")
     if "prompt_lookup_max_ngram" in method_registry.REGISTRY[args.method].options:
-        PromptLookupDrafter(args.prompt_lookup_max_ngram, args.prompt_lookup_min_ngram)
+        PromptLookupDrafter(args.prompt_lookup_max_ngram, args.prompt_lookup_min_ngram, args.prompt_lookup_branches)
     if args.draft_vocab_size is not None and args.draft_vocab_size < 0:
         raise InvalidArgumentError(
             f"--draft-vocab-size {args.draft_vocab_size} is out of range: use K in S..V (S special tokens, V the "
@@ -411,6 +414,7 @@ def run_generate(args) -> int:
         exit_layer=args.exit_layer,
         prompt_lookup_max_ngram=args.prompt_lookup_max_ngram,
         prompt_lookup_min_ngram=args.prompt_lookup_min_ngram,
+        prompt_lookup_branches=args.prompt_lookup_branches,
         ngram_check=args.ngram_check,
         draft_control=control if control.active else None,
         compile=args.compile,  # None: the pipeline's device default

@@ -38,6 +38,7 @@ class DrafterOptions:
     Attributes:
         skip_set, skip_layers, skip_config: "layer-skip"'s skip set, given once.
         exit_layer: "early-exit"'s N (layers 0..N-1 draft).
+        prompt_lookup_branches: "prompt-lookup"'s matches per round, as a token tree (1: linear).
         prompt_lookup_max_ngram, prompt_lookup_min_ngram: n-gram sizes of "prompt-lookup" and of
             the cascade's n-gram part.
         draft_vocab_size: FR-Spec's K for the draft model's head (0 or None: the full head).
@@ -54,6 +55,7 @@ class DrafterOptions:
     exit_layer: int | None = None
     prompt_lookup_max_ngram: int = 3
     prompt_lookup_min_ngram: int = 1
+    prompt_lookup_branches: int = 1
     draft_vocab_size: int | None = None
     ngram_check: bool = True
     draft_context_window: int | None = None
@@ -141,7 +143,7 @@ def _early_exit(generator, o: DrafterOptions) -> EarlyExitDrafter:
 
 
 def _prompt_lookup(generator, o: DrafterOptions) -> PromptLookupDrafter:
-    return PromptLookupDrafter(o.prompt_lookup_max_ngram, o.prompt_lookup_min_ngram)
+    return PromptLookupDrafter(o.prompt_lookup_max_ngram, o.prompt_lookup_min_ngram, o.prompt_lookup_branches)
 
 
 def _token_recycling(generator, o: DrafterOptions) -> TokenRecyclingDrafter:
@@ -165,7 +167,7 @@ REGISTRY: Mapping[str, Method] = MappingProxyType({m.name: m for m in (
     Method("layer-skip", _layer_skip, frozenset({"skip_set", "skip_layers", "skip_config", "compile"}),
            adaptive_exit=True),
     Method("early-exit", _early_exit, frozenset({"exit_layer", "compile"}), adaptive_exit=True),
-    Method("prompt-lookup", _prompt_lookup, _NGRAMS),
+    Method("prompt-lookup", _prompt_lookup, _NGRAMS | {"prompt_lookup_branches"}),
     Method("token-recycling", _token_recycling),
 )})
 

@@ -288,6 +288,7 @@ class SpeculativeGenerator:
         exit_layer: int | None = None,
         prompt_lookup_max_ngram: int = 3,
         prompt_lookup_min_ngram: int = 1,
+        prompt_lookup_branches: int = 1,
         draft_vocab_size: int | None = None,
         ngram_check: bool = True,
         draft_context_window: int | None = None,
@@ -305,6 +306,8 @@ class SpeculativeGenerator:
             exit_layer: N for "early-exit": the draft runs decoder layers 0..N-1 (1 <= N <= L-1).
             prompt_lookup_max_ngram, prompt_lookup_min_ngram: n-gram sizes of "prompt-lookup"
                 and of the n-gram part of "cascade" (1 <= min <= max).
+            prompt_lookup_branches: "prompt-lookup" drafts up to this many matches' continuations
+                as a token tree (1: the linear draft of the most recent match).
             draft_vocab_size: K for "draft" and "cascade": the draft model proposes only among
                 K frequent tokens and computes those LM-head rows alone (FR-Spec; see
                 ``draft_head``). 0 or None: the full head.
@@ -341,6 +344,7 @@ class SpeculativeGenerator:
         options = DrafterOptions(
             skip_set=skip_set, skip_layers=skip_layers, skip_config=skip_config, exit_layer=exit_layer,
             prompt_lookup_max_ngram=prompt_lookup_max_ngram, prompt_lookup_min_ngram=prompt_lookup_min_ngram,
+            prompt_lookup_branches=prompt_lookup_branches,
             draft_vocab_size=draft_vocab_size, ngram_check=ngram_check, draft_context_window=draft_context_window,
             max_model_prompt_tokens=max_model_prompt_tokens, compile=compile, draft_backend=draft_backend,
         )
@@ -435,6 +439,7 @@ class SpeculativeGenerator:
         exit_layer: int | None = None,
         prompt_lookup_max_ngram: int = 3,
         prompt_lookup_min_ngram: int = 1,
+        prompt_lookup_branches: int = 1,
         draft_vocab_size: int | None = None,
         ngram_check: bool = True,
         draft_context_window: int | None = None,
@@ -468,6 +473,7 @@ class SpeculativeGenerator:
             exit_layer=exit_layer,
             prompt_lookup_max_ngram=prompt_lookup_max_ngram,
             prompt_lookup_min_ngram=prompt_lookup_min_ngram,
+            prompt_lookup_branches=prompt_lookup_branches,
             draft_vocab_size=draft_vocab_size,
             ngram_check=ngram_check,
             draft_context_window=draft_context_window,
@@ -515,6 +521,7 @@ class SpeculativeGenerator:
         exit_layer: int | None = None,
         prompt_lookup_max_ngram: int = 3,
         prompt_lookup_min_ngram: int = 1,
+        prompt_lookup_branches: int = 1,
         ngram_check: bool = True,
         max_model_prompt_tokens: int | None = None,
         draft_context_window: int | None = None,
@@ -549,6 +556,7 @@ class SpeculativeGenerator:
         drafter = method_registry.make_drafter(self, method, DrafterOptions(
             skip_set=skip_set, skip_layers=skip_layers, skip_config=skip_config, exit_layer=exit_layer,
             prompt_lookup_max_ngram=prompt_lookup_max_ngram, prompt_lookup_min_ngram=prompt_lookup_min_ngram,
+            prompt_lookup_branches=prompt_lookup_branches,
             ngram_check=ngram_check, max_model_prompt_tokens=max_model_prompt_tokens,
             draft_context_window=draft_context_window, draft_vocab_size=draft_vocab_size,
             draft_backend=draft_backend,

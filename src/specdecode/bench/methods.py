@@ -65,6 +65,8 @@ DRAFTER_OPTIONS = (
     DrafterOption("--exit-layer", "exit_layer", int, "early-exit: the draft runs the target's first N decoder layers"),
     DrafterOption("--prompt-lookup-max-ngram", "prompt_lookup_max_ngram", int, "prompt-lookup: longest n-gram matched"),
     DrafterOption("--prompt-lookup-min-ngram", "prompt_lookup_min_ngram", int, "prompt-lookup: shortest n-gram matched"),
+    DrafterOption("--prompt-lookup-branches", "prompt_lookup_branches", int,
+                  "prompt-lookup: matches per round as a token tree (1: linear)"),
 )
 
 
