@@ -9,6 +9,7 @@ import torch
 
 from conftest import make_tiny_model
 from specdecode import GenerationConfig, SpeculativeDecoder
+from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 from specdecode.drafters.token_recycling import TokenRecyclingDrafter, static_tree
 from specdecode.engine.batch_cache import to_device
 from specdecode.engine.batched import BatchedSpeculativeDecoder
@@ -146,16 +147,20 @@ def test_a_target_without_tree_forwards_verifies_the_first_chain():
         backed(torch.tensor([[1, 2]]), [0], 2, trees=[TokenTree.chain(1)])
 
 
-@pytest.mark.parametrize("drafter", ["oracle", "recycling"])
+@pytest.mark.parametrize("drafter", ["oracle", "recycling", "lookup-branches"])
 def test_tree_rounds_on_the_fast_path_buckets(arch, drafter):
     """The fast path's static-shape forwards (graphs off: the same buckets and buffers, eagerly) run
     tree verifications in buckets of their own, with target-only output."""
     target = make_tiny_model(arch, seed=11)
     config = GenerationConfig(max_new_tokens=20, stop_on_eos=False)
     expected = _alone(target, PROMPTS, config)
-    made = OracleTree({tuple(p): e for p, e in zip(PROMPTS, expected)}, target.config.vocab_size) \
-        if drafter == "oracle" else TokenRecyclingDrafter(max_nodes=6, top_k=3)
+    made = {
+        "oracle": lambda: OracleTree({tuple(p): e for p, e in zip(PROMPTS, expected)}, target.config.vocab_size),
+        "recycling": lambda: TokenRecyclingDrafter(max_nodes=6, top_k=3),
+        "lookup-branches": lambda: PromptLookupDrafter(max_ngram=2, branches=3),
+    }[drafter]()
     dec = BatchedSpeculativeDecoder(target, made, max_batch_size=2, max_length=64, num_speculative_tokens=6,
                                     compile=True, graphs=False)
     assert [r.token_ids for r in dec.generate(PROMPTS, config)] == expected
-    assert any(tree for (_, _, tree) in dec.runner._buckets)  # a tree bucket ran: (rows, width, tree)
+    if drafter != "lookup-branches":  # prompt lookup's trees need repeats in the text, which it may not have
+        assert any(tree for (_, _, tree) in dec.runner._buckets)  # a tree bucket ran: (rows, width, tree)

@@ -11,7 +11,7 @@ from specdecode import GenerationConfig, SpeculativeDecoder
 from specdecode.drafters.token_recycling import TokenRecyclingDrafter
 from specdecode.engine.sampling import Sampler
 from specdecode.engine.tree import TokenTree, tree_rejection_sample
-from test_verification import _exact_joint, _within
+from test_verification import _exact_joint, _verified_cells, _within
 
 # Root candidates: tokens 1, 3 and 1 again (a duplicate must never be accepted twice); node 4 (token 0)
 # continues node 2 (token 3).
@@ -39,8 +39,18 @@ def test_tree_rejection_sample_emits_the_target_law():
             second[emitted[1]] += 1
     assert _within(first / N, probs[0], N)
     assert _within(second / after_3, probs[2], after_3)  # node 2's continuation, accepted or resampled
-    # Negative control: the candidates' own frequencies (token 1 proposed twice) are not the law.
+    # Negative controls: the candidates' own frequencies (token 1 proposed twice) are not the law, and
+    # neither is what a wrong residual emits (a rejected candidate's mass left in p).
     assert not _within(torch.tensor([0.0, 2 / 3, 0.0, 1 / 3, 0.0]), probs[0], N)
+    wrong = torch.zeros(V)
+    for _ in range(N // 3):
+        for child in TREE.children[0]:
+            if float(sampler.uniform(1, "cpu")[0]) < float(probs[0, TOKENS[child]]):  # no mass removed
+                wrong[TOKENS[child]] += 1
+                break
+        else:
+            wrong[int(sampler.sample(probs[:1])[0])] += 1
+    assert not _within(wrong / (N // 3), probs[0], N // 3)
 
 
 def test_token_recycling_trees_sample_the_target_distribution():
@@ -51,14 +61,8 @@ def test_token_recycling_trees_sample_the_target_distribution():
     prompt = torch.tensor([[3, 5, 4]])
     base = dict(temperature=1.0, max_new_tokens=steps, stop_on_eos=False)
     exact = _exact_joint(target, prompt, GenerationConfig(**base), steps)
-    cells = {}
-    for seq, pr in exact.items():
-        for pos in (1, 2):
-            cells[(pos, seq[pos])] = cells.get((pos, seq[pos]), 0.0) + pr
-        cells[("pair", seq[1], seq[2])] = cells.get(("pair", seq[1], seq[2]), 0.0) + pr
-    keys = sorted(cells, key=str)
+    keys, want = _verified_cells(exact)
     index = {k: i for i, k in enumerate(keys)}
-    want = torch.tensor([cells[k] for k in keys])
 
     class Frozen(TokenRecyclingDrafter):  # a fixed matrix: v -> v+1, v+2, v+3 (mod V), never updated
         observes_target = False

@@ -88,6 +88,18 @@ def _exact_joint(target, prompt: torch.Tensor, config: GenerationConfig, steps: 
     return joint
 
 
+def _verified_cells(exact: dict) -> tuple[list, torch.Tensor]:
+    """The marginal laws of the 2nd and 3rd tokens (which come out of verification) and of their pair,
+    from ``_exact_joint``: the cells, in a fixed order, and their probabilities."""
+    cells = {}
+    for seq, pr in exact.items():
+        for pos in (1, 2):
+            cells[(pos, seq[pos])] = cells.get((pos, seq[pos]), 0.0) + pr
+        cells[("pair", seq[1], seq[2])] = cells.get(("pair", seq[1], seq[2]), 0.0) + pr
+    keys = sorted(cells, key=str)
+    return keys, torch.tensor([cells[k] for k in keys])
+
+
 @pytest.mark.parametrize(
     "temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.85)], ids=["t1", "t0.7-topk5", "t1.3-topp"]
 )
@@ -100,14 +112,7 @@ def test_speculative_sampling_matches_target_distribution(temperature, top_k, to
     prompt = torch.tensor([[3, 5, 4]])
     base = dict(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=steps, stop_on_eos=False)
     exact = _exact_joint(target, prompt, GenerationConfig(**base), steps)
-    # Marginal laws of the 2nd and 3rd tokens, which come out of verification.
-    cells = {}
-    for seq, pr in exact.items():
-        for pos in (1, 2):
-            cells[(pos, seq[pos])] = cells.get((pos, seq[pos]), 0.0) + pr
-        cells[("pair", seq[1], seq[2])] = cells.get(("pair", seq[1], seq[2]), 0.0) + pr
-    keys = sorted(cells, key=str)
-    want = torch.tensor([cells[k] for k in keys])
+    keys, want = _verified_cells(exact)
 
     dec = SpeculativeDecoder(target, DraftModelDrafter(draft))
     counts = torch.zeros(len(keys))
