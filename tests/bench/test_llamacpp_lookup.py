@@ -192,3 +192,22 @@ def test_real_lookup_gives_llama_cpps_greedy_tokens(target_only, tmp_path):
         drafted += lookup["drafted"]
     assert drafted > 0  # the tiny model repeats itself: the lookup found n-grams to draft
     assert results["methods"]["llama-cpp-lookup"]["llama_cpp_python"] not in (None, "0.0-fake")
+
+
+def test_real_lookup_takes_a_prompt_longer_than_llama_cpps_batch(tmp_path):
+    """A prompt past n_batch (512): llama-cpp-python sizes its scores array from the logits_all it is
+    given, while a draft model evaluates with every position's logits, so without logits_all=True this
+    failed in ``Llama.eval`` (seen on Spec-Bench's longer prompts with the real target)."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (pip install 'specdecode[llamacpp]')")
+    from conftest import make_tiny_model
+
+    from specdecode import SpeculativeGenerator
+    from specdecode.models import LoadedModel
+
+    model = make_tiny_model("llama", num_layers=1, max_position_embeddings=1024)
+    gen = SpeculativeGenerator(LoadedModel(model, make_tiny_tokenizer(), "tiny-long"))
+    path = write_tiny_gguf(model, make_tiny_tokenizer(), tmp_path / "long.gguf")
+    runner = LlamaCppLookupRunner(gen, BenchSettings(max_new_tokens=8, warmup_tokens=2, gguf_file=str(path)))
+    ids = torch.tensor([[(7 * i) % 40 + 3 for i in range(600)]])  # repetitive: the lookup drafts
+    out = runner(ids, 8, 0)
+    assert len(out["token_ids"]) == 8 and runner.llm.n_ctx() >= 600 + 8

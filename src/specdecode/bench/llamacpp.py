@@ -130,6 +130,8 @@ class LlamaCppRunner:
     kind = "llama.cpp"
     supports_prompt_cache = True
     name = METHOD
+    context_step = CONTEXT_STEP  # the context grows in steps of this many positions
+    context_margin = 0  # positions past prompt + max_new_tokens that a generation may evaluate
 
     def __init__(self, generator: pipeline.SpeculativeGenerator, settings: BenchSettings) -> None:
         if settings.banned_words:
@@ -159,7 +161,7 @@ class LlamaCppRunner:
         self.llama_cpp = import_llama_cpp(self.name)
         self.eos = frozenset(pipeline.eos_token_ids(generator.target))
         self.llm = None
-        self._load(CONTEXT_STEP)
+        self._load(self.context_step)
 
     def _load(self, n_ctx: int) -> None:
         if self.llm is not None:
@@ -169,8 +171,8 @@ class LlamaCppRunner:
         try:
             self.llm = self.llama_cpp.Llama(
                 model_path=str(self.path), n_ctx=n_ctx, n_threads=self.n_threads,
-                n_threads_batch=self.n_threads, logits_all=False, n_gpu_layers=0, verbose=False,
-                **self._llama_options(),
+                n_threads_batch=self.n_threads, n_gpu_layers=0, verbose=False,
+                **{"logits_all": False, **self._llama_options()},
             )
         except ValueError as e:
             raise UnsupportedModelError(f"llama.cpp cannot load GGUF file {self.path}: {e}") from e
@@ -219,9 +221,9 @@ class LlamaCppRunner:
                 f"prompt token id {bad} is outside the vocabulary of {self.path} ({vocab} tokens); the target's "
                 "tokenizer must come from the same GGUF file"
             )
-        needed = len(ids) + max_new_tokens
+        needed = len(ids) + max_new_tokens + self.context_margin
         if needed > self.n_ctx:
-            self._load(CONTEXT_STEP * math.ceil(needed / CONTEXT_STEP))
+            self._load(self.context_step * math.ceil(needed / self.context_step))
 
     def __call__(
         self, input_ids: torch.Tensor, max_new_tokens: int, seed: int, prefix: PromptPrefix | None = None
@@ -325,11 +327,20 @@ class LlamaCppLookupRunner(LlamaCppRunner):
     name = LLAMA_CPP_LOOKUP
     NUM_PRED_TOKENS = 2
     MAX_NGRAM_SIZE = 2
+    # logits_all=True sizes llama-cpp-python's scores array to n_ctx rows of V floats (Qwen2.5's V:
+    # 0.6 GB a 1,024 positions), so the context grows in small steps; a drafted block may run past
+    # max_new_tokens.
+    context_step = 512
+    context_margin = NUM_PRED_TOKENS + 1
 
     def _llama_options(self) -> dict[str, Any]:
+        """The lookup drafter, and ``logits_all=True``: with a ``draft_model`` llama-cpp-python evaluates
+        with every position's logits but sizes its scores array from the ``logits_all`` it was given
+        (n_batch rows when False), so a prompt longer than n_batch (512) failed in ``Llama.eval``
+        ("could not broadcast ... into shape (0,)", llama-cpp-python 0.3.36, ``Llama.__init__``)."""
         lookup = self.llama_cpp.llama_speculative.LlamaPromptLookupDecoding(
             max_ngram_size=self.MAX_NGRAM_SIZE, num_pred_tokens=self.NUM_PRED_TOKENS)
-        return {**super()._llama_options(), "draft_model": lookup}
+        return {**super()._llama_options(), "draft_model": lookup, "logits_all": True}
 
     def describe(self) -> dict:
         return {
