@@ -30,7 +30,8 @@ def generator():
 
 
 def test_methods_listed():
-    assert METHODS == ("autoregressive", "draft", "cascade", "layer-skip", "early-exit", "prompt-lookup")
+    assert METHODS == ("autoregressive", "draft", "cascade", "layer-skip", "early-exit", "prompt-lookup",
+                       "token-recycling")
 
 
 def test_make_drafter_for_every_method(generator, tmp_path):

@@ -152,7 +152,7 @@ def test_batch_sizes_parse():
 
 @pytest.mark.parametrize("name, message", [
     ("hf-assisted", "'hf-assisted' has no batch mode; allowed with --batch-size: autoregressive, draft, cascade, "
-                    "layer-skip, early-exit, prompt-lookup, hf-generate"),
+                    "layer-skip, early-exit, prompt-lookup, token-recycling, hf-generate"),
     ("warp-drive", "'warp-drive' is unknown"),
     ("draft:exit_rule=batch", "add \\+adaptive"),
     ("draft:exit_rule=diagonal+adaptive", "exit_rule='diagonal'; allowed: row, batch"),

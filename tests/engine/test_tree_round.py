@@ -75,6 +75,8 @@ def test_an_accepted_path_off_the_first_chain_gives_target_only_tokens(arch):
     assert [r.token_ids for r in results] == expected
     stats = results[0].stats
     assert stats.num_accepted_tokens >= 3 * (stats.num_draft_blocks - 1)  # the oracle's branch was accepted
+    # Acceptance by depth: OFF_CHAIN has depth 3 (4 nodes), so positions count depths 1..3, not 4 nodes.
+    assert len(stats.drafted_by_position) == 3 and stats.drafted_by_position[0] == stats.num_draft_blocks
 
 
 def test_rows_that_cannot_verify_a_tree_verify_its_first_chain(arch):

@@ -157,7 +157,9 @@ def test_null_fields_take_their_defaults(server):
             "presence_penalty": None, "logprobs": None, "stop": None, "seed": None}
     r = httpx.post(f"{url}/v1/completions", json=body)
     assert r.status_code == 200, r.text
-    assert r.json()["usage"]["completion_tokens"] == 4
+    # temperature null is OpenAI's default 1 with no seed: a random sample, which may end at EOS early.
+    done = (r.json()["choices"][0]["finish_reason"], r.json()["usage"]["completion_tokens"])
+    assert done == ("length", 4) or (done[0] == "stop" and 1 <= done[1] <= 4), done
     r = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": None})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 16  # OpenAI's default, 16
 

@@ -426,7 +426,8 @@ class BatchedSpeculativeDecoder(BatchRequests):
                     continue
             if row.sampler.processors is not None:  # [processors] logprobs of the new tokens, when asked
                 row.sampler.processors.record(len(row.tokens) - row.num_prompt_tokens, logits[b], new)
-            row.stats.record_block(kb, a)
+            depth = max(tree.depths) if tree is not None else None  # [trees] acceptance by depth
+            row.stats.record_block(kb, a, depth)
             if row.controller is not None:
                 if kb:
                     row.controller.record(caps[b], kb, a)
@@ -434,7 +435,7 @@ class BatchedSpeculativeDecoder(BatchRequests):
                     row.stats.final_draft_threshold = row.controller.exit.threshold
                 if row.controller.gate is not None:
                     gate_rows.append((b, node, new[-1]))
-            self.stats.record_block(kb, a)
+            self.stats.record_block(kb, a, depth)
             out = row.emit(new, self.stats)
             self.stats.num_new_tokens += len(out)
             self._event(events, row, out)

@@ -72,20 +72,23 @@ class SpecDecodingStats:
         "mean_accepted_draft_tokens", "acceptance_by_position", "decode_tokens_per_s",
     )
 
-    def record_block(self, num_drafted: int, num_accepted: int) -> None:
+    def record_block(self, num_drafted: int, num_accepted: int, depth: int | None = None) -> None:
         """Account one row's verification that checked ``num_drafted`` tokens and accepted
-        ``num_accepted`` of them (a plain step: 0 and 0)."""
+        ``num_accepted`` of them (a plain step: 0 and 0). ``depth``: a token tree's depth
+        (``engine.tree``), so that ``drafted_by_position`` / ``accepted_by_position`` count depths
+        (acceptance by depth); None: a linear draft, whose depth is ``num_drafted``."""
         self.num_target_forwards += 1
         if num_drafted == 0:
             return
         self.num_draft_blocks += 1
         self.num_drafted_tokens += num_drafted
         self.num_accepted_tokens += num_accepted
-        if len(self.drafted_by_position) < num_drafted:
-            grow = num_drafted - len(self.drafted_by_position)
+        depth = num_drafted if depth is None else depth
+        if len(self.drafted_by_position) < depth:
+            grow = depth - len(self.drafted_by_position)
             self.drafted_by_position.extend([0] * grow)
             self.accepted_by_position.extend([0] * grow)
-        for i in range(num_drafted):
+        for i in range(depth):
             self.drafted_by_position[i] += 1
         for i in range(num_accepted):
             self.accepted_by_position[i] += 1
