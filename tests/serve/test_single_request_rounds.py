@@ -26,9 +26,9 @@ def _recording(stats) -> list[tuple[int, int]]:
     blocks: list[tuple[int, int]] = []
     record = stats.record_block
 
-    def record_block(num_drafted, num_accepted):
+    def record_block(num_drafted, num_accepted, depth=None):
         blocks.append((num_drafted, num_accepted))
-        return record(num_drafted, num_accepted)
+        return record(num_drafted, num_accepted, depth)
 
     stats.record_block = record_block
     return blocks
