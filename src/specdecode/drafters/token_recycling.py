@@ -100,10 +100,13 @@ class TokenRecyclingDrafter(Drafter):
         self.top_k = top_k
         self.adjacency: torch.Tensor | None = None
         self._trees: dict[int, TokenTree] = {}
+        self._level_cache: dict[int, list] = {}
         self._device = None
 
     def bind(self, target_cache) -> None:
         vocab = logits_width(target_cache.owner)
+        if self._device != target_cache.device:
+            self._level_cache = {}
         self._device = target_cache.device
         if self.adjacency is None or self.adjacency.shape[0] != vocab or self.adjacency.device != self._device:
             self.adjacency = torch.zeros((vocab, self.top_k), dtype=torch.long, device=self._device)
@@ -126,16 +129,22 @@ class TokenRecyclingDrafter(Drafter):
             return Draft(torch.zeros((len(sequences), 1), dtype=torch.long, device=self._device), counts, who=self.who)
         nodes = torch.empty((len(sequences), width + 1), dtype=torch.long, device=self._device)
         nodes[:, 0] = to_device([s[-1] for s in sequences], self._device)
-        tree = self.tree(width)
-        level = [t for t in range(1, width + 1) if tree.depths[t] == 1]
-        while level:  # one gather per depth: node t = M[token of its parent, rank(t)]
-            index = torch.tensor(level, device=self._device)
-            parents = torch.tensor([self.parents[t] for t in level], device=self._device)
-            ranks = torch.tensor([self.ranks[t] for t in level], device=self._device)
+        for index, parents, ranks in self._levels(width):  # one gather per depth: M[parent's token, rank]
             nodes[:, index] = self.adjacency[nodes[:, parents], ranks]
-            depth = tree.depths[level[0]] + 1
-            level = [t for t in range(1, width + 1) if tree.depths[t] == depth]
         return Draft(nodes[:, 1:], counts, who=self.who, trees=[self.tree(c) if c else None for c in counts])
+
+    def _levels(self, width: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per depth of the first ``width`` nodes: their indices, their parents' and their ranks, as
+        device tensors made once per width (not every round)."""
+        levels = self._level_cache.get(width)
+        if levels is None:
+            tree, levels = self.tree(width), []
+            for depth in range(1, max(tree.depths) + 1):
+                level = [t for t in range(1, width + 1) if tree.depths[t] == depth]
+                levels.append(tuple(torch.tensor(v, device=self._device) for v in (
+                    level, [self.parents[t] for t in level], [self.ranks[t] for t in level])))
+            self._level_cache[width] = levels
+        return levels
 
     def observe(self, ids: torch.Tensor, logits: torch.Tensor, num_nodes: list[int]) -> None:
         """Recycle the target's top-k at every real node: ``M[ids[b, t]] = top_k(logits[b, t])``."""
