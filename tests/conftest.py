@@ -95,3 +95,14 @@ def arch(request) -> str:
 @pytest.fixture
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return make_tiny_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory):
+    """A float32 GGUF file of a tiny qwen2 (2 layers, seed 4) and the tiny tokenizer, written once per
+    test session (``tests/tiny_gguf.py``); skips where llama-cpp-python is not installed."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (pip install 'specdecode[llamacpp]')")
+    from tiny_gguf import write_tiny_gguf
+
+    model = make_tiny_model("qwen2", num_layers=2, seed=4)
+    return write_tiny_gguf(model, make_tiny_tokenizer(), tmp_path_factory.mktemp("gguf") / "qwen2.gguf")

@@ -23,7 +23,6 @@ from specdecode.engine.cost_model import CostModelPolicy
 from specdecode.errors import InvalidArgumentError, ModelNotFoundError
 from specdecode.models import LoadedModel
 from specdecode.models.llama_cpp_target import LlamaCppTargetRunner
-from tiny_gguf import write_tiny_gguf
 
 TEXT = " ".join(f"w{t}" for t in PROMPT[1:])  # the tiny tokenizer's words: no BOS added, ids PROMPT[1:]
 
@@ -141,13 +140,6 @@ def test_generate_refuses_before_loading(capsys, flags, message):
 
 # ---------------------------------------------------------------------------------------------
 # llama.cpp on a tiny float32 GGUF file
-
-
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory):
-    pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (pip install 'specdecode[llamacpp]')")
-    model = make_tiny_model("qwen2", num_layers=2, seed=4)
-    return write_tiny_gguf(model, make_tiny_tokenizer(), tmp_path_factory.mktemp("gguf") / "qwen2.gguf")
 
 
 @pytest.fixture

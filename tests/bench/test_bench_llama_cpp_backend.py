@@ -154,15 +154,6 @@ def test_agreement_with_llama_cpp_and_the_ratios_in_the_report(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory):
-    pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (pip install 'specdecode[llamacpp]')")
-    from tiny_gguf import write_tiny_gguf
-
-    model = make_tiny_model("qwen2", num_layers=2, seed=4)
-    return write_tiny_gguf(model, make_tiny_tokenizer(), tmp_path_factory.mktemp("gguf") / "qwen2.gguf")
-
-
-@pytest.fixture(scope="module")
 def llama_gen(tiny_gguf):
     from specdecode.models.llama_cpp import LlamaCppModel
 

@@ -24,7 +24,6 @@ from specdecode.engine.cost_model import CostModelPolicy
 from specdecode.engine.runner_target import RunnerTargetCache, is_runner_target, measured_cost_policy
 from specdecode.errors import InvalidArgumentError
 from specdecode.models.llama_cpp_target import LlamaCppTargetRunner
-from tiny_gguf import write_tiny_gguf
 
 
 @pytest.fixture(scope="module")
@@ -146,13 +145,6 @@ def test_the_cost_policy_comes_from_measured_costs(backed):
 
 # ---------------------------------------------------------------------------------------------
 # llama.cpp on a tiny float32 GGUF file
-
-
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory):
-    pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (pip install 'specdecode[llamacpp]')")
-    model = make_tiny_model("qwen2", num_layers=2, seed=4)
-    return write_tiny_gguf(model, make_tiny_tokenizer(), tmp_path_factory.mktemp("gguf") / "qwen2.gguf")
 
 
 @pytest.fixture

@@ -18,7 +18,6 @@ from specdecode.engine.kv_cache import new_cache
 from specdecode.errors import InvalidArgumentError
 from specdecode.models.llama_cpp import LlamaCppModel
 from specdecode.models.llama_cpp_target import LlamaCppTargetRunner
-from tiny_gguf import write_tiny_gguf
 
 PROMPT = [1, 5, 9, 11, 5, 9, 17, 23, 5, 9, 30, 12]
 
@@ -113,13 +112,6 @@ def test_bad_positions_and_ownership_are_refused(backed):
 
 # ---------------------------------------------------------------------------------------------
 # llama.cpp on a tiny float32 GGUF file
-
-
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory):
-    pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (pip install 'specdecode[llamacpp]')")
-    model = make_tiny_model("qwen2", num_layers=2, seed=4)
-    return write_tiny_gguf(model, make_tiny_tokenizer(), tmp_path_factory.mktemp("gguf") / "qwen2.gguf")
 
 
 @pytest.fixture
