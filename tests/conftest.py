@@ -106,3 +106,12 @@ def tiny_gguf(tmp_path_factory):
 
     model = make_tiny_model("qwen2", num_layers=2, seed=4)
     return write_tiny_gguf(model, make_tiny_tokenizer(), tmp_path_factory.mktemp("gguf") / "qwen2.gguf")
+
+
+@pytest.fixture
+def avx512_cpu(monkeypatch):
+    """torch's CPU capability reads "AVX512" (``specdecode.defaults.cpu_capability``), the machines on which
+    the commands' int4 draft default applies, whatever this machine has."""
+    from specdecode import defaults
+
+    monkeypatch.setattr(defaults, "cpu_capability", lambda: "AVX512")

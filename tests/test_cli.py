@@ -146,6 +146,7 @@ def test_generate_passes_compile_to_the_pipeline(tiny_folders, capsys, monkeypat
     assert result["token_ids"] == reference.token_ids
 
 
+@pytest.mark.usefixtures("avx512_cpu")
 @pytest.mark.parametrize("flags, quantize, draft_quantize, head", [
     ([], "none", "int4", "int4"),  # the default on CPU: an int4 draft (int4 LM head), the target's output unchanged
     (["--method", "draft"], "none", "int4", "int4"),
@@ -175,6 +176,7 @@ def test_generate_quantizes_the_draft_to_int4_by_default_on_cpu(tiny_folders, ca
         assert result["token_ids"] == reference.token_ids
 
 
+@pytest.mark.usefixtures("avx512_cpu")
 def test_generate_draft_quantize_head_int8_keeps_the_default_int4_drafts_head_int8(tiny_folders, capsys):
     target_dir, draft_dir, target = tiny_folders
     code, out, err = _run(capsys, "--target", target_dir, "--draft", draft_dir, "--prompt", "w5 w9 w11 w5 w9",
@@ -194,6 +196,7 @@ _DENSE = ": it has no quantized LM head, so the flag would be ignored; leave it 
          "(--draft-quantize int8 or int4)"
 
 
+@pytest.mark.usefixtures("avx512_cpu")
 @pytest.mark.parametrize("flags, device, kernel, message", [
     (["--quantize", "int8", "--draft-quantize-head", "int4"], "cpu", True,
      _INT4_HEAD + "int8 (it follows --quantize int8: the int4 default applies with --quantize none only)"),
@@ -233,6 +236,7 @@ def test_generate_refuses_a_draft_quantize_head_the_draft_does_not_have(monkeypa
     assert "loaded" not in err
 
 
+@pytest.mark.usefixtures("avx512_cpu")
 @pytest.mark.parametrize("flags, device, expected", [
     ([], "cpu", "int4"),
     (["--method", "draft"], "cpu", "int4"),
@@ -264,6 +268,7 @@ def test_draft_quantize_default_needs_the_int4_kernel(monkeypatch):
     assert generate_command._draft_quantize_by_default(args, torch.device("cpu")) is None
 
 
+@pytest.mark.usefixtures("avx512_cpu")
 def test_generate_on_cuda_keeps_the_draft_as_the_target(monkeypatch, capsys):
     """The resolved device reaches the rule: on CUDA (faked, no GPU needed) from_pretrained gets
     draft_quantize=None, so int4, which CUDA refuses, is never picked."""
@@ -287,6 +292,7 @@ def test_generate_on_cuda_keeps_the_draft_as_the_target(monkeypatch, capsys):
     assert asked[-1] == (cli.DEFAULT_DRAFT, "int4")  # the same call on CPU picks int4
 
 
+@pytest.mark.usefixtures("avx512_cpu")
 @pytest.mark.parametrize("flags, draft_quantize", [
     ([], "int4"),  # generate's default int4 draft (the target dense) takes the group size
     (["--method", "draft", "--quantize", "int4", "-g", "3"], "int4"),  # both int4: both take it
@@ -333,6 +339,7 @@ def test_an_unknown_quantize_group_size_is_refused_by_the_parser(capsys, command
     assert "argument --quantize-group-size: invalid choice: 48 (choose from 32, 64, 128, 256)" in capsys.readouterr().err
 
 
+@pytest.mark.usefixtures("avx512_cpu")
 @pytest.mark.parametrize("flags, limit, window", [
     ([], 512, None),  # the cascade with generate's int4 draft: the measured default
     (["--draft-quantize", "none"], None, None),  # a dense draft: no default limit
@@ -368,3 +375,24 @@ def test_generate_refuses_bad_long_prompt_flags(capsys, flags, message):
     code, out, err = _run(capsys, "--prompt", "w5", *flags)
     assert code == 2 and out == ""
     assert message in err
+
+
+def test_draft_quantize_default_is_dense_where_torch_s_int4_kernel_is_slow(monkeypatch):
+    """Below AVX512 (measured on AVX2: the int4 draft 3.2x slower than the dense one) the commands keep a
+    dense draft, and say why."""
+    from specdecode import cli, defaults, generate_command
+
+    args = cli.build_parser().parse_args(["generate", "--prompt", "w5"])
+    for capability in ("AVX2", "DEFAULT", None):
+        monkeypatch.setattr(defaults, "cpu_capability", lambda: capability)
+        assert generate_command._draft_quantize_by_default(args, torch.device("cpu")) is None
+        why = defaults.why_no_int4_draft("cascade", "none", torch.device("cpu"))
+        assert f"this CPU's capability is {capability}" in why
+    monkeypatch.setattr(defaults, "cpu_capability", lambda: "AVX512")
+    assert generate_command._draft_quantize_by_default(args, torch.device("cpu")) == "int4"
+
+
+def test_cpu_capability_is_torch_s():
+    from specdecode.defaults import cpu_capability
+
+    assert cpu_capability() == torch.backends.cpu.get_cpu_capability()

@@ -1,9 +1,12 @@
 """Milliseconds per target forward by number of tokens fed, for each --quantize value.
 
-Usage: OMP_NUM_THREADS=2 python docs/benchmarks/forward_cost.py qwen2.5-coder-1.5b-instruct,qwen2.5-coder-0.5b-instruct [QUANTIZE,...] [GROUP_SIZE]
+Usage: OMP_NUM_THREADS=2 [DTYPE=float32] python docs/benchmarks/forward_cost.py qwen2.5-coder-1.5b-instruct,qwen2.5-coder-0.5b-instruct [QUANTIZE,...] [GROUP_SIZE]
 QUANTIZE is none, int8, int4, or int4-head-int4 (an int4 draft's LM head, as from_pretrained gives it).
+DTYPE (environment) is the compute dtype: bfloat16 (the default), float32 or auto (the commands' choice:
+bfloat16 with native bf16 instructions, float32 otherwise). WIDTHS (environment, e.g. 1,8) limits the widths.
 Prints one line per model and quantization: the median of 7 forwards over a 200-token context.
 """
+import os
 import sys
 import time
 
@@ -45,7 +48,8 @@ if __name__ == "__main__":
         for q in (sys.argv[2].split(",") if len(sys.argv) > 2 else ["none", "int8", "int4"]):
             scheme, _, head = q.partition("-head-")  # "int4-head-int4": an int4 model with an int4 LM head
             group = int(sys.argv[3]) if len(sys.argv) > 3 and scheme == "int4" else None
-            model = load_model(name, dtype="bfloat16", quantize=scheme, quantize_head=head or None,
+            model = load_model(name, dtype=os.environ.get("DTYPE", "bfloat16"), quantize=scheme, quantize_head=head or None,
                                quantize_group_size=group).model
-            print(name, q, f"group {group}" if group else "", "ms per forward by tokens fed:", forward_ms(model), flush=True)
+            print(name, q, f"group {group}" if group else "", "ms per forward by tokens fed:",
+                  forward_ms(model, tuple(int(w) for w in os.environ.get("WIDTHS", "").split(",") if w) or WIDTHS), flush=True)
             del model

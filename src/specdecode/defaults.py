@@ -53,15 +53,36 @@ def adaptive_exit_by_default(method: str, quantize: str, num_speculative_tokens:
     return method in ADAPTIVE_BY_DEFAULT and quantize == "none" and num_speculative_tokens is None
 
 
+#: torch's CPU capabilities (``torch.backends.cpu.get_cpu_capability()``) on which the int4 draft default
+#: applies. Its int4 (and int8) weight-only kernels are vectorized for AVX512; measured on a 2-core EPYC
+#: with AVX2 only (capability "AVX2"), float32 compute, the Qwen2.5-Coder 0.5B draft's forward over 200
+#: tokens of context took 200 / 424 ms at 1 / 8 tokens dense, 273 / 2,056 ms int8 and 649 / 4,309 ms int4
+#: (``docs/benchmarks/forward_cost.py``, 2026-11-26; the int4 draft was 3.2x slower than the dense one),
+#: against 93.7 ms bf16 -> 35.2 ms int4 at 1 token with AVX512-BF16 (``draft_quantize_by_default``).
+INT4_DRAFT_CPU_CAPABILITIES = ("AVX512",)
+
+
+def cpu_capability() -> str | None:
+    """torch's CPU capability level ("AVX512", "AVX2", "DEFAULT", ...), or None where this torch cannot
+    say (``torch.backends.cpu.get_cpu_capability``, feature-detected)."""
+    get = getattr(getattr(torch.backends, "cpu", None), "get_cpu_capability", None)
+    return get() if get is not None else None
+
+
 def why_no_int4_draft(method: str, quantize: str, device: torch.device) -> str | None:
     """Why the commands' int4 draft default does not apply to ``method`` (for messages), or None when it
-    applies: a method with a draft model, an unquantized target, a CPU with torch's int4 kernel."""
+    applies: a method with a draft model, an unquantized target, a CPU whose capability makes torch's
+    int4 kernel fast (``INT4_DRAFT_CPU_CAPABILITIES``), a torch with that kernel."""
     if not method_registry.REGISTRY[method].needs_draft_model:
         return f"--method {method} has no draft model"
     if quantize != "none":
         return f"it follows --quantize {quantize}: the int4 default applies with --quantize none only"
     if device.type != "cpu":
         return f"the int4 default applies on CPU only, and the device is {device}"
+    capability = cpu_capability()
+    if capability not in INT4_DRAFT_CPU_CAPABILITIES:
+        return (f"torch's int4 CPU kernel is fast with AVX512 only, and this CPU's capability is {capability}: "
+                "there the int4 draft measured 3.2x slower than the dense one")
     try:
         check_quantize("int4", device)  # a torch build without the int4 kernel (< 2.6) keeps a dense draft
     except InvalidArgumentError:

@@ -216,7 +216,7 @@ def add_generate_parser(sub) -> None:
                         f"{DEFAULT_NUM_SPECULATIVE_TOKENS}); given, it turns the default adaptive "
                         "draft exit off")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    add_quantize_arguments(p, draft_default="int4 on CPU for draft and cascade with --quantize none, for faster "
+    add_quantize_arguments(p, draft_default="int4 on a CPU with AVX512 for draft and cascade with --quantize none, for faster "
                             "drafting ('none' keeps the draft dense); else as --quantize")
     p.add_argument("--device", default="auto")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
