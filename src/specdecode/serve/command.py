@@ -132,7 +132,7 @@ def add_arguments(p: argparse.ArgumentParser, *, default_target: str, default_dr
                    help="weight-only quantized linear layers on CPU for target and draft: a different model "
                         "from the unquantized one (default none)")
     p.add_argument("--draft-quantize", default=None, choices=QUANTIZE_SCHEMES,
-                   help="quantization of the draft model alone (default, as specdecode generate: int4 on CPU for "
+                   help="quantization of the draft model alone (default, as specdecode generate: int4 on a CPU with AVX512 for "
                         "draft and cascade with --quantize none; else as --quantize); output unchanged")
     p.add_argument("--draft-quantize-head", default=None, choices=QUANTIZE_HEADS,
                    help="the LM head storage of a quantized draft (default: int4 for an int4 draft, int8 for int8)")
