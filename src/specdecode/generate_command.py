@@ -262,6 +262,9 @@ def add_generate_parser(sub) -> None:
                         "-g nodes (the chain and its steps' runners-up of highest joint draft probability, "
                         "EAGLE-2's reranking; no extra draft forward), e.g. -g 16 --draft-tree-depth 5; turns the "
                         "default adaptive draft exit off; unset: linear drafts")
+    p.add_argument("--draft-tree-expand", type=int, metavar="M", default=None,
+                   help="draft, with --draft-tree-depth: EAGLE-2's dynamic tree, the M best nodes of each depth "
+                        "expanded by one draft tree forward (D - 1 of them) instead of the chain's runners-up")
     c = p.add_argument_group("draft length control")
     c.add_argument("--adaptive-draft-exit", action=argparse.BooleanOptionalAction, default=None,
                    help="Draft & Verify adaptive draft exit: stop drafting below a self-tuning confidence "
@@ -355,6 +358,14 @@ def _check_method_options(args) -> None:
             f"--draft-tree-depth {args.draft_tree_depth} is out of range: use D in 1..{MAX_TREE_DEPTH} (the draft "
             "model's chain steps per round; -g counts the tree's nodes), or leave it out for linear drafts"
         )
+    if args.draft_tree_expand is not None and not 1 <= args.draft_tree_expand <= MAX_TREE_DEPTH:
+        raise InvalidArgumentError(
+            f"--draft-tree-expand {args.draft_tree_expand} is out of range: use M in 1..{MAX_TREE_DEPTH} (nodes "
+            "expanded per depth), or leave it out"
+        )
+    if args.draft_tree_expand is not None and args.draft_tree_depth is None:
+        raise InvalidArgumentError(f"--draft-tree-expand {args.draft_tree_expand} expands a draft tree: give "
+                                   "--draft-tree-depth D too")
     if args.draft_backend == "llama-cpp" and args.draft_vocab_size:
         raise InvalidArgumentError(
             f"--draft-vocab-size {args.draft_vocab_size} truncates a torch draft's LM head; --draft-backend llama-cpp "
@@ -436,6 +447,8 @@ def run_generate(args) -> int:
         options["draft_context_window"] = args.draft_context_window
     if args.draft_tree_depth is not None:
         options["draft_tree_depth"] = args.draft_tree_depth
+    if args.draft_tree_expand is not None:
+        options["draft_tree_expand"] = args.draft_tree_expand
     if args.draft_backend is not None:
         options["draft_backend"] = args.draft_backend
     draft = args.draft if method_registry.REGISTRY[args.method].needs_draft_model else None
@@ -475,6 +488,7 @@ def run_generate(args) -> int:
             "draft_vocab_size": args.draft_vocab_size or None,
             "draft_context_window": args.draft_context_window,
             "draft_tree_depth": args.draft_tree_depth,
+            "draft_tree_expand": args.draft_tree_expand,
             "max_model_prompt_tokens": limit,
             "draft_control": dataclasses.asdict(control) if control.active else None,
             "ngram_check": args.ngram_check if "ngram_check" in method_registry.REGISTRY[args.method].options else None,

@@ -15,7 +15,7 @@ from helpers import perturbed_copy
 from specdecode import GenerationConfig, SpeculativeDecoder
 from specdecode.drafters import CascadeDrafter, DraftModelDrafter
 from specdecode.drafters.draft_head import DraftHead
-from specdecode.drafters.draft_tree import TopK, best_nodes, grow_trees
+from specdecode.drafters.draft_tree import TopK, best_nodes, expand_trees, grow_trees
 from specdecode.engine.batched import BatchedSpeculativeDecoder
 from specdecode.engine.fast_path import ModelRunner
 from specdecode.engine.tree import TokenTree
@@ -59,6 +59,29 @@ class SwapTopTwo(torch.nn.Module):
         out.scatter_(-1, top.indices[..., :1], top.values[..., 1:])
         out.scatter_(-1, top.indices[..., 1:], top.values[..., :1])
         return out
+
+
+class TwoChoices(torch.nn.Module):
+    """An LM head that keeps the target's two best tokens only, swapped: the draft puts about 0.62 on the
+    target's second choice and 0.38 on its first, and nearly nothing elsewhere."""
+
+    def __init__(self, head: torch.nn.Module) -> None:
+        super().__init__()
+        self.head = head
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.head(hidden)
+        top = logits.topk(2, dim=-1)
+        out = torch.full_like(logits, -30.0)
+        out.scatter_(-1, top.indices[..., 1:], 0.0)
+        return out.scatter_(-1, top.indices[..., :1], -0.5)
+
+
+def _sharpened(draft, factor: float = 6.0):
+    """The draft with its logits scaled by ``factor``: the same choices, more confident (peaked) distributions."""
+    with torch.no_grad():
+        draft.lm_head.weight.mul_(factor)
+    return draft
 
 
 def _swapped(target):
@@ -275,3 +298,112 @@ def test_the_tree_option_reaches_draft_and_cascade_only():
                                                        rf"methods with a draft model, 'draft' and 'cascade', not to "
                                                        rf"'{method}'"):
             gen.make_drafter(method, draft_tree_depth=4)
+    assert gen.decoder("draft", draft_tree_depth=3, draft_tree_expand=2, compile=False).drafter.tree_expand == 2
+    with pytest.raises(InvalidArgumentError, match=r"draft_tree_expand=2 \(--draft-tree-expand\) applies to the "
+                                                   r"method 'draft', not to 'cascade'"):
+        gen.batch_decoder("cascade", draft_tree_depth=3, draft_tree_expand=2)
+
+
+# -- EAGLE-2's expansion (tree_expand) -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_expanded_trees_equal_target_only(arch, fast):
+    """One draft tree forward per depth over the expanded tree: exact at B = 1 and with rows joining."""
+    target = make_tiny_model(arch, num_layers=3, seed=27)
+    draft = _sharpened(perturbed_copy(target, noise=0.3, seed=7))  # confident: deep trees as well as wide
+    expected = [SpeculativeDecoder(target, compile=False).generate(p, CONFIG).token_ids for p in PROMPTS]
+    runner = ModelRunner(target, compile=True, graphs=False, name="target") if fast else None
+    one = SpeculativeDecoder(target, DraftModelDrafter(draft, tree_depth=3, tree_expand=2), runner=runner,
+                             compile=None if fast else False)
+    assert [one.generate(p, CONFIG).token_ids for p in PROMPTS] == expected
+    drafter = DraftModelDrafter(draft, tree_depth=3, tree_expand=2)
+    trees = _spy(drafter)
+    dec = BatchedSpeculativeDecoder(target, drafter, max_batch_size=2, max_length=96, num_speculative_tokens=8,
+                                    compile=fast, graphs=False)
+    results = dec.generate(PROMPTS, CONFIG)
+    assert [r.token_ids for r in results] == expected
+    assert sum(r.stats.num_accepted_tokens for r in results) > 0
+    assert any(max(t.depths) == 3 and len(t.children[0]) >= 2 for t in trees)  # deep and wide
+
+
+def test_expansion_follows_the_drafts_second_choice_down_the_tree(arch):
+    """With the draft's top-1 always the target's second choice, the chain's tree accepts one sibling a round;
+    expanding the 4 best nodes of each depth keeps every path of first and second choices (2 + 4 + 8 = 14
+    nodes, the budget), the target's among them: D = 3 tokens a round, from 2 draft tree forwards."""
+    target = make_tiny_model(arch, num_layers=3, seed=28)
+    draft = copy.deepcopy(target)
+    draft.lm_head = TwoChoices(draft.lm_head)
+    config = GenerationConfig(max_new_tokens=33, num_speculative_tokens=14, stop_on_eos=False)
+    expected = SpeculativeDecoder(target, compile=False).generate(PROMPTS[0], config).token_ids
+    chain = SpeculativeDecoder(target, DraftModelDrafter(draft, tree_depth=3), compile=False).generate(
+        PROMPTS[0], config)
+    drafter = DraftModelDrafter(draft, tree_depth=3, tree_expand=4)
+    caps, propose = [], drafter.propose
+
+    def spied(sequences, max_tokens, *args, **kwargs):
+        caps.append(max_tokens[0])
+        return propose(sequences, max_tokens, *args, **kwargs)
+
+    drafter.propose = spied
+    expanded = SpeculativeDecoder(target, drafter, compile=False).generate(PROMPTS[0], config)
+    assert chain.token_ids == expanded.token_ids == expected
+    # a depth-1 sibling a round (but the last, whose budget of 1 node is the chain's)
+    assert chain.stats.num_accepted_tokens == chain.stats.num_draft_blocks - 1
+    s = expanded.stats
+    full = caps.count(14)  # rounds with the whole budget (later ones are cut to the tokens left)
+    assert full >= 4 and s.num_accepted_tokens >= 3 * full  # 3 tokens in each of them: the most a depth-3 tree gives
+    assert s.num_draft_forwards == 3 * s.num_draft_blocks  # a round: the first feed and 2 tree forwards
+
+
+def test_expansion_falls_back_where_a_row_cannot_grow_a_tree():
+    """A sampling row in the batch: the greedy rows draw the chain's tree (no tree forward), still exact."""
+    target = make_tiny_model("qwen2", num_layers=3, seed=29)
+    draft = perturbed_copy(target, noise=0.3, seed=8)
+    sampled = GenerationConfig(max_new_tokens=20, num_speculative_tokens=8, stop_on_eos=False, temperature=0.8,
+                               seed=5)
+    expected = SpeculativeDecoder(target, compile=False).generate(PROMPTS[0], CONFIG).token_ids
+    dec = BatchedSpeculativeDecoder(target, DraftModelDrafter(draft, tree_depth=3, tree_expand=2), max_batch_size=2,
+                                    max_length=96, num_speculative_tokens=8, compile=False)
+    results = dec.generate(PROMPTS[:2], [CONFIG, sampled])
+    assert results[0].token_ids == expected and len(results[1].token_ids) == 20
+
+
+@pytest.mark.parametrize("bad, message", [
+    (0, r"draft_tree_expand=0 is out of range: allowed an integer in 1\.\.64"),
+    (True, r"draft_tree_expand=True is out of range"),
+])
+def test_bad_expansions_are_refused(bad, message):
+    draft = make_tiny_model("llama", num_layers=1)
+    with pytest.raises(InvalidArgumentError, match=message):
+        DraftModelDrafter(draft, tree_depth=3, tree_expand=bad)
+    with pytest.raises(InvalidArgumentError, match=r"draft_tree_expand=2 expands a draft tree: give draft_tree_depth"):
+        DraftModelDrafter(draft, tree_expand=2)
+
+
+def test_expand_trees_gives_each_node_the_logits_of_its_own_path():
+    """A stand-in draft whose logits rank tokens from a hash of the whole path (node 0 to the node): every
+    node of the expanded tree must be among the top-k after its parent's path, so each tree forward must
+    give every node its own ancestors (a wrong parent there gives children of another path)."""
+    vocab, k = 48, 3
+
+    def scores(path: list[int]) -> torch.Tensor:  # best h(path), then h + 1, h + 2, ..
+        h = sum((i + 1) * 7 * t for i, t in enumerate(path)) % vocab
+        return -((torch.arange(vocab) - h) % vocab).float()
+
+    def forward(ids, starts, keep, trees):
+        out = torch.stack([torch.stack([scores([int(ids[b, j]) for j in tree.path(t)]) if t < tree.num_nodes
+                                        else torch.zeros(vocab) for t in range(ids.shape[1])])
+                           for b, tree in enumerate(trees)])
+        return out[:, -keep:]
+
+    pending = [5, 9]
+    first = torch.stack([scores([p]) for p in pending])
+    tokens, num, trees, finite, forwards = expand_trees(forward, first, pending, [0, 0], 3, 2, [10, 10], k=k)
+    assert forwards == 2 and bool(finite) and num == [10, 10]
+    for b, tree in enumerate(trees):
+        row = [pending[b], *tokens[b, : num[b]].tolist()]
+        assert max(tree.depths) == 3 and len(tree.children[0]) >= 2
+        for t in range(1, tree.num_nodes):
+            best = scores([row[j] for j in tree.path(tree.parents[t])]).topk(k).indices.tolist()
+            assert row[t] in best, (b, t)

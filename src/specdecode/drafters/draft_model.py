@@ -35,7 +35,8 @@ min(D, c) tokens (c, the row's budget) and keeps, among the chain and each step'
 the c nodes of highest joint draft probability, as a token tree (one more host sync per round).
 Only the chain is fed to the draft cache; when the target accepts a sibling, the next
 ``propose`` finds the chain's token at that position differs from the sequence's and re-feeds
-from there (``_forget_rejected``).
+from there (``_forget_rejected``). ``tree_expand=M`` grows EAGLE-2's dynamic tree instead, with one
+draft tree forward per depth (``draft_tree.expand_trees``), when every row of the round can.
 """
 
 from __future__ import annotations
@@ -45,7 +46,14 @@ import torch
 from specdecode.drafters.base import Drafter, draft_batch, draft_views
 from specdecode.drafters.control import check_optional_count
 from specdecode.drafters.draft_head import DraftHead
-from specdecode.drafters.draft_tree import TREE_TOP_K, TopK, check_tree_depth, grow_trees
+from specdecode.drafters.draft_tree import (
+    TREE_TOP_K,
+    TopK,
+    check_tree_depth,
+    check_tree_expand,
+    expand_trees,
+    grow_trees,
+)
 from specdecode.engine.batch_cache import BatchKVCache, batch_prefill, to_device, warm_up_forwards, warm_up_widths
 from specdecode.engine.batch_runner import BatchRunner
 from specdecode.engine.protocol import Draft
@@ -69,10 +77,13 @@ class DraftModelDrafter(Drafter):
         one_sequence_reason: Why ``runner`` runs one sequence, for ``bind``'s refusal.
         tree_depth: D, the chain's draft steps per round of a token tree (module docstring), or None:
             linear drafts.
+        tree_expand: M, with ``tree_depth``: EAGLE-2's expansion instead of the chain (module docstring),
+            the M best nodes of each depth expanded by one draft tree forward; None: the chain's tree.
 
     Raises:
         InvalidArgumentError: ``context_window`` not None or an integer >= 1; ``tree_depth`` not None or
-            an integer in 1 .. ``draft_tree.MAX_TREE_DEPTH``; neither or both of
+            an integer in 1 .. ``draft_tree.MAX_TREE_DEPTH``; ``tree_expand`` likewise, or without
+            ``tree_depth``; neither or both of
             ``model`` and ``runner``; a truncated head with ``runner``; a truncated head's id past
             the model's head rows, or (at ``join``) past the target's vocabulary; at ``bind``, more
             than one slot with ``runner``.
@@ -85,9 +96,10 @@ class DraftModelDrafter(Drafter):
 
     def __init__(self, model=None, context_window: int | None = None, head: DraftHead | None = None, *,
                  runner=None, one_sequence_reason: str = "the draft model runs one sequence",
-                 tree_depth: int | None = None) -> None:
+                 tree_depth: int | None = None, tree_expand: int | None = None) -> None:
         self.context_window = check_optional_count("context_window", context_window, "the whole prompt")
         self.tree_depth = check_tree_depth(tree_depth)
+        self.tree_expand = check_tree_expand(tree_expand, tree_depth)
         if (model is None) == (runner is None):
             raise InvalidArgumentError("DraftModelDrafter takes a draft model or a one-sequence runner, not "
                                        f"{'both' if model is not None else 'neither'}")
@@ -184,6 +196,9 @@ class DraftModelDrafter(Drafter):
             at = [length - o for length, o in zip(lengths, offsets)]
             views = draft_views(self._samplers[:n], sequences, self.head)  # [processors]
             tree_rows = self._tree_rows(n, exits, views)
+            if self.tree_expand is not None and all(tree_rows) and min(max_tokens) > 0 \
+                    and getattr(self.runner, "takes_trees", False):
+                return self._expand(sequences, first, [a - 1 for a in at], max_tokens)
             tops = TopK(TREE_TOP_K, self.head.ids) if any(tree_rows) else None
             caps = [min(c, self.tree_depth) if t else c for c, t in zip(max_tokens, tree_rows)]
             draft, steps = draft_batch(self._step, first, at, caps, self._samplers[:n], exits, exit_rule,
@@ -196,6 +211,20 @@ class DraftModelDrafter(Drafter):
         ids, num, trees, chains = grow_trees(draft.tokens, draft.num_tokens, tops, tree_rows, max_tokens)
         self._keep_chains(tree_rows, lengths, chains, steps)
         return Draft(ids, num, draft.probs, draft.finite, self.who, trees if any(trees) else None)
+
+    def _expand(self, sequences: list[list[int]], first: torch.Tensor, starts: list[int],
+                budgets: list[int]) -> Draft:
+        """[trees] EAGLE-2's expansion (``draft_tree.expand_trees``) for every row, after the first forward
+        (``first``: each row's logits after its pending token, at draft-cache index ``starts[b]``). The tree
+        forwards write past the pending token only: each row's draft cache stays valid up to its length."""
+        vocab = self._samplers[0].vocab_size
+        tokens, num, trees, finite, forwards = expand_trees(
+            self.runner, first, [s[-1] for s in sequences], starts, self.tree_depth, self.tree_expand, budgets,
+            self.head.ids, vocab)
+        self.num_forwards += 1 + forwards
+        for b, s in enumerate(sequences):
+            self._num_cached[b], self._chains[b] = len(s), None
+        return Draft(tokens, num, None, finite, self.who, [t if not t.is_chain else None for t in trees])
 
     def _tree_rows(self, n: int, exits, views) -> list[bool]:
         """[trees] Per row, whether it drafts a tree: the option on, a greedy row, no processors, no exit policy."""

@@ -8,9 +8,9 @@ tree that the target verifies in one forward. Here the candidates cost no draft 
 their own: the draft model runs its usual greedy chain of D steps (``tree_depth``), and at
 each step the top-k of that step's distribution (``TREE_TOP_K``) are the candidates at that
 depth: the chain's token, and k - 1 siblings whose parent is the chain's previous node (node 0,
-the pending token, for the first step). A sibling is a leaf: nothing is drafted after it
-(EAGLE-2's expansion of the best nodes of each depth, a draft tree forward per depth, is not
-done here).
+the pending token, for the first step). A sibling is a leaf: nothing is drafted after it.
+EAGLE-2's own expansion, where the best nodes of each depth are expanded by one draft tree
+forward per depth, is ``expand_trees`` (``tree_expand``, a second option; end of this docstring).
 
 **Which nodes.** The round's budget c (the row's ``max_tokens``: γ, or what the engine's policy
 gives) is the number of drafted nodes, chain included. Every candidate gets its joint draft
@@ -32,6 +32,17 @@ trees on the host (a few dozen candidates per row) and moves the rows' tokens ba
 **Which rows.** Greedy rows with no logits processors and no adaptive draft exit; the others
 draft linearly, as without the option (sampling rows: the engine verifies a tree of draft
 probabilities by its first chain anyway).
+
+**Expansion** (``expand_trees``, ``tree_expand=M``; EAGLE-2 section 4): instead of the chain, each
+depth's M most valuable candidates are fed, with the tree expanded so far, in one draft tree
+forward (``BatchKVCache.prepare(trees=)``, the draft's cache as the target's), whose logits at
+those M nodes give the next depth's candidates; after D depths all candidates are reranked as
+above. It costs D - 1 draft forwards of 1 + M (d - 1) tokens (cheap where forwards are flat, a
+GPU) and one host sync per depth (each depth's tree is built on the host), and finds paths that
+leave the draft's greedy choice more than once. The draft cache keeps the sequence only (the
+tree forwards write past it), so the next round's first forward feeds the accepted tokens.
+It runs when every row of the round grows a tree and the draft runner takes tree forwards (a
+torch draft); otherwise the round falls back to the chain's tree.
 """
 
 from __future__ import annotations
@@ -164,3 +175,113 @@ def grow_trees(tokens: torch.Tensor, num_tokens: list[int], tops: TopK, tree_row
     longest = max(1, max(num))
     ids = to_device([r + [0] * (longest - len(r)) for r in rows], tokens.device)
     return ids, num, trees, chains
+
+
+def check_tree_expand(value: object, depth: int | None) -> int | None:
+    """Return ``value`` if it is None or an integer in 1 .. ``MAX_TREE_DEPTH`` given with a ``depth``.
+
+    Raises:
+        InvalidArgumentError: Anything else, or a value without ``depth``, naming the value and the range.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_TREE_DEPTH:
+        raise InvalidArgumentError(
+            f"draft_tree_expand={value!r} is out of range: allowed an integer in 1..{MAX_TREE_DEPTH} (nodes expanded "
+            "per depth by a draft tree forward), or None for no expansion"
+        )
+    if depth is None:
+        raise InvalidArgumentError(f"draft_tree_expand={value!r} expands a draft tree: give draft_tree_depth too")
+    return value
+
+
+def _node(node: dict[int, int], parent: int) -> int:
+    """The tree node of pool index ``parent`` (-1: node 0); a parent outside the tree is a bug: KeyError."""
+    return node[parent] if parent >= 0 else 0
+
+
+def _rank(candidate: tuple) -> tuple:
+    """Best first: higher joint draft log-probability, then shallower, then the draft's own rank."""
+    value, depth, rank = candidate[:3]
+    return -value, depth, rank
+
+
+def expand_trees(forward, first_logits: torch.Tensor, pending: list[int], starts: list[int], depth: int,
+                 expand: int, budgets: list[int], ids: torch.Tensor | None = None, vocab: int | None = None,
+                 k: int = TREE_TOP_K) -> tuple:
+    """EAGLE-2's dynamic draft tree (Li et al. 2024, section 4: expansion, then reranking) on the draft model.
+
+    Depth 1's candidates are the top-k after each row's pending token. At each further depth, the
+    ``expand`` best candidates of the latest depth (by joint draft log-probability) join the
+    expanded tree, and one draft tree forward over the whole expanded tree (node 0 the pending
+    token, written again at its own index; ``BatchKVCache.prepare(trees=)``) gives their
+    children's top-k, the next depth's candidates. After ``depth`` depths, every candidate is
+    ranked by its joint draft log-probability and the row's ``budgets[b]`` best form its tree
+    (a node never outranks its parent, so they form a tree, parents first).
+
+    Args:
+        forward: The draft runner: ``forward(ids (n, W), starts, keep, trees)`` -> (n, keep, V') logits.
+        first_logits: (n, V') logits after each row's pending token.
+        pending: Per row, its pending token id (node 0).
+        starts: Per row, the draft-cache index of its pending token.
+        depth: D >= 1 (D - 1 tree forwards).
+        expand: M >= 1, candidates expanded per depth.
+        budgets: Per row, the most nodes of its tree (>= 1).
+        ids: A truncated head's (K,) token ids (column j is ``ids[j]``), or None.
+        vocab: Columns of the full head that are tokens (None: all).
+        k: Children per expanded node.
+
+    Returns:
+        ``(tokens, num, trees, finite, forwards)``: (n, max(num)) long on the logits' device, per row
+        its node count and ``TokenTree``, a 0-dim bool (every draft logit finite), and the tree
+        forwards run. One host sync per depth (its top-k, from which the next tree is built).
+    """
+    n, device = len(pending), first_logits.device
+    pools: list[list[tuple]] = [[] for _ in range(n)]  # per row: (value, depth, rank, token, parent pool index)
+    frontier: list[list[int]] = [[-1] for _ in range(n)]  # pool indices whose children come next (-1: node 0)
+    expanded: list[list[int]] = [[] for _ in range(n)]  # pool indices, the tree forward's nodes 1 ..
+    logits = (first_logits if ids is not None or vocab is None else first_logits[:, :vocab])[:, None]
+    finite, forwards = torch.isfinite(first_logits).all(), 0
+    for d in range(1, depth + 1):
+        top = torch.log_softmax(logits.float(), -1).topk(min(k, logits.shape[-1]), dim=-1)  # (n, m, k)
+        tokens = ids[top.indices] if ids is not None else top.indices
+        m, kk = top.indices.shape[1:]
+        host = torch.cat([tokens.double().flatten(), top.values.double().flatten()]).tolist()  # the depth's sync
+        latest: list[list[int]] = []
+        for b in range(n):
+            pool, mine = pools[b], []
+            for j, parent in enumerate(frontier[b]):
+                base = pool[parent][0] if parent >= 0 else 0.0
+                for r in range(kk):
+                    at = (b * m + j) * kk + r
+                    lp = host[n * m * kk + at]
+                    pool.append((base + (lp if lp == lp else float("-inf")), d, r, int(host[at]), parent))
+                    mine.append(len(pool) - 1)
+            latest.append(mine)
+        if d == depth:
+            break
+        frontier = [sorted(mine, key=lambda i, b=b: _rank(pools[b][i]))[:expand] for b, mine in enumerate(latest)]
+        rows, trees, where = [], [], []
+        for b in range(n):
+            expanded[b] += frontier[b]
+            node = {p: j + 1 for j, p in enumerate(expanded[b])}
+            trees.append(TokenTree((-1, *(_node(node, pools[b][p][4]) for p in expanded[b]))))
+            rows.append([pending[b], *(pools[b][p][3] for p in expanded[b])])
+            where.append([node[p] for p in frontier[b]])
+        width, wide = max(len(r) for r in rows), max(len(w) for w in where)
+        out = forward(to_device([r + r[-1:] * (width - len(r)) for r in rows], device), starts, width, trees)
+        forwards += 1
+        finite = finite & torch.isfinite(out).all()
+        index = to_device([w + w[-1:] * (wide - len(w)) for w in where], out.device)
+        logits = out[torch.arange(n, device=out.device)[:, None], index]  # (n, M, V'): the frontier's
+        logits = logits if ids is not None or vocab is None else logits[..., :vocab]
+    rows, trees = [], []
+    for b in range(n):
+        pool = pools[b]
+        chosen = sorted(range(len(pool)), key=lambda i: (*_rank(pool[i]), i))[: max(0, budgets[b])]
+        node = {p: j + 1 for j, p in enumerate(chosen)}
+        trees.append(TokenTree((-1, *(_node(node, pool[p][4]) for p in chosen))))
+        rows.append([pool[p][3] for p in chosen])
+    num = [len(r) for r in rows]
+    longest = max(1, max(num))
+    return to_device([r + [0] * (longest - len(r)) for r in rows], device), num, trees, finite, forwards
