@@ -370,6 +370,14 @@ def test_generate_prompt_limit_and_context_window(tiny_folders, capsys, flags, l
     (["--method", "prompt-lookup", "--draft-context-window", "4"], "--draft-context-window applies to --method "
                                                                    "draft or cascade (a draft model), not "
                                                                    "'prompt-lookup'"),
+    (["--draft-tree-depth", "0"], "--draft-tree-depth 0 is out of range: use D in 1..64"),
+    (["--method", "prompt-lookup", "--draft-tree-depth", "4"], "--draft-tree-depth applies to --method draft or "
+                                                               "cascade (the draft model's token tree), not "
+                                                               "'prompt-lookup'"),
+    (["--draft-tree-depth", "3", "--draft-tree-expand", "0"], "--draft-tree-expand 0 is out of range: use M in 1..64"),
+    (["--draft-tree-expand", "2"], "--draft-tree-expand 2 expands a draft tree: give --draft-tree-depth D too"),
+    (["--method", "cascade", "--draft-tree-depth", "3", "--draft-tree-expand", "2"],
+     "--draft-tree-expand applies to --method draft (the draft model's token tree), not 'cascade'"),
 ])
 def test_generate_refuses_bad_long_prompt_flags(capsys, flags, message):
     code, out, err = _run(capsys, "--prompt", "w5", *flags)

@@ -37,6 +37,11 @@ What it prints (each as a Markdown table; warm-up and compilation seconds apart 
    (HumanEval-style stubs, continued raw) and 8 prose prompts (MT-bench-style, chat template), whole
    prompt timed: ``hf-generate-static`` and our fast-path methods. tok/s, × compiled
    ``autoregressive``, acceptance rate α and τ (tokens per target forward, bonus counted).
+   ``draft-tree`` and ``cascade-tree`` (issue 29): ``draft`` and ``cascade`` drafting token trees
+   (``specdecode.drafters.draft_tree``): ``--draft-tree-depth`` (5) draft steps, as ``draft``'s γ, and
+   ``--tree-nodes`` (16) nodes a round, the chain and its steps' runners-up; α counts every node.
+   ``draft-tree-expand``: ``draft`` growing EAGLE-2's dynamic tree, the ``--draft-tree-expand`` (4) best
+   nodes of each depth expanded by one draft tree forward (``--draft-tree-depth`` - 1 of them).
 3. ``rounds``: per method, ms per round (decode time / target forwards) and its overhead: the round
    minus the cost of the forwards it ran, each priced at the cost measured as in 1. on the runner that
    ran it, for its width (its compiled bucket). The forwards are counted by wrapping
@@ -106,12 +111,20 @@ METHODS = (
     ("cascade+adaptive", "ours", "cascade", True, True, False),
     ("prompt-lookup", "ours", "prompt-lookup", False, True, False),
     ("token-recycling", "ours", "token-recycling", False, True, False),
+    ("draft-tree", "ours", "draft-tree", False, True, False),
+    ("cascade-tree", "ours", "cascade-tree", False, True, False),
+    ("draft-tree-expand", "ours", "draft-tree-expand", False, True, False),
     ("autoregressive-eager", "ours", "autoregressive", False, False, True),
     ("hf-generate", "hf", "hf-generate", False, False, True),
     ("hf-assisted", "hf", "hf-assisted", False, False, True),
 )
 TABLE_ORDER = ("hf-generate", "hf-generate-static", "hf-assisted", "autoregressive-eager", "autoregressive",
-               "draft", "draft+adaptive", "cascade+adaptive", "prompt-lookup", "token-recycling")
+               "draft", "draft+adaptive", "cascade+adaptive", "draft-tree", "cascade-tree", "draft-tree-expand",
+               "prompt-lookup", "token-recycling")
+#: The draft-model tree rows (issue 29): base name -> the method, run with ``draft_tree_depth=--draft-tree-depth``
+#: and a budget of ``--tree-nodes`` nodes a round (``specdecode.drafters.draft_tree``); draft-tree-expand also
+#: with ``draft_tree_expand=--draft-tree-expand`` (EAGLE-2's expansion, a draft tree forward per depth).
+TREE_BASES = {"draft-tree": "draft", "cascade-tree": "cascade", "draft-tree-expand": "draft"}
 BATCH_METHODS = ("autoregressive", "draft", "prompt-lookup")
 SETS = ("code", "prose")
 
@@ -363,7 +376,11 @@ class Run:
         key = (base, adaptive, fast)
         if key not in self.decoders:
             control = DraftControl(adaptive_exit=True) if adaptive else None
-            self.decoders[key] = self.gen.decoder(base, draft_control=control, compile=fast and self.compile())
+            tree = {"draft_tree_depth": self.args.draft_tree_depth} if base in TREE_BASES else {}
+            if base == "draft-tree-expand":
+                tree["draft_tree_expand"] = self.args.draft_tree_expand
+            self.decoders[key] = self.gen.decoder(TREE_BASES.get(base, base), draft_control=control,
+                                                  compile=fast and self.compile(), **tree)
         return self.decoders[key]
 
     def engine(self, base: str, adaptive: bool):
@@ -479,7 +496,7 @@ def method_runner(run: Run, kind: str, base: str, adaptive: bool, fast: bool) ->
 
         return generate_hf
     dec = run.decoder(base, adaptive, fast)
-    gamma = args.tree_nodes if base == "token-recycling" else args.gamma  # a tree's drafted nodes
+    gamma = args.tree_nodes if base == "token-recycling" or base in TREE_BASES else args.gamma  # a tree's nodes
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, num_speculative_tokens=gamma)
 
     def generate_ours(ids, max_new_tokens):
@@ -801,7 +818,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--gamma", type=int, default=5, help="num_speculative_tokens γ")
     p.add_argument("--tree-nodes", type=int, default=16,
-                   help="token-recycling's tree size (drafted nodes; issue 29: verification is nearly flat up to 64)")
+                   help="token-recycling's, draft-tree's and cascade-tree's tree size (drafted nodes; issue 29: "
+                        "verification is nearly flat up to 64)")
+    p.add_argument("--draft-tree-depth", type=int, default=5,
+                   help="draft-tree and cascade-tree: the draft model's chain steps per round (its forwards; the "
+                        "other --tree-nodes nodes are its steps' runners-up)")
+    p.add_argument("--draft-tree-expand", type=int, default=4,
+                   help="draft-tree-expand: nodes expanded per depth, each depth one draft tree forward")
     p.add_argument("--context", type=int, default=300, help="cached tokens before a timed forward")
     p.add_argument("--repeats", type=int, default=20, help="timed calls per forward width")
     p.add_argument("--warmup-tokens", type=int, default=16, help="new tokens of each method's warm-up run")
@@ -828,7 +851,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if bad:
             p.error(f"{flag}: unknown {bad}; allowed: {', '.join(allowed)}")
     for name, low, high in (("prompts", 1, 8), ("slow_prompts", 1, 8), ("batch_prompts", 1, 32),
-                            ("max_new_tokens", 1, 4096), ("gamma", 1, 64), ("tree_nodes", 1, 64), ("context", 1, 8192),
+                            ("max_new_tokens", 1, 4096), ("gamma", 1, 64), ("tree_nodes", 1, 64),
+                            ("draft_tree_depth", 1, 64), ("draft_tree_expand", 1, 64), ("context", 1, 8192),
                             ("repeats", 1, 10_000), ("warmup_tokens", 1, 4096), ("batch_groups", 1, 32)):
         if not low <= getattr(args, name) <= high:
             p.error(f"--{name.replace('_', '-')} must be in {low}..{high}, got {getattr(args, name)}")

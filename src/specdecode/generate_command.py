@@ -18,6 +18,7 @@ import sys
 from specdecode import defaults, method_registry
 from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS, GenerationConfig, parse_logit_bias
 from specdecode.drafters.control import LENGTH_SCHEDULES, DraftControl
+from specdecode.drafters.draft_tree import MAX_TREE_DEPTH
 from specdecode.errors import InvalidArgumentError, SpecDecodeError
 from specdecode.models.llama_cpp_target import TARGET_BACKENDS, check_llama_cpp_target_options
 from specdecode.models.loading import resolve_device
@@ -59,8 +60,8 @@ def _adaptive_by_default(args) -> bool:
     """Adaptive draft exit when --adaptive-draft-exit is not given: ``pipeline.adaptive_exit_by_default``;
     off under --backend llama-cpp, where the draft length per round comes from the measured costs
     (``engine.runner_target.measured_cost_policy``; a draft control given replaces it)."""
-    if getattr(args, "backend", "torch") == "llama-cpp":
-        return False
+    if getattr(args, "backend", "torch") == "llama-cpp" or getattr(args, "draft_tree_depth", None) is not None:
+        return False  # a tree row drafts without adaptive exit (drafters.draft_tree)
     return adaptive_exit_by_default(args.method, args.quantize, args.num_speculative_tokens)
 
 
@@ -256,6 +257,14 @@ def add_generate_parser(sub) -> None:
                    help="draft and cascade: prefill the draft model with the prompt's last W tokens only (a "
                         "cheaper draft prefill on long prompts; output unchanged, acceptance may drop); unset: "
                         "the whole prompt")
+    p.add_argument("--draft-tree-depth", type=int, metavar="D", default=None,
+                   help="draft and cascade: greedy rows draft a chain of D tokens and verify a token tree of "
+                        "-g nodes (the chain and its steps' runners-up of highest joint draft probability, "
+                        "EAGLE-2's reranking; no extra draft forward), e.g. -g 16 --draft-tree-depth 5; turns the "
+                        "default adaptive draft exit off; unset: linear drafts")
+    p.add_argument("--draft-tree-expand", type=int, metavar="M", default=None,
+                   help="draft, with --draft-tree-depth: EAGLE-2's dynamic tree, the M best nodes of each depth "
+                        "expanded by one draft tree forward (D - 1 of them) instead of the chain's runners-up")
     c = p.add_argument_group("draft length control")
     c.add_argument("--adaptive-draft-exit", action=argparse.BooleanOptionalAction, default=None,
                    help="Draft & Verify adaptive draft exit: stop drafting below a self-tuning confidence "
@@ -344,6 +353,19 @@ def _check_method_options(args) -> None:
             f"--draft-context-window {args.draft_context_window} is out of range: use W >= 1 (tokens), or leave "
             "it out for the whole prompt"
         )
+    if args.draft_tree_depth is not None and not 1 <= args.draft_tree_depth <= MAX_TREE_DEPTH:
+        raise InvalidArgumentError(
+            f"--draft-tree-depth {args.draft_tree_depth} is out of range: use D in 1..{MAX_TREE_DEPTH} (the draft "
+            "model's chain steps per round; -g counts the tree's nodes), or leave it out for linear drafts"
+        )
+    if args.draft_tree_expand is not None and not 1 <= args.draft_tree_expand <= MAX_TREE_DEPTH:
+        raise InvalidArgumentError(
+            f"--draft-tree-expand {args.draft_tree_expand} is out of range: use M in 1..{MAX_TREE_DEPTH} (nodes "
+            "expanded per depth), or leave it out"
+        )
+    if args.draft_tree_expand is not None and args.draft_tree_depth is None:
+        raise InvalidArgumentError(f"--draft-tree-expand {args.draft_tree_expand} expands a draft tree: give "
+                                   "--draft-tree-depth D too")
     if args.draft_backend == "llama-cpp" and args.draft_vocab_size:
         raise InvalidArgumentError(
             f"--draft-vocab-size {args.draft_vocab_size} truncates a torch draft's LM head; --draft-backend llama-cpp "
@@ -423,6 +445,10 @@ def run_generate(args) -> int:
         options["draft_vocab_size"] = args.draft_vocab_size
     if args.draft_context_window is not None:
         options["draft_context_window"] = args.draft_context_window
+    if args.draft_tree_depth is not None:
+        options["draft_tree_depth"] = args.draft_tree_depth
+    if args.draft_tree_expand is not None:
+        options["draft_tree_expand"] = args.draft_tree_expand
     if args.draft_backend is not None:
         options["draft_backend"] = args.draft_backend
     draft = args.draft if method_registry.REGISTRY[args.method].needs_draft_model else None
@@ -461,6 +487,8 @@ def run_generate(args) -> int:
             "exit_layer": args.exit_layer,
             "draft_vocab_size": args.draft_vocab_size or None,
             "draft_context_window": args.draft_context_window,
+            "draft_tree_depth": args.draft_tree_depth,
+            "draft_tree_expand": args.draft_tree_expand,
             "max_model_prompt_tokens": limit,
             "draft_control": dataclasses.asdict(control) if control.active else None,
             "ngram_check": args.ngram_check if "ngram_check" in method_registry.REGISTRY[args.method].options else None,

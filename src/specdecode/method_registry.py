@@ -44,6 +44,10 @@ class DrafterOptions:
         draft_vocab_size: FR-Spec's K for the draft model's head (0 or None: the full head).
         ngram_check: The cascade's check of n-gram tokens by the draft model.
         draft_context_window: W, the draft model's prompt window (None: the whole prompt).
+        draft_tree_depth: D for "draft" and "cascade": the draft model's chain steps per round of a token
+            tree of the round's budget of nodes (``drafters.draft_tree``); None: linear drafts.
+        draft_tree_expand: M for "draft" (with ``draft_tree_depth``): EAGLE-2's expansion, the M best nodes
+            of each depth expanded by one draft tree forward; None: the chain's tree.
         max_model_prompt_tokens: The cascade's prompt limit for the draft model (None: none).
         compile: The fast path for the drafter's forwards (None: the device default).
         draft_backend: "torch" or "llama-cpp" (None: ``SpeculativeGenerator.default_draft_backend``).
@@ -59,6 +63,8 @@ class DrafterOptions:
     draft_vocab_size: int | None = None
     ngram_check: bool = True
     draft_context_window: int | None = None
+    draft_tree_depth: int | None = None
+    draft_tree_expand: int | None = None
     max_model_prompt_tokens: int | None = None
     compile: bool | None = None
     draft_backend: str | None = None
@@ -122,13 +128,15 @@ def _draft_model_kwargs(generator, method: str, o: DrafterOptions) -> dict:
 
 
 def _draft(generator, o: DrafterOptions) -> DraftModelDrafter:
-    return DraftModelDrafter(context_window=o.draft_context_window, **_draft_model_kwargs(generator, "draft", o))
+    return DraftModelDrafter(context_window=o.draft_context_window, tree_depth=o.draft_tree_depth,
+                             tree_expand=o.draft_tree_expand, **_draft_model_kwargs(generator, "draft", o))
 
 
 def _cascade(generator, o: DrafterOptions) -> CascadeDrafter:
     return CascadeDrafter(max_ngram=o.prompt_lookup_max_ngram, min_ngram=o.prompt_lookup_min_ngram,
                           ngram_check=o.ngram_check, max_model_prompt_tokens=o.max_model_prompt_tokens,
-                          context_window=o.draft_context_window, **_draft_model_kwargs(generator, "cascade", o))
+                          context_window=o.draft_context_window, tree_depth=o.draft_tree_depth,
+                          **_draft_model_kwargs(generator, "cascade", o))
 
 
 def _layer_skip(generator, o: DrafterOptions) -> LayerSkipDrafter:
@@ -156,12 +164,12 @@ def _token_recycling(generator, o: DrafterOptions) -> TokenRecyclingDrafter:
 # --- the registry ----------------------------------------------------------------------------
 
 _NGRAMS = frozenset({"prompt_lookup_max_ngram", "prompt_lookup_min_ngram"})
-_DRAFT_MODEL = frozenset({"draft_vocab_size", "draft_context_window", "draft_backend", "compile"})
+_DRAFT_MODEL = frozenset({"draft_vocab_size", "draft_context_window", "draft_backend", "draft_tree_depth", "compile"})
 
 #: Every method, in the order users see them (``METHODS``).
 REGISTRY: Mapping[str, Method] = MappingProxyType({m.name: m for m in (
     Method("autoregressive", _no_drafter, frozenset({"compile"})),
-    Method("draft", _draft, _DRAFT_MODEL, needs_draft_model=True, adaptive_exit=True),
+    Method("draft", _draft, _DRAFT_MODEL | {"draft_tree_expand"}, needs_draft_model=True, adaptive_exit=True),
     Method("cascade", _cascade, _DRAFT_MODEL | _NGRAMS | {"ngram_check", "max_model_prompt_tokens"},
            needs_draft_model=True, adaptive_exit=True),
     Method("layer-skip", _layer_skip, frozenset({"skip_set", "skip_layers", "skip_config", "compile"}),
@@ -206,6 +214,8 @@ METHOD_ONLY_OPTIONS: tuple[MethodOnlyOption, ...] = (
     MethodOnlyOption("max_model_prompt_tokens", "its draft model"),
     MethodOnlyOption("draft_context_window", "a draft model"),
     MethodOnlyOption("draft_backend", "the draft model"),
+    MethodOnlyOption("draft_tree_depth", "the draft model's token tree"),
+    MethodOnlyOption("draft_tree_expand", "the draft model's token tree"),
 )
 _DRAFT_LOADING_OPTIONS = ("draft_quantize", "draft_quantize_head")
 
@@ -319,7 +329,8 @@ def make_drafter(generator, method: str, options: DrafterOptions) -> Drafter | N
     """
     refuse_on_llama_cpp_target(generator, method, options)
     refused = refused_option(method, {k: getattr(options, k) for k in (
-        "draft_backend", "draft_vocab_size", "max_model_prompt_tokens", "draft_context_window")})
+        "draft_backend", "draft_vocab_size", "max_model_prompt_tokens", "draft_context_window", "draft_tree_depth",
+        "draft_tree_expand")})
     if refused is not None:
         keyword, value = refused
         raise InvalidArgumentError(

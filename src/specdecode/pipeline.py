@@ -295,6 +295,8 @@ class SpeculativeGenerator:
         max_model_prompt_tokens: int | None = None,
         compile: bool | None = None,
         draft_backend: str | None = None,
+        draft_tree_depth: int | None = None,
+        draft_tree_expand: int | None = None,
     ) -> Drafter | None:
         """The drafter for ``method`` (None for autoregressive), built by its factory in the method
         registry (``specdecode.method_registry``).
@@ -323,6 +325,12 @@ class SpeculativeGenerator:
             draft_backend: "torch" or "llama-cpp" for "draft" and "cascade": what runs the draft
                 model (``from_pretrained``); None: "llama-cpp" when the generator has a llama.cpp
                 draft and no torch draft, else "torch". llama.cpp's forwards are never compiled.
+            draft_tree_depth: D for "draft" and "cascade": greedy rows draft a chain of D tokens and a
+                token tree of the round's budget (γ) of nodes: the chain and its steps' runners-up of
+                highest joint draft probability (``drafters.draft_tree``, EAGLE-2's reranking), checked
+                in one target forward; None: linear drafts. 1 .. ``draft_tree.MAX_TREE_DEPTH``.
+            draft_tree_expand: M for "draft", with ``draft_tree_depth``: EAGLE-2's expansion instead of the
+                chain, the M best nodes of each depth expanded by one draft tree forward (D - 1 of them).
 
         Options a method does not use are ignored, so one set of options can serve
         several methods (as in ``specdecode bench``); ``draft_vocab_size``,
@@ -347,6 +355,7 @@ class SpeculativeGenerator:
             prompt_lookup_branches=prompt_lookup_branches,
             draft_vocab_size=draft_vocab_size, ngram_check=ngram_check, draft_context_window=draft_context_window,
             max_model_prompt_tokens=max_model_prompt_tokens, compile=compile, draft_backend=draft_backend,
+            draft_tree_depth=draft_tree_depth, draft_tree_expand=draft_tree_expand,
         )
         return method_registry.make_drafter(self, method, options)
 
@@ -446,6 +455,8 @@ class SpeculativeGenerator:
         max_model_prompt_tokens: int | None = None,
         compile: bool | None = None,
         draft_backend: str | None = None,
+        draft_tree_depth: int | None = None,
+        draft_tree_expand: int | None = None,
     ) -> SpeculativeDecoder:
         """A ``SpeculativeDecoder`` over the target with the drafter of ``method``.
 
@@ -456,7 +467,8 @@ class SpeculativeGenerator:
                 forwards are kept per model in this generator and reused by later decoders.
             draft_control: Adaptive draft exit, length schedule and confidence gating
                 (``specdecode.drafters.control.DraftControl``); ignored by "autoregressive".
-            skip_set .. max_model_prompt_tokens, draft_backend: See ``make_drafter``.
+            skip_set .. max_model_prompt_tokens, draft_backend, draft_tree_depth, draft_tree_expand: See
+                ``make_drafter``.
 
         A llama.cpp target with no ``draft_control``: draft lengths from its measured costs and, for
         "draft" and "cascade", the llama.cpp draft's one-token forward (``measured_cost_policy``).
@@ -480,6 +492,8 @@ class SpeculativeGenerator:
             max_model_prompt_tokens=max_model_prompt_tokens,
             compile=compile,
             draft_backend=draft_backend,
+            draft_tree_depth=draft_tree_depth,
+            draft_tree_expand=draft_tree_expand,
         )
         llama = self.backend == "llama-cpp"  # the target in llama.cpp: one row, nothing compiled (runner_target)
         draft_control = self._measured_policy(method, draft_control, drafter)
@@ -528,6 +542,8 @@ class SpeculativeGenerator:
         draft_vocab_size: int | None = None,
         compile: bool | None = None,
         draft_backend: str | None = None,
+        draft_tree_depth: int | None = None,
+        draft_tree_expand: int | None = None,
     ) -> BatchedSpeculativeDecoder:
         """A ``BatchedSpeculativeDecoder`` (many rows at once, continuous batching) for ``method``.
 
@@ -541,7 +557,8 @@ class SpeculativeGenerator:
                 (on a CPU ``BATCH_VERIFY_TOKENS_CPU``, or the longest block + 1 where that is more,
                 so a lone row drafts what ``decoder``'s one-row engine drafts; no limit on other
                 devices, not measured).
-            skip_set .. draft_vocab_size: See ``make_drafter``.
+            skip_set .. draft_vocab_size, draft_tree_depth, draft_tree_expand: See ``make_drafter`` (a tree's
+                nodes count against ``num_speculative_tokens`` and ``max_verify_tokens``).
             compile: The batched fast path (compiled (rows, width) buckets, CUDA graphs on CUDA):
                 True, False, or None for the device's default (``BatchedSpeculativeDecoder``).
             draft_backend: As in ``make_drafter``; "llama-cpp" ("draft", "cascade") runs one
@@ -559,7 +576,7 @@ class SpeculativeGenerator:
             prompt_lookup_branches=prompt_lookup_branches,
             ngram_check=ngram_check, max_model_prompt_tokens=max_model_prompt_tokens,
             draft_context_window=draft_context_window, draft_vocab_size=draft_vocab_size,
-            draft_backend=draft_backend,
+            draft_backend=draft_backend, draft_tree_depth=draft_tree_depth, draft_tree_expand=draft_tree_expand,
         ))
         control = self._measured_policy(method, draft_control, drafter) if drafter is not None else None
         if max_verify_tokens == "auto":

@@ -22,7 +22,9 @@ SCRIPT = Path(__file__).resolve().parents[2] / "docs" / "benchmarks" / "gpu_engi
 TINY = ["--device", "cpu", "--dtype", "float32", "--no-compile", "--prompts", "1", "--slow-prompts", "1",
         "--max-new-tokens", "8", "--warmup-tokens", "2", "--context", "24", "--repeats", "2",
         "--batch-sizes", "1,2", "--batch-groups", "1",
-        "--methods", "autoregressive,draft,draft+adaptive,cascade+adaptive,prompt-lookup,hf-generate,hf-assisted"]
+        "--methods", "autoregressive,draft,draft+adaptive,cascade+adaptive,draft-tree,cascade-tree,prompt-lookup,"
+        "draft-tree-expand,hf-generate,hf-assisted", "--tree-nodes", "6", "--draft-tree-depth", "3",
+        "--draft-tree-expand", "2"]
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +57,7 @@ def test_every_section_runs_and_prints_its_table(script, generator, capsys):
         assert header in out, header
     # Every single-sequence method got a row, and the rounds table priced counted forwards.
     for name in ("| hf-generate |", "| hf-assisted |", "| draft+adaptive |", "| cascade+adaptive |",
-                 "| prompt-lookup |"):
+                 "| prompt-lookup |", "| draft-tree |", "| cascade-tree |", "| draft-tree-expand |"):
         assert name in out, name
     rounds = [line for line in out.splitlines() if line.startswith("| draft | code |")]
     assert rounds and rounds[0].endswith("| counted |"), rounds

@@ -67,6 +67,10 @@ DRAFTER_OPTIONS = (
     DrafterOption("--prompt-lookup-min-ngram", "prompt_lookup_min_ngram", int, "prompt-lookup: shortest n-gram matched"),
     DrafterOption("--prompt-lookup-branches", "prompt_lookup_branches", int,
                   "prompt-lookup: matches per round as a token tree (1: linear)"),
+    DrafterOption("--draft-tree-depth", "draft_tree_depth", int,
+                  "draft and cascade: the draft's chain steps of a token tree of γ nodes (unset: linear)"),
+    DrafterOption("--draft-tree-expand", "draft_tree_expand", int,
+                  "draft, with --draft-tree-depth: EAGLE-2's expansion of the M best nodes a depth"),
 )
 
 
@@ -476,7 +480,8 @@ def resolve_methods(
                 entry = method_registry.get(spec.base)  # None: a name the pipeline refuses when asked
                 takes = entry.options if entry is not None else frozenset()
                 # Run-wide draft-model options go to the methods that take them (the registry's) alone.
-                for keyword in ("draft_vocab_size", "draft_context_window", "max_model_prompt_tokens"):
+                for keyword in ("draft_vocab_size", "draft_context_window", "max_model_prompt_tokens",
+                                "draft_tree_depth", "draft_tree_expand"):
                     if keyword not in takes:
                         run_wide.pop(keyword, None)
                 options = {} if spec.base == "autoregressive" else {**run_wide, **spec.options}

@@ -35,6 +35,7 @@ def draft_batch(
     who: str,
     head: BoundDraftHead | None = None,
     processings: list[DraftProcessing | None] | None = None,
+    tree_tops=None,
 ) -> tuple[Draft, int]:
     """The batched draft loop shared by the model drafters.
 
@@ -52,6 +53,8 @@ def draft_batch(
             column j's token); None or the full head: (n, V') logits.
         processings: Per row, the target's processors on the row's draft context
             (``Sampler.drafting``), or None (full heads only); None altogether: raw logits.
+        tree_tops: A ``draft_tree.TopK`` that each step's logits (those the greedy token is taken from)
+            are added to, on the device (draft trees); None: nothing kept.
 
     Returns:
         The draft, and S, the steps run (S - 1 drafted tokens were fed back).
@@ -83,6 +86,8 @@ def draft_batch(
         if processings is not None and not truncated:  # [processors] each row's q on its own context
             logits = process_draft_rows(logits, processings, vocab)
         token = head.ids[logits.argmax(-1)] if truncated else logits[:, :vocab].argmax(-1)
+        if tree_tops is not None:  # [trees] the step's top-k, kept on the device
+            tree_tops.add(logits if truncated else logits[:, :vocab])
         tops = None
         if not greedy:
             token, tops = token.clone(), []

@@ -95,6 +95,7 @@ from specdecode.drafters.base import draft_batch, draft_views
 from specdecode.drafters.control import check_optional_count
 from specdecode.drafters.draft_head import DraftHead
 from specdecode.drafters.draft_model import DraftModelDrafter
+from specdecode.drafters.draft_tree import TREE_TOP_K, TopK, grow_trees
 from specdecode.drafters.prompt_lookup import check_ngram_sizes, find_continuation
 from specdecode.engine.batch_cache import to_device
 from specdecode.engine.protocol import Draft
@@ -122,6 +123,8 @@ class CascadeDrafter(DraftModelDrafter):
         head: The draft model's LM-head rows (``DraftModelDrafter``'s ``head``).
         runner, one_sequence_reason: A one-sequence runner instead of ``model`` (the llama.cpp
             draft; ``DraftModelDrafter``'s).
+        tree_depth: D, the model part's chain steps per round of a token tree, or None: linear
+            (``DraftModelDrafter``'s; the tree hangs from the block's last n-gram token, module docstring).
 
     Attributes:
         num_forwards: Draft-model forwards since ``bind`` (prefills included).
@@ -150,11 +153,13 @@ class CascadeDrafter(DraftModelDrafter):
         *,
         runner=None,
         one_sequence_reason: str = "the draft model runs one sequence",
+        tree_depth: int | None = None,
     ) -> None:
         check_ngram_sizes(max_ngram, min_ngram)
         if not isinstance(ngram_check, bool):
             raise InvalidArgumentError(f"ngram_check must be True or False, got {ngram_check!r}")
-        super().__init__(model, context_window, head, runner=runner, one_sequence_reason=one_sequence_reason)
+        super().__init__(model, context_window, head, runner=runner, one_sequence_reason=one_sequence_reason,
+                         tree_depth=tree_depth)
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.ngram_check = ngram_check
         self.max_model_prompt_tokens = check_optional_count(
@@ -180,6 +185,7 @@ class CascadeDrafter(DraftModelDrafter):
         else:
             self._num_cached[slot] = self._offsets[slot] = 0
             self._samplers[slot] = sampler
+            self._chains[slot] = None
 
     @torch.inference_mode()
     def propose(self, sequences, max_tokens, exits=None, exit_rule="row") -> Draft:
@@ -198,6 +204,7 @@ class CascadeDrafter(DraftModelDrafter):
             NonFiniteLogitsError: If a draft forward gives NaN or inf (checked on the host when
                 sampling or with exits; otherwise the flag goes to ``Draft.finite``).
         """
+        self._forget_rejected(sequences)
         n = len(sequences)
         lengths = [len(s) for s in sequences]
         uses_model = self._model_rows[:n]
@@ -268,14 +275,16 @@ class CascadeDrafter(DraftModelDrafter):
         blocks = [ng[:k] if f else ng for ng, f, k in zip(ngrams, fed, kept)]  # the n-gram tokens proposed
         valid = [length + k if own else 0 for length, k, own in zip(lengths, kept, uses_model)]
         model_tokens = [cap - len(blk) if own else 0 for cap, blk, own in zip(max_tokens, blocks, uses_model)]
-        model = None
+        model = tops = None
         steps = 1
         if max(model_tokens) > 0:
-
             at = [v - o for v, o in zip(valid, offsets)]  # draft-cache positions
             views = draft_views(samplers, [s + blk for s, blk in zip(sequences, blocks)], self.head)  # [processors]
-            model, steps = draft_batch(self._step, first, at, model_tokens, samplers, exits, exit_rule, self.who,
-                                       self.head, views)
+            tree_rows = [t and c > 0 for t, c in zip(self._tree_rows(n, exits, views), model_tokens)]
+            tops = TopK(TREE_TOP_K, self.head.ids) if any(tree_rows) else None
+            caps = [min(c, self.tree_depth) if t else c for c, t in zip(model_tokens, tree_rows)]
+            model, steps = draft_batch(self._step, first, at, caps, samplers, exits, exit_rule, self.who,
+                                       self.head, views, tops)
             self.num_forwards += steps - 1
         num = [len(blk) + (model.num_tokens[b] if model is not None else 0) for b, blk in enumerate(blocks)]
         for b in range(n):
@@ -283,10 +292,17 @@ class CascadeDrafter(DraftModelDrafter):
                 self._num_cached[b] = valid[b] + min(num[b] - len(blocks[b]), steps - 1)
         self._last = [(length, len(blk)) for length, blk in zip(lengths, blocks)]
         self.num_ngram_tokens += sum(len(blk) for blk in blocks)
-        tokens = self._join_tokens(blocks, model, num)
         if model is not None and model.finite is not None:
             finite = model.finite if finite is None else finite & model.finite
-        return Draft(tokens, num, self._probs(blocks, model, samplers), finite, self.who)
+        trees = None
+        if tops is not None:  # [trees] the model part's tree hangs from each row's n-gram block
+            tokens, num, trees, chains = grow_trees(model.tokens, model.num_tokens, tops, tree_rows, model_tokens,
+                                                    blocks)
+            self._keep_chains(tree_rows, valid, chains, steps)
+            trees = trees if any(trees) else None
+        else:
+            tokens = self._join_tokens(blocks, model, num)
+        return Draft(tokens, num, self._probs(blocks, model, samplers), finite, self.who, trees)
 
     def _join_tokens(self, blocks: list[list[int]], model: Draft | None, num: list[int]) -> torch.Tensor:
         """(n, max(1, max(num))) long: each row's n-gram tokens, then its model tokens, then padding."""

@@ -28,6 +28,15 @@ unchanged (the target verifies every token).
 forward of the draft model (prefills and warm-up included, so that the fast path's graphs are
 traced with it) computes the K rows of its LM head only; the draft proposes among those K
 tokens, and its q is zero outside them (exact under sampling).
+
+**Token trees** (``tree_depth=D``, off by default; ``drafters.draft_tree``, EAGLE-2's reranking, Li
+et al. 2024): a greedy row with no logits processors and no adaptive exit drafts a chain of
+min(D, c) tokens (c, the row's budget) and keeps, among the chain and each step's runners-up,
+the c nodes of highest joint draft probability, as a token tree (one more host sync per round).
+Only the chain is fed to the draft cache; when the target accepts a sibling, the next
+``propose`` finds the chain's token at that position differs from the sequence's and re-feeds
+from there (``_forget_rejected``). ``tree_expand=M`` grows EAGLE-2's dynamic tree instead, with one
+draft tree forward per depth (``draft_tree.expand_trees``), when every row of the round can.
 """
 
 from __future__ import annotations
@@ -37,6 +46,14 @@ import torch
 from specdecode.drafters.base import Drafter, draft_batch, draft_views
 from specdecode.drafters.control import check_optional_count
 from specdecode.drafters.draft_head import DraftHead
+from specdecode.drafters.draft_tree import (
+    TREE_TOP_K,
+    TopK,
+    check_tree_depth,
+    check_tree_expand,
+    expand_trees,
+    grow_trees,
+)
 from specdecode.engine.batch_cache import BatchKVCache, batch_prefill, to_device, warm_up_forwards, warm_up_widths
 from specdecode.engine.batch_runner import BatchRunner
 from specdecode.engine.protocol import Draft
@@ -58,9 +75,15 @@ class DraftModelDrafter(Drafter):
         runner: A one-sequence runner of a model outside torch (``LlamaCppTargetRunner`` of the
             llama.cpp draft; full head only), used instead of ``model``; None: ``model`` in torch.
         one_sequence_reason: Why ``runner`` runs one sequence, for ``bind``'s refusal.
+        tree_depth: D, the chain's draft steps per round of a token tree (module docstring), or None:
+            linear drafts.
+        tree_expand: M, with ``tree_depth``: EAGLE-2's expansion instead of the chain (module docstring),
+            the M best nodes of each depth expanded by one draft tree forward; None: the chain's tree.
 
     Raises:
-        InvalidArgumentError: ``context_window`` not None or an integer >= 1; neither or both of
+        InvalidArgumentError: ``context_window`` not None or an integer >= 1; ``tree_depth`` not None or
+            an integer in 1 .. ``draft_tree.MAX_TREE_DEPTH``; ``tree_expand`` likewise, or without
+            ``tree_depth``; neither or both of
             ``model`` and ``runner``; a truncated head with ``runner``; a truncated head's id past
             the model's head rows, or (at ``join``) past the target's vocabulary; at ``bind``, more
             than one slot with ``runner``.
@@ -72,8 +95,11 @@ class DraftModelDrafter(Drafter):
     who = "draft model"
 
     def __init__(self, model=None, context_window: int | None = None, head: DraftHead | None = None, *,
-                 runner=None, one_sequence_reason: str = "the draft model runs one sequence") -> None:
+                 runner=None, one_sequence_reason: str = "the draft model runs one sequence",
+                 tree_depth: int | None = None, tree_expand: int | None = None) -> None:
         self.context_window = check_optional_count("context_window", context_window, "the whole prompt")
+        self.tree_depth = check_tree_depth(tree_depth)
+        self.tree_expand = check_tree_expand(tree_expand, tree_depth)
         if (model is None) == (runner is None):
             raise InvalidArgumentError("DraftModelDrafter takes a draft model or a one-sequence runner, not "
                                        f"{'both' if model is not None else 'neither'}")
@@ -89,6 +115,7 @@ class DraftModelDrafter(Drafter):
         self._num_cached: list[int] = []  # per slot, in sequence positions
         self._offsets: list[int] = []  # per slot, the prompt positions the context window left out
         self._samplers: list[Sampler | None] = []
+        self._chains: list[tuple[int, list[int]] | None] = []  # [trees] per slot: (position, chain tokens fed)
         self._device = None
 
     def bind(self, target_cache) -> None:
@@ -119,6 +146,7 @@ class DraftModelDrafter(Drafter):
         self._num_cached = [0] * target_cache.num_slots
         self._offsets = [0] * target_cache.num_slots
         self._samplers = [None] * target_cache.num_slots
+        self._chains = [None] * target_cache.num_slots
         self.num_forwards = 0
 
     def warm_up(self, max_rows: int, max_block: int) -> None:
@@ -142,12 +170,14 @@ class DraftModelDrafter(Drafter):
                 batch_prefill(self.model, self.cache, ids, slot)
         self._num_cached[slot] = n
         self._samplers[slot] = sampler
+        self._chains[slot] = None
         self.num_forwards += 1
 
     @torch.inference_mode()
     def propose(self, sequences, max_tokens, exits=None, exit_rule="row") -> Draft:
         """Draft up to ``max_tokens[b]`` tokens for each row (``Drafter.propose``); the first forward
         feeds each row's tokens not yet in the draft cache (module docstring)."""
+        self._forget_rejected(sequences)
         with self.head.applied():
             n = len(sequences)
             lengths = [len(s) for s in sequences]
@@ -165,12 +195,64 @@ class DraftModelDrafter(Drafter):
                 first = logits[torch.arange(n, device=logits.device), last]
             at = [length - o for length, o in zip(lengths, offsets)]
             views = draft_views(self._samplers[:n], sequences, self.head)  # [processors]
-            draft, steps = draft_batch(self._step, first, at, max_tokens, self._samplers[:n], exits, exit_rule,
-                                       self.who, self.head, views)
+            tree_rows = self._tree_rows(n, exits, views)
+            if self.tree_expand is not None and all(tree_rows) and min(max_tokens) > 0 \
+                    and getattr(self.runner, "takes_trees", False):
+                return self._expand(sequences, first, [a - 1 for a in at], max_tokens)
+            tops = TopK(TREE_TOP_K, self.head.ids) if any(tree_rows) else None
+            caps = [min(c, self.tree_depth) if t else c for c, t in zip(max_tokens, tree_rows)]
+            draft, steps = draft_batch(self._step, first, at, caps, self._samplers[:n], exits, exit_rule,
+                                       self.who, self.head, views, tops)
         self.num_forwards += steps
         for b in range(n):
             self._num_cached[b] = lengths[b] + min(draft.num_tokens[b], steps - 1)
-        return draft
+        if tops is None:
+            return draft
+        ids, num, trees, chains = grow_trees(draft.tokens, draft.num_tokens, tops, tree_rows, max_tokens)
+        self._keep_chains(tree_rows, lengths, chains, steps)
+        return Draft(ids, num, draft.probs, draft.finite, self.who, trees if any(trees) else None)
+
+    def _expand(self, sequences: list[list[int]], first: torch.Tensor, starts: list[int],
+                budgets: list[int]) -> Draft:
+        """[trees] EAGLE-2's expansion (``draft_tree.expand_trees``) for every row, after the first forward
+        (``first``: each row's logits after its pending token, at draft-cache index ``starts[b]``). The tree
+        forwards write past the pending token only: each row's draft cache stays valid up to its length."""
+        vocab = self._samplers[0].vocab_size
+        tokens, num, trees, finite, forwards = expand_trees(
+            self.runner, first, [s[-1] for s in sequences], starts, self.tree_depth, self.tree_expand, budgets,
+            self.head.ids, vocab)
+        self.num_forwards += 1 + forwards
+        for b, s in enumerate(sequences):
+            self._num_cached[b], self._chains[b] = len(s), None
+        return Draft(tokens, num, None, finite, self.who, [t if not t.is_chain else None for t in trees])
+
+    def _tree_rows(self, n: int, exits, views) -> list[bool]:
+        """[trees] Per row, whether it drafts a tree: the option on, a greedy row, no processors, no exit policy."""
+        if self.tree_depth is None:
+            return [False] * n
+        return [s is not None and s.greedy and (views is None or views[b] is None)
+                and (exits is None or exits[b] is None) for b, s in enumerate(self._samplers[:n])]
+
+    def _keep_chains(self, tree_rows: list[bool], starts: list[int], chains: list[list[int]], steps: int) -> None:
+        """[trees] Remember, per tree row, the chain tokens fed to the draft cache from sequence position
+        ``starts[b]`` on (the first ``steps - 1``), for ``_forget_rejected``."""
+        for b, is_tree in enumerate(tree_rows):
+            if is_tree:
+                self._chains[b] = (starts[b], chains[b][: steps - 1])
+
+    def _forget_rejected(self, sequences: list[list[int]]) -> None:
+        """[trees] A tree row's draft cache holds its chain; where the accepted path left it for a sibling
+        (or the target's own token), the cached chain token differs from the sequence's: the row's cached
+        length drops to the first such position, so this round's first forward re-feeds from there."""
+        for b, record in enumerate(self._chains[: len(sequences)]):
+            if record is None:
+                continue
+            start, fed = record
+            seq, same = sequences[b], 0
+            while same < len(fed) and start + same < len(seq) and seq[start + same] == fed[same]:
+                same += 1
+            self._num_cached[b] = min(self._num_cached[b], start + same)
+            self._chains[b] = None
 
     def _step(self, token: torch.Tensor, at: list[int]) -> torch.Tensor:
         """One more token per row: (n, 1) ids at draft-cache positions ``at``; (n, V') logits."""
@@ -186,3 +268,4 @@ class DraftModelDrafter(Drafter):
         self._offsets[dst] = self._offsets[src]
         self._samplers[dst] = self._samplers[src]
         self._samplers[src] = None
+        self._chains[dst], self._chains[src] = self._chains[src], None

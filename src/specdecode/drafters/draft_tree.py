@@ -1,0 +1,287 @@
+"""Draft-model token trees with no extra draft forward: the greedy chain plus its steps' runners-up.
+
+EAGLE-2 (Li et al. 2024, "EAGLE-2: Faster Inference of Language Models with Dynamic Draft Trees")
+grows a tree from the draft's own probabilities: a node's value is the product of the draft
+probabilities along its path from the root (its joint draft probability, a proxy of the
+chance that the target accepts the whole path), and the N most valuable candidates form the
+tree that the target verifies in one forward. Here the candidates cost no draft forward of
+their own: the draft model runs its usual greedy chain of D steps (``tree_depth``), and at
+each step the top-k of that step's distribution (``TREE_TOP_K``) are the candidates at that
+depth: the chain's token, and k - 1 siblings whose parent is the chain's previous node (node 0,
+the pending token, for the first step). A sibling is a leaf: nothing is drafted after it.
+EAGLE-2's own expansion, where the best nodes of each depth are expanded by one draft tree
+forward per depth, is ``expand_trees`` (``tree_expand``, a second option; end of this docstring).
+
+**Which nodes.** The round's budget c (the row's ``max_tokens``: γ, or what the engine's policy
+gives) is the number of drafted nodes, chain included. Every candidate gets its joint draft
+probability (chain node i: q(c_1) .. q(c_i); a sibling s at depth i: q(c_1) .. q(c_{i-1}) q(s)),
+and the c most valuable are kept, chain nodes and siblings ranked together as EAGLE-2 reranks its
+nodes. With the draft as a stand-in for the target, the expected accepted tokens of a tree
+are the sum of its nodes' path probabilities, which these c nodes maximise. A node's value
+never exceeds its parent's (a product of probabilities <= 1), so the kept set is a tree; on
+equal values the shallower node, then the chain's token, comes first, so parents precede
+their children and the chain's kept nodes are the tree's first chain (``TokenTree.first_chain``:
+what a row the engine cannot verify as a tree gets, the linear draft). A deep chain node may
+lose its place to a shallow sibling: its draft forward is then spent for nothing, as in EAGLE-2.
+
+**Host sync.** The draft loop keeps each step's top-k log-probabilities and tokens on the device
+(``TopK``); ``grow_trees`` reads them back with the drafted tokens in one host sync per round
+(the linear draft of greedy rows reads nothing back until the engine's round), then builds the
+trees on the host (a few dozen candidates per row) and moves the rows' tokens back in one copy.
+
+**Which rows.** Greedy rows with no logits processors and no adaptive draft exit; the others
+draft linearly, as without the option (sampling rows: the engine verifies a tree of draft
+probabilities by its first chain anyway).
+
+**Expansion** (``expand_trees``, ``tree_expand=M``; EAGLE-2 section 4): instead of the chain, each
+depth's M most valuable candidates are fed, with the tree expanded so far, in one draft tree
+forward (``BatchKVCache.prepare(trees=)``, the draft's cache as the target's), whose logits at
+those M nodes give the next depth's candidates; after D depths all candidates are reranked as
+above. It costs D - 1 draft forwards of 1 + M (d - 1) tokens (cheap where forwards are flat, a
+GPU) and one host sync per depth (each depth's tree is built on the host), and finds paths that
+leave the draft's greedy choice more than once. The draft cache keeps the sequence only (the
+tree forwards write past it), so the next round's first forward feeds the accepted tokens.
+It runs when every row of the round grows a tree and the draft runner takes tree forwards (a
+torch draft); otherwise the round falls back to the chain's tree.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdecode.engine.batch_cache import to_device
+from specdecode.engine.tree import TokenTree
+from specdecode.errors import InvalidArgumentError
+
+#: Candidates per draft step: that step's top-k tokens (the chain's and up to k - 1 siblings).
+TREE_TOP_K = 8
+#: The deepest chain ``tree_depth`` allows (draft forwards per round).
+MAX_TREE_DEPTH = 64
+
+
+def check_tree_depth(value: object) -> int | None:
+    """Return ``value`` if it is None (linear drafts) or an integer in 1 .. ``MAX_TREE_DEPTH``.
+
+    Raises:
+        InvalidArgumentError: Anything else, naming the value and the range.
+    """
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or not 1 <= value <= MAX_TREE_DEPTH):
+        raise InvalidArgumentError(
+            f"draft_tree_depth={value!r} is out of range: allowed an integer in 1..{MAX_TREE_DEPTH} (the draft "
+            "model's chain steps per round; the round's budget, γ, counts the tree's nodes), or None for linear drafts"
+        )
+    return value
+
+
+class TopK:
+    """Each draft step's top-k, kept on the device (``base.draft_batch``'s ``tops``).
+
+    Args:
+        k: Candidates per step (>= 1).
+        ids: A truncated head's (K,) token ids (column j is token ``ids[j]``), or None.
+
+    Attributes:
+        log_probs, tokens: Per step, (n, k) float32 log-probabilities and long token ids.
+    """
+
+    def __init__(self, k: int, ids: torch.Tensor | None = None) -> None:
+        self.k, self.ids = k, ids
+        self.log_probs: list[torch.Tensor] = []
+        self.tokens: list[torch.Tensor] = []
+
+    def add(self, logits: torch.Tensor) -> None:
+        """(n, V') logits of one step, the columns the chain's argmax was taken over."""
+        values, index = torch.log_softmax(logits.float(), -1).topk(min(self.k, logits.shape[-1]), dim=-1)
+        self.log_probs.append(values)
+        self.tokens.append(self.ids[index] if self.ids is not None else index)
+
+
+def best_nodes(chain: list[int], chain_top: list[list[tuple[int, float]]], budget: int) -> tuple[list[int], list[int]]:
+    """The ``budget`` most valuable nodes of a chain and its steps' top-k, in order (module docstring).
+
+    Args:
+        chain: The chain's tokens, depth 1 .. d.
+        chain_top: Per depth, that step's top-k as (token, log-probability), best first.
+        budget: Nodes to keep (>= 0).
+
+    Returns:
+        ``(tokens, parents)``: node j + 1 is ``tokens[j]``, its parent the node ``parents[j]`` (0: the
+        root), every parent before its children, the chain's kept nodes first among their siblings.
+        A NaN log-probability counts as -inf (the engine then refuses the round's non-finite logits).
+    """
+    candidates = []  # (-value, depth, rank, token, parent chain depth)
+    value = 0.0
+    chain_top = [[(t, lp if lp == lp else float("-inf")) for t, lp in top] for top in chain_top]
+    for depth, (token, top) in enumerate(zip(chain, chain_top), start=1):
+        own = next((lp for t, lp in top if t == token), top[0][1] if top else 0.0)  # the max, if tied past k
+        candidates.append((-(value + own), depth, 0, token, depth - 1))
+        for rank, (t, lp) in enumerate((c for c in top if c[0] != token), start=1):
+            candidates.append((-(value + lp), depth, rank, t, depth - 1))
+        value += own
+    candidates.sort()
+    tokens, parents, chain_node = [], [], {0: 0}  # chain depth -> its node index
+    for _, depth, rank, token, parent_depth in candidates[:budget]:
+        parents.append(chain_node[parent_depth])
+        tokens.append(token)
+        if rank == 0:
+            chain_node[depth] = len(tokens)
+    return tokens, parents
+
+
+def grow_trees(tokens: torch.Tensor, num_tokens: list[int], tops: TopK, tree_rows: list[bool],
+               budgets: list[int], prefixes: list[list[int]] | None = None) -> tuple:
+    """Per row, its chain and, on tree rows, the best of its steps' runners-up as a ``TokenTree``.
+
+    Args:
+        tokens: (n, S) long, the draft loop's tokens (row b's chain: ``tokens[b, :num_tokens[b]]``).
+        num_tokens: Per row, its chain's length d_b.
+        tops: The loop's ``TopK``, one entry per step (S steps).
+        tree_rows: Per row, whether it grows a tree.
+        budgets: Per row, the most nodes its tree may have (>= d_b on tree rows).
+        prefixes: Per row, tokens before its chain (the cascade's n-gram block: nodes 1 .. m of a
+            chain from node 0, always kept, the chain's root being node m), or None.
+
+    Returns:
+        ``(ids, num, trees, chains)``: (n, max(1, max(num))) long ids on ``tokens``'s device (each
+        row's nodes, then padding), per row its node count, per row its ``TokenTree`` or None (a
+        linear row, or a tree that kept no sibling), and per row its chain tokens (host ints).
+
+    One host sync: the tokens and the top-k, read back together.
+    """
+    n, steps = tokens.shape
+    prefixes = prefixes if prefixes is not None else [[] for _ in range(n)]
+    log_probs, top_ids = torch.stack(tops.log_probs, 1), torch.stack(tops.tokens, 1)  # (n, S, k)
+    k = log_probs.shape[-1]
+    host = torch.cat([tokens.double().flatten(), top_ids.double().flatten(), log_probs.double().flatten()]).tolist()
+    width = n * steps * k
+    rows, num, trees, chains = [], [], [], []
+    for b in range(n):
+        chain = [int(t) for t in host[b * steps : b * steps + num_tokens[b]]]
+        chains.append(chain)
+        prefix, m = prefixes[b], len(prefixes[b])
+        tree = None
+        if tree_rows[b] and chain:
+            top = [[(int(host[n * steps + j]), host[n * steps + width + j])
+                    for j in range((b * steps + i) * k, (b * steps + i + 1) * k)] for i in range(len(chain))]
+            nodes, parents = best_nodes(chain, top, budgets[b])
+            tree = TokenTree((-1, *range(m), *(p + m for p in parents)))
+            rows.append(prefix + nodes)
+            tree = None if tree.is_chain else tree
+        else:
+            rows.append(prefix + chain)
+        trees.append(tree)
+        num.append(len(rows[-1]))
+    longest = max(1, max(num))
+    ids = to_device([r + [0] * (longest - len(r)) for r in rows], tokens.device)
+    return ids, num, trees, chains
+
+
+def check_tree_expand(value: object, depth: int | None) -> int | None:
+    """Return ``value`` if it is None or an integer in 1 .. ``MAX_TREE_DEPTH`` given with a ``depth``.
+
+    Raises:
+        InvalidArgumentError: Anything else, or a value without ``depth``, naming the value and the range.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_TREE_DEPTH:
+        raise InvalidArgumentError(
+            f"draft_tree_expand={value!r} is out of range: allowed an integer in 1..{MAX_TREE_DEPTH} (nodes expanded "
+            "per depth by a draft tree forward), or None for no expansion"
+        )
+    if depth is None:
+        raise InvalidArgumentError(f"draft_tree_expand={value!r} expands a draft tree: give draft_tree_depth too")
+    return value
+
+
+def _node(node: dict[int, int], parent: int) -> int:
+    """The tree node of pool index ``parent`` (-1: node 0); a parent outside the tree is a bug: KeyError."""
+    return node[parent] if parent >= 0 else 0
+
+
+def _rank(candidate: tuple) -> tuple:
+    """Best first: higher joint draft log-probability, then shallower, then the draft's own rank."""
+    value, depth, rank = candidate[:3]
+    return -value, depth, rank
+
+
+def expand_trees(forward, first_logits: torch.Tensor, pending: list[int], starts: list[int], depth: int,
+                 expand: int, budgets: list[int], ids: torch.Tensor | None = None, vocab: int | None = None,
+                 k: int = TREE_TOP_K) -> tuple:
+    """EAGLE-2's dynamic draft tree (Li et al. 2024, section 4: expansion, then reranking) on the draft model.
+
+    Depth 1's candidates are the top-k after each row's pending token. At each further depth, the
+    ``expand`` best candidates of the latest depth (by joint draft log-probability) join the
+    expanded tree, and one draft tree forward over the whole expanded tree (node 0 the pending
+    token, written again at its own index; ``BatchKVCache.prepare(trees=)``) gives their
+    children's top-k, the next depth's candidates. After ``depth`` depths, every candidate is
+    ranked by its joint draft log-probability and the row's ``budgets[b]`` best form its tree
+    (a node never outranks its parent, so they form a tree, parents first).
+
+    Args:
+        forward: The draft runner: ``forward(ids (n, W), starts, keep, trees)`` -> (n, keep, V') logits.
+        first_logits: (n, V') logits after each row's pending token.
+        pending: Per row, its pending token id (node 0).
+        starts: Per row, the draft-cache index of its pending token.
+        depth: D >= 1 (D - 1 tree forwards).
+        expand: M >= 1, candidates expanded per depth.
+        budgets: Per row, the most nodes of its tree (>= 1).
+        ids: A truncated head's (K,) token ids (column j is ``ids[j]``), or None.
+        vocab: Columns of the full head that are tokens (None: all).
+        k: Children per expanded node.
+
+    Returns:
+        ``(tokens, num, trees, finite, forwards)``: (n, max(num)) long on the logits' device, per row
+        its node count and ``TokenTree``, a 0-dim bool (every draft logit finite), and the tree
+        forwards run. One host sync per depth (its top-k, from which the next tree is built).
+    """
+    n, device = len(pending), first_logits.device
+    pools: list[list[tuple]] = [[] for _ in range(n)]  # per row: (value, depth, rank, token, parent pool index)
+    frontier: list[list[int]] = [[-1] for _ in range(n)]  # pool indices whose children come next (-1: node 0)
+    expanded: list[list[int]] = [[] for _ in range(n)]  # pool indices, the tree forward's nodes 1 ..
+    logits = (first_logits if ids is not None or vocab is None else first_logits[:, :vocab])[:, None]
+    finite, forwards = torch.isfinite(first_logits).all(), 0
+    for d in range(1, depth + 1):
+        top = torch.log_softmax(logits.float(), -1).topk(min(k, logits.shape[-1]), dim=-1)  # (n, m, k)
+        tokens = ids[top.indices] if ids is not None else top.indices
+        m, kk = top.indices.shape[1:]
+        host = torch.cat([tokens.double().flatten(), top.values.double().flatten()]).tolist()  # the depth's sync
+        latest: list[list[int]] = []
+        for b in range(n):
+            pool, mine = pools[b], []
+            for j, parent in enumerate(frontier[b]):
+                base = pool[parent][0] if parent >= 0 else 0.0
+                for r in range(kk):
+                    at = (b * m + j) * kk + r
+                    lp = host[n * m * kk + at]
+                    pool.append((base + (lp if lp == lp else float("-inf")), d, r, int(host[at]), parent))
+                    mine.append(len(pool) - 1)
+            latest.append(mine)
+        if d == depth:
+            break
+        frontier = [sorted(mine, key=lambda i, b=b: _rank(pools[b][i]))[:expand] for b, mine in enumerate(latest)]
+        rows, trees, where = [], [], []
+        for b in range(n):
+            expanded[b] += frontier[b]
+            node = {p: j + 1 for j, p in enumerate(expanded[b])}
+            trees.append(TokenTree((-1, *(_node(node, pools[b][p][4]) for p in expanded[b]))))
+            rows.append([pending[b], *(pools[b][p][3] for p in expanded[b])])
+            where.append([node[p] for p in frontier[b]])
+        width, wide = max(len(r) for r in rows), max(len(w) for w in where)
+        out = forward(to_device([r + r[-1:] * (width - len(r)) for r in rows], device), starts, width, trees)
+        forwards += 1
+        finite = finite & torch.isfinite(out).all()
+        index = to_device([w + w[-1:] * (wide - len(w)) for w in where], out.device)
+        logits = out[torch.arange(n, device=out.device)[:, None], index]  # (n, M, V'): the frontier's
+        logits = logits if ids is not None or vocab is None else logits[..., :vocab]
+    rows, trees = [], []
+    for b in range(n):
+        pool = pools[b]
+        chosen = sorted(range(len(pool)), key=lambda i: (*_rank(pool[i]), i))[: max(0, budgets[b])]
+        node = {p: j + 1 for j, p in enumerate(chosen)}
+        trees.append(TokenTree((-1, *(_node(node, pool[p][4]) for p in chosen))))
+        rows.append([pool[p][3] for p in chosen])
+    num = [len(r) for r in rows]
+    longest = max(1, max(num))
+    return to_device([r + [0] * (longest - len(r)) for r in rows], device), num, trees, finite, forwards
