@@ -26,6 +26,7 @@ from specdecode import method_registry
 from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS
 from specdecode.defaults import LLAMA_CPP_COMMAND_METHOD
 from specdecode.drafters.control import DraftControl
+from specdecode.drafters.draft_tree import MAX_TREE_DEPTH
 from specdecode.engine.runner_target import ONE_SEQUENCE
 from specdecode.errors import InvalidArgumentError, SpecDecodeError
 from specdecode.method_registry import who_takes
@@ -114,6 +115,16 @@ def add_arguments(p: argparse.ArgumentParser, *, default_target: str, default_dr
     p.add_argument("--exit-layer", type=int, default=None, help="early-exit: layers the draft runs")
     p.add_argument("--prompt-lookup-max-ngram", type=int, default=3)
     p.add_argument("--prompt-lookup-min-ngram", type=int, default=1)
+    p.add_argument("--prompt-lookup-branches", type=int, default=1, metavar="N",
+                   help="prompt-lookup: N matches drafted per round as a token tree, verified in one forward "
+                        "(default 1: the most recent match, a linear draft)")
+    p.add_argument("--draft-tree-depth", type=int, metavar="D", default=None,
+                   help="draft and cascade: greedy rows draft a chain of D tokens and verify a token tree of -g "
+                        "nodes (the chain and its steps' runners-up of highest joint draft probability, EAGLE-2's "
+                        "reranking), as specdecode generate; turns the default adaptive draft exit off")
+    p.add_argument("--draft-tree-expand", type=int, metavar="M", default=None,
+                   help="draft, with --draft-tree-depth: EAGLE-2's dynamic tree, the M best nodes of each depth "
+                        "expanded by one draft tree forward")
     p.add_argument("--ngram-check", action=argparse.BooleanOptionalAction, default=True,
                    help="cascade: keep only the n-gram tokens the draft model would draft itself (default); "
                         "--no-ngram-check proposes the whole match")
@@ -151,14 +162,28 @@ def add_arguments(p: argparse.ArgumentParser, *, default_target: str, default_dr
 
 
 def _check_draft_options(args) -> None:
-    """--draft-vocab-size, --max-model-prompt-tokens and --draft-context-window: in range, and taken by
-    --method (the method registry's), before any model is loaded.
+    """--draft-vocab-size, --max-model-prompt-tokens, --draft-context-window, --draft-tree-depth,
+    --draft-tree-expand and --prompt-lookup-branches: in range, and taken by --method (the method
+    registry's), before any model is loaded.
 
     Raises:
         InvalidArgumentError: A value out of range, or an option the method does not take.
     """
-    for keyword, low in (("draft_vocab_size", 0), ("max_model_prompt_tokens", 0), ("draft_context_window", 1)):
+    if args.prompt_lookup_branches < 1:
+        raise InvalidArgumentError(f"--prompt-lookup-branches must be >= 1 (matches per round), got "
+                                   f"{args.prompt_lookup_branches}")
+    if args.prompt_lookup_branches > 1 and args.method != "prompt-lookup":
+        raise InvalidArgumentError(f"--prompt-lookup-branches applies to {who_takes('prompt_lookup_branches')}, "
+                                   f"not to {args.method!r}")
+    if args.draft_tree_expand is not None and args.draft_tree_depth is None:
+        raise InvalidArgumentError(f"--draft-tree-expand {args.draft_tree_expand} expands a draft tree: give "
+                                   "--draft-tree-depth D too")
+    for keyword, low, high in (("draft_vocab_size", 0, None), ("max_model_prompt_tokens", 0, None),
+                               ("draft_context_window", 1, None), ("draft_tree_depth", 1, MAX_TREE_DEPTH),
+                               ("draft_tree_expand", 1, MAX_TREE_DEPTH)):
         value, flag = getattr(args, keyword), "--" + keyword.replace("_", "-")
+        if value is not None and high is not None and value > high:
+            raise InvalidArgumentError(f"{flag} must be in {low}..{high}, got {value}")
         if value is not None and value < low:
             meaning = {"draft_vocab_size": "0: the whole vocabulary",
                        "max_model_prompt_tokens": "tokens; 0: no limit"}.get(keyword, "tokens")
@@ -290,6 +315,8 @@ def load_server(args):
         prompt_lookup_min_ngram=args.prompt_lookup_min_ngram, compile=args.compile,
         ngram_check=args.ngram_check, max_model_prompt_tokens=plan.max_model_prompt_tokens,
         draft_context_window=args.draft_context_window, draft_vocab_size=args.draft_vocab_size,
+        prompt_lookup_branches=args.prompt_lookup_branches, draft_tree_depth=args.draft_tree_depth,
+        draft_tree_expand=args.draft_tree_expand,
     )
     logger.info("start-up: batched engine built in %.1f s: method %s, %d rows%s, %s, max_model_prompt_tokens %s",
                 time.perf_counter() - t0, args.method, args.max_batch_size,
@@ -395,7 +422,10 @@ def resolve_defaults(args, device) -> ServePlan:
     if needs_draft and args.draft_quantize_head is not None:
         check_draft_quantize_head_flag(args.draft_quantize_head, scheme, why)
     check_quantize_group_size_flag(args.quantize_group_size, args.quantize, scheme, why)
+    # A draft tree is drafted by rows without an exit policy: as generate, --draft-tree-depth turns the
+    # default adaptive draft exit off.
     adaptive = (adaptive_exit_by_default(args.method, args.quantize, args.num_speculative_tokens)
+                and getattr(args, "draft_tree_depth", None) is None
                 if args.adaptive_draft_exit is None else args.adaptive_draft_exit)
     if adaptive and not method_registry.REGISTRY[args.method].adaptive_exit:
         if args.adaptive_draft_exit:
