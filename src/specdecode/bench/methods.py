@@ -395,6 +395,8 @@ class _SpecdecodeRunner:
             "draft_forwards": s.num_draft_forwards,
             "drafted_by_position": list(s.drafted_by_position),
             "accepted_by_position": list(s.accepted_by_position),
+            "rounds_by_draft_size": list(s.rounds_by_draft_size),
+            "rounds_by_draft_cap": list(s.rounds_by_draft_cap),
             "prefill_s": s.prefill_time_s,
             "final_draft_threshold": s.final_draft_threshold,
             "gated_steps": s.num_gated_steps,

@@ -483,6 +483,7 @@ class BatchedSpeculativeDecoder(BatchRequests):
             depth = max(tree.depths) if tree is not None else None  # [trees] acceptance by depth
             depths[b] = depth if depth is not None else (kb or None)
             row.stats.record_block(kb, a, depth)
+            row.stats.record_cap(caps[b])
             if row.controller is not None:
                 if kb:
                     row.controller.record(caps[b], kb, a)
@@ -491,6 +492,7 @@ class BatchedSpeculativeDecoder(BatchRequests):
                 if row.controller.gate is not None:
                     gate_rows.append((b, node, new[-1]))
             self.stats.record_block(kb, a, depth)
+            self.stats.record_cap(caps[b])
             out = row.emit(new, self.stats)
             self.stats.num_new_tokens += len(out)
             self._event(events, row, out)
