@@ -220,6 +220,7 @@ class BatchedSpeculativeDecoder(BatchRequests):
         self.warmed_up = False
         #: Whether the draft policy was calibrated (``DraftPolicy.calibrate``, before the first round).
         self._calibrated = False
+        self._measured_s = 0.0  # seconds of ``_measure_forwards`` in the latest calibration
         self._init_requests()
 
     @property
@@ -344,13 +345,15 @@ class BatchedSpeculativeDecoder(BatchRequests):
 
     def _calibrate(self) -> None:
         """Once per engine, before its first round with a drafter: ``DraftPolicy.calibrate`` with this
-        engine's target forwards (``_measure_forwards``); the seconds count as warm-up."""
+        engine's target forwards (``_measure_forwards``); the seconds those take count as warm-up."""
         self._calibrated = True
         if self.draft_control is None or self.drafter is None:
             return
-        t0 = time.perf_counter()
+        self._measured_s = 0.0
         self.draft_control.calibrate(self._measure_forwards, self.max_block + 1, self.drafter)
-        seconds = time.perf_counter() - t0
+        seconds = self._measured_s
+        if not seconds:
+            return
         self.stats.warmup_s += seconds
         for row in self._rows:
             row.stats.warmup_s += seconds
@@ -369,6 +372,7 @@ class BatchedSpeculativeDecoder(BatchRequests):
         bad = [w for w in widths if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= self.max_block + 1]
         if bad:
             raise InvalidArgumentError(f"forward widths must be integers in 1..{self.max_block + 1}, got {bad[0]!r}")
+        t_start = time.perf_counter()
         n = len(self._rows)
         starts = [len(row.tokens) - 1 for row in self._rows]
         buckets = getattr(self.runner, "widths", ()) if self.compile else ()
@@ -386,6 +390,7 @@ class BatchedSpeculativeDecoder(BatchRequests):
                         best = min(best, time.perf_counter() - t0)
                 timed[run] = best
             out[w] = timed[run]
+        self._measured_s += time.perf_counter() - t_start
         return out
 
     def _round(self, events: dict) -> None:
