@@ -283,3 +283,19 @@ def test_the_control_is_refused_with_adaptive_exit_or_a_gate():
 def test_bad_values_are_refused_with_their_range(make, message):
     with pytest.raises(InvalidArgumentError, match=message):
         make()
+
+
+def test_on_the_fast_path_each_bucket_is_timed_and_widths_between_take_its_cost(pair):
+    """The fast path's target buckets are widths 1 and γ + 1: a verification of 2..γ + 1 tokens runs the
+    widest, so the cost model sees one cost for all of them (and drafts γ or nothing)."""
+    target, _ = pair
+    prompt = [5, 9, 12, 7, 5, 9, 12, 7, 5, 9]
+    config = GenerationConfig(max_new_tokens=20, num_speculative_tokens=4, stop_on_eos=False)
+    expected = SpeculativeDecoder(target).generate(prompt, config).token_ids
+    control = DraftControl(length_schedule="cost-model")
+    engine = BatchedSpeculativeDecoder(target, PromptLookupDrafter(), max_batch_size=1, max_length=64,
+                                       num_speculative_tokens=4, draft_control=control, compile=True, graphs=False)
+    assert engine.runner.widths == (1, 5)
+    assert engine.generate([prompt], config)[0].token_ids == expected
+    costs = control.cost_policy.target_costs.seconds
+    assert sorted(costs) == [1, 2, 3, 5] and costs[2] == costs[3] == costs[5]  # calibration_widths(5)

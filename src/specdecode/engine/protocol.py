@@ -155,7 +155,9 @@ MeasureForwards = Callable[[Sequence[int]], Mapping[int, float]]
 
 
 class DraftPolicy(Protocol):
-    """A frozen, reusable draft-length policy (``specdecode.drafters.control.DraftControl``).
+    """A reusable draft-length policy (``specdecode.drafters.control.DraftControl``): frozen, or holding
+    estimates its generations share (``engine.speculation_cost.SpeculationCostPolicy``,
+    ``engine.tree_cost.MeasuredSizePolicy``).
 
     Attributes:
         adaptive_exit: Whether ``controller`` gives an ``exit`` policy (needs a drafter
