@@ -17,7 +17,9 @@ E[tokens] is Leviathan et al. (2023)'s (1 - α^(n+1)) / (1 - α) and the choice 
   on the fast path each compiled width bucket once (a width between two buckets runs the wider
   one and costs what it costs); eagerly at ``EAGER_WIDTHS`` up to the widest verification,
   interpolated between them (``cost_model.ForwardCosts``). On a llama.cpp target the same
-  through its runner. Measured once per policy: a policy is one drafter's, on one device.
+  through its runner. Measured once per policy (a policy is one drafter's, on one device), over
+  the rows of the first round: exact for one row (``SpeculativeDecoder``); a batched engine whose
+  row count changes keeps the first round's costs.
 * **s_node**, the drafter's seconds per drafted node: a running mean of the seconds of its
   ``propose`` over the nodes it drafted (a draft model: about one forward per token; prompt
   lookup and Token Recycling: host work only), or a fixed number given (the llama.cpp draft's
