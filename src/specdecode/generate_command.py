@@ -275,7 +275,10 @@ def add_generate_parser(sub) -> None:
     c.add_argument("--max-draft-tokens", type=int, default=DraftControl.max_draft_tokens,
                    help="most tokens per block with --adaptive-draft-exit")
     c.add_argument("--draft-length-schedule", choices=LENGTH_SCHEDULES, default="constant",
-                   help="constant: -g tokens per block; heuristic: +2 after a fully accepted block, -1 otherwise")
+                   help="constant: -g tokens per block; heuristic: +2 after a fully accepted block, -1 otherwise; "
+                        "cost-model: each round the size (up to -g tokens, or tree nodes) with the most expected "
+                        "tokens per second from the target's measured forward costs and acceptance by depth "
+                        "(0: a plain step); not with --adaptive-draft-exit or --confidence-gate")
     c.add_argument("--confidence-gate", type=float, metavar="THRESHOLD", default=None,
                    help="make a plain target step whenever the target's probability of its last token is below this")
 
@@ -424,7 +427,8 @@ def run_generate(args) -> int:
             args.draft_backend = "llama-cpp"  # the only draft beside a llama.cpp target
     _check_method_options(args)  # before minutes of model loading
     control = DraftControl(
-        adaptive_exit=_adaptive_by_default(args) if args.adaptive_draft_exit is None else args.adaptive_draft_exit,
+        adaptive_exit=(_adaptive_by_default(args) and args.draft_length_schedule != "cost-model")
+        if args.adaptive_draft_exit is None else args.adaptive_draft_exit,
         exit_threshold=args.draft_exit_threshold,
         max_draft_tokens=args.max_draft_tokens,
         length_schedule=args.draft_length_schedule,

@@ -105,6 +105,7 @@ from specdecode.bench.records import (
 )
 from specdecode.bench.report import (
     ACCEPTANCE_PNG,
+    DRAFT_SIZES_PNG,
     BASELINES,
     LLAMA_CPP,
     LLAMA_CPP_LOOKUP,
@@ -118,6 +119,7 @@ from specdecode.bench.report import (
     is_baseline,
     markdown_report,
     plot_acceptance,
+    plot_draft_sizes,
     plot_speedups,
     speedups,
     summarize,
@@ -129,6 +131,7 @@ from specdecode.bench.settings import BenchSettings
 
 __all__ = [
     "ACCEPTANCE_PNG",
+    "DRAFT_SIZES_PNG",
     "BASELINES",
     "BATCHED_JSON",
     "BATCHED_MD",
@@ -168,6 +171,7 @@ __all__ = [
     "is_baseline",
     "markdown_report",
     "plot_acceptance",
+    "plot_draft_sizes",
     "plot_speedups",
     "prompt_seed",
     "parse_batch_sizes",

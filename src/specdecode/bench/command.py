@@ -19,8 +19,9 @@ from specdecode.bench.hf_methods import HF_METHODS
 from specdecode.bench.llamacpp import check_available
 from specdecode.bench.methods import DRAFTER_OPTIONS, available_methods, check_method_names
 from specdecode.bench.records import RECORDS_FILE, SETTINGS_FILE, RecordStore
-from specdecode.bench.report import (ACCEPTANCE_PNG, LLAMA_CPP, LLAMA_CPP_LOOKUP, LLAMA_CPP_REFERENCES, OVERALL,
-                                     REFERENCE_METHOD, RESULTS_JSON, RESULTS_MD, SPEEDUP_PNG, format_value)
+from specdecode.bench.report import (ACCEPTANCE_PNG, DRAFT_SIZES_PNG, LLAMA_CPP, LLAMA_CPP_LOOKUP,
+                                     LLAMA_CPP_REFERENCES, OVERALL, REFERENCE_METHOD, RESULTS_JSON, RESULTS_MD,
+                                     SPEEDUP_PNG, format_value)
 from specdecode.bench.runner import run_bench
 from specdecode.bench.settings import BenchSettings
 from specdecode.config import parse_logit_bias
@@ -223,7 +224,8 @@ def run(args) -> int:
                       format_value(results["methods"].get(method, {}).get("warmup_s"), "{:.1f}"))
     out = Console()
     out.print(table)
-    out.print(f"results in {Path(args.out).resolve()}: {RESULTS_MD}, {RESULTS_JSON}, {SPEEDUP_PNG}, {ACCEPTANCE_PNG}")
+    out.print(f"results in {Path(args.out).resolve()}: {RESULTS_MD}, {RESULTS_JSON}, {SPEEDUP_PNG}, {ACCEPTANCE_PNG}, "
+              f"{DRAFT_SIZES_PNG}")
     return 0
 
 

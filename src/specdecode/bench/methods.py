@@ -79,6 +79,8 @@ METHOD_MODIFIERS = MappingProxyType({
     "adaptive": "Draft & Verify adaptive draft exit (adaptive=T: initial threshold T, default 0.6)",
     "heuristic": "transformers' heuristic draft-length schedule (+2 after a fully accepted block, -1 otherwise)",
     "gated": "target-confidence gating (gated=T: threshold T, default 0.5)",
+    "cost-model": "each round's draft size from measured forward costs and acceptance by depth "
+                  "(engine.speculation_cost; 0 = a plain step)",
 })
 DEFAULT_GATE_THRESHOLD = 0.5
 _OPTION_SPLIT = re.compile(r",(?=[A-Za-z_]\w*=)")
@@ -158,14 +160,14 @@ class MethodSpec:
                     raise InvalidArgumentError(
                         f"modifier {key}={value!r} in method {name!r} needs a number in (0, 1)"
                     ) from None
-                if key == "heuristic":
-                    raise InvalidArgumentError(f"modifier 'heuristic' in method {name!r} takes no value")
+                if key in ("heuristic", "cost-model"):
+                    raise InvalidArgumentError(f"modifier {key!r} in method {name!r} takes no value")
             if key == "adaptive":
                 control["adaptive_exit"] = True
                 if number is not None:
                     control["exit_threshold"] = number
-            elif key == "heuristic":
-                control["length_schedule"] = "heuristic"
+            elif key in ("heuristic", "cost-model"):
+                control["length_schedule"] = key
             else:
                 control["confidence_gate"] = DEFAULT_GATE_THRESHOLD if number is None else number
         compile_ = _parse_compile(name, options.pop("compile")) if "compile" in options else None
@@ -397,6 +399,8 @@ class _SpecdecodeRunner:
             "draft_forwards": s.num_draft_forwards,
             "drafted_by_position": list(s.drafted_by_position),
             "accepted_by_position": list(s.accepted_by_position),
+            "rounds_by_draft_size": list(s.rounds_by_draft_size),
+            "rounds_by_draft_cap": list(s.rounds_by_draft_cap),
             "prefill_s": s.prefill_time_s,
             "final_draft_threshold": s.final_draft_threshold,
             "gated_steps": s.num_gated_steps,

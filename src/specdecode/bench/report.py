@@ -2,7 +2,8 @@
 
 ``summarize`` turns records into metrics per method and category (``NOTES`` defines
 them), ``write_reports`` writes results.json, results.md (``markdown_report``) and the
-two PNGs (``plot_speedups``, ``plot_acceptance``; matplotlib is imported when they run).
+three PNGs (``plot_speedups``, ``plot_acceptance``, ``plot_draft_sizes``; matplotlib is
+imported when they run).
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ RESULTS_JSON = "results.json"
 RESULTS_MD = "results.md"
 SPEEDUP_PNG = "speedup_by_category.png"
 ACCEPTANCE_PNG = "acceptance_by_position.png"
+DRAFT_SIZES_PNG = "draft_sizes.png"
+#: Depths whose acceptance the markdown table shows (results.json has every depth).
+TABLE_DEPTHS = 4
 
 
 def tokens_per_second(new_tokens: Sequence[int], seconds: Sequence[float]) -> float | None:
@@ -116,6 +120,13 @@ NOTES = MappingProxyType({
     "(target-only decoding gives 1.0); specdecode excludes the prefill and its token, transformers methods "
     "count every forward (their first forward verifies candidates together with the prompt)",
     "target_forwards_per_token": "target forward passes (prefill included) / new tokens",
+    "acceptance_by_position": "acceptance by depth: at depth d (a chain's d-th token, a tree's d-th level), "
+    "blocks whose token at depth d was accepted / blocks that drafted depth d (accepted_by_position / "
+    "drafted_by_position, summed over generations); the table shows depths 1..4",
+    "mean_draft_size": "tokens (chains) or nodes (trees) drafted per verification, plain steps counting 0 "
+    "(draft_size_histogram: entry n counts verifications of n; draft_sizes.png plots it); mean_draft_cap: the "
+    "size the draft policy allowed per round (a cost model's choice), which a drafter may not fill (prompt "
+    "lookup without a match drafts 0)",
     "agreement": "exact_match_rate: share of generations whose whole token sequence equals autoregressive's on "
     "the same prompt and repeat; mean_first_divergence: mean index of the first differing token among the "
     "others. In bfloat16 a k-token verification forward may round differently from a 1-token step, so greedy "
@@ -199,6 +210,8 @@ def _metrics(rs: list[dict]) -> dict:
     peaks = [r["peak_rss_mb"] for r in rs if r.get("peak_rss_mb") is not None]
     drafted_pos = _sum_positions(rs, "drafted_by_position")
     accepted_pos = _sum_positions(rs, "accepted_by_position")
+    sizes = _sum_positions(rs, "rounds_by_draft_size")
+    caps = _sum_positions(rs, "rounds_by_draft_cap")
     return {
         "prompts": len({r["prompt_id"] for r in rs}),
         "generations": len(rs),
@@ -224,7 +237,23 @@ def _metrics(rs: list[dict]) -> dict:
         "drafted_by_position": drafted_pos,
         "accepted_by_position": accepted_pos,
         "acceptance_by_position": [a / d if d else None for a, d in zip(accepted_pos, drafted_pos)],
+        "draft_size_histogram": sizes,
+        "mean_draft_size": _histogram_mean(sizes),
+        "draft_cap_histogram": caps,
+        "mean_draft_cap": _histogram_mean(caps),
     }
+
+
+def _histogram_mean(histogram: Sequence[int]) -> float | None:
+    """The mean value a histogram counts (entry n: how many times n), or None when it counts nothing."""
+    total = sum(histogram)
+    return sum(n * c for n, c in enumerate(histogram)) / total if total else None
+
+
+def _depths_text(rates: Sequence[float | None] | None) -> str:
+    """Acceptance at depths 1..``TABLE_DEPTHS``, as "0.81/0.64/0.50/0.41" ("–" where none was drafted)."""
+    rates = list(rates or [])[:TABLE_DEPTHS]
+    return "/".join(format_value(r) for r in rates) if rates else "–"
 
 
 def write_reports(out_dir: str | Path, records: list[dict], info: Mapping[str, Any]) -> dict:
@@ -249,6 +278,7 @@ def write_reports(out_dir: str | Path, records: list[dict], info: Mapping[str, A
     categories = [c for c in info.get("categories", []) if any(c in s for s in summary["methods"].values())]
     plot_speedups(summary["methods"], categories, out / SPEEDUP_PNG)
     plot_acceptance(summary["methods"], out / ACCEPTANCE_PNG)
+    plot_draft_sizes(summary["methods"], out / DRAFT_SIZES_PNG)
     return results
 
 
@@ -312,7 +342,7 @@ def markdown_report(results: Mapping[str, Any]) -> str:
     cats = [c for c in results.get("categories", []) if any(c in s for s in summary.values())]
     ident, env = results.get("identity", {}), results.get("environment", {})
     head = ["Method", *[f"{c} speedup" for c in cats], "Overall tok/s (min–max)", "Overall speedup",
-            "Acceptance α", "τ (incl. bonus)", "Fwd/token", "Exact match vs AR", "Peak RSS MB", "Warm-up s"]
+            "Acceptance α", "α by depth 1/2/3/4", "Draft size (cap)", "τ (incl. bonus)", "Fwd/token", "Exact match vs AR", "Peak RSS MB", "Warm-up s"]
     described = results.get("methods", {})
     llama = summary.get(LLAMA_CPP, {}).get(OVERALL)
     lookup = summary.get(LLAMA_CPP_LOOKUP, {}).get(OVERALL)
@@ -374,6 +404,8 @@ def markdown_report(results: Mapping[str, Any]) -> str:
             *([format_value(o.get("vs_llama_cpp"), "{:.2f}×")] if llama else []),
             *([format_value(o.get("vs_llama_cpp_lookup"), "{:.2f}×")] if lookup else []),
             format_value(o.get("acceptance_rate"), "{:.1%}"),
+            _depths_text(o.get("acceptance_by_position")),
+            f"{format_value(o.get('mean_draft_size'))} ({format_value(o.get('mean_draft_cap'))})",
             format_value(o.get("mean_accepted_tokens")),
             format_value(o.get("target_forwards_per_token")),
             agree,
@@ -438,4 +470,30 @@ def plot_acceptance(summary: Mapping[str, Mapping[str, dict]], path: Path) -> No
     ax.set_ylabel("acceptance rate")
     ax.set_ylim(0, 1.05)
     ax.set_title("Acceptance by draft position")
+    write_png_atomic(fig, path)
+
+
+def plot_draft_sizes(summary: Mapping[str, Mapping[str, dict]], path: Path) -> None:
+    """Grouped bars: the share of verifications that checked a draft of each size (0: a plain step), per
+    drafting method (``draft_size_histogram``, overall)."""
+    from matplotlib.figure import Figure
+
+    histograms = {m: (by_cat.get(OVERALL) or {}).get("draft_size_histogram") or [] for m, by_cat in summary.items()}
+    histograms = {m: h for m, h in histograms.items() if sum(h[1:]) > 0}  # methods that drafted
+    fig = Figure(figsize=(7.0, 4.0))
+    ax = fig.subplots()
+    if histograms:
+        largest = max(len(h) for h in histograms.values())
+        width = 0.8 / len(histograms)
+        for j, (m, h) in enumerate(histograms.items()):
+            total = sum(h)
+            xs = [n + (j - (len(histograms) - 1) / 2) * width for n in range(len(h))]
+            ax.bar(xs, [c / total for c in h], width, label=m)
+        ax.set_xticks(range(largest))
+        ax.legend(fontsize="small")
+    else:
+        ax.text(0.5, 0.5, "no method drafted", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel("draft size per verification (tokens of a chain, nodes of a tree; 0 = a plain step)")
+    ax.set_ylabel("share of verifications")
+    ax.set_title("Draft sizes chosen")
     write_png_atomic(fig, path)

@@ -14,6 +14,12 @@
 * **Heuristic draft length** (transformers' ``num_assistant_tokens_schedule=
   "heuristic"``): +2 after a fully accepted block, -1 otherwise, never below 1.
 
+* **Cost model** (``length_schedule="cost-model"``): each round the size (tokens of a chain, nodes
+  of a tree, 0 for a plain step) with the most expected tokens per second, from the target's
+  forward costs measured before the first round and acceptance by depth measured while decoding
+  (``engine.speculation_cost``, after SpecDec++ and DISCO). Its estimates live in the
+  ``DraftControl`` (one ``SpeculationCostPolicy`` each) and carry over between generations.
+
 * **Target-confidence gating** (the blog post "Using The Target Model's Confidence
   Threshold To Decide Whether To Enable Speculative Decoding"): when the target's
   probability of the token it just produced is below a threshold, the text is
@@ -30,9 +36,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from specdecode.engine.protocol import DraftPolicy, Drafter, MeasureForwards, RoundController
+from specdecode.engine.speculation_cost import SpeculationCostPolicy
 from specdecode.errors import InvalidArgumentError
 
-LENGTH_SCHEDULES = ("constant", "heuristic")
+LENGTH_SCHEDULES = ("constant", "heuristic", "cost-model")
 
 
 def _check_unit(name: str, value: float, *, open_right: bool = False) -> None:
@@ -199,7 +207,7 @@ class ConfidenceGate:
 
 
 @dataclass(frozen=True)
-class DraftControl:
+class DraftControl(DraftPolicy):
     """Per-round draft-length policy of a speculative decoder.
 
     Attributes:
@@ -207,9 +215,12 @@ class DraftControl:
             then ``max_draft_tokens`` instead of ``GenerationConfig.num_speculative_tokens`` (γ).
         exit_threshold, beta1, beta2, epsilon, alpha, max_draft_tokens: Its parameters
             (see ``AdaptiveDraftExit``); defaults 0.6, 0.5, 0.9, 0.01, 0.9, 12.
-        length_schedule: "constant" (γ tokens each round) or "heuristic"
+        length_schedule: "constant" (γ tokens each round), "heuristic"
             (``HeuristicDraftLength`` starting at γ, capped at ``max_draft_tokens``
-            when adaptive exit is on).
+            when adaptive exit is on), or "cost-model" (each round's size from measured costs
+            and acceptance, up to γ: ``engine.speculation_cost``; not with adaptive exit or
+            a confidence gate, its estimates in ``cost_policy``, shared by the generations
+            that use this control).
         confidence_gate: Threshold of ``ConfidenceGate``, or None for no gating.
 
     Raises:
@@ -234,15 +245,36 @@ class DraftControl:
             )
         if self.confidence_gate is not None:
             ConfidenceGate(self.confidence_gate)
+        policy = None
+        if self.length_schedule == "cost-model":
+            if self.adaptive_exit or self.confidence_gate is not None:
+                raise InvalidArgumentError(
+                    "length_schedule='cost-model' chooses every round's length itself; it does not combine with "
+                    f"adaptive_exit={self.adaptive_exit!r} or confidence_gate={self.confidence_gate!r}: turn those off"
+                )
+            policy = SpeculationCostPolicy()
+        object.__setattr__(self, "_cost_policy", policy)
+
+    @property
+    def cost_policy(self) -> SpeculationCostPolicy | None:
+        """The cost model's policy and estimates ("cost-model"), or None."""
+        return self._cost_policy
 
     @property
     def active(self) -> bool:
         """Whether this differs from drafting γ tokens every round."""
         return self.adaptive_exit or self.length_schedule != "constant" or self.confidence_gate is not None
 
-    def controller(self, gamma: int) -> DraftController:
+    def controller(self, gamma: int) -> RoundController:
         """Fresh per-generation state for a decoder drafting ``gamma`` tokens per round by default."""
+        if self._cost_policy is not None:
+            return self._cost_policy.controller(gamma)
         return DraftController(self, gamma)
+
+    def calibrate(self, measure: MeasureForwards, max_width: int, drafter: Drafter) -> None:
+        """The cost model's calibration (``SpeculationCostPolicy.calibrate``); nothing for the other schedules."""
+        if self._cost_policy is not None:
+            self._cost_policy.calibrate(measure, max_width, drafter)
 
     def new_exit(self) -> AdaptiveDraftExit:
         """A fresh ``AdaptiveDraftExit`` with these parameters."""
@@ -256,7 +288,7 @@ class DraftControl:
         )
 
 
-class DraftController:
+class DraftController(RoundController):
     """The per-generation state of a ``DraftControl``: what the decode loop asks each round.
 
     Args:

@@ -218,6 +218,9 @@ class BatchedSpeculativeDecoder(BatchRequests):
         self.contain_errors = True
         #: Whether ``warm_up`` ran (a bench warms a compiling engine up once).
         self.warmed_up = False
+        #: Whether the draft policy was calibrated (``DraftPolicy.calibrate``, before the first round).
+        self._calibrated = False
+        self._measured_s = 0.0  # seconds of ``_measure_forwards`` in the latest calibration
         self._init_requests()
 
     @property
@@ -340,7 +343,59 @@ class BatchedSpeculativeDecoder(BatchRequests):
             caps.append(max(0, min(cap, row.remaining - 1)))
         return caps
 
+    def _calibrate(self) -> None:
+        """Once per engine, before its first round with a drafter: ``DraftPolicy.calibrate`` with this
+        engine's target forwards (``_measure_forwards``); the seconds those take count as warm-up."""
+        self._calibrated = True
+        if self.draft_control is None or self.drafter is None:
+            return
+        self._measured_s = 0.0
+        self.draft_control.calibrate(self._measure_forwards, self.max_block + 1, self.drafter)
+        seconds = self._measured_s
+        if not seconds:
+            return
+        self.stats.warmup_s += seconds
+        for row in self._rows:
+            row.stats.warmup_s += seconds
+
+    def _measure_forwards(self, widths: Sequence[int], repeats: int = 2) -> dict[int, float]:
+        """Seconds of one target forward over the active rows at each of ``widths`` (tokens per row,
+        1 .. ``max_block`` + 1), the fastest of ``repeats`` after an untimed first call (which compiles
+        a fast-path bucket). Each row is written at its own pending position, where the round's
+        verification writes next, so nothing a row holds is touched. On the fast path a width runs
+        its bucket (the smallest compiled width >= it), so each bucket is timed once and widths
+        between take its cost.
+
+        Raises:
+            InvalidArgumentError: A width outside 1 .. ``max_block`` + 1.
+        """
+        bad = [w for w in widths if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= self.max_block + 1]
+        if bad:
+            raise InvalidArgumentError(f"forward widths must be integers in 1..{self.max_block + 1}, got {bad[0]!r}")
+        t_start = time.perf_counter()
+        n = len(self._rows)
+        starts = [len(row.tokens) - 1 for row in self._rows]
+        buckets = getattr(self.runner, "widths", ()) if self.compile else ()
+        timed: dict[int, float] = {}
+        out = {}
+        for w in sorted(set(widths)):
+            run = next((b for b in buckets if b >= w), w)
+            if run not in timed:
+                ids = torch.zeros((n, run), dtype=torch.long, device=self.target.device)
+                best = float("inf")
+                for i in range(repeats + 1):
+                    t0 = time.perf_counter()
+                    float(self.runner(ids, starts, run)[0, -1, 0])  # a host sync: the forward has run
+                    if i:
+                        best = min(best, time.perf_counter() - t0)
+                timed[run] = best
+            out[w] = timed[run]
+        self._measured_s += time.perf_counter() - t_start
+        return out
+
     def _round(self, events: dict) -> None:
+        if not self._calibrated:
+            self._calibrate()
         rows, device = self._rows, self.target.device
         t0, compiling = time.perf_counter(), self.compile_time_s
         caps = self._caps() if self.drafter is not None else [0] * len(rows)
@@ -348,12 +403,16 @@ class BatchedSpeculativeDecoder(BatchRequests):
         draft: Draft | None = None
         n = len(rows)
         k = [0] * n
+        draft_s = 0.0
+        depths: list[int | None] = [None] * n
         forwards_before = self.drafter.num_forwards if self.drafter is not None else 0
         if max(caps) > 0:
             exits = [row.controller.exit for row in rows] if self.adaptive else None
             if exits is not None and all(e is None for e in exits):
                 exits = None  # gating or a schedule only: no per-step host sync
+            t_draft, draft_compiling = time.perf_counter(), self.drafter.compile_time_s
             draft = self.drafter.propose(sequences, caps, exits, self.exit_rule)
+            draft_s = time.perf_counter() - t_draft - (self.drafter.compile_time_s - draft_compiling)
             k = list(draft.num_tokens)
         trees, tokens, probs = self._trees(draft, k) if draft is not None else (None, None, None)
         K = max(k)
@@ -427,7 +486,9 @@ class BatchedSpeculativeDecoder(BatchRequests):
             if row.sampler.processors is not None:  # [processors] logprobs of the new tokens, when asked
                 row.sampler.processors.record(len(row.tokens) - row.num_prompt_tokens, logits[b], new)
             depth = max(tree.depths) if tree is not None else None  # [trees] acceptance by depth
+            depths[b] = depth if depth is not None else (kb or None)
             row.stats.record_block(kb, a, depth)
+            row.stats.record_cap(caps[b])
             if row.controller is not None:
                 if kb:
                     row.controller.record(caps[b], kb, a)
@@ -436,6 +497,7 @@ class BatchedSpeculativeDecoder(BatchRequests):
                 if row.controller.gate is not None:
                     gate_rows.append((b, node, new[-1]))
             self.stats.record_block(kb, a, depth)
+            self.stats.record_cap(caps[b])
             out = row.emit(new, self.stats)
             self.stats.num_new_tokens += len(out)
             self._event(events, row, out)
@@ -454,9 +516,8 @@ class BatchedSpeculativeDecoder(BatchRequests):
         self.stats.record_round(n)
         self.stats.decode_time_s += elapsed
         for b, row in enumerate(rows):
-            timed = getattr(row.controller, "record_round", None)  # a policy priced by measured rounds
-            if timed is not None:
-                timed(caps[b], k[b], elapsed)
+            if row.controller is not None:  # a policy priced by measured rounds learns from every round
+                row.controller.record_round(caps[b], k[b], elapsed, draft_seconds=draft_s, depth=depths[b])
             row.stats.record_round(n)
             row.stats.decode_time_s += elapsed
             row.stats.warmup_s += compiled

@@ -60,6 +60,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from specdecode.engine.protocol import DraftPolicy, RoundController
 from specdecode.errors import InvalidArgumentError
 
 #: The verification widths measured at warm-up (tokens fed to the target in one forward).
@@ -253,7 +254,7 @@ class AcceptanceEstimate:
         self.trials = self.decay * self.trials + num_accepted + (num_accepted < num_drafted)
 
 
-class CostModelController:
+class CostModelController(RoundController):
     """The per-generation ``RoundController`` (``engine.protocol``) of a ``DraftCostModel``.
 
     Each round drafts ``model.best_length(α)`` tokens (capped by ``max_tokens``), α from
@@ -336,7 +337,7 @@ class CostModelController:
 
 
 @dataclass(frozen=True)
-class CostModelPolicy:
+class CostModelPolicy(DraftPolicy):
     """A frozen ``DraftPolicy`` (``engine.protocol``) that draws its draft lengths from ``model``.
 
     Args:

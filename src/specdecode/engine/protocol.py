@@ -20,7 +20,7 @@ and the target's cache are the engine's.
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -139,9 +139,25 @@ class RoundController(Protocol):
     def record(self, cap: int, num_drafted: int, num_accepted: int) -> None:
         """After verifying a block of ``num_drafted`` >= 1 tokens drafted under ``cap``."""
 
+    def record_round(self, cap: int, num_drafted: int, seconds: float, *, draft_seconds: float = 0.0,
+                     depth: int | None = None) -> None:
+        """After every round of the row, drafted or not (the engine calls it after ``record``): the row
+        was given ``cap``, drafted ``num_drafted`` nodes (0: a plain step) whose structure is ``depth``
+        deep (a tree's depth, or ``num_drafted`` for a chain; None when nothing was drafted), the round
+        took ``seconds`` (compilation excluded) of which ``draft_seconds`` in the drafter's ``propose``.
+        A policy priced by measured rounds learns from it; the default does nothing."""
+        return None
+
+
+#: ``DraftPolicy.calibrate``'s ``measure``: forward widths (tokens per row) -> seconds of one target
+#: forward over the round's rows at each width.
+MeasureForwards = Callable[[Sequence[int]], Mapping[int, float]]
+
 
 class DraftPolicy(Protocol):
-    """A frozen, reusable draft-length policy (``specdecode.drafters.control.DraftControl``).
+    """A reusable draft-length policy (``specdecode.drafters.control.DraftControl``): frozen, or holding
+    estimates its generations share (``engine.speculation_cost.SpeculationCostPolicy``,
+    ``engine.tree_cost.MeasuredSizePolicy``).
 
     Attributes:
         adaptive_exit: Whether ``controller`` gives an ``exit`` policy (needs a drafter
@@ -156,6 +172,13 @@ class DraftPolicy(Protocol):
 
     def controller(self, gamma: int) -> RoundController:
         """Fresh per-generation state; ``gamma`` is ``GenerationConfig.num_speculative_tokens``."""
+
+    def calibrate(self, measure: MeasureForwards, max_width: int, drafter: Drafter) -> None:
+        """Before an engine's first round (the engine calls it once, with its rows prefilled): a policy
+        priced by forward costs times the target with ``measure`` at the widths it needs, up to
+        ``max_width`` (the widest verification, longest block + 1), once in its life, and reads what
+        it needs of ``drafter``. The default does nothing."""
+        return None
 
 
 #: How adaptive draft exit ends a batched block: "row" stops each row at its own first unsure

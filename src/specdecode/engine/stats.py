@@ -40,6 +40,10 @@ class SpecDecodingStats:
         num_banned_word_rollbacks: Times a banned word completed and the output was
             rolled back to where it began (``GenerationConfig.banned_words``).
         num_banned_word_discarded_tokens: Tokens those rollbacks discarded.
+        rounds_by_draft_size: Entry n counts row verifications that checked a draft of n tokens (a
+            chain) or n nodes (a tree); entry 0 the plain steps.
+        rounds_by_draft_cap: Entry n counts row rounds whose draft policy allowed n tokens or nodes
+            (the size a cost model chose; a drafter may offer less: prompt lookup without a match).
         num_rounds: Decode rounds: target forwards over the whole batch (prefills excluded);
             equals ``num_target_forwards`` for one sequence.
         num_prefills: Rows prefilled (1 for one generation once it started).
@@ -62,6 +66,8 @@ class SpecDecodingStats:
     num_gated_steps: int = 0
     num_banned_word_rollbacks: int = 0
     num_banned_word_discarded_tokens: int = 0
+    rounds_by_draft_size: list[int] = field(default_factory=list)
+    rounds_by_draft_cap: list[int] = field(default_factory=list)
     num_rounds: int = 0
     num_prefills: int = 0
     max_rows: int = 0
@@ -69,7 +75,8 @@ class SpecDecodingStats:
     #: Derived values ``to_dict`` adds to the counters.
     DERIVED = (
         "acceptance_rate", "mean_accepted_tokens", "total_time_s", "tokens_per_s",
-        "mean_accepted_draft_tokens", "acceptance_by_position", "decode_tokens_per_s",
+        "mean_accepted_draft_tokens", "acceptance_by_position", "decode_tokens_per_s", "mean_draft_size",
+        "mean_draft_cap",
     )
 
     def record_block(self, num_drafted: int, num_accepted: int, depth: int | None = None) -> None:
@@ -78,6 +85,7 @@ class SpecDecodingStats:
         (``engine.tree``), so that ``drafted_by_position`` / ``accepted_by_position`` count depths
         (acceptance by depth); None: a linear draft, whose depth is ``num_drafted``."""
         self.num_target_forwards += 1
+        _count(self.rounds_by_draft_size, num_drafted)
         if num_drafted == 0:
             return
         self.num_draft_blocks += 1
@@ -92,6 +100,20 @@ class SpecDecodingStats:
             self.drafted_by_position[i] += 1
         for i in range(num_accepted):
             self.accepted_by_position[i] += 1
+
+    def record_cap(self, cap: int) -> None:
+        """Account one row round whose draft policy allowed ``cap`` >= 0 tokens or nodes."""
+        _count(self.rounds_by_draft_cap, cap)
+
+    @property
+    def mean_draft_size(self) -> float | None:
+        """Tokens (chains) or nodes (trees) drafted per row verification, plain steps counting 0; None before any."""
+        return _mean(self.rounds_by_draft_size)
+
+    @property
+    def mean_draft_cap(self) -> float | None:
+        """The draft size allowed per row round (``rounds_by_draft_cap``), or None before any."""
+        return _mean(self.rounds_by_draft_cap)
 
     def record_round(self, num_rows: int) -> None:
         """Account one target forward over ``num_rows`` rows (their ``record_block`` calls are apart)."""
@@ -154,6 +176,19 @@ class SpecDecodingStats:
         out = asdict(self)
         out.update({name: getattr(self, name) for name in self.DERIVED}, mean_accepted_tokens_counts_bonus=True)
         return out
+
+
+def _count(histogram: list[int], value: int) -> None:
+    """``histogram[value] += 1``, growing it as needed."""
+    if len(histogram) <= value:
+        histogram.extend([0] * (value + 1 - len(histogram)))
+    histogram[value] += 1
+
+
+def _mean(histogram: list[int]) -> float | None:
+    """The mean of the values a histogram (entry n: how often n) counts, or None when empty."""
+    total = sum(histogram)
+    return sum(n * c for n, c in enumerate(histogram)) / total if total else None
 
 
 #: The batched engine's stats are the same class (one definition of τ); the name stays importable.

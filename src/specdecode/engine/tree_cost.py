@@ -29,6 +29,7 @@ structure of the draft (tree or chain) and no warm-up measurement.
 
 from __future__ import annotations
 
+from specdecode.engine.protocol import DraftPolicy, RoundController
 from specdecode.errors import InvalidArgumentError
 
 #: Candidate sizes (drafted tokens or tree nodes) up to the generation's γ, which is always one.
@@ -69,7 +70,7 @@ class SizeEstimates:
         return (1.0 + (self.accepted.get(size, 0.0) if size else 0.0)) / seconds
 
 
-class MeasuredSizeController:
+class MeasuredSizeController(RoundController):
     """The per-generation ``RoundController`` (``engine.protocol``) of a ``MeasuredSizePolicy``.
 
     Args:
@@ -130,7 +131,8 @@ class MeasuredSizeController:
         """After verifying a draft of ``num_drafted`` >= 1 under ``cap``: its accepted tokens count for ``cap``."""
         self.estimates.add_accepted(cap, num_accepted)
 
-    def record_round(self, cap: int, num_drafted: int, seconds: float) -> None:
+    def record_round(self, cap: int, num_drafted: int, seconds: float, *, draft_seconds: float = 0.0,
+                     depth: int | None = None) -> None:
         """After every round (the engine calls it): the round was given ``cap``, drafted ``num_drafted``
         and took ``seconds``. Choosing ``cap`` is what is priced: a round in which the drafter had
         nothing to offer counts for ``cap`` with no token accepted."""
@@ -139,7 +141,7 @@ class MeasuredSizeController:
             self.estimates.add_accepted(cap, 0)
 
 
-class MeasuredSizePolicy:
+class MeasuredSizePolicy(DraftPolicy):
     """A ``DraftPolicy`` (``engine.protocol``) choosing each round's draft size from measured rounds
     (module docstring). Not frozen: its ``estimates`` learn across the generations that use it.
 

@@ -1,0 +1,442 @@
+"""One cost model for every drafter: each round, the draft size that maximises expected tokens per second.
+
+Before each round the controller chooses the draft size n (tokens of a chain, nodes of a tree;
+0 = a plain target step) with the most expected tokens per second::
+
+    n*           = argmax_n  E[tokens](n) / seconds(n),   n in the candidate sizes up to γ
+    seconds(n)   = n · s_node + C_target(n + 1)            (n = 0: C_target(1), a plain step)
+    E[tokens](n) = 1 + Σ_{d=1..n} Π_{j=1..d} α_j          (a chain of n tokens)
+                 = 1 + A(n)                                (a tree of n nodes)
+
+The 1 is the target's bonus (or replacement) token. With one α for every depth the chain's
+E[tokens] is Leviathan et al. (2023)'s (1 - α^(n+1)) / (1 - α) and the choice is
+``engine.cost_model``'s (tests/engine/test_speculation_cost.py checks they agree).
+
+* **C_target(w)**, the target's forward over w tokens per row, is measured by the engine
+  before its first round (``DraftPolicy.calibrate``, ``BatchedSpeculativeDecoder._measure_forwards``):
+  on the fast path each compiled width bucket once (a width between two buckets runs the wider
+  one and costs what it costs); eagerly at ``EAGER_WIDTHS`` up to the widest verification,
+  interpolated between them (``cost_model.ForwardCosts``). On a llama.cpp target the same
+  through its runner. Measured once per policy (a policy is one drafter's, on one device), over
+  the rows of the first round: exact for one row (``SpeculativeDecoder``); a batched engine whose
+  row count changes keeps the first round's costs.
+* **s_node**, the drafter's seconds per drafted node: a running mean of the seconds of its
+  ``propose`` over the nodes it drafted (a draft model: about one forward per token; prompt
+  lookup and Token Recycling: host work only), or a fixed number given (the llama.cpp draft's
+  measured one-token forward). With several rows a round's draft seconds are shared by the rows
+  and each row charges all of them to its own nodes (exact at one row). On a GPU ``propose``
+  returns once the draft's work is queued unless the drafter waits on it, so s_node may be low.
+* **α_d**, the probability that depth d is accepted given depth d - 1 was (``DepthAcceptance``):
+  a chain round that drafted k tokens and accepted a is a success at depths 1 .. a and, if
+  a < k, a failure at depth a + 1 (nothing is learned past it). Each depth's counts decay by
+  ``decay`` per trial and start at the prior: ``prior_weight`` trials at the drafter's measured
+  acceptance (``cost_model.PROMPT_LOOKUP_PRIOR`` 0.56 for drafters without a model,
+  ``cost_model.DRAFT_MODEL_PRIOR`` 0.88 for drafters with one, those that give probabilities).
+* **A(n)**, a tree's expected accepted tokens at n nodes: the running mean of the tokens trees of
+  n nodes accepted (``SizeMeans``), as ``engine.tree_cost`` measures them. A tree's acceptance at
+  depth d depends on its branching there, which its static shape changes with n, so one set of
+  α_d cannot price every size; a mean per size needs no model of the shape and is exact for the
+  shapes the drafter makes. A tree size not measured yet is tried once, unless even accepting
+  all its n nodes could not beat the best rate known (then it is skipped).
+
+The controller starts as a chain; once a round reports a tree (``record_round``'s depth below
+the nodes drafted) the policy prices trees. It keeps probing so that the estimates follow the
+text: a chain whose best size is 0 tries one token every ``probe_every`` plain steps (and keeps
+trying each round until a round has actually drafted, as a probe with nothing to draft is no
+evidence); a chain whose best size is k < γ tries k + 1 every ``probe_every`` rounds (so α_{k+1}
+is measured); a tree tries the next larger and smaller candidate size in turn every
+``probe_every`` rounds. Where no size pays even if every drafted token were accepted, it never
+drafts.
+
+Where this follows the literature. SpecDec++ (Huang et al. 2024, "SpecDec++: Boosting Speculative
+Decoding via Adaptive Candidate Lengths") casts the candidate length as a decision that trades
+expected accepted tokens against the draft's and the verification's costs and stops where one
+more token is not worth its cost; its acceptance probabilities come from a trained prediction
+head, here from running counts by depth. DISCO (Mamou et al. 2024, "Dynamic Speculation
+Lookahead Accelerates Speculative Decoding of Large Language Models") chooses the lookahead anew
+every round instead of a constant or a heuristic schedule; its decision is a trained classifier,
+here the argmax above over measured costs, so it needs no training and prices a GPU's flat
+verification and a CPU's steep one alike.
+
+The policy (``SpeculationCostPolicy``) holds the estimates and is shared by every generation that
+uses it (one drafter's); it is not frozen. ``drafters.control.DraftControl(length_schedule=
+"cost-model")`` holds one, so every method with a drafter can select it (``generate
+--draft-length-schedule cost-model``, the bench's ``+cost-model``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+
+from specdecode.engine.cost_model import DRAFT_MODEL_PRIOR, PROMPT_LOOKUP_PRIOR, ForwardCosts
+from specdecode.engine.protocol import DraftPolicy, Drafter, MeasureForwards, RoundController
+from specdecode.engine.tree_cost import SIZES
+from specdecode.errors import InvalidArgumentError
+
+logger = logging.getLogger(__name__)
+
+#: Widths an eager target is timed at (those up to the widest verification, and that one).
+EAGER_WIDTHS = (1, 2, 3, 5, 9, 17, 33, 65)
+
+
+def _check_count(name: str, value: object, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise InvalidArgumentError(f"{name} must be an integer >= {least}, got {value!r}")
+
+
+def _check_seconds(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise InvalidArgumentError(f"{name} must be finite seconds >= 0, got {value!r}")
+
+
+def calibration_widths(max_width: int) -> tuple[int, ...]:
+    """The widths to time for verifications up to ``max_width`` tokens: ``EAGER_WIDTHS`` below it, and it.
+
+    Raises:
+        InvalidArgumentError: ``max_width`` < 1.
+    """
+    _check_count("max_width", max_width, 1)
+    return tuple(sorted({w for w in EAGER_WIDTHS if w < max_width} | {max_width}))
+
+
+class DepthAcceptance:
+    """Running estimates of α_d, the probability that depth d is accepted given depth d - 1 was.
+
+    Args:
+        prior: α_d before any trial at depth d, in [0, 1].
+        prior_weight: Trials the prior is worth (> 0), forgotten like the trials.
+        decay: Weight an earlier trial keeps at each new trial of its depth, in (0, 1].
+
+    Raises:
+        InvalidArgumentError: A value outside its range.
+    """
+
+    def __init__(self, prior: float, prior_weight: float = 2.0, decay: float = 0.9) -> None:
+        if isinstance(prior, bool) or not isinstance(prior, (int, float)) or not 0.0 <= prior <= 1.0:
+            raise InvalidArgumentError(f"prior must be in [0, 1], got {prior!r}")
+        if isinstance(prior_weight, bool) or not isinstance(prior_weight, (int, float)) or not (
+                math.isfinite(prior_weight) and prior_weight > 0):
+            raise InvalidArgumentError(f"prior_weight must be a finite number > 0, got {prior_weight!r}")
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay <= 1.0:
+            raise InvalidArgumentError(f"decay must be in (0, 1], got {decay!r}")
+        self.prior, self.prior_weight, self.decay = float(prior), float(prior_weight), float(decay)
+        self.accepted: list[float] = []  # per depth (index d - 1): decayed successes, the prior's included
+        self.trials: list[float] = []
+
+    def alpha(self, depth: int) -> float:
+        """α at ``depth`` >= 1 (the prior at a depth never tried)."""
+        _check_count("depth", depth, 1)
+        if depth > len(self.trials):
+            return self.prior
+        return self.accepted[depth - 1] / self.trials[depth - 1]
+
+    def _trial(self, depth: int, success: bool) -> None:
+        while len(self.trials) < depth:
+            self.accepted.append(self.prior * self.prior_weight)
+            self.trials.append(self.prior_weight)
+        i = depth - 1
+        self.accepted[i] = self.decay * self.accepted[i] + success
+        self.trials[i] = self.decay * self.trials[i] + 1.0
+
+    def update(self, num_drafted: int, num_accepted: int) -> None:
+        """After a chain of ``num_drafted`` >= 1 tokens of which the first ``num_accepted`` were accepted:
+        successes at depths 1 .. num_accepted, a failure at num_accepted + 1 when it was drafted.
+
+        Raises:
+            InvalidArgumentError: ``num_drafted`` < 1 or ``num_accepted`` outside 0 .. ``num_drafted``.
+        """
+        if isinstance(num_drafted, bool) or not isinstance(num_drafted, int) or num_drafted < 1 \
+                or not 0 <= num_accepted <= num_drafted:
+            raise InvalidArgumentError(f"a chain must draft >= 1 tokens and accept 0..drafted of them, "
+                                       f"got {num_accepted!r} of {num_drafted!r}")
+        for d in range(1, num_accepted + 1):
+            self._trial(d, True)
+        if num_accepted < num_drafted:
+            self._trial(num_accepted + 1, False)
+
+    def expected_accepted(self, k: int) -> float:
+        """Σ_{d=1..k} Π_{j=1..d} α_j: the expected accepted tokens of a chain of k >= 0 tokens."""
+        _check_count("k", k, 0)
+        total, reach = 0.0, 1.0
+        for d in range(1, k + 1):
+            reach *= self.alpha(d)
+            total += reach
+        return total
+
+    def by_depth(self) -> list[float]:
+        """α_1, α_2, .. at the depths tried so far."""
+        return [a / t for a, t in zip(self.accepted, self.trials)]
+
+
+class SizeMeans:
+    """Exponentially weighted running means per size (None: not measured).
+
+    Args:
+        decay: The weight the old mean keeps at each update, in [0, 1).
+
+    Raises:
+        InvalidArgumentError: ``decay`` outside [0, 1).
+    """
+
+    def __init__(self, decay: float = 0.8) -> None:
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= decay < 1.0:
+            raise InvalidArgumentError(f"decay must be in [0, 1), got {decay!r}")
+        self.decay = float(decay)
+        self.means: dict[int, float] = {}
+
+    def add(self, size: int, value: float) -> None:
+        """One more measurement of ``value`` at ``size``."""
+        old = self.means.get(size)
+        self.means[size] = value if old is None else self.decay * old + (1.0 - self.decay) * value
+
+    def get(self, size: int) -> float | None:
+        """The mean at ``size``, or None before any."""
+        return self.means.get(size)
+
+
+def best_size(sizes: Sequence[int], rate) -> int:
+    """The size in ``sizes`` with the highest ``rate(size)`` (expected tokens per second; None: not
+    known, skipped); a tie goes to the smaller size. 0 when no size has a rate."""
+    best, best_rate = 0, None
+    for size in sorted(sizes):
+        r = rate(size)
+        if r is not None and (best_rate is None or r > best_rate * (1 + 1e-12)):
+            best, best_rate = size, r
+    return best
+
+
+class SpeculationCostPolicy(DraftPolicy):
+    """A ``DraftPolicy`` choosing every round's draft size from forward costs and acceptance (module docstring).
+
+    Not frozen: its estimates learn across the generations that use it, so give each drafter its own.
+
+    Args:
+        target_costs: The target's forward costs; None: measured by the engine's ``calibrate``.
+        draft_node_s: Seconds per drafted node, fixed (the llama.cpp draft's one-token forward);
+            None: measured from the drafter's ``propose`` calls (0 until the first).
+        prior: α_d before any round, in [0, 1]; None: ``PROMPT_LOOKUP_PRIOR`` for a drafter without a
+            model, ``DRAFT_MODEL_PRIOR`` for one with (``Drafter.supports_exit_policy``), decided at
+            ``calibrate`` (``PROMPT_LOOKUP_PRIOR`` without one).
+        prior_weight, decay: As ``DepthAcceptance``.
+        size_decay: As ``SizeMeans`` (trees' accepted tokens, the measured seconds per node).
+        probe_every: Rounds between two probes (>= 1).
+
+    Attributes:
+        adaptive_exit: False. ``trees``: whether the drafter's rounds were trees.
+        depths: The ``DepthAcceptance`` (None until the prior is known).
+        tree_accepted: The ``SizeMeans`` of a tree's accepted tokens by size.
+        node_seconds: The ``SizeMeans`` (at key 0) of the measured seconds per drafted node.
+
+    Raises:
+        InvalidArgumentError: A value outside its range.
+    """
+
+    adaptive_exit = False
+
+    def __init__(self, target_costs: ForwardCosts | None = None, draft_node_s: float | None = None,
+                 prior: float | None = None, prior_weight: float = 2.0, decay: float = 0.9, size_decay: float = 0.8,
+                 probe_every: int = 16) -> None:
+        if target_costs is not None and not isinstance(target_costs, ForwardCosts):
+            raise InvalidArgumentError(f"target_costs must be a ForwardCosts or None, got {target_costs!r}")
+        if draft_node_s is not None:
+            _check_seconds("draft_node_s", draft_node_s)
+        _check_count("probe_every", probe_every, 1)
+        DepthAcceptance(0.5 if prior is None else prior, prior_weight, decay)  # validates them
+        self.target_costs = target_costs
+        self.draft_node_s = draft_node_s
+        self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
+        self.probe_every = probe_every
+        self.tree_accepted = SizeMeans(size_decay)
+        self.node_seconds = SizeMeans(size_decay)
+        self.trees = False
+        self.depths: DepthAcceptance | None = None if prior is None else DepthAcceptance(prior, prior_weight, decay)
+
+    @property
+    def active(self) -> bool:
+        """Always True: the size changes from round to round."""
+        return True
+
+    def calibrate(self, measure: MeasureForwards, max_width: int, drafter: Drafter) -> None:
+        """Time the target at ``calibration_widths(max_width)`` (only while it has no costs, or wider ones are
+        needed) and take the prior from ``drafter`` (only while it has none)."""
+        if self.depths is None:
+            prior = DRAFT_MODEL_PRIOR if getattr(drafter, "supports_exit_policy", False) else PROMPT_LOOKUP_PRIOR
+            self.depths = DepthAcceptance(prior, self.prior_weight, self.decay)
+        known = self.target_costs.seconds if self.target_costs is not None else {}
+        if max_width not in known and (not known or max_width > max(known)):
+            widths = calibration_widths(max_width)
+            self.target_costs = ForwardCosts({**known, **dict(measure(widths))})
+            logger.info("cost model: target forwards %s; acceptance prior %.2f", ", ".join(
+                f"{w} tok {s * 1e3:.1f} ms" for w, s in sorted(self.target_costs.seconds.items())), self.depths.prior)
+
+    def acceptance(self) -> DepthAcceptance:
+        """The depth estimates (made with ``PROMPT_LOOKUP_PRIOR`` if no prior is known yet)."""
+        if self.depths is None:
+            self.depths = DepthAcceptance(PROMPT_LOOKUP_PRIOR, self.prior_weight, self.decay)
+        return self.depths
+
+    def node_cost(self) -> float:
+        """s_node: seconds per drafted node (fixed, or the measured mean; 0 before any is measured)."""
+        if self.draft_node_s is not None:
+            return float(self.draft_node_s)
+        return self.node_seconds.get(0) or 0.0
+
+    def seconds(self, size: int) -> float:
+        """seconds(n) = n · s_node + C_target(n + 1); before calibration every width costs 1 s (flat)."""
+        verify = self.target_costs.at(size + 1) if self.target_costs is not None else 1.0
+        return size * self.node_cost() + verify
+
+    def expected_tokens(self, size: int) -> float | None:
+        """E[tokens](n): a chain's from the depth estimates; a tree's 1 + A(n) (None: not measured)."""
+        if size == 0:
+            return 1.0
+        if not self.trees:
+            return 1.0 + self.acceptance().expected_accepted(size)
+        accepted = self.tree_accepted.get(size)
+        return None if accepted is None else 1.0 + accepted
+
+    def rate(self, size: int) -> float | None:
+        """Expected tokens per second at ``size`` (None: a tree size not measured)."""
+        tokens = self.expected_tokens(size)
+        return None if tokens is None else tokens / self.seconds(size)
+
+    def can_pay(self, sizes: Sequence[int]) -> bool:
+        """Whether some size > 0 would beat a plain step if every drafted token were accepted."""
+        plain = 1.0 / self.seconds(0)
+        return any((1.0 + n) / self.seconds(n) > plain for n in sizes if n > 0)
+
+    def observe_draft(self, num_drafted: int, draft_seconds: float) -> None:
+        """A round drafted ``num_drafted`` >= 1 nodes in ``draft_seconds``: the measured s_node moves."""
+        if num_drafted >= 1 and draft_seconds >= 0 and math.isfinite(draft_seconds):
+            self.node_seconds.add(0, draft_seconds / num_drafted)
+
+    def observe_block(self, cap: int, num_drafted: int, num_accepted: int, depth: int | None) -> None:
+        """A verified draft of ``num_drafted`` >= 1 nodes, ``depth`` deep (None: a chain), given ``cap``,
+        of which ``num_accepted`` were accepted: a chain updates α_d; once the drafter has made a tree,
+        every round also updates the mean of its ``cap``.
+
+        Raises:
+            InvalidArgumentError: As ``DepthAcceptance.update``.
+        """
+        is_tree = depth is not None and depth < num_drafted
+        self.trees = self.trees or is_tree
+        if self.trees:  # a tree drafter's round at ``cap`` (a chain when its tree had one branch)
+            self.tree_accepted.add(cap, float(num_accepted))
+        if not is_tree:
+            self.acceptance().update(num_drafted, num_accepted)
+
+    def controller(self, gamma: int) -> SpeculationCostController:
+        """Per-generation state, sizes up to γ."""
+        return SpeculationCostController(self, gamma)
+
+
+class SpeculationCostController(RoundController):
+    """The per-generation ``RoundController`` of a ``SpeculationCostPolicy``: its size each round, and probes.
+
+    Args:
+        policy: The policy (its estimates are shared).
+        max_tokens: The largest size (γ), >= 1.
+
+    Attributes:
+        exit, gate: None. ``max_tokens``: as given. ``last``: the latest ``round_cap``.
+        num_probes: Rounds that drafted another size than the best, to measure it.
+        chosen: Every ``round_cap`` so far, in order.
+
+    Raises:
+        InvalidArgumentError: ``max_tokens`` < 1.
+    """
+
+    exit = None
+    gate = None
+
+    def __init__(self, policy: SpeculationCostPolicy, max_tokens: int) -> None:
+        _check_count("max_tokens", max_tokens, 1)
+        self.policy = policy
+        self.max_tokens = max_tokens
+        self.last = 0
+        self.num_probes = 0
+        self.chosen: list[int] = []
+        self._rounds = 0
+        self._plain_steps = 0
+        self._probe_due = False  # a chain's probe was allowed and no round has drafted since
+        self._probe_up = True
+        self._pending: tuple[int, int, int] | None = None
+
+    @property
+    def sizes(self) -> list[int]:
+        """The candidate sizes: 0 .. γ for a chain; ``tree_cost.SIZES`` up to γ, and γ, for a tree."""
+        if self.policy.trees:
+            return sorted({s for s in SIZES if s <= self.max_tokens} | {self.max_tokens})
+        return list(range(self.max_tokens + 1))
+
+    def _next(self) -> tuple[int, bool]:
+        """The next round's size and whether it is a probe (no state changes)."""
+        policy, sizes = self.policy, self.sizes
+        if not policy.can_pay(sizes):
+            return 0, False
+        probe_round = (self._rounds + 1) % policy.probe_every == 0
+        if policy.trees:
+            best = best_size(sizes, policy.rate)
+            best_rate = policy.rate(best)
+            for n in sizes:  # a size not measured: tried once, if it could beat the best at all
+                if policy.rate(n) is None and (best_rate is None or (1.0 + n) / policy.seconds(n) > best_rate):
+                    return n, False
+            if not probe_round:
+                return best, False
+            i = sizes.index(best)
+            up = i == 0 or (self._probe_up and i + 1 < len(sizes))
+            return sizes[min(i + 1, len(sizes) - 1) if up else i - 1], True
+        best = best_size(sizes, policy.rate)
+        if best == 0:
+            due = self._probe_due or self._plain_steps + 1 >= policy.probe_every
+            return (1, True) if due else (0, False)
+        if probe_round and best < self.max_tokens:
+            return best + 1, True
+        return best, False
+
+    @property
+    def gated(self) -> bool:
+        """Whether the next round is a plain step (size 0)."""
+        return self._next()[0] == 0
+
+    def round_cap(self) -> int:
+        """The size of the next round; call once per round."""
+        size, probe = self._next()
+        self._rounds += 1
+        if probe:
+            self.num_probes += 1
+            if self.policy.trees:
+                self._probe_up = not self._probe_up
+            elif best_size(self.sizes, self.policy.rate) == 0:
+                self._probe_due = True
+        self._plain_steps = self._plain_steps + 1 if size == 0 else 0
+        self.last = size
+        self.chosen.append(size)
+        return size
+
+    def record(self, cap: int, num_drafted: int, num_accepted: int) -> None:
+        """After verifying ``num_drafted`` >= 1 nodes under ``cap``; counted at ``record_round`` (which knows
+        the draft's depth).
+
+        Raises:
+            InvalidArgumentError: ``num_accepted`` outside 0 .. ``num_drafted``.
+        """
+        if num_drafted < 0 or not 0 <= num_accepted <= max(num_drafted, 0):
+            raise InvalidArgumentError(f"a verified block accepts 0..drafted tokens, got {num_accepted!r} of "
+                                       f"{num_drafted!r}")
+        self._pending = (cap, num_drafted, num_accepted)
+
+    def record_round(self, cap: int, num_drafted: int, seconds: float, *, draft_seconds: float = 0.0,
+                     depth: int | None = None) -> None:
+        """After every round: a round that drafted feeds s_node and, with its ``record``, the acceptance
+        (a chain's by depth, a tree's by size); one that drafted nothing is no evidence."""
+        pending, self._pending = self._pending, None
+        if not num_drafted:
+            return
+        self.policy.observe_draft(num_drafted, draft_seconds)
+        if pending is not None and pending[1] >= 1:
+            p_cap, drafted, accepted = pending
+            self.policy.observe_block(p_cap, drafted, accepted, depth if depth is not None and depth < drafted else None)
+            self._probe_due = False

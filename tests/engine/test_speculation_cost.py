@@ -1,0 +1,301 @@
+"""One cost model for every drafter (specdecode.engine.speculation_cost): the size choice on hand-made costs and
+acceptances, the estimates by depth, priors, probes, calibration, the engine's calls through the protocol, and
+exact greedy output with the "cost-model" draft control."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import make_tiny_model
+from helpers import perturbed_copy
+from specdecode import GenerationConfig, SpeculativeDecoder
+from specdecode.drafters import DraftModelDrafter, PromptLookupDrafter
+from specdecode.drafters.control import DraftControl
+from specdecode.drafters.token_recycling import TokenRecyclingDrafter
+from specdecode.engine.batched import BatchedSpeculativeDecoder
+from specdecode.engine.cost_model import DRAFT_MODEL_PRIOR, PROMPT_LOOKUP_PRIOR, DraftCostModel, ForwardCosts
+from specdecode.engine.protocol import DraftPolicy, RoundController
+from specdecode.engine.speculation_cost import (
+    DepthAcceptance,
+    SpeculationCostController,
+    SpeculationCostPolicy,
+    calibration_widths,
+)
+from specdecode.errors import InvalidArgumentError
+
+LLAMA_CPP_15B = ForwardCosts({1: 0.0327, 2: 0.0560, 4: 0.0917, 8: 0.2150})  # ms on a 2-core EPYC (issue 30)
+FLAT = ForwardCosts({1: 1.0, 65: 1.0})
+
+
+def _choice(costs, prior, gamma, **kw) -> int:
+    return SpeculationCostPolicy(costs, prior=prior, **kw).controller(gamma).round_cap()
+
+
+def test_flat_verification_picks_the_largest_size():
+    assert _choice(FLAT, 0.3, 8) == 8  # every token drafted is free: (1 + Σ 0.3^d) grows with k
+    assert _choice(FLAT, 0.3, 8, draft_node_s=0.5) < 8  # a draft that costs half a step per token drafts less
+
+
+def test_a_steep_verification_picks_a_plain_step_at_low_acceptance():
+    # llama.cpp: C(2)/C(1) = 1.71, so a token needs α >= 0.71 to pay; at 0.3 nothing does.
+    assert _choice(LLAMA_CPP_15B, 0.3, 7, probe_every=100) == 0
+    assert _choice(LLAMA_CPP_15B, 0.95, 7) > 0
+
+
+@pytest.mark.parametrize("alpha, expected", [(0.49, 0), (0.51, 1)])
+def test_the_break_even_by_hand(alpha, expected):
+    # C(1) = 1 s, C(2) = 1.5 s: drafting one token gives (1 + α) / 1.5 tokens per second against 1: α = 0.5.
+    assert _choice(ForwardCosts({1: 1.0, 2: 1.5}), alpha, 1, probe_every=100) == expected
+
+
+@pytest.mark.parametrize("alpha, expected", [(0.74, 0), (0.76, 1)])
+def test_the_break_even_with_a_draft_cost_by_hand(alpha, expected):
+    # plus 0.25 s per drafted token: (1 + α) / 1.75 = 1 at α = 0.75.
+    assert _choice(ForwardCosts({1: 1.0, 2: 1.5}), alpha, 1, draft_node_s=0.25, probe_every=100) == expected
+
+
+@pytest.mark.parametrize("c3, expected", [(1.6, 1), (1.4, 2)])
+def test_acceptance_by_depth_prices_each_depth(c3, expected):
+    # α_1 = 0.9, α_2 = 0.5: E(1) = 1.9, E(2) = 1 + 0.9 + 0.45 = 2.35. C = 1, 1.2, c3: rates 1, 1.583, 2.35 / c3
+    # (1.469 at 1.6: one token; 1.679 at 1.4: two).
+    policy = SpeculationCostPolicy(ForwardCosts({1: 1.0, 2: 1.2, 3: c3}), prior=0.5, probe_every=100)
+    depths = policy.acceptance()
+    depths.accepted[:], depths.trials[:] = [9.0, 5.0], [10.0, 10.0]  # 9 of 10 at depth 1, 5 of 10 at depth 2
+    assert policy.expected_tokens(2) == pytest.approx(2.35)
+    assert policy.controller(2).round_cap() == expected
+
+
+def test_uniform_acceptance_agrees_with_the_linear_cost_model():
+    """With one α at every depth the chain's choice is engine.cost_model's (Leviathan et al.'s formula)."""
+    model = DraftCostModel(LLAMA_CPP_15B, draft_step_s=0.004, max_tokens=7)
+    for alpha in (0.5, 0.7, 0.8, 0.9, 0.95, 0.99):
+        policy = SpeculationCostPolicy(LLAMA_CPP_15B, draft_node_s=0.004, prior=alpha, probe_every=1000)
+        assert policy.controller(7).round_cap() == model.best_length(alpha), alpha
+
+
+def test_depth_estimates_count_successes_to_the_first_rejection():
+    depths = DepthAcceptance(prior=0.5, prior_weight=2.0, decay=0.9)
+    depths.update(3, 1)  # depth 1 accepted, depth 2 rejected, depth 3 never reached
+    assert depths.alpha(1) == pytest.approx((0.9 * 1.0 + 1) / (0.9 * 2.0 + 1))
+    assert depths.alpha(2) == pytest.approx(0.9 * 1.0 / (0.9 * 2.0 + 1))
+    assert depths.alpha(3) == 0.5  # the prior
+    depths.update(2, 2)  # both accepted: no failure recorded past the block
+    assert depths.alpha(2) > 0.9 * 1.0 / (0.9 * 2.0 + 1)
+    assert len(depths.by_depth()) == 2
+    assert depths.expected_accepted(2) == pytest.approx(depths.alpha(1) * (1 + depths.alpha(2)))
+    with pytest.raises(InvalidArgumentError, match="got 3 of 2"):
+        depths.update(2, 3)
+
+
+class _Drafter:
+    def __init__(self, with_model: bool) -> None:
+        self.supports_exit_policy = with_model
+
+
+@pytest.mark.parametrize("with_model, prior", [(False, PROMPT_LOOKUP_PRIOR), (True, DRAFT_MODEL_PRIOR)])
+def test_the_prior_is_the_drafters_measured_one_and_costs_are_measured_once(with_model, prior):
+    asked = []
+
+    def measure(widths):
+        asked.append(tuple(widths))
+        return {w: 0.01 * (1 + w) for w in widths}
+
+    policy = SpeculationCostPolicy()
+    policy.calibrate(measure, 9, _Drafter(with_model))
+    assert policy.acceptance().alpha(1) == prior
+    assert asked == [calibration_widths(9)] == [(1, 2, 3, 5, 9)]
+    policy.calibrate(measure, 6, _Drafter(not with_model))  # narrower: nothing new to time, the prior stays
+    assert len(asked) == 1 and policy.acceptance().alpha(1) == prior
+    assert policy.seconds(3) == pytest.approx(0.05)  # C(4), halfway between C(3) = 0.04 and C(5) = 0.06
+    assert SpeculationCostPolicy(prior=0.3).acceptance().alpha(1) == 0.3  # a prior given wins
+
+
+def test_a_plain_step_probes_one_token_until_a_round_drafts():
+    controller = SpeculationCostPolicy(LLAMA_CPP_15B, prior=0.2, probe_every=4).controller(7)
+    chosen = [controller.round_cap() for _ in range(4)]
+    assert chosen == [0, 0, 0, 1] and controller.num_probes == 1
+    controller.record_round(1, 0, 0.03)  # the drafter had nothing: no evidence, the probe stays due
+    assert controller.round_cap() == 1
+    controller.record(1, 1, 1)
+    controller.record_round(1, 1, 0.05, depth=1)
+    assert controller.policy.acceptance().alpha(1) > 0.2
+    assert controller.round_cap() == 0  # (0.2·2·0.9 + 1) / (2·0.9 + 1) = 0.49: still below break-even
+
+
+def test_a_chain_probes_one_deeper_than_its_best():
+    policy = SpeculationCostPolicy(ForwardCosts({1: 1.0, 2: 1.2, 3: 2.0, 8: 8.0}), prior=0.9, probe_every=5)
+    controller = policy.controller(7)
+    best = policy.controller(7).round_cap()
+    chosen = [controller.round_cap() for _ in range(10)]
+    assert 0 < best < 7
+    assert chosen == [best] * 4 + [best + 1] + [best] * 4 + [best + 1]
+
+
+def test_no_drafting_where_nothing_could_pay():
+    costs = ForwardCosts({1: 1.0, 2: 2.5})  # a second token costs 1.5 steps: even α = 1 gives 2 / 2.5
+    controller = SpeculationCostPolicy(costs, prior=1.0, probe_every=1).controller(1)
+    assert [controller.round_cap() for _ in range(5)] == [0] * 5 and controller.num_probes == 0
+
+
+def _tree_round(controller, size, accepted, depth=None):
+    controller.record(size, size, accepted)
+    controller.record_round(size, size, 1.0, depth=depth if depth is not None else max(1, size // 2))
+
+
+def test_trees_try_each_size_then_price_measured_acceptance_with_the_forward_costs():
+    # GPU-like: verification nearly flat. Trees accept min(n, 3) tokens: 4 nodes has the best rate
+    # (4 / 1.08 against 4 / 1.16 for 8).
+    policy = SpeculationCostPolicy(ForwardCosts({1: 1.0, 65: 2.28}), prior=0.5, probe_every=4)
+    controller = policy.controller(8)
+    first = controller.round_cap()  # chain mode first: its choice, then a tree is seen
+    _tree_round(controller, first, min(first, 3))
+    assert policy.trees and controller.sizes == [0, 1, 2, 4, 8]
+    chosen = []
+    for _ in range(40):
+        size = controller.round_cap()
+        chosen.append(size)
+        if size:
+            _tree_round(controller, size, min(size, 3))
+    # 8 was tried; 1 never: even accepting its node (2 tokens in 1.02 s) it cannot beat 4 (4 tokens in 1.08 s).
+    assert set(policy.tree_accepted.means) >= {4, 8} and 1 not in policy.tree_accepted.means
+    later = chosen[10:]
+    assert later.count(4) >= len(later) - len(later) // 4 - 1  # the best, but for the probes
+    assert set(later) - {4} <= {2, 8}  # probes are the neighbours
+
+
+def test_a_tree_size_that_cannot_win_is_not_tried():
+    # CPU-like: C(w) = w steps. A tree of 8 nodes could at best give 9 tokens in 9 steps (1 per step),
+    # never more than a measured 2-node tree accepting 2 (3 tokens in 3 steps): skipped.
+    policy = SpeculationCostPolicy(ForwardCosts({1: 1.0, 2: 2.0}), prior=0.5, probe_every=1000)
+    policy.trees = True
+    for size in (1, 2, 4):
+        policy.tree_accepted.add(size, float(min(size, 2)) + 0.5)
+    controller = policy.controller(8)
+    assert controller.round_cap() != 8
+
+
+class _Recording(RoundController):
+    """A controller that keeps the protocol's default ``record_round``; the engine must call it."""
+
+    exit = None
+    gate = None
+
+    def __init__(self, log) -> None:
+        self.max_tokens, self.log = 4, log
+
+    @property
+    def gated(self) -> bool:
+        return False
+
+    def round_cap(self) -> int:
+        return 4
+
+    def record(self, cap, num_drafted, num_accepted) -> None:
+        self.log.append(("record", num_drafted))
+
+    def record_round(self, cap, num_drafted, seconds, *, draft_seconds=0.0, depth=None) -> None:
+        self.log.append(("round", num_drafted, depth))
+        super().record_round(cap, num_drafted, seconds, draft_seconds=draft_seconds, depth=depth)
+
+
+class _Policy(DraftPolicy):
+    adaptive_exit = False
+    active = True
+
+    def __init__(self) -> None:
+        self.log, self.calibrations = [], []
+
+    def controller(self, gamma):
+        return _Recording(self.log)
+
+    def calibrate(self, measure, max_width, drafter):
+        self.calibrations.append((max_width, dict(measure([1, max_width]))))
+
+
+def test_the_engine_calls_the_protocol_every_round_and_calibrates_once():
+    target = make_tiny_model("llama", seed=3)
+    prompt = [5, 9, 12, 7, 5, 9, 12, 7, 5, 9]
+    config = GenerationConfig(max_new_tokens=12, num_speculative_tokens=4, stop_on_eos=False)
+    policy = _Policy()
+    dec = SpeculativeDecoder(target, TokenRecyclingDrafter(max_nodes=4), draft_control=policy)
+    result = dec.generate(prompt, config)
+    rounds = [e for e in policy.log if e[0] == "round"]
+    assert len(rounds) == result.stats.num_target_forwards >= 1
+    assert all((e[2] is None) if e[1] == 0 else (1 <= e[2] <= e[1]) for e in rounds)  # depth <= nodes
+    assert any(e[1] > 0 and e[2] < e[1] for e in rounds)  # a tree was reported with its depth
+    assert [e[1] for e in policy.log if e[0] == "record"] == [e[1] for e in rounds if e[1]]  # record, then the round
+    assert len(policy.calibrations) == 1 and set(policy.calibrations[0][1]) == {1, 5}
+    assert all(s > 0 for s in policy.calibrations[0][1].values())
+    # The protocol's default is a no-op: a controller that does not override it runs.
+    assert RoundController.record_round(object(), 1, 1, 0.1) is None
+    assert DraftPolicy.calibrate(object(), lambda w: {}, 2, None) is None
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = make_tiny_model("llama", seed=21)
+    return target, perturbed_copy(target, noise=0.3, seed=2)
+
+
+@pytest.mark.parametrize("method", ["prompt-lookup", "draft", "token-recycling"])
+def test_greedy_output_equals_target_only_with_the_cost_model(pair, method):
+    target, draft = pair
+    prompts = [[5, 9, 12, 7, 5, 9, 12, 7, 5, 9], [3, 30, 41, 8, 11, 3, 30, 41]]
+    config = GenerationConfig(max_new_tokens=30, num_speculative_tokens=6, stop_on_eos=False)
+    plain = SpeculativeDecoder(target)
+    make = {"prompt-lookup": PromptLookupDrafter, "draft": lambda: DraftModelDrafter(draft),
+            "token-recycling": lambda: TokenRecyclingDrafter(max_nodes=6)}[method]
+    control = DraftControl(length_schedule="cost-model")
+    dec = SpeculativeDecoder(target, make(), draft_control=control)
+    drafted = 0
+    for prompt in prompts:
+        result = dec.generate(prompt, config)
+        assert result.token_ids == plain.generate(prompt, config).token_ids
+        drafted += result.stats.num_drafted_tokens
+    assert drafted > 0  # the cost model drafted (a tiny model's verification is nearly flat)
+    policy = control.cost_policy
+    assert policy.target_costs is not None and 1 in policy.target_costs.seconds
+    if method != "token-recycling":
+        assert not policy.trees and policy.acceptance().by_depth()  # chains measured by depth
+    # Batched, two rows at once: each row's output is its own target-only output.
+    batched = BatchedSpeculativeDecoder(target, make(), max_batch_size=2, max_length=96, num_speculative_tokens=6,
+                                        draft_control=DraftControl(length_schedule="cost-model"))
+    for prompt, result in zip(prompts, batched.generate(prompts, config)):
+        assert result.token_ids == plain.generate(prompt, config).token_ids
+
+
+def test_the_control_is_refused_with_adaptive_exit_or_a_gate():
+    with pytest.raises(InvalidArgumentError, match="cost-model"):
+        DraftControl(length_schedule="cost-model", adaptive_exit=True)
+    with pytest.raises(InvalidArgumentError, match="cost-model"):
+        DraftControl(length_schedule="cost-model", confidence_gate=0.5)
+    assert isinstance(DraftControl(length_schedule="cost-model").controller(3), SpeculationCostController)
+    assert DraftControl().cost_policy is None
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: SpeculationCostPolicy(prior=1.5), "prior must be in"),
+    (lambda: SpeculationCostPolicy(probe_every=0), "probe_every must be an integer >= 1, got 0"),
+    (lambda: SpeculationCostPolicy(draft_node_s=-1.0), "draft_node_s must be finite seconds >= 0"),
+    (lambda: SpeculationCostPolicy().controller(0), "max_tokens must be an integer >= 1, got 0"),
+    (lambda: calibration_widths(0), "max_width must be an integer >= 1, got 0"),
+])
+def test_bad_values_are_refused_with_their_range(make, message):
+    with pytest.raises(InvalidArgumentError, match=message):
+        make()
+
+
+def test_on_the_fast_path_each_bucket_is_timed_and_widths_between_take_its_cost(pair):
+    """The fast path's target buckets are widths 1 and γ + 1: a verification of 2..γ + 1 tokens runs the
+    widest, so the cost model sees one cost for all of them (and drafts γ or nothing)."""
+    target, _ = pair
+    prompt = [5, 9, 12, 7, 5, 9, 12, 7, 5, 9]
+    config = GenerationConfig(max_new_tokens=20, num_speculative_tokens=4, stop_on_eos=False)
+    expected = SpeculativeDecoder(target).generate(prompt, config).token_ids
+    control = DraftControl(length_schedule="cost-model")
+    engine = BatchedSpeculativeDecoder(target, PromptLookupDrafter(), max_batch_size=1, max_length=64,
+                                       num_speculative_tokens=4, draft_control=control, compile=True, graphs=False)
+    assert engine.runner.widths == (1, 5)
+    assert engine.generate([prompt], config)[0].token_ids == expected
+    costs = control.cost_policy.target_costs.seconds
+    assert sorted(costs) == [1, 2, 3, 5] and costs[2] == costs[3] == costs[5]  # calibration_widths(5)
