@@ -19,7 +19,7 @@ from helpers import run_generate
 from runner_target_helpers import PROMPT, TorchBackedModel, llama_cpp_greedy
 from specdecode import GenerationConfig, SpeculativeGenerator
 from specdecode.drafters.control import DraftControl
-from specdecode.engine.cost_model import CostModelPolicy
+from specdecode.engine.speculation_cost import SpeculationCostPolicy
 from specdecode.errors import InvalidArgumentError, ModelNotFoundError
 from specdecode.models import LoadedModel
 from specdecode.models.llama_cpp_target import LlamaCppTargetRunner
@@ -97,7 +97,7 @@ def test_prompt_lookup_takes_its_draft_length_from_measured_costs(gen, caplog):
     runner = gen.target.model
     with caplog.at_level("INFO", logger="specdecode"):
         decoder = gen.decoder("prompt-lookup")
-    assert isinstance(decoder.draft_control, CostModelPolicy) and list(runner.forward_costs) == [1, 2, 4, 8]
+    assert isinstance(decoder.draft_control, SpeculationCostPolicy) and list(runner.forward_costs) == [1, 2, 4, 8]
     assert "draft length from measured costs of the target model (1 tok" in caplog.text
     assert gen.decoder("autoregressive").draft_control is None
     given = DraftControl(length_schedule="heuristic")

@@ -20,7 +20,8 @@ from runner_target_helpers import PROMPT, TorchBackedModel, llama_cpp_greedy
 from specdecode import GenerationConfig, SpeculativeGenerator
 from specdecode.drafters import CascadeDrafter, DraftModelDrafter
 from specdecode.drafters.control import DraftControl
-from specdecode.engine.cost_model import DRAFT_MODEL_PRIOR, PROMPT_LOOKUP_PRIOR, CostModelPolicy
+from specdecode.engine.cost_model import DRAFT_MODEL_PRIOR, PROMPT_LOOKUP_PRIOR
+from specdecode.engine.speculation_cost import SpeculationCostPolicy
 from specdecode.errors import VocabularyMismatchError
 from specdecode.models import LoadedModel
 from specdecode.models.llama_cpp_target import LlamaCppTargetRunner
@@ -65,12 +66,13 @@ def test_the_measured_cost_policy_charges_the_draft_step(tiny, caplog):
     with caplog.at_level("INFO", logger="specdecode"):
         policy = gen.decoder("draft").draft_control
     runner = gen.llama_cpp_draft_runner()
-    assert isinstance(policy, CostModelPolicy) and list(runner.forward_costs) == [1]
-    assert policy.model.draft_step_s == runner.forward_costs[1] > 0 and policy.prior == DRAFT_MODEL_PRIOR
+    assert isinstance(policy, SpeculationCostPolicy) and list(runner.forward_costs) == [1]
+    assert policy.draft_node_s == runner.forward_costs[1] > 0 and policy.prior == DRAFT_MODEL_PRIOR
+    assert policy.node_cost() == runner.forward_costs[1]  # fixed: not the measured seconds of propose
     assert "the llama.cpp draft model's step" in caplog.text
-    assert gen.decoder("cascade").draft_control.model.draft_step_s == runner.forward_costs[1]  # measured once
+    assert gen.decoder("cascade").draft_control.draft_node_s == runner.forward_costs[1]  # measured once
     lookup = gen.decoder("prompt-lookup").draft_control
-    assert lookup.model.draft_step_s == 0.0 and lookup.prior == PROMPT_LOOKUP_PRIOR
+    assert lookup.draft_node_s == 0.0 and lookup.prior == PROMPT_LOOKUP_PRIOR
 
 
 # ---------------------------------------------------------------------------------------------

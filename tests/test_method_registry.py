@@ -132,11 +132,11 @@ def test_the_tree_drafters_are_built_with_their_options(generator):
     """"prompt-lookup" takes its branches (a token tree); "token-recycling" is one drafter per generator,
     with one measured size policy (both learn across requests)."""
     from specdecode.drafters.token_recycling import TokenRecyclingDrafter
-    from specdecode.engine.tree_cost import MeasuredSizePolicy
+    from specdecode.engine.speculation_cost import SpeculationCostPolicy
 
     assert generator.make_drafter("prompt-lookup", prompt_lookup_branches=3).branches == 3
     assert generator.make_drafter("prompt-lookup").branches == 1
     first, second = generator.decoder("token-recycling"), generator.decoder("token-recycling")
     assert isinstance(first.drafter, TokenRecyclingDrafter) and first.drafter is second.drafter
-    assert isinstance(first.draft_control, MeasuredSizePolicy) and first.draft_control is second.draft_control
+    assert isinstance(first.draft_control, SpeculationCostPolicy) and first.draft_control is second.draft_control
     assert method_registry.refused_option("prompt-lookup", {"prompt_lookup_branches": 2}) is None

@@ -54,7 +54,7 @@ from specdecode.engine.batched import BatchedSpeculativeDecoder
 from specdecode.engine.decoder import GenerationResult, GenerationStream, SpeculativeDecoder
 from specdecode.engine.fast_path import ModelRunner, resolve_compile
 from specdecode.engine.runner_target import measured_cost_policy
-from specdecode.engine.tree_cost import MeasuredSizePolicy
+from specdecode.engine.speculation_cost import SpeculationCostPolicy
 from specdecode.errors import InvalidArgumentError
 from specdecode.method_registry import DrafterOptions
 from specdecode.models import LoadedModel, check_vocabularies, load_model
@@ -73,6 +73,8 @@ from specdecode.models.token_frequencies import TokenFrequencies, load_or_count,
 
 logger = logging.getLogger(__name__)
 
+#: Rounds between two probes of "token-recycling"'s tree-size policy (as its measured-size policy had).
+TOKEN_RECYCLING_PROBE_EVERY = 8
 
 
 class SpeculativeGenerator:
@@ -108,7 +110,7 @@ class SpeculativeGenerator:
         #: The "token-recycling" drafter and its tree-size policy, one per generator (its adjacency matrix
         #: and the measured costs of its sizes learn across requests).
         self.token_recycler = None
-        self.size_policy: MeasuredSizePolicy | None = None
+        self.size_policy: SpeculationCostPolicy | None = None
         self._token_frequencies: TokenFrequencies | None = None
         # The target's fast-path settings and one-row engine, kept for the generator's life so
         # later decoders share its cache and compiled buckets: compile -> runner.
@@ -504,15 +506,16 @@ class SpeculativeGenerator:
 
     def _measured_policy(self, method: str, draft_control, drafter):
         """``draft_control``, or where none is given (and a drafter): for "token-recycling" the tree size
-        from this generator's measured rounds (``engine.tree_cost.MeasuredSizePolicy``, one per
-        generator, so what it learned carries over); for a llama.cpp target the draft length from
+        from the cost model (``engine.speculation_cost.SpeculationCostPolicy``: target forwards calibrated
+        by the engine, trees priced by their measured accepted tokens per size; one per generator, so what
+        it learned carries over); for a llama.cpp target the draft length from
         measured costs: the target's and, for methods with a draft model, the llama.cpp draft's
         one-token forward (``measured_cost_policy``)."""
         if draft_control is not None or drafter is None:
             return draft_control
         if method == "token-recycling":
             if self.size_policy is None:
-                self.size_policy = MeasuredSizePolicy()
+                self.size_policy = SpeculationCostPolicy(probe_every=TOKEN_RECYCLING_PROBE_EVERY)
             return self.size_policy
         if self.backend != "llama-cpp":
             return draft_control

@@ -189,7 +189,7 @@ def test_our_methods_give_llama_cpp_s_own_greedy_tokens(llama_gen, tiny_gguf, tm
     for name in REFERENCES:
         about = results["methods"][name]
         assert (about["gguf_file"], about["n_threads"], about["kv_cache_type"]) == (str(tiny_gguf), 1, "f16")
-    assert results["methods"]["prompt-lookup"]["draft_control"]["policy"] == "CostModelPolicy"
+    assert results["methods"]["prompt-lookup"]["draft_control"]["policy"] == "SpeculationCostPolicy"
     assert results["methods"]["autoregressive"]["backend"] == "llama-cpp"
     ident = results["identity"]
     assert (ident["backend"], ident["gguf_file"], ident["n_threads"], ident["kv_cache_type"]) == (

@@ -20,7 +20,7 @@ from conftest import make_tiny_model, make_tiny_tokenizer
 from runner_target_helpers import PROMPT, TorchBackedModel, llama_cpp_greedy
 from specdecode import GenerationConfig, PromptLookupDrafter, SpeculativeDecoder
 from specdecode.engine.batched import BatchedSpeculativeDecoder
-from specdecode.engine.cost_model import CostModelPolicy
+from specdecode.engine.speculation_cost import SpeculationCostPolicy
 from specdecode.engine.runner_target import RunnerTargetCache, is_runner_target, measured_cost_policy
 from specdecode.errors import InvalidArgumentError
 from specdecode.models.llama_cpp_target import LlamaCppTargetRunner
@@ -133,10 +133,10 @@ def test_measuring_the_costs_takes_a_stream_over(backed):
 
 def test_the_cost_policy_comes_from_measured_costs(backed):
     policy = measured_cost_policy(backed, max_tokens=5, context_tokens=20)
-    assert isinstance(policy, CostModelPolicy) and list(backed.forward_costs) == [1, 2, 4, 8]
-    assert policy.model.max_tokens == 5 and policy.model.draft_step_s == 0.0
+    assert isinstance(policy, SpeculationCostPolicy) and list(backed.forward_costs) == [1, 2, 4, 8]
+    assert policy.max_size == 5 and policy.draft_node_s == 0.0 and policy.controller(8).max_tokens == 5
     costs = dict(backed.forward_costs)
-    assert measured_cost_policy(backed).model.target.seconds == costs  # measured once
+    assert measured_cost_policy(backed).target_costs.seconds == costs  # measured once
     config = GenerationConfig(max_new_tokens=24, num_speculative_tokens=5, stop_on_eos=False)
     expected = _generate(backed, None, config).token_ids
     got = SpeculativeDecoder(backed, PromptLookupDrafter(3), draft_control=policy).generate(PROMPT, config)

@@ -153,7 +153,7 @@ def test_server_runs_the_llama_cpp_target_one_row_with_prompt_lookup_from_measur
     assert decoder.max_batch_size == 1
     assert type(decoder.target).__name__ == "LlamaCppTargetRunner"
     assert type(decoder.drafter).__name__ == "PromptLookupDrafter"
-    assert type(decoder.draft_control).__name__ == "CostModelPolicy"  # as generate --backend llama-cpp drafts
+    assert type(decoder.draft_control).__name__ == "SpeculationCostPolicy"  # as generate --backend llama-cpp drafts
     assert list(decoder.target.forward_costs) == [1, 2, 4, 8]
 
 

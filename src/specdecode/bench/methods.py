@@ -322,12 +322,11 @@ def _describe_control(control) -> dict:
     if isinstance(control, DraftControl):
         return dataclasses.asdict(control)
     out: dict[str, Any] = {"policy": type(control).__name__}
-    model = getattr(control, "model", None)
-    costs = getattr(getattr(model, "target", None), "seconds", None)
-    if costs:
+    costs = getattr(getattr(control, "target_costs", None), "seconds", None)
+    if costs:  # a SpeculationCostPolicy's (calibrated by the engine unless a llama.cpp target's, given)
         out["forward_costs_s"] = {str(w): float(v) for w, v in costs.items()}
-        out["draft_step_s"] = getattr(model, "draft_step_s", None)
-        out["max_tokens"] = getattr(model, "max_tokens", None)
+        out["draft_step_s"] = getattr(control, "draft_node_s", None)
+        out["max_tokens"] = getattr(control, "max_size", None)
     for name in ("prior", "prior_weight", "decay", "probe_every"):
         if isinstance(getattr(control, name, None), (int, float)):
             out[name] = getattr(control, name)

@@ -22,8 +22,8 @@ Drafters bind as to a torch target: prompt lookup, and a draft model run by llam
 sequence: the llama.cpp draft beside the llama.cpp target, ``backend="llama-cpp"`` with a draft).
 
 Where verification is far from flat (llama.cpp on a CPU), each round drafts as many tokens as
-the measured costs say pay (``measured_cost_policy``: ``engine.cost_model.CostModelPolicy`` on
-the target's ``measure_forward_costs`` and, for a draft model, its one-token forward).
+the measured costs say pay (``measured_cost_policy``: ``engine.speculation_cost.SpeculationCostPolicy``
+on the target's ``measure_forward_costs`` and, for a draft model, its one-token forward).
 """
 
 from __future__ import annotations
@@ -34,15 +34,9 @@ from collections.abc import Sequence
 
 import torch
 
-from specdecode.engine.cost_model import (
-    DRAFT_MODEL_PRIOR,
-    MEASURED_WIDTHS,
-    PROMPT_LOOKUP_PRIOR,
-    CostModelPolicy,
-    DraftCostModel,
-    ForwardCosts,
-)
+from specdecode.engine.cost_model import DRAFT_MODEL_PRIOR, MEASURED_WIDTHS, PROMPT_LOOKUP_PRIOR, ForwardCosts
 from specdecode.engine.protocol import TargetRunnerProtocol
+from specdecode.engine.speculation_cost import SpeculationCostPolicy
 from specdecode.errors import InvalidArgumentError
 
 logger = logging.getLogger(__name__)
@@ -215,30 +209,35 @@ def runner_target_parts(target, max_batch_size: int, max_length: int, compile: b
 
 
 def measured_cost_policy(target, max_tokens: int = MEASURED_WIDTHS[-1] - 1, context_tokens: int = 256,
-                         draft_runner=None, prior: float | None = None) -> CostModelPolicy:
-    """The draft policy on ``target``: a ``CostModelPolicy`` on its forward costs, measured once at
-    warm-up (kept as ``target.forward_costs``) and logged, and on the drafter's cost per token.
+                         draft_runner=None, prior: float | None = None) -> SpeculationCostPolicy:
+    """The draft policy on ``target``: a ``SpeculationCostPolicy`` on its forward costs, measured once in
+    llama.cpp at warm-up (kept as ``target.forward_costs``; the engine's ``calibrate`` then times
+    nothing more, as ``max_size`` keeps every verification within the widths measured) and logged,
+    and on the drafter's fixed cost per token (``draft_node_s``).
 
     Args:
         target: The target (``TargetRunnerProtocol``).
-        max_tokens: The longest draft the model considers (the widest measured forward is
-            ``MEASURED_WIDTHS[-1]`` = max_tokens + 1 tokens); a generation's γ caps it too.
+        max_tokens: The longest draft the policy considers (its ``max_size``; the widest measured
+            forward is ``MEASURED_WIDTHS[-1]`` = max_tokens + 1 tokens); a generation's γ caps it too.
         context_tokens: Positions of the context the costs are measured after (a prompt's size:
             attention grows with it).
         draft_runner: The draft model's one-sequence runner (``LlamaCppTargetRunner`` of the
             llama.cpp draft, for "draft" and "cascade"), or None for a drafter that costs nothing
             (prompt lookup). Its one-token forward after the same context is measured once (kept
-            as its ``forward_costs``) and is the cost per drafted token (``draft_step_s``): a round
+            as its ``forward_costs``) and is the cost per drafted token (``draft_node_s``): a round
             of k drafted tokens runs k draft forwards, the first of 1-2 tokens (the cascade's
             n-gram tokens cost less; it is charged as a draft model, the cautious side).
         prior: α before any round; None: ``DRAFT_MODEL_PRIOR`` with ``draft_runner``, else
             ``PROMPT_LOOKUP_PRIOR`` (``engine.cost_model``, "The prior").
 
+    The policy learns α by depth across the generations that use it (one decoder's); it probes a
+    token every ``probe_every`` plain steps until a round drafts (``SpeculationCostController``).
+
     The measurements take the target's (and the draft's) memory over: a generation streaming on
     it then stops with ``GenerationStream``'s "taken over" error.
 
     Raises:
-        InvalidArgumentError: As ``TargetRunnerProtocol.measure_forward_costs`` and ``DraftCostModel``.
+        InvalidArgumentError: As ``TargetRunnerProtocol.measure_forward_costs`` and ``SpeculationCostPolicy``.
     """
     if not target.forward_costs:
         context = [(100 + i) % target.vocab_size for i in range(context_tokens)]
@@ -255,10 +254,10 @@ def measured_cost_policy(target, max_tokens: int = MEASURED_WIDTHS[-1] - 1, cont
     if prior is None:
         prior = DRAFT_MODEL_PRIOR if draft_runner is not None else PROMPT_LOOKUP_PRIOR
     costs = ForwardCosts(dict(target.forward_costs))
-    model = DraftCostModel(costs, draft_step_s=draft_step_s, max_tokens=max_tokens)
+    policy = SpeculationCostPolicy(costs, draft_node_s=draft_step_s, prior=prior, max_size=max_tokens)
     logger.info("draft length from measured costs of the %s (%s; a drafted token %.1f ms%s): break-even acceptance "
                 "%s; prior %.2f", target.name, ", ".join(f"{w} tok {s * 1e3:.1f} ms" for w, s in costs.seconds.items()),
                 draft_step_s * 1e3, f", the {draft_runner.name}'s step" if draft_runner is not None else "",
                 ", ".join(f"k={k}: {a:.2f}" if a is not None else f"k={k}: never"
-                          for k, a in ((k, model.break_even(k)) for k in range(1, min(max_tokens, 4) + 1))), prior)
-    return CostModelPolicy(model, prior=prior)
+                          for k, a in ((k, policy.break_even(k)) for k in range(1, min(max_tokens, 4) + 1))), prior)
+    return policy

@@ -70,7 +70,7 @@ import logging
 import math
 from collections.abc import Sequence
 
-from specdecode.engine.cost_model import DRAFT_MODEL_PRIOR, PROMPT_LOOKUP_PRIOR, ForwardCosts
+from specdecode.engine.cost_model import DRAFT_MODEL_PRIOR, PROMPT_LOOKUP_PRIOR, ForwardCosts, expected_tokens
 from specdecode.engine.protocol import DraftPolicy, Drafter, MeasureForwards, RoundController
 from specdecode.engine.tree_cost import SIZES
 from specdecode.errors import InvalidArgumentError
@@ -222,6 +222,9 @@ class SpeculationCostPolicy(DraftPolicy):
         prior_weight, decay: As ``DepthAcceptance``.
         size_decay: As ``SizeMeans`` (trees' accepted tokens, the measured seconds per node).
         probe_every: Rounds between two probes (>= 1).
+        max_size: The largest size considered (>= 1; a generation's γ caps it too), and the widest
+            verification calibrated is max_size + 1; None: γ (the llama.cpp target: 7, the widest
+            of its measured widths less one, so no cost is extrapolated).
 
     Attributes:
         adaptive_exit: False. ``trees``: whether the drafter's rounds were trees.
@@ -237,17 +240,20 @@ class SpeculationCostPolicy(DraftPolicy):
 
     def __init__(self, target_costs: ForwardCosts | None = None, draft_node_s: float | None = None,
                  prior: float | None = None, prior_weight: float = 2.0, decay: float = 0.9, size_decay: float = 0.8,
-                 probe_every: int = 16) -> None:
+                 probe_every: int = 16, max_size: int | None = None) -> None:
         if target_costs is not None and not isinstance(target_costs, ForwardCosts):
             raise InvalidArgumentError(f"target_costs must be a ForwardCosts or None, got {target_costs!r}")
         if draft_node_s is not None:
             _check_seconds("draft_node_s", draft_node_s)
         _check_count("probe_every", probe_every, 1)
+        if max_size is not None:
+            _check_count("max_size", max_size, 1)
         DepthAcceptance(0.5 if prior is None else prior, prior_weight, decay)  # validates them
         self.target_costs = target_costs
         self.draft_node_s = draft_node_s
         self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
         self.probe_every = probe_every
+        self.max_size = max_size
         self.tree_accepted = SizeMeans(size_decay)
         self.node_seconds = SizeMeans(size_decay)
         self.trees = False
@@ -260,7 +266,10 @@ class SpeculationCostPolicy(DraftPolicy):
 
     def calibrate(self, measure: MeasureForwards, max_width: int, drafter: Drafter) -> None:
         """Time the target at ``calibration_widths(max_width)`` (only while it has no costs, or wider ones are
-        needed) and take the prior from ``drafter`` (only while it has none)."""
+        needed; ``max_width`` capped at ``max_size`` + 1) and take the prior from ``drafter`` (only while it
+        has none)."""
+        if self.max_size is not None:
+            max_width = min(max_width, self.max_size + 1)
         if self.depths is None:
             prior = DRAFT_MODEL_PRIOR if getattr(drafter, "supports_exit_policy", False) else PROMPT_LOOKUP_PRIOR
             self.depths = DepthAcceptance(prior, self.prior_weight, self.decay)
@@ -302,6 +311,23 @@ class SpeculationCostPolicy(DraftPolicy):
         tokens = self.expected_tokens(size)
         return None if tokens is None else tokens / self.seconds(size)
 
+    def break_even(self, k: int, tolerance: float = 1e-6) -> float | None:
+        """The smallest α, one at every depth, at which a chain of k >= 1 tokens is at least as fast as a
+        plain step (bisection; None where even α = 1 does not pay). Before calibration every width costs 1 s.
+
+        Raises:
+            InvalidArgumentError: ``k`` < 1.
+        """
+        _check_count("k", k, 1)
+        plain, seconds = 1.0 / self.seconds(0), self.seconds(k)
+        if expected_tokens(1.0, k) / seconds < plain:
+            return None
+        lo, hi = 0.0, 1.0
+        while hi - lo > tolerance:
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if expected_tokens(mid, k) / seconds >= plain else (mid, hi)
+        return hi
+
     def can_pay(self, sizes: Sequence[int]) -> bool:
         """Whether some size > 0 would beat a plain step if every drafted token were accepted."""
         plain = 1.0 / self.seconds(0)
@@ -328,8 +354,13 @@ class SpeculationCostPolicy(DraftPolicy):
             self.acceptance().update(num_drafted, num_accepted)
 
     def controller(self, gamma: int) -> SpeculationCostController:
-        """Per-generation state, sizes up to γ."""
-        return SpeculationCostController(self, gamma)
+        """Per-generation state, sizes up to γ (and ``max_size``).
+
+        Raises:
+            InvalidArgumentError: ``gamma`` < 1.
+        """
+        _check_count("max_tokens", gamma, 1)
+        return SpeculationCostController(self, gamma if self.max_size is None else min(gamma, self.max_size))
 
 
 class SpeculationCostController(RoundController):
