@@ -7,8 +7,10 @@ Qwen2.5-Coder 1.5B Q4_K_M GGUF file, 2 threads, on the first N HumanEval prompts
 the cached tokenizer of the offline model), whole prompts timed:
   plain         one forward per token (what `llama-cpp` times);
   lookup k=2    an n-gram match (3, 2, then 1 tokens) drafts up to 2 tokens every round;
-  lookup cost   the same drafter, k per round from engine.cost_model (forward costs measured at
-                warm-up on this prompt set's first prompt, running α, 0 = a plain step).
+  lookup cost   the same drafter, k per round from the cost model (engine.speculation_cost;
+                forward costs measured at warm-up on this prompt set's first prompt, running α by
+                depth from a prior of 0.5, 0 = a plain step; the 2026-11-25 record ran the linear
+                model of engine.cost_model then, one running α).
 Prints tok/s, α, and whether each output equals the plain one (Q4 batches round differently).
 """
 import sys
@@ -19,7 +21,8 @@ import torch
 from transformers import AutoTokenizer
 
 from specdecode.bench.datasets import load_prompts
-from specdecode.engine.cost_model import AcceptanceEstimate, CostModelController, DraftCostModel, ForwardCosts
+from specdecode.engine.cost_model import ForwardCosts
+from specdecode.engine.speculation_cost import SpeculationCostPolicy
 from specdecode.models.llama_cpp import LlamaCppModel, gguf_path
 from specdecode.models.llama_cpp_target import LlamaCppTargetRunner
 from specdecode.models.registry import default_cache_dir
@@ -82,12 +85,15 @@ class Fixed:
 class Cost:
     def __init__(self, controller):
         self.c = controller
+        self.k = 0
 
     def cap(self):
-        return self.c.round_cap()
+        self.k = self.c.round_cap()
+        return self.k
 
     def record(self, drafted, accepted):
-        self.c.record(0, drafted, accepted)
+        self.c.record(self.k, drafted, accepted)
+        self.c.record_round(self.k, drafted, 0.0, depth=drafted)
 
 
 if __name__ == "__main__":
@@ -103,10 +109,10 @@ if __name__ == "__main__":
     runner = LlamaCppTargetRunner(model)
     costs = dict(runner.measure_forward_costs(prompts[0], widths=(1, 2, 4, 8), repeats=5))
     print("forward ms: " + ", ".join(f"{w}: {s * 1e3:.1f}" for w, s in costs.items()), flush=True)
-    cost_model = DraftCostModel(ForwardCosts(costs), draft_step_s=0.0, max_tokens=8)
     decode(runner, prompts[0], 8, eos, Fixed(2))  # warm-up
     arms = {"plain": lambda: Fixed(0), "lookup k=2": lambda: Fixed(2),
-            "lookup cost": lambda: Cost(CostModelController(cost_model, 8, AcceptanceEstimate()))}
+            "lookup cost": lambda: Cost(SpeculationCostPolicy(ForwardCosts(costs), draft_node_s=0.0, prior=0.5,
+                                                              max_size=8).controller(8))}
     reference = {}
     for name, make in arms.items():
         total_tokens, total_s, drafted, accepted, same = 0, 0.0, 0, 0, []

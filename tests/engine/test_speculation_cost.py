@@ -13,7 +13,7 @@ from specdecode.drafters import DraftModelDrafter, PromptLookupDrafter
 from specdecode.drafters.control import DraftControl
 from specdecode.drafters.token_recycling import TokenRecyclingDrafter
 from specdecode.engine.batched import BatchedSpeculativeDecoder
-from specdecode.engine.cost_model import DRAFT_MODEL_PRIOR, PROMPT_LOOKUP_PRIOR, DraftCostModel, ForwardCosts
+from specdecode.engine.cost_model import DRAFT_MODEL_PRIOR, PROMPT_LOOKUP_PRIOR, ForwardCosts, expected_tokens
 from specdecode.engine.protocol import DraftPolicy, RoundController
 from specdecode.engine.speculation_cost import (
     DepthAcceptance,
@@ -66,11 +66,15 @@ def test_acceptance_by_depth_prices_each_depth(c3, expected):
 
 
 def test_uniform_acceptance_agrees_with_the_linear_cost_model():
-    """With one α at every depth the chain's choice is engine.cost_model's (Leviathan et al.'s formula)."""
-    model = DraftCostModel(LLAMA_CPP_15B, draft_step_s=0.004, max_tokens=7)
+    """With one α at every depth the chain's choice is the argmax of Leviathan et al.'s formula,
+    (1 - α^(k+1)) / (1 - α) over k · c + C(k + 1) (the linear cost model this one replaced)."""
+    chosen = []
     for alpha in (0.5, 0.7, 0.8, 0.9, 0.95, 0.99):
+        rates = [expected_tokens(alpha, k) / (k * 0.004 + LLAMA_CPP_15B.at(k + 1)) for k in range(8)]
         policy = SpeculationCostPolicy(LLAMA_CPP_15B, draft_node_s=0.004, prior=alpha, probe_every=1000)
-        assert policy.controller(7).round_cap() == model.best_length(alpha), alpha
+        chosen.append(policy.controller(7).round_cap())
+        assert chosen[-1] == rates.index(max(rates)), alpha
+    assert chosen[0] == 0 < chosen[-1]  # the choice changes with α (a plain step, then drafting)
 
 
 def test_depth_estimates_count_successes_to_the_first_rejection():

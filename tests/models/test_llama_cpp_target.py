@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from conftest import make_tiny_model, make_tiny_tokenizer
-from specdecode.engine.cost_model import DraftCostModel, ForwardCosts
+from specdecode.engine.cost_model import ForwardCosts
+from specdecode.engine.speculation_cost import SpeculationCostPolicy
 from specdecode.engine.kv_cache import new_cache
 from specdecode.errors import InvalidArgumentError
 from specdecode.models.llama_cpp import LlamaCppModel
@@ -180,7 +181,7 @@ def test_forward_costs_are_measured_at_warm_up(target):
     costs = target.measure_forward_costs(PROMPT * 4, widths=(1, 2, 4, 8), repeats=2)
     assert list(costs) == [1, 2, 4, 8] and all(s > 0 for s in costs.values())
     assert target.forward_costs == costs and target.num_cached == len(PROMPT) * 4  # the context is kept
-    model = DraftCostModel(ForwardCosts(costs), max_tokens=8)  # what the cost model takes
-    assert 0 <= model.best_length(0.5) <= 8
+    policy = SpeculationCostPolicy(ForwardCosts(costs), prior=0.5, max_size=7)  # what the cost model takes
+    assert 0 <= policy.controller(8).round_cap() <= 7
     with pytest.raises(InvalidArgumentError, match=r"widths must be integers >= 1, got \[0\]"):
         target.measure_forward_costs(PROMPT, widths=(0,))

@@ -156,8 +156,7 @@ MeasureForwards = Callable[[Sequence[int]], Mapping[int, float]]
 
 class DraftPolicy(Protocol):
     """A reusable draft-length policy (``specdecode.drafters.control.DraftControl``): frozen, or holding
-    estimates its generations share (``engine.speculation_cost.SpeculationCostPolicy``,
-    ``engine.tree_cost.MeasuredSizePolicy``).
+    estimates its generations share (``engine.speculation_cost.SpeculationCostPolicy``).
 
     Attributes:
         adaptive_exit: Whether ``controller`` gives an ``exit`` policy (needs a drafter

@@ -9,17 +9,22 @@ Before each round the controller chooses the draft size n (tokens of a chain, no
                  = 1 + A(n)                                (a tree of n nodes)
 
 The 1 is the target's bonus (or replacement) token. With one α for every depth the chain's
-E[tokens] is Leviathan et al. (2023)'s (1 - α^(n+1)) / (1 - α) and the choice is
-``engine.cost_model``'s (tests/engine/test_speculation_cost.py checks they agree).
+E[tokens] is Leviathan et al. (2023)'s (1 - α^(n+1)) / (1 - α) (``cost_model.expected_tokens``)
+and the choice is that formula's argmax (tests/engine/test_speculation_cost.py checks they agree).
+This is the engine's only cost model: ``DraftControl(length_schedule="cost-model")``, the
+llama.cpp target's measured-cost policy (``engine.runner_target.measured_cost_policy``) and
+"token-recycling"'s default tree size (``pipeline``) are each a ``SpeculationCostPolicy``.
 
 * **C_target(w)**, the target's forward over w tokens per row, is measured by the engine
   before its first round (``DraftPolicy.calibrate``, ``BatchedSpeculativeDecoder._measure_forwards``):
   on the fast path each compiled width bucket once (a width between two buckets runs the wider
   one and costs what it costs); eagerly at ``EAGER_WIDTHS`` up to the widest verification,
   interpolated between them (``cost_model.ForwardCosts``). On a llama.cpp target the same
-  through its runner. Measured once per policy (a policy is one drafter's, on one device), over
-  the rows of the first round: exact for one row (``SpeculativeDecoder``); a batched engine whose
-  row count changes keeps the first round's costs.
+  through its runner, or given (``measured_cost_policy``: timed in llama.cpp at
+  ``cost_model.MEASURED_WIDTHS``, with ``max_size`` keeping every verification within them).
+  Measured once per policy (a policy is one drafter's, on one device), over the rows of the first
+  round: exact for one row (``SpeculativeDecoder``); a batched engine whose row count changes
+  keeps the first round's costs.
 * **s_node**, the drafter's seconds per drafted node: a running mean of the seconds of its
   ``propose`` over the nodes it drafted (a draft model: about one forward per token; prompt
   lookup and Token Recycling: host work only), or a fixed number given (the llama.cpp draft's
@@ -33,7 +38,7 @@ E[tokens] is Leviathan et al. (2023)'s (1 - α^(n+1)) / (1 - α) and the choice 
   acceptance (``cost_model.PROMPT_LOOKUP_PRIOR`` 0.56 for drafters without a model,
   ``cost_model.DRAFT_MODEL_PRIOR`` 0.88 for drafters with one, those that give probabilities).
 * **A(n)**, a tree's expected accepted tokens at n nodes: the running mean of the tokens trees of
-  n nodes accepted (``SizeMeans``), as ``engine.tree_cost`` measures them. A tree's acceptance at
+  n nodes accepted (``SizeMeans``), at the sizes ``cost_model.SIZES`` up to γ. A tree's acceptance at
   depth d depends on its branching there, which its static shape changes with n, so one set of
   α_d cannot price every size; a mean per size needs no model of the shape and is exact for the
   shapes the drafter makes. A tree size not measured yet is tried once, unless even accepting
@@ -70,9 +75,14 @@ import logging
 import math
 from collections.abc import Sequence
 
-from specdecode.engine.cost_model import DRAFT_MODEL_PRIOR, PROMPT_LOOKUP_PRIOR, ForwardCosts, expected_tokens
+from specdecode.engine.cost_model import (
+    DRAFT_MODEL_PRIOR,
+    PROMPT_LOOKUP_PRIOR,
+    SIZES,
+    ForwardCosts,
+    expected_tokens,
+)
 from specdecode.engine.protocol import DraftPolicy, Drafter, MeasureForwards, RoundController
-from specdecode.engine.tree_cost import SIZES
 from specdecode.errors import InvalidArgumentError
 
 logger = logging.getLogger(__name__)
@@ -397,7 +407,7 @@ class SpeculationCostController(RoundController):
 
     @property
     def sizes(self) -> list[int]:
-        """The candidate sizes: 0 .. γ for a chain; ``tree_cost.SIZES`` up to γ, and γ, for a tree."""
+        """The candidate sizes: 0 .. γ for a chain; ``cost_model.SIZES`` up to γ, and γ, for a tree."""
         if self.policy.trees:
             return sorted({s for s in SIZES if s <= self.max_tokens} | {self.max_tokens})
         return list(range(self.max_tokens + 1))

@@ -15,7 +15,7 @@ decode loop what it needs of such a target, on one ``LlamaCppModel`` (``models.l
   ``starts = [start]``, for the batched round at B = 1;
 * ``measure_forward_costs(context_ids)``: seconds per forward at widths 1, 2, 4 and 8 (at
   warm-up, after a prompt-sized context), for the draft length per round
-  (``engine.cost_model``).
+  (``engine.runner_target.measured_cost_policy``: the cost model, ``engine.speculation_cost``).
 
 ``load_llama_cpp_target`` loads it for ``SpeculativeGenerator.from_pretrained(backend="llama-cpp")``:
 the target's GGUF file in llama.cpp and its tokenizer, no torch weights. A draft model beside it
