@@ -376,6 +376,7 @@ def test_generate_prompt_limit_and_context_window(tiny_folders, capsys, flags, l
                                                                "'prompt-lookup'"),
     (["--draft-tree-depth", "3", "--draft-tree-expand", "0"], "--draft-tree-expand 0 is out of range: use M in 1..64"),
     (["--draft-tree-expand", "2"], "--draft-tree-expand 2 expands a draft tree: give --draft-tree-depth D too"),
+    (["--method", "draft", "--draft-tree-depth", "3", "--adaptive-draft-exit"], "drafts a linear chain, never a tree"),
     (["--method", "cascade", "--draft-tree-depth", "3", "--draft-tree-expand", "2"],
      "--draft-tree-expand applies to --method draft (the draft model's token tree), not 'cascade'"),
 ])
@@ -395,7 +396,7 @@ def test_draft_quantize_default_is_dense_where_torch_s_int4_kernel_is_slow(monke
         monkeypatch.setattr(defaults, "cpu_capability", lambda: capability)
         assert generate_command._draft_quantize_by_default(args, torch.device("cpu")) is None
         why = defaults.why_no_int4_draft("cascade", "none", torch.device("cpu"))
-        assert f"this CPU's capability is {capability}" in why
+        assert f"this CPU's capability is {capability or 'unknown to this torch'}" in why
     monkeypatch.setattr(defaults, "cpu_capability", lambda: "AVX512")
     assert generate_command._draft_quantize_by_default(args, torch.device("cpu")) == "int4"
 

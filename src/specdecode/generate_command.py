@@ -369,6 +369,9 @@ def _check_method_options(args) -> None:
     if args.draft_tree_expand is not None and args.draft_tree_depth is None:
         raise InvalidArgumentError(f"--draft-tree-expand {args.draft_tree_expand} expands a draft tree: give "
                                    "--draft-tree-depth D too")
+    if args.draft_tree_depth is not None and getattr(args, "adaptive_draft_exit", None):
+        raise InvalidArgumentError("--draft-tree-depth with --adaptive-draft-exit: a row with an exit policy drafts a linear chain, "
+                                   "never a tree; leave one of them out")
     if args.draft_backend == "llama-cpp" and args.draft_vocab_size:
         raise InvalidArgumentError(
             f"--draft-vocab-size {args.draft_vocab_size} truncates a torch draft's LM head; --draft-backend llama-cpp "

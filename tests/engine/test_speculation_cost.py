@@ -141,6 +141,53 @@ def test_no_drafting_where_nothing_could_pay():
     assert [controller.round_cap() for _ in range(5)] == [0] * 5 and controller.num_probes == 0
 
 
+def test_a_measured_draft_cost_too_high_is_probed_again_rarely():
+    """A first round's slow draft (first-shape kernels) must not stop drafting for good: with a measured
+    s_node where no size pays, one token is tried every RARE_PROBE_FACTOR x probe_every plain steps; with a
+    fixed s_node (the llama.cpp draft's) never."""
+    from specdecode.engine.speculation_cost import RARE_PROBE_FACTOR
+
+    policy = SpeculationCostPolicy(FLAT, prior=0.9, probe_every=2)
+    controller = policy.controller(3)
+    assert controller.round_cap() == 3  # flat costs, nothing measured of the draft: the longest block
+    controller.record(3, 3, 3)
+    controller.record_round(3, 3, 100.0, draft_seconds=90.0, depth=3)  # 30 s per drafted node
+    assert not policy.can_pay(controller.sizes)
+    chosen = [controller.round_cap() for _ in range(2 * RARE_PROBE_FACTOR * 2)]
+    assert chosen.count(1) == 2 and chosen[RARE_PROBE_FACTOR * 2 - 1] == 1 and set(chosen) == {0, 1}
+    fixed = SpeculationCostPolicy(FLAT, draft_node_s=30.0, prior=0.9, probe_every=2).controller(3)
+    assert [fixed.round_cap() for _ in range(4 * RARE_PROBE_FACTOR)] == [0] * 4 * RARE_PROBE_FACTOR
+
+
+def test_sizes_stay_within_a_cap_the_engine_lowered():
+    """Where the engine gives a row less than the controller chose (its share of max_verify_tokens), the
+    controller chooses within that cap for probe_every rounds instead of choosing an unmeasured size again
+    and again; afterwards it may try the larger sizes once more."""
+    policy = SpeculationCostPolicy(ForwardCosts({1: 1.0, 65: 1.1}), prior=0.5, probe_every=4)
+    policy.trees = True
+    controller = policy.controller(16)
+    for _ in range(10):  # trees: each size tried once, smallest first, until one above 4
+        big = controller.round_cap()
+        if big > 4:
+            break
+        if big:
+            controller.record(big, big, min(big, 2))
+            controller.record_round(big, big, 1.0, depth=max(1, big // 2))
+    assert big > 4 and big not in policy.tree_accepted.means
+    controller.record(4, 4, 2)  # the engine cut it to 4
+    controller.record_round(4, 4, 1.0, depth=2)
+    assert max(controller.sizes) == 4
+    following = []
+    for _ in range(5):  # probe_every + 1 rounds under the ceiling
+        size = controller.round_cap()
+        following.append(size)
+        if size:
+            controller.record(size, size, min(size, 2))
+            controller.record_round(size, size, 1.0, depth=max(1, size // 2))
+    assert max(following) <= 4
+    assert max(controller.sizes) == 16  # the ceiling expired
+
+
 def _tree_round(controller, size, accepted, depth=None):
     controller.record(size, size, accepted)
     controller.record_round(size, size, 1.0, depth=depth if depth is not None else max(1, size // 2))

@@ -69,6 +69,7 @@ def test_tree_flags_reach_the_drafter_and_keep_the_greedy_text(folders, tmp_path
     (["--method", "draft", "--draft-tree-expand", "2"], "give --draft-tree-depth D too"),
     (["--method", "prompt-lookup", "--draft-tree-depth", "3"], "not to 'prompt-lookup'"),
     (["--method", "cascade", "--draft-tree-depth", "3", "--draft-tree-expand", "2"], "not to 'cascade'"),
+    (["--method", "draft", "--draft-tree-depth", "3", "--adaptive-draft-exit"], "drafts a linear chain, never a tree"),
 ])
 def test_bad_tree_flags_exit_2_before_loading(args, needle, capsys):
     assert main(["serve", "--target", "/nonexistent/model", *args]) == 2

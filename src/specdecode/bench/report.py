@@ -257,7 +257,7 @@ def _depths_text(rates: Sequence[float | None] | None) -> str:
 
 
 def write_reports(out_dir: str | Path, records: list[dict], info: Mapping[str, Any]) -> dict:
-    """Write results.json, results.md and the two PNGs from ``records``; returns results.json's content."""
+    """Write results.json, results.md and the PNGs from ``records``; returns results.json's content."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     records = [dict(r) for r in records]

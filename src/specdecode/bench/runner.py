@@ -94,7 +94,7 @@ def run_bench(
         prompts: Prompts with unique ids.
         methods: Methods to run (``available_methods()``); None: all whose requirements are met.
         settings: Generation settings (default ``BenchSettings()``).
-        out_dir: Results folder: records.jsonl, settings.json, results.json, results.md, two PNGs.
+        out_dir: Results folder: records.jsonl, settings.json, results.json, results.md, the PNGs.
         progress: Called as ``progress(done, total, description)`` before the first and after
             every generation; ``total`` counts the generations still to run.
         run_info: Extra JSON-ready facts stored in results.json (e.g. dataset, command line).

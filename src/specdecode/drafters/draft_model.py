@@ -196,7 +196,10 @@ class DraftModelDrafter(Drafter):
             at = [length - o for length, o in zip(lengths, offsets)]
             views = draft_views(self._samplers[:n], sequences, self.head)  # [processors]
             tree_rows = self._tree_rows(n, exits, views)
+            # The expansion's widest tree forward, 1 + M (D - 1) nodes, must fit the round's budget: the
+            # draft cache has room past a row's sequence for the verification's width only.
             if self.tree_expand is not None and all(tree_rows) and min(max_tokens) > 0 \
+                    and self.tree_expand * (self.tree_depth - 1) <= min(max_tokens) \
                     and getattr(self.runner, "takes_trees", False):
                 return self._expand(sequences, first, [a - 1 for a in at], max_tokens)
             tops = TopK(TREE_TOP_K, self.head.ids) if any(tree_rows) else None

@@ -50,8 +50,12 @@ text: a chain whose best size is 0 tries one token every ``probe_every`` plain s
 trying each round until a round has actually drafted, as a probe with nothing to draft is no
 evidence); a chain whose best size is k < γ tries k + 1 every ``probe_every`` rounds (so α_{k+1}
 is measured); a tree tries the next larger and smaller candidate size in turn every
-``probe_every`` rounds. Where no size pays even if every drafted token were accepted, it never
-drafts.
+``probe_every`` rounds. Where no size pays even if every drafted token were accepted, it drafts
+only a rare one-token probe (every ``RARE_PROBE_FACTOR`` x ``probe_every`` plain steps), and only while
+the draft cost is measured online (a cost measured once too high can fall); with a fixed draft
+cost, or none measured yet, it never drafts. Where the engine gives a row less than it chose (its
+share of ``max_verify_tokens``, the tokens left), the controller chooses within the engine's cap
+for ``probe_every`` rounds.
 
 Where this follows the literature. SpecDec++ (Huang et al. 2024, "SpecDec++: Boosting Speculative
 Decoding via Adaptive Candidate Lengths") casts the candidate length as a decision that trades
@@ -373,6 +377,11 @@ class SpeculationCostPolicy(DraftPolicy):
         return SpeculationCostController(self, gamma if self.max_size is None else min(gamma, self.max_size))
 
 
+#: Where no size can pay at a measured draft cost, one token is still tried every this many
+#: ``probe_every`` plain steps, so that a cost measured once too high (a first round's kernels) can fall.
+RARE_PROBE_FACTOR = 8
+
+
 class SpeculationCostController(RoundController):
     """The per-generation ``RoundController`` of a ``SpeculationCostPolicy``: its size each round, and probes.
 
@@ -383,7 +392,6 @@ class SpeculationCostController(RoundController):
     Attributes:
         exit, gate: None. ``max_tokens``: as given. ``last``: the latest ``round_cap``.
         num_probes: Rounds that drafted another size than the best, to measure it.
-        chosen: Every ``round_cap`` so far, in order.
 
     Raises:
         InvalidArgumentError: ``max_tokens`` < 1.
@@ -398,25 +406,34 @@ class SpeculationCostController(RoundController):
         self.max_tokens = max_tokens
         self.last = 0
         self.num_probes = 0
-        self.chosen: list[int] = []
         self._rounds = 0
         self._plain_steps = 0
         self._probe_due = False  # a chain's probe was allowed and no round has drafted since
         self._probe_up = True
         self._pending: tuple[int, int, int] | None = None
+        self._ceiling: int | None = None  # the engine's lower cap (``record_round``), for probe_every rounds
+        self._ceiling_rounds = 0
 
     @property
     def sizes(self) -> list[int]:
-        """The candidate sizes: 0 .. γ for a chain; ``cost_model.SIZES`` up to γ, and γ, for a tree."""
+        """The candidate sizes: 0 .. γ for a chain; ``cost_model.SIZES`` up to γ, and γ, for a tree. Where the
+        engine lowered the size it was given (a row's share of ``max_verify_tokens``, the tokens left), the
+        sizes stop at the engine's cap for ``probe_every`` rounds, so a size the engine cannot give is not
+        chosen, and left unmeasured, round after round."""
+        top = self.max_tokens if self._ceiling is None else min(self.max_tokens, self._ceiling)
         if self.policy.trees:
-            return sorted({s for s in SIZES if s <= self.max_tokens} | {self.max_tokens})
-        return list(range(self.max_tokens + 1))
+            return sorted({s for s in SIZES if s <= top} | {top})
+        return list(range(top + 1))
 
     def _next(self) -> tuple[int, bool]:
         """The next round's size and whether it is a probe (no state changes)."""
         policy, sizes = self.policy, self.sizes
         if not policy.can_pay(sizes):
-            return 0, False
+            # A measured draft cost may come from a slow first round (first-shape kernels): a rare probe
+            # lets it be measured again; a fixed one (the llama.cpp draft's) or none never changes.
+            rare = policy.draft_node_s is None and policy.node_seconds.get(0) is not None \
+                and self._plain_steps + 1 >= RARE_PROBE_FACTOR * policy.probe_every
+            return (1, True) if rare else (0, False)
         probe_round = (self._rounds + 1) % policy.probe_every == 0
         if policy.trees:
             best = best_size(sizes, policy.rate)
@@ -453,8 +470,11 @@ class SpeculationCostController(RoundController):
             elif best_size(self.sizes, self.policy.rate) == 0:
                 self._probe_due = True
         self._plain_steps = self._plain_steps + 1 if size == 0 else 0
+        if self._ceiling is not None:
+            self._ceiling_rounds += 1
+            if self._ceiling_rounds > self.policy.probe_every:
+                self._ceiling = None
         self.last = size
-        self.chosen.append(size)
         return size
 
     def record(self, cap: int, num_drafted: int, num_accepted: int) -> None:
@@ -474,6 +494,8 @@ class SpeculationCostController(RoundController):
         """After every round: a round that drafted feeds s_node and, with its ``record``, the acceptance
         (a chain's by depth, a tree's by size); one that drafted nothing is no evidence."""
         pending, self._pending = self._pending, None
+        if cap < self.last:  # the engine gave less than chosen: choose within its cap for a while
+            self._ceiling, self._ceiling_rounds = cap, 0
         if not num_drafted:
             return
         self.policy.observe_draft(num_drafted, draft_seconds)

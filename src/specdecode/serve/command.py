@@ -178,6 +178,9 @@ def _check_draft_options(args) -> None:
     if args.draft_tree_expand is not None and args.draft_tree_depth is None:
         raise InvalidArgumentError(f"--draft-tree-expand {args.draft_tree_expand} expands a draft tree: give "
                                    "--draft-tree-depth D too")
+    if args.draft_tree_depth is not None and args.adaptive_draft_exit:
+        raise InvalidArgumentError("--draft-tree-depth with --adaptive-draft-exit: a row with an exit policy drafts a linear chain, "
+                                   "never a tree; leave one of them out")
     for keyword, low, high in (("draft_vocab_size", 0, None), ("max_model_prompt_tokens", 0, None),
                                ("draft_context_window", 1, None), ("draft_tree_depth", 1, MAX_TREE_DEPTH),
                                ("draft_tree_expand", 1, MAX_TREE_DEPTH)):
