@@ -41,7 +41,7 @@ def test_the_draft_sees_only_the_window():
         return drafter._num_cached[0] - drafter._offsets[0]
 
     drafter.join(0, prompt[:, :-1], sampler)
-    assert held() == 5
+    assert held() == 0 and drafter.num_forwards == 0  # the draft's prefill waits for the first propose
     block = drafter.propose([LONG_PROMPT], [4])
     alone = autoregressive(draft, prompt[:, -6:], GenerationConfig(max_new_tokens=4, stop_on_eos=False))
     assert block.tokens[0, : block.num_tokens[0]].tolist() == alone
@@ -156,3 +156,41 @@ def test_long_prompt_blocks_are_prompt_lookups_at_gamma_5_even_with_adaptive_exi
     assert len(limited.stats.drafted_by_position) == 5  # the longest block had 5 tokens
     assert (limited.stats.num_drafted_tokens, limited.stats.num_accepted_tokens) == (
         lookup.stats.num_drafted_tokens, lookup.stats.num_accepted_tokens)
+
+
+def test_a_row_that_never_drafts_costs_no_draft_forward_and_a_late_one_catches_up():
+    """The draft's prefill is deferred to the row's first propose: a generation whose rounds are all plain
+    steps runs no draft forward; a row joining long before its first draft (many plain steps) catches up by
+    a chunked prefill and drafts what a drafter that saw the whole sequence from the start drafts."""
+    target = make_tiny_model("llama", num_layers=2, seed=5)
+    draft = make_tiny_model("llama", num_layers=2, seed=6)
+    sampler = Sampler(GenerationConfig(), draft.config.vocab_size, "cpu")
+    late, fresh = DraftModelDrafter(draft), DraftModelDrafter(draft)
+    late.bind(BatchKVCache(draft, 1, 128))
+    fresh.bind(BatchKVCache(draft, 1, 128))
+    late.join(0, torch.tensor([LONG_PROMPT[:6]]), sampler)  # then 18 plain steps: the sequence grows
+    assert late.num_forwards == 0
+    fresh.join(0, torch.tensor([LONG_PROMPT[:-1]]), sampler)
+    a, b = late.propose([LONG_PROMPT], [4]), fresh.propose([LONG_PROMPT], [4])
+    assert a.tokens[0, : a.num_tokens[0]].tolist() == b.tokens[0, : b.num_tokens[0]].tolist()
+    assert late.num_forwards == fresh.num_forwards  # one prefill each, then the same drafting forwards
+    cached = late._num_cached[0]
+    late.rollback([len(LONG_PROMPT)])
+    seq = LONG_PROMPT + list(range(10, 30))  # 20 tokens later (plain steps): more than CATCH_UP_TOKENS
+    c = late.propose([seq], [3])
+    again = DraftModelDrafter(draft)
+    again.bind(BatchKVCache(draft, 1, 128))
+    again.join(0, torch.tensor([seq[:-1]]), sampler)
+    d = again.propose([seq], [3])
+    assert cached > len(LONG_PROMPT) - 1
+    assert c.tokens[0, :3].tolist() == d.tokens[0, :3].tolist()
+
+
+def test_decoding_without_drafting_runs_no_draft_forward():
+    """A draft length schedule that never drafts (γ capped at 0 by the engine's remaining budget of 1 token:
+    max_new_tokens=1): the draft model is never run, not even its prefill."""
+    target = make_tiny_model("llama", num_layers=2, seed=5)
+    drafter = DraftModelDrafter(make_tiny_model("llama", num_layers=2, seed=6))
+    result = SpeculativeDecoder(target, drafter, compile=False).generate(
+        torch.tensor([LONG_PROMPT]), GenerationConfig(max_new_tokens=1, stop_on_eos=False))
+    assert len(result.token_ids) == 1 and drafter.num_forwards == 0

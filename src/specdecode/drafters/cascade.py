@@ -177,7 +177,8 @@ class CascadeDrafter(DraftModelDrafter):
         self.num_ngram_tokens = self.num_ngram_accepted = 0
 
     def join(self, slot: int, prompt_ids: torch.Tensor, sampler: Sampler) -> None:
-        """Prefill the draft model, unless the prompt is longer than ``max_model_prompt_tokens``."""
+        """Take the row: the draft model's prefill waits for the row's first round that uses the model
+        (``DraftModelDrafter._catch_up``); a prompt longer than ``max_model_prompt_tokens`` never uses it."""
         limit = self.max_model_prompt_tokens
         self._model_rows[slot] = limit is None or prompt_ids.shape[1] <= limit
         if self._model_rows[slot]:
@@ -232,6 +233,7 @@ class CascadeDrafter(DraftModelDrafter):
             return self._propose_with_model(sequences, lengths, max_tokens, uses_model, ngrams, fed, exits, exit_rule)
 
     def _propose_with_model(self, sequences, lengths, max_tokens, uses_model, ngrams, fed, exits, exit_rule):
+        self._catch_up(sequences, uses_model)
         n, device = len(sequences), self._device
         samplers, offsets = self._samplers[:n], self._offsets[:n]
         # The first forward: each drafting row's uncached tokens and fed n-gram tokens, on the right.

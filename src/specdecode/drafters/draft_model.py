@@ -8,6 +8,11 @@ with fewer new tokens than the widest re-feeds some it already holds (same keys,
 in place), so every row's write ends at its sequence length and none pads past it. Rejected
 positions are simply overwritten by the next forward (the cache is static, one slot per row).
 
+**Deferred prefill.** A joining row's draft prefill waits for its first ``propose``, where it covers
+the prompt and whatever the target emitted meanwhile (``_catch_up``): a row whose policy never
+drafts (a cost model that finds plain steps faster, a short answer) costs no draft forward at
+all, and a row back from many plain steps catches up by a chunked prefill.
+
 **Where the model runs.** A transformers model gets its own ``BatchKVCache`` (the target's
 slots and capacity) and a ``BatchRunner`` (eager, or the fast path's widths 1 and 2 at every
 rows bucket when the target's cache is on it). A GGUF draft in llama.cpp comes as a
@@ -61,6 +66,11 @@ from specdecode.engine.sampling import Sampler
 from specdecode.errors import InvalidArgumentError
 
 __all__ = ["DraftModelDrafter"]
+
+#: A row whose draft cache lacks more than this many of its tokens at a round's start (or holds none yet)
+#: catches up with a chunked prefill first (``DraftModelDrafter._catch_up``); fewer go with the round's
+#: first forward, as after a fully accepted block (2 tokens) or a tree's accepted path (its depth + 1).
+CATCH_UP_TOKENS = 16
 
 
 class DraftModelDrafter(Drafter):
@@ -157,21 +167,38 @@ class DraftModelDrafter(Drafter):
             if self.cache.fast is not None:
                 self.runner.warm_up()
 
-    @torch.inference_mode()
     def join(self, slot: int, prompt_ids: torch.Tensor, sampler: Sampler) -> None:
+        """Take the row in ``slot``; its draft prefill waits for its first ``propose`` (``_catch_up``)."""
         self.head.check_vocab(sampler.vocab_size)
         n, window = prompt_ids.shape[1], self.context_window
         self._offsets[slot] = max(0, n - window) if window is not None else 0
-        ids = prompt_ids[:, self._offsets[slot]:]
-        if self.cache is None:
-            self.runner.prefill(ids)
-        else:
-            with self.head.applied():
-                batch_prefill(self.model, self.cache, ids, slot)
-        self._num_cached[slot] = n
+        self._num_cached[slot] = self._offsets[slot]  # nothing in the draft cache yet
         self._samplers[slot] = sampler
         self._chains[slot] = None
-        self.num_forwards += 1
+
+    def _catch_up(self, sequences: list[list[int]], rows: list[bool] | None = None) -> None:
+        """Before a round's first forward: each row (of ``rows``, all when None) whose draft cache holds
+        nothing yet or lacks more than ``CATCH_UP_TOKENS`` of its tokens gets them, all but the last, by a
+        chunked prefill
+        (``batch_prefill`` from its cached length; a one-sequence runner: its ``prefill``, for a row
+        with nothing cached). So a row that never drafts costs no draft forward (the join's prefill is
+        deferred to here), and a row back from plain steps catches up in prefill chunks, not in one wide
+        forward of a width nothing was warmed up for."""
+        for b, seq in enumerate(sequences):
+            if rows is not None and not rows[b]:
+                continue
+            cached, offset, end = self._num_cached[b], self._offsets[b], len(seq) - 1
+            if end <= cached or (cached > offset and end - cached <= CATCH_UP_TOKENS):
+                continue
+            if self.cache is None:
+                if cached > offset:  # llama.cpp: the first forward feeds the rest, as before
+                    continue
+                self.runner.prefill(seq[offset:end])
+            else:
+                ids = torch.tensor([seq[offset:end]], dtype=torch.long, device=self._device)
+                batch_prefill(self.model, self.cache, ids, b, start=cached - offset)
+            self._num_cached[b] = end
+            self.num_forwards += 1
 
     @torch.inference_mode()
     def propose(self, sequences, max_tokens, exits=None, exit_rule="row") -> Draft:
@@ -179,6 +206,7 @@ class DraftModelDrafter(Drafter):
         feeds each row's tokens not yet in the draft cache (module docstring)."""
         self._forget_rejected(sequences)
         with self.head.applied():
+            self._catch_up(sequences)
             n = len(sequences)
             lengths = [len(s) for s in sequences]
             offsets = self._offsets[:n]
