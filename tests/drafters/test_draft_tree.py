@@ -353,8 +353,9 @@ def test_expansion_follows_the_drafts_second_choice_down_the_tree(arch):
     s = expanded.stats
     full = caps.count(14)  # rounds with the whole budget (later ones are cut to the tokens left)
     assert full >= 4 and s.num_accepted_tokens >= 3 * full  # 3 tokens in each of them: the most a depth-3 tree gives
-    # a round: the first feed and 2 tree forwards; + 1: the draft's prefill, deferred to the first round
-    assert s.num_draft_forwards == 3 * s.num_draft_blocks + 1
+    # a full-budget round: the first feed and 2 tree forwards; a round whose budget is below the widest
+    # tree forward (4 x 2 nodes) draws the chain's tree instead (up to 3 forwards)
+    assert 3 * full <= s.num_draft_forwards <= 3 * s.num_draft_blocks
 
 
 def test_expansion_falls_back_where_a_row_cannot_grow_a_tree():

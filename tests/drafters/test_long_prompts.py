@@ -173,7 +173,7 @@ def test_a_row_that_never_drafts_costs_no_draft_forward_and_a_late_one_catches_u
     fresh.join(0, torch.tensor([LONG_PROMPT[:-1]]), sampler)
     a, b = late.propose([LONG_PROMPT], [4]), fresh.propose([LONG_PROMPT], [4])
     assert a.tokens[0, : a.num_tokens[0]].tolist() == b.tokens[0, : b.num_tokens[0]].tolist()
-    assert late.num_forwards == fresh.num_forwards  # one prefill each, then the same drafting forwards
+    assert late.num_forwards == fresh.num_forwards  # the same drafting forwards (prefills not counted)
     cached = late._num_cached[0]
     late.rollback([len(LONG_PROMPT)])
     seq = LONG_PROMPT + list(range(10, 30))  # 20 tokens later (plain steps): more than CATCH_UP_TOKENS
@@ -187,10 +187,17 @@ def test_a_row_that_never_drafts_costs_no_draft_forward_and_a_late_one_catches_u
 
 
 def test_decoding_without_drafting_runs_no_draft_forward():
-    """A draft length schedule that never drafts (γ capped at 0 by the engine's remaining budget of 1 token:
-    max_new_tokens=1): the draft model is never run, not even its prefill."""
+    """A generation that never drafts (γ capped at 0 by the engine's remaining budget of 1 token:
+    max_new_tokens=1): the draft model is never run, not even its prefill; with 3 tokens it is."""
     target = make_tiny_model("llama", num_layers=2, seed=5)
-    drafter = DraftModelDrafter(make_tiny_model("llama", num_layers=2, seed=6))
-    result = SpeculativeDecoder(target, drafter, compile=False).generate(
-        torch.tensor([LONG_PROMPT]), GenerationConfig(max_new_tokens=1, stop_on_eos=False))
-    assert len(result.token_ids) == 1 and drafter.num_forwards == 0
+    draft = make_tiny_model("llama", num_layers=2, seed=6)
+    calls = []
+    handle = draft.register_forward_pre_hook(lambda module, args: calls.append(1))
+    try:
+        for n, runs in ((1, False), (3, True)):
+            calls.clear()
+            result = SpeculativeDecoder(target, DraftModelDrafter(draft), compile=False).generate(
+                torch.tensor([LONG_PROMPT]), GenerationConfig(max_new_tokens=n, stop_on_eos=False))
+            assert len(result.token_ids) == n and bool(calls) == runs
+    finally:
+        handle.remove()

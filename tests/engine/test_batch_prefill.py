@@ -59,11 +59,17 @@ def test_prefill_forwards_take_a_fixed_set_of_widths():
     handles = [target.register_forward_pre_hook(record("target"), with_kwargs=True),
                draft.register_forward_pre_hook(record("draft"), with_kwargs=True)]
     config = GenerationConfig(max_new_tokens=1, stop_on_eos=False)  # the prefill's token only: no round
+    # The draft's prefill waits for its first round (DraftModelDrafter._catch_up): 3 tokens, a round of a
+    # 1-token draft (a width-1 draft forward, a width-2 verification), maybe a plain step.
+    two = GenerationConfig(max_new_tokens=3, stop_on_eos=False)
     try:
         dec = BatchedSpeculativeDecoder(target, DraftModelDrafter(draft), max_batch_size=2, max_length=64,
                                         prefill_chunk_tokens=8, prefill_pad_multiple=4)
         dec.generate([[3 + i % 44 for i in range(n)] for n in range(1, 41)], config)
-        assert widths == {"target": {4, 8}, "draft": {4, 8}}
+        assert widths == {"target": {4, 8}, "draft": set()}
+        widths["target"].clear()
+        dec.generate([[3 + i % 44 for i in range(n)] for n in range(1, 41)], two)
+        assert widths["draft"] == {4, 8, 1} and widths["target"] - {1, 2} == {4, 8}
         for w in widths.values():
             w.clear()
         BatchedSpeculativeDecoder(target, max_batch_size=1, max_length=64).generate([[5] * 17, [6] * 40], config)

@@ -197,8 +197,9 @@ class DraftModelDrafter(Drafter):
             else:
                 ids = torch.tensor([seq[offset:end]], dtype=torch.long, device=self._device)
                 batch_prefill(self.model, self.cache, ids, b, start=cached - offset)
+            if cached > offset:  # a catch-up is decode work; the deferred prompt prefill is not counted
+                self.num_forwards += 1
             self._num_cached[b] = end
-            self.num_forwards += 1
 
     @torch.inference_mode()
     def propose(self, sequences, max_tokens, exits=None, exit_rule="row") -> Draft:
