@@ -138,6 +138,10 @@ class DepthAcceptance:
         self.prior, self.prior_weight, self.decay = float(prior), float(prior_weight), float(decay)
         self.accepted: list[float] = []  # per depth (index d - 1): decayed successes, the prior's included
         self.trials: list[float] = []
+        # Σ_{d<=k} Π_{j<=d} α_j for k = 0, 1, ..: the controller prices every size each round (twice), so the
+        # sums are built once per update, not once per size; cleared by every trial.
+        self._sums: list[float] = [0.0]
+        self._reach = 1.0
 
     def alpha(self, depth: int) -> float:
         """α at ``depth`` >= 1 (the prior at a depth never tried)."""
@@ -153,6 +157,7 @@ class DepthAcceptance:
         i = depth - 1
         self.accepted[i] = self.decay * self.accepted[i] + success
         self.trials[i] = self.decay * self.trials[i] + 1.0
+        self._sums, self._reach = [0.0], 1.0
 
     def update(self, num_drafted: int, num_accepted: int) -> None:
         """After a chain of ``num_drafted`` >= 1 tokens of which the first ``num_accepted`` were accepted:
@@ -173,11 +178,11 @@ class DepthAcceptance:
     def expected_accepted(self, k: int) -> float:
         """Σ_{d=1..k} Π_{j=1..d} α_j: the expected accepted tokens of a chain of k >= 0 tokens."""
         _check_count("k", k, 0)
-        total, reach = 0.0, 1.0
-        for d in range(1, k + 1):
-            reach *= self.alpha(d)
-            total += reach
-        return total
+        sums = self._sums
+        while len(sums) <= k:
+            self._reach *= self.alpha(len(sums))
+            sums.append(sums[-1] + self._reach)
+        return sums[k]
 
     def by_depth(self) -> list[float]:
         """α_1, α_2, .. at the depths tried so far."""
