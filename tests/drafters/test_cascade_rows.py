@@ -313,7 +313,8 @@ def test_a_sampling_block_is_one_hot_ngram_rows_then_the_draft_models_distributi
                                                                    vocab, "cpu"))
     block = drafter.propose(sequences, [5, 5])
     assert block.num_tokens == [5, 5] and block.tokens[0, :3].tolist() == [8, 9, 7]
-    assert drafter.num_ngram_tokens == 3 and drafter.num_forwards == 2 + 5  # 2 prefills, 5 draft forwards
+    # 5 draft forwards; the 2 deferred prompt prefills are not decode-phase forwards
+    assert drafter.num_ngram_tokens == 3 and drafter.num_forwards == 5
     q0, q1 = block.probs
     assert q0.shape == q1.shape == (5, vocab)
     assert torch.equal(q0[:3], torch.zeros(3, vocab).scatter_(1, torch.tensor([[8], [9], [7]]), 1.0))
