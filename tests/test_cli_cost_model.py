@@ -1,5 +1,6 @@
 """`specdecode generate --draft-length-schedule cost-model`: selectable for every method with a drafter, exact in
-float32, and refused beside adaptive exit."""
+float32, refused beside a confidence gate, over the default adaptive exit where the target computes in float32
+on a CPU."""
 
 from __future__ import annotations
 
@@ -36,9 +37,44 @@ def test_generate_with_the_cost_model_gives_target_only_tokens(tiny_folders, cap
     assert "mean_draft_size" in result["stats"] and "rounds_by_draft_cap" in result["stats"]
 
 
-def test_the_cost_model_with_adaptive_exit_is_refused(tiny_folders, capsys):
+def test_the_cost_model_with_a_confidence_gate_is_refused(tiny_folders, capsys):
     target_dir, draft_dir, _ = tiny_folders
     code, _, err = run_generate(capsys, "--target", target_dir, "--draft", draft_dir, "--method", "draft",
+                                "--draft-length-schedule", "cost-model", "--confidence-gate", "0.5", "--prompt", "w5",
+                                "--max-new-tokens", 4, "--dtype", "float32")
+    assert code != 0 and "cost-model" in err and "confidence_gate=0.5" in err
+
+
+def test_the_cost_model_takes_an_explicit_adaptive_exit(tiny_folders, capsys):
+    target_dir, draft_dir, _ = tiny_folders
+    code, out, _ = run_generate(capsys, "--target", target_dir, "--draft", draft_dir, "--method", "draft", "--json",
                                 "--draft-length-schedule", "cost-model", "--adaptive-draft-exit", "--prompt", "w5",
                                 "--max-new-tokens", 4, "--dtype", "float32")
-    assert code != 0 and "cost-model" in err and "adaptive_exit" in err
+    assert code == 0
+    control = json.loads(out)["draft_control"]
+    assert control["length_schedule"] == "cost-model" and control["adaptive_exit"] is True
+
+
+@pytest.mark.parametrize("flags, schedule, adaptive", [
+    ([], "cost-model", True),  # float32 on a CPU: the cost model over the default exit
+    (["--dtype", "bfloat16"], "constant", True),  # native-bf16 CPUs' default: the exit alone, as measured there
+    (["--no-adaptive-draft-exit"], "constant", False),
+    (["--adaptive-draft-exit"], "constant", True),  # an exit asked for is Draft & Verify's alone
+    (["--draft-length-schedule", "constant"], "constant", True),
+    (["--draft-length-schedule", "cost-model"], "cost-model", False),
+    (["-g", "3"], "constant", False),  # an explicit gamma: fixed blocks
+])
+def test_the_default_schedule_follows_the_target_dtype_on_a_cpu(tiny_folders, capsys, flags, schedule, adaptive):
+    target_dir, draft_dir, target = tiny_folders
+    dtype = [] if "--dtype" in flags else ["--dtype", "float32"]
+    code, out, err = run_generate(capsys, "--target", target_dir, "--draft", draft_dir, "--method", "draft", "--json",
+                                  "--prompt", "w5 w9 w11 w5 w9 w11 w5", "--max-new-tokens", 12, "--device", "cpu",
+                                  *dtype, *flags)
+    assert code == 0, err
+    result = json.loads(out)
+    control = result["draft_control"] or {"length_schedule": "constant", "adaptive_exit": False}
+    assert (control["length_schedule"], control["adaptive_exit"]) == (schedule, adaptive)
+    if dtype:
+        expected = SpeculativeDecoder(target, eos_token_ids=[2]).generate(
+            torch.tensor([[5, 9, 11, 5, 9, 11, 5]]), GenerationConfig(max_new_tokens=12))
+        assert result["token_ids"] == expected.token_ids

@@ -53,6 +53,20 @@ def adaptive_exit_by_default(method: str, quantize: str, num_speculative_tokens:
     return method in ADAPTIVE_BY_DEFAULT and quantize == "none" and num_speculative_tokens is None
 
 
+def length_schedule_by_default(adaptive_exit: bool, device: torch.device, dtype: torch.dtype) -> str:
+    """The commands' draft length schedule when none is named: "cost-model" over the default adaptive draft
+    exit (``adaptive_exit``: the exit sets each draft's length, the cost model chooses between drafting and
+    a plain step by their measured tokens per second, ``engine.speculation_cost``) where the target
+    computes in float32 on a CPU (one without native bf16, where the "auto" dtype is float32); else
+    "constant" (the exit alone, as measured with bf16 and on CUDA).
+
+    Measured on a 2-core EPYC with AVX2 only, float32 Qwen2.5-Coder 1.5B target and dense 0.5B draft: a
+    verification costs 2-3 plain steps whatever its width (0.50 s at 1 token, 1.10 s at 2, 1.36 s at 13),
+    so drafting loses wherever the draft is not accepted; the exit alone ran 0.58-0.64x plain decoding on
+    Spec-Bench's writing and roleplay prompts (docs/benchmarks/2026-11-26-cost-model-arms-avx2.md)."""
+    return "cost-model" if adaptive_exit and device.type == "cpu" and dtype == torch.float32 else "constant"
+
+
 #: torch's CPU capabilities (``torch.backends.cpu.get_cpu_capability()``) on which the int4 draft default
 #: applies. Its int4 (and int8) weight-only kernels are vectorized for AVX512; measured on a 2-core EPYC
 #: with AVX2 only (capability "AVX2"), float32 compute, the Qwen2.5-Coder 0.5B draft's forward over 200
@@ -111,16 +125,21 @@ def draft_quantize_by_default(method: str, quantize: str, device: torch.device, 
     return "int4" if why_no_int4_draft(method, quantize, device) is None else None
 
 
-def prompt_limit_by_default(method: str, draft_scheme: str, draft_backend: str | None = None) -> int | None:
+def prompt_limit_by_default(method: str, draft_scheme: str, draft_backend: str | None = None, *,
+                            float32_cpu: bool = False) -> int | None:
     """The cascade's prompt limit (``max_model_prompt_tokens``) when none is given:
     ``MAX_MODEL_PROMPT_TOKENS`` for the cascade with an int4 draft (``draft_scheme``: the draft's
-    quantization) or a llama.cpp draft, else None. The int4 draft's prefill costs about twice a bf16
-    one per token on CPU; the llama.cpp draft's about the same as the int4 one's (700 tokens: 3.1 s
-    against 3.4 s, 2-core EPYC with avx512_bf16), and on the 6 held-out long prompts the limit made its
-    cascade faster too (docs/benchmarks/2026-11-25-llama-cpp-draft.md). With a dense torch draft, or
-    on CUDA, it was not measured."""
-    cheap_prefill = draft_scheme == "int4" or draft_backend == "llama-cpp"
-    return MAX_MODEL_PROMPT_TOKENS if method == "cascade" and cheap_prefill else None
+    quantization) or a llama.cpp draft, or with a target in float32 on a CPU (``float32_cpu``), else None.
+    The int4 draft's prefill costs about twice a bf16 one per token on CPU; the llama.cpp draft's about
+    the same as the int4 one's (700 tokens: 3.1 s against 3.4 s, 2-core EPYC with avx512_bf16), and on
+    the 6 held-out long prompts the limit made its cascade faster too
+    (docs/benchmarks/2026-11-25-llama-cpp-draft.md). A float32 draft on a CPU without native bf16 (2-core
+    EPYC, AVX2 only) prefills slowest of all: on Spec-Bench's summarization and rag prompts (709 and 671
+    tokens) the default cascade ran 0.82x ``autoregressive``, 0.97x with the limit
+    (docs/benchmarks/2026-11-26-cost-model-arms-avx2.md). With a dense bf16 draft, or on CUDA, it was
+    not measured."""
+    costly_prefill = draft_scheme == "int4" or draft_backend == "llama-cpp" or float32_cpu
+    return MAX_MODEL_PROMPT_TOKENS if method == "cascade" and costly_prefill else None
 
 
 def auto_verify_tokens(device: torch.device, num_speculative_tokens: int, control: DraftControl | None) -> int | None:

@@ -15,13 +15,15 @@ import json
 import logging
 import sys
 
+import torch
+
 from specdecode import defaults, method_registry
 from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS, GenerationConfig, parse_logit_bias
 from specdecode.drafters.control import LENGTH_SCHEDULES, DraftControl
 from specdecode.drafters.draft_tree import MAX_TREE_DEPTH
 from specdecode.errors import InvalidArgumentError, SpecDecodeError
 from specdecode.models.llama_cpp_target import TARGET_BACKENDS, check_llama_cpp_target_options
-from specdecode.models.loading import resolve_device
+from specdecode.models.loading import resolve_device, resolve_dtype
 from specdecode.models.quantize import (
     INT4_GROUP_SIZES,
     QUANTIZE_HEADS,
@@ -39,6 +41,7 @@ from specdecode.pipeline import (
     METHODS,
     adaptive_exit_by_default,
     draft_quantize_by_default,
+    length_schedule_by_default,
     prompt_limit_by_default,
     why_no_int4_draft,
 )
@@ -49,11 +52,20 @@ logger = logging.getLogger(__name__)
 LLAMA_CPP_COMMAND_METHOD = defaults.LLAMA_CPP_COMMAND_METHOD
 
 
-def _prompt_limit_by_default(args, draft_quantize: str | None) -> int | None:
+def _prompt_limit_by_default(args, draft_quantize: str | None, device: torch.device | None = None) -> int | None:
     """The cascade's prompt limit when --max-model-prompt-tokens is not given (``draft_quantize``: the
-    draft's quantization, None = as --quantize): ``pipeline.prompt_limit_by_default``."""
+    draft's quantization, None = as --quantize; ``device``: None = ``--device`` resolved):
+    ``pipeline.prompt_limit_by_default``."""
     scheme = draft_quantize if draft_quantize is not None else args.quantize
-    return prompt_limit_by_default(args.method, scheme, args.draft_backend)
+    return prompt_limit_by_default(args.method, scheme, args.draft_backend,
+                                   float32_cpu=_float32_cpu(args, device or resolve_device(args.device)))
+
+
+def _float32_cpu(args, device: torch.device) -> bool:
+    """Whether the target computes in float32 on a CPU (``device``) with torch (``--dtype``, ``--backend``)."""
+    if getattr(args, "backend", "torch") != "torch":
+        return False
+    return device.type == "cpu" and resolve_dtype(args.dtype, device) == torch.float32
 
 
 def _adaptive_by_default(args) -> bool:
@@ -274,11 +286,12 @@ def add_generate_parser(sub) -> None:
                    help="initial adaptive draft-exit threshold")
     c.add_argument("--max-draft-tokens", type=int, default=DraftControl.max_draft_tokens,
                    help="most tokens per block with --adaptive-draft-exit")
-    c.add_argument("--draft-length-schedule", choices=LENGTH_SCHEDULES, default="constant",
+    c.add_argument("--draft-length-schedule", choices=LENGTH_SCHEDULES, default=None,
                    help="constant: -g tokens per block; heuristic: +2 after a fully accepted block, -1 otherwise; "
                         "cost-model: each round the size (up to -g tokens, or tree nodes) with the most expected "
                         "tokens per second from the target's measured forward costs and acceptance by depth "
-                        "(0: a plain step); not with --adaptive-draft-exit or --confidence-gate")
+                        "(0: a plain step); with --adaptive-draft-exit, drafting (the exit sets the length) or a plain "
+                        "step by their measured tokens per second; not with --confidence-gate")
     c.add_argument("--confidence-gate", type=float, metavar="THRESHOLD", default=None,
                    help="make a plain target step whenever the target's probability of its last token is below this")
 
@@ -429,12 +442,19 @@ def run_generate(args) -> int:
         if method_registry.REGISTRY[args.method].needs_draft_model:
             args.draft_backend = "llama-cpp"  # the only draft beside a llama.cpp target
     _check_method_options(args)  # before minutes of model loading
+    adaptive = (_adaptive_by_default(args) and args.draft_length_schedule != "cost-model"
+                if args.adaptive_draft_exit is None else args.adaptive_draft_exit)
+    schedule = args.draft_length_schedule
+    if schedule is None:  # the cost model over the default exit where the target computes in float32 on a CPU
+        default_exit = args.adaptive_draft_exit is None and adaptive and args.confidence_gate is None
+        device = resolve_device(args.device)
+        schedule = length_schedule_by_default(default_exit and getattr(args, "backend", "torch") == "torch",
+                                              device, resolve_dtype(args.dtype, device))
     control = DraftControl(
-        adaptive_exit=(_adaptive_by_default(args) and args.draft_length_schedule != "cost-model")
-        if args.adaptive_draft_exit is None else args.adaptive_draft_exit,
+        adaptive_exit=adaptive,
         exit_threshold=args.draft_exit_threshold,
         max_draft_tokens=args.max_draft_tokens,
-        length_schedule=args.draft_length_schedule,
+        length_schedule=schedule,
         confidence_gate=args.confidence_gate,
     )
     options = dict(

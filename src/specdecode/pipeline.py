@@ -40,6 +40,7 @@ from specdecode.defaults import (  # noqa: F401 (re-exported: the commands and t
     ADAPTIVE_BY_DEFAULT,
     MAX_MODEL_PROMPT_TOKENS,
     adaptive_exit_by_default,
+    length_schedule_by_default,
     why_no_int4_draft,
     draft_quantize_by_default,
     prompt_limit_by_default,

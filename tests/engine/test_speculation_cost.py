@@ -4,6 +4,8 @@ exact greedy output with the "cost-model" draft control."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from conftest import make_tiny_model
@@ -16,6 +18,8 @@ from specdecode.engine.batched import BatchedSpeculativeDecoder
 from specdecode.engine.cost_model import DRAFT_MODEL_PRIOR, PROMPT_LOOKUP_PRIOR, ForwardCosts, expected_tokens
 from specdecode.engine.protocol import DraftPolicy, RoundController
 from specdecode.engine.speculation_cost import (
+    EXIT_PROBE_TOKENS,
+    RARE_PROBE_FACTOR,
     DepthAcceptance,
     SpeculationCostController,
     SpeculationCostPolicy,
@@ -124,6 +128,32 @@ def test_a_plain_step_probes_one_token_until_a_round_drafts():
     controller.record_round(1, 1, 0.05, depth=1)
     assert controller.policy.acceptance().alpha(1) > 0.2
     assert controller.round_cap() == 0  # (0.2·2·0.9 + 1) / (2·0.9 + 1) = 0.49: still below break-even
+
+
+def test_a_probe_that_finds_nothing_paying_doubles_the_wait_and_a_paying_size_resets_it():
+    """Probes of a chain whose best size is 0 back off: 4, 8, 16, 32 and then 32 plain steps apart
+    (RARE_PROBE_FACTOR x probe_every at most); a probe after which drafting pays brings the wait back to 4."""
+    policy = SpeculationCostPolicy(LLAMA_CPP_15B, prior=0.2, probe_every=4)
+    controller = policy.controller(7)
+
+    def plain_steps_to_next_probe():
+        steps = 0
+        while controller.round_cap() == 0:
+            steps += 1
+        return steps
+
+    waits = []
+    for _ in range(5):
+        waits.append(plain_steps_to_next_probe())
+        controller.record(1, 1, 0)  # each probe rejected
+        controller.record_round(1, 1, 0.05, depth=1)
+    assert waits == [3, 7, 15, 31, 31] and RARE_PROBE_FACTOR * 4 == 32
+    policy.depths = DepthAcceptance(1.0, prior_weight=100.0)  # the text turns predictable
+    controller.record(3, 3, 3)
+    controller.record_round(3, 3, 0.05, depth=3)
+    assert controller.round_cap() > 0  # drafting pays, and the wait is reset
+    policy.depths = DepthAcceptance(0.0, prior_weight=100.0)  # until nothing pays again
+    assert plain_steps_to_next_probe() == 3
 
 
 def test_a_chain_probes_one_deeper_than_its_best():
@@ -282,6 +312,39 @@ def test_the_engine_calls_the_protocol_every_round_and_calibrates_once():
     assert DraftPolicy.calibrate(object(), lambda w: {}, 2, None) is None
 
 
+class _DraftSeconds(_Recording):
+    def record_round(self, cap, num_drafted, seconds, *, draft_seconds=0.0, depth=None) -> None:
+        if num_drafted:
+            self.log.append(("draft_s", draft_seconds))
+
+
+class _DraftSecondsPolicy(_Policy):
+    def controller(self, gamma):
+        return _DraftSeconds(self.log)
+
+
+def test_the_deferred_draft_prefill_is_not_charged_to_the_rounds_draft_seconds(monkeypatch):
+    """The draft model's prompt prefill, deferred to its first ``propose``, is prefill: a cost model that
+    charged it to the first round's drafted tokens would price a draft token at a prompt's prefill."""
+    import specdecode.drafters.draft_model as draft_model
+
+    prefill = draft_model.batch_prefill
+
+    def slow_prefill(*args, **kwargs):
+        time.sleep(0.5)
+        return prefill(*args, **kwargs)
+
+    monkeypatch.setattr(draft_model, "batch_prefill", slow_prefill)
+    target = make_tiny_model("llama", seed=3)
+    drafter = DraftModelDrafter(perturbed_copy(target, noise=0.3, seed=2))
+    policy = _DraftSecondsPolicy()
+    config = GenerationConfig(max_new_tokens=8, num_speculative_tokens=4, stop_on_eos=False)
+    SpeculativeDecoder(target, drafter, draft_control=policy).generate([5, 9, 12, 7, 5, 9], config)
+    seconds = [e[1] for e in policy.log if e[0] == "draft_s"]
+    assert seconds and drafter.prefill_time_s >= 0.5  # the prompt was prefilled inside the first propose
+    assert max(seconds) < 0.5  # and left out of every round's draft seconds
+
+
 @pytest.fixture(scope="module")
 def pair():
     target = make_tiny_model("llama", seed=21)
@@ -315,13 +378,92 @@ def test_greedy_output_equals_target_only_with_the_cost_model(pair, method):
         assert result.token_ids == plain.generate(prompt, config).token_ids
 
 
-def test_the_control_is_refused_with_adaptive_exit_or_a_gate():
-    with pytest.raises(InvalidArgumentError, match="cost-model"):
-        DraftControl(length_schedule="cost-model", adaptive_exit=True)
-    with pytest.raises(InvalidArgumentError, match="cost-model"):
+def test_the_control_is_refused_with_a_gate_and_takes_adaptive_exit_within_its_cap():
+    with pytest.raises(InvalidArgumentError, match="cost-model.*confidence_gate=0.5"):
         DraftControl(length_schedule="cost-model", confidence_gate=0.5)
-    assert isinstance(DraftControl(length_schedule="cost-model").controller(3), SpeculationCostController)
+    alone = DraftControl(length_schedule="cost-model").controller(3)
+    assert isinstance(alone, SpeculationCostController) and alone.exit is None and alone.max_tokens == 3
+    both = DraftControl(length_schedule="cost-model", adaptive_exit=True, max_draft_tokens=7).controller(3)
+    assert isinstance(both, SpeculationCostController) and both.max_tokens == 7  # the exit's cap, as without
+    assert both.exit is not None and both.exit.threshold == 0.6
+    both.record(4, 4, 0)  # a rejected block: the exit's threshold rises, as Draft & Verify's
+    assert both.exit.threshold > 0.6
     assert DraftControl().cost_policy is None
+
+
+class _Exit:
+    def __init__(self) -> None:
+        self.updates = []
+
+    def update(self, num_drafted, num_accepted, cap) -> None:
+        self.updates.append((num_drafted, num_accepted, cap))
+
+
+def test_with_adaptive_exit_drafting_and_plain_steps_are_chosen_by_their_measured_rates():
+    policy = SpeculationCostPolicy(ForwardCosts({1: 1.0}), prior=0.5, probe_every=4)
+    exit = _Exit()
+    controller = policy.controller(6, exit=exit)
+    assert policy.plain_rate() == 1.0  # 1 / C_target(1) before any plain round
+    assert controller.round_cap() == 6  # no drafting round measured yet: draft, up to the cap
+    controller.record(6, 3, 3)
+    controller.record_round(6, 3, 2.0)  # 4 tokens in 2 s: 2 tok/s against 1
+    assert exit.updates == [(3, 3, 6)] and controller.exit_rounds.rate == 2.0
+    assert controller.round_cap() == 6
+    rounds = 0
+    while controller.round_cap() == 6:  # rounds of 1 token in 2 s pull the drafting rate below 1 tok/s
+        controller.record(6, 2, 0)
+        controller.record_round(6, 2, 2.0)
+        rounds += 1
+    assert 1 <= rounds <= 10 and controller.exit_rounds.rate < 1.0
+    controller.record_round(0, 0, 0.5)  # the round that ended the loop: a plain step, at 2 tok/s
+    assert policy.plain_rate() == 2.0
+    waits, plain_steps = [], 1  # the drafting arm is probed after 3, then 7, then 15 plain steps
+    for _ in range(3):
+        while (cap := controller.round_cap()) == 0:
+            controller.record_round(0, 0, 0.5)
+            plain_steps += 1
+        assert cap == EXIT_PROBE_TOKENS == 3  # a probe is short
+        controller.record(3, 1, 0)  # each probe loses
+        controller.record_round(6, 1, 2.0)
+        waits.append(plain_steps)
+        plain_steps = 0
+    assert waits == [3, 7, 15] and controller.num_probes == 3
+    # The next generation starts from the earlier drafting rounds (slower: a plain step) until its own
+    # first drafting round, and then goes by its own: one fast probe turns it back to drafting.
+    later = policy.controller(6, exit=_Exit())
+    assert later.round_cap() == 0 and later.exit_rounds.rate is None and policy.plain_rate() == 2.0
+    while later.round_cap() == 0:
+        later.record_round(0, 0, 0.5)
+    later.record(3, 2, 1)
+    later.record_round(3, 2, 0.6)  # a probe with a rejection fails, however fast
+    assert later.round_cap() == 0
+    while later.round_cap() == 0:
+        later.record_round(0, 0, 0.5)
+    later.record(3, 3, 3)
+    later.record_round(3, 3, 2.0)  # a probe whose tokens were all accepted: draft at the full cap
+    assert later.round_cap() == 6 and later.exit_rounds.rate is None
+    later.record(6, 6, 6)
+    later.record_round(6, 6, 2.0)  # 7 tokens in 2 s: drafting goes on
+    assert later.exit_rounds.rate == 3.5 and later.round_cap() == 6
+    assert policy.exit_rounds.rate < 2.0  # though the policy's history is slower
+
+
+def test_with_adaptive_exit_the_cost_model_caps_the_rounds_and_the_exit_stops_within_them(pair):
+    target, draft = pair
+    prompt = [5, 9, 12, 7, 5, 9, 12, 7, 5, 9]
+    config = GenerationConfig(max_new_tokens=40, num_speculative_tokens=3, stop_on_eos=False)
+    expected = SpeculativeDecoder(target).generate(prompt, config).token_ids
+    control = DraftControl(length_schedule="cost-model", adaptive_exit=True, exit_threshold=0.999,
+                           max_draft_tokens=6)
+    # A flat verification: the cost model drafts its whole cap at the prior's acceptance.
+    control.cost_policy.target_costs = ForwardCosts({1: 1.0, 7: 1.0})
+    result = SpeculativeDecoder(target, DraftModelDrafter(draft), draft_control=control).generate(prompt, config)
+    assert result.token_ids == expected
+    caps, sizes = result.stats.rounds_by_draft_cap, result.stats.rounds_by_draft_size
+    assert len(caps) == 7 and caps[6] > 0  # caps up to max_draft_tokens (not γ = 3)
+    # the exit at 0.999 stopped drafts short of their caps
+    assert sum(n * c for n, c in enumerate(sizes)) < sum(n * c for n, c in enumerate(caps))
+    assert control.cost_policy.acceptance().by_depth()  # the drafted chains taught the cost model
 
 
 @pytest.mark.parametrize("make, message", [

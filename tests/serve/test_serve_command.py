@@ -139,10 +139,16 @@ def test_serve_takes_generate_s_defaults_on_the_same_device(flags, device):
     adaptive = (generate_command._adaptive_by_default(gen) if gen.adaptive_draft_exit is None
                 else gen.adaptive_draft_exit)
     assert (plan.draft_control is not None) == adaptive
-    limit = (generate_command._prompt_limit_by_default(gen, plan.draft_quantize)
+    limit = (generate_command._prompt_limit_by_default(gen, plan.draft_quantize, torch.device(device))
              if gen.max_model_prompt_tokens is None else gen.max_model_prompt_tokens or None)
     assert plan.max_model_prompt_tokens == limit
     assert plan.num_speculative_tokens == (gen.num_speculative_tokens or 5)
+    if adaptive:  # as generate: the cost model over the default exit where the target runs float32 on a CPU
+        from specdecode.models.loading import resolve_dtype
+
+        float32_cpu = device == "cpu" and resolve_dtype("auto", torch.device(device)) == torch.float32
+        default_exit = gen.adaptive_draft_exit is None
+        assert plan.draft_control.length_schedule == ("cost-model" if float32_cpu and default_exit else "constant")
     if not flags and device == "cpu":  # the case, stated outright
         assert (serve.method, plan.draft_quantize, plan.max_model_prompt_tokens) == ("cascade", "int4", 512)
         assert plan.draft_control.adaptive_exit

@@ -80,7 +80,8 @@ METHOD_MODIFIERS = MappingProxyType({
     "heuristic": "transformers' heuristic draft-length schedule (+2 after a fully accepted block, -1 otherwise)",
     "gated": "target-confidence gating (gated=T: threshold T, default 0.5)",
     "cost-model": "each round's draft size from measured forward costs and acceptance by depth "
-                  "(engine.speculation_cost; 0 = a plain step)",
+                  "(engine.speculation_cost; 0 = a plain step); with +adaptive, drafting or a plain step "
+                  "by their measured tokens per second",
 })
 DEFAULT_GATE_THRESHOLD = 0.5
 _OPTION_SPLIT = re.compile(r",(?=[A-Za-z_]\w*=)")

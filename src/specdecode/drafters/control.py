@@ -19,6 +19,10 @@
   forward costs measured before the first round and acceptance by depth measured while decoding
   (``engine.speculation_cost``, after SpecDec++ and DISCO). Its estimates live in the
   ``DraftControl`` (one ``SpeculationCostPolicy`` each) and carry over between generations.
+  With adaptive draft exit as well, the two split the work: the exit sets each draft's length
+  (up to ``max_draft_tokens``) from the draft's confidence, and the cost model decides whether a
+  round drafts at all, by the measured tokens per second of drafting rounds against plain steps
+  (``engine.speculation_cost``); the exit alone always drafts at least one token.
 
 * **Target-confidence gating** (the blog post "Using The Target Model's Confidence
   Threshold To Decide Whether To Enable Speculative Decoding"): when the target's
@@ -218,9 +222,10 @@ class DraftControl(DraftPolicy):
         length_schedule: "constant" (γ tokens each round), "heuristic"
             (``HeuristicDraftLength`` starting at γ, capped at ``max_draft_tokens``
             when adaptive exit is on), or "cost-model" (each round's size from measured costs
-            and acceptance, up to γ: ``engine.speculation_cost``; not with adaptive exit or
-            a confidence gate, its estimates in ``cost_policy``, shared by the generations
-            that use this control).
+            and acceptance, up to γ: ``engine.speculation_cost``; not with a confidence gate; its
+            estimates in ``cost_policy``, shared by the generations that use this control). With
+            adaptive exit too, the cost model chooses between drafting (up to ``max_draft_tokens``,
+            the exit stopping earlier) and a plain step by their measured tokens per second.
         confidence_gate: Threshold of ``ConfidenceGate``, or None for no gating.
 
     Raises:
@@ -247,10 +252,10 @@ class DraftControl(DraftPolicy):
             ConfidenceGate(self.confidence_gate)
         policy = None
         if self.length_schedule == "cost-model":
-            if self.adaptive_exit or self.confidence_gate is not None:
+            if self.confidence_gate is not None:
                 raise InvalidArgumentError(
-                    "length_schedule='cost-model' chooses every round's length itself; it does not combine with "
-                    f"adaptive_exit={self.adaptive_exit!r} or confidence_gate={self.confidence_gate!r}: turn those off"
+                    "length_schedule='cost-model' decides itself when a round is a plain step; it does not combine "
+                    f"with confidence_gate={self.confidence_gate!r}: turn that off"
                 )
             policy = SpeculationCostPolicy()
         object.__setattr__(self, "_cost_policy", policy)
@@ -268,13 +273,15 @@ class DraftControl(DraftPolicy):
     def controller(self, gamma: int) -> RoundController:
         """Fresh per-generation state for a decoder drafting ``gamma`` tokens per round by default."""
         if self._cost_policy is not None:
-            return self._cost_policy.controller(gamma)
+            if not self.adaptive_exit:
+                return self._cost_policy.controller(gamma)
+            return self._cost_policy.controller(self.max_draft_tokens, exit=self.new_exit())
         return DraftController(self, gamma)
 
     def calibrate(self, measure: MeasureForwards, max_width: int, drafter: Drafter) -> None:
         """The cost model's calibration (``SpeculationCostPolicy.calibrate``); nothing for the other schedules."""
-        if self._cost_policy is not None:
-            self._cost_policy.calibrate(measure, max_width, drafter)
+        if self._cost_policy is not None:  # with the exit, only a plain step's cost is priced
+            self._cost_policy.calibrate(measure, 1 if self.adaptive_exit else max_width, drafter)
 
     def new_exit(self) -> AdaptiveDraftExit:
         """A fresh ``AdaptiveDraftExit`` with these parameters."""

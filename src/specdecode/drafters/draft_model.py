@@ -46,6 +46,8 @@ draft tree forward per depth (``draft_tree.expand_trees``), when every row of th
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from specdecode.drafters.base import Drafter, draft_batch, draft_views
@@ -158,6 +160,7 @@ class DraftModelDrafter(Drafter):
         self._samplers = [None] * target_cache.num_slots
         self._chains = [None] * target_cache.num_slots
         self.num_forwards = 0
+        self.prefill_time_s = 0.0
 
     def warm_up(self, max_rows: int, max_block: int) -> None:
         if self.cache is None:  # a one-sequence runner: nothing compiled
@@ -190,6 +193,7 @@ class DraftModelDrafter(Drafter):
             cached, offset, end = self._num_cached[b], self._offsets[b], len(seq) - 1
             if end <= cached or (cached > offset and end - cached <= CATCH_UP_TOKENS):
                 continue
+            t0, compiling = time.perf_counter(), self.compile_time_s
             if self.cache is None:
                 if cached > offset:  # llama.cpp: the first forward feeds the rest, as before
                     continue
@@ -199,6 +203,8 @@ class DraftModelDrafter(Drafter):
                 batch_prefill(self.model, self.cache, ids, b, start=cached - offset)
             if cached > offset:  # a catch-up is decode work; the deferred prompt prefill is not counted
                 self.num_forwards += 1
+            else:  # nor timed as drafting (``Drafter.prefill_time_s``)
+                self.prefill_time_s += time.perf_counter() - t0 - (self.compile_time_s - compiling)
             self._num_cached[b] = end
 
     @torch.inference_mode()

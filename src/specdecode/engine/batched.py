@@ -403,7 +403,7 @@ class BatchedSpeculativeDecoder(BatchRequests):
         draft: Draft | None = None
         n = len(rows)
         k = [0] * n
-        draft_s = 0.0
+        draft_s = draft_prefill = 0.0
         depths: list[int | None] = [None] * n
         forwards_before = self.drafter.num_forwards if self.drafter is not None else 0
         if max(caps) > 0:
@@ -411,8 +411,11 @@ class BatchedSpeculativeDecoder(BatchRequests):
             if exits is not None and all(e is None for e in exits):
                 exits = None  # gating or a schedule only: no per-step host sync
             t_draft, draft_compiling = time.perf_counter(), self.drafter.compile_time_s
+            draft_prefill = self.drafter.prefill_time_s
             draft = self.drafter.propose(sequences, caps, exits, self.exit_rule)
-            draft_s = time.perf_counter() - t_draft - (self.drafter.compile_time_s - draft_compiling)
+            draft_prefill = self.drafter.prefill_time_s - draft_prefill
+            # drafting only: no compilation, no deferred prompt prefill
+            draft_s = time.perf_counter() - t_draft - (self.drafter.compile_time_s - draft_compiling) - draft_prefill
             k = list(draft.num_tokens)
         trees, tokens, probs = self._trees(draft, k) if draft is not None else (None, None, None)
         K = max(k)
@@ -517,7 +520,8 @@ class BatchedSpeculativeDecoder(BatchRequests):
         self.stats.decode_time_s += elapsed
         for b, row in enumerate(rows):
             if row.controller is not None:  # a policy priced by measured rounds learns from every round
-                row.controller.record_round(caps[b], k[b], elapsed, draft_seconds=draft_s, depth=depths[b])
+                row.controller.record_round(caps[b], k[b], elapsed - draft_prefill, draft_seconds=draft_s,
+                                            depth=depths[b])
             row.stats.record_round(n)
             row.stats.decode_time_s += elapsed
             row.stats.warmup_s += compiled

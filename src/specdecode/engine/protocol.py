@@ -238,9 +238,13 @@ class Drafter(abc.ABC):
         supports_exit_policy: Whether ``propose`` honours ``exits`` (drafters that give
             probabilities).
         who: The drafting model, for messages.
+        prefill_time_s: Seconds ``propose`` spent prefilling prompts whose prefill was deferred from
+            ``join`` (a draft model's ``_catch_up``), over its life: not drafting, so the engine leaves
+            them out of a round's draft seconds (the cost model's s_node), as it does compilation.
     """
 
     num_forwards: int = 0
+    prefill_time_s: float = 0.0
     supports_exit_policy: bool = False
     who: str = "draft model"
 

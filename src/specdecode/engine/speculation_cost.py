@@ -48,7 +48,9 @@ The controller starts as a chain; once a round reports a tree (``record_round``'
 the nodes drafted) the policy prices trees. It keeps probing so that the estimates follow the
 text: a chain whose best size is 0 tries one token every ``probe_every`` plain steps (and keeps
 trying each round until a round has actually drafted, as a probe with nothing to draft is no
-evidence); a chain whose best size is k < γ tries k + 1 every ``probe_every`` rounds (so α_{k+1}
+evidence; a probe after which still no size pays doubles the wait, up to ``RARE_PROBE_FACTOR`` x
+``probe_every``, and any round after which a size pays resets it: a probe's draft-model catch-up
+and wider verification cost more than a plain step); a chain whose best size is k < γ tries k + 1 every ``probe_every`` rounds (so α_{k+1}
 is measured); a tree tries the next larger and smaller candidate size in turn every
 ``probe_every`` rounds. Where no size pays even if every drafted token were accepted, it drafts
 only a rare one-token probe (every ``RARE_PROBE_FACTOR`` x ``probe_every`` plain steps), and only while
@@ -66,6 +68,24 @@ Lookahead Accelerates Speculative Decoding of Large Language Models") chooses th
 every round instead of a constant or a heuristic schedule; its decision is a trained classifier,
 here the argmax above over measured costs, so it needs no training and prices a GPU's flat
 verification and a CPU's steep one alike.
+
+**With an adaptive draft exit** (``DraftControl(adaptive_exit=True, length_schedule="cost-model")``) the
+exit decides each draft's length from the draft's confidence in this context, which α_d, an average
+over contexts, cannot see, and the model of n · s_node + C_target(n + 1) cannot price a length not
+known in advance. So the policy then chooses between two arms by their measured rates: a round that
+drafts up to the cap (``max_draft_tokens``; the exit stops it earlier) and a plain step. Each arm's
+tokens per second is a running ratio of its rounds' tokens (accepted + 1) to their seconds (round
+wall time without compilation or a deferred draft prefill; ``RateMean``); the plain arm starts from
+C_target(1), the only width then calibrated. A round drafts while its arm's rate is at least the
+plain one's (or none was measured); otherwise it is a plain step, and the drafting arm is
+probed after ``probe_every`` plain steps, twice as long after each failed probe (up to
+``RARE_PROBE_FACTOR`` x). A probe drafts at most ``EXIT_PROBE_TOKENS`` tokens, as a failed one costs
+its draft forwards and a wider verification; it is judged by its acceptance, not its rate (a short
+draft is another arm): when the target accepts every token the generation drafts again at the full
+cap and measures that arm afresh. A generation decides by its own drafting rounds once it has one (texts
+differ, so one good probe can turn a generation back to drafting) and before that by the drafting
+rounds of the generations before it; the plain arm is measured over the policy's life. This generalises the confidence gate (a threshold on the target's
+confidence) into a decision in tokens per second.
 
 The policy (``SpeculationCostPolicy``) holds the estimates and is shared by every generation that
 uses it (one drafter's); it is not frozen. ``drafters.control.DraftControl(length_schedule=
@@ -215,6 +235,33 @@ class SizeMeans:
         return self.means.get(size)
 
 
+class RateMean:
+    """Tokens per second of a kind of round, measured: exponentially weighted running means of its tokens
+    and of its seconds, and their ratio (so a long round weighs by its length).
+
+    Args:
+        decay: The weight the old means keep at each round, in [0, 1).
+
+    Raises:
+        InvalidArgumentError: ``decay`` outside [0, 1).
+    """
+
+    def __init__(self, decay: float = 0.8) -> None:
+        self._tokens, self._seconds = SizeMeans(decay), SizeMeans(decay)
+
+    def add(self, tokens: float, seconds: float) -> None:
+        """One more round of ``tokens`` in ``seconds`` (> 0; others are ignored)."""
+        if seconds > 0 and math.isfinite(seconds):
+            self._tokens.add(0, float(tokens))
+            self._seconds.add(0, float(seconds))
+
+    @property
+    def rate(self) -> float | None:
+        """Tokens per second, or None before any round."""
+        seconds = self._seconds.get(0)
+        return None if seconds is None else self._tokens.get(0) / seconds
+
+
 def best_size(sizes: Sequence[int], rate) -> int:
     """The size in ``sizes`` with the highest ``rate(size)`` (expected tokens per second; None: not
     known, skipped); a tie goes to the smaller size. 0 when no size has a rate."""
@@ -250,6 +297,8 @@ class SpeculationCostPolicy(DraftPolicy):
         depths: The ``DepthAcceptance`` (None until the prior is known).
         tree_accepted: The ``SizeMeans`` of a tree's accepted tokens by size.
         node_seconds: The ``SizeMeans`` (at key 0) of the measured seconds per drafted node.
+        exit_rounds, plain_rounds: With an adaptive draft exit, the ``RateMean`` of every generation's rounds
+            that drafted, and of the plain steps (``plain_rate``).
 
     Raises:
         InvalidArgumentError: A value outside its range.
@@ -275,6 +324,9 @@ class SpeculationCostPolicy(DraftPolicy):
         self.max_size = max_size
         self.tree_accepted = SizeMeans(size_decay)
         self.node_seconds = SizeMeans(size_decay)
+        self.size_decay = size_decay
+        self.exit_rounds = RateMean(size_decay)
+        self.plain_rounds = RateMean(size_decay)
         self.trees = False
         self.depths: DepthAcceptance | None = None if prior is None else DepthAcceptance(prior, prior_weight, decay)
 
@@ -352,6 +404,14 @@ class SpeculationCostPolicy(DraftPolicy):
         plain = 1.0 / self.seconds(0)
         return any((1.0 + n) / self.seconds(n) > plain for n in sizes if n > 0)
 
+    def plain_rate(self) -> float | None:
+        """Tokens per second of a plain step: measured over plain rounds, else 1 / C_target(1) (None before
+        calibration)."""
+        measured = self.plain_rounds.rate
+        if measured is not None:
+            return measured
+        return None if self.target_costs is None else 1.0 / self.target_costs.at(1)
+
     def observe_draft(self, num_drafted: int, draft_seconds: float) -> None:
         """A round drafted ``num_drafted`` >= 1 nodes in ``draft_seconds``: the measured s_node moves."""
         if num_drafted >= 1 and draft_seconds >= 0 and math.isfinite(draft_seconds):
@@ -372,15 +432,20 @@ class SpeculationCostPolicy(DraftPolicy):
         if not is_tree:
             self.acceptance().update(num_drafted, num_accepted)
 
-    def controller(self, gamma: int) -> SpeculationCostController:
-        """Per-generation state, sizes up to γ (and ``max_size``).
+    def controller(self, gamma: int, exit=None) -> SpeculationCostController:
+        """Per-generation state, sizes up to γ (and ``max_size``); ``exit``: an adaptive draft exit
+        (``drafters.control.AdaptiveDraftExit``) that stops each round's draft within its size, or None.
 
         Raises:
             InvalidArgumentError: ``gamma`` < 1.
         """
         _check_count("max_tokens", gamma, 1)
-        return SpeculationCostController(self, gamma if self.max_size is None else min(gamma, self.max_size))
+        return SpeculationCostController(self, gamma if self.max_size is None else min(gamma, self.max_size), exit)
 
+
+#: With an adaptive draft exit, a probe of the drafting arm drafts at most this many tokens (the exit may stop
+#: it sooner); only if the target accepts them all does the generation draft again (at the full cap).
+EXIT_PROBE_TOKENS = 3
 
 #: Where no size can pay at a measured draft cost, one token is still tried every this many
 #: ``probe_every`` plain steps, so that a cost measured once too high (a first round's kernels) can fall.
@@ -393,27 +458,33 @@ class SpeculationCostController(RoundController):
     Args:
         policy: The policy (its estimates are shared).
         max_tokens: The largest size (γ), >= 1.
+        exit: An adaptive draft exit (``update(drafted, accepted, cap)`` after each verified block) that
+            the drafter applies within each round's size, or None.
 
     Attributes:
-        exit, gate: None. ``max_tokens``: as given. ``last``: the latest ``round_cap``.
+        gate: None. ``exit``, ``max_tokens``: as given. ``last``: the latest ``round_cap``.
+        exit_rounds: With ``exit``, the ``RateMean`` of this generation's rounds that drafted.
         num_probes: Rounds that drafted another size than the best, to measure it.
 
     Raises:
         InvalidArgumentError: ``max_tokens`` < 1.
     """
 
-    exit = None
     gate = None
 
-    def __init__(self, policy: SpeculationCostPolicy, max_tokens: int) -> None:
+    def __init__(self, policy: SpeculationCostPolicy, max_tokens: int, exit=None) -> None:
         _check_count("max_tokens", max_tokens, 1)
         self.policy = policy
         self.max_tokens = max_tokens
+        self.exit = exit
+        self.exit_rounds = RateMean(policy.size_decay)
+        self._explore = False  # with ``exit``: the next round drafts, whatever the rates (a probe succeeded)
         self.last = 0
         self.num_probes = 0
         self._rounds = 0
         self._plain_steps = 0
         self._probe_due = False  # a chain's probe was allowed and no round has drafted since
+        self._backoff = 1  # the plain steps between a chain's probes are probe_every x this
         self._probe_up = True
         self._pending: tuple[int, int, int] | None = None
         self._ceiling: int | None = None  # the engine's lower cap (``record_round``), for probe_every rounds
@@ -433,6 +504,14 @@ class SpeculationCostController(RoundController):
     def _next(self) -> tuple[int, bool]:
         """The next round's size and whether it is a probe (no state changes)."""
         policy, sizes = self.policy, self.sizes
+        if self.exit is not None:  # two arms, each priced by its measured rounds (module docstring)
+            drafting, plain = self.exit_rounds.rate, policy.plain_rate()
+            if drafting is None and not self._explore:  # before this generation's first drafting round
+                drafting = policy.exit_rounds.rate
+            if self._explore or drafting is None or plain is None or drafting >= plain:
+                return sizes[-1], False
+            due = self._probe_due or self._plain_steps + 1 >= policy.probe_every * self._backoff
+            return (min(EXIT_PROBE_TOKENS, sizes[-1]), True) if due else (0, False)
         if not policy.can_pay(sizes):
             # A measured draft cost may come from a slow first round (first-shape kernels): a rare probe
             # lets it be measured again; a fixed one (the llama.cpp draft's) or none never changes.
@@ -453,7 +532,7 @@ class SpeculationCostController(RoundController):
             return sizes[min(i + 1, len(sizes) - 1) if up else i - 1], True
         best = best_size(sizes, policy.rate)
         if best == 0:
-            due = self._probe_due or self._plain_steps + 1 >= policy.probe_every
+            due = self._probe_due or self._plain_steps + 1 >= policy.probe_every * self._backoff
             return (1, True) if due else (0, False)
         if probe_round and best < self.max_tokens:
             return best + 1, True
@@ -470,9 +549,9 @@ class SpeculationCostController(RoundController):
         self._rounds += 1
         if probe:
             self.num_probes += 1
-            if self.policy.trees:
+            if self.policy.trees and self.exit is None:
                 self._probe_up = not self._probe_up
-            elif best_size(self.sizes, self.policy.rate) == 0:
+            elif self.exit is not None or best_size(self.sizes, self.policy.rate) == 0:
                 self._probe_due = True
         self._plain_steps = self._plain_steps + 1 if size == 0 else 0
         if self._ceiling is not None:
@@ -493,18 +572,36 @@ class SpeculationCostController(RoundController):
             raise InvalidArgumentError(f"a verified block accepts 0..drafted tokens, got {num_accepted!r} of "
                                        f"{num_drafted!r}")
         self._pending = (cap, num_drafted, num_accepted)
+        if self.exit is not None and num_drafted >= 1:
+            self.exit.update(num_drafted, num_accepted, cap)
 
     def record_round(self, cap: int, num_drafted: int, seconds: float, *, draft_seconds: float = 0.0,
                      depth: int | None = None) -> None:
         """After every round: a round that drafted feeds s_node and, with its ``record``, the acceptance
         (a chain's by depth, a tree's by size); one that drafted nothing is no evidence."""
         pending, self._pending = self._pending, None
+        policy = self.policy
         if cap < self.last:  # the engine gave less than chosen: choose within its cap for a while
             self._ceiling, self._ceiling_rounds = cap, 0
         if not num_drafted:
+            if self.exit is not None and self.last == 0:
+                policy.plain_rounds.add(1, seconds)
             return
-        self.policy.observe_draft(num_drafted, draft_seconds)
+        policy.observe_draft(num_drafted, draft_seconds)
         if pending is not None and pending[1] >= 1:
             p_cap, drafted, accepted = pending
-            self.policy.observe_block(p_cap, drafted, accepted, depth if depth is not None and depth < drafted else None)
+            policy.observe_block(p_cap, drafted, accepted, depth if depth is not None and depth < drafted else None)
+            if self.exit is not None and self._probe_due:  # a short probe: evidence by its acceptance
+                paying = accepted == drafted
+                if paying:  # the text turned predictable: draft again, measuring afresh
+                    self.exit_rounds, self._explore = RateMean(policy.size_decay), True
+            elif self.exit is not None:
+                self._explore = False
+                self.exit_rounds.add(accepted + 1, seconds)
+                policy.exit_rounds.add(accepted + 1, seconds)
+                paying = self.exit_rounds.rate >= (policy.plain_rate() or 0.0)
+            else:
+                paying = policy.trees or best_size(self.sizes, policy.rate) > 0
+            # a probe after which drafting still does not pay waits twice as long for the next
+            self._backoff = 1 if paying or not self._probe_due else min(2 * self._backoff, RARE_PROBE_FACTOR)
             self._probe_due = False
