@@ -129,7 +129,8 @@ def prompt_limit_by_default(method: str, draft_scheme: str, draft_backend: str |
                             float32_cpu: bool = False) -> int | None:
     """The cascade's prompt limit (``max_model_prompt_tokens``) when none is given:
     ``MAX_MODEL_PROMPT_TOKENS`` for the cascade with an int4 draft (``draft_scheme``: the draft's
-    quantization) or a llama.cpp draft, or with a target in float32 on a CPU (``float32_cpu``), else None.
+    quantization) or a llama.cpp draft, or with a target in float32 on a CPU (``float32_cpu``, whatever the
+    draft's quantization and draft control: the prefill costs the same), else None.
     The int4 draft's prefill costs about twice a bf16 one per token on CPU; the llama.cpp draft's about
     the same as the int4 one's (700 tokens: 3.1 s against 3.4 s, 2-core EPYC with avx512_bf16), and on
     the 6 held-out long prompts the limit made its cascade faster too

@@ -281,13 +281,16 @@ def add_generate_parser(sub) -> None:
     c.add_argument("--adaptive-draft-exit", action=argparse.BooleanOptionalAction, default=None,
                    help="Draft & Verify adaptive draft exit: stop drafting below a self-tuning confidence "
                         "threshold (blocks up to --max-draft-tokens instead of -g); default: on for "
-                        f"{' and '.join(ADAPTIVE_BY_DEFAULT)} with an unquantized target and no -g, else off")
+                        f"{' and '.join(ADAPTIVE_BY_DEFAULT)} with an unquantized target and no -g, else off; "
+                        "by default on a CPU with a float32 target under the cost model (drafting or a plain "
+                        "step by measured tokens per second), given explicitly alone")
     c.add_argument("--draft-exit-threshold", type=float, default=DraftControl.exit_threshold,
                    help="initial adaptive draft-exit threshold")
     c.add_argument("--max-draft-tokens", type=int, default=DraftControl.max_draft_tokens,
                    help="most tokens per block with --adaptive-draft-exit")
     c.add_argument("--draft-length-schedule", choices=LENGTH_SCHEDULES, default=None,
-                   help="constant: -g tokens per block; heuristic: +2 after a fully accepted block, -1 otherwise; "
+                   help="default: cost-model over the default adaptive exit where the target computes in float32 on "
+                        "a CPU, else constant. constant: -g tokens per block; heuristic: +2 after a fully accepted block, -1 otherwise; "
                         "cost-model: each round the size (up to -g tokens, or tree nodes) with the most expected "
                         "tokens per second from the target's measured forward costs and acceptance by depth "
                         "(0: a plain step); with --adaptive-draft-exit, drafting (the exit sets the length) or a plain "

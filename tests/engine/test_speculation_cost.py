@@ -316,6 +316,7 @@ class _DraftSeconds(_Recording):
     def record_round(self, cap, num_drafted, seconds, *, draft_seconds=0.0, depth=None) -> None:
         if num_drafted:
             self.log.append(("draft_s", draft_seconds))
+        self.log.append(("round_s", seconds))
 
 
 class _DraftSecondsPolicy(_Policy):
@@ -343,6 +344,7 @@ def test_the_deferred_draft_prefill_is_not_charged_to_the_rounds_draft_seconds(m
     seconds = [e[1] for e in policy.log if e[0] == "draft_s"]
     assert seconds and drafter.prefill_time_s >= 0.5  # the prompt was prefilled inside the first propose
     assert max(seconds) < 0.5  # and left out of every round's draft seconds
+    assert max(e[1] for e in policy.log if e[0] == "round_s") < 0.5  # and of its round seconds
 
 
 @pytest.fixture(scope="module")
@@ -448,6 +450,23 @@ def test_with_adaptive_exit_drafting_and_plain_steps_are_chosen_by_their_measure
     assert policy.exit_rounds.rate < 2.0  # though the policy's history is slower
 
 
+def test_with_adaptive_exit_a_plain_round_beside_drafting_rows_is_not_a_plain_steps_time():
+    """With several rows, a row's plain step shares its round with rows that drafted: that round's seconds
+    (draft_seconds > 0) are not a plain step's. A probe the engine cannot give (cap 0) is no probe."""
+    policy = SpeculationCostPolicy(ForwardCosts({1: 1.0}), prior=0.5, probe_every=4)
+    controller = policy.controller(6, exit=_Exit())
+    controller.round_cap()
+    controller.record(6, 2, 0)
+    controller.record_round(6, 2, 4.0)  # 1 token in 4 s: drafting is slower than the 1 tok/s plain prior
+    assert controller.round_cap() == 0
+    controller.record_round(0, 0, 3.0, draft_seconds=2.0)  # another row drafted in this round
+    assert policy.plain_rounds.rate is None and policy.plain_rate() == 1.0
+    controller.record_round(0, 0, 0.5)  # a round where nobody drafted
+    assert policy.plain_rate() == 2.0
+    controller._ceiling = 0  # the engine allows this row no draft for now: no probe is counted
+    assert [controller.round_cap() for _ in range(4)] == [0] * 4 and controller.num_probes == 0  # one was due
+
+
 def test_with_adaptive_exit_the_cost_model_caps_the_rounds_and_the_exit_stops_within_them(pair):
     target, draft = pair
     prompt = [5, 9, 12, 7, 5, 9, 12, 7, 5, 9]
@@ -455,8 +474,9 @@ def test_with_adaptive_exit_the_cost_model_caps_the_rounds_and_the_exit_stops_wi
     expected = SpeculativeDecoder(target).generate(prompt, config).token_ids
     control = DraftControl(length_schedule="cost-model", adaptive_exit=True, exit_threshold=0.999,
                            max_draft_tokens=6)
-    # A flat verification: the cost model drafts its whole cap at the prior's acceptance.
-    control.cost_policy.target_costs = ForwardCosts({1: 1.0, 7: 1.0})
+    # A plain step priced at 1 s: the tiny models' drafting rounds (milliseconds) are faster, so every
+    # round drafts, up to its cap.
+    control.cost_policy.target_costs = ForwardCosts({1: 1.0})
     result = SpeculativeDecoder(target, DraftModelDrafter(draft), draft_control=control).generate(prompt, config)
     assert result.token_ids == expected
     caps, sizes = result.stats.rounds_by_draft_cap, result.stats.rounds_by_draft_size

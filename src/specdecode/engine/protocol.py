@@ -144,8 +144,10 @@ class RoundController(Protocol):
         """After every round of the row, drafted or not (the engine calls it after ``record``): the row
         was given ``cap``, drafted ``num_drafted`` nodes (0: a plain step) whose structure is ``depth``
         deep (a tree's depth, or ``num_drafted`` for a chain; None when nothing was drafted), the round
-        took ``seconds`` (compilation excluded) of which ``draft_seconds`` in the drafter's ``propose``.
-        A policy priced by measured rounds learns from it; the default does nothing."""
+        took ``seconds`` (compilation and a deferred draft prefill excluded, ``Drafter.prefill_time_s``)
+        of which ``draft_seconds`` in the drafter's ``propose`` (the same excluded; 0.0 exactly when no row
+        drafted). With several rows every row is given the whole round's seconds. A policy priced by
+        measured rounds learns from it; the default does nothing."""
         return None
 
 
@@ -240,7 +242,9 @@ class Drafter(abc.ABC):
         who: The drafting model, for messages.
         prefill_time_s: Seconds ``propose`` spent prefilling prompts whose prefill was deferred from
             ``join`` (a draft model's ``_catch_up``), over its life: not drafting, so the engine leaves
-            them out of a round's draft seconds (the cost model's s_node), as it does compilation.
+            them out of a round's draft seconds (the cost model's s_node), as it does compilation. Host
+            seconds: on CUDA the prefill's kernels may still run after it returns, and what they take
+            then is charged to the draft forward that waits for them.
     """
 
     num_forwards: int = 0

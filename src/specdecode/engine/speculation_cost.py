@@ -78,7 +78,8 @@ tokens per second is a running ratio of its rounds' tokens (accepted + 1) to the
 wall time without compilation or a deferred draft prefill; ``RateMean``); the plain arm starts from
 C_target(1), the only width then calibrated. A round drafts while its arm's rate is at least the
 plain one's (or none was measured); otherwise it is a plain step, and the drafting arm is
-probed after ``probe_every`` plain steps, twice as long after each failed probe (up to
+probed after ``probe_every`` plain steps (a plain step's seconds count only from rounds where no row
+drafted), twice as long after each failed probe (up to
 ``RARE_PROBE_FACTOR`` x). A probe drafts at most ``EXIT_PROBE_TOKENS`` tokens, as a failed one costs
 its draft forwards and a wider verification; it is judged by its acceptance, not its rate (a short
 draft is another arm): when the target accepts every token the generation drafts again at the full
@@ -479,6 +480,7 @@ class SpeculationCostController(RoundController):
         self.exit = exit
         self.exit_rounds = RateMean(policy.size_decay)
         self._explore = False  # with ``exit``: the next round drafts, whatever the rates (a probe succeeded)
+        self._probing = False  # with ``exit``: the latest ``round_cap`` was a probe
         self.last = 0
         self.num_probes = 0
         self._rounds = 0
@@ -508,6 +510,8 @@ class SpeculationCostController(RoundController):
             drafting, plain = self.exit_rounds.rate, policy.plain_rate()
             if drafting is None and not self._explore:  # before this generation's first drafting round
                 drafting = policy.exit_rounds.rate
+            if sizes[-1] == 0:  # the engine allows no draft now
+                return 0, False
             if self._explore or drafting is None or plain is None or drafting >= plain:
                 return sizes[-1], False
             due = self._probe_due or self._plain_steps + 1 >= policy.probe_every * self._backoff
@@ -547,6 +551,7 @@ class SpeculationCostController(RoundController):
         """The size of the next round; call once per round."""
         size, probe = self._next()
         self._rounds += 1
+        self._probing = self.exit is not None and probe and size > 0  # this round is the exit mode's probe
         if probe:
             self.num_probes += 1
             if self.policy.trees and self.exit is None:
@@ -584,14 +589,15 @@ class SpeculationCostController(RoundController):
         if cap < self.last:  # the engine gave less than chosen: choose within its cap for a while
             self._ceiling, self._ceiling_rounds = cap, 0
         if not num_drafted:
-            if self.exit is not None and self.last == 0:
+            # a plain step's seconds, where no row drafted this round (another row's draft would count)
+            if self.exit is not None and self.last == 0 and draft_seconds == 0.0:
                 policy.plain_rounds.add(1, seconds)
             return
         policy.observe_draft(num_drafted, draft_seconds)
         if pending is not None and pending[1] >= 1:
             p_cap, drafted, accepted = pending
             policy.observe_block(p_cap, drafted, accepted, depth if depth is not None and depth < drafted else None)
-            if self.exit is not None and self._probe_due:  # a short probe: evidence by its acceptance
+            if self._probing:  # the exit mode's short probe: evidence by its acceptance
                 paying = accepted == drafted
                 if paying:  # the text turned predictable: draft again, measuring afresh
                     self.exit_rounds, self._explore = RateMean(policy.size_decay), True
@@ -599,9 +605,11 @@ class SpeculationCostController(RoundController):
                 self._explore = False
                 self.exit_rounds.add(accepted + 1, seconds)
                 policy.exit_rounds.add(accepted + 1, seconds)
-                paying = self.exit_rounds.rate >= (policy.plain_rate() or 0.0)
+                rate = self.exit_rounds.rate
+                paying = rate is not None and rate >= (policy.plain_rate() or 0.0)
             else:
                 paying = policy.trees or best_size(self.sizes, policy.rate) > 0
             # a probe after which drafting still does not pay waits twice as long for the next
-            self._backoff = 1 if paying or not self._probe_due else min(2 * self._backoff, RARE_PROBE_FACTOR)
-            self._probe_due = False
+            probed = self._probing if self.exit is not None else self._probe_due
+            self._backoff = 1 if paying or not probed else min(2 * self._backoff, RARE_PROBE_FACTOR)
+            self._probe_due = self._probing = False

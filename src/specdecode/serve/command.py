@@ -106,7 +106,9 @@ def add_arguments(p: argparse.ArgumentParser, *, default_target: str, default_dr
                         "default adaptive draft exit off")
     p.add_argument("--adaptive-draft-exit", action=argparse.BooleanOptionalAction, default=None,
                    help="per-row adaptive draft exit; default, as specdecode generate: on for "
-                        f"{' and '.join(ADAPTIVE_BY_DEFAULT)} with an unquantized target and no -g, else off")
+                        f"{' and '.join(ADAPTIVE_BY_DEFAULT)} with an unquantized target and no -g, else off; "
+                        "by default on a CPU with a float32 target under the cost model (drafting or a plain "
+                        "step by measured tokens per second), given explicitly alone")
     p.add_argument("--exit-rule", default="row", choices=("row", "batch"),
                    help="with --adaptive-draft-exit: a row stops at its own unsure token, or the batch at the last")
     p.add_argument("--max-verify-tokens", default="auto",
