@@ -450,6 +450,22 @@ def test_with_adaptive_exit_drafting_and_plain_steps_are_chosen_by_their_measure
     assert policy.exit_rounds.rate < 2.0  # though the policy's history is slower
 
 
+def test_with_adaptive_exit_the_batched_engine_gives_each_row_its_target_only_output(pair):
+    """B > 1 with rows of different lengths: the exit under the cost model, one controller per row."""
+    target, draft = pair
+    config = GenerationConfig(max_new_tokens=24, stop_on_eos=False)
+    prompts = [[5, 9, 12, 7, 5, 9, 12, 7], [3, 4, 8], [11, 6, 11, 6, 11]]
+    plain = SpeculativeDecoder(target)
+    control = DraftControl(length_schedule="cost-model", adaptive_exit=True, max_draft_tokens=6)
+    control.cost_policy.target_costs = ForwardCosts({1: 1.0})  # rounds of milliseconds: drafting wins
+    batched = BatchedSpeculativeDecoder(target, DraftModelDrafter(draft), max_batch_size=3, max_length=96,
+                                        draft_control=control)
+    results = batched.generate(prompts, config)
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == plain.generate(prompt, config).token_ids
+    assert batched.stats.num_draft_forwards > 0 and control.cost_policy.exit_rounds.rate is not None
+
+
 def test_with_adaptive_exit_a_plain_round_beside_drafting_rows_is_not_a_plain_steps_time():
     """With several rows, a row's plain step shares its round with rows that drafted: that round's seconds
     (draft_seconds > 0) are not a plain step's. A probe the engine cannot give (cap 0) is no probe."""
