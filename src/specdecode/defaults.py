@@ -12,6 +12,7 @@ from specdecode import method_registry
 from specdecode.drafters.control import DraftControl
 from specdecode.errors import InvalidArgumentError
 from specdecode.models import LoadedModel
+from specdecode.models.loading import resolve_dtype
 from specdecode.models.llama_cpp_target import LlamaCppTargetRunner
 from specdecode.models.quantize import check_quantize
 
@@ -53,18 +54,30 @@ def adaptive_exit_by_default(method: str, quantize: str, num_speculative_tokens:
     return method in ADAPTIVE_BY_DEFAULT and quantize == "none" and num_speculative_tokens is None
 
 
-def length_schedule_by_default(adaptive_exit: bool, device: torch.device, dtype: torch.dtype) -> str:
+def target_float32_on_cpu(dtype: str | torch.dtype, device: torch.device, backend: str = "torch") -> bool:
+    """Whether a torch target (``backend``) computes in ``dtype`` ("auto" resolved, ``resolve_dtype``) = float32
+    on a CPU ``device``: the case the commands' float32 defaults (``length_schedule_by_default``,
+    ``prompt_limit_by_default``) are for.
+
+    Raises:
+        InvalidArgumentError: As ``resolve_dtype`` (an unknown dtype, float16 on a CPU).
+    """
+    return backend == "torch" and device.type == "cpu" and resolve_dtype(dtype, device) == torch.float32
+
+
+def length_schedule_by_default(adaptive_exit: bool, float32_cpu: bool) -> str:
     """The commands' draft length schedule when none is named: "cost-model" over the default adaptive draft
     exit (``adaptive_exit``: the exit sets each draft's length, the cost model chooses between drafting and
     a plain step by their measured tokens per second, ``engine.speculation_cost``) where the target
-    computes in float32 on a CPU (one without native bf16, where the "auto" dtype is float32); else
+    computes in float32 on a CPU (``float32_cpu``, ``target_float32_on_cpu``: one without native bf16,
+    where the "auto" dtype is float32); else
     "constant" (the exit alone, as measured with bf16 and on CUDA).
 
     Measured on a 2-core EPYC with AVX2 only, float32 Qwen2.5-Coder 1.5B target and dense 0.5B draft: a
     verification costs 2-3 plain steps whatever its width (0.50 s at 1 token, 1.10 s at 2, 1.36 s at 13),
     so drafting loses wherever the draft is not accepted; the exit alone ran 0.58-0.64x plain decoding on
     Spec-Bench's writing and roleplay prompts (docs/benchmarks/2026-11-26-cost-model-arms-avx2.md)."""
-    return "cost-model" if adaptive_exit and device.type == "cpu" and dtype == torch.float32 else "constant"
+    return "cost-model" if adaptive_exit and float32_cpu else "constant"
 
 
 #: torch's CPU capabilities (``torch.backends.cpu.get_cpu_capability()``) on which the int4 draft default

@@ -23,7 +23,7 @@ from specdecode.drafters.control import LENGTH_SCHEDULES, DraftControl
 from specdecode.drafters.draft_tree import MAX_TREE_DEPTH
 from specdecode.errors import InvalidArgumentError, SpecDecodeError
 from specdecode.models.llama_cpp_target import TARGET_BACKENDS, check_llama_cpp_target_options
-from specdecode.models.loading import resolve_device, resolve_dtype
+from specdecode.models.loading import resolve_device
 from specdecode.models.quantize import (
     INT4_GROUP_SIZES,
     QUANTIZE_HEADS,
@@ -43,6 +43,7 @@ from specdecode.pipeline import (
     draft_quantize_by_default,
     length_schedule_by_default,
     prompt_limit_by_default,
+    target_float32_on_cpu,
     why_no_int4_draft,
 )
 
@@ -63,9 +64,7 @@ def _prompt_limit_by_default(args, draft_quantize: str | None, device: torch.dev
 
 def _float32_cpu(args, device: torch.device) -> bool:
     """Whether the target computes in float32 on a CPU (``device``) with torch (``--dtype``, ``--backend``)."""
-    if getattr(args, "backend", "torch") != "torch":
-        return False
-    return device.type == "cpu" and resolve_dtype(args.dtype, device) == torch.float32
+    return target_float32_on_cpu(args.dtype, device, getattr(args, "backend", "torch"))
 
 
 def _adaptive_by_default(args) -> bool:
@@ -450,9 +449,7 @@ def run_generate(args) -> int:
     schedule = args.draft_length_schedule
     if schedule is None:  # the cost model over the default exit where the target computes in float32 on a CPU
         default_exit = args.adaptive_draft_exit is None and adaptive and args.confidence_gate is None
-        device = resolve_device(args.device)
-        schedule = length_schedule_by_default(default_exit and getattr(args, "backend", "torch") == "torch",
-                                              device, resolve_dtype(args.dtype, device))
+        schedule = length_schedule_by_default(default_exit, _float32_cpu(args, resolve_device(args.device)))
     control = DraftControl(
         adaptive_exit=adaptive,
         exit_threshold=args.draft_exit_threshold,

@@ -41,6 +41,7 @@ from specdecode.defaults import (  # noqa: F401 (re-exported: the commands and t
     MAX_MODEL_PROMPT_TOKENS,
     adaptive_exit_by_default,
     length_schedule_by_default,
+    target_float32_on_cpu,
     why_no_int4_draft,
     draft_quantize_by_default,
     prompt_limit_by_default,

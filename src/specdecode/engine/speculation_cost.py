@@ -105,6 +105,8 @@ from specdecode.engine.cost_model import (
     PROMPT_LOOKUP_PRIOR,
     SIZES,
     ForwardCosts,
+    RateMean,
+    SizeMeans,
     expected_tokens,
 )
 from specdecode.engine.protocol import DraftPolicy, Drafter, MeasureForwards, RoundController
@@ -208,59 +210,6 @@ class DepthAcceptance:
     def by_depth(self) -> list[float]:
         """α_1, α_2, .. at the depths tried so far."""
         return [a / t for a, t in zip(self.accepted, self.trials)]
-
-
-class SizeMeans:
-    """Exponentially weighted running means per size (None: not measured).
-
-    Args:
-        decay: The weight the old mean keeps at each update, in [0, 1).
-
-    Raises:
-        InvalidArgumentError: ``decay`` outside [0, 1).
-    """
-
-    def __init__(self, decay: float = 0.8) -> None:
-        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= decay < 1.0:
-            raise InvalidArgumentError(f"decay must be in [0, 1), got {decay!r}")
-        self.decay = float(decay)
-        self.means: dict[int, float] = {}
-
-    def add(self, size: int, value: float) -> None:
-        """One more measurement of ``value`` at ``size``."""
-        old = self.means.get(size)
-        self.means[size] = value if old is None else self.decay * old + (1.0 - self.decay) * value
-
-    def get(self, size: int) -> float | None:
-        """The mean at ``size``, or None before any."""
-        return self.means.get(size)
-
-
-class RateMean:
-    """Tokens per second of a kind of round, measured: exponentially weighted running means of its tokens
-    and of its seconds, and their ratio (so a long round weighs by its length).
-
-    Args:
-        decay: The weight the old means keep at each round, in [0, 1).
-
-    Raises:
-        InvalidArgumentError: ``decay`` outside [0, 1).
-    """
-
-    def __init__(self, decay: float = 0.8) -> None:
-        self._tokens, self._seconds = SizeMeans(decay), SizeMeans(decay)
-
-    def add(self, tokens: float, seconds: float) -> None:
-        """One more round of ``tokens`` in ``seconds`` (> 0; others are ignored)."""
-        if seconds > 0 and math.isfinite(seconds):
-            self._tokens.add(0, float(tokens))
-            self._seconds.add(0, float(seconds))
-
-    @property
-    def rate(self) -> float | None:
-        """Tokens per second, or None before any round."""
-        seconds = self._seconds.get(0)
-        return None if seconds is None else self._tokens.get(0) / seconds
 
 
 def best_size(sizes: Sequence[int], rate) -> int:

@@ -22,8 +22,6 @@ import logging
 import time
 from dataclasses import dataclass
 
-import torch
-
 from specdecode import method_registry
 from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS
 from specdecode.defaults import LLAMA_CPP_COMMAND_METHOD
@@ -33,7 +31,7 @@ from specdecode.engine.runner_target import ONE_SEQUENCE
 from specdecode.errors import InvalidArgumentError, SpecDecodeError
 from specdecode.method_registry import who_takes
 from specdecode.models.llama_cpp_target import TARGET_BACKENDS, check_llama_cpp_target_options
-from specdecode.models.loading import resolve_device, resolve_dtype
+from specdecode.models.loading import resolve_device
 from specdecode.models.quantize import (
     INT4_GROUP_SIZES,
     QUANTIZE_HEADS,
@@ -47,6 +45,7 @@ from specdecode.pipeline import (
     MAX_MODEL_PROMPT_TOKENS,
     adaptive_exit_by_default,
     length_schedule_by_default,
+    target_float32_on_cpu,
     draft_quantize_by_default,
     prompt_limit_by_default,
     why_no_int4_draft,
@@ -440,10 +439,9 @@ def resolve_defaults(args, device) -> ServePlan:
             raise InvalidArgumentError(f"--adaptive-draft-exit needs a method whose drafts carry probabilities; "
                                        f"{args.method!r} has none")
         adaptive = False
+    float32_cpu = target_float32_on_cpu(args.dtype, device, getattr(args, "backend", "torch"))
     limit = args.max_model_prompt_tokens
     if limit is None:
-        float32_cpu = (getattr(args, "backend", "torch") == "torch" and device.type == "cpu"
-                       and resolve_dtype(args.dtype, device) == torch.float32)
         limit = prompt_limit_by_default(args.method, scheme, float32_cpu=float32_cpu) if needs_draft else None
     return ServePlan(
         draft=args.draft if needs_draft else None,
@@ -451,8 +449,7 @@ def resolve_defaults(args, device) -> ServePlan:
         draft_quantize_note=f"{scheme}: {why}" if scheme is not None else "",
         # as generate: over the default exit, the cost model where the target computes in float32 on a CPU
         draft_control=DraftControl(adaptive_exit=True, length_schedule=length_schedule_by_default(
-            args.adaptive_draft_exit is None and getattr(args, "backend", "torch") == "torch", device,
-            resolve_dtype(args.dtype, device))) if adaptive else None,
+            args.adaptive_draft_exit is None, float32_cpu)) if adaptive else None,
         num_speculative_tokens=(DEFAULT_NUM_SPECULATIVE_TOKENS if args.num_speculative_tokens is None
                                 else args.num_speculative_tokens),
         max_model_prompt_tokens=limit or None,
