@@ -156,6 +156,22 @@ def prompt_limit_by_default(method: str, draft_scheme: str, draft_backend: str |
     return MAX_MODEL_PROMPT_TOKENS if method == "cascade" and costly_prefill else None
 
 
+#: The commands' help for --prepack-linears / --no-prepack-linears (``prepack_by_default``).
+PREPACK_HELP = ("float32 linear layers on oneDNN's CPU kernel (weights prepacked once at load): faster plain steps "
+                "and far cheaper verification where a model computes in float32 on a CPU (one without native bf16); "
+                "default: on for float32 unquantized models on a CPU, off with --compile, which cannot compile them")
+
+
+def prepack_by_default(prepack_linears: bool | None, compile: bool | None) -> bool | None:
+    """The commands' ``prepack_linears`` (``models.load_model``): as asked (``--prepack-linears`` /
+    ``--no-prepack-linears``), else None (float32 unquantized models on a CPU get oneDNN's kernel,
+    ``models.prepacked_linear``) unless the fast path is asked for (``compile`` True), which cannot compile
+    those layers: then False. Measured on a 2-core EPYC with AVX2 only, float32 Qwen2.5-Coder 1.5B: a plain
+    step 609 -> 446 ms, a 5-token verification 1,772 -> 776 ms
+    (docs/benchmarks/2026-11-26-prepacked-linears-avx2.md)."""
+    return False if prepack_linears is None and compile else prepack_linears
+
+
 def auto_verify_tokens(device: torch.device, num_speculative_tokens: int, control: DraftControl | None) -> int | None:
     """``max_verify_tokens="auto"``: None off CPU; on a CPU ``BATCH_VERIFY_TOKENS_CPU`` or, where more,
     the longest block + 1, so a lone row drafts the blocks ``generate`` drafts (with 12, a server

@@ -140,6 +140,14 @@ def add_quantize_arguments(p: argparse.ArgumentParser, draft_default: str = "as 
     p.add_argument("--quantize-group-size", type=int, default=None, choices=INT4_GROUP_SIZES, metavar="G",
                    help="inputs per scale and zero of the int4 weights of target and draft, whichever is int4: "
                    f"{', '.join(map(str, INT4_GROUP_SIZES))} (default 32); 64 stores 4.5 bits a weight, not 5")
+    add_prepack_argument(p)
+
+
+def add_prepack_argument(p: argparse.ArgumentParser) -> None:
+    """--prepack-linears / --no-prepack-linears (generate and bench; serve's own parser adds the same flag with
+    ``defaults.PREPACK_HELP``; ``defaults.prepack_by_default``)."""
+    p.add_argument("--prepack-linears", action=argparse.BooleanOptionalAction, default=None,
+                   help=defaults.PREPACK_HELP)
 
 
 def add_processor_arguments(p: argparse.ArgumentParser, *, per_request: bool = True) -> None:
@@ -494,7 +502,8 @@ def run_generate(args) -> int:
                                               quantize=args.quantize, draft_quantize=draft_quantize,
                                               draft_quantize_head=args.draft_quantize_head,
                                               quantize_group_size=args.quantize_group_size,
-                                              draft_backend=args.draft_backend, backend=args.backend)
+                                              draft_backend=args.draft_backend, backend=args.backend,
+                                              prepack_linears=defaults.prepack_by_default(args.prepack_linears, args.compile))
     stream = gen.stream(args.prompt, config, method=args.method, chat=args.chat, **options)
     if args.json:
         for _ in stream:
@@ -523,6 +532,8 @@ def run_generate(args) -> int:
             "quantize": gen.target.quantize,
             "draft_quantize": gen.draft.quantize if gen.draft is not None else None,
             "draft_quantize_head": gen.draft.quantize_head if gen.draft is not None else None,
+            "prepack_linears": {"target": gen.target.prepacked,
+                                "draft": gen.draft.prepacked if gen.draft is not None else None},
             "quantize_group_size": next((m.quantize_group_size for m in (gen.target, gen.draft)
                                          if m is not None and m.quantize_group_size is not None), None),
             "dtype": str(gen.target.model.dtype).removeprefix("torch."),

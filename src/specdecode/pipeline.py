@@ -136,6 +136,7 @@ class SpeculativeGenerator:
         quantize_group_size: int | None = None,
         draft_backend: str | None = None,
         backend: str = "torch",
+        prepack_linears: bool | None = None,
     ) -> SpeculativeGenerator:
         """Load target and draft (see ``specdecode.models.load_model`` for specs and errors).
 
@@ -170,6 +171,11 @@ class SpeculativeGenerator:
         bits a weight instead of 5 (bf16 scale and zero per group) and fit the weights less
         closely; a layer whose input width is not a multiple of the group size stays int8.
 
+        ``prepack_linears``: float32 linear layers on oneDNN's CPU kernel, for the target and a torch draft
+        (``specdecode.models.prepacked_linear``; see ``load_model``): None (the default) where a model is
+        float32 on a CPU and unquantized; False keeps ``nn.Linear``. The fast path (``compile=True``)
+        cannot compile them: a CPU user who compiles passes False.
+
         ``draft=None`` loads no draft model: enough for every method but "draft" and "cascade"
         ("autoregressive", "layer-skip", "early-exit", "prompt-lookup").
 
@@ -194,15 +200,18 @@ class SpeculativeGenerator:
             t, d = load_with_llama_cpp_draft(target, draft, dtype=dtype, device=device, cache_dir=cache_dir,
                                              quantize=quantize, draft_quantize=draft_quantize,
                                              draft_quantize_head=draft_quantize_head,
-                                             quantize_group_size=quantize_group_size)
+                                             quantize_group_size=quantize_group_size,
+                                             prepack_linears=prepack_linears)
             return cls(t, None, cache_dir=cache_dir, llama_cpp_draft=d)
         draft_scheme, draft_head, group = resolve_pair_quantization(
             quantize, draft_quantize, draft_quantize_head, quantize_group_size, has_draft=bool(draft))
         t = load_model(target, dtype=dtype, device=device, cache_dir=cache_dir, quantize=quantize,
-                       quantize_group_size=group if quantize == "int4" else None)
+                       quantize_group_size=group if quantize == "int4" else None, prepack_linears=prepack_linears)
+        draft_prepack = prepack_linears if draft_scheme == "none" or prepack_linears is None else None
         d = load_model(draft, dtype=t.model.dtype, device=str(t.model.device), cache_dir=cache_dir,
                        quantize=draft_scheme, quantize_head=draft_head,
-                       quantize_group_size=group if draft_scheme == "int4" else None) if draft else None
+                       quantize_group_size=group if draft_scheme == "int4" else None,
+                       prepack_linears=draft_prepack) if draft else None
         return cls(t, d, cache_dir=cache_dir)
 
     def llama_cpp_draft(self) -> LlamaCppModel:

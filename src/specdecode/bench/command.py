@@ -14,10 +14,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from specdecode import method_registry, pipeline
+from specdecode import defaults, method_registry, pipeline
 from specdecode.bench.hf_methods import HF_METHODS
 from specdecode.bench.llamacpp import check_available
-from specdecode.bench.methods import DRAFTER_OPTIONS, available_methods, check_method_names
+from specdecode.bench.methods import DRAFTER_OPTIONS, MethodSpec, available_methods, check_method_names
 from specdecode.bench.records import RECORDS_FILE, SETTINGS_FILE, RecordStore
 from specdecode.bench.report import (ACCEPTANCE_PNG, DRAFT_SIZES_PNG, LLAMA_CPP, LLAMA_CPP_LOOKUP,
                                      LLAMA_CPP_REFERENCES, OVERALL, REFERENCE_METHOD, RESULTS_JSON, RESULTS_MD,
@@ -94,6 +94,15 @@ def _check_draft_flags(args) -> None:
     else:
         draft, why = _bench_draft_scheme(args)
     check_quantize_group_size_flag(getattr(args, "quantize_group_size", None), args.quantize, draft, why)
+
+
+def _prepack(args, specs: Sequence[MethodSpec]) -> bool | None:
+    """``prepack_linears`` for the run's models: --prepack-linears / --no-prepack-linears, else off where
+    --compile or a method's ``compile=1`` (``specs``: the run's parsed methods) asks for the fast path (it
+    cannot compile prepacked layers), else None: on for float32 unquantized models on a CPU
+    (``defaults.prepack_by_default``)."""
+    compiles = bool(args.compile) or any(spec.compile for spec in specs)
+    return defaults.prepack_by_default(args.prepack_linears, compiles)
 
 
 def _check_backend(args, methods: Sequence[str] | None) -> None:
@@ -182,6 +191,8 @@ def run(args) -> int:
             args.target, _draft_spec(args), dtype=args.dtype, device=args.device, quantize=args.quantize,
             draft_quantize=args.draft_quantize, draft_quantize_head=args.draft_quantize_head,
             quantize_group_size=args.quantize_group_size, backend=getattr(args, "backend", "torch"),
+            prepack_linears=_prepack(args, [MethodSpec.parse(m) for m in methods or ()  # not the llama.cpp references
+                                             if m.partition("+")[0].partition(":")[0] in available_methods()]),
         )
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("ETA"), TimeRemainingColumn())
@@ -255,6 +266,7 @@ def _run_batched(args, settings: BenchSettings, methods: list[str] | None) -> in
             args.target, _draft_spec(args), dtype=args.dtype, device=args.device, quantize=args.quantize,
             draft_quantize=args.draft_quantize, draft_quantize_head=args.draft_quantize_head,
             quantize_group_size=args.quantize_group_size,
+            prepack_linears=_prepack(args, [BatchMethod.parse(m).spec for m in methods or ()]),
         )
     bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                    console=err)

@@ -53,6 +53,9 @@ def run_identity(generator: pipeline.SpeculativeGenerator, settings: BenchSettin
     distinct = set(sizes.values())
     groups = ({} if distinct <= {INT4_GROUP_SIZE}
               else {"quantize_group_size": distinct.pop() if len(distinct) == 1 else sizes})
+    # And only models whose float32 linears run on oneDNN (models.prepacked_linear) say so, by role.
+    prepacked = [role for role, loaded in (("target", generator.target), ("draft", generator.draft))
+                 if loaded is not None and getattr(loaded, "prepacked", False)]
     return {
         "target": generator.target.name,
         "draft": generator.draft.name if generator.draft is not None else None,
@@ -60,6 +63,7 @@ def run_identity(generator: pipeline.SpeculativeGenerator, settings: BenchSettin
         **({} if set(quantized.values()) == {"none"} else quantized),
         **heads,
         **groups,
+        **({"prepacked_linears": prepacked} if prepacked else {}),
         "device": str(model.device),
         "max_new_tokens": settings.max_new_tokens,
         "temperature": settings.temperature,

@@ -294,6 +294,8 @@ def _quantized(ident: Mapping[str, Any]) -> str:
     dhead = " and LM head" if ident.get("draft_quantize_head") == "int4" else ""
     if dq != q or (dhead and ident.get("quantize_head") != "int4"):
         text += f" (draft: {dq} weights{dhead})"
+    if ident.get("prepacked_linears"):
+        text += f", linear layers on oneDNN's kernel ({' and '.join(ident['prepacked_linears'])}; prepacked)"
     return text
 
 

@@ -45,6 +45,7 @@ from transformers import PreTrainedModel
 
 from specdecode.engine.batch_cache import BatchKVCache, batch_forward
 from specdecode.engine.compat import compile_function
+from specdecode.engine.fast_path import check_compilable
 from specdecode.engine.tree import TokenTree, tree_inputs
 from specdecode.errors import InvalidArgumentError
 
@@ -248,6 +249,7 @@ def _forward_function(model: PreTrainedModel, tag: str, graphs: bool, cuda: bool
 
     if not graphs:
         return forward
+    check_compilable(model, "model")
     code = forward.__code__.replace(co_name=f"forward_{tag}", co_qualname=f"batch_forward_{tag}")
     own = types.FunctionType(code, forward.__globals__, code.co_name, forward.__defaults__, forward.__closure__)
     # compat.compile_function: the options this torch has (CUDA graphs on CUDA), the compile cache

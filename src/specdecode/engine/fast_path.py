@@ -48,6 +48,21 @@ def resolve_compile(compile: bool | None, device: torch.device | str) -> bool:
     return compile
 
 
+def check_compilable(model: torch.nn.Module, name: str) -> None:
+    """Raise if the fast path cannot compile ``model`` (named ``name`` in the message): a layer holding
+    oneDNN tensors (``models.prepacked_linear``, a float32 CPU model's default), which torch.compile
+    cannot trace with ``fullgraph=True``.
+
+    Raises:
+        InvalidArgumentError: Naming the way out (``prepack_linears=False``, or ``compile=False``).
+    """
+    if any(buffer.is_mkldnn for buffer in model.buffers()):
+        raise InvalidArgumentError(
+            f"compile=True: the fast path cannot compile the {name}'s prepacked (oneDNN) linear layers; load "
+            "it with prepack_linears=False (--no-prepack-linears) to compile, or run it eagerly (compile=False, "
+            "the CPU default)")
+
+
 class ModelRunner:
     """A model's fast-path settings, kept per generator across decoders (module docstring).
 
@@ -65,7 +80,7 @@ class ModelRunner:
             (set by ``SpeculativeDecoder``), or None.
 
     Raises:
-        InvalidArgumentError: A bad ``compile``.
+        InvalidArgumentError: A bad ``compile``; compiling a model it cannot compile (``check_compilable``).
     """
 
     def __init__(self, model: PreTrainedModel, *, compile: bool | None = None, name: str = "model",
@@ -73,5 +88,7 @@ class ModelRunner:
         self.model = model
         self.name = name
         self.compile = resolve_compile(compile, model.device)
+        if self.compile and graphs:
+            check_compilable(model, name)
         self.graphs = graphs
         self.one_row_engine = None

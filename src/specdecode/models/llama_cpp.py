@@ -167,7 +167,8 @@ def load_llama_cpp_model(spec: str, tokenizer, cache_dir: str | Path | None = No
 
 def load_with_llama_cpp_draft(target: str, draft: str | None, *, dtype, device, cache_dir, quantize: str,
                               draft_quantize: str | None, draft_quantize_head: str | None,
-                              quantize_group_size: int | None) -> tuple[LoadedModel, LlamaCppModel]:
+                              quantize_group_size: int | None, prepack_linears: bool | None = None,
+                              ) -> tuple[LoadedModel, LlamaCppModel]:
     """The target (``load_model``) and a llama.cpp draft, for ``SpeculativeGenerator.from_pretrained``.
 
     Every check that needs no model runs first (the options, the device, the draft's GGUF
@@ -184,7 +185,7 @@ def load_with_llama_cpp_draft(target: str, draft: str | None, *, dtype, device, 
     path = gguf_path(draft, cache_dir)
     import_llama_cpp(f"the llama.cpp draft model {draft!r}")
     t = load_model(target, dtype=dtype, device=device, cache_dir=cache_dir, quantize=quantize,
-                   quantize_group_size=quantize_group_size)
+                   quantize_group_size=quantize_group_size, prepack_linears=prepack_linears)
     return t, load_llama_cpp_model(str(path), t.tokenizer, name=draft)
 
 

@@ -22,7 +22,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from specdecode import method_registry
+from specdecode import defaults, method_registry
 from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS
 from specdecode.defaults import LLAMA_CPP_COMMAND_METHOD
 from specdecode.drafters.control import DraftControl
@@ -154,6 +154,8 @@ def add_arguments(p: argparse.ArgumentParser, *, default_target: str, default_dr
     p.add_argument("--quantize-group-size", type=int, default=None, choices=INT4_GROUP_SIZES, metavar="G",
                    help=f"inputs per scale and zero of int4 weights: {', '.join(map(str, INT4_GROUP_SIZES))} "
                         "(default 32)")
+    p.add_argument("--prepack-linears", action=argparse.BooleanOptionalAction, default=None,
+                   help=defaults.PREPACK_HELP)
     p.add_argument("--device", default="auto")
     p.add_argument("--cache-dir", default=None, help="where assembled and dense models are cached")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
@@ -307,6 +309,7 @@ def load_server(args):
         args.target, plan.draft, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir,
         quantize=args.quantize, draft_quantize=plan.draft_quantize, draft_quantize_head=args.draft_quantize_head,
         quantize_group_size=args.quantize_group_size, backend=backend,
+        prepack_linears=defaults.prepack_by_default(args.prepack_linears, args.compile),
     )
     loaded_s = time.perf_counter() - started
     logger.info("start-up: models loaded%s in %.1f s", " and quantized" if gen.target.quantize != "none" or (

@@ -1,0 +1,161 @@
+"""Float32 linear layers on oneDNN's kernel for CPUs: ``PrepackedLinear``, ``prepack_linears``, ``unpack_linears``.
+
+A float32 model's stock ``nn.Linear`` runs ``F.linear`` (MKL's sgemm on x86), whose time grows with the
+rows fed almost as if each row were a separate step at 2-6 rows: a verification forward over a few
+draft tokens costs several plain steps. oneDNN's inner product (``torch.ops.aten.mkldnn_linear``, the
+kernel under ``torch.utils.mkldnn``) on weights held as oneDNN tensors grows far less. Measured on a
+2-core AMD EPYC with AVX2 only (no native bf16: the "auto" dtype is float32), Qwen2.5-Coder 1.5B Instruct
+in float32, 200 tokens of context, ms per target forward by tokens fed (2026-11-26,
+``docs/benchmarks/forward_cost.py``; record ``docs/benchmarks/2026-11-26-prepacked-linears-avx2.md``):
+
+    tokens fed       1      2      3      5      9     13
+    nn.Linear      609   1032   1513   1772   1890   1886
+    PrepackedLinear 446   666    671    776    882   1011
+
+So plain decoding is faster too, and a 5-token verification costs 1.7 plain steps instead of 2.9.
+Rows are computed as the stock layer computes them, up to float32 rounding (both kernels give a row
+slightly different low bits at 1 row than in a batch of rows; greedy equality holds as it does for the
+stock layer).
+
+``prepack_linears`` replaces a model's plain ``nn.Linear`` modules, in place, with ``PrepackedLinear``
+ones holding the same weights (the LM head too; a head tied to the input embedding keeps the embedding's
+dense weight, so its prepacked copy is the one extra copy); ``unpack_linears`` puts back plain
+``nn.Linear`` modules with bit-identical weights. Which models get it: ``models.loading.load_model``'s
+``prepack_linears`` (None: float32 on a CPU, unquantized, where oneDNN is available).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from specdecode.errors import InvalidArgumentError
+
+logger = logging.getLogger(__name__)
+
+
+def why_no_prepack() -> str | None:
+    """Why this torch cannot run ``PrepackedLinear`` (for messages), or None when it can: a build with
+    oneDNN (``torch.backends.mkldnn.is_available()``) and the ``aten::mkldnn_linear`` operator, feature-detected."""
+    mkldnn = getattr(torch.backends, "mkldnn", None)
+    if mkldnn is None or not mkldnn.is_available():
+        return f"torch {torch.__version__} was built without oneDNN (torch.backends.mkldnn.is_available() is False)"
+    if not hasattr(torch.ops.aten, "mkldnn_linear"):
+        return f"torch {torch.__version__} has no aten::mkldnn_linear operator"
+    return None
+
+
+class PrepackedLinear(nn.Module):
+    """``y = x @ W.T + b`` in float32 on oneDNN's CPU inner product, W held as a oneDNN tensor (module docstring).
+
+    Args:
+        linear: A plain float32 ``nn.Linear`` on the CPU; its weight and bias are copied (the layer is not kept).
+
+    Shapes: input (..., in_features) float32 on the CPU, output (..., out_features) float32, a dense tensor.
+
+    Attributes:
+        weight: (out_features, in_features) oneDNN tensor (``Tensor.is_mkldnn``); ``dense_weight()`` gives
+            a dense copy.
+        bias: (out_features,) dense float32, or None.
+
+    Raises:
+        InvalidArgumentError: ``linear`` is not float32, not on the CPU, or this torch lacks the kernel
+            (``why_no_prepack``).
+    """
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        check_prepackable(linear.weight, "the layer")
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("weight", linear.weight.detach().to_mkldnn())
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        y = torch.ops.aten.mkldnn_linear(flat.to_mkldnn(), self.weight, self.bias).to_dense()
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def dense_weight(self) -> torch.Tensor:
+        """A dense (out_features, in_features) float32 copy of the weight, bit-identical to the layer's origin."""
+        return self.weight.to_dense()
+
+    def to_linear(self) -> nn.Linear:
+        """A plain ``nn.Linear`` with this layer's weight and bias (bit-identical)."""
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        linear.weight = nn.Parameter(self.dense_weight(), requires_grad=False)
+        if self.bias is not None:
+            linear.bias = nn.Parameter(self.bias.clone(), requires_grad=False)
+        return linear
+
+    def select_rows(self, ids: torch.Tensor) -> PrepackedLinear:
+        """A new layer computing only output rows ``ids`` ((R,) long), e.g. a truncated LM head
+        (``drafters.draft_head``)."""
+        rows = nn.Linear(self.in_features, int(ids.numel()), bias=self.bias is not None, device="meta")
+        rows.weight = nn.Parameter(self.dense_weight()[ids].contiguous(), requires_grad=False)
+        if self.bias is not None:
+            rows.bias = nn.Parameter(self.bias[ids].contiguous(), requires_grad=False)
+        return PrepackedLinear(rows)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, oneDNN"
+
+
+def check_prepackable(weight: torch.Tensor, what: str) -> None:
+    """Raise unless ``weight`` (a model's parameter, naming it ``what`` in messages) can run ``PrepackedLinear``.
+
+    Raises:
+        InvalidArgumentError: Not float32, not on the CPU, or no kernel in this torch (``why_no_prepack``).
+    """
+    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        raise InvalidArgumentError(
+            f"prepacked linears run float32 on a CPU; {what} is {str(weight.dtype).removeprefix('torch.')} on "
+            f"{weight.device}: use dtype float32 and device cpu, or turn prepacking off (prepack_linears=False)")
+    reason = why_no_prepack()
+    if reason is not None:
+        raise InvalidArgumentError(f"prepacked linears need oneDNN: {reason}; turn prepacking off (prepack_linears=False)")
+
+
+def _children(model: nn.Module, kind: type) -> Iterator[tuple[nn.Module, str, nn.Module]]:
+    """(parent, attribute, layer) for every child of exactly type ``kind`` in ``model``, collected first."""
+    found = [(parent, attr, child) for parent in model.modules() for attr, child in parent.named_children()
+             if type(child) is kind]
+    yield from found
+
+
+def prepack_linears(model: nn.Module) -> int:
+    """Replace every plain ``nn.Linear`` of ``model`` (exact type; quantized or hooked layers are left alone)
+    in place by a ``PrepackedLinear`` with the same weights; returns how many. ``unpack_linears`` undoes it.
+
+    Raises:
+        InvalidArgumentError: A layer that is not float32 on the CPU, or no kernel in this torch
+            (``check_prepackable``), checked for every layer before any is replaced.
+    """
+    layers = list(_children(model, nn.Linear))
+    for _, attr, layer in layers:
+        check_prepackable(layer.weight, f"layer {attr!r}")
+    with torch.no_grad():
+        for parent, attr, layer in layers:
+            setattr(parent, attr, PrepackedLinear(layer))
+    if layers:
+        logger.debug("prepacked %d float32 linear layers for oneDNN", len(layers))
+    return len(layers)
+
+
+def unpack_linears(model: nn.Module) -> int:
+    """Put plain ``nn.Linear`` layers back in place of ``model``'s ``PrepackedLinear`` ones (bit-identical
+    weights; a tied LM head gets its own dense copy); returns how many."""
+    layers = list(_children(model, PrepackedLinear))
+    with torch.no_grad():
+        for parent, attr, layer in layers:
+            setattr(parent, attr, layer.to_linear())
+    return len(layers)
+
+
+def has_prepacked_linears(model: nn.Module) -> bool:
+    """Whether any layer of ``model`` is a ``PrepackedLinear``."""
+    return any(isinstance(m, PrepackedLinear) for m in model.modules())
