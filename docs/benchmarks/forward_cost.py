@@ -4,6 +4,9 @@ Usage: OMP_NUM_THREADS=2 [DTYPE=float32] python docs/benchmarks/forward_cost.py 
 QUANTIZE is none, int8, int4, or int4-head-int4 (an int4 draft's LM head, as from_pretrained gives it).
 DTYPE (environment) is the compute dtype: bfloat16 (the default), float32 or auto (the commands' choice:
 bfloat16 with native bf16 instructions, float32 otherwise). WIDTHS (environment, e.g. 1,8) limits the widths.
+PREPACK (environment): 1 = float32 linears on oneDNN's kernel (``models.prepacked_linear``), 0 = stock
+``nn.Linear``, unset = ``load_model``'s default (on for an unquantized float32 model on a CPU). Each line says
+which ran and how long loading (with the prepacking) took.
 Prints one line per model and quantization: the median of 7 forwards over a 200-token context.
 """
 import os
@@ -14,6 +17,7 @@ import torch
 from transformers import DynamicCache
 
 from specdecode.models import load_model
+from specdecode.models.prepacked_linear import has_prepacked_linears
 
 
 WIDTHS = (1, 2, 3, 4, 5, 6, 8, 16)
@@ -48,8 +52,13 @@ if __name__ == "__main__":
         for q in (sys.argv[2].split(",") if len(sys.argv) > 2 else ["none", "int8", "int4"]):
             scheme, _, head = q.partition("-head-")  # "int4-head-int4": an int4 model with an int4 LM head
             group = int(sys.argv[3]) if len(sys.argv) > 3 and scheme == "int4" else None
-            model = load_model(name, dtype=os.environ.get("DTYPE", "bfloat16"), quantize=scheme, quantize_head=head or None,
-                               quantize_group_size=group).model
-            print(name, q, f"group {group}" if group else "", "ms per forward by tokens fed:",
+            prepack = {"1": True, "0": False}.get(os.environ.get("PREPACK", ""))
+            t0 = time.perf_counter()
+            loaded = load_model(name, dtype=os.environ.get("DTYPE", "bfloat16"), quantize=scheme, quantize_head=head or None,
+                                quantize_group_size=group, prepack_linears=prepack)
+            model, load_s = loaded.model, time.perf_counter() - t0
+            del loaded
+            print(name, q, f"group {group}" if group else "", f"prepacked={has_prepacked_linears(model)} load {load_s:.1f} s",
+                  "ms per forward by tokens fed:",
                   forward_ms(model, tuple(int(w) for w in os.environ.get("WIDTHS", "").split(",") if w) or WIDTHS), flush=True)
             del model
