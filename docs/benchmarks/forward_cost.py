@@ -4,7 +4,7 @@ Usage: OMP_NUM_THREADS=2 [DTYPE=float32] python docs/benchmarks/forward_cost.py 
 QUANTIZE is none, int8, int4, or int4-head-int4 (an int4 draft's LM head, as from_pretrained gives it).
 DTYPE (environment) is the compute dtype: bfloat16 (the default), float32 or auto (the commands' choice:
 bfloat16 with native bf16 instructions, float32 otherwise). WIDTHS (environment, e.g. 1,8) limits the widths.
-PREPACK (environment): 1 = float32 linears on oneDNN's kernel (``models.prepacked_linear``), 0 = stock
+PREPACK (environment): 1 = unquantized float32 linears on oneDNN's kernel (``models.prepacked_linear``), 0 = stock
 ``nn.Linear``, unset = ``load_model``'s default (on for an unquantized float32 model on a CPU). Each line says
 which ran and how long loading (with the prepacking) took.
 Prints one line per model and quantization: the median of 7 forwards over a 200-token context.
@@ -55,7 +55,7 @@ if __name__ == "__main__":
             prepack = {"1": True, "0": False}.get(os.environ.get("PREPACK", ""))
             t0 = time.perf_counter()
             loaded = load_model(name, dtype=os.environ.get("DTYPE", "bfloat16"), quantize=scheme, quantize_head=head or None,
-                                quantize_group_size=group, prepack_linears=prepack)
+                                quantize_group_size=group, prepack_linears=prepack if scheme == "none" else None)
             model, load_s = loaded.model, time.perf_counter() - t0
             del loaded
             print(name, q, f"group {group}" if group else "", f"prepacked={has_prepacked_linears(model)} load {load_s:.1f} s",
