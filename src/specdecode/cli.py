@@ -16,6 +16,7 @@ from typing import Any
 
 from specdecode import bench
 from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS, GenerationConfig
+from specdecode.defaults import PREPACK_HELP
 from specdecode.errors import SpecDecodeError
 from specdecode.generate_command import (
     add_generate_parser,
@@ -95,6 +96,9 @@ def _add_search(sub) -> None:
     p.add_argument("--quantize", default="none", choices=QUANTIZE_SCHEMES,
                    help="weight-only quantized linear layers on CPU: a different model from the unquantized "
                    "one, searched in its own study (default none)")
+    p.add_argument("--prepack-linears", action=argparse.BooleanOptionalAction, default=None,
+                   help=PREPACK_HELP + "; a prepacked model is searched in its own study (its sublayers cost "
+                   "differently)")
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default="search-out/best.json", help="best.json path; plots go beside it")
     p.add_argument("--plots", action=argparse.BooleanOptionalAction, default=True,

@@ -73,10 +73,14 @@ def length_schedule_by_default(adaptive_exit: bool, float32_cpu: bool) -> str:
     where the "auto" dtype is float32); else
     "constant" (the exit alone, as measured with bf16 and on CUDA).
 
-    Measured on a 2-core EPYC with AVX2 only, float32 Qwen2.5-Coder 1.5B target and dense 0.5B draft: a
-    verification costs 2-3 plain steps whatever its width (0.50 s at 1 token, 1.10 s at 2, 1.36 s at 13),
-    so drafting loses wherever the draft is not accepted; the exit alone ran 0.58-0.64x plain decoding on
-    Spec-Bench's writing and roleplay prompts (docs/benchmarks/2026-11-26-cost-model-arms-avx2.md)."""
+    Measured on a 2-core EPYC with AVX2 only, float32 Qwen2.5-Coder 1.5B target and dense 0.5B draft: with
+    the stock linears a verification costs 2-3 plain steps whatever its width (0.50 s at 1 token, 1.10 s at
+    2, 1.36 s at 13), and the exit alone ran 0.58-0.64x plain decoding on Spec-Bench's writing and roleplay
+    prompts (docs/benchmarks/2026-11-26-cost-model-arms-avx2.md). With the linears on oneDNN (the default
+    there since, ``models.prepacked_linear``) a verification costs 1.5-2 steps and still: on 13 Spec-Bench
+    prompts the default ran 0.97x ``autoregressive``, the exit alone 0.90x (0.75-0.76x on writing and
+    roleplay); on HumanEval 0-4 the exit alone was faster, 1.17x against 1.07x
+    (docs/benchmarks/2026-11-26-prepacked-linears-avx2.md)."""
     return "cost-model" if adaptive_exit and float32_cpu else "constant"
 
 
@@ -162,14 +166,22 @@ PREPACK_HELP = ("float32 linear layers on oneDNN's CPU kernel (weights prepacked
                 "default: on for float32 unquantized models on a CPU, off with --compile, which cannot compile them")
 
 
-def prepack_by_default(prepack_linears: bool | None, compile: bool | None) -> bool | None:
+def prepack_by_default(prepack_linears: bool | None, compiled_by: str | None) -> bool | None:
     """The commands' ``prepack_linears`` (``models.load_model``): as asked (``--prepack-linears`` /
-    ``--no-prepack-linears``), else None (float32 unquantized models on a CPU get oneDNN's kernel,
-    ``models.prepacked_linear``) unless the fast path is asked for (``compile`` True), which cannot compile
-    those layers: then False. Measured on a 2-core EPYC with AVX2 only, float32 Qwen2.5-Coder 1.5B: a plain
-    step 609 -> 446 ms, a 5-token verification 1,772 -> 776 ms
-    (docs/benchmarks/2026-11-26-prepacked-linears-avx2.md)."""
-    return False if prepack_linears is None and compile else prepack_linears
+    ``--no-prepack-linears``), else None (float32 unquantized models on an x86 CPU get oneDNN's kernel,
+    ``models.prepacked_linear``) unless something will compile the target (``compiled_by``: the flag that
+    asks for it, e.g. "--compile", or None), which cannot compile those layers: then False. Measured on a
+    2-core EPYC with AVX2 only, float32 Qwen2.5-Coder 1.5B: a plain step 609 -> 446 ms, a 5-token
+    verification 1,772 -> 776 ms (docs/benchmarks/2026-11-26-prepacked-linears-avx2.md).
+
+    Raises:
+        InvalidArgumentError: --prepack-linears together with ``compiled_by``, before anything is loaded.
+    """
+    if prepack_linears and compiled_by:
+        raise InvalidArgumentError(
+            f"--prepack-linears and {compiled_by}: the fast path cannot compile prepacked (oneDNN) linear layers; "
+            "leave one out (with --compile the default keeps the stock layers)")
+    return False if prepack_linears is None and compiled_by else prepack_linears
 
 
 def auto_verify_tokens(device: torch.device, num_speculative_tokens: int, control: DraftControl | None) -> int | None:

@@ -448,7 +448,8 @@ def run_generate(args) -> int:
                                        "--method prompt-lookup, draft, cascade or autoregressive, or --backend torch")
         check_llama_cpp_target_options(dtype=args.dtype, device=args.device, quantize=args.quantize,
                                        draft_quantize=args.draft_quantize, draft_quantize_head=args.draft_quantize_head,
-                                       quantize_group_size=args.quantize_group_size, draft_backend=args.draft_backend)
+                                       quantize_group_size=args.quantize_group_size, draft_backend=args.draft_backend,
+                                       prepack_linears=args.prepack_linears)
         if method_registry.REGISTRY[args.method].needs_draft_model:
             args.draft_backend = "llama-cpp"  # the only draft beside a llama.cpp target
     _check_method_options(args)  # before minutes of model loading
@@ -503,7 +504,8 @@ def run_generate(args) -> int:
                                               draft_quantize_head=args.draft_quantize_head,
                                               quantize_group_size=args.quantize_group_size,
                                               draft_backend=args.draft_backend, backend=args.backend,
-                                              prepack_linears=defaults.prepack_by_default(args.prepack_linears, args.compile))
+                                              prepack_linears=defaults.prepack_by_default(
+                                                  args.prepack_linears, "--compile" if args.compile else None))
     stream = gen.stream(args.prompt, config, method=args.method, chat=args.chat, **options)
     if args.json:
         for _ in stream:

@@ -54,7 +54,7 @@ from specdecode.drafters.draft_head import DraftHead
 from specdecode.drafters.layer_skip import SkipSet
 from specdecode.engine.batched import BatchedSpeculativeDecoder
 from specdecode.engine.decoder import GenerationResult, GenerationStream, SpeculativeDecoder
-from specdecode.engine.fast_path import ModelRunner, resolve_compile
+from specdecode.engine.fast_path import ModelRunner, check_drafter_compilable, resolve_compile
 from specdecode.engine.runner_target import measured_cost_policy
 from specdecode.engine.speculation_cost import SpeculationCostPolicy
 from specdecode.errors import InvalidArgumentError
@@ -194,7 +194,7 @@ class SpeculativeGenerator:
             loaded = load_llama_cpp_target(
                 target, cache_dir=cache_dir, backend=backend, dtype=dtype, device=device, quantize=quantize,
                 draft_quantize=draft_quantize, draft_quantize_head=draft_quantize_head,
-                quantize_group_size=quantize_group_size, draft_backend=draft_backend)
+                quantize_group_size=quantize_group_size, draft_backend=draft_backend, prepack_linears=prepack_linears)
             return cls(loaded, None, cache_dir=cache_dir, llama_cpp_draft=draft or None)
         if draft_backend == "llama-cpp":
             t, d = load_with_llama_cpp_draft(target, draft, dtype=dtype, device=device, cache_dir=cache_dir,
@@ -510,10 +510,10 @@ class SpeculativeGenerator:
         )
         llama = self.backend == "llama-cpp"  # the target in llama.cpp: one row, nothing compiled (runner_target)
         draft_control = self._measured_policy(method, draft_control, drafter)
-        return SpeculativeDecoder(
-            self.target.model, drafter, eos_token_ids=self._eos, tokenizer=self.tokenizer, draft_control=draft_control,
-            runner=None if llama else self.runner(compile), compile=compile,
-        )
+        runner = None if llama else self.runner(compile)
+        check_drafter_compilable(drafter, runner is not None and runner.compile)
+        return SpeculativeDecoder(self.target.model, drafter, eos_token_ids=self._eos, tokenizer=self.tokenizer,
+                                  draft_control=draft_control, runner=runner, compile=compile)
 
     def _measured_policy(self, method: str, draft_control, drafter):
         """``draft_control``, or where none is given (and a drafter): for "token-recycling" the tree size
@@ -593,6 +593,7 @@ class SpeculativeGenerator:
             draft_backend=draft_backend, draft_tree_depth=draft_tree_depth, draft_tree_expand=draft_tree_expand,
         ))
         control = self._measured_policy(method, draft_control, drafter) if drafter is not None else None
+        check_drafter_compilable(drafter, resolve_compile(compile, target.device))
         if max_verify_tokens == "auto":
             max_verify_tokens = auto_verify_tokens(target.device, num_speculative_tokens, control)
         return BatchedSpeculativeDecoder(

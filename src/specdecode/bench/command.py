@@ -97,12 +97,12 @@ def _check_draft_flags(args) -> None:
 
 
 def _prepack(args, specs: Sequence[MethodSpec]) -> bool | None:
-    """``prepack_linears`` for the run's models: --prepack-linears / --no-prepack-linears, else off where
-    --compile or a method's ``compile=1`` (``specs``: the run's parsed methods) asks for the fast path (it
-    cannot compile prepacked layers), else None: on for float32 unquantized models on a CPU
-    (``defaults.prepack_by_default``)."""
-    compiles = bool(args.compile) or any(spec.compile for spec in specs)
-    return defaults.prepack_by_default(args.prepack_linears, compiles)
+    """``prepack_linears`` for the run's models (``defaults.prepack_by_default``, which refuses
+    --prepack-linears with a compiling method): the fast path is asked for by --compile or a method's
+    ``compile=1`` (``specs``: the run's parsed methods), and ``hf-generate-static`` compiles the target too."""
+    compiles = [f"--methods {spec.name}" for spec in specs if spec.compile or spec.base == "hf-generate-static"]
+    return defaults.prepack_by_default(args.prepack_linears, "--compile" if args.compile else
+                                       (compiles[0] if compiles else None))
 
 
 def _check_backend(args, methods: Sequence[str] | None) -> None:
@@ -128,7 +128,8 @@ def _check_backend(args, methods: Sequence[str] | None) -> None:
                                        f"leave {flag} out")
     check_llama_cpp_target_options(dtype=args.dtype, device=args.device, quantize=args.quantize,
                                    draft_quantize=args.draft_quantize, draft_quantize_head=args.draft_quantize_head,
-                                   quantize_group_size=args.quantize_group_size, draft_backend=None)
+                                   quantize_group_size=args.quantize_group_size, draft_backend=None,
+                                   prepack_linears=args.prepack_linears)
     for name in methods or ():
         base = name.partition("+")[0].partition(":")[0]
         why = ("it runs transformers' generate on the target's torch model, and the target in llama.cpp has none"
@@ -191,8 +192,7 @@ def run(args) -> int:
             args.target, _draft_spec(args), dtype=args.dtype, device=args.device, quantize=args.quantize,
             draft_quantize=args.draft_quantize, draft_quantize_head=args.draft_quantize_head,
             quantize_group_size=args.quantize_group_size, backend=getattr(args, "backend", "torch"),
-            prepack_linears=_prepack(args, [MethodSpec.parse(m) for m in methods or ()  # not the llama.cpp references
-                                             if m.partition("+")[0].partition(":")[0] in available_methods()]),
+            prepack_linears=_prepack(args, [MethodSpec.parse(m) for m in methods or ()]),
         )
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("ETA"), TimeRemainingColumn())

@@ -477,6 +477,12 @@ def resolve_methods(
                     raise InvalidArgumentError(
                         f"method {name!r} needs a draft model; pass --draft (draft=...) or leave {name!r} out"
                     )
+                if spec.static_cache and getattr(generator.target, "prepacked", False):
+                    raise InvalidArgumentError(
+                        f"method {name!r} compiles the target's forward, but its float32 linear layers run on "
+                        "oneDNN's kernel (models.prepacked_linear, the CPU default), which torch.compile cannot "
+                        "compile whole; run the bench with --no-prepack-linears (prepack_linears=False) to include it"
+                    )
                 runners[name] = _HFRunner(spec, generator, settings, max_positions)
             else:
                 spec = MethodSpec.parse(name)

@@ -108,12 +108,15 @@ class BatchRunner:
         num_eager_forwards: Forwards run eagerly (all of them without the fast path).
 
     Raises:
-        InvalidArgumentError: A width outside 1 .. ``cache.fast.max_width``.
+        InvalidArgumentError: A width outside 1 .. ``cache.fast.max_width``; compiled forwards (``FastPath.graphs``)
+            of a model the fast path cannot compile (``fast_path.check_compilable``).
     """
 
     def __init__(self, model: PreTrainedModel, cache: BatchKVCache, widths: Sequence[int], name: str) -> None:
         self.model, self.cache, self.name = model, cache, name
         self.fast = cache.fast
+        if self.fast is not None and self.fast.graphs:  # before any forward: the draft's as well as the target's
+            check_compilable(model, name)
         limit = self.fast.max_width if self.fast is not None else None
         for w in widths:
             if isinstance(w, bool) or not isinstance(w, int) or w < 1 or (limit is not None and w > limit):
@@ -249,7 +252,6 @@ def _forward_function(model: PreTrainedModel, tag: str, graphs: bool, cuda: bool
 
     if not graphs:
         return forward
-    check_compilable(model, "model")
     code = forward.__code__.replace(co_name=f"forward_{tag}", co_qualname=f"batch_forward_{tag}")
     own = types.FunctionType(code, forward.__globals__, code.co_name, forward.__defaults__, forward.__closure__)
     # compat.compile_function: the options this torch has (CUDA graphs on CUDA), the compile cache

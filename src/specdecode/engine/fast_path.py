@@ -63,6 +63,18 @@ def check_compilable(model: torch.nn.Module, name: str) -> None:
             "the CPU default)")
 
 
+def check_drafter_compilable(drafter, compile: bool) -> None:
+    """``check_compilable`` for a drafter's own model (``drafter.model``, e.g. a draft model's; named by its
+    ``who``) when ``compile`` (resolved) asks for the fast path: so a decoder refuses before its first round.
+
+    Raises:
+        InvalidArgumentError: As ``check_compilable``.
+    """
+    model = getattr(drafter, "model", None)
+    if compile and isinstance(model, torch.nn.Module):
+        check_compilable(model, getattr(drafter, "who", "draft model"))
+
+
 class ModelRunner:
     """A model's fast-path settings, kept per generator across decoders (module docstring).
 

@@ -283,7 +283,8 @@ TARGET_BACKENDS = ("torch", "llama-cpp")
 
 
 def check_llama_cpp_target_options(*, dtype, device, quantize: str, draft_quantize, draft_quantize_head,
-                                   quantize_group_size, draft_backend: str | None) -> None:
+                                   quantize_group_size, draft_backend: str | None,
+                                   prepack_linears: bool | None = None) -> None:
     """Refuse the loading options that a target run by llama.cpp cannot apply (before anything is loaded).
 
     Raises:
@@ -291,7 +292,8 @@ def check_llama_cpp_target_options(*, dtype, device, quantize: str, draft_quanti
             ``draft_quantize_head``, ``quantize_group_size``): the GGUF file keeps its own; a ``dtype``
             other than "auto" or "float32" (llama.cpp's logits are float32); a device other than
             "auto" or the CPU; ``draft_backend="torch"`` (a torch draft beside a llama.cpp target is not
-            built: the draft runs in llama.cpp too; None or "llama-cpp" is that).
+            built: the draft runs in llama.cpp too; None or "llama-cpp" is that); ``prepack_linears=True``
+            (oneDNN's kernel for torch linear layers, ``models.prepacked_linear``: there are none).
     """
     given = [f"{name}={value!r}" for name, value in (
         ("quantize", None if quantize == "none" else quantize), ("draft_quantize", draft_quantize),
@@ -301,6 +303,11 @@ def check_llama_cpp_target_options(*, dtype, device, quantize: str, draft_quanti
         raise InvalidArgumentError(
             f"{' and '.join(given)} quantize torch weights, but backend='llama-cpp' runs the target's GGUF file with "
             "its own quantization and loads no torch weights: leave them out"
+        )
+    if prepack_linears:
+        raise InvalidArgumentError(
+            "prepack_linears=True puts torch linear layers on oneDNN's kernel, but backend='llama-cpp' runs the "
+            "target's GGUF file in llama.cpp and loads no torch layers: leave it out"
         )
     if dtype not in ("auto", "float32", torch.float32):
         raise InvalidArgumentError(
@@ -378,7 +385,7 @@ def load_llama_cpp_target(spec: str, *, cache_dir=None, n_threads: int | None = 
         raise InvalidArgumentError(f"unknown backend {loading['backend']!r}; allowed: {', '.join(TARGET_BACKENDS)}")
     loading.pop("backend", None)
     options = dict(dtype="auto", device="cpu", quantize="none", draft_quantize=None, draft_quantize_head=None,
-                   quantize_group_size=None, draft_backend=None)
+                   quantize_group_size=None, draft_backend=None, prepack_linears=None)
     unknown = set(loading) - set(options)
     if unknown:
         raise InvalidArgumentError(f"unknown loading options {sorted(unknown)}; allowed: {', '.join(options)}")

@@ -21,13 +21,13 @@ stock layer).
 ones holding the same weights (the LM head too; a head tied to the input embedding keeps the embedding's
 dense weight, so its prepacked copy is the one extra copy); ``unpack_linears`` puts back plain
 ``nn.Linear`` modules with bit-identical weights. Which models get it: ``models.loading.load_model``'s
-``prepack_linears`` (None: float32 on a CPU, unquantized, where oneDNN is available).
+``prepack_linears`` (None: float32 on an x86 CPU with AVX2 or AVX512, unquantized, where oneDNN is
+available: ``why_no_auto_prepack``).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Iterator
 
 import torch
 from torch import nn
@@ -45,6 +45,27 @@ def why_no_prepack() -> str | None:
         return f"torch {torch.__version__} was built without oneDNN (torch.backends.mkldnn.is_available() is False)"
     if not hasattr(torch.ops.aten, "mkldnn_linear"):
         return f"torch {torch.__version__} has no aten::mkldnn_linear operator"
+    return None
+
+
+#: torch's CPU capabilities (``torch.backends.cpu.get_cpu_capability()``) where ``load_model`` prepacks by
+#: default: x86 with oneDNN's vectorized kernels. Measured on AVX2 (module docstring); AVX512 machines run
+#: bfloat16 by default, where the stock layer already calls oneDNN, and their float32 was not measured.
+#: Others (ARM included) were not measured: there prepacking is asked for with ``prepack_linears=True``.
+AUTO_PREPACK_CPU_CAPABILITIES = ("AVX2", "AVX512")
+
+
+def why_no_auto_prepack() -> str | None:
+    """Why ``load_model`` does not prepack a float32 CPU model by default here (for its log), or None when it
+    does: the kernel (``why_no_prepack``) and a CPU capability in ``AUTO_PREPACK_CPU_CAPABILITIES``."""
+    reason = why_no_prepack()
+    if reason is not None:
+        return reason
+    get = getattr(getattr(torch.backends, "cpu", None), "get_cpu_capability", None)
+    capability = get() if get is not None else None
+    if capability not in AUTO_PREPACK_CPU_CAPABILITIES:
+        return (f"this CPU's capability is {capability or 'unknown to this torch'}, where it was not measured "
+                f"(default on {', '.join(AUTO_PREPACK_CPU_CAPABILITIES)}); prepack_linears=True asks for it")
     return None
 
 
@@ -93,8 +114,15 @@ class PrepackedLinear(nn.Module):
         return linear
 
     def select_rows(self, ids: torch.Tensor) -> PrepackedLinear:
-        """A new layer computing only output rows ``ids`` ((R,) long), e.g. a truncated LM head
-        (``drafters.draft_head``)."""
+        """A new layer computing only output rows ``ids`` ((R,) long, each in 0 .. out_features - 1), e.g. a
+        truncated LM head (``drafters.draft_head``).
+
+        Raises:
+            InvalidArgumentError: An id out of that range.
+        """
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.out_features):
+            raise InvalidArgumentError(f"row ids must be in 0..{self.out_features - 1}, got {int(ids.min())}.."
+                                       f"{int(ids.max())}")
         rows = nn.Linear(self.in_features, int(ids.numel()), bias=self.bias is not None, device="meta")
         rows.weight = nn.Parameter(self.dense_weight()[ids].contiguous(), requires_grad=False)
         if self.bias is not None:
@@ -120,40 +148,43 @@ def check_prepackable(weight: torch.Tensor, what: str) -> None:
         raise InvalidArgumentError(f"prepacked linears need oneDNN: {reason}; turn prepacking off (prepack_linears=False)")
 
 
-def _children(model: nn.Module, kind: type) -> Iterator[tuple[nn.Module, str, nn.Module]]:
-    """(parent, attribute, layer) for every child of exactly type ``kind`` in ``model``, collected first."""
-    found = [(parent, attr, child) for parent in model.modules() for attr, child in parent.named_children()
-             if type(child) is kind]
-    yield from found
+def _places(model: nn.Module, kind: type) -> list[tuple[nn.Module, str]]:
+    """(parent, attribute) of every child of exactly type ``kind`` in ``model``: places, not layers, so that a
+    replaced layer's weight can be freed before the next one is copied."""
+    return [(parent, attr) for parent in model.modules() for attr, child in parent.named_children()
+            if type(child) is kind]
 
 
 def prepack_linears(model: nn.Module) -> int:
     """Replace every plain ``nn.Linear`` of ``model`` (exact type; quantized or hooked layers are left alone)
     in place by a ``PrepackedLinear`` with the same weights; returns how many. ``unpack_linears`` undoes it.
 
+    One layer at a time, so the extra memory at any moment is one layer's weight (the largest, typically the
+    LM head); a head tied to the input embedding keeps the embedding's dense weight beside its oneDNN copy.
+
     Raises:
         InvalidArgumentError: A layer that is not float32 on the CPU, or no kernel in this torch
             (``check_prepackable``), checked for every layer before any is replaced.
     """
-    layers = list(_children(model, nn.Linear))
-    for _, attr, layer in layers:
-        check_prepackable(layer.weight, f"layer {attr!r}")
+    places = _places(model, nn.Linear)
+    for parent, attr in places:
+        check_prepackable(getattr(parent, attr).weight, f"layer {attr!r}")
     with torch.no_grad():
-        for parent, attr, layer in layers:
-            setattr(parent, attr, PrepackedLinear(layer))
-    if layers:
-        logger.debug("prepacked %d float32 linear layers for oneDNN", len(layers))
-    return len(layers)
+        for parent, attr in places:
+            setattr(parent, attr, PrepackedLinear(getattr(parent, attr)))
+    if places:
+        logger.debug("prepacked %d float32 linear layers for oneDNN", len(places))
+    return len(places)
 
 
 def unpack_linears(model: nn.Module) -> int:
     """Put plain ``nn.Linear`` layers back in place of ``model``'s ``PrepackedLinear`` ones (bit-identical
     weights; a tied LM head gets its own dense copy); returns how many."""
-    layers = list(_children(model, PrepackedLinear))
+    places = _places(model, PrepackedLinear)
     with torch.no_grad():
-        for parent, attr, layer in layers:
-            setattr(parent, attr, layer.to_linear())
-    return len(layers)
+        for parent, attr in places:
+            setattr(parent, attr, getattr(parent, attr).to_linear())
+    return len(places)
 
 
 def has_prepacked_linears(model: nn.Module) -> bool:

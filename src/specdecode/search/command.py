@@ -51,10 +51,13 @@ def run(args) -> int:
     )
     err = Console(stderr=True)
     with err.status(f"loading {args.target}"):
-        loaded = load_model(args.target, dtype=args.dtype, device=args.device, quantize=args.quantize)
+        loaded = load_model(args.target, dtype=args.dtype, device=args.device, quantize=args.quantize,
+                            prepack_linears=args.prepack_linears)
     dtype = str(loaded.model.dtype).removeprefix("torch.")
     if loaded.quantize != "none":
         dtype += f"-{loaded.quantize}"  # a quantized model gets its own study
+    if loaded.prepacked:
+        dtype += "-prepacked"  # so do oneDNN's linears (models.prepacked_linear): other sublayer costs
     study_name = args.study_name or default_study_name(args.target, dtype, settings.objective)
     out = Path(args.out)
     if storage is None:

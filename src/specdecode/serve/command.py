@@ -309,7 +309,7 @@ def load_server(args):
         args.target, plan.draft, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir,
         quantize=args.quantize, draft_quantize=plan.draft_quantize, draft_quantize_head=args.draft_quantize_head,
         quantize_group_size=args.quantize_group_size, backend=backend,
-        prepack_linears=defaults.prepack_by_default(args.prepack_linears, args.compile),
+        prepack_linears=defaults.prepack_by_default(args.prepack_linears, "--compile" if args.compile else None),
     )
     loaded_s = time.perf_counter() - started
     logger.info("start-up: models loaded%s in %.1f s", " and quantized" if gen.target.quantize != "none" or (
@@ -381,7 +381,8 @@ def check_llama_cpp_backend(args) -> None:
                                    "in llama.cpp: leave --compile out")
     check_llama_cpp_target_options(dtype=args.dtype, device=args.device, quantize=args.quantize,
                                    draft_quantize=args.draft_quantize, draft_quantize_head=args.draft_quantize_head,
-                                   quantize_group_size=args.quantize_group_size, draft_backend=None)
+                                   quantize_group_size=args.quantize_group_size, draft_backend=None,
+                                   prepack_linears=args.prepack_linears)
 
 
 @dataclass(frozen=True)
