@@ -5,7 +5,7 @@ QUANTIZE is none, int8, int4, or int4-head-int4 (an int4 draft's LM head, as fro
 DTYPE (environment) is the compute dtype: bfloat16 (the default), float32 or auto (the commands' choice:
 bfloat16 with native bf16 instructions, float32 otherwise). WIDTHS (environment, e.g. 1,8) limits the widths.
 PREPACK (environment): 1 = unquantized float32 linears on oneDNN's kernel (``models.prepacked_linear``), 0 = stock
-``nn.Linear``, unset = ``load_model``'s default (on for an unquantized float32 model on a CPU). Each line says
+``nn.Linear``, unset = ``load_model``'s default (on for an unquantized float32 model on an AVX2 CPU). Each line says
 which ran and how long loading (with the prepacking) took.
 Prints one line per model and quantization: the median of 7 forwards over a 200-token context.
 """

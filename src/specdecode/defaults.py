@@ -6,6 +6,8 @@ commands (``specdecode generate`` and ``specdecode serve``) share, each with the
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from specdecode import method_registry
@@ -15,6 +17,8 @@ from specdecode.models import LoadedModel
 from specdecode.models.loading import resolve_dtype
 from specdecode.models.llama_cpp_target import LlamaCppTargetRunner
 from specdecode.models.quantize import check_quantize
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -163,7 +167,9 @@ def prompt_limit_by_default(method: str, draft_scheme: str, draft_backend: str |
 #: The commands' help for --prepack-linears / --no-prepack-linears (``prepack_by_default``).
 PREPACK_HELP = ("float32 linear layers on oneDNN's CPU kernel (weights prepacked once at load): faster plain steps "
                 "and far cheaper verification where a model computes in float32 on a CPU (one without native bf16); "
-                "default: on for float32 unquantized models on a CPU, off with --compile, which cannot compile them")
+                "default: on for float32 unquantized models on an x86 CPU with AVX2 (where it was measured)")
+#: --compile's effect on it (generate, bench and serve; search compiles nothing).
+PREPACK_COMPILE_HELP = ", off with --compile, which cannot compile them"
 
 
 def prepack_by_default(prepack_linears: bool | None, compiled_by: str | None) -> bool | None:
@@ -181,7 +187,11 @@ def prepack_by_default(prepack_linears: bool | None, compiled_by: str | None) ->
         raise InvalidArgumentError(
             f"--prepack-linears and {compiled_by}: the fast path cannot compile prepacked (oneDNN) linear layers; "
             "leave one out (with --compile the default keeps the stock layers)")
-    return False if prepack_linears is None and compiled_by else prepack_linears
+    if prepack_linears is None and compiled_by:
+        logger.info("float32 linears stay nn.Linear for the whole run: %s compiles, and the fast path cannot "
+                    "compile prepacked (oneDNN) layers", compiled_by)
+        return False
+    return prepack_linears
 
 
 def auto_verify_tokens(device: torch.device, num_speculative_tokens: int, control: DraftControl | None) -> int | None:

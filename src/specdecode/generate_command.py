@@ -147,7 +147,7 @@ def add_prepack_argument(p: argparse.ArgumentParser) -> None:
     """--prepack-linears / --no-prepack-linears (generate and bench; serve's own parser adds the same flag with
     ``defaults.PREPACK_HELP``; ``defaults.prepack_by_default``)."""
     p.add_argument("--prepack-linears", action=argparse.BooleanOptionalAction, default=None,
-                   help=defaults.PREPACK_HELP)
+                   help=defaults.PREPACK_HELP + defaults.PREPACK_COMPILE_HELP)
 
 
 def add_processor_arguments(p: argparse.ArgumentParser, *, per_request: bool = True) -> None:

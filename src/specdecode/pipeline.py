@@ -173,7 +173,7 @@ class SpeculativeGenerator:
 
         ``prepack_linears``: float32 linear layers on oneDNN's CPU kernel, for the target and a torch draft
         (``specdecode.models.prepacked_linear``; see ``load_model``): None (the default) where a model is
-        float32 on a CPU and unquantized; False keeps ``nn.Linear``. The fast path (``compile=True``)
+        float32 on an x86 CPU with AVX2 and unquantized; True on any CPU; False keeps ``nn.Linear``. The fast path (``compile=True``)
         cannot compile them: a CPU user who compiles passes False.
 
         ``draft=None`` loads no draft model: enough for every method but "draft" and "cascade"

@@ -17,7 +17,14 @@ from specdecode.bench import BenchSettings
 from specdecode.bench.command import _prepack
 from specdecode.bench.methods import MethodSpec, resolve_methods
 from specdecode.defaults import prepack_by_default
-from specdecode.drafters import CascadeDrafter, DraftModelDrafter, EarlyExitDrafter, PromptLookupDrafter
+from specdecode.drafters import (
+    CascadeDrafter,
+    DraftModelDrafter,
+    EarlyExitDrafter,
+    LayerSkipDrafter,
+    PromptLookupDrafter,
+)
+from specdecode.drafters.layer_skip import SkipSet
 from specdecode.drafters.control import DraftControl
 from specdecode.drafters.draft_head import BoundDraftHead
 from specdecode.engine.batched import BatchedSpeculativeDecoder
@@ -112,6 +119,7 @@ def _drafters(target, draft):
         "cascade": lambda: CascadeDrafter(draft),
         "prompt-lookup": lambda: PromptLookupDrafter(),
         "early-exit": lambda: EarlyExitDrafter(target, 2),
+        "layer-skip": lambda: LayerSkipDrafter(target, SkipSet(attn=(1,), mlp=(2,))),
     }
 
 
@@ -274,3 +282,41 @@ def test_a_llama_cpp_target_refuses_prepacking():
     with pytest.raises(InvalidArgumentError, match=r"prepack_linears=True .* backend='llama-cpp' runs the target's "
                                                    r"GGUF file in llama.cpp and loads no torch layers"):
         check_llama_cpp_target_options(**options, prepack_linears=True)
+
+
+@needs_onednn
+def test_a_tied_head_loads_prepacked_with_the_stock_logits_and_its_own_memory(tmp_path):
+    """The real Qwen pair ties its LM head to the input embedding: the head gets a oneDNN copy, the embedding keeps
+    its Parameter (copied off the file's memory map), and the logits are the stock load's."""
+    tok = make_tiny_tokenizer()
+    tied = make_tiny_model("qwen2", tie_word_embeddings=True)
+    assert tied.get_output_embeddings().weight is tied.get_input_embeddings().weight  # the case under test
+    save_tiny_folders(tmp_path, tok, tied, make_tiny_model("qwen2", num_layers=2, seed=2))
+    folder = str(tmp_path / "target")
+    stock = load_model(folder, dtype="float32", device="cpu", prepack_linears=False).model
+    packed = load_model(folder, dtype="float32", device="cpu", prepack_linears=True).model
+    assert isinstance(packed.get_output_embeddings(), PrepackedLinear)
+    embedding = packed.get_input_embeddings().weight
+    assert isinstance(embedding, nn.Parameter) and torch.equal(embedding, stock.get_input_embeddings().weight)
+    ids = torch.tensor([REPETITIVE])
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(ids).logits, stock(ids).logits, rtol=1e-4, atol=1e-4)
+    unpack_linears(packed)
+    head = packed.get_output_embeddings().weight
+    assert torch.equal(head, embedding) and head.data_ptr() != embedding.data_ptr()  # its own dense copy
+
+
+def test_a_compiling_method_keeps_the_stock_layers_and_says_so(caplog):
+    with caplog.at_level("INFO", logger="specdecode.defaults"):
+        assert prepack_by_default(None, "--methods hf-generate-static") is False
+    assert "float32 linears stay nn.Linear for the whole run: --methods hf-generate-static compiles" in caplog.text
+
+
+@needs_onednn
+def test_a_search_study_of_a_prepacked_model_is_its_own():
+    from specdecode.search.study import model_identity
+
+    loaded = LoadedModel(make_tiny_model("qwen2"), make_tiny_tokenizer(), "tiny")
+    assert "prepacked_linears" not in model_identity(loaded)  # studies made before still match
+    prepack_linears(loaded.model)
+    assert model_identity(loaded)["prepacked_linears"] is True

@@ -186,6 +186,9 @@ class RecordStore:
                     # an int4 draft got the int8 head before the int4 LM head existed (run_identity)
                     hint = ("; folders made before the int4 LM head (an int4 draft, from --draft-quantize int4 "
                             "or --quantize int4) resume with --draft-quantize-head int8")
+                if "prepacked_linears" in diff and old.get("prepacked_linears") is None:
+                    # float32 CPU runs made before the prepacked linears became the default (run_identity)
+                    hint = "; folders made with stock float32 linears resume with --no-prepack-linears"
                 raise InvalidArgumentError(
                     f"results folder {str(self.dir)!r} was made with different settings ({changes}); "
                     f"resume with the same settings or use another --out folder{hint}"

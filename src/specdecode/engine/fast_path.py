@@ -23,7 +23,8 @@ from transformers import PreTrainedModel
 from specdecode.engine.compat import RECOMPILE_LIMIT  # noqa: F401 (the fast path's limit, defined with the options)
 from specdecode.errors import InvalidArgumentError
 
-__all__ = ["DRAFT_BUCKETS", "ModelRunner", "default_compile", "resolve_compile"]
+__all__ = ["DRAFT_BUCKETS", "ModelRunner", "check_compilable", "check_drafter_compilable", "default_compile",
+           "resolve_compile"]
 
 #: Widest draft-model forward the fast path pads to (the cascade's n-gram check feeds several
 #: tokens); a one-row engine's cache leaves room for it.

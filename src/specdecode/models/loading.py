@@ -271,9 +271,9 @@ def load_model(
         prepack_linears: Run the float32 linear layers on oneDNN's CPU kernel
             (``specdecode.models.prepacked_linear``: on a 2-core AVX2 CPU a plain step of Qwen2.5-Coder
             1.5B 27% faster, a 5-token verification 1.7 plain steps instead of 2.9; a tied LM head's oneDNN
-            copy is extra memory). None (the default): where the model is float32 on an x86 CPU (AVX2 or
-            AVX512), unquantized, and this torch has oneDNN (``resolve_prepack``); True asks for it on any
-            CPU (refused for other dtypes, devices and quantization); False keeps ``nn.Linear``.
+            copy is extra memory). None (the default): where the model is float32 on an x86 CPU with AVX2
+            (where it was measured), unquantized, and this torch has oneDNN (``resolve_prepack``); True asks
+            for it on any CPU (refused for other dtypes, devices and quantization); False keeps ``nn.Linear``.
 
     Raises:
         ModelNotFoundError: Unknown name, missing file or folder, or chunk packages not installed.
@@ -324,6 +324,10 @@ def _copy_off_the_file(model: torch.nn.Module) -> None:
     with torch.no_grad():
         for param in model.parameters():  # shared (tied) parameters come once
             param.data = param.data.clone()
+        for module in model.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                if not buffer.is_mkldnn:
+                    setattr(module, name, buffer.clone())
 
 
 def resolve_prepack(prepack_linears: bool | None, dtype: torch.dtype, device: torch.device, quantize: str) -> bool:

@@ -21,8 +21,8 @@ stock layer).
 ones holding the same weights (the LM head too; a head tied to the input embedding keeps the embedding's
 dense weight, so its prepacked copy is the one extra copy); ``unpack_linears`` puts back plain
 ``nn.Linear`` modules with bit-identical weights. Which models get it: ``models.loading.load_model``'s
-``prepack_linears`` (None: float32 on an x86 CPU with AVX2 or AVX512, unquantized, where oneDNN is
-available: ``why_no_auto_prepack``).
+``prepack_linears`` (None: float32 on an x86 CPU with AVX2, unquantized, where oneDNN is available:
+``why_no_auto_prepack``).
 """
 
 from __future__ import annotations
@@ -49,10 +49,10 @@ def why_no_prepack() -> str | None:
 
 
 #: torch's CPU capabilities (``torch.backends.cpu.get_cpu_capability()``) where ``load_model`` prepacks by
-#: default: x86 with oneDNN's vectorized kernels. Measured on AVX2 (module docstring); AVX512 machines run
-#: bfloat16 by default, where the stock layer already calls oneDNN, and their float32 was not measured.
-#: Others (ARM included) were not measured: there prepacking is asked for with ``prepack_linears=True``.
-AUTO_PREPACK_CPU_CAPABILITIES = ("AVX2", "AVX512")
+#: default: where it was measured, AVX2 (module docstring). AVX512 CPUs with native bf16 run bfloat16 by
+#: default, where the stock layer already calls oneDNN; those without it (capability "AVX512" too) run
+#: float32 and were not measured, nor were others (ARM included): there ``prepack_linears=True`` asks for it.
+AUTO_PREPACK_CPU_CAPABILITIES = ("AVX2",)
 
 
 def why_no_auto_prepack() -> str | None:
@@ -156,11 +156,14 @@ def _places(model: nn.Module, kind: type) -> list[tuple[nn.Module, str]]:
 
 
 def prepack_linears(model: nn.Module) -> int:
-    """Replace every plain ``nn.Linear`` of ``model`` (exact type; quantized or hooked layers are left alone)
-    in place by a ``PrepackedLinear`` with the same weights; returns how many. ``unpack_linears`` undoes it.
+    """Replace every plain ``nn.Linear`` of ``model`` (exact type: subclasses and quantized layers are left
+    alone; hooks registered on a replaced ``nn.Linear`` are not carried over) in place by a ``PrepackedLinear``
+    with the same weights; returns how many. ``unpack_linears`` undoes it.
 
-    One layer at a time, so the extra memory at any moment is one layer's weight (the largest, typically the
-    LM head); a head tied to the input embedding keeps the embedding's dense weight beside its oneDNN copy.
+    One layer at a time: each replaced layer's dense weight is freed at once where it owns its memory; a
+    model read from a memory-mapped file keeps the map (and the pages read) until every tensor of it is gone
+    (``models.loading`` then copies the remaining parameters off it). A head tied to the input embedding
+    keeps the embedding's dense weight beside its oneDNN copy.
 
     Raises:
         InvalidArgumentError: A layer that is not float32 on the CPU, or no kernel in this torch

@@ -85,8 +85,10 @@ def _calibration_label(spec: str) -> str:
 
 
 def model_identity(loaded: LoadedModel) -> dict:
-    """What makes two runs search the same model: name, architecture, sizes, dtype."""
+    """What makes two runs search the same model: name, architecture, sizes, dtype, quantization, and
+    whether its linears are prepacked (named only then, so older studies still match)."""
     cfg = loaded.model.config
+    prepacked = {"prepacked_linears": True} if getattr(loaded, "prepacked", False) else {}
     return {
         "model": model_label(loaded.name),
         "model_type": getattr(cfg, "model_type", type(loaded.model).__name__),
@@ -95,6 +97,7 @@ def model_identity(loaded: LoadedModel) -> dict:
         "vocab_size": logits_width(loaded.model),
         "dtype": str(loaded.model.dtype).removeprefix("torch."),
         "quantize": getattr(loaded, "quantize", "none"),
+        **prepacked,
     }
 
 

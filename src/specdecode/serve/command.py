@@ -155,7 +155,7 @@ def add_arguments(p: argparse.ArgumentParser, *, default_target: str, default_dr
                    help=f"inputs per scale and zero of int4 weights: {', '.join(map(str, INT4_GROUP_SIZES))} "
                         "(default 32)")
     p.add_argument("--prepack-linears", action=argparse.BooleanOptionalAction, default=None,
-                   help=defaults.PREPACK_HELP)
+                   help=defaults.PREPACK_HELP + defaults.PREPACK_COMPILE_HELP)
     p.add_argument("--device", default="auto")
     p.add_argument("--cache-dir", default=None, help="where assembled and dense models are cached")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
