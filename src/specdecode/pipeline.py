@@ -173,8 +173,8 @@ class SpeculativeGenerator:
 
         ``prepack_linears``: float32 linear layers on oneDNN's CPU kernel, for the target and a torch draft
         (``specdecode.models.prepacked_linear``; see ``load_model``): None (the default) where a model is
-        float32 on an x86 CPU with AVX2 and unquantized; True on any CPU; False keeps ``nn.Linear``. The fast path (``compile=True``)
-        cannot compile them: a CPU user who compiles passes False.
+        float32 on an x86 CPU with AVX2 and unquantized; True on any CPU; False keeps ``nn.Linear``. The
+        fast path (``compile=True``) cannot compile them: a CPU user who compiles passes False.
 
         ``draft=None`` loads no draft model: enough for every method but "draft" and "cascade"
         ("autoregressive", "layer-skip", "early-exit", "prompt-lookup").
@@ -207,7 +207,7 @@ class SpeculativeGenerator:
             quantize, draft_quantize, draft_quantize_head, quantize_group_size, has_draft=bool(draft))
         t = load_model(target, dtype=dtype, device=device, cache_dir=cache_dir, quantize=quantize,
                        quantize_group_size=group if quantize == "int4" else None, prepack_linears=prepack_linears)
-        draft_prepack = prepack_linears if draft_scheme == "none" or prepack_linears is None else None
+        draft_prepack = prepack_linears if draft_scheme == "none" else None  # a quantized draft has no float32 linears
         d = load_model(draft, dtype=t.model.dtype, device=str(t.model.device), cache_dir=cache_dir,
                        quantize=draft_scheme, quantize_head=draft_head,
                        quantize_group_size=group if draft_scheme == "int4" else None,

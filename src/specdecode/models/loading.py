@@ -352,8 +352,9 @@ def resolve_prepack(prepack_linears: bool | None, dtype: torch.dtype, device: to
             "prepack_linears=True runs unquantized float32 linears on a CPU; this model is "
             f"{str(dtype).removeprefix('torch.')} on {device} with quantize={quantize!r}: use dtype float32, "
             "device cpu and quantize 'none', or prepack_linears=None/False")
-    if prepack_linears and why_no_prepack() is not None:
-        raise InvalidArgumentError(f"prepack_linears=True needs oneDNN: {why_no_prepack()}")
+    reason = why_no_prepack() if prepack_linears else None
+    if reason is not None:
+        raise InvalidArgumentError(f"prepack_linears=True needs oneDNN: {reason}")
     return prepack_linears
 
 
