@@ -277,13 +277,15 @@ def add_generate_parser(sub) -> None:
                         "cheaper draft prefill on long prompts; output unchanged, acceptance may drop); unset: "
                         "the whole prompt")
     p.add_argument("--draft-tree-depth", type=int, metavar="D", default=None,
-                   help="draft and cascade: greedy rows draft a chain of D tokens and verify a token tree of "
+                   help="draft and cascade: each row drafts a chain of D tokens (greedy, or drawn when sampling) "
+                        "and verifies a token tree of "
                         "-g nodes (the chain and its steps' runners-up of highest joint draft probability, "
                         "EAGLE-2's reranking; no extra draft forward), e.g. -g 16 --draft-tree-depth 5; turns the "
                         "default adaptive draft exit off; unset: linear drafts")
     p.add_argument("--draft-tree-expand", type=int, metavar="M", default=None,
                    help="draft, with --draft-tree-depth: EAGLE-2's dynamic tree, the M best nodes of each depth "
-                        "expanded by one draft tree forward (D - 1 of them) instead of the chain's runners-up")
+                        "expanded by one draft tree forward (D - 1 of them) instead of the chain's runners-up; "
+                        "greedy rows only")
     c = p.add_argument_group("draft length control")
     c.add_argument("--adaptive-draft-exit", action=argparse.BooleanOptionalAction, default=None,
                    help="Draft & Verify adaptive draft exit: stop drafting below a self-tuning confidence "

@@ -338,8 +338,8 @@ class SpeculativeGenerator:
             draft_backend: "torch" or "llama-cpp" for "draft" and "cascade": what runs the draft
                 model (``from_pretrained``); None: "llama-cpp" when the generator has a llama.cpp
                 draft and no torch draft, else "torch". llama.cpp's forwards are never compiled.
-            draft_tree_depth: D for "draft" and "cascade": greedy rows draft a chain of D tokens and a
-                token tree of the round's budget (γ) of nodes: the chain and its steps' runners-up of
+            draft_tree_depth: D for "draft" and "cascade": each row drafts a chain of D tokens (greedy, or drawn
+                from q when sampling) and a token tree of the round's budget (γ) of nodes: the chain and its steps' runners-up of
                 highest joint draft probability (``drafters.draft_tree``, EAGLE-2's reranking), checked
                 in one target forward; None: linear drafts. 1 .. ``draft_tree.MAX_TREE_DEPTH``.
             draft_tree_expand: M for "draft", with ``draft_tree_depth``: EAGLE-2's expansion instead of the

@@ -265,7 +265,7 @@ def test_grow_trees_puts_the_tree_after_the_cascades_ngram_block():
     for step in range(2):
         tops.add(logits[:, step])
     tokens = torch.tensor([[4, 6], [4, 6]])
-    ids, num, trees, chains = grow_trees(tokens, [2, 2], tops, [True, False], [3, 2], [[9], []])
+    ids, num, trees, chains, sampled = grow_trees(tokens, [2, 2], tops, [True, False], [3, 2], [[9], []])
     assert chains == [[4, 6], [4, 6]]
     assert num == [4, 2] and ids.tolist() == [[9, 4, 6, 5], [4, 6, 0, 0]]
     # 9 (the n-gram, node 1), 4 and 6 (the chain), and 5, 4's sibling, hanging from the n-gram token too

@@ -95,7 +95,7 @@ from specdecode.drafters.base import draft_batch, draft_views
 from specdecode.drafters.control import check_optional_count
 from specdecode.drafters.draft_head import DraftHead
 from specdecode.drafters.draft_model import DraftModelDrafter
-from specdecode.drafters.draft_tree import TREE_TOP_K, TopK, grow_trees
+from specdecode.drafters.draft_tree import TREE_TOP_K, TopK, grow_trees, tree_draft
 from specdecode.drafters.prompt_lookup import check_ngram_sizes, find_continuation
 from specdecode.engine.batch_cache import to_device
 from specdecode.engine.protocol import Draft
@@ -298,13 +298,12 @@ class CascadeDrafter(DraftModelDrafter):
             finite = model.finite if finite is None else finite & model.finite
         trees = None
         if tops is not None:  # [trees] the model part's tree hangs from each row's n-gram block
-            tokens, num, trees, chains = grow_trees(model.tokens, model.num_tokens, tops, tree_rows, model_tokens,
-                                                    blocks)
+            tokens, num, trees, chains, sampled = grow_trees(model.tokens, model.num_tokens, tops, tree_rows,
+                                                             model_tokens, blocks, model.probs)
             self._keep_chains(tree_rows, valid, chains, steps)
-            trees = trees if any(trees) else None
-        else:
-            tokens = self._join_tokens(blocks, model, num)
-        return Draft(tokens, num, self._probs(blocks, model, samplers), finite, self.who, trees)
+            return tree_draft(tokens, num, self._probs(blocks, model, samplers), finite, self.who, trees, sampled)
+        tokens = self._join_tokens(blocks, model, num)
+        return Draft(tokens, num, self._probs(blocks, model, samplers), finite, self.who)
 
     def _join_tokens(self, blocks: list[list[int]], model: Draft | None, num: list[int]) -> torch.Tensor:
         """(n, max(1, max(num))) long: each row's n-gram tokens, then its model tokens, then padding."""

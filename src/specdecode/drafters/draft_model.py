@@ -60,6 +60,7 @@ from specdecode.drafters.draft_tree import (
     check_tree_expand,
     expand_trees,
     grow_trees,
+    tree_draft,
 )
 from specdecode.engine.batch_cache import BatchKVCache, batch_prefill, to_device, warm_up_forwards, warm_up_widths
 from specdecode.engine.batch_runner import BatchRunner
@@ -234,6 +235,7 @@ class DraftModelDrafter(Drafter):
             # The expansion's widest tree forward, 1 + M (D - 1) nodes, must fit the round's budget: the
             # draft cache has room past a row's sequence for the verification's width only.
             if self.tree_expand is not None and all(tree_rows) and min(max_tokens) > 0 \
+                    and all(sampler.greedy for sampler in self._samplers[:n]) \
                     and self.tree_expand * (self.tree_depth - 1) <= min(max_tokens) \
                     and getattr(self.runner, "takes_trees", False):
                 return self._expand(sequences, first, [a - 1 for a in at], max_tokens)
@@ -246,9 +248,10 @@ class DraftModelDrafter(Drafter):
             self._num_cached[b] = lengths[b] + min(draft.num_tokens[b], steps - 1)
         if tops is None:
             return draft
-        ids, num, trees, chains = grow_trees(draft.tokens, draft.num_tokens, tops, tree_rows, max_tokens)
+        ids, num, trees, chains, sampled = grow_trees(draft.tokens, draft.num_tokens, tops, tree_rows, max_tokens,
+                                                      probs=draft.probs)
         self._keep_chains(tree_rows, lengths, chains, steps)
-        return Draft(ids, num, draft.probs, draft.finite, self.who, trees if any(trees) else None)
+        return tree_draft(ids, num, draft.probs, draft.finite, self.who, trees, sampled)
 
     def _expand(self, sequences: list[list[int]], first: torch.Tensor, starts: list[int],
                 budgets: list[int]) -> Draft:
@@ -265,10 +268,10 @@ class DraftModelDrafter(Drafter):
         return Draft(tokens, num, None, finite, self.who, [t if not t.is_chain else None for t in trees])
 
     def _tree_rows(self, n: int, exits, views) -> list[bool]:
-        """[trees] Per row, whether it drafts a tree: the option on, a greedy row, no processors, no exit policy."""
+        """[trees] Per row, whether it drafts a tree: the option on, no processors, no exit policy."""
         if self.tree_depth is None:
             return [False] * n
-        return [s is not None and s.greedy and (views is None or views[b] is None)
+        return [s is not None and (views is None or views[b] is None)
                 and (exits is None or exits[b] is None) for b, s in enumerate(self._samplers[:n])]
 
     def _keep_chains(self, tree_rows: list[bool], starts: list[int], chains: list[list[int]], steps: int) -> None:

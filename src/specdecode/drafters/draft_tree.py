@@ -29,9 +29,15 @@ lose its place to a shallow sibling: its draft forward is then spent for nothing
 (the linear draft of greedy rows reads nothing back until the engine's round), then builds the
 trees on the host (a few dozen candidates per row) and moves the rows' tokens back in one copy.
 
-**Which rows.** Greedy rows with no logits processors and no adaptive draft exit; the others
-draft linearly, as without the option (sampling rows: the engine verifies a tree of draft
-probabilities by its first chain anyway).
+**Which rows.** Rows with no logits processors and no adaptive draft exit; the others draft
+linearly, as without the option. A greedy row's chain is the draft's argmax. A sampling row's
+chain is drawn from the draft's q, as a linear draft's; its candidates are the top-k of each
+step's q beside the drawn token, ranked with the drawn token's own q (siblings outside the
+sampler's support are left out), and ``Draft.prob_nodes`` names the drawn nodes: the engine verifies
+the tree by multi-candidate speculative sampling (``engine.tree.tree_rejection_sample``), a drawn
+node by Chen et al.'s ratio test against its q, a runner-up as a candidate without q. Where the
+kept nodes form a chain that leaves the drawn one, the row keeps the drawn part only. The
+expansion below is for greedy rows only.
 
 **Expansion** (``expand_trees``, ``tree_expand=M``; EAGLE-2 section 4): instead of the chain, each
 depth's M most valuable candidates are fed, with the tree expanded so far, in one draft tree
@@ -50,6 +56,7 @@ from __future__ import annotations
 import torch
 
 from specdecode.engine.batch_cache import to_device
+from specdecode.engine.protocol import Draft
 from specdecode.engine.tree import TokenTree
 from specdecode.errors import InvalidArgumentError
 
@@ -97,27 +104,35 @@ class TopK:
         self.tokens.append(self.ids[index] if self.ids is not None else index)
 
 
-def best_nodes(chain: list[int], chain_top: list[list[tuple[int, float]]], budget: int) -> tuple[list[int], list[int]]:
+def best_nodes(chain: list[int], chain_top: list[list[tuple[int, float]]], budget: int,
+               chain_values: list[float] | None = None) -> tuple[list[int], list[int]]:
     """The ``budget`` most valuable nodes of a chain and its steps' top-k, in order (module docstring).
 
     Args:
         chain: The chain's tokens, depth 1 .. d.
         chain_top: Per depth, that step's top-k as (token, log-probability), best first.
         budget: Nodes to keep (>= 0).
+        chain_values: Per depth, the chain token's own log-probability (a sampled chain, whose token
+            may be outside the top-k), or None: read from ``chain_top`` (a greedy chain: its first).
+            Given, siblings of log-probability -inf (outside the sampler's support) are left out.
 
     Returns:
         ``(tokens, parents)``: node j + 1 is ``tokens[j]``, its parent the node ``parents[j]`` (0: the
-        root), every parent before its children, the chain's kept nodes first among their siblings.
+        root), every parent before its children, a greedy chain's kept nodes first among their siblings.
         A NaN log-probability counts as -inf (the engine then refuses the round's non-finite logits).
     """
     candidates = []  # (-value, depth, rank, token, parent chain depth)
     value = 0.0
     chain_top = [[(t, lp if lp == lp else float("-inf")) for t, lp in top] for top in chain_top]
     for depth, (token, top) in enumerate(zip(chain, chain_top), start=1):
-        own = next((lp for t, lp in top if t == token), top[0][1] if top else 0.0)  # the max, if tied past k
+        if chain_values is not None:
+            own = chain_values[depth - 1]
+        else:
+            own = next((lp for t, lp in top if t == token), top[0][1] if top else 0.0)  # the max, if tied past k
         candidates.append((-(value + own), depth, 0, token, depth - 1))
         for rank, (t, lp) in enumerate((c for c in top if c[0] != token), start=1):
-            candidates.append((-(value + lp), depth, rank, t, depth - 1))
+            if chain_values is None or lp > float("-inf"):
+                candidates.append((-(value + lp), depth, rank, t, depth - 1))
         value += own
     candidates.sort()
     tokens, parents, chain_node = [], [], {0: 0}  # chain depth -> its node index
@@ -129,8 +144,21 @@ def best_nodes(chain: list[int], chain_top: list[list[tuple[int, float]]], budge
     return tokens, parents
 
 
+def chain_path(tree: TokenTree, nodes: list[int], chain: list[int]) -> list[int]:
+    """The nodes of ``tree`` (``nodes[t - 1]`` node t's token) that hold ``chain``'s tokens along one
+    path from node 0: node i's child holding ``chain[i]``, as far as the tree keeps the chain."""
+    out, node = [], 0
+    for token in chain:
+        node = next((c for c in tree.children[node] if nodes[c - 1] == token), None)
+        if node is None:
+            break
+        out.append(node)
+    return out
+
+
 def grow_trees(tokens: torch.Tensor, num_tokens: list[int], tops: TopK, tree_rows: list[bool],
-               budgets: list[int], prefixes: list[list[int]] | None = None) -> tuple:
+               budgets: list[int], prefixes: list[list[int]] | None = None,
+               probs: list[torch.Tensor | None] | None = None) -> tuple:
     """Per row, its chain and, on tree rows, the best of its steps' runners-up as a ``TokenTree``.
 
     Args:
@@ -141,11 +169,17 @@ def grow_trees(tokens: torch.Tensor, num_tokens: list[int], tops: TopK, tree_row
         budgets: Per row, the most nodes its tree may have (>= d_b on tree rows).
         prefixes: Per row, tokens before its chain (the cascade's n-gram block: nodes 1 .. m of a
             chain from node 0, always kept, the chain's root being node m), or None.
+        probs: Per row, the (>= d_b, V) draft distributions its chain was sampled from (a sampling
+            row: its candidates are the top-k of those q, ranked with the chain's own q), or None.
 
     Returns:
-        ``(ids, num, trees, chains)``: (n, max(1, max(num))) long ids on ``tokens``'s device (each
-        row's nodes, then padding), per row its node count, per row its ``TokenTree`` or None (a
-        linear row, or a tree that kept no sibling), and per row its chain tokens (host ints).
+        ``(ids, num, trees, chains, sampled)``: (n, max(1, max(num))) long ids on ``tokens``'s device
+        (each row's nodes, then padding), per row its node count, per row its ``TokenTree`` or None (a
+        linear row, or a tree that kept no sibling), per row its chain tokens (host ints), and per
+        sampling row with a tree the nodes whose tokens its q drew, in order (the prefix's, then the
+        chain's: rows 0 .. of its ``probs`` with the prefix's one-hot rows first, ``Draft.prob_nodes``),
+        else None. A sampling row whose kept nodes form a chain off its sampled chain keeps the
+        sampled part only (a linear row's tokens all have their q).
 
     One host sync: the tokens and the top-k, read back together.
     """
@@ -153,28 +187,59 @@ def grow_trees(tokens: torch.Tensor, num_tokens: list[int], tops: TopK, tree_row
     prefixes = prefixes if prefixes is not None else [[] for _ in range(n)]
     log_probs, top_ids = torch.stack(tops.log_probs, 1), torch.stack(tops.tokens, 1)  # (n, S, k)
     k = log_probs.shape[-1]
-    host = torch.cat([tokens.double().flatten(), top_ids.double().flatten(), log_probs.double().flatten()]).tolist()
+    own = torch.zeros((n, steps), dtype=torch.float64, device=tokens.device)
+    sampling = [bool(tree_rows[b] and probs is not None and probs[b] is not None) for b in range(n)]
+    if any(sampling):  # [sampling] the candidates and the chain's values from each row's own q
+        log_probs, top_ids = log_probs.clone(), top_ids.clone()
+        for b in (b for b in range(n) if sampling[b]):
+            d = num_tokens[b]
+            q = probs[b][:d].float()
+            values, index = q.topk(min(k, q.shape[-1]), dim=-1)
+            log_probs[b, :d, : values.shape[-1]] = values.log()
+            top_ids[b, :d, : values.shape[-1]] = index
+            own[b, :d] = q.gather(1, tokens[b, :d, None]).squeeze(1).double().log()
+    host = torch.cat([tokens.double().flatten(), top_ids.double().flatten(), log_probs.double().flatten(),
+                      own.flatten()]).tolist()
     width = n * steps * k
-    rows, num, trees, chains = [], [], [], []
+    rows, num, trees, chains, sampled = [], [], [], [], []
     for b in range(n):
         chain = [int(t) for t in host[b * steps : b * steps + num_tokens[b]]]
         chains.append(chain)
         prefix, m = prefixes[b], len(prefixes[b])
-        tree = None
+        tree, nodes_of_q = None, None
         if tree_rows[b] and chain:
             top = [[(int(host[n * steps + j]), host[n * steps + width + j])
                     for j in range((b * steps + i) * k, (b * steps + i + 1) * k)] for i in range(len(chain))]
-            nodes, parents = best_nodes(chain, top, budgets[b])
+            at = n * steps + 2 * width + b * steps
+            values = host[at : at + len(chain)] if sampling[b] else None
+            nodes, parents = best_nodes(chain, top, budgets[b], values)
             tree = TokenTree((-1, *range(m), *(p + m for p in parents)))
+            if sampling[b]:
+                path = chain_path(TokenTree((-1, *parents)), nodes, chain)
+                if tree.is_chain:  # keep the sampled part only: each linear token needs its q
+                    nodes = chain[: len(path)]
+                else:
+                    nodes_of_q = [*range(1, m + 1), *(c + m for c in path)]
             rows.append(prefix + nodes)
             tree = None if tree.is_chain else tree
         else:
             rows.append(prefix + chain)
         trees.append(tree)
+        sampled.append(nodes_of_q)
         num.append(len(rows[-1]))
     longest = max(1, max(num))
     ids = to_device([r + [0] * (longest - len(r)) for r in rows], tokens.device)
-    return ids, num, trees, chains
+    return ids, num, trees, chains, sampled
+
+
+def tree_draft(tokens: torch.Tensor, num: list[int], probs: list[torch.Tensor | None] | None, finite, who: str,
+               trees: list[TokenTree | None], sampled: list[list[int] | None]) -> Draft:
+    """The ``Draft`` of rows that ``grow_trees`` grew: a sampling tree row's ``probs`` are cut to its
+    ``sampled`` nodes' rows (``Draft.prob_nodes``); ``trees`` and ``prob_nodes`` are None where no row has any."""
+    if probs is not None:
+        probs = [q[: len(nodes)] if q is not None and nodes is not None else q for q, nodes in zip(probs, sampled)]
+    return Draft(tokens, num, probs, finite, who, trees if any(t is not None for t in trees) else None,
+                 sampled if any(nodes is not None for nodes in sampled) else None)
 
 
 def check_tree_expand(value: object, depth: int | None) -> int | None:

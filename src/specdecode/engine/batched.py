@@ -463,7 +463,8 @@ class BatchedSpeculativeDecoder(BatchRequests):
                 try:
                     path, token = greedy_tree_verify(tree, nodes, argmax[b * (K + 1) : (b + 1) * (K + 1)]) \
                         if row.sampler.greedy else \
-                        tree_rejection_sample(row.sampler, row.sampler.probs(logits[b, : kb + 1]), tree, nodes)
+                        tree_rejection_sample(row.sampler, row.sampler.probs(logits[b, : kb + 1]), tree, nodes,
+                                              _draft_q(draft, probs, b))
                 except Exception as exc:  # noqa: BLE001 -- this row ends ("error", logged); the others go on
                     if not self.contain_errors:
                         raise
@@ -529,24 +530,29 @@ class BatchedSpeculativeDecoder(BatchRequests):
 
     def _trees(self, draft: Draft, k: list[int]) -> tuple:
         """[trees] The trees this round verifies: ``(trees, tokens, probs)``, trees None when no row has
-        one. A row that cannot be verified as a tree (logits processors, banned words, sampling
-        with draft probabilities, a runner without tree forwards) keeps its tree's first chain: its tokens (and draft
-        probabilities) are gathered into place and ``k[b]`` shrinks to the chain's length."""
+        one. A sampling row's tree is verified with its ``Draft.prob_nodes`` (its draft-sampled path;
+        without them, with draft probabilities, only as a chain). A row that cannot be verified as a
+        tree (logits processors, banned words, a runner without tree forwards) keeps its tree's first
+        chain, or its draft-sampled path: its tokens (and draft probabilities) are gathered into place
+        and ``k[b]`` shrinks to the chain's length."""
         if draft.trees is None:
             return None, draft.tokens, draft.probs
         takes = getattr(self.runner, "takes_trees", False)
         trees, tokens, probs = [], draft.tokens, draft.probs
         for b, (row, tree) in enumerate(zip(self._rows, draft.trees)):
+            sampled = draft.prob_nodes[b] if draft.prob_nodes is not None else None
+            with_q = probs is not None and probs[b] is not None
             if tree is None or tree.is_chain or not k[b]:
                 trees.append(None)
             elif takes and row.sampler.processors is None and row.banned is None and (
-                    row.sampler.greedy or probs is None or probs[b] is None):  # sampling: deterministic candidates
+                    row.sampler.greedy or not with_q or sampled is not None):
                 trees.append(tree)
             else:
-                index = torch.tensor([c - 1 for c in tree.first_chain()], dtype=torch.long, device=tokens.device)
+                chain = sampled if sampled is not None else tree.first_chain()
+                index = torch.tensor([c - 1 for c in chain], dtype=torch.long, device=tokens.device)
                 tokens = tokens.clone() if tokens is draft.tokens else tokens
                 tokens[b, : len(index)] = draft.tokens[b, index]
-                if probs is not None and probs[b] is not None:
+                if with_q and sampled is None:  # with prob_nodes, row i of q is already the chain's node i
                     probs = list(probs)
                     probs[b] = probs[b][index]
                 k[b] = len(index)
@@ -563,3 +569,12 @@ class BatchedSpeculativeDecoder(BatchRequests):
             values.append(p[token])
         for (b, _, _), p in zip(gate_rows, torch.stack(values).tolist()):
             self._rows[b].controller.gate.observe(p)
+
+
+def _draft_q(draft: Draft, probs: list | None, b: int) -> dict[int, torch.Tensor] | None:
+    """[trees] Row b's draft distributions by tree node (``Draft.prob_nodes``), or None: every node is a
+    candidate without q (deterministic drafters; greedy rows never ask)."""
+    nodes = draft.prob_nodes[b] if draft.prob_nodes is not None else None
+    if nodes is None or probs is None or probs[b] is None:
+        return None
+    return {node: probs[b][i] for i, node in enumerate(nodes)}

@@ -204,9 +204,14 @@ class Draft:
         trees: Per row, the ``engine.tree.TokenTree`` of its block (node 0 the pending token,
             nodes 1 .. k_b the tokens ``tokens[b, :k_b]``), or None for a linear block; None
             altogether for linear drafts. The engine verifies a row's tree in one forward (greedy,
-            or multi-candidate speculative sampling of deterministic candidates) and keeps the
-            accepted path; a row it cannot verify as a tree (logits processors, banned words,
-            draft probabilities, a target outside torch) gets the tree's first chain (``first_chain``).
+            or multi-candidate speculative sampling, ``engine.tree.tree_rejection_sample``) and keeps
+            the accepted path; a row it cannot verify as a tree (logits processors, banned words, a
+            target outside torch) gets the tree's first chain (``first_chain``), or its
+            ``prob_nodes`` where it has them.
+        prob_nodes: Per tree row with ``probs``, the nodes whose tokens were drawn from its draft
+            distributions, in order (row i of ``probs[b]`` is node ``prob_nodes[b][i]``'s q; they
+            form a path from node 0); its other nodes are candidates chosen without the target (no
+            q). None for other rows; None altogether when no row has them.
     """
 
     tokens: torch.Tensor
@@ -215,6 +220,7 @@ class Draft:
     finite: torch.Tensor | None = None
     who: str = "draft model"
     trees: list[TokenTree | None] | None = None
+    prob_nodes: list[list[int] | None] | None = None
 
 
 class Drafter(abc.ABC):

@@ -22,7 +22,7 @@ target-only greedy decoding.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -167,44 +167,64 @@ def greedy_tree_verify(tree: TokenTree, tokens: Sequence[int], target_argmax: Se
         path.append(child)
 
 
-def tree_rejection_sample(sampler, target_probs: torch.Tensor, tree: TokenTree,
-                          tokens: Sequence[int]) -> tuple[list[int], int]:
-    """Speculative sampling of one row's tree of deterministic candidates: the accepted path and the next token.
+def tree_rejection_sample(sampler, target_probs: torch.Tensor, tree: TokenTree, tokens: Sequence[int],
+                          draft_probs: Mapping[int, torch.Tensor] | None = None) -> tuple[list[int], int]:
+    """Speculative sampling of one row's token tree: the accepted path and the next token.
 
-    Multi-candidate speculative sampling with one-hot draft distributions (SpecInfer, Miao et al.
-    2024, Algorithm 2, "multi-step speculative sampling"; the same as recursive rejection sampling
-    for candidates without probabilities): at node t with target distribution p, each child c in
-    order is accepted with probability p(x_c) / sum(p); on rejection x_c's mass is removed from p
-    (p <- norm(max(0, p - onehot(x_c)))). Accepting moves the walk to c; when every child is
-    rejected (or t is a leaf) the next token is drawn from what is left of p. Each emitted token
-    is then distributed exactly as the target's sampling, whatever the candidates (tested in
-    tests/engine/test_verification.py).
+    Multi-candidate speculative sampling (SpecInfer, Miao et al. 2024, Algorithm 2, "multi-step
+    speculative sampling"; Chen et al. 2023's rejection step for a node drawn from a draft q). At
+    node t with target distribution p (renormalised as mass is removed), its children are examined
+    drawn ones first, then the others in order:
+
+    * a child in ``draft_probs`` (its token x_c was drawn from the draft's q = ``draft_probs[c]``,
+      independently of the target) is accepted with probability min(1, p(x_c) / q(x_c)); on
+      rejection p <- norm(max(0, p - q));
+    * any other child (a candidate chosen without the target: n-gram matches, Token Recycling, a
+      draft model's top-k runners-up) is accepted with probability p(x_c); on rejection x_c's
+      mass is removed (p <- norm(max(0, p - onehot(x_c)))), recursive rejection sampling of
+      candidates without probabilities.
+
+    Accepting moves the walk to c; when every child is rejected (or t is a leaf) the next token is
+    drawn from what is left of p. The drawn child comes first because the runners-up may depend on
+    its token (the draft's top-k without it): examined before it, they would tell which token was
+    drawn, and the ratio test needs x_c ~ q. After its rejection what is left is an exact sampler of
+    the residual for any candidates, so each emitted token is distributed exactly as the target's
+    sampling (tested in tests/engine/test_tree_sampling.py, with the wrong order as a negative control).
 
     Args:
         sampler: The row's sampler (its ``torch.Generator``).
         target_probs: (T, V) float32, the target's warped distributions at the tree's nodes.
         tree: The row's tree.
         tokens: T token ids, node by node (``tokens[0]`` not checked).
+        draft_probs: Node -> (V,) float32 q that node's token was drawn from (a sampling draft
+            model's chain), or None: every candidate is deterministic.
 
     Returns:
         ``(path, next_token)`` as ``greedy_tree_verify``.
 
     Reads one value per examined candidate back to the host (sampling tree rows only).
     """
+    draft_probs = draft_probs or {}
     node, path = 0, [0]
     while True:
         p, owned, moved = target_probs[node], False, False
-        for child in tree.children[node]:
+        children = tree.children[node]
+        for child in [c for c in children if c in draft_probs] + [c for c in children if c not in draft_probs]:
             total = float(p.sum())
             if total <= 0.0:  # rounding only: every remaining token was proposed and rejected
                 break
-            if float(sampler.uniform(1, p.device)[0]) * total < float(p[tokens[child]]):
+            x, q = tokens[child], draft_probs.get(child)
+            u = float(sampler.uniform(1, p.device)[0])
+            if (u * total < float(p[x])) if q is None else (u * total * float(q[x]) < float(p[x])):
                 node, moved = child, True
                 path.append(child)
                 break
-            if not owned:
-                p, owned = p.clone(), True
-            p[tokens[child]] = 0.0
+            if q is None:
+                if not owned:
+                    p, owned = p.clone(), True
+                p[x] = 0.0
+            else:  # Chen et al.'s residual, against p as it stands (normalised)
+                p, owned = torch.clamp(p / total - q, min=0.0), True
         if not moved:
             if float(p.sum()) <= 0.0:
                 p = target_probs[node]

@@ -123,12 +123,13 @@ def add_arguments(p: argparse.ArgumentParser, *, default_target: str, default_dr
                    help="prompt-lookup: N matches drafted per round as a token tree, verified in one forward "
                         "(default 1: the most recent match, a linear draft)")
     p.add_argument("--draft-tree-depth", type=int, metavar="D", default=None,
-                   help="draft and cascade: greedy rows draft a chain of D tokens and verify a token tree of -g "
+                   help="draft and cascade: each row drafts a chain of D tokens (greedy, or drawn when sampling) "
+                        "and verifies a token tree of -g "
                         "nodes (the chain and its steps' runners-up of highest joint draft probability, EAGLE-2's "
                         "reranking), as specdecode generate; turns the default adaptive draft exit off")
     p.add_argument("--draft-tree-expand", type=int, metavar="M", default=None,
                    help="draft, with --draft-tree-depth: EAGLE-2's dynamic tree, the M best nodes of each depth "
-                        "expanded by one draft tree forward")
+                        "expanded by one draft tree forward (greedy rows only)")
     p.add_argument("--ngram-check", action=argparse.BooleanOptionalAction, default=True,
                    help="cascade: keep only the n-gram tokens the draft model would draft itself (default); "
                         "--no-ngram-check proposes the whole match")
