@@ -450,6 +450,47 @@ def test_with_adaptive_exit_drafting_and_plain_steps_are_chosen_by_their_measure
     assert policy.exit_rounds.rate < 2.0  # though the policy's history is slower
 
 
+def test_with_adaptive_exit_nothing_is_timed_before_the_first_round_and_a_plain_round_prices_the_plain_arm():
+    """The exit under the cost model times no synthetic forward: the first round drafts, the next one is a
+    real plain step whose rate starts the plain arm, and from then on the arms' measured rates decide."""
+    control = DraftControl(length_schedule="cost-model", adaptive_exit=True, max_draft_tokens=6)
+    policy, calls = control.cost_policy, []
+
+    class ModelDrafter:
+        supports_exit_policy = True
+
+    control.calibrate(lambda widths: calls.append(widths) or {w: 1.0 for w in widths}, 7, ModelDrafter())
+    assert calls == [] and policy.target_costs is None and policy.acceptance().prior == DRAFT_MODEL_PRIOR
+    assert policy.plain_rate() is None
+    controller = control.controller(3)
+    assert controller.round_cap() == 6  # nothing measured: draft, up to the exit's cap
+    controller.record(6, 4, 4)
+    controller.record_round(6, 4, 1.0)  # 5 tokens in 1 s
+    assert controller.gated and controller.round_cap() == 0  # the plain arm's first rate: a plain round
+    controller.record_round(0, 0, 0.5)
+    assert policy.plain_rate() == 2.0 and controller.round_cap() == 6  # 5 tok/s against 2: drafting goes on
+    assert control.controller(3).round_cap() == 6  # a later generation starts from both measured arms
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_with_adaptive_exit_the_engine_measures_the_plain_arm_by_a_plain_round(pair, rows):
+    """In the engine (B = 1 and B = 3): no calibration forward (no warm-up seconds on the eager path), one
+    plain round after the first drafting round prices the plain arm, and the output is target-only's."""
+    target, draft = pair
+    config = GenerationConfig(max_new_tokens=16, stop_on_eos=False)
+    prompts = [[5, 9, 12, 7, 5, 9, 12, 7], [3, 4, 8], [11, 6, 11, 6, 11]][:rows]
+    plain = SpeculativeDecoder(target)
+    control = DraftControl(length_schedule="cost-model", adaptive_exit=True, max_draft_tokens=6)
+    dec = BatchedSpeculativeDecoder(target, DraftModelDrafter(draft), max_batch_size=rows, max_length=64,
+                                    draft_control=control)
+    dec._measure_forwards = lambda *a, **k: pytest.fail("the exit under the cost model timed a forward")
+    results = dec.generate(prompts, config)
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == plain.generate(prompt, config).token_ids
+        assert result.stats.warmup_s == 0.0 and result.stats.rounds_by_draft_size[0] >= 1
+    assert control.cost_policy.plain_rounds.rate is not None and control.cost_policy.exit_rounds.rate is not None
+
+
 def test_with_adaptive_exit_the_batched_engine_gives_each_row_its_target_only_output(pair):
     """B > 1 with rows of different lengths: the exit under the cost model, one controller per row."""
     target, draft = pair

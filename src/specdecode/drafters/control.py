@@ -279,9 +279,14 @@ class DraftControl(DraftPolicy):
         return DraftController(self, gamma)
 
     def calibrate(self, measure: MeasureForwards, max_width: int, drafter: Drafter) -> None:
-        """The cost model's calibration (``SpeculationCostPolicy.calibrate``); nothing for the other schedules."""
-        if self._cost_policy is not None:  # with the exit, only a plain step's cost is priced
-            self._cost_policy.calibrate(measure, 1 if self.adaptive_exit else max_width, drafter)
+        """The cost model's calibration (``SpeculationCostPolicy.calibrate``); with the adaptive exit only its
+        prior (``prime``: both arms are measured by their rounds); nothing for the other schedules."""
+        if self._cost_policy is None:
+            return
+        if self.adaptive_exit:
+            self._cost_policy.prime(drafter)
+        else:
+            self._cost_policy.calibrate(measure, max_width, drafter)
 
     def new_exit(self) -> AdaptiveDraftExit:
         """A fresh ``AdaptiveDraftExit`` with these parameters."""

@@ -75,8 +75,11 @@ over contexts, cannot see, and the model of n · s_node + C_target(n + 1) cannot
 known in advance. So the policy then chooses between two arms by their measured rates: a round that
 drafts up to the cap (``max_draft_tokens``; the exit stops it earlier) and a plain step. Each arm's
 tokens per second is a running ratio of its rounds' tokens (accepted + 1) to their seconds (round
-wall time without compilation or a deferred draft prefill; ``RateMean``); the plain arm starts from
-C_target(1), the only width then calibrated. A round drafts while its arm's rate is at least the
+wall time without compilation or a deferred draft prefill; ``RateMean``). Nothing is timed before
+the first round: the first round drafts, and the round after the first drafting round is a plain
+step that gives the plain arm its first rate (a real round, host work included as in the drafting
+arm's; where the target's costs are given, as a llama.cpp target's, the plain arm starts from
+C_target(1) instead). A round drafts while its arm's rate is at least the
 plain one's (or none was measured); otherwise it is a plain step, and the drafting arm is
 probed after ``probe_every`` plain steps (a plain step's seconds count only from rounds where no row
 drafted), twice as long after each failed probe (up to
@@ -287,19 +290,23 @@ class SpeculationCostPolicy(DraftPolicy):
 
     def calibrate(self, measure: MeasureForwards, max_width: int, drafter: Drafter) -> None:
         """Time the target at ``calibration_widths(max_width)`` (only while it has no costs, or wider ones are
-        needed; ``max_width`` capped at ``max_size`` + 1) and take the prior from ``drafter`` (only while it
-        has none)."""
+        needed; ``max_width`` capped at ``max_size`` + 1) and take the prior from ``drafter`` (``prime``)."""
         if self.max_size is not None:
             max_width = min(max_width, self.max_size + 1)
-        if self.depths is None:
-            prior = DRAFT_MODEL_PRIOR if getattr(drafter, "supports_exit_policy", False) else PROMPT_LOOKUP_PRIOR
-            self.depths = DepthAcceptance(prior, self.prior_weight, self.decay)
+        self.prime(drafter)
         known = self.target_costs.seconds if self.target_costs is not None else {}
         if max_width not in known and (not known or max_width > max(known)):
             widths = calibration_widths(max_width)
             self.target_costs = ForwardCosts({**known, **dict(measure(widths))})
             logger.info("cost model: target forwards %s; acceptance prior %.2f", ", ".join(
                 f"{w} tok {s * 1e3:.1f} ms" for w, s in sorted(self.target_costs.seconds.items())), self.depths.prior)
+
+    def prime(self, drafter: Drafter) -> None:
+        """Take the acceptance prior from ``drafter`` (only while the policy has none), timing nothing: all an
+        adaptive draft exit's two arms need before their rounds measure them (``DraftControl.calibrate``)."""
+        if self.depths is None:
+            prior = DRAFT_MODEL_PRIOR if getattr(drafter, "supports_exit_policy", False) else PROMPT_LOOKUP_PRIOR
+            self.depths = DepthAcceptance(prior, self.prior_weight, self.decay)
 
     def acceptance(self) -> DepthAcceptance:
         """The depth estimates (made with ``PROMPT_LOOKUP_PRIOR`` if no prior is known yet)."""
@@ -355,8 +362,8 @@ class SpeculationCostPolicy(DraftPolicy):
         return any((1.0 + n) / self.seconds(n) > plain for n in sizes if n > 0)
 
     def plain_rate(self) -> float | None:
-        """Tokens per second of a plain step: measured over plain rounds, else 1 / C_target(1) (None before
-        calibration)."""
+        """Tokens per second of a plain step: measured over plain rounds, else 1 / C_target(1) where the
+        target's costs are known (None otherwise: with an adaptive exit, a plain round measures it)."""
         measured = self.plain_rounds.rate
         if measured is not None:
             return measured
@@ -461,6 +468,8 @@ class SpeculationCostController(RoundController):
                 drafting = policy.exit_rounds.rate
             if sizes[-1] == 0:  # the engine allows no draft now
                 return 0, False
+            if plain is None and drafting is not None and not self._explore:
+                return 0, False  # the plain arm's first rate: a real plain step, measured like the drafting arm
             if self._explore or drafting is None or plain is None or drafting >= plain:
                 return sizes[-1], False
             due = self._probe_due or self._plain_steps + 1 >= policy.probe_every * self._backoff
