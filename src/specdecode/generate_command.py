@@ -285,7 +285,7 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--draft-tree-expand", type=int, metavar="M", default=None,
                    help="draft, with --draft-tree-depth: EAGLE-2's dynamic tree, the M best nodes of each depth "
                         "expanded by one draft tree forward (D - 1 of them) instead of the chain's runners-up; "
-                        "greedy rows only")
+                        "greedy rows (a round with a sampling row grows the chain's trees)")
     c = p.add_argument_group("draft length control")
     c.add_argument("--adaptive-draft-exit", action=argparse.BooleanOptionalAction, default=None,
                    help="Draft & Verify adaptive draft exit: stop drafting below a self-tuning confidence "

@@ -13,6 +13,7 @@ from conftest import make_tiny_model
 from helpers import perturbed_copy
 from selfspec_helpers import exact_marginals, violations
 from specdecode import CascadeDrafter, DraftModelDrafter, GenerationConfig, SpeculativeDecoder
+from specdecode.drafters.draft_tree import TREE_TOP_K, TopK, grow_trees
 from specdecode.drafters.token_recycling import TokenRecyclingDrafter
 from specdecode.engine.batched import BatchedSpeculativeDecoder
 from specdecode.engine.sampling import Sampler
@@ -174,10 +175,12 @@ def test_draft_model_trees_sample_the_target_distribution(method, monkeypatch):
     V, N, steps = 8, 1500, 3
     target = make_tiny_model("llama", num_layers=1, vocab_size=V, hidden_size=16, intermediate_size=32)
     with torch.no_grad():
-        target.get_output_embeddings().weight.mul_(0.25)  # keep distributions spread out
-    draft = perturbed_copy(target, noise=2.0, seed=3)
+        target.get_output_embeddings().weight.mul_(3.0)  # peaked, far from the draft's flatter q
+    draft = perturbed_copy(target, noise=0.2, seed=3)
     prompt = torch.tensor([[3, 5, 4]])
     base = dict(temperature=1.0, max_new_tokens=steps, stop_on_eos=False)
+    with torch.no_grad():  # a flatter q than p: drawn tokens are often rejected, and the residual
+        draft.get_output_embeddings().weight.mul_(0.3)  # max(0, p - q) lies on p's top tokens, q's runners-up
     exact = _exact_joint(target, prompt, GenerationConfig(**base), steps)
     keys, want = _verified_cells(exact)
     index = {k: i for i, k in enumerate(keys)}
@@ -202,7 +205,7 @@ def test_draft_model_trees_sample_the_target_distribution(method, monkeypatch):
         counts[index[(1, s[1])]] += 1
         counts[index[(2, s[2])]] += 1
         counts[index[("pair", s[1], s[2])]] += 1
-    assert paths["runner-up"] > N // 20 and paths["drawn"] > N // 20, paths
+    assert paths["runner-up"] > N // 50 and paths["drawn"] > N // 20, paths
     assert _within(counts / N, want, N)
     # Negative control: the draft's own law, which speculative sampling must not follow.
     draft_law = torch.zeros(len(keys))
@@ -240,3 +243,31 @@ def test_greedy_and_sampling_tree_rows_share_a_batch():
     # Negative control: the law at another temperature is rejected by the same test.
     other = dataclasses.replace(config, temperature=0.5)
     assert violations(exact_marginals(model, prompts[1], other, vocab), freq, n) != []
+
+
+def test_a_drawn_token_is_verified_whatever_its_q():
+    """A sampling row's tree keeps its drawn chain whole, however unlikely the drawn token, and the runners-up
+    fill the rest. Ranked with the siblings (as a greedy chain is), a drawn token of low q would be dropped
+    and one of high q kept: the tokens the target tests would not follow q, and with p = q the emitted law
+    would put 0.09 instead of 0.3 on the four least likely tokens. Depth 1, a budget of 4 nodes."""
+    V, N = 8, 10000
+    q = torch.tensor([0.20, 0.20, 0.15, 0.15, 0.10, 0.10, 0.05, 0.05])
+    probs = q.expand(5, V)  # p = q at every node (the draft is the target)
+    sampler = Sampler(GenerationConfig(temperature=1.0, seed=0), V, "cpu")
+    drafts = torch.Generator().manual_seed(1)
+    first = torch.zeros(V)
+    for _ in range(N):
+        x = int(torch.multinomial(q, 1, generator=drafts)[0])
+        tops = TopK(TREE_TOP_K)
+        tops.add(q.log()[None])
+        ids, num, trees, _, sampled = grow_trees(torch.tensor([[x]]), [1], tops, [True], [4], probs=[q[None]])
+        nodes = ids[0, : num[0]].tolist()
+        assert num == [4] and nodes[sampled[0][0] - 1] == x  # the drawn token and its three best runners-up
+        path, token = tree_rejection_sample(sampler, probs, trees[0], [9, *nodes], {sampled[0][0]: q})
+        first[nodes[path[1] - 1] if len(path) > 1 else token] += 1
+    assert _within(first / N, q, N)
+    # Negative control: the law the reviewer worked out for the ranked-with-siblings tree.
+    dropped = q.clone()
+    dropped[:4] = q[:4] / q[:4].sum() * 0.91
+    dropped[4:] = q[4:] / q[4:].sum() * 0.09
+    assert not _within(dropped, q, N)

@@ -22,7 +22,8 @@
   With adaptive draft exit as well, the two split the work: the exit sets each draft's length
   (up to ``max_draft_tokens``) from the draft's confidence, and the cost model decides whether a
   round drafts at all, by the measured tokens per second of drafting rounds against plain steps
-  (``engine.speculation_cost``); the exit alone always drafts at least one token.
+  (``engine.speculation_cost``; nothing timed beforehand: after the first drafting round, plain
+  rounds give the plain arm its rate); the exit alone always drafts at least one token.
 
 * **Target-confidence gating** (the blog post "Using The Target Model's Confidence
   Threshold To Decide Whether To Enable Speculative Decoding"): when the target's

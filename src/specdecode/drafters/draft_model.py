@@ -35,13 +35,15 @@ traced with it) computes the K rows of its LM head only; the draft proposes amon
 tokens, and its q is zero outside them (exact under sampling).
 
 **Token trees** (``tree_depth=D``, off by default; ``drafters.draft_tree``, EAGLE-2's reranking, Li
-et al. 2024): a greedy row with no logits processors and no adaptive exit drafts a chain of
-min(D, c) tokens (c, the row's budget) and keeps, among the chain and each step's runners-up,
-the c nodes of highest joint draft probability, as a token tree (one more host sync per round).
+et al. 2024): a row with no logits processors and no adaptive exit drafts a chain of min(D, c)
+tokens (c, the row's budget; greedy, or drawn from q when sampling) and keeps, among the chain and
+each step's runners-up, the c nodes of highest joint draft probability (a drawn chain whole), as a
+token tree (one more host sync per round).
 Only the chain is fed to the draft cache; when the target accepts a sibling, the next
 ``propose`` finds the chain's token at that position differs from the sequence's and re-feeds
 from there (``_forget_rejected``). ``tree_expand=M`` grows EAGLE-2's dynamic tree instead, with one
-draft tree forward per depth (``draft_tree.expand_trees``), when every row of the round can.
+draft tree forward per depth (``draft_tree.expand_trees``), when every row of the round can (greedy
+rows only: a round with a sampling row grows the chain's trees).
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
-"""Draft-model token trees with no extra draft forward: the greedy chain plus its steps' runners-up.
+"""Draft-model token trees with no extra draft forward: the draft's chain plus its steps' runners-up.
 
 EAGLE-2 (Li et al. 2024, "EAGLE-2: Faster Inference of Language Models with Dynamic Draft Trees")
 grows a tree from the draft's own probabilities: a node's value is the product of the draft
 probabilities along its path from the root (its joint draft probability, a proxy of the
 chance that the target accepts the whole path), and the N most valuable candidates form the
 tree that the target verifies in one forward. Here the candidates cost no draft forward of
-their own: the draft model runs its usual greedy chain of D steps (``tree_depth``), and at
+their own: the draft model runs its usual chain of D steps (``tree_depth``; greedy, or drawn from
+q when sampling), and at
 each step the top-k of that step's distribution (``TREE_TOP_K``) are the candidates at that
 depth: the chain's token, and k - 1 siblings whose parent is the chain's previous node (node 0,
 the pending token, for the first step). A sibling is a leaf: nothing is drafted after it.
@@ -22,7 +23,8 @@ never exceeds its parent's (a product of probabilities <= 1), so the kept set is
 equal values the shallower node, then the chain's token, comes first, so parents precede
 their children and the chain's kept nodes are the tree's first chain (``TokenTree.first_chain``:
 what a row the engine cannot verify as a tree gets, the linear draft). A deep chain node may
-lose its place to a shallow sibling: its draft forward is then spent for nothing, as in EAGLE-2.
+lose its place to a shallow sibling: its draft forward is then spent for nothing, as in EAGLE-2
+(a greedy row; a sampling row keeps its drawn chain whole, below).
 
 **Host sync.** The draft loop keeps each step's top-k log-probabilities and tokens on the device
 (``TopK``); ``grow_trees`` reads them back with the drafted tokens in one host sync per round
@@ -35,9 +37,11 @@ chain is drawn from the draft's q, as a linear draft's; its candidates are the t
 step's q beside the drawn token, ranked with the drawn token's own q (siblings outside the
 sampler's support are left out), and ``Draft.prob_nodes`` names the drawn nodes: the engine verifies
 the tree by multi-candidate speculative sampling (``engine.tree.tree_rejection_sample``), a drawn
-node by Chen et al.'s ratio test against its q, a runner-up as a candidate without q. Where the
-kept nodes form a chain that leaves the drawn one, the row keeps the drawn part only. The
-expansion below is for greedy rows only.
+node by Chen et al.'s ratio test against its q, a runner-up as a candidate without q. The drawn
+chain is kept whole and the runners-up fill the rest of the budget by value: whether a drawn node
+is verified must not depend on the token drawn, or the tokens the target tests would not follow q
+(ranked with the siblings, a drawn token of low q would be dropped and one of high q kept). The
+expansion below is for greedy rows: a round with a sampling row grows the chain's trees.
 
 **Expansion** (``expand_trees``, ``tree_expand=M``; EAGLE-2 section 4): instead of the chain, each
 depth's M most valuable candidates are fed, with the tree expanded so far, in one draft tree
@@ -114,7 +118,11 @@ def best_nodes(chain: list[int], chain_top: list[list[tuple[int, float]]], budge
         budget: Nodes to keep (>= 0).
         chain_values: Per depth, the chain token's own log-probability (a sampled chain, whose token
             may be outside the top-k), or None: read from ``chain_top`` (a greedy chain: its first).
-            Given, siblings of log-probability -inf (outside the sampler's support) are left out.
+            Given, the chain is kept whole (up to ``budget`` nodes, from depth 1) and only the
+            siblings compete for the rest: whether a drawn token is verified must not depend on the
+            token drawn, or the tokens the target tests would no longer follow the draft's q (a
+            drawn node kept only where q gave it a high value). Siblings of log-probability -inf
+            (outside the sampler's support) are left out.
 
     Returns:
         ``(tokens, parents)``: node j + 1 is ``tokens[j]``, its parent the node ``parents[j]`` (0: the
@@ -135,8 +143,13 @@ def best_nodes(chain: list[int], chain_top: list[list[tuple[int, float]]], budge
                 candidates.append((-(value + lp), depth, rank, t, depth - 1))
         value += own
     candidates.sort()
+    if chain_values is None:
+        chosen = candidates[:budget]
+    else:  # a drawn chain is kept whole, whatever its values: the siblings fill what is left of the budget
+        drawn = [c for c in candidates if c[2] == 0][: max(0, budget)]
+        chosen = sorted(drawn + [c for c in candidates if c[2] != 0][: max(0, budget - len(drawn))])
     tokens, parents, chain_node = [], [], {0: 0}  # chain depth -> its node index
-    for _, depth, rank, token, parent_depth in candidates[:budget]:
+    for _, depth, rank, token, parent_depth in chosen:
         parents.append(chain_node[parent_depth])
         tokens.append(token)
         if rank == 0:
@@ -178,8 +191,7 @@ def grow_trees(tokens: torch.Tensor, num_tokens: list[int], tops: TopK, tree_row
         linear row, or a tree that kept no sibling), per row its chain tokens (host ints), and per
         sampling row with a tree the nodes whose tokens its q drew, in order (the prefix's, then the
         chain's: rows 0 .. of its ``probs`` with the prefix's one-hot rows first, ``Draft.prob_nodes``),
-        else None. A sampling row whose kept nodes form a chain off its sampled chain keeps the
-        sampled part only (a linear row's tokens all have their q).
+        else None (a sampling row's tree keeps its whole drawn chain, ``best_nodes``).
 
     One host sync: the tokens and the top-k, read back together.
     """
@@ -214,12 +226,9 @@ def grow_trees(tokens: torch.Tensor, num_tokens: list[int], tops: TopK, tree_row
             values = host[at : at + len(chain)] if sampling[b] else None
             nodes, parents = best_nodes(chain, top, budgets[b], values)
             tree = TokenTree((-1, *range(m), *(p + m for p in parents)))
-            if sampling[b]:
+            if sampling[b] and not tree.is_chain:  # a chain is the drawn chain itself: a linear row with its q
                 path = chain_path(TokenTree((-1, *parents)), nodes, chain)
-                if tree.is_chain:  # keep the sampled part only: each linear token needs its q
-                    nodes = chain[: len(path)]
-                else:
-                    nodes_of_q = [*range(1, m + 1), *(c + m for c in path)]
+                nodes_of_q = [*range(1, m + 1), *(c + m for c in path)]
             rows.append(prefix + nodes)
             tree = None if tree.is_chain else tree
         else:

@@ -76,10 +76,11 @@ known in advance. So the policy then chooses between two arms by their measured 
 drafts up to the cap (``max_draft_tokens``; the exit stops it earlier) and a plain step. Each arm's
 tokens per second is a running ratio of its rounds' tokens (accepted + 1) to their seconds (round
 wall time without compilation or a deferred draft prefill; ``RateMean``). Nothing is timed before
-the first round: the first round drafts, and the round after the first drafting round is a plain
-step that gives the plain arm its first rate (a real round, host work included as in the drafting
-arm's; where the target's costs are given, as a llama.cpp target's, the plain arm starts from
-C_target(1) instead). A round drafts while its arm's rate is at least the
+the first round: the first round drafts, and the rounds after the first drafting round are plain
+steps until one gives the plain arm its first rate (real rounds, host work included as in the
+drafting arm's; the first is a warm-up, not counted, as a first one-token forward may set up
+kernels; a policy built with the target's costs starts the plain arm from C_target(1) instead).
+A round drafts while its arm's rate is at least the
 plain one's (or none was measured); otherwise it is a plain step, and the drafting arm is
 probed after ``probe_every`` plain steps (a plain step's seconds count only from rounds where no row
 drafted), twice as long after each failed probe (up to
@@ -252,6 +253,8 @@ class SpeculationCostPolicy(DraftPolicy):
         node_seconds: The ``SizeMeans`` (at key 0) of the measured seconds per drafted node.
         exit_rounds, plain_rounds: With an adaptive draft exit, the ``RateMean`` of every generation's rounds
             that drafted, and of the plain steps (``plain_rate``).
+        plain_warmed: Whether a plain step was seen: with no target costs given, the first one is a warm-up,
+            not counted (a first one-token forward may set up kernels).
 
     Raises:
         InvalidArgumentError: A value outside its range.
@@ -280,6 +283,7 @@ class SpeculationCostPolicy(DraftPolicy):
         self.size_decay = size_decay
         self.exit_rounds = RateMean(size_decay)
         self.plain_rounds = RateMean(size_decay)
+        self.plain_warmed = False
         self.trees = False
         self.depths: DepthAcceptance | None = None if prior is None else DepthAcceptance(prior, prior_weight, decay)
 
@@ -549,7 +553,10 @@ class SpeculationCostController(RoundController):
         if not num_drafted:
             # a plain step's seconds, where no row drafted this round (another row's draft would count)
             if self.exit is not None and self.last == 0 and draft_seconds == 0.0:
-                policy.plain_rounds.add(1, seconds)
+                if policy.target_costs is None and not policy.plain_warmed:
+                    policy.plain_warmed = True  # the target's first one-token forward may set up its kernels
+                else:
+                    policy.plain_rounds.add(1, seconds)
             return
         policy.observe_draft(num_drafted, draft_seconds)
         if pending is not None and pending[1] >= 1:

@@ -202,7 +202,8 @@ def tree_rejection_sample(sampler, target_probs: torch.Tensor, tree: TokenTree, 
     Returns:
         ``(path, next_token)`` as ``greedy_tree_verify``.
 
-    Reads one value per examined candidate back to the host (sampling tree rows only).
+    Reads a few values per examined candidate back to the host (the mass left, a uniform, p and q at
+    its token; sampling tree rows only).
     """
     draft_probs = draft_probs or {}
     node, path = 0, [0]

@@ -129,7 +129,8 @@ def add_arguments(p: argparse.ArgumentParser, *, default_target: str, default_dr
                         "reranking), as specdecode generate; turns the default adaptive draft exit off")
     p.add_argument("--draft-tree-expand", type=int, metavar="M", default=None,
                    help="draft, with --draft-tree-depth: EAGLE-2's dynamic tree, the M best nodes of each depth "
-                        "expanded by one draft tree forward (greedy rows only)")
+                        "expanded by one draft tree forward (greedy rows; a round with a sampling row grows the chain's "
+                        "trees)")
     p.add_argument("--ngram-check", action=argparse.BooleanOptionalAction, default=True,
                    help="cascade: keep only the n-gram tokens the draft model would draft itself (default); "
                         "--no-ngram-check proposes the whole match")
