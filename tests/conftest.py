@@ -115,3 +115,12 @@ def avx512_cpu(monkeypatch):
     from specdecode import defaults
 
     monkeypatch.setattr(defaults, "cpu_capability", lambda: "AVX512")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``-n``, ``--dist loadgroup``: pyproject's addopts) every test that loads a real
+    packaged model runs on one worker, one at a time: two real models loading at once would not fit
+    the 24 GB machines this project runs on."""
+    for item in items:
+        if item.get_closest_marker("real_model") is not None:
+            item.add_marker(pytest.mark.xdist_group("real_models"))
