@@ -117,6 +117,16 @@ def avx512_cpu(monkeypatch):
     monkeypatch.setattr(defaults, "cpu_capability", lambda: "AVX512")
 
 
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: the cores this process may use (not the host's, in a container) and at most one
+    worker per 6 GB of memory (each imports torch and transformers; compiled tests add more)."""
+    import psutil
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cores, int(psutil.virtual_memory().total / 6e9)))
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (``-n``, ``--dist loadgroup``: pyproject's addopts) every test that loads a real
     packaged model runs on one worker, one at a time: two real models loading at once would not fit

@@ -135,6 +135,7 @@ def best_nodes(chain: list[int], chain_top: list[list[tuple[int, float]]], budge
     for depth, (token, top) in enumerate(zip(chain, chain_top), start=1):
         if chain_values is not None:
             own = chain_values[depth - 1]
+            own = own if own == own else float("-inf")
         else:
             own = next((lp for t, lp in top if t == token), top[0][1] if top else 0.0)  # the max, if tied past k
         candidates.append((-(value + own), depth, 0, token, depth - 1))
@@ -146,7 +147,7 @@ def best_nodes(chain: list[int], chain_top: list[list[tuple[int, float]]], budge
     if chain_values is None:
         chosen = candidates[:budget]
     else:  # a drawn chain is kept whole, whatever its values: the siblings fill what is left of the budget
-        drawn = [c for c in candidates if c[2] == 0][: max(0, budget)]
+        drawn = sorted((c for c in candidates if c[2] == 0), key=lambda c: c[1])[: max(0, budget)]  # by depth
         chosen = sorted(drawn + [c for c in candidates if c[2] != 0][: max(0, budget - len(drawn))])
     tokens, parents, chain_node = [], [], {0: 0}  # chain depth -> its node index
     for _, depth, rank, token, parent_depth in chosen:

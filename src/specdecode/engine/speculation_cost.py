@@ -252,9 +252,9 @@ class SpeculationCostPolicy(DraftPolicy):
         tree_accepted: The ``SizeMeans`` of a tree's accepted tokens by size.
         node_seconds: The ``SizeMeans`` (at key 0) of the measured seconds per drafted node.
         exit_rounds, plain_rounds: With an adaptive draft exit, the ``RateMean`` of every generation's rounds
-            that drafted, and of the plain steps (``plain_rate``).
-        plain_warmed: Whether a plain step was seen: with no target costs given, the first one is a warm-up,
-            not counted (a first one-token forward may set up kernels).
+            that drafted, and of the plain steps (``plain_rate``; with no target costs given, each
+            generation's first plain step is a warm-up, not counted: a first one-token forward may set up
+            kernels, and every row of a batched round skips that round alike).
 
     Raises:
         InvalidArgumentError: A value outside its range.
@@ -283,7 +283,6 @@ class SpeculationCostPolicy(DraftPolicy):
         self.size_decay = size_decay
         self.exit_rounds = RateMean(size_decay)
         self.plain_rounds = RateMean(size_decay)
-        self.plain_warmed = False
         self.trees = False
         self.depths: DepthAcceptance | None = None if prior is None else DepthAcceptance(prior, prior_weight, decay)
 
@@ -440,6 +439,7 @@ class SpeculationCostController(RoundController):
         self.exit = exit
         self.exit_rounds = RateMean(policy.size_decay)
         self._explore = False  # with ``exit``: the next round drafts, whatever the rates (a probe succeeded)
+        self._plain_warmed = False  # with ``exit``: this generation's first plain step was seen (a warm-up)
         self._probing = False  # with ``exit``: the latest ``round_cap`` was a probe
         self.last = 0
         self.num_probes = 0
@@ -553,8 +553,8 @@ class SpeculationCostController(RoundController):
         if not num_drafted:
             # a plain step's seconds, where no row drafted this round (another row's draft would count)
             if self.exit is not None and self.last == 0 and draft_seconds == 0.0:
-                if policy.target_costs is None and not policy.plain_warmed:
-                    policy.plain_warmed = True  # the target's first one-token forward may set up its kernels
+                if policy.target_costs is None and not self._plain_warmed:
+                    self._plain_warmed = True  # a first one-token forward may set up its kernels: a warm-up
                 else:
                     policy.plain_rounds.add(1, seconds)
             return
