@@ -119,18 +119,9 @@ def avx512_cpu(monkeypatch):
 
 def pytest_xdist_auto_num_workers(config):
     """``-n auto``: the cores this process may use (not the host's, in a container) and at most one
-    worker per 6 GB of memory (each imports torch and transformers; compiled tests add more)."""
+    worker per 6 GB of memory (each imports torch and transformers; the largest real model a test loads
+    is the 0.5B Qwen, so workers loading real models at once stay well within that)."""
     import psutil
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(cores, int(psutil.virtual_memory().total / 6e9)))
-
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the groups
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``-n``, ``--dist loadgroup``: pyproject's addopts) every test that loads a real
-    packaged model runs on one worker, one at a time: two real models loading at once would not fit
-    the 24 GB machines this project runs on."""
-    for item in items:
-        if item.get_closest_marker("real_model") is not None:
-            item.add_marker(pytest.mark.xdist_group("real_models"))
