@@ -200,9 +200,10 @@ def grow_trees(tokens: torch.Tensor, num_tokens: list[int], tops: TopK, tree_row
     prefixes = prefixes if prefixes is not None else [[] for _ in range(n)]
     log_probs, top_ids = torch.stack(tops.log_probs, 1), torch.stack(tops.tokens, 1)  # (n, S, k)
     k = log_probs.shape[-1]
-    own = torch.zeros((n, steps), dtype=torch.float64, device=tokens.device)
     sampling = [bool(tree_rows[b] and probs is not None and probs[b] is not None) for b in range(n)]
+    own = None  # a greedy round reads no chain values
     if any(sampling):  # [sampling] the candidates and the chain's values from each row's own q
+        own = torch.zeros((n, steps), dtype=torch.float64, device=tokens.device)
         log_probs, top_ids = log_probs.clone(), top_ids.clone()
         for b in (b for b in range(n) if sampling[b]):
             d = num_tokens[b]
@@ -211,8 +212,8 @@ def grow_trees(tokens: torch.Tensor, num_tokens: list[int], tops: TopK, tree_row
             log_probs[b, :d, : values.shape[-1]] = values.log()
             top_ids[b, :d, : values.shape[-1]] = index
             own[b, :d] = q.gather(1, tokens[b, :d, None]).squeeze(1).double().log()
-    host = torch.cat([tokens.double().flatten(), top_ids.double().flatten(), log_probs.double().flatten(),
-                      own.flatten()]).tolist()
+    parts = [tokens.double().flatten(), top_ids.double().flatten(), log_probs.double().flatten()]
+    host = torch.cat(parts if own is None else [*parts, own.flatten()]).tolist()  # the one host sync
     width = n * steps * k
     rows, num, trees, chains, sampled = [], [], [], [], []
     for b in range(n):
