@@ -211,3 +211,15 @@ class DraftSpy(DraftModelDrafter):
         for b, seq in enumerate(sequences):
             self.drafts.append((len(seq), draft.tokens[b, : draft.num_tokens[b]].tolist()))
         return draft
+
+
+def spread_pair(vocab: int = 8):
+    """A tiny qwen2 target with spread-out distributions (vocab ``vocab``) and a draft that disagrees
+    with it often, with the two rows' prompts the batched sampling tests share: (target, draft, prompts)."""
+    from conftest import make_tiny_model
+    from helpers import perturbed_copy
+
+    model = make_tiny_model("qwen2", num_layers=1, vocab_size=vocab, seed=2)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(0.5)
+    return model, perturbed_copy(model, noise=2.0, seed=3), [[5, 3, 6, 5, 3, 4, 6, 5, 7], [4, 4, 6, 1]]

@@ -11,7 +11,7 @@ import torch
 
 from conftest import make_tiny_model
 from helpers import perturbed_copy
-from selfspec_helpers import REPETITIVE, exact_marginals, one_thread, violations  # noqa: F401 (a fixture)
+from selfspec_helpers import REPETITIVE, exact_marginals, one_thread, spread_pair, violations  # noqa: F401 (a fixture)
 from specdecode import DraftControl, GenerationConfig, SpeculativeDecoder
 from specdecode.drafters import PromptLookupDrafter
 from specdecode.drafters.cascade import LONG_PROMPT_BLOCK, CascadeDrafter
@@ -274,11 +274,7 @@ def test_sampling_rows_keep_the_target_law():
     and the draft model's, one row long (n-gram matches alone): each row's first three tokens follow
     the target's law at its own temperature (``selfspec_helpers.violations``, with a negative control)."""
     vocab, n = 8, 400
-    model = make_tiny_model("qwen2", num_layers=1, vocab_size=vocab, seed=2)
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(0.5)
-    draft = perturbed_copy(model, noise=2.0, seed=3)
-    prompts = [[5, 3, 6, 5, 3, 4, 6, 5, 7], [4, 4, 6, 1]]
+    model, draft, prompts = spread_pair(vocab)
     base = GenerationConfig(max_new_tokens=6, stop_on_eos=False)  # 6: blocks of n-gram and model tokens
     temps = (0.5, 1.5)
     drafter = CascadeDrafter(draft, ngram_check=False, max_model_prompt_tokens=5)

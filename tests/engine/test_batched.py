@@ -10,7 +10,7 @@ import torch
 
 from conftest import make_tiny_model
 from helpers import perturbed_copy
-from selfspec_helpers import REPETITIVE, exact_marginals, one_thread, violations  # noqa: F401 (a fixture)
+from selfspec_helpers import REPETITIVE, exact_marginals, one_thread, spread_pair, violations  # noqa: F401 (a fixture)
 from specdecode import GenerationConfig, SpeculativeDecoder
 from specdecode.drafters import (
     DraftModelDrafter,
@@ -154,11 +154,7 @@ def test_sampling_rows_with_different_temperatures_keep_the_target_law():
     """Two rows of one batch, temperatures 0.5 and 1.5: each row's first three tokens follow the
     target's law at its own temperature (draft model with rejections)."""
     vocab, n = 8, 500
-    model = make_tiny_model("qwen2", num_layers=1, vocab_size=vocab, seed=2)
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(0.5)
-    draft = perturbed_copy(model, noise=2.0, seed=3)
-    prompts = [[5, 3, 6, 5, 3, 4, 6, 5, 7], [4, 4, 6, 1]]
+    model, draft, prompts = spread_pair(vocab)
     base = GenerationConfig(max_new_tokens=3, stop_on_eos=False)
     temps = (0.5, 1.5)
     dec = BatchedSpeculativeDecoder(model, DraftModelDrafter(draft), max_batch_size=2, max_length=32,

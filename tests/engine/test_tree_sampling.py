@@ -11,7 +11,7 @@ import torch
 
 from conftest import make_tiny_model
 from helpers import perturbed_copy
-from selfspec_helpers import exact_marginals, violations
+from selfspec_helpers import exact_marginals, spread_pair, violations
 from specdecode import CascadeDrafter, DraftModelDrafter, GenerationConfig, SpeculativeDecoder
 from specdecode.drafters.draft_tree import TREE_TOP_K, TopK, grow_trees
 from specdecode.drafters.token_recycling import TokenRecyclingDrafter
@@ -220,11 +220,7 @@ def test_greedy_and_sampling_tree_rows_share_a_batch():
     """B = 2: a greedy row and a sampling row both grow draft trees; the greedy row's tokens are the
     target's own greedy tokens every time, the sampling row's first three follow the target's law."""
     vocab, n = 8, 500
-    model = make_tiny_model("qwen2", num_layers=1, vocab_size=vocab, seed=2)
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(0.5)
-    draft = perturbed_copy(model, noise=2.0, seed=3)
-    prompts = [[5, 3, 6, 5, 3, 4, 6, 5, 7], [4, 4, 6, 1]]
+    model, draft, prompts = spread_pair(vocab)
     sampling = GenerationConfig(max_new_tokens=6, stop_on_eos=False, temperature=1.0)
     greedy = GenerationConfig(max_new_tokens=6, stop_on_eos=False, temperature=0.0)
     expected = SpeculativeDecoder(model).generate(torch.tensor([prompts[0]]), greedy).token_ids
