@@ -9,8 +9,8 @@ import logging
 import multiprocessing
 import signal
 import sys
+import threading
 import time
-from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -34,16 +34,11 @@ from search_helpers import NUM_LAYERS, _finished, _load_study, _search_args, fol
 # connections, killed with a real SIGKILL, without a second start-up of torch and transformers.
 
 
-def _worker(args, delay: float, log_file: Path | None, go: Path | None) -> None:
-    """A search worker in a forked child (it inherits the imported modules: no start-up cost)."""
-    if delay:
-        figures = SkipSetSearch.modelled_figures
-
-        def slowed(self, skip_set):  # the trial is RUNNING, its parameters suggested
-            time.sleep(delay)
-            return figures(self, skip_set)
-
-        SkipSetSearch.modelled_figures = slowed
+def _worker(args, methods: dict, log_file: Path | None, go: Path | None) -> None:
+    """A search worker in a forked child (it inherits the imported modules: no start-up cost), with
+    ``methods`` of SkipSetSearch replaced in the child."""
+    for name, method in methods.items():
+        setattr(SkipSetSearch, name, method)
     if log_file is not None:
         log = logging.getLogger("specdecode.search")
         log.addHandler(logging.FileHandler(log_file))
@@ -53,47 +48,86 @@ def _worker(args, delay: float, log_file: Path | None, go: Path | None) -> None:
     sys.exit(main(args))
 
 
-def _fork(args, delay=0.0, log_file=None, go=None):
-    proc = multiprocessing.get_context("fork").Process(target=_worker, args=(args, delay, log_file, go),
+def _fork(args, methods=None, log_file=None, go=None):
+    proc = multiprocessing.get_context("fork").Process(target=_worker, args=(args, methods or {}, log_file, go),
                                                        daemon=True)
     proc.start()
     return proc
+
+
+def _poll(condition, deadline_s: float) -> bool:
+    """Poll ``condition()`` every 50 ms until it is true (True) or ``deadline_s`` has passed (False)."""
+    deadline = time.monotonic() + deadline_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _wait_until(condition, what: str, deadline_s: float = 300.0) -> None:
+    """``_poll``, failing the test naming ``what`` after a generous deadline (a hung worker, not a
+    slow machine: no check depends on how long the wait takes)."""
+    if not _poll(condition, deadline_s):
+        pytest.fail(f"gave up after {deadline_s:.0f} s waiting for {what}")
+
+
+def _stopping_at_third_evaluation(stop_at: Path) -> dict:
+    """``modelled_figures`` that, once the study holds two COMPLETE trials, creates ``stop_at`` and
+    waits for ever (until the test kills the process): the trial stays RUNNING, its parameters
+    suggested, however slow the machine."""
+    figures = SkipSetSearch.modelled_figures
+
+    def stopping(self, skip_set):
+        if len(self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))) >= 2:
+            stop_at.touch()
+            threading.Event().wait()
+        return figures(self, skip_set)
+
+    return {"modelled_figures": stopping}
+
+
+def _has_heartbeat(storage, trial_id: int) -> bool:
+    """Whether Optuna's heartbeat thread has recorded a heartbeat of ``trial_id`` (its table, read only)."""
+    with storage.engine.connect() as connection:
+        count = connection.exec_driver_sql("SELECT COUNT(*) FROM trial_heartbeats WHERE trial_id = ?",
+                                           (trial_id,)).scalar()
+    return count > 0
 
 
 def test_killed_search_resumes_with_its_trials(folders, tmp_path, capsys):
     url = f"sqlite:///{tmp_path / 'study.db'}"
     args = _search_args(folders, tmp_path / "best.json", "--trials", 8, "--storage", url, "--study-name", "kill",
                         "--remeasure", 0, "--no-plots", "--heartbeat-interval", 1)
-    proc = _fork(args, delay=0.3)
-    deadline = time.monotonic() + 120
+    stopped = tmp_path / "stopped"
+    proc = _fork(args, _stopping_at_third_evaluation(stopped))
     try:
-        while time.monotonic() < deadline and proc.is_alive():
-            time.sleep(0.05)
-            try:
-                trials = _load_study(url, "kill").trials
-            except KeyError:  # the study does not exist yet
-                continue
-            done = [t for t in trials if t.state == TrialState.COMPLETE]
-            # Kill it mid-trial (each evaluation sleeps 0.3 s first), once the running trial has sent its
-            # first heartbeat, which Optuna records just after the trial starts: a trial killed before
-            # that has no heartbeat, and Optuna never declares such a trial stale.
-            started = [t.datetime_start for t in trials if t.state == TrialState.RUNNING]
-            if len(done) >= 2 and started and (datetime.now() - started[0]).total_seconds() >= 0.15:
-                break
+        # The worker stops inside the evaluation of its third trial (two COMPLETE) and stays there.
+        _wait_until(lambda: stopped.exists() or not proc.is_alive(), "the worker to reach its third evaluation")
         assert proc.is_alive(), f"the worker ended (exit code {proc.exitcode}) before it could be killed"
-        proc.kill()  # SIGKILL
+        # The resumed search's storage: the same heartbeat interval, so the same grace period (2 x 1 s).
+        storage = search.open_storage(url, 1)
+        killed = optuna.load_study(study_name="kill", storage=storage)
+        running = killed.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        assert len(running) == 1
+        victim = running[0]
+        # Optuna's heartbeat thread records the trial's first heartbeat just after the trial starts;
+        # a trial killed before that has none, and Optuna never declares such a trial stale.
+        _wait_until(lambda: _has_heartbeat(storage, victim._trial_id), f"trial {victim.number}'s first heartbeat")
+        proc.kill()  # SIGKILL, mid-trial
         proc.join(30)
         assert proc.exitcode == -signal.SIGKILL
     finally:
         if proc.is_alive():
             proc.kill()
-    # Older than the grace period (2 x 1 s): SQLite's CURRENT_TIMESTAMP, on both the heartbeat and the
-    # stale check, has 1 s resolution, so 2 s + 1 s + margin.
-    time.sleep(3.2)
-    killed = _load_study(url, "kill")
+    # Wait until the trial is stale by the storage's own check (its last heartbeat older than the
+    # grace period by the database's clock, which has 1 s resolution on SQLite): what the resumed
+    # search tests before its first trial.
+    _wait_until(lambda: victim._trial_id in storage._get_stale_trial_ids(killed._study_id),
+                f"trial {victim.number}'s heartbeat to go stale")
     before = {t.number: (t.params, t.value) for t in killed.get_trials(states=(TrialState.COMPLETE,))}
-    running = [t.number for t in killed.get_trials(states=(TrialState.RUNNING,))]
-    assert 2 <= len(before) < 8 and len(running) <= 1
+    assert 2 <= len(before) < 8
+    assert [t.number for t in killed.get_trials(states=(TrialState.RUNNING,))] == [victim.number]
 
     # The same command again.
     assert main(args) == 0
@@ -104,39 +138,62 @@ def test_killed_search_resumes_with_its_trials(folders, tmp_path, capsys):
     states = {t.state for t in study.trials}
     assert TrialState.RUNNING not in states and TrialState.WAITING not in states
     # The trial killed mid-way was marked failed (stale heartbeat) and re-run once with its parameters.
-    assert [t.number for t in study.get_trials(states=(TrialState.FAIL,))] == running
-    for n in running:
-        retries = [r for r in study.trials if r.system_attrs.get("failed_trial") == n]
-        assert len(retries) == 1 and retries[0].state == TrialState.COMPLETE
-        assert retries[0].params == study.trials[n].params
+    assert [t.number for t in study.get_trials(states=(TrialState.FAIL,))] == [victim.number]
+    retries = [r for r in study.trials if r.system_attrs.get("failed_trial") == victim.number]
+    assert len(retries) == 1 and retries[0].state == TrialState.COMPLETE
+    assert retries[0].params == victim.params
     assert json.loads((tmp_path / "best.json").read_text())["num_trials"] == 8
+
+
+def _interleaved(other_log: Path) -> dict:
+    """SkipSetSearch methods that make two workers overlap however the machine schedules them.
+
+    ``_costs`` (the one-off timings) starts only once the other worker has logged that it waits for
+    them, so that worker reuses them rather than arriving after they are stored; each
+    ``modelled_figures`` starts only once the study holds a trial of the other worker, so neither
+    runs all the trials before the other starts; each then takes 0.2 s more, so trials overlap.
+    Past a deadline they go on anyway (and the test's checks fail)."""
+    costs, figures = SkipSetSearch._costs, SkipSetSearch.modelled_figures
+
+    def gated_costs(self):
+        _poll(lambda: other_log.exists() and "decode-step and sublayer timings: waiting for worker"
+              in other_log.read_text(), 60)
+        return costs(self)
+
+    def gated_figures(self, skip_set):  # the trial is RUNNING, its "worker" attribute set
+        _poll(lambda: any(t.user_attrs.get("worker") not in (None, self._worker)
+                          for t in self.study.get_trials(deepcopy=False)), 120)
+        time.sleep(0.2)
+        return figures(self, skip_set)
+
+    return {"_costs": gated_costs, "modelled_figures": gated_figures}
 
 
 def test_two_workers_share_one_study(folders, tmp_path, capsys, monkeypatch, caplog):
     """A forked worker process and this one, started together on one new SQLite study."""
     url = f"sqlite:///{tmp_path / 'shared.db'}"
-    go, child_log = tmp_path / "go", tmp_path / "child.log"
+    go, child_log, own_log = tmp_path / "go", tmp_path / "child.log", tmp_path / "own.log"
 
     def args(i):
         return _search_args(folders, tmp_path / f"w{i}" / "best.json", "--trials", 8, "--storage", url,
                             "--study-name", "shared", "--remeasure", 0, "--no-plots", "--seed", i,
                             "--heartbeat-interval", 3)
 
-    proc = _fork(args(0), delay=0.2, log_file=child_log, go=go)
+    proc = _fork(args(0), _interleaved(own_log), log_file=child_log, go=go)
+    log = logging.getLogger("specdecode.search")
+    handler = logging.FileHandler(own_log)
+    log.addHandler(handler)
     try:
-        figures = SkipSetSearch.modelled_figures
-
-        def slowed(self, skip_set):
-            time.sleep(0.2)
-            return figures(self, skip_set)
-
-        monkeypatch.setattr(SkipSetSearch, "modelled_figures", slowed)
+        for name, method in _interleaved(child_log).items():
+            monkeypatch.setattr(SkipSetSearch, name, method)
         go.touch()
         with caplog.at_level("INFO", logger="specdecode.search"):
             assert main(args(1)) == 0
         proc.join(180)
         assert proc.exitcode == 0
     finally:
+        log.removeHandler(handler)
+        handler.close()
         if proc.is_alive():
             proc.kill()
     study = _load_study(url, "shared")
