@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,7 +15,7 @@ import pytest
 
 from serve_helpers import tiny_chat_folders
 from specdecode.cli import main
-from specdecode.serve.loadtest import wait_until_healthy
+from specdecode.serve.loadtest import wait_until_healthy, wait_until_listening
 
 
 @pytest.mark.parametrize(
@@ -48,25 +47,22 @@ def test_bad_options_exit_2_before_loading_models(args, needle, capsys):
     assert needle in capsys.readouterr().err
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_sigterm_finishes_or_cancels_requests_and_exits_cleanly(tmp_path):
     target, draft = tiny_chat_folders(tmp_path)
-    port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "specdecode.cli", "serve", "--target", str(target), "--draft", str(draft),
-         "--dtype", "float32", "--device", "cpu", "--port", str(port), "--max-length", "1024",
-         "--shutdown-timeout", "1", "--log-level", "info", "--max-batch-size", "4"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-    )
-    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log:  # --port 0: the server binds a free port and names it in its log
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "specdecode.cli", "serve", "--target", str(target), "--draft", str(draft),
+             "--dtype", "float32", "--device", "cpu", "--port", "0", "--max-length", "1024",
+             "--shutdown-timeout", "1", "--log-level", "info", "--max-batch-size", "4"],
+            stdout=log, stderr=subprocess.STDOUT, text=True, env=env,
+        )
     try:
-        assert wait_until_healthy(url, proc, 120, poll_s=0.2), proc.stdout.read() if proc.poll() is not None else ""
+        url = wait_until_listening(log_path, proc, 120)
+        assert url is not None and re.fullmatch(r"http://127\.0\.0\.1:\d+", url), log_path.read_text()[-3000:]
+        assert not url.endswith(":0")
+        assert wait_until_healthy(url, proc, 120, poll_s=0.2), log_path.read_text()[-3000:]
         lines: list[str] = []
         errors: list[BaseException] = []
 
@@ -91,7 +87,7 @@ def test_sigterm_finishes_or_cancels_requests_and_exits_cleanly(tmp_path):
         assert errors == []
         # uvicorn re-raises the signal after its graceful shutdown: the process ends as SIGTERM's
         assert proc.wait(30) in (0, -signal.SIGTERM)
-        log = proc.stdout.read()
+        log = log_path.read_text()
         assert "Application shutdown complete" in log and "Traceback" not in log
         # Start-up names each phase with its duration, generate's defaults included (an int4 draft on a CPU
         # with AVX512, a dense one elsewhere: the server is a process of its own on this machine).
@@ -152,3 +148,10 @@ def test_serve_takes_generate_s_defaults_on_the_same_device(flags, device):
     if not flags and device == "cpu":  # the case, stated outright
         assert (serve.method, plan.draft_quantize, plan.max_model_prompt_tokens) == ("cascade", "int4", 512)
         assert plan.draft_control.adaptive_exit
+
+
+def test_listening_url_names_the_bound_address():
+    from specdecode.serve.command import listening_url
+
+    assert listening_url(("127.0.0.1", 43127)) == "http://127.0.0.1:43127"
+    assert listening_url(("::1", 8000, 0, 0)) == "http://[::1]:8000"

@@ -5,7 +5,8 @@ works without the ``serve`` extra; ``run`` imports it and says how to install it
 The server's defaults are ``generate``'s on the same device (``pipeline``'s command
 defaults): method ``cascade`` with adaptive draft exit, an int4 draft on a CPU, and the
 cascade's prompt limit for the draft model. Start-up logs each phase (loading, quantizing,
-warm-up) with its duration at ``--log-level info``.
+warm-up) with its duration at ``--log-level info``, and last ``start-up: listening on
+http://HOST:PORT``, the address bound (with ``--port 0``, the free port the system picked).
 
 ``--backend llama-cpp`` runs the target's GGUF file in llama.cpp (as ``generate --backend
 llama-cpp``, with its default method, ``defaults.LLAMA_CPP_COMMAND_METHOD``, and prompt lookup's
@@ -83,7 +84,9 @@ def add_arguments(p: argparse.ArgumentParser, *, default_target: str, default_dr
                         "'specdecode[llamacpp]'")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --target)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000,
+                   help="port to listen on (default 8000; 0: a free port the system picks, named in the start-up "
+                        "log line 'start-up: listening on http://HOST:PORT')")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health")
     p.add_argument("--max-batch-size", type=int, default=None,
@@ -243,9 +246,22 @@ def make_uvicorn_server(app, engine, *, host: str, port: int, shutdown_timeout_s
             engine.begin_shutdown(shutdown_timeout_s)
             super().handle_exit(sig, frame)
 
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            for server in getattr(self, "servers", []):  # none when the app's start-up failed
+                for sock in server.sockets:
+                    logger.info("start-up: listening on %s", listening_url(sock.getsockname()))
+
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                             timeout_graceful_shutdown=shutdown_timeout_s + 10)
     return Server(config)
+
+
+def listening_url(address) -> str:
+    """``http://HOST:PORT`` of a bound socket's ``getsockname()`` (IPv6 hosts in brackets): the port the
+    system picked for ``--port 0``."""
+    host, port = address[0], address[1]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def run(args) -> int:
@@ -343,9 +359,8 @@ def load_server(args):
         warm_s = decoder.warm_up()
         logger.info("start-up: warm-up done in %.1f s", warm_s)
     app, engine, _ = build(gen, decoder, max_queue=args.max_queue, settings=settings)
-    logger.info("start-up: ready in %.1f s (loading %.1f s, warm-up %.1f s); serving %s (%s) on http://%s:%d",
-                time.perf_counter() - started, loaded_s, warm_s, settings.model_name, args.method, args.host,
-                args.port)
+    logger.info("start-up: ready in %.1f s (loading %.1f s, warm-up %.1f s); serving %s (%s)",
+                time.perf_counter() - started, loaded_s, warm_s, settings.model_name, args.method)
     return app, engine
 
 

@@ -19,8 +19,8 @@ import logging
 import math
 import os
 import random
+import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -149,12 +149,6 @@ class _Record:
     finish_reason: str | None = None
     speculative: dict | None = None
     error: str | None = None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _one(client, model: str, prompt: str, max_tokens: int, rec: _Record, timeout_s: float) -> None:
@@ -301,6 +295,29 @@ def wait_until_healthy(url: str, proc: subprocess.Popen, timeout_s: float, poll_
         time.sleep(poll_s)
 
 
+# What ``specdecode serve`` logs once it listens (``serve.command.make_uvicorn_server``).
+_LISTENING = re.compile(r"start-up: listening on (http://\S+)")
+
+
+def wait_until_listening(log_path: str | Path, proc: subprocess.Popen, timeout_s: float,
+                         poll_s: float = 0.2) -> str | None:
+    """The base URL that a ``specdecode serve`` process writing its log to ``log_path`` names
+    in its ``start-up: listening on http://HOST:PORT`` line (the port it bound, so ``--port 0``
+    works without a race for a free port), once that line is there; None if ``proc`` exits or
+    ``timeout_s`` seconds pass first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            found = _LISTENING.search(Path(log_path).read_text(errors="replace"))
+        except FileNotFoundError:
+            found = None
+        if found:
+            return found.group(1)
+        if proc.poll() is not None or time.monotonic() > deadline:
+            return None
+        time.sleep(poll_s)
+
+
 def run_soak(settings: SoakSettings) -> dict:
     """Start the server, run the load, stop it with SIGTERM; returns (and writes) the report.
 
@@ -321,17 +338,20 @@ def run_soak(settings: SoakSettings) -> dict:
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
     prompts = settings.prompts or [p.text for p in load_prompts(settings.dataset)]
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
     api_key = "soak-" + os.urandom(8).hex()
     log_path = out / "server.log"
+    # --port 0: the server binds a free port itself and names it in its log (info: the port and the
+    # shutdown check are read from the log).
     cmd = [sys.executable, "-m", "specdecode.cli", "serve", *settings.server_args, "--host", "127.0.0.1",
-           "--port", str(port), "--api-key", api_key, "--log-level", "info"]  # info: the shutdown check reads the log
+           "--port", "0", "--api-key", api_key, "--log-level", "info"]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     headers = {"Authorization": f"Bearer {api_key}"}
     try:
-        if not wait_until_healthy(url, proc, settings.startup_timeout_s):
+        started = time.monotonic()
+        url = wait_until_listening(log_path, proc, settings.startup_timeout_s)
+        left_s = settings.startup_timeout_s - (time.monotonic() - started)
+        if url is None or not wait_until_healthy(url, proc, max(left_s, 1.0)):
             raise RuntimeError(f"the server did not start (exit {proc.poll()}); its log ends:\n"
                                f"{log_path.read_text()[-2000:]}")
         model = httpx.get(f"{url}/v1/models", headers=headers).json()["data"][0]["id"]
