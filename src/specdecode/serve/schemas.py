@@ -68,9 +68,16 @@ class _Sampling(_Request):
     @field_validator("logit_bias")
     @classmethod
     def _check_logit_bias(cls, v):
+        seen: dict[int, str] = {}
         for key in v or {}:
-            if not key.strip().isdigit():
+            digits = key.strip()
+            # ASCII digits only: str.isdigit() also takes "²" or "٥", which int() refuses or reads otherwise
+            if not (digits.isascii() and digits.isdigit()):
                 raise ValueError(f"logit_bias keys must be token ids (decimal integers >= 0), got {key!r}")
+            token = int(digits)
+            if token in seen:
+                raise ValueError(f"logit_bias names token {token} twice ({seen[token]!r} and {key!r})")
+            seen[token] = key
         return v
 
     def processor_options(self) -> dict[str, Any]:
