@@ -241,3 +241,20 @@ def check_banned_words(words: object, *, allow_empty: bool = False) -> tuple[str
                 f"a banned word must be a non-empty string with a non-space character, got {w!r}"
             )
     return words
+
+
+def check_unicode(text: str, what: str) -> None:
+    """Raise unless ``text`` is valid Unicode, encodable as UTF-8 (tokenizers refuse a lone
+    surrogate: JSON's unpaired ``\\ud800`` escape, or an undecodable command-line byte that
+    Python keeps as ``\\udcXX``).
+
+    Raises:
+        InvalidArgumentError: Naming ``what``, the character and its position.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidArgumentError(
+            f"{what} is not valid Unicode: character {e.start} is a lone surrogate {text[e.start]!r} "
+            "(an unpaired \\ud800-\\udfff escape, or bytes that are not UTF-8); send UTF-8 text"
+        ) from None
