@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from specdecode.serve.schemas import CompletionRequest
+from specdecode.serve.schemas import ChatCompletionRequest, CompletionRequest
 
 PROMPT = "w5 w9"
 
@@ -34,3 +34,31 @@ def test_logit_bias_may_not_name_one_token_twice():
 def test_good_logit_bias_keys_are_token_ids():
     body = CompletionRequest.model_validate({"prompt": PROMPT, "logit_bias": {"5": 1, " 7 ": -100}})
     assert body.processor_options()["logit_bias"] == {5: 1.0, 7: -100.0}
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("max_tokens", "4"), ("max_tokens", True), ("n", "2"), ("seed", "1"), ("temperature", "0.5"),
+    ("stream", "yes"), ("stream", 1), ("logprobs", True), ("top_k", False), ("echo", "false"),
+])
+def test_wrong_types_are_refused_not_coerced(field, value):
+    # pydantic's lax mode read "4" as 4, true as 1 and "yes" as true: a wrong request was answered
+    # as something it did not ask for
+    param, _ = refused(CompletionRequest, {"prompt": PROMPT, field: value})
+    assert param == field
+
+
+def test_wrong_types_inside_nested_objects_are_refused():
+    param, _ = refused(CompletionRequest, {"prompt": PROMPT, "stream": True, "stream_options": {"include_usage": "no"}})
+    assert param == "stream_options.include_usage"
+    param, _ = refused(ChatCompletionRequest, {"messages": [{"role": "user", "content": "w5"}], "logprobs": "true"})
+    assert param == "logprobs"
+
+
+def test_integers_are_numbers_and_json_values_keep_their_types():
+    body = CompletionRequest.model_validate({"prompt": [5, 9], "temperature": 1, "top_p": 1, "max_tokens": 3,
+                                             "stream": True, "stream_options": {"include_usage": True},
+                                             "logit_bias": {"5": -1}, "stop": ["w3"]})
+    assert body.temperature == 1.0 and body.include_usage and body.prompt == [5, 9]
+    chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [{"type": "text",
+                                                                                           "text": "w5"}]}]})
+    assert chat.messages[0].as_template_message() == {"role": "user", "content": "w5"}

@@ -24,9 +24,11 @@ TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 
 class _Request(BaseModel):
     """Unknown fields are refused; an explicit ``null`` means the field's default (OpenAI's
-    reference marks these fields "or null")."""
+    reference marks these fields "or null"). Types are strict, as OpenAI's: a string is not a
+    number (``"max_tokens": "4"``), nor a boolean (``"stream": "yes"``), and ``true`` is not
+    an integer (``"max_tokens": true`` would be 1); an integer is a number."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     @model_validator(mode="before")
     @classmethod
