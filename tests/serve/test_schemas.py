@@ -62,3 +62,13 @@ def test_integers_are_numbers_and_json_values_keep_their_types():
     chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [{"type": "text",
                                                                                            "text": "w5"}]}]})
     assert chat.messages[0].as_template_message() == {"role": "user", "content": "w5"}
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"logit_bias": {"5": 100.5}}, "logit_bias.5"),
+    ({"logit_bias": {"5": float("nan")}}, "logit_bias.5"),
+    ({"repetition_penalty": float("inf")}, "repetition_penalty"),  # JSON's 1e400; once a 400 with param null
+    ({"repetition_penalty": float("nan")}, "repetition_penalty"),
+])
+def test_processor_ranges_are_checked_where_the_field_is_named(body, param):
+    assert refused(CompletionRequest, {"prompt": PROMPT, **body})[0] == param

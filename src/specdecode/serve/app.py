@@ -264,6 +264,7 @@ def create_app(generator, engine: EngineLoop, settings: ServeSettings, metrics: 
         # As vLLM: a temperature below GREEDY_TEMPERATURE is greedy decoding (logits / T would
         # overflow to inf near 1e-38, and sampling at such T is argmax anyway).
         temperature = 0.0 if body.temperature < GREEDY_TEMPERATURE else body.temperature
+        _check_token_ids(body, getattr(decoder, "vocab_size", None))
         if body.n > decoder.max_batch_size:
             raise ApiError(400, f"n is {body.n}; this server runs at most {decoder.max_batch_size} choices per "
                                 "request (its --max-batch-size: each choice is one row of the batch)", param="n",
@@ -441,6 +442,23 @@ def _check_names(generator, messages: list[dict], ids: list[int]) -> None:
                                 "template does not use a message's name, so it would be dropped; leave it out "
                                 "(or put the name in the content)", param=f"messages.{i}.name",
                            code="unsupported_parameter")
+
+
+def _check_token_ids(body, vocab_size: int | None) -> None:
+    """Refuse a ``logit_bias`` or ``stop_token_ids`` id outside the target's vocabulary, naming that
+    field (the engine refuses them too, but its error cannot say which field of the request it was).
+
+    Raises:
+        ApiError: 400 with ``param`` the field.
+    """
+    if vocab_size is None:
+        return
+    for param, ids in (("logit_bias", [int(k) for k in body.logit_bias or {}]),
+                       ("stop_token_ids", list(body.stop_token_ids or ()))):
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            raise ApiError(400, f"{param} names token id {bad[0]}, outside the target model's vocabulary "
+                                f"0..{vocab_size - 1}", param=param, code="invalid_value")
 
 
 def _check_common(body, settings: ServeSettings) -> None:

@@ -62,8 +62,8 @@ class _Sampling(_Request):
     # Processors (engine.processors): OpenAI's penalties and bias, vLLM's extensions.
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
-    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None  # OpenAI's range
+    repetition_penalty: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     stop_token_ids: list[TokenId] | None = None
 
