@@ -237,6 +237,22 @@ def test_raw_http_errors_are_openai_shaped(server):
                   '{endpoint="/v1/completions",type="invalid_request_error"}') >= 3
 
 
+@pytest.mark.parametrize(("content", "headers", "needle"), [
+    # curl -d sends application/x-www-form-urlencoded: once "invalid value for 'the body': bytes (...)"
+    (b'{"prompt": "w5"}', {"content-type": "application/x-www-form-urlencoded"},
+     "must be JSON, sent with Content-Type: application/json; got Content-Type 'application/x-www-form-urlencoded'"),
+    (b'{"prompt": "w5"}', {"content-type": "text/plain"}, "got Content-Type 'text/plain'"),
+    (b"", {"content-type": "application/json"}, "the request body is empty"),  # once "None is a required property"
+    ('{"prompt": "\xe9"}'.encode("latin-1"), {"content-type": "application/json"},
+     "could not be read as JSON: send a JSON object in UTF-8"),  # once code "http_400"
+])
+def test_bodies_that_are_not_json_say_so(server, content, headers, needle):
+    url, _, _ = server
+    r = httpx.post(f"{url}/v1/completions", content=content, headers=headers)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "invalid_json" and needle in r.json()["error"]["message"], r.text
+
+
 def test_api_key_is_required_everywhere_but_health(generator):
     with running_server(generator, api_key="s3cret") as (url, _, _):
         with pytest.raises(openai.AuthenticationError) as e:

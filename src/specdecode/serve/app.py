@@ -55,6 +55,8 @@ logger = logging.getLogger(__name__)
 ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
 #: ``code`` of the errors that routing answers (Starlette's HTTPException), by status.
 HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
+#: FastAPI's detail of a body it could not decode (not UTF-8, nested too deep), answered as invalid JSON.
+BODY_PARSE_ERROR = "There was an error parsing the body"
 #: Temperatures below this are served as greedy decoding (vLLM's _SAMPLING_EPS).
 GREEDY_TEMPERATURE = 1e-5
 
@@ -179,10 +181,13 @@ def create_app(generator, engine: EngineLoop, settings: ServeSettings, metrics: 
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
-        return await _api_error(request, _validation_error(exc))
+        return await _api_error(request, _validation_error(exc, request.headers.get("content-type")))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 400 and exc.detail == BODY_PARSE_ERROR:  # FastAPI's: not UTF-8, nested too deep
+            return await _api_error(request, ApiError(400, "the request body could not be read as JSON: send a "
+                                                           "JSON object in UTF-8", code="invalid_json"))
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         metrics.errors.labels(request.url.path if request.url.path in ENDPOINTS else "other", kind).inc()
         detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
@@ -470,7 +475,9 @@ def _check_common(body, settings: ServeSettings) -> None:
         raise ApiError(400, bad[1], param=bad[0], code="unsupported_parameter")
 
 
-def _validation_error(exc: RequestValidationError) -> ApiError:
+def _validation_error(exc: RequestValidationError, content_type: str | None = None) -> ApiError:
+    """The 400 of a body that pydantic (or FastAPI's JSON decoding) refused; ``content_type``: the
+    request's header, named when a body that is not JSON was sent under another type."""
     errors = exc.errors()
     first = errors[0] if errors else {}
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
@@ -478,6 +485,12 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
     kind = first.get("type", "")
     if kind == "json_invalid":
         return ApiError(400, "the request body is not valid JSON", code="invalid_json")
+    if param is None and kind == "missing":  # FastAPI's reading of an empty body
+        return ApiError(400, "the request body is empty: send a JSON object (Content-Type: application/json)",
+                        code="invalid_json")
+    if param is None and isinstance(first.get("input"), (bytes, bytearray)):  # not read as JSON at all
+        return ApiError(400, f"the request body must be JSON, sent with Content-Type: application/json; got "
+                             f"Content-Type {content_type or '(none)'!r}", code="invalid_json")
     if kind == "extra_forbidden":
         return ApiError(400, f"Unrecognized request argument supplied: {param}", param=param,
                         code="unrecognized_argument")
