@@ -22,7 +22,8 @@ class GenerationConfig:
             ``softmax(logits / temperature)``.
         top_k: Keep only the ``top_k`` most likely tokens before sampling; 0 disables it.
         top_p: Nucleus sampling mass in (0, 1]; 1 disables it.
-        seed: Seed of the ``torch.Generator`` used for sampling; ``None`` draws a random seed.
+        seed: Seed of the ``torch.Generator`` used for sampling, in 0 .. 2**64 - 1 (what
+            ``torch.Generator.manual_seed`` takes); ``None`` draws a random seed.
         num_speculative_tokens: γ, the most tokens the drafter proposes per target forward (>= 1).
             Ignored by autoregressive decoding.
         stop_strings: Generation stops after the first token whose text completes one of these.
@@ -91,6 +92,9 @@ class GenerationConfig:
             raise InvalidArgumentError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not (0.0 < self.top_p <= 1.0):
             raise InvalidArgumentError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed <= MAX_SEED):
+            raise InvalidArgumentError(f"seed must be an integer in 0..{MAX_SEED} (2**64 - 1) or None, got {self.seed!r}")
         if isinstance(self.stop_strings, str):
             object.__setattr__(self, "stop_strings", (self.stop_strings,))
         if any(not s for s in self.stop_strings):
@@ -150,6 +154,8 @@ class GenerationConfig:
         return self.temperature == 0.0
 
 
+#: The largest seed: ``torch.Generator.manual_seed`` takes an unsigned 64-bit integer.
+MAX_SEED = 2**64 - 1
 #: The most ``top_logprobs`` a request may ask for (OpenAI's limit).
 MAX_TOP_LOGPROBS = 20
 #: ``logit_bias`` values lie in [-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT] (OpenAI's range).

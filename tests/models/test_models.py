@@ -41,6 +41,11 @@ from specdecode.models.loading import _load_dense
         (dict(top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
         (dict(top_k=-1), r"top_k must be an integer >= 0"),
         (dict(stop_strings=("",)), r"stop_strings must be non-empty"),
+        # torch's manual_seed raised "Overflow when unpacking long long" at the first sampled token
+        (dict(seed=2**64), r"seed must be an integer in 0..18446744073709551615 \(2\*\*64 - 1\) or None, got "
+                           r"18446744073709551616"),
+        (dict(seed=-1), r"seed must be an integer in 0..18446744073709551615 .* got -1"),
+        (dict(seed=1.5), r"seed must be an integer .* got 1.5"),
     ],
 )
 def test_generation_config_rejects_bad_values(kwargs, match):
