@@ -14,6 +14,7 @@ import pytest
 from helpers import run_generate
 from serve_helpers import folders, generator, running_server, server  # noqa: F401 -- fixtures
 from specdecode.config import GenerationConfig
+from specdecode.errors import InvalidArgumentError
 
 PROMPT = "w5 w9 w11 w7"
 
@@ -251,6 +252,17 @@ def test_bodies_that_are_not_json_say_so(server, content, headers, needle):
     r = httpx.post(f"{url}/v1/completions", content=content, headers=headers)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["code"] == "invalid_json" and needle in r.json()["error"]["message"], r.text
+
+
+def test_rows_too_short_for_any_request_are_refused_at_start(generator):
+    """--max-length 1 once started a server that answered every request with a 400."""
+    from specdecode.serve.app import ServeSettings
+    from specdecode.serve.command import build
+
+    decoder = generator.batch_decoder("draft", max_batch_size=1, max_length=4)  # gamma 5: a block takes 6
+    with pytest.raises(InvalidArgumentError, match=r"--max-length 4 leaves no room for a request: a row keeps 6 "
+                                                   r"positions for a draft block.*use --max-length >= 8"):
+        build(generator, decoder, max_queue=1, settings=ServeSettings(model_name="tiny", method="draft"))
 
 
 def test_api_key_is_required_everywhere_but_health(generator):

@@ -156,12 +156,21 @@ def create_app(generator, engine: EngineLoop, settings: ServeSettings, metrics: 
         engine: The engine loop over the batched decoder (not started yet).
         settings: Limits and the key.
         metrics: Where to count.
+
+    Raises:
+        InvalidArgumentError: The decoder's rows hold too few positions for any request (a prompt
+            token and a new token beside a draft block).
     """
     tokenizer = generator.tokenizer
     decoder = engine.decoder
     # Positions a request may use: the row's cache (less a draft block) and the model's context.
     model_context = kv_cache.context_length(decoder.target)
     cache_room = decoder.max_length - decoder.max_block - 1
+    if cache_room < 2:
+        raise InvalidArgumentError(
+            f"--max-length {decoder.max_length} leaves no room for a request: a row keeps {decoder.max_block + 1} "
+            f"positions for a draft block, and a request needs at least one prompt token and one new token; use "
+            f"--max-length >= {decoder.max_block + 3}")
 
     @asynccontextmanager
     async def lifespan(app):
