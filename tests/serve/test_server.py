@@ -254,6 +254,30 @@ def test_bodies_that_are_not_json_say_so(server, content, headers, needle):
     assert r.json()["error"]["code"] == "invalid_json" and needle in r.json()["error"]["message"], r.text
 
 
+@pytest.mark.parametrize(("path", "body", "param", "needle"), [
+    # once param "prompt.str" and "Input should be a valid string" for a bad token id
+    ("/v1/completions", {"prompt": [5, -1]}, "prompt.1", "-1 (Input should be greater than or equal to 0)"),
+    ("/v1/completions", {"prompt": [[5, 9]]}, "prompt",
+     "invalid value for 'prompt': list (it must be a string or a list of strings or a list of token ids"),
+    ("/v1/completions", {"prompt": 5}, "prompt", "5 (it must be a string or"),
+    ("/v1/completions", {"prompt": "w5", "stop": [1]}, "stop", "(it must be a string or a list of strings)"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages.0.content.0.type", "\"image_url\" (Input should be 'text')"),  # once "messages.0.content.str"
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages.0.content",
+     "it must be a string or a list of text parts"),
+    # unknown fields that look like pydantic's names of a union's members are still unknown fields
+    ("/v1/completions", {"prompt": "w5", "str": 1}, "str", "Unrecognized request argument supplied: str"),
+    ("/v1/completions", {"prompt": "w5", "stream": True, "stream_options": {"TextPart": 1}},
+     "stream_options.TextPart", "Unrecognized request argument supplied: stream_options.TextPart"),
+])
+def test_a_value_of_none_of_a_fields_types_names_the_field(server, path, body, param, needle):
+    url, _, _ = server
+    r = httpx.post(f"{url}{path}", json={"max_tokens": 4, **body})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and needle in error["message"], error
+
+
 def test_rows_too_short_for_any_request_are_refused_at_start(generator):
     """--max-length 1 once started a server that answered every request with a 400."""
     from specdecode.serve.app import ServeSettings

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -490,6 +491,22 @@ def _validation_error(exc: RequestValidationError, content_type: str | None = No
     errors = exc.errors()
     first = errors[0] if errors else {}
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    locs = [[str(p) for p in e["loc"] if p != "body"] for e in errors]
+    tag = _union_position(locs)
+    if tag is not None:  # a value that matches none of a union's types ("prompt", "stop", a message's "content")
+        prefix = loc[:tag]
+        tried = [e for e, where in zip(errors, locs) if where[:tag] == prefix and len(where) > tag]
+        # an error past the type check (a value out of range, a wrong literal) says the most
+        specific = [e for e in tried if not e["type"].endswith("_type")]
+        if not specific:
+            members = dict.fromkeys(where[tag] for where in locs if where[:tag] == prefix and len(where) > tag)
+            value = first.get("input")
+            return ApiError(400, f"invalid value for {'.'.join(prefix)!r}: {_shown(value)} (it must be "
+                                 f"{' or '.join(_member_name(m) for m in members)})", param=".".join(prefix),
+                            code="invalid_value")
+        first = specific[0]
+        loc = [str(p) for p in first["loc"] if p != "body"]
+        loc = loc[:tag] + loc[tag + 1:]
     param = ".".join(loc) or None
     kind = first.get("type", "")
     if kind == "json_invalid":
@@ -505,7 +522,31 @@ def _validation_error(exc: RequestValidationError, content_type: str | None = No
                         code="unrecognized_argument")
     if kind == "missing":
         return ApiError(400, f"{param!r} is a required property", param=param, code="missing_required_parameter")
-    value = first.get("input")
-    shown = json.dumps(value)[:80] if isinstance(value, (int, float, str, bool, type(None))) else type(value).__name__
-    return ApiError(400, f"invalid value for {param or 'the body'!r}: {shown} ({first.get('msg', kind)})",
-                    param=param, code="invalid_value")
+    return ApiError(400, f"invalid value for {param or 'the body'!r}: {_shown(first.get('input'))} "
+                         f"({first.get('msg', kind)})", param=param, code="invalid_value")
+
+
+#: pydantic's names of a union's members in an error's location ("str", "list[constrained-int]", "TextPart").
+UNION_MEMBERS = re.compile(r"^(str|int|float|bool|dict\[.*\]|list\[.*\]|[A-Z]\w*)$")
+
+
+def _union_position(locs: list[list[str]]) -> int | None:
+    """Where the first error's location names a union's member: a position after a field where errors
+    name two or more members (a single such name may be a field a client sent, e.g. an unknown "str")."""
+    loc = locs[0] if locs else []
+    for i in range(1, len(loc)):
+        members = {w[i] for w in locs if len(w) > i and w[:i] == loc[:i] and UNION_MEMBERS.match(w[i])}
+        if loc[i] in members and len(members) > 1:
+            return i
+    return None
+
+
+def _member_name(member: str) -> str:
+    """A union member as the JSON a client sends."""
+    names = {"str": "a string", "list[str]": "a list of strings", "list[constrained-int]": "a list of token ids "
+             "(integers >= 0)", "list[TextPart]": "a list of text parts ({\"type\": \"text\", \"text\": ...})"}
+    return names.get(member, member.replace("dict[str,any]", "an object"))
+
+
+def _shown(value) -> str:
+    return json.dumps(value)[:80] if isinstance(value, (int, float, str, bool, type(None))) else type(value).__name__
