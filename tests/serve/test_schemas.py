@@ -72,3 +72,18 @@ def test_integers_are_numbers_and_json_values_keep_their_types():
 ])
 def test_processor_ranges_are_checked_where_the_field_is_named(body, param):
     assert refused(CompletionRequest, {"prompt": PROMPT, **body})[0] == param
+
+
+@pytest.mark.parametrize("fmt", [{}, {"type": "json_object"}, {"type": "json_schema", "json_schema": {}}])
+def test_response_format_other_than_text_is_unsupported(fmt):
+    # {} (no type) was taken as text: it is not a valid response_format
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "w5"}],
+                                                 "response_format": fmt})
+    assert body.unsupported() == ("response_format", f"only response_format {{'type': 'text'}} is supported, "
+                                                     f"got {fmt!r}")
+
+
+def test_response_format_text_is_the_default():
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "w5"}],
+                                                 "response_format": {"type": "text"}})
+    assert body.unsupported() is None

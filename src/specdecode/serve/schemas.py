@@ -200,8 +200,8 @@ class ChatCompletionRequest(_Sampling):
             return "tools", "tools (function calling) are not supported"
         if self.tool_choice not in (None, "none"):
             return "tool_choice", "tool_choice is not supported; allowed: null or 'none'"
-        if self.response_format and self.response_format.get("type") != "text":
-            return "response_format", "only response_format {'type': 'text'} is supported"
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            return "response_format", f"only response_format {{'type': 'text'}} is supported, got {self.response_format!r}"
         if self.max_tokens is not None and self.max_completion_tokens is not None and (
             self.max_tokens != self.max_completion_tokens
         ):
