@@ -390,6 +390,10 @@ def test_models_and_health(server):
     url, _, _ = server
     models = client(url).models.list()
     assert [m.id for m in models.data] == ["tiny"]
+    assert client(url).models.retrieve("tiny") == models.data[0]  # once a 404 "Not Found"
+    with pytest.raises(openai.NotFoundError) as e:
+        client(url).models.retrieve("gpt-4o")
+    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
     assert httpx.get(f"{url}/health").json()["status"] == "ok"
 
 

@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP API (FastAPI) over the engine loop.
 
-Endpoints: ``GET /health`` (no key needed), ``GET /v1/models``, ``POST /v1/completions``,
-``POST /v1/chat/completions`` (SSE streaming via ``sse-starlette``, ending in
-``data: [DONE]``), ``GET /metrics`` (Prometheus text).
+Endpoints: ``GET /health`` (no key needed), ``GET /v1/models`` and ``GET /v1/models/{id}``,
+``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE streaming via ``sse-starlette``,
+ending in ``data: [DONE]``), ``GET /metrics`` (Prometheus text).
 
 Every error is answered with OpenAI's body ``{"error": {"message", "type", "param", "code"}}``,
 and ``code`` is never null (``ApiError`` requires one): 400 for bad input (pydantic validation
@@ -234,11 +234,20 @@ def create_app(generator, engine: EngineLoop, settings: ServeSettings, metrics: 
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
+    def model_card() -> dict:
+        return {"id": settings.model_name, "object": "model", "created": 0, "owned_by": "specdecode",
+                "max_model_len": decoder.max_length}
+
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models():
-        card = {"id": settings.model_name, "object": "model", "created": 0, "owned_by": "specdecode",
-                "max_model_len": decoder.max_length}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}", dependencies=[Depends(authorize)])
+    async def model(model: str):  # OpenAI's "retrieve model" (the openai client's models.retrieve)
+        if model != settings.model_name:
+            raise ApiError(404, f"the model {model!r} does not exist here; this server serves {settings.model_name!r}",
+                           param="model", code="model_not_found")
+        return model_card()
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(body: CompletionRequest, request: Request):
