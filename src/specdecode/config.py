@@ -36,7 +36,8 @@ class GenerationConfig:
             "ass" does not block "class").
         repetition_penalty: transformers' / CTRL's multiplicative penalty (Keskar et al. 2019) on
             every token already in the prompt or the output: a positive logit is divided by it, a
-            negative one multiplied; > 0, 1 = off.
+            negative one multiplied; in [0.01, 100], 1 = off (further out the logits overflow to
+            inf, e.g. 30 / 1e-300, and sampling fails on NaN probabilities).
         frequency_penalty: OpenAI's: subtracted from a token's logit once per time the token
             occurs in the output so far; in [-2, 2], 0 = off.
         presence_penalty: OpenAI's: subtracted from a token's logit once it occurs in the output;
@@ -108,9 +109,10 @@ class GenerationConfig:
 
     def _check_processors(self) -> None:
         """Validate (and normalize) the processor fields; see the class docstring for the ranges."""
-        if not _is_number(self.repetition_penalty) or not self.repetition_penalty > 0:
+        low, high = REPETITION_PENALTY_RANGE
+        if not _is_number(self.repetition_penalty) or not low <= self.repetition_penalty <= high:
             raise InvalidArgumentError(
-                f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty!r}"
+                f"repetition_penalty must be a number in [{low}, {high:g}] (1 = off), got {self.repetition_penalty!r}"
             )
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
@@ -154,6 +156,8 @@ class GenerationConfig:
         return self.temperature == 0.0
 
 
+#: ``repetition_penalty``'s allowed [low, high]: far enough from 0 and inf that the penalized logits stay finite.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 #: The largest seed: ``torch.Generator.manual_seed`` takes an unsigned 64-bit integer.
 MAX_SEED = 2**64 - 1
 #: The most ``top_logprobs`` a request may ask for (OpenAI's limit).

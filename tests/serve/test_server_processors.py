@@ -121,6 +121,9 @@ def test_completion_logprobs(server, generator):
     ("create", "param", "needle"),
     [
         (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty", "repetition_penalty"),
+        # the logits overflowed to inf and the request failed with a 500 generation_failed
+        (dict(extra_body={"repetition_penalty": 1e-300}), "repetition_penalty",
+         "1e-300 (Input should be greater than or equal to 0.01)"),
         (dict(extra_body={"min_p": 1.5}), "min_p", "1.5"),
         (dict(logit_bias={"9": 150}), "logit_bias.9", "150 (Input should be less than or equal to 100)"),
         (dict(logit_bias={"9": -101}), "logit_bias.9", "-101 (Input should be greater than or equal to -100)"),

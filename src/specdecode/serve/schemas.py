@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from specdecode.config import REPETITION_PENALTY_RANGE
+
 #: OpenAI allows at most 4 stop sequences.
 MAX_STOP_SEQUENCES = 4
 
@@ -63,7 +65,7 @@ class _Sampling(_Request):
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None  # OpenAI's range
-    repetition_penalty: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)
+    repetition_penalty: float = Field(default=1.0, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     stop_token_ids: list[TokenId] | None = None
 
