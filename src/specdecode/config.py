@@ -18,8 +18,8 @@ class GenerationConfig:
 
     Attributes:
         max_new_tokens: Upper bound on generated tokens (>= 1).
-        temperature: 0 means greedy decoding; > 0 means sampling from
-            ``softmax(logits / temperature)``.
+        temperature: 0 means greedy decoding; >= 1e-5 (``MIN_SAMPLING_TEMPERATURE``) means
+            sampling from ``softmax(logits / temperature)`` (smaller ones would overflow it).
         top_k: Keep only the ``top_k`` most likely tokens before sampling; 0 disables it.
         top_p: Nucleus sampling mass in (0, 1]; 1 disables it.
         seed: Seed of the ``torch.Generator`` used for sampling, in 0 .. 2**64 - 1 (what
@@ -89,6 +89,11 @@ class GenerationConfig:
             raise InvalidArgumentError(
                 f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}"
             )
+        if 0 < self.temperature < MIN_SAMPLING_TEMPERATURE:
+            raise InvalidArgumentError(
+                f"temperature must be 0 (greedy) or at least {MIN_SAMPLING_TEMPERATURE:g}, got {self.temperature!r}: "
+                "below that the logits / temperature overflow (use 0 for greedy decoding)"
+            )
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise InvalidArgumentError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not (0.0 < self.top_p <= 1.0):
@@ -156,6 +161,9 @@ class GenerationConfig:
         return self.temperature == 0.0
 
 
+#: The smallest temperature > 0: logits / T stay finite (1e-40 made them inf, and sampling failed
+#: on NaN probabilities); the server serves a smaller one as greedy decoding (as vLLM).
+MIN_SAMPLING_TEMPERATURE = 1e-5
 #: ``repetition_penalty``'s allowed [low, high]: far enough from 0 and inf that the penalized logits stay finite.
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
 #: The largest seed: ``torch.Generator.manual_seed`` takes an unsigned 64-bit integer.

@@ -37,6 +37,8 @@ from specdecode.models.loading import _load_dense
         (dict(num_speculative_tokens=True), r"num_speculative_tokens \(gamma\) must be an integer >= 1, got True"),
         (dict(num_speculative_tokens=2.0), r"num_speculative_tokens \(gamma\) must be an integer >= 1, got 2.0"),
         (dict(temperature=-0.5), r"temperature must be a finite number >= 0 .* got -0.5"),
+        # logits / 1e-40 overflowed to inf: sampling failed on NaN probabilities (a traceback)
+        (dict(temperature=1e-40), r"temperature must be 0 \(greedy\) or at least 1e-05, got 1e-40: below that"),
         (dict(top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
         (dict(top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
         (dict(top_k=-1), r"top_k must be an integer >= 0"),

@@ -34,7 +34,7 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specdecode.config import GenerationConfig
+from specdecode.config import MIN_SAMPLING_TEMPERATURE, GenerationConfig
 from specdecode.engine import kv_cache
 from specdecode.errors import InvalidArgumentError
 from specdecode.serve.engine_loop import Delivery, EngineLoop, EngineStoppedError, QueueFullError, RequestHandle
@@ -58,8 +58,8 @@ ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/c
 HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
 #: FastAPI's detail of a body it could not decode (not UTF-8, nested too deep), answered as invalid JSON.
 BODY_PARSE_ERROR = "There was an error parsing the body"
-#: Temperatures below this are served as greedy decoding (vLLM's _SAMPLING_EPS).
-GREEDY_TEMPERATURE = 1e-5
+#: Temperatures below this are served as greedy decoding (vLLM's _SAMPLING_EPS; GenerationConfig refuses them).
+GREEDY_TEMPERATURE = MIN_SAMPLING_TEMPERATURE
 
 
 @dataclass(frozen=True)
