@@ -149,3 +149,13 @@ def test_bad_search_options_exit_2(folders, tmp_path, capsys, extra, message):
     out, err = capsys.readouterr()
     assert code == 2 and message in err, err
     assert out == ""
+
+
+def test_an_out_path_that_cannot_be_written_exits_2_before_loading(folders, tmp_path, capsys):
+    """--out under a file ended in a traceback from mkdir (after the model load); with --storage it
+    would have failed only when best.json was written, after the whole study."""
+    (tmp_path / "a-file").write_text("x")
+    code = main(_search_args(folders, tmp_path / "a-file" / "best.json"))
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert f"cannot create the folder of --out '{tmp_path / 'a-file' / 'best.json'}': File exists" in err, err
