@@ -63,6 +63,9 @@ def test_unknown_model_name(tmp_path):
 def test_missing_files(tmp_path):
     with pytest.raises(ModelNotFoundError, match=r"GGUF file '.*missing.gguf' does not exist"):
         load_model(str(tmp_path / "missing.gguf"), cache_dir=tmp_path)
+    (tmp_path / "weights.bin").write_bytes(b"x")  # once "model folder '.../weights.bin' does not exist"
+    with pytest.raises(ModelNotFoundError, match=r"'.*weights.bin' is neither a model folder nor a .gguf file"):
+        load_model(str(tmp_path / "weights.bin"), cache_dir=tmp_path)
     with pytest.raises(ModelNotFoundError, match=r"model folder '.*nothere' does not exist"):
         load_model(str(tmp_path / "nothere"), cache_dir=tmp_path)
 
