@@ -152,3 +152,17 @@ def test_serve_takes_generate_s_defaults_on_the_same_device(flags, device):
     if not flags and device == "cpu":  # the issue's case, stated outright
         assert (serve.method, plan.draft_quantize, plan.max_model_prompt_tokens) == ("cascade", "int4", 512)
         assert plan.draft_control.adaptive_exit
+
+
+def test_a_bad_host_or_a_busy_port_exits_2_before_loading_models(capsys):
+    """uvicorn reported both only after the models had loaded ("[Errno -2] Name or service not known",
+    "address already in use"), naming neither flag."""
+    code = main(["serve", "--target", "/nonexistent/model", "--host", "999.1.1.1"])
+    assert code == 2 and "--host '999.1.1.1' is not an address of this machine" in capsys.readouterr().err
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code = main(["serve", "--target", "/nonexistent/model", "--port", str(port)])
+    err = capsys.readouterr().err
+    assert code == 2 and f"cannot listen on --host '127.0.0.1' --port {port}: Address already in use" in err, err
