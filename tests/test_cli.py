@@ -87,6 +87,25 @@ def test_bad_input_exits_nonzero_with_message(capsys, args, message):
     assert out == ""
 
 
+def test_a_seed_out_of_range_is_an_error_not_a_traceback(tiny_folders, capsys):
+    """torch's manual_seed raised "Overflow when unpacking long long" at the first sampled token."""
+    target_dir, _, _ = tiny_folders
+    code, out, err = _run(capsys, "--target", target_dir, "--method", "autoregressive", "--prompt", "w5",
+                          "--max-new-tokens", 2, "--dtype", "float32", "--temperature", 1, "--seed", 10**23)
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert f"seed must be an integer in 0..{2**64 - 1} (2**64 - 1) or None, got {10**23}" in err
+
+
+def test_a_prompt_that_is_not_utf8_is_an_error_not_a_traceback(tiny_folders, capsys):
+    """An undecodable argv byte reaches Python as a lone surrogate ("\\udcff"), which the tokenizer
+    refused with a TypeError traceback."""
+    target_dir, _, _ = tiny_folders
+    code, out, err = _run(capsys, "--target", target_dir, "--method", "autoregressive", "--prompt", "w5 \udcff",
+                          "--max-new-tokens", 2, "--dtype", "float32")
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert "the prompt is not valid Unicode: character 3 is a lone surrogate '\\udcff'" in err
+
+
 @pytest.mark.parametrize("flags, method, adaptive, ngram_check", [
     ([], "cascade", True, True),  # the defaults: the cascade, n-gram check and adaptive draft exit on
     (["--no-adaptive-draft-exit"], "cascade", False, True),

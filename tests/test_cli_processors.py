@@ -58,7 +58,7 @@ def test_stop_token_id_and_text_mode_logprobs(tiny_folders, capsys):
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["--repetition-penalty", "0"], "repetition_penalty must be a finite number > 0 (1 = off), got 0.0"),
+        (["--repetition-penalty", "0"], "repetition_penalty must be a number in [0.01, 100] (1 = off), got 0.0"),
         (["--frequency-penalty", "3"], "frequency_penalty must be a number in [-2, 2] (0 = off), got 3.0"),
         (["--min-p", "-0.1"], "min_p must be a number in [0, 1] (0 = off), got -0.1"),
         (["--logit-bias", "9"], "--logit-bias takes ID=BIAS (an integer id, a number), got '9'"),

@@ -18,11 +18,12 @@ class GenerationConfig:
 
     Attributes:
         max_new_tokens: Upper bound on generated tokens (>= 1).
-        temperature: 0 means greedy decoding; > 0 means sampling from
-            ``softmax(logits / temperature)``.
+        temperature: 0 means greedy decoding; >= 1e-5 (``MIN_SAMPLING_TEMPERATURE``) means
+            sampling from ``softmax(logits / temperature)`` (smaller ones would overflow it).
         top_k: Keep only the ``top_k`` most likely tokens before sampling; 0 disables it.
         top_p: Nucleus sampling mass in (0, 1]; 1 disables it.
-        seed: Seed of the ``torch.Generator`` used for sampling; ``None`` draws a random seed.
+        seed: Seed of the ``torch.Generator`` used for sampling, in 0 .. 2**64 - 1 (what
+            ``torch.Generator.manual_seed`` takes); ``None`` draws a random seed.
         num_speculative_tokens: γ, the most tokens the drafter proposes per target forward (>= 1).
             Ignored by autoregressive decoding.
         stop_strings: Generation stops after the first token whose text completes one of these.
@@ -35,7 +36,8 @@ class GenerationConfig:
             "ass" does not block "class").
         repetition_penalty: transformers' / CTRL's multiplicative penalty (Keskar et al. 2019) on
             every token already in the prompt or the output: a positive logit is divided by it, a
-            negative one multiplied; > 0, 1 = off.
+            negative one multiplied; in [0.01, 100], 1 = off (further out the logits overflow to
+            inf, e.g. 30 / 1e-300, and sampling fails on NaN probabilities).
         frequency_penalty: OpenAI's: subtracted from a token's logit once per time the token
             occurs in the output so far; in [-2, 2], 0 = off.
         presence_penalty: OpenAI's: subtracted from a token's logit once it occurs in the output;
@@ -87,10 +89,18 @@ class GenerationConfig:
             raise InvalidArgumentError(
                 f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}"
             )
+        if 0 < self.temperature < MIN_SAMPLING_TEMPERATURE:
+            raise InvalidArgumentError(
+                f"temperature must be 0 (greedy) or at least {MIN_SAMPLING_TEMPERATURE:g}, got {self.temperature!r}: "
+                "below that the logits / temperature overflow (use 0 for greedy decoding)"
+            )
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise InvalidArgumentError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not (0.0 < self.top_p <= 1.0):
             raise InvalidArgumentError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed <= MAX_SEED):
+            raise InvalidArgumentError(f"seed must be an integer in 0..{MAX_SEED} (2**64 - 1) or None, got {self.seed!r}")
         if isinstance(self.stop_strings, str):
             object.__setattr__(self, "stop_strings", (self.stop_strings,))
         if any(not s for s in self.stop_strings):
@@ -104,9 +114,10 @@ class GenerationConfig:
 
     def _check_processors(self) -> None:
         """Validate (and normalize) the processor fields; see the class docstring for the ranges."""
-        if not _is_number(self.repetition_penalty) or not self.repetition_penalty > 0:
+        low, high = REPETITION_PENALTY_RANGE
+        if not _is_number(self.repetition_penalty) or not low <= self.repetition_penalty <= high:
             raise InvalidArgumentError(
-                f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty!r}"
+                f"repetition_penalty must be a number in [{low}, {high:g}] (1 = off), got {self.repetition_penalty!r}"
             )
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
@@ -150,6 +161,13 @@ class GenerationConfig:
         return self.temperature == 0.0
 
 
+#: The smallest temperature > 0: logits / T stay finite (1e-40 made them inf, and sampling failed
+#: on NaN probabilities); the server serves a smaller one as greedy decoding (as vLLM).
+MIN_SAMPLING_TEMPERATURE = 1e-5
+#: ``repetition_penalty``'s allowed [low, high]: far enough from 0 and inf that the penalized logits stay finite.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+#: The largest seed: ``torch.Generator.manual_seed`` takes an unsigned 64-bit integer.
+MAX_SEED = 2**64 - 1
 #: The most ``top_logprobs`` a request may ask for (OpenAI's limit).
 MAX_TOP_LOGPROBS = 20
 #: ``logit_bias`` values lie in [-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT] (OpenAI's range).
@@ -241,3 +259,20 @@ def check_banned_words(words: object, *, allow_empty: bool = False) -> tuple[str
                 f"a banned word must be a non-empty string with a non-space character, got {w!r}"
             )
     return words
+
+
+def check_unicode(text: str, what: str) -> None:
+    """Raise unless ``text`` is valid Unicode, encodable as UTF-8 (tokenizers refuse a lone
+    surrogate: JSON's unpaired ``\\ud800`` escape, or an undecodable command-line byte that
+    Python keeps as ``\\udcXX``).
+
+    Raises:
+        InvalidArgumentError: Naming ``what``, the character and its position.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidArgumentError(
+            f"{what} is not valid Unicode: character {e.start} is a lone surrogate {text[e.start]!r} "
+            "(an unpaired \\ud800-\\udfff escape, or bytes that are not UTF-8); send UTF-8 text"
+        ) from None

@@ -156,7 +156,7 @@ def add_processor_arguments(p: argparse.ArgumentParser, *, per_request: bool = T
     g = p.add_argument_group("logits processors (exact under speculation)" + (" and logprobs" if per_request else ""))
     g.add_argument("--repetition-penalty", type=float, default=1.0, metavar="P",
                    help="divide (multiply when negative) the logits of tokens already in the prompt or output by P "
-                        "(> 0; 1 = off)")
+                        "(0.01..100; 1 = off)")
     g.add_argument("--frequency-penalty", type=float, default=0.0, metavar="F",
                    help="OpenAI's: subtract F per earlier occurrence in the output ([-2, 2]; 0 = off)")
     g.add_argument("--presence-penalty", type=float, default=0.0, metavar="F",

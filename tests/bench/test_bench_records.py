@@ -166,3 +166,12 @@ def test_an_int4_group_size_other_than_32_is_named_and_32_keeps_old_folders_resu
     other.check_settings(new)
     with pytest.raises(InvalidArgumentError, match=r"\(quantize_group_size: 64 there, 128 now\)"):
         other.check_settings(identity(128, 128))
+
+
+def test_a_folder_that_cannot_be_written_is_named(tmp_path):
+    """'bench --out' under a file (or in /proc) ended in a FileNotFoundError traceback."""
+    (tmp_path / "a-file").write_text("x")
+    store = bench.RecordStore(tmp_path / "a-file" / "out")
+    with pytest.raises(InvalidArgumentError, match=r"cannot write the results folder '.*a-file/out': Not a directory; "
+                                                   r"pass a writable --out folder"):
+        store.check_settings({"target": "tiny"})

@@ -196,8 +196,11 @@ def test_block_rows_see_the_drafted_tokens_before_them():
 @pytest.mark.parametrize(
     "options,message",
     [
-        (dict(repetition_penalty=0.0), "repetition_penalty must be a finite number > 0 (1 = off), got 0.0"),
-        (dict(repetition_penalty=float("nan")), "repetition_penalty must be a finite number > 0"),
+        (dict(repetition_penalty=0.0), "repetition_penalty must be a number in [0.01, 100] (1 = off), got 0.0"),
+        (dict(repetition_penalty=float("nan")), "repetition_penalty must be a number in [0.01, 100]"),
+        # 1e-300 made the penalized logits inf: sampling failed on NaN probabilities (a traceback, a 500)
+        (dict(repetition_penalty=1e-300), "repetition_penalty must be a number in [0.01, 100] (1 = off), got 1e-300"),
+        (dict(repetition_penalty=1e300), "repetition_penalty must be a number in [0.01, 100] (1 = off), got 1e+300"),
         (dict(frequency_penalty=2.5), "frequency_penalty must be a number in [-2, 2] (0 = off), got 2.5"),
         (dict(presence_penalty=-3), "presence_penalty must be a number in [-2, 2] (0 = off), got -3"),
         (dict(min_p=1.5), "min_p must be a number in [0, 1] (0 = off), got 1.5"),

@@ -37,10 +37,17 @@ from specdecode.models.loading import _load_dense
         (dict(num_speculative_tokens=True), r"num_speculative_tokens \(gamma\) must be an integer >= 1, got True"),
         (dict(num_speculative_tokens=2.0), r"num_speculative_tokens \(gamma\) must be an integer >= 1, got 2.0"),
         (dict(temperature=-0.5), r"temperature must be a finite number >= 0 .* got -0.5"),
+        # logits / 1e-40 overflowed to inf: sampling failed on NaN probabilities (a traceback)
+        (dict(temperature=1e-40), r"temperature must be 0 \(greedy\) or at least 1e-05, got 1e-40: below that"),
         (dict(top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
         (dict(top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
         (dict(top_k=-1), r"top_k must be an integer >= 0"),
         (dict(stop_strings=("",)), r"stop_strings must be non-empty"),
+        # torch's manual_seed raised "Overflow when unpacking long long" at the first sampled token
+        (dict(seed=2**64), r"seed must be an integer in 0..18446744073709551615 \(2\*\*64 - 1\) or None, got "
+                           r"18446744073709551616"),
+        (dict(seed=-1), r"seed must be an integer in 0..18446744073709551615 .* got -1"),
+        (dict(seed=1.5), r"seed must be an integer .* got 1.5"),
     ],
 )
 def test_generation_config_rejects_bad_values(kwargs, match):
@@ -56,6 +63,9 @@ def test_unknown_model_name(tmp_path):
 def test_missing_files(tmp_path):
     with pytest.raises(ModelNotFoundError, match=r"GGUF file '.*missing.gguf' does not exist"):
         load_model(str(tmp_path / "missing.gguf"), cache_dir=tmp_path)
+    (tmp_path / "weights.bin").write_bytes(b"x")  # once "model folder '.../weights.bin' does not exist"
+    with pytest.raises(ModelNotFoundError, match=r"'.*weights.bin' is neither a model folder nor a .gguf file"):
+        load_model(str(tmp_path / "weights.bin"), cache_dir=tmp_path)
     with pytest.raises(ModelNotFoundError, match=r"model folder '.*nothere' does not exist"):
         load_model(str(tmp_path / "nothere"), cache_dir=tmp_path)
 

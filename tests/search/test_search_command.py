@@ -103,6 +103,7 @@ def _write(path: Path, text: str) -> Path:
     "content,message",
     [
         (None, "calibration file '{path}' does not exist"),
+        ("a folder", "calibration file '{path}' is not a file"),  # once "does not exist"
         ('{"prompt": "w5 w6"}\nnot json\n', "{path}:2: not valid JSON"),
         ('{"text": "w5"}\n', "{path}:1: needs a non-empty 'prompt' string"),
         ("", "dataset file '{path}' holds no prompts"),
@@ -110,7 +111,9 @@ def _write(path: Path, text: str) -> Path:
 )
 def test_bad_calibration_file_is_a_clear_error(folders, tmp_path, capsys, content, message):
     path = tmp_path / "calib.jsonl"
-    if content is not None:
+    if content == "a folder":
+        path.mkdir()
+    elif content is not None:
         _write(path, content)
     args = _search_args(folders, tmp_path / "best.json")
     args[args.index("--calibration") + 1] = str(path)
@@ -149,3 +152,13 @@ def test_bad_search_options_exit_2(folders, tmp_path, capsys, extra, message):
     out, err = capsys.readouterr()
     assert code == 2 and message in err, err
     assert out == ""
+
+
+def test_an_out_path_that_cannot_be_written_exits_2_before_loading(folders, tmp_path, capsys):
+    """--out under a file ended in a traceback from mkdir (after the model load); with --storage it
+    would have failed only when best.json was written, after the whole study."""
+    (tmp_path / "a-file").write_text("x")
+    code = main(_search_args(folders, tmp_path / "a-file" / "best.json"))
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert f"cannot create the folder of --out '{tmp_path / 'a-file' / 'best.json'}': File exists" in err, err

@@ -155,3 +155,17 @@ def test_listening_url_names_the_bound_address():
 
     assert listening_url(("127.0.0.1", 43127)) == "http://127.0.0.1:43127"
     assert listening_url(("::1", 8000, 0, 0)) == "http://[::1]:8000"
+
+
+def test_a_bad_host_or_a_busy_port_exits_2_before_loading_models(capsys):
+    """uvicorn reported both only after the models had loaded ("[Errno -2] Name or service not known",
+    "address already in use"), naming neither flag."""
+    code = main(["serve", "--target", "/nonexistent/model", "--host", "999.1.1.1"])
+    assert code == 2 and "--host '999.1.1.1' is not an address of this machine" in capsys.readouterr().err
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code = main(["serve", "--target", "/nonexistent/model", "--port", str(port)])
+    err = capsys.readouterr().err
+    assert code == 2 and f"cannot listen on --host '127.0.0.1' --port {port}: Address already in use" in err, err

@@ -14,6 +14,7 @@ import pytest
 from helpers import run_generate
 from serve_helpers import folders, generator, running_server, server  # noqa: F401 -- fixtures
 from specdecode.config import GenerationConfig
+from specdecode.errors import InvalidArgumentError
 
 PROMPT = "w5 w9 w11 w7"
 
@@ -237,6 +238,57 @@ def test_raw_http_errors_are_openai_shaped(server):
                   '{endpoint="/v1/completions",type="invalid_request_error"}') >= 3
 
 
+@pytest.mark.parametrize(("content", "headers", "needle"), [
+    # curl -d sends application/x-www-form-urlencoded: once "invalid value for 'the body': bytes (...)"
+    (b'{"prompt": "w5"}', {"content-type": "application/x-www-form-urlencoded"},
+     "must be JSON, sent with Content-Type: application/json; got Content-Type 'application/x-www-form-urlencoded'"),
+    (b'{"prompt": "w5"}', {"content-type": "text/plain"}, "got Content-Type 'text/plain'"),
+    (b"", {"content-type": "application/json"}, "the request body is empty"),  # once "None is a required property"
+    ('{"prompt": "\xe9"}'.encode("latin-1"), {"content-type": "application/json"},
+     "could not be read as JSON: send a JSON object in UTF-8"),  # once code "http_400"
+])
+def test_bodies_that_are_not_json_say_so(server, content, headers, needle):
+    url, _, _ = server
+    r = httpx.post(f"{url}/v1/completions", content=content, headers=headers)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "invalid_json" and needle in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize(("path", "body", "param", "needle"), [
+    # once param "prompt.str" and "Input should be a valid string" for a bad token id
+    ("/v1/completions", {"prompt": [5, -1]}, "prompt.1", "-1 (Input should be greater than or equal to 0)"),
+    ("/v1/completions", {"prompt": [[5, 9]]}, "prompt",
+     "invalid value for 'prompt': list (it must be a string or a list of strings or a list of token ids"),
+    ("/v1/completions", {"prompt": 5}, "prompt", "5 (it must be a string or"),
+    ("/v1/completions", {"prompt": "w5", "stop": [1]}, "stop", "(it must be a string or a list of strings)"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages.0.content.0.type", "\"image_url\" (Input should be 'text')"),  # once "messages.0.content.str"
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages.0.content",
+     "it must be a string or a list of text parts"),
+    # unknown fields that look like pydantic's names of a union's members are still unknown fields
+    ("/v1/completions", {"prompt": "w5", "str": 1}, "str", "Unrecognized request argument supplied: str"),
+    ("/v1/completions", {"prompt": "w5", "stream": True, "stream_options": {"TextPart": 1}},
+     "stream_options.TextPart", "Unrecognized request argument supplied: stream_options.TextPart"),
+])
+def test_a_value_of_none_of_a_fields_types_names_the_field(server, path, body, param, needle):
+    url, _, _ = server
+    r = httpx.post(f"{url}{path}", json={"max_tokens": 4, **body})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and needle in error["message"], error
+
+
+def test_rows_too_short_for_any_request_are_refused_at_start(generator):
+    """--max-length 1 once started a server that answered every request with a 400."""
+    from specdecode.serve.app import ServeSettings
+    from specdecode.serve.command import build
+
+    decoder = generator.batch_decoder("draft", max_batch_size=1, max_length=4)  # gamma 5: a block takes 6
+    with pytest.raises(InvalidArgumentError, match=r"--max-length 4 leaves no room for a request: a row keeps 6 "
+                                                   r"positions for a draft block.*use --max-length >= 8"):
+        build(generator, decoder, max_queue=1, settings=ServeSettings(model_name="tiny", method="draft"))
+
+
 def test_api_key_is_required_everywhere_but_health(generator):
     with running_server(generator, api_key="s3cret") as (url, _, _):
         with pytest.raises(openai.AuthenticationError) as e:
@@ -338,6 +390,10 @@ def test_models_and_health(server):
     url, _, _ = server
     models = client(url).models.list()
     assert [m.id for m in models.data] == ["tiny"]
+    assert client(url).models.retrieve("tiny") == models.data[0]  # once a 404 "Not Found"
+    with pytest.raises(openai.NotFoundError) as e:
+        client(url).models.retrieve("gpt-4o")
+    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
     assert httpx.get(f"{url}/health").json()["status"] == "ok"
 
 

@@ -175,6 +175,12 @@ def test_every_error_path_answers_a_code(server, generator):
         ("POST", "/v1/completions", {"json": {"prompt": PROMPT, "model": "gpt-4o"}}, 404, "model_not_found"),
         ("POST", "/v1/completions", {"json": {"prompt": [5, 4000], "max_tokens": 4}}, 400, "invalid_value"),
         ("POST", "/v1/completions", {"json": {"prompt": PROMPT, "n": 9}}, 400, "invalid_value"),
+        ("POST", "/v1/completions", {"json": {"prompt": PROMPT, "logit_bias": {"\u00b2": 1}}}, 400,
+         "invalid_value"),  # "²".isdigit(), but not an int(): once a 500
+        ("POST", "/v1/completions", {"content": b'{"prompt": "w5 \\ud800"}', "headers": {"content-type":
+         "application/json"}}, 400, "invalid_value"),  # a lone surrogate: the tokenizer's TypeError was a 500
+        ("POST", chat, {"content": b'{"messages": [{"role": "user", "content": "\\udc00 w5"}]}', "headers": {
+            "content-type": "application/json"}}, 400, "invalid_value"),
         ("POST", chat, {"json": {"messages": [{"role": "assistant", "content": "w5"}]}}, 400, "invalid_messages"),
         ("POST", chat, {"json": {"messages": [{"role": "user", "content": "w5", "name": "w7"}]}}, 400,
          "unsupported_parameter"),

@@ -121,11 +121,17 @@ def test_completion_logprobs(server, generator):
     ("create", "param", "needle"),
     [
         (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty", "repetition_penalty"),
+        # the logits overflowed to inf and the request failed with a 500 generation_failed
+        (dict(extra_body={"repetition_penalty": 1e-300}), "repetition_penalty",
+         "1e-300 (Input should be greater than or equal to 0.01)"),
         (dict(extra_body={"min_p": 1.5}), "min_p", "1.5"),
-        (dict(logit_bias={"9": 150}), None, "[-100, 100], got 150"),
+        (dict(logit_bias={"9": 150}), "logit_bias.9", "150 (Input should be less than or equal to 100)"),
+        (dict(logit_bias={"9": -101}), "logit_bias.9", "-101 (Input should be greater than or equal to -100)"),
         (dict(logit_bias={"w9": 1}), "logit_bias", "token ids"),
-        (dict(logit_bias={"4000": 1}), None, "logit_bias names token id 4000"),
+        (dict(logit_bias={"4000": 1}), "logit_bias", "logit_bias names token id 4000, outside the target model's "
+                                                     "vocabulary 0..47"),  # param was "prompt"
         (dict(extra_body={"stop_token_ids": [-1]}), "stop_token_ids.0", "-1"),
+        (dict(extra_body={"stop_token_ids": [3, 4000]}), "stop_token_ids", "stop_token_ids names token id 4000"),
     ],
 )
 def test_bad_processor_values_get_400s_that_name_them(server, create, param, needle):
@@ -133,8 +139,7 @@ def test_bad_processor_values_get_400s_that_name_them(server, create, param, nee
     with pytest.raises(openai.BadRequestError) as e:
         client(url).completions.create(model="tiny", prompt=PROMPT, max_tokens=4, **create)
     assert needle in e.value.body["message"]
-    if param is not None:
-        assert e.value.body["param"] == param
+    assert e.value.body["param"] == param
     assert engine.outstanding == 0
 
 

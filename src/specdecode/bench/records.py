@@ -170,7 +170,8 @@ class RecordStore:
             True when the folder already had (matching) settings, i.e. this run resumes.
 
         Raises:
-            InvalidArgumentError: The folder was made with different settings (listed).
+            InvalidArgumentError: The folder was made with different settings (listed), or it
+                cannot be created or written.
         """
         if self.settings_path.is_file():
             try:
@@ -199,9 +200,13 @@ class RecordStore:
                 f"{self.records_path} exists but {SETTINGS_FILE} does not, so its settings are unknown; "
                 "use another --out folder"
             )
-        self.dir.mkdir(parents=True, exist_ok=True)
         payload = {"identity": dict(identity), "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-        write_text_atomic(self.settings_path, json.dumps(payload, indent=2) + "\n")
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(self.settings_path, json.dumps(payload, indent=2) + "\n")
+        except OSError as e:  # a path under a file, a read-only place, /proc: the user's --out, not a bug
+            raise InvalidArgumentError(f"cannot write the results folder {str(self.dir)!r}: "
+                                       f"{e.strerror or e}; pass a writable --out folder") from e
         return False
 
     def load(self) -> list[dict]:

@@ -383,6 +383,8 @@ def _load_unquantized(spec: str, dt: torch.dtype, dev: torch.device, cache: Path
         dense = path if dense_cache_valid(path) else None  # a dense copy named as a folder keeps its cache
         return LoadedModel(model, AutoTokenizer.from_pretrained(str(path)), spec, dense_folder=dense), dense
     if spec.startswith((".", "/", "~")) or spec.count("/") > 1:
+        if path.exists():  # "does not exist" would send the user looking for a missing path
+            raise ModelNotFoundError(f"{spec!r} is neither a model folder nor a .gguf file")
         raise ModelNotFoundError(f"model folder {spec!r} does not exist")
     if spec.count("/") != 1 or " " in spec:
         raise ModelNotFoundError(

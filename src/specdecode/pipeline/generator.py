@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from specdecode import method_registry
-from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS, GenerationConfig
+from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS, GenerationConfig, check_unicode
 from specdecode.defaults import DRAFT_BACKENDS, auto_verify_tokens
 from specdecode.drafters import Drafter
 from specdecode.drafters.control import DraftControl
@@ -62,10 +62,12 @@ class SpeculativeGenerator(ModelPair):
                 "cpu" so that reading them never waits on the device's stream).
 
         Raises:
-            InvalidArgumentError: Empty prompt, or ``chat=True`` without a chat template.
+            InvalidArgumentError: Empty prompt, text that is not valid Unicode (a lone surrogate),
+                or ``chat=True`` without a chat template.
         """
         if not isinstance(prompt, str) or not prompt.strip():
             raise InvalidArgumentError("the prompt is empty: pass some text to generate from")
+        check_unicode(prompt, "the prompt")
         tok = self.tokenizer
         has_template = bool(getattr(tok, "chat_template", None))
         if chat and not has_template:
@@ -88,10 +90,15 @@ class SpeculativeGenerator(ModelPair):
             device: Where to put the ids (default: the target's device).
 
         Raises:
-            InvalidArgumentError: No messages, or a model without a chat template.
+            InvalidArgumentError: No messages, a message's text that is not valid Unicode (a lone
+                surrogate), or a model without a chat template.
         """
         if not messages:
             raise InvalidArgumentError("messages is empty: pass at least one message")
+        for i, message in enumerate(messages):
+            for key, value in message.items():
+                if isinstance(value, str):
+                    check_unicode(value, f"messages[{i}].{key}")
         tok = self.tokenizer
         if not getattr(tok, "chat_template", None):
             raise InvalidArgumentError(f"{self.target.name!r} has no chat template; send plain text instead")

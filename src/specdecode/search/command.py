@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from specdecode.errors import InvalidArgumentError
 from specdecode.models import load_model
 from specdecode.search.objective import load_calibration_prompts
 from specdecode.search.settings import SearchSettings
@@ -45,6 +46,12 @@ def run(args) -> int:
     if not args.verbose:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
     # Everything that needs no model first: a bad URL or file fails in a second, not after the load.
+    out = Path(args.out)
+    try:  # best.json is written after the study: an --out that cannot be written must fail now
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InvalidArgumentError(f"cannot create the folder of --out {str(out)!r}: {e.strerror or e}; "
+                                   "pass a writable path") from e
     storage = open_storage(args.storage, settings.heartbeat_interval_s) if args.storage else None
     prompts = load_calibration_prompts(
         settings.calibration, settings.num_prompts, offset=settings.prompt_offset, chat=settings.chat
@@ -59,9 +66,7 @@ def run(args) -> int:
     if loaded.prepacked:
         dtype += "-prepacked"  # so do oneDNN's linears (models.prepacked_linear): other sublayer costs
     study_name = args.study_name or default_study_name(args.target, dtype, settings.objective)
-    out = Path(args.out)
     if storage is None:
-        out.parent.mkdir(parents=True, exist_ok=True)
         storage = open_storage(default_storage_url(out, study_name), settings.heartbeat_interval_s)
     url = redact_url(str(storage.url))
     runner = SkipSetSearch(loaded, settings, storage, study_name, prompts)

@@ -197,7 +197,7 @@ def load_calibration_prompts(
         path = Path(spec).expanduser()
         if not path.is_file():
             raise DatasetError(
-                f"calibration file {spec!r} does not exist; --calibration takes a JSONL file (one object per "
+                f"calibration file {spec!r} {'is not a file' if path.exists() else 'does not exist'}; --calibration takes a JSONL file (one object per "
                 "line with a 'prompt' string or a 'turns' list), 'humaneval', 'spec-bench' or 'spec-bench:CATEGORY'"
             )
         prompts = read_jsonl(path, chat=chat)

@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP API (FastAPI) over the engine loop.
 
-Endpoints: ``GET /health`` (no key needed), ``GET /v1/models``, ``POST /v1/completions``,
-``POST /v1/chat/completions`` (SSE streaming via ``sse-starlette``, ending in
-``data: [DONE]``), ``GET /metrics`` (Prometheus text).
+Endpoints: ``GET /health`` (no key needed), ``GET /v1/models`` and ``GET /v1/models/{id}``,
+``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE streaming via ``sse-starlette``,
+ending in ``data: [DONE]``), ``GET /metrics`` (Prometheus text).
 
 Every error is answered with OpenAI's body ``{"error": {"message", "type", "param", "code"}}``,
 and ``code`` is never null (``ApiError`` requires one): 400 for bad input (pydantic validation
@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -33,7 +34,7 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specdecode.config import GenerationConfig
+from specdecode.config import MIN_SAMPLING_TEMPERATURE, GenerationConfig
 from specdecode.engine import kv_cache
 from specdecode.errors import InvalidArgumentError
 from specdecode.serve.engine_loop import Delivery, EngineLoop, EngineStoppedError, QueueFullError, RequestHandle
@@ -55,8 +56,10 @@ logger = logging.getLogger(__name__)
 ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
 #: ``code`` of the errors that routing answers (Starlette's HTTPException), by status.
 HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
-#: Temperatures below this are served as greedy decoding (vLLM's _SAMPLING_EPS).
-GREEDY_TEMPERATURE = 1e-5
+#: FastAPI's detail of a body it could not decode (not UTF-8, nested too deep), answered as invalid JSON.
+BODY_PARSE_ERROR = "There was an error parsing the body"
+#: Temperatures below this are served as greedy decoding (vLLM's _SAMPLING_EPS; GenerationConfig refuses them).
+GREEDY_TEMPERATURE = MIN_SAMPLING_TEMPERATURE
 
 
 @dataclass(frozen=True)
@@ -154,12 +157,21 @@ def create_app(generator, engine: EngineLoop, settings: ServeSettings, metrics: 
         engine: The engine loop over the batched decoder (not started yet).
         settings: Limits and the key.
         metrics: Where to count.
+
+    Raises:
+        InvalidArgumentError: The decoder's rows hold too few positions for any request (a prompt
+            token and a new token beside a draft block).
     """
     tokenizer = generator.tokenizer
     decoder = engine.decoder
     # Positions a request may use: the row's cache (less a draft block) and the model's context.
     model_context = kv_cache.context_length(decoder.target)
     cache_room = decoder.max_length - decoder.max_block - 1
+    if cache_room < 2:
+        raise InvalidArgumentError(
+            f"--max-length {decoder.max_length} leaves no room for a request: a row keeps {decoder.max_block + 1} "
+            f"positions for a draft block, and a request needs at least one prompt token and one new token; use "
+            f"--max-length >= {decoder.max_block + 3}")
 
     @asynccontextmanager
     async def lifespan(app):
@@ -179,10 +191,13 @@ def create_app(generator, engine: EngineLoop, settings: ServeSettings, metrics: 
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
-        return await _api_error(request, _validation_error(exc))
+        return await _api_error(request, _validation_error(exc, request.headers.get("content-type")))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 400 and exc.detail == BODY_PARSE_ERROR:  # FastAPI's: not UTF-8, nested too deep
+            return await _api_error(request, ApiError(400, "the request body could not be read as JSON: send a "
+                                                           "JSON object in UTF-8", code="invalid_json"))
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         metrics.errors.labels(request.url.path if request.url.path in ENDPOINTS else "other", kind).inc()
         detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
@@ -219,11 +234,20 @@ def create_app(generator, engine: EngineLoop, settings: ServeSettings, metrics: 
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
+    def model_card() -> dict:
+        return {"id": settings.model_name, "object": "model", "created": 0, "owned_by": "specdecode",
+                "max_model_len": decoder.max_length}
+
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models():
-        card = {"id": settings.model_name, "object": "model", "created": 0, "owned_by": "specdecode",
-                "max_model_len": decoder.max_length}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}", dependencies=[Depends(authorize)])
+    async def model(model: str):  # OpenAI's "retrieve model" (the openai client's models.retrieve)
+        if model != settings.model_name:
+            raise ApiError(404, f"the model {model!r} does not exist here; this server serves {settings.model_name!r}",
+                           param="model", code="model_not_found")
+        return model_card()
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(body: CompletionRequest, request: Request):
@@ -264,6 +288,7 @@ def create_app(generator, engine: EngineLoop, settings: ServeSettings, metrics: 
         # As vLLM: a temperature below GREEDY_TEMPERATURE is greedy decoding (logits / T would
         # overflow to inf near 1e-38, and sampling at such T is argmax anyway).
         temperature = 0.0 if body.temperature < GREEDY_TEMPERATURE else body.temperature
+        _check_token_ids(body, getattr(decoder, "vocab_size", None))
         if body.n > decoder.max_batch_size:
             raise ApiError(400, f"n is {body.n}; this server runs at most {decoder.max_batch_size} choices per "
                                 "request (its --max-batch-size: each choice is one row of the batch)", param="n",
@@ -443,6 +468,23 @@ def _check_names(generator, messages: list[dict], ids: list[int]) -> None:
                            code="unsupported_parameter")
 
 
+def _check_token_ids(body, vocab_size: int | None) -> None:
+    """Refuse a ``logit_bias`` or ``stop_token_ids`` id outside the target's vocabulary, naming that
+    field (the engine refuses them too, but its error cannot say which field of the request it was).
+
+    Raises:
+        ApiError: 400 with ``param`` the field.
+    """
+    if vocab_size is None:
+        return
+    for param, ids in (("logit_bias", [int(k) for k in body.logit_bias or {}]),
+                       ("stop_token_ids", list(body.stop_token_ids or ()))):
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            raise ApiError(400, f"{param} names token id {bad[0]}, outside the target model's vocabulary "
+                                f"0..{vocab_size - 1}", param=param, code="invalid_value")
+
+
 def _check_common(body, settings: ServeSettings) -> None:
     if body.model is not None and body.model != settings.model_name:
         raise ApiError(404, f"the model {body.model!r} does not exist here; this server serves "
@@ -452,20 +494,68 @@ def _check_common(body, settings: ServeSettings) -> None:
         raise ApiError(400, bad[1], param=bad[0], code="unsupported_parameter")
 
 
-def _validation_error(exc: RequestValidationError) -> ApiError:
+def _validation_error(exc: RequestValidationError, content_type: str | None = None) -> ApiError:
+    """The 400 of a body that pydantic (or FastAPI's JSON decoding) refused; ``content_type``: the
+    request's header, named when a body that is not JSON was sent under another type."""
     errors = exc.errors()
     first = errors[0] if errors else {}
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    locs = [[str(p) for p in e["loc"] if p != "body"] for e in errors]
+    tag = _union_position(locs)
+    if tag is not None:  # a value that matches none of a union's types ("prompt", "stop", a message's "content")
+        prefix = loc[:tag]
+        tried = [e for e, where in zip(errors, locs) if where[:tag] == prefix and len(where) > tag]
+        # an error past the type check (a value out of range, a wrong literal) says the most
+        specific = [e for e in tried if not e["type"].endswith("_type")]
+        if not specific:
+            members = dict.fromkeys(where[tag] for where in locs if where[:tag] == prefix and len(where) > tag)
+            value = first.get("input")
+            return ApiError(400, f"invalid value for {'.'.join(prefix)!r}: {_shown(value)} (it must be "
+                                 f"{' or '.join(_member_name(m) for m in members)})", param=".".join(prefix),
+                            code="invalid_value")
+        first = specific[0]
+        loc = [str(p) for p in first["loc"] if p != "body"]
+        loc = loc[:tag] + loc[tag + 1:]
     param = ".".join(loc) or None
     kind = first.get("type", "")
     if kind == "json_invalid":
         return ApiError(400, "the request body is not valid JSON", code="invalid_json")
+    if param is None and kind == "missing":  # FastAPI's reading of an empty body
+        return ApiError(400, "the request body is empty: send a JSON object (Content-Type: application/json)",
+                        code="invalid_json")
+    if param is None and isinstance(first.get("input"), (bytes, bytearray)):  # not read as JSON at all
+        return ApiError(400, f"the request body must be JSON, sent with Content-Type: application/json; got "
+                             f"Content-Type {content_type or '(none)'!r}", code="invalid_json")
     if kind == "extra_forbidden":
         return ApiError(400, f"Unrecognized request argument supplied: {param}", param=param,
                         code="unrecognized_argument")
     if kind == "missing":
         return ApiError(400, f"{param!r} is a required property", param=param, code="missing_required_parameter")
-    value = first.get("input")
-    shown = json.dumps(value)[:80] if isinstance(value, (int, float, str, bool, type(None))) else type(value).__name__
-    return ApiError(400, f"invalid value for {param or 'the body'!r}: {shown} ({first.get('msg', kind)})",
-                    param=param, code="invalid_value")
+    return ApiError(400, f"invalid value for {param or 'the body'!r}: {_shown(first.get('input'))} "
+                         f"({first.get('msg', kind)})", param=param, code="invalid_value")
+
+
+#: pydantic's names of a union's members in an error's location ("str", "list[constrained-int]", "TextPart").
+UNION_MEMBERS = re.compile(r"^(str|int|float|bool|dict\[.*\]|list\[.*\]|[A-Z]\w*)$")
+
+
+def _union_position(locs: list[list[str]]) -> int | None:
+    """Where the first error's location names a union's member: a position after a field where errors
+    name two or more members (a single such name may be a field a client sent, e.g. an unknown "str")."""
+    loc = locs[0] if locs else []
+    for i in range(1, len(loc)):
+        members = {w[i] for w in locs if len(w) > i and w[:i] == loc[:i] and UNION_MEMBERS.match(w[i])}
+        if loc[i] in members and len(members) > 1:
+            return i
+    return None
+
+
+def _member_name(member: str) -> str:
+    """A union member as the JSON a client sends."""
+    names = {"str": "a string", "list[str]": "a list of strings", "list[constrained-int]": "a list of token ids "
+             "(integers >= 0)", "list[TextPart]": "a list of text parts ({\"type\": \"text\", \"text\": ...})"}
+    return names.get(member, member.replace("dict[str,any]", "an object"))
+
+
+def _shown(value) -> str:
+    return json.dumps(value)[:80] if isinstance(value, (int, float, str, bool, type(None))) else type(value).__name__

@@ -319,6 +319,7 @@ def load_server(args):
     )
     backend = getattr(args, "backend", "torch")
     plan = resolve_defaults(args, resolve_device("cpu" if backend == "llama-cpp" else args.device))
+    check_address(args.host, args.port)  # the flags' last check: the models take minutes to load
     _configure_logging(args.log_level)
     started = time.perf_counter()
     logger.info("start-up: loading target %s%s%s", args.target, " in llama.cpp" if backend == "llama-cpp" else "",
@@ -362,6 +363,29 @@ def load_server(args):
     logger.info("start-up: ready in %.1f s (loading %.1f s, warm-up %.1f s); serving %s (%s)",
                 time.perf_counter() - started, loaded_s, warm_s, settings.model_name, args.method)
     return app, engine
+
+
+def check_address(host: str, port: int) -> None:
+    """Bind ``host:port`` once and release it, so that a --host that is no address of this machine or
+    a --port in use fails before the models load (uvicorn would log "[Errno -2] Name or service not
+    known" or "address already in use" after it, naming neither flag).
+
+    Raises:
+        InvalidArgumentError: Naming --host or --port and the system's reason.
+    """
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise InvalidArgumentError(f"--host {host!r} is not an address of this machine: {e}") from e
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            sock.bind(address)
+        except OSError as e:
+            raise InvalidArgumentError(f"cannot listen on --host {host!r} --port {port}: {e.strerror or e}") from e
 
 
 def check_llama_cpp_backend(args) -> None:

@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from specdecode.config import REPETITION_PENALTY_RANGE
+
 #: OpenAI allows at most 4 stop sequences.
 MAX_STOP_SEQUENCES = 4
 
@@ -24,9 +26,11 @@ TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 
 class _Request(BaseModel):
     """Unknown fields are refused; an explicit ``null`` means the field's default (OpenAI's
-    reference marks these fields "or null")."""
+    reference marks these fields "or null"). Types are strict, as OpenAI's: a string is not a
+    number (``"max_tokens": "4"``), nor a boolean (``"stream": "yes"``), and ``true`` is not
+    an integer (``"max_tokens": true`` would be 1); an integer is a number."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -60,17 +64,24 @@ class _Sampling(_Request):
     # Processors (engine.processors): OpenAI's penalties and bias, vLLM's extensions.
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
-    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None  # OpenAI's range
+    repetition_penalty: float = Field(default=1.0, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     stop_token_ids: list[TokenId] | None = None
 
     @field_validator("logit_bias")
     @classmethod
     def _check_logit_bias(cls, v):
+        seen: dict[int, str] = {}
         for key in v or {}:
-            if not key.strip().isdigit():
+            digits = key.strip()
+            # ASCII digits only: str.isdigit() also takes "²" or "٥", which int() refuses or reads otherwise
+            if not (digits.isascii() and digits.isdigit()):
                 raise ValueError(f"logit_bias keys must be token ids (decimal integers >= 0), got {key!r}")
+            token = int(digits)
+            if token in seen:
+                raise ValueError(f"logit_bias names token {token} twice ({seen[token]!r} and {key!r})")
+            seen[token] = key
         return v
 
     def processor_options(self) -> dict[str, Any]:
@@ -191,8 +202,8 @@ class ChatCompletionRequest(_Sampling):
             return "tools", "tools (function calling) are not supported"
         if self.tool_choice not in (None, "none"):
             return "tool_choice", "tool_choice is not supported; allowed: null or 'none'"
-        if self.response_format and self.response_format.get("type") != "text":
-            return "response_format", "only response_format {'type': 'text'} is supported"
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            return "response_format", f"only response_format {{'type': 'text'}} is supported, got {self.response_format!r}"
         if self.max_tokens is not None and self.max_completion_tokens is not None and (
             self.max_tokens != self.max_completion_tokens
         ):
