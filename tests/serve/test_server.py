@@ -269,6 +269,13 @@ def test_bodies_that_are_not_json_say_so(server, content, headers, needle):
     ("/v1/completions", {"prompt": "w5", "str": 1}, "str", "Unrecognized request argument supplied: str"),
     ("/v1/completions", {"prompt": "w5", "stream": True, "stream_options": {"TextPart": 1}},
      "stream_options.TextPart", "Unrecognized request argument supplied: stream_options.TextPart"),
+    # keys the client chose are never a union's members: once "messages.0" and "(it must be A or B)"
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w5", "Foo": 1, "Bar": 2}]},
+     "messages.0.Foo", "Unrecognized request argument supplied: messages.0.Foo"),
+    ("/v1/completions", {"prompt": "w5", "logit_bias": {"A": "x", "B": "y"}}, "logit_bias.A",
+     "invalid value for 'logit_bias.A': \"x\""),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w5"}], "tool_choice": 5}, "tool_choice",
+     "(it must be a string or an object)"),
 ])
 def test_a_value_of_none_of_a_fields_types_names_the_field(server, path, body, param, needle):
     url, _, _ = server

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -501,7 +500,7 @@ def _validation_error(exc: RequestValidationError, content_type: str | None = No
     first = errors[0] if errors else {}
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     locs = [[str(p) for p in e["loc"] if p != "body"] for e in errors]
-    tag = _union_position(locs)
+    tag = _union_position(locs, first.get("type", ""))
     if tag is not None:  # a value that matches none of a union's types ("prompt", "stop", a message's "content")
         prefix = loc[:tag]
         tried = [e for e, where in zip(errors, locs) if where[:tag] == prefix and len(where) > tag]
@@ -535,26 +534,31 @@ def _validation_error(exc: RequestValidationError, content_type: str | None = No
                          f"({first.get('msg', kind)})", param=param, code="invalid_value")
 
 
-#: pydantic's names of a union's members in an error's location ("str", "list[constrained-int]", "TextPart").
-UNION_MEMBERS = re.compile(r"^(str|int|float|bool|dict\[.*\]|list\[.*\]|[A-Z]\w*)$")
+#: The request fields whose type is a union (serve/schemas.py), "*" for a list index: pydantic names the
+#: union's member tried right after them in an error's location ("prompt", "list[constrained-int]", "1").
+UNION_FIELDS = (("prompt",), ("stop",), ("messages", "*", "content"), ("tool_choice",))
 
 
-def _union_position(locs: list[list[str]]) -> int | None:
-    """Where the first error's location names a union's member: a position after a field where errors
-    name two or more members (a single such name may be a field a client sent, e.g. an unknown "str")."""
+def _union_position(locs: list[list[str]], kind: str = "") -> int | None:
+    """Where the first error's location names a union's member: the position right after a union field
+    of the request schemas, or None (an ``extra_forbidden`` key is a field the client sent, never a member)."""
     loc = locs[0] if locs else []
-    for i in range(1, len(loc)):
-        members = {w[i] for w in locs if len(w) > i and w[:i] == loc[:i] and UNION_MEMBERS.match(w[i])}
-        if loc[i] in members and len(members) > 1:
-            return i
+    for field in UNION_FIELDS:
+        n = len(field)
+        if len(loc) > n and _matches(loc[:n], field):
+            return None if kind == "extra_forbidden" and len(loc) == n + 1 else n
     return None
+
+
+def _matches(loc: list[str], field: tuple[str, ...]) -> bool:
+    return all(f == p or (f == "*" and p.isdigit()) for p, f in zip(loc, field))
 
 
 def _member_name(member: str) -> str:
     """A union member as the JSON a client sends."""
     names = {"str": "a string", "list[str]": "a list of strings", "list[constrained-int]": "a list of token ids "
              "(integers >= 0)", "list[TextPart]": "a list of text parts ({\"type\": \"text\", \"text\": ...})"}
-    return names.get(member, member.replace("dict[str,any]", "an object"))
+    return names.get(member, member.replace("dict[str,any]", "an object").replace("dict[any,any]", "an object"))
 
 
 def _shown(value) -> str:
