@@ -22,8 +22,8 @@ class GenerationConfig:
             sampling from ``softmax(logits / temperature)`` (smaller ones would overflow it).
         top_k: Keep only the ``top_k`` most likely tokens before sampling; 0 disables it.
         top_p: Nucleus sampling mass in (0, 1]; 1 disables it.
-        seed: Seed of the ``torch.Generator`` used for sampling, in 0 .. 2**64 - 1 (what
-            ``torch.Generator.manual_seed`` takes); ``None`` draws a random seed.
+        seed: Seed of the ``torch.Generator`` used for sampling, an integer in -2**63 .. 2**64 - 1
+            (what ``torch.Generator.manual_seed`` takes); ``None`` draws a random seed.
         num_speculative_tokens: γ, the most tokens the drafter proposes per target forward (>= 1).
             Ignored by autoregressive decoding.
         stop_strings: Generation stops after the first token whose text completes one of these.
@@ -98,9 +98,8 @@ class GenerationConfig:
             raise InvalidArgumentError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not (0.0 < self.top_p <= 1.0):
             raise InvalidArgumentError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or not 0 <= self.seed <= MAX_SEED):
-            raise InvalidArgumentError(f"seed must be an integer in 0..{MAX_SEED} (2**64 - 1) or None, got {self.seed!r}")
+        if self.seed is not None:
+            check_seed(self.seed, "seed")
         if isinstance(self.stop_strings, str):
             object.__setattr__(self, "stop_strings", (self.stop_strings,))
         if any(not s for s in self.stop_strings):
@@ -166,8 +165,22 @@ class GenerationConfig:
 MIN_SAMPLING_TEMPERATURE = 1e-5
 #: ``repetition_penalty``'s allowed [low, high]: far enough from 0 and inf that the penalized logits stay finite.
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
-#: The largest seed: ``torch.Generator.manual_seed`` takes an unsigned 64-bit integer.
+#: The seeds ``torch.Generator.manual_seed`` takes: a signed or an unsigned 64-bit integer.
+MIN_SEED = -(2**63)
 MAX_SEED = 2**64 - 1
+
+
+def check_seed(seed: object, name: str = "seed") -> int:
+    """Return ``seed`` if it is an int (not a bool) in MIN_SEED .. MAX_SEED.
+
+    Raises:
+        InvalidArgumentError: Naming ``name``, the value and the range.
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int) or not MIN_SEED <= seed <= MAX_SEED:
+        raise InvalidArgumentError(
+            f"{name} must be an integer in {MIN_SEED}..{MAX_SEED} (-2**63 .. 2**64 - 1), got {seed!r}"
+        )
+    return seed
 #: The most ``top_logprobs`` a request may ask for (OpenAI's limit).
 MAX_TOP_LOGPROBS = 20
 #: ``logit_bias`` values lie in [-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT] (OpenAI's range).

@@ -40,10 +40,19 @@ def test_default_methods_skip_unmet_requirements_and_follow_pipeline(target_only
     (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1"),
     (dict(temperature=-1.0), "temperature must be"),
     (dict(drafter_options={"bad key": 1}), "drafter option names"),
+    # once accepted here and refused by torch after the models loaded
+    (dict(seed=2**64), r"seed must be an integer in -9223372036854775808..18446744073709551615 .* got "
+                       r"18446744073709551616"),
+    (dict(seed=-(2**63) - 1), r"seed must be an integer in -9223372036854775808\.\..* got -9223372036854775809"),
+    (dict(seed=False), r"seed must be an integer .* got False"),
 ])
 def test_settings_validation(kwargs, match):
     with pytest.raises(InvalidArgumentError, match=match):
         BenchSettings(**kwargs)
+
+
+def test_a_negative_bench_seed_is_accepted():
+    assert BenchSettings(seed=-(2**63)).seed == -(2**63)
 
 
 def test_self_speculative_methods_get_their_options_through_the_real_pipeline(target_only, tmp_path):

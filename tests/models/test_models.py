@@ -44,15 +44,26 @@ from specdecode.models.loading import _load_dense
         (dict(top_k=-1), r"top_k must be an integer >= 0"),
         (dict(stop_strings=("",)), r"stop_strings must be non-empty"),
         # torch's manual_seed raised "Overflow when unpacking long long" at the first sampled token
-        (dict(seed=2**64), r"seed must be an integer in 0..18446744073709551615 \(2\*\*64 - 1\) or None, got "
-                           r"18446744073709551616"),
-        (dict(seed=-1), r"seed must be an integer in 0..18446744073709551615 .* got -1"),
+        (dict(seed=2**64), r"seed must be an integer in -9223372036854775808..18446744073709551615 "
+                           r"\(-2\*\*63 .. 2\*\*64 - 1\), got 18446744073709551616"),
+        (dict(seed=-(2**63) - 1), r"seed must be an integer in -9223372036854775808..18446744073709551615 .* "
+                                  r"got -9223372036854775809"),
         (dict(seed=1.5), r"seed must be an integer .* got 1.5"),
+        (dict(seed=True), r"seed must be an integer .* got True"),
     ],
 )
 def test_generation_config_rejects_bad_values(kwargs, match):
     with pytest.raises(InvalidArgumentError, match=match):
         GenerationConfig(**kwargs)
+
+
+@pytest.mark.parametrize("seed", [-(2**63), -1, 0, 2**64 - 1])
+def test_every_seed_torch_takes_is_accepted(seed):
+    """Negative seeds worked before the seed check (torch.Generator.manual_seed takes -2**63 .. 2**64 - 1)."""
+    import torch
+
+    assert GenerationConfig(seed=seed).seed == seed
+    torch.Generator().manual_seed(seed)  # and torch takes it
 
 
 def test_unknown_model_name(tmp_path):

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS, GenerationConfig
+from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS, GenerationConfig, check_seed
 from specdecode.errors import InvalidArgumentError
 
 
@@ -23,7 +23,8 @@ class BenchSettings:
             methods use their own defaults, recorded in the results).
         repeats: Runs of every (method, prompt); tokens/s is reported as the median
             over repeats, with min and max.
-        seed: Base seed; each (prompt, repeat) derives its own, shared by all methods.
+        seed: Base seed, an integer in -2**63 .. 2**64 - 1 (what ``torch.Generator.manual_seed``
+            takes); each (prompt, repeat) derives its own, shared by all methods.
         warmup_tokens: Length of the warm-up generation of each method.
         drafter_options: Keywords forwarded to the pipeline's ``decoder``/``make_drafter``
             (e.g. ``{"exit_layer": 8}``).
@@ -88,8 +89,7 @@ class BenchSettings:
                 raise InvalidArgumentError(f"{name} must be an integer >= 1, got {value!r}")
         if self.prompt_cache not in (None, True, False):
             raise InvalidArgumentError(f"prompt_cache must be True, False or None (auto), got {self.prompt_cache!r}")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
-            raise InvalidArgumentError(f"seed must be an integer >= 0, got {self.seed!r}")
+        check_seed(self.seed, "seed")
         options = dict(self.drafter_options or {})
         for key, value in options.items():
             if not isinstance(key, str) or not key.isidentifier():
