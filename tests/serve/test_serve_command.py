@@ -170,3 +170,40 @@ def test_a_bad_host_or_a_busy_port_exits_2_before_loading_models(capsys):
         code = main(["serve", "--target", "/nonexistent/model", "--port", str(port)])
     err = capsys.readouterr().err
     assert code == 2 and f"cannot listen on --host '127.0.0.1' --port {port}: Address already in use" in err, err
+
+
+def _ipv6_loopback() -> bool:
+    if not socket.has_ipv6:
+        return False
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+def test_check_address_binds_as_asyncio_does():
+    """It bound only the first getaddrinfo result without IPV6_V6ONLY, so an IPv6 --host was refused when
+    an IPv4 listener held the port (uvicorn binds fine), and --host "" was refused."""
+    from specdecode.errors import InvalidArgumentError
+    from specdecode.serve.command import check_address
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(InvalidArgumentError, match=rf"cannot listen on --host '127.0.0.1' --port {port}: "):
+            check_address("127.0.0.1", port)
+        if _ipv6_loopback():
+            check_address("::1", port)  # another family: asyncio binds it beside the IPv4 listener
+    with socket.socket() as every_ipv4:
+        every_ipv4.bind(("0.0.0.0", 0))
+        every_ipv4.listen()
+        port = every_ipv4.getsockname()[1]
+        if _ipv6_loopback():
+            check_address("::", port)  # IPV6_V6ONLY: "::" leaves 0.0.0.0 alone (once "Address already in use")
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    check_address("", port)  # every interface, as uvicorn's --host ""

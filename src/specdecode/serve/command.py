@@ -366,26 +366,49 @@ def load_server(args):
 
 
 def check_address(host: str, port: int) -> None:
-    """Bind ``host:port`` once and release it, so that a --host that is no address of this machine or
-    a --port in use fails before the models load (uvicorn would log "[Errno -2] Name or service not
-    known" or "address already in use" after it, naming neither flag).
+    """Bind ``host:port`` as asyncio's ``create_server`` (uvicorn's) would and release it, so that a --host
+    that is no address of this machine or a --port in use fails before the models load (uvicorn would log
+    "[Errno -2] Name or service not known" or "address already in use" after it, naming neither flag).
+
+    As asyncio: host "" means every interface; every address ``getaddrinfo`` gives (AF_INET and AF_INET6,
+    AI_PASSIVE) is bound, an IPv6 socket with IPV6_V6ONLY (so "::" does not clash with a listener on
+    0.0.0.0), every socket with SO_REUSEADDR on POSIX; a family the system cannot open is skipped.
 
     Raises:
         InvalidArgumentError: Naming --host or --port and the system's reason.
     """
+    import os
     import socket
 
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
+        infos = socket.getaddrinfo(host or None, port, family=socket.AF_UNSPEC, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
     except (socket.gaierror, UnicodeError) as e:
         raise InvalidArgumentError(f"--host {host!r} is not an address of this machine: {e}") from e
-    with socket.socket(family, kind, proto) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-        try:
-            sock.bind(address)
-        except OSError as e:
-            raise InvalidArgumentError(f"cannot listen on --host {host!r} --port {port}: {e.strerror or e}") from e
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            if family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            try:
+                sock = socket.socket(family, kind, proto)
+            except OSError:  # a family this system cannot open (asyncio skips it too)
+                continue
+            sockets.append(sock)
+            if os.name == "posix":
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6 and hasattr(socket, "IPV6_V6ONLY"):
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as e:
+                where = "" if address[0] == host else f" (address {address[0]})"
+                raise InvalidArgumentError(
+                    f"cannot listen on --host {host!r} --port {port}{where}: {e.strerror or e}"
+                ) from e
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def check_llama_cpp_backend(args) -> None:
