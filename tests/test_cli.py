@@ -96,14 +96,14 @@ def test_a_seed_out_of_range_is_an_error_not_a_traceback(tiny_folders, capsys):
     assert f"seed must be an integer in {-(2**63)}..{2**64 - 1} (-2**63 .. 2**64 - 1), got {10**23}" in err
 
 
-def test_a_prompt_that_is_not_utf8_is_an_error_not_a_traceback(tiny_folders, capsys):
+def test_a_prompt_that_is_not_utf8_is_an_error_not_a_traceback(capsys):
     """An undecodable argv byte reaches Python as a lone surrogate ("\\udcff"), which the tokenizer
-    refused with a TypeError traceback."""
-    target_dir, _, _ = tiny_folders
-    code, out, err = _run(capsys, "--target", target_dir, "--method", "autoregressive", "--prompt", "w5 \udcff",
-                          "--max-new-tokens", 2, "--dtype", "float32")
+    refused with a TypeError traceback; it is refused naming --prompt before any model loads (the
+    target does not exist: loading it would fail with another message)."""
+    code, out, err = _run(capsys, "--target", "/nonexistent/model", "--method", "autoregressive", "--prompt",
+                          "w5 \udcff", "--max-new-tokens", 2, "--dtype", "float32")
     assert code == 2 and out == "" and "Traceback" not in err
-    assert "the prompt is not valid Unicode: character 3 is a lone surrogate '\\udcff'" in err
+    assert "--prompt is not valid Unicode: character 3 is a lone surrogate '\\udcff'" in err, err
 
 
 @pytest.mark.parametrize("flags, method, adaptive, ngram_check", [

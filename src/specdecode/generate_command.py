@@ -18,7 +18,7 @@ import sys
 import torch
 
 from specdecode import defaults, method_registry
-from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS, GenerationConfig, parse_logit_bias
+from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS, GenerationConfig, check_unicode, parse_logit_bias
 from specdecode.drafters.control import LENGTH_SCHEDULES, DraftControl
 from specdecode.drafters.draft_tree import MAX_TREE_DEPTH
 from specdecode.errors import InvalidArgumentError, SpecDecodeError
@@ -440,6 +440,7 @@ def run_generate(args) -> int:
     )
     if not args.prompt.strip():
         raise SpecDecodeError("the prompt is empty: pass some text with --prompt")
+    check_unicode(args.prompt, "--prompt")  # before the model loads (the tokenizer refused it after)
     llama = args.backend == "llama-cpp"
     if llama and not getattr(args, "method_given", False):
         args.method = LLAMA_CPP_COMMAND_METHOD
