@@ -52,13 +52,23 @@ from specdecode.serve.text import TextAssembler
 
 logger = logging.getLogger(__name__)
 
-ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
+ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/models/{id}", "/v1/completions", "/v1/chat/completions")
 #: ``code`` of the errors that routing answers (Starlette's HTTPException), by status.
 HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
 #: FastAPI's detail of a body it could not decode (not UTF-8, nested too deep), answered as invalid JSON.
 BODY_PARSE_ERROR = "There was an error parsing the body"
 #: Temperatures below this are served as greedy decoding (vLLM's _SAMPLING_EPS; GenerationConfig refuses them).
 GREEDY_TEMPERATURE = MIN_SAMPLING_TEMPERATURE
+
+
+def endpoint_label(path: str) -> str:
+    """The metrics' ``endpoint`` label of a request path: its route in ENDPOINTS ("/v1/models/{id}" for
+    any model id, so ids do not become labels), or "other"."""
+    if path in ENDPOINTS:
+        return path
+    if path.startswith("/v1/models/") and len(path) > len("/v1/models/"):
+        return "/v1/models/{id}"
+    return "other"
 
 
 @dataclass(frozen=True)
@@ -110,7 +120,7 @@ class _Guard:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
+        endpoint = endpoint_label(scope["path"])
         status: list[int] = []
 
         async def counted_send(message) -> None:
@@ -184,8 +194,8 @@ def create_app(generator, engine: EngineLoop, settings: ServeSettings, metrics: 
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
-        if exc.status >= 400 and request.url.path in ENDPOINTS:
-            metrics.errors.labels(request.url.path, exc.type).inc()
+        if exc.status >= 400 and endpoint_label(request.url.path) != "other":
+            metrics.errors.labels(endpoint_label(request.url.path), exc.type).inc()
         return JSONResponse(exc.body(), exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
@@ -198,7 +208,7 @@ def create_app(generator, engine: EngineLoop, settings: ServeSettings, metrics: 
             return await _api_error(request, ApiError(400, "the request body could not be read as JSON: send a "
                                                            "JSON object in UTF-8", code="invalid_json"))
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        metrics.errors.labels(request.url.path if request.url.path in ENDPOINTS else "other", kind).inc()
+        metrics.errors.labels(endpoint_label(request.url.path), kind).inc()
         detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
         message = f"{detail}: {request.method} {request.url.path}" if exc.status_code in (404, 405) else detail
         code = HTTP_CODES.get(exc.status_code, f"http_{exc.status_code}")
@@ -208,7 +218,7 @@ def create_app(generator, engine: EngineLoop, settings: ServeSettings, metrics: 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
         logger.exception("unexpected error answering %s %s", request.method, request.url.path)
-        metrics.errors.labels(request.url.path if request.url.path in ENDPOINTS else "other", "server_error").inc()
+        metrics.errors.labels(endpoint_label(request.url.path), "server_error").inc()
         return JSONResponse(error_body(f"internal server error ({type(exc).__name__})", "server_error", None,
                                        "internal_error"), 500)
 
