@@ -39,6 +39,7 @@ def test_good_logit_bias_keys_are_token_ids():
 @pytest.mark.parametrize(("field", "value"), [
     ("max_tokens", "4"), ("max_tokens", True), ("n", "2"), ("seed", "1"), ("temperature", "0.5"),
     ("stream", "yes"), ("stream", 1), ("logprobs", True), ("top_k", False), ("echo", "false"),
+    ("max_tokens", 4.5), ("n", 1.5), ("top_k", float("inf")), ("seed", float("nan")),
 ])
 def test_wrong_types_are_refused_not_coerced(field, value):
     # pydantic's lax mode read "4" as 4, true as 1 and "yes" as true: a wrong request was answered
@@ -87,3 +88,22 @@ def test_response_format_text_is_the_default():
     body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "w5"}],
                                                  "response_format": {"type": "text"}})
     assert body.unsupported() is None
+
+
+@pytest.mark.parametrize(("model", "field", "value"), [
+    (CompletionRequest, "max_tokens", 4.0), (CompletionRequest, "n", 1.0), (CompletionRequest, "top_k", 5.0),
+    (CompletionRequest, "seed", 7.0), (CompletionRequest, "logprobs", 2.0), (CompletionRequest, "best_of", 1.0),
+    (ChatCompletionRequest, "max_completion_tokens", 8.0), (ChatCompletionRequest, "top_logprobs", 3.0),
+])
+def test_a_whole_number_float_is_an_integer(model, field, value):
+    """Strict types once refused "max_tokens": 4.0 (accepted before, and by vLLM)."""
+    body = {"prompt": PROMPT} if model is CompletionRequest else {"messages": [{"role": "user", "content": "w5"}]}
+    if field == "top_logprobs":
+        body["logprobs"] = True
+    parsed = getattr(model.model_validate({**body, field: value}), field)
+    assert parsed == int(value) and type(parsed) is int
+
+
+def test_a_whole_number_float_still_meets_the_fields_range():
+    param, _ = refused(CompletionRequest, {"prompt": PROMPT, "max_tokens": 0.0})
+    assert param == "max_tokens"

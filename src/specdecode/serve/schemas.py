@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from specdecode.config import REPETITION_PENALTY_RANGE
 
@@ -24,11 +24,25 @@ MAX_STOP_SEQUENCES = 4
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 
 
+def _whole_float_as_int(value: Any) -> Any:
+    """A float with an integral value (``4.0``) as the int it equals; anything else unchanged, for the
+    strict int check to refuse (``4.5``, ``"4"``, ``true``, ``inf``)."""
+    if type(value) is float and value.is_integer():
+        return int(value)
+    return value
+
+
+#: An integer field: an int, or a float with an integral value (``"max_tokens": 4.0``, as vLLM and
+#: before strict types), converted to the int; strings, booleans and ``4.5`` are refused.
+Integer = Annotated[int, BeforeValidator(_whole_float_as_int)]
+
+
 class _Request(BaseModel):
     """Unknown fields are refused; an explicit ``null`` means the field's default (OpenAI's
     reference marks these fields "or null"). Types are strict, as OpenAI's: a string is not a
     number (``"max_tokens": "4"``), nor a boolean (``"stream": "yes"``), and ``true`` is not
-    an integer (``"max_tokens": true`` would be 1); an integer is a number."""
+    an integer (``"max_tokens": true`` would be 1); an integer is a number, and a float with an
+    integral value is an integer (``"max_tokens": 4.0`` is 4, as vLLM takes it; ``4.5`` is refused)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -51,13 +65,13 @@ class _Sampling(_Request):
     """Fields shared by both endpoints."""
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: Integer | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)
-    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    top_k: Integer = Field(default=0, ge=-1)
+    seed: Integer | None = Field(default=None, ge=0, le=2**63 - 1)
     stop: str | list[str] | None = None
-    n: int = Field(default=1, ge=1, le=128)  # OpenAI's range; the server also bounds it by --max-batch-size
+    n: Integer = Field(default=1, ge=1, le=128)  # OpenAI's range; the server also bounds it by --max-batch-size
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id for abuse monitoring; recorded nowhere
@@ -134,10 +148,10 @@ class CompletionRequest(_Sampling):
     """``POST /v1/completions``: a prompt as text, a one-element list of text, or token ids."""
 
     prompt: str | list[str] | list[TokenId]
-    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    max_tokens: Integer | None = Field(default=16, ge=1)  # OpenAI's default for completions
     echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=5)  # OpenAI: the top 0..5 alternatives
-    best_of: int | None = None
+    logprobs: Integer | None = Field(default=None, ge=0, le=5)  # OpenAI: the top 0..5 alternatives
+    best_of: Integer | None = None
     suffix: str | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
@@ -188,9 +202,9 @@ class ChatCompletionRequest(_Sampling):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: Integer | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: Integer | None = Field(default=None, ge=0, le=20)
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     response_format: dict | None = None
