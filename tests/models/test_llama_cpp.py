@@ -56,6 +56,49 @@ def test_a_missing_llama_cpp_python_names_the_extra(monkeypatch, tmp_path):
         import_llama_cpp("method 'llama-cpp'")
 
 
+AMX_INFO = "CPU : SSE3 = 1 | AVX2 = 1 | AVX512 = 1 | AVX512_BF16 = 1 | AMX_INT8 = 1 | LLAMAFILE = 1 | REPACK = 1 | "
+
+
+@pytest.mark.parametrize("info, flags, crashes", [
+    (AMX_INFO, {"avx2", "amx_tile", "amx_int8"}, True),
+    (AMX_INFO, {"avx2", "avx512f"}, False),  # built with AMX, a CPU without it: the kernels never run
+    (AMX_INFO.replace("AMX_INT8 = 1 | ", ""), {"avx2", "amx_int8"}, False),  # built without AMX
+    (AMX_INFO.replace("AMX_INT8 = 1", "AMX_INT8 = 0"), {"amx_int8"}, False),
+])
+def test_a_llama_cpp_build_with_amx_kernels_is_refused_on_an_amx_cpu(info, flags, crashes):
+    why = llama_cpp_module.why_llama_cpp_build_crashes(info, frozenset(flags), "0.3.36")
+    assert (why is not None) == crashes
+    if crashes:
+        assert "AMX_INT8 = 1" in why and "segmentation fault" in why
+        assert why.endswith(f"CMAKE_ARGS='{llama_cpp_module.CMAKE_ARGS_WITHOUT_AMX}' pip install --force-reinstall "
+                            "--no-deps --no-cache-dir llama-cpp-python==0.3.36")
+
+
+def test_import_llama_cpp_refuses_a_build_that_crashes_here(monkeypatch, tmp_path):
+    fake = type(__import__("sys"))("llama_cpp")
+    fake.llama_print_system_info = lambda: AMX_INFO.encode()
+    fake.__version__ = "0.3.36"
+    monkeypatch.setitem(__import__("sys").modules, "llama_cpp", fake)
+    monkeypatch.setattr(llama_cpp_module, "cpu_flags", lambda: frozenset({"avx512f", "amx_int8"}))
+    with pytest.raises(InvalidArgumentError, match=r"method 'llama-cpp' cannot run on this llama-cpp-python build: it "
+                                                   r"was built with llama.cpp's AMX kernels .* -mno-amx-int8 .*"
+                                                   r"llama-cpp-python==0.3.36, or leave 'llama-cpp' out$"):
+        import_llama_cpp("method 'llama-cpp'", ", or leave 'llama-cpp' out")
+    path = tmp_path / "x.gguf"
+    path.write_bytes(b"GGUF")
+    with pytest.raises(InvalidArgumentError, match=r"the llama.cpp draft model 'x.gguf' cannot run on this"):
+        LlamaCppModel(path)
+    monkeypatch.setattr(llama_cpp_module, "cpu_flags", lambda: frozenset({"avx512f"}))
+    assert import_llama_cpp("method 'llama-cpp'") is fake
+
+
+def test_cpu_flags_reads_this_cpu():
+    flags = llama_cpp_module.cpu_flags()
+    assert isinstance(flags, frozenset)
+    if __import__("platform").machine() == "x86_64" and __import__("os").path.exists("/proc/cpuinfo"):
+        assert "sse2" in flags  # every x86-64 CPU has it
+
+
 def test_gguf_path_refuses_what_llama_cpp_cannot_read(tmp_path):
     with pytest.raises(InvalidArgumentError, match=r"runs GGUF files, but the draft model '.*' is not one; use an "
                                                    r"offline model \(.*qwen2.5-coder-0.5b-instruct"):

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -65,7 +66,8 @@ def import_llama_cpp(purpose: str, alternative: str = ""):
         alternative: Appended to the message (e.g. ", or leave 'llama-cpp' out").
 
     Raises:
-        InvalidArgumentError: llama-cpp-python is not installed (the message names the extra).
+        InvalidArgumentError: llama-cpp-python is not installed (the message names the extra), or its
+            build crashes on this CPU (``why_llama_cpp_build_crashes``; the message gives the rebuild).
     """
     try:
         import llama_cpp
@@ -74,7 +76,47 @@ def import_llama_cpp(purpose: str, alternative: str = ""):
             f"{purpose} needs llama-cpp-python, which is not installed ({e}); install it with: {INSTALL} "
             f"(it builds llama.cpp from source: cmake and a C++ compiler){alternative}"
         ) from None
+    why = why_llama_cpp_build_crashes(llama_cpp.llama_print_system_info().decode(errors="replace"), cpu_flags(),
+                                      getattr(llama_cpp, "__version__", ""))
+    if why is not None:
+        raise InvalidArgumentError(f"{purpose} cannot run on this llama-cpp-python build: {why}{alternative}")
     return llama_cpp
+
+
+#: CMAKE_ARGS that build llama.cpp for this CPU ("native") without its AMX kernels (x86-64, gcc or clang).
+CMAKE_ARGS_WITHOUT_AMX = ('-DGGML_NATIVE=ON "-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" '
+                          '"-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"')
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags from ``/proc/cpuinfo`` (Linux; empty elsewhere or when unreadable)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def why_llama_cpp_build_crashes(system_info: str, flags: frozenset[str], version: str = "") -> str | None:
+    """Why this llama.cpp build cannot run here, or None: built with its AMX kernels (``system_info``,
+    ``llama_print_system_info()``, says "AMX_INT8 = 1", as ``GGML_NATIVE=ON`` gives on an AMX CPU) on a CPU
+    with AMX (``flags``, ``cpu_flags()``: "amx_int8"), where llama.cpp puts quantized weights in its AMX
+    buffers. Measured on a 2-core Xeon with AMX (2026-11-27, llama-cpp-python 0.3.36): the first
+    ``llama_decode`` of the Q4_K_M Qwen2.5-Coder 1.5B crashed the process (segmentation fault), in
+    llama-cpp-python's own ``Llama.eval`` as in ours; built without the AMX kernels
+    (``CMAKE_ARGS_WITHOUT_AMX``) it ran (llama.cpp issue 20824 reports the same crash in
+    ``ggml_backend_amx_mul_mat``). A build with AMX on a CPU without it never uses those kernels.
+    ``version``: llama-cpp-python's, pinned in the rebuild command the message gives."""
+    built_with_amx = re.search(r"\bAMX_INT8\s*=\s*1\b", system_info) is not None
+    if not (built_with_amx and "amx_int8" in flags):
+        return None
+    return ("it was built with llama.cpp's AMX kernels (AMX_INT8 = 1) and this CPU has AMX, where llama.cpp's AMX "
+            "matrix multiply crashes the process on quantized GGUF files (a segmentation fault at the first forward, "
+            f"llama.cpp issue 20824); rebuild it without them: CMAKE_ARGS='{CMAKE_ARGS_WITHOUT_AMX}' pip install "
+            f"--force-reinstall --no-deps --no-cache-dir llama-cpp-python{'==' + version if version else ''}")
 
 
 def gguf_path(spec: str, cache_dir: str | Path | None = None, *, user: str = "", not_gguf: str | None = None) -> Path:
