@@ -18,7 +18,7 @@ import torch
 from bench_helpers import _write_jsonl
 from conftest import make_tiny_model, make_tiny_tokenizer
 from runner_target_helpers import TorchBackedModel
-from specdecode import cli
+from specdecode import GenerationConfig, cli
 from specdecode.bench import BenchSettings, markdown_report, resolve_methods, run_bench, summarize
 from specdecode.bench.datasets import Prompt
 from specdecode.errors import InvalidArgumentError
@@ -206,6 +206,27 @@ def test_the_references_run_by_default(llama_gen):
     runners, skipped = resolve_methods(llama_gen, None, BenchSettings(max_new_tokens=4))
     assert {"autoregressive", "prompt-lookup", *REFERENCES} <= set(runners)
     assert not set(REFERENCES) & set(skipped)
+
+
+def test_llama_cpp_runs_in_the_target_s_own_context(llama_gen, monkeypatch):
+    """One loaded copy of the file: the reference's forwards are our target's (a second copy ran ~6% apart)."""
+    model = llama_gen.target.model.model
+    runners, _ = resolve_methods(llama_gen, list(REFERENCES), BenchSettings(max_new_tokens=6))
+    assert runners["llama-cpp"].llm is model._llm
+    assert runners["llama-cpp-lookup"].llm is not model._llm  # its own Llama: a draft_model, logits_all=True
+    ours = llama_gen.decoder("autoregressive")
+    ids = torch.tensor([[5, 9, 12, 7, 5, 9]])
+    expected = ours.generate(ids, GenerationConfig(max_new_tokens=6, temperature=0.0)).token_ids
+    held = runners["llama-cpp"].llm
+    before = model.generation
+    grown = []
+    monkeypatch.setattr(model, "ensure_context", lambda n, cached: grown.append((n, list(cached))))
+    record = runners["llama-cpp"](ids, 6, 0)
+    assert model.generation == before + 1  # it took the context over: the older generation's cache refuses
+    assert grown == [(ids.shape[1] + 6, [])]  # the target's context grows for it (here: no need)
+    assert record["token_ids"] == expected and runners["llama-cpp"].llm is held
+    monkeypatch.undo()
+    assert ours.generate(ids, GenerationConfig(max_new_tokens=6, temperature=0.0)).token_ids == expected
 
 
 def test_a_gguf_file_other_than_the_target_s_is_refused(llama_gen, tmp_path):

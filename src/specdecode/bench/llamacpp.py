@@ -111,7 +111,9 @@ class LlamaCppRunner:
     """Times one llama.cpp generation of the target's GGUF file (the bench's runner interface).
 
     The model is loaded once (``llama_cpp.Llama``, ``logits_all=False``); its context grows
-    (a reload, outside the timing) when a prompt + ``max_new_tokens`` does not fit.
+    (a reload, outside the timing) when a prompt + ``max_new_tokens`` does not fit. With a target
+    run by llama.cpp (backend "llama-cpp") it runs in that target's own ``Llama`` instead
+    (``shares_target_context``), taking the context over for each generation as a new prefill does.
 
     Args:
         generator: Gives the EOS ids and, unless ``settings.gguf_file`` is set, the target
@@ -130,6 +132,13 @@ class LlamaCppRunner:
     kind = "llama.cpp"
     supports_prompt_cache = True
     name = METHOD
+    #: With backend "llama-cpp", run in the target's own ``llama_cpp.Llama`` (``LlamaCppModel``): the same
+    #: weights in memory and the same context as our methods. Two loaded copies of one file did not run
+    #: alike: on a 2-core Xeon with AMX (2026-11-27, Qwen2.5-Coder 1.5B Q4_K_M, 2 threads), llama.cpp's own
+    #: ``Llama.generate`` took 65.2-65.6 ms a token in the copy loaded first and 61.0-61.8 in the one loaded
+    #: second, and the reverse with the load order reversed (61.3-61.6 against 64.1-64.5), so a second copy
+    #: made the reference about 6% faster than the very same forwards in our target's copy.
+    shares_target_context = True
     context_step = CONTEXT_STEP  # the context grows in steps of this many positions
     context_margin = 0  # positions past prompt + max_new_tokens that a generation may evaluate
 
@@ -161,7 +170,12 @@ class LlamaCppRunner:
         self.llama_cpp = import_llama_cpp(self.name)
         self.eos = frozenset(pipeline.eos_token_ids(generator.target))
         self.llm = None
-        self._load(self.context_step)
+        # backend "llama-cpp": the target's own llama.cpp context (weights and KV cache), not a second copy
+        self._shared = backend if backend is not None and self.shares_target_context else None
+        if self._shared is None:
+            self._load(self.context_step)
+        else:
+            self.llm = self._shared._llm
 
     def _load(self, n_ctx: int) -> None:
         if self.llm is not None:
@@ -222,7 +236,11 @@ class LlamaCppRunner:
                 "tokenizer must come from the same GGUF file"
             )
         needed = len(ids) + max_new_tokens + self.context_margin
-        if needed > self.n_ctx:
+        if self._shared is not None:  # the target's context: this generation takes it over (its caches refuse)
+            self._shared.generation += 1
+            self._shared.ensure_context(needed, [])
+            self.llm = self._shared._llm  # a context that grew is a new Llama
+        elif needed > self.n_ctx:
             self._load(self.context_step * math.ceil(needed / self.context_step))
 
     def __call__(
@@ -325,6 +343,7 @@ class LlamaCppLookupRunner(LlamaCppRunner):
 
     kind = "llama.cpp prompt lookup"
     name = LLAMA_CPP_LOOKUP
+    shares_target_context = False  # its own Llama: a draft_model and logits_all=True are set at load
     NUM_PRED_TOKENS = 2
     MAX_NGRAM_SIZE = 2
     # logits_all=True sizes llama-cpp-python's scores array to n_ctx rows of V floats (Qwen2.5's V:
