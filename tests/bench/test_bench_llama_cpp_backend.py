@@ -229,6 +229,34 @@ def test_llama_cpp_runs_in_the_target_s_own_context(llama_gen, monkeypatch):
     assert ours.generate(ids, GenerationConfig(max_new_tokens=6, temperature=0.0)).token_ids == expected
 
 
+def test_the_shared_reference_follows_the_target_s_context_when_it_grows(tiny_gguf, monkeypatch):
+    """Our prefill may grow (reload) the target's context, freeing the Llama the reference held: the reference
+    must then generate with, and describe, the new one."""
+    from specdecode.models import llama_cpp as llama_cpp_module
+    from specdecode.models import llama_cpp_target as llama_cpp_target_module
+    from specdecode.models.llama_cpp import LlamaCppModel
+
+    for module in (llama_cpp_module, llama_cpp_target_module):
+        monkeypatch.setattr(module, "CONTEXT_STEP", 256)  # llama.cpp pads a context to 256 positions
+    model = LlamaCppModel(tiny_gguf, n_threads=1, role="target model")
+    try:
+        gen = SpeculativeGenerator(LoadedModel(LlamaCppTargetRunner(model), make_tiny_tokenizer(), "tiny"))
+        runners, _ = resolve_methods(gen, ["llama-cpp"], BenchSettings(max_new_tokens=8))
+        reference = runners["llama-cpp"]
+        short = torch.tensor([[5, 9, 12, 7, 5, 9]])
+        first = reference(short, 8, 0)["token_ids"]
+        old = model._llm
+        long = torch.tensor([[5 + i % 40 for i in range(230)]])
+        ours = gen.decoder("autoregressive").generate(long, GenerationConfig(max_new_tokens=8, temperature=0.0))
+        assert model.n_ctx == 512 and model._llm is not old  # 230 + 8 + 256 // 4 positions: it grew
+        assert reference.llm is model._llm and reference.n_ctx == 512
+        assert reference(long, 8, 0)["token_ids"] == ours.token_ids
+        assert reference(short, 8, 0)["token_ids"] == first
+        assert reference.describe()["n_ctx"] == 512
+    finally:
+        model.close()
+
+
 def test_a_gguf_file_other_than_the_target_s_is_refused(llama_gen, tmp_path):
     other = tmp_path / "other.gguf"
     other.write_bytes(b"GGUF")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 
 import pytest
 import torch
@@ -70,8 +71,8 @@ def test_a_llama_cpp_build_with_amx_kernels_is_refused_on_an_amx_cpu(info, flags
     assert (why is not None) == crashes
     if crashes:
         assert "AMX_INT8 = 1" in why and "segmentation fault" in why
-        assert why.endswith(f"CMAKE_ARGS='{llama_cpp_module.CMAKE_ARGS_WITHOUT_AMX}' pip install --force-reinstall "
-                            "--no-deps --no-cache-dir llama-cpp-python==0.3.36")
+        assert why.endswith(f"CMAKE_ARGS='{llama_cpp_module.CMAKE_ARGS_WITHOUT_AMX}' {sys.executable} -m pip install "
+                            "--force-reinstall --no-deps --no-cache-dir llama-cpp-python==0.3.36")
 
 
 def test_import_llama_cpp_refuses_a_build_that_crashes_here(monkeypatch, tmp_path):

@@ -169,21 +169,25 @@ class LlamaCppRunner:
             self.kv_cache_type = backend.kv_cache_type
         self.llama_cpp = import_llama_cpp(self.name)
         self.eos = frozenset(pipeline.eos_token_ids(generator.target))
-        self.llm = None
+        self._own = None  # this runner's own Llama (None while shared)
         # backend "llama-cpp": the target's own llama.cpp context (weights and KV cache), not a second copy
         self._shared = backend if backend is not None and self.shares_target_context else None
         if self._shared is None:
             self._load(self.context_step)
-        else:
-            self.llm = self._shared._llm
+
+    @property
+    def llm(self):
+        """The ``llama_cpp.Llama`` it generates with: the target's current one when shared (the target's
+        prefill may grow its context, which loads a new one and frees the old), else its own."""
+        return self._shared._llm if self._shared is not None else self._own
 
     def _load(self, n_ctx: int) -> None:
-        if self.llm is not None:
-            self.llm.close()
-            self.llm = None
+        if self._own is not None:
+            self._own.close()
+            self._own = None
         logger.info("llama.cpp: loading %s (n_ctx %d, %d threads)", self.path, n_ctx, self.n_threads)
         try:
-            self.llm = self.llama_cpp.Llama(
+            self._own = self.llama_cpp.Llama(
                 model_path=str(self.path), n_ctx=n_ctx, n_threads=self.n_threads,
                 n_threads_batch=self.n_threads, n_gpu_layers=0, verbose=False,
                 **{"logits_all": False, **self._llama_options()},
@@ -239,7 +243,6 @@ class LlamaCppRunner:
         if self._shared is not None:  # the target's context: this generation takes it over (its caches refuse)
             self._shared.generation += 1
             self._shared.ensure_context(needed, [])
-            self.llm = self._shared._llm  # a context that grew is a new Llama
         elif needed > self.n_ctx:
             self._load(self.context_step * math.ceil(needed / self.context_step))
 

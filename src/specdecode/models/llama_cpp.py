@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -109,14 +110,15 @@ def why_llama_cpp_build_crashes(system_info: str, flags: frozenset[str], version
     llama-cpp-python's own ``Llama.eval`` as in ours; built without the AMX kernels
     (``CMAKE_ARGS_WITHOUT_AMX``) it ran (llama.cpp issue 20824 reports the same crash in
     ``ggml_backend_amx_mul_mat``). A build with AMX on a CPU without it never uses those kernels.
-    ``version``: llama-cpp-python's, pinned in the rebuild command the message gives."""
+    ``version``: llama-cpp-python's, pinned in the rebuild command the message gives. The refusal covers
+    every GGUF file, also float32 and float16 ones, which the AMX kernels do not take."""
     built_with_amx = re.search(r"\bAMX_INT8\s*=\s*1\b", system_info) is not None
     if not (built_with_amx and "amx_int8" in flags):
         return None
     return ("it was built with llama.cpp's AMX kernels (AMX_INT8 = 1) and this CPU has AMX, where llama.cpp's AMX "
             "matrix multiply crashes the process on quantized GGUF files (a segmentation fault at the first forward, "
-            f"llama.cpp issue 20824); rebuild it without them: CMAKE_ARGS='{CMAKE_ARGS_WITHOUT_AMX}' pip install "
-            f"--force-reinstall --no-deps --no-cache-dir llama-cpp-python{'==' + version if version else ''}")
+            f"llama.cpp issue 20824); rebuild it without them: CMAKE_ARGS='{CMAKE_ARGS_WITHOUT_AMX}' {sys.executable} -m "
+            f"pip install --force-reinstall --no-deps --no-cache-dir llama-cpp-python{'==' + version if version else ''}")
 
 
 def gguf_path(spec: str, cache_dir: str | Path | None = None, *, user: str = "", not_gguf: str | None = None) -> Path:
