@@ -84,7 +84,10 @@ def length_schedule_by_default(adaptive_exit: bool, float32_cpu: bool) -> str:
     there since, ``models.prepacked_linear``) a verification costs 1.5-2 steps and still: on 13 Spec-Bench
     prompts the default ran 0.97x ``autoregressive``, the exit alone 0.90x (0.75-0.76x on writing and
     roleplay); on HumanEval 0-4 the exit alone was faster, 1.17x against 1.07x
-    (docs/benchmarks/2026-11-26-prepacked-linears-avx2.md)."""
+    (docs/benchmarks/2026-11-26-prepacked-linears-avx2.md). With native bf16 the exit alone stays: on a
+    2-core Xeon with AMX (bf16 int4-draft cascade, 128 tokens) it ran 2.70x ``autoregressive`` on HumanEval
+    0-9 and 1.85x on 26 Spec-Bench prompts (every category 1.13x or more), the cost model over it 2.43x and
+    1.58x (docs/benchmarks/2026-11-27-xeon-amx.md)."""
     return "cost-model" if adaptive_exit and float32_cpu else "constant"
 
 
