@@ -107,3 +107,13 @@ def test_a_whole_number_float_is_an_integer(model, field, value):
 def test_a_whole_number_float_still_meets_the_fields_range():
     param, _ = refused(CompletionRequest, {"prompt": PROMPT, "max_tokens": 0.0})
     assert param == "max_tokens"
+
+
+@pytest.mark.parametrize("n, best_of, refused", [(2, 1, True), (1, 1, False), (2, None, False), (1, None, False)])
+def test_best_of_below_n_is_refused(n, best_of, refused):
+    body = CompletionRequest(model="m", prompt="hi", n=n, best_of=best_of)
+    if refused:
+        assert body.unsupported() == ("best_of", f"best_of={best_of} is less than n={n}: best_of counts the candidates "
+                                                 "the n choices are picked from, so it must be at least n; leave best_of out")
+    else:
+        assert body.unsupported() is None

@@ -402,6 +402,8 @@ def test_models_and_health(server):
         client(url).models.retrieve("gpt-4o")
     assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
     assert httpx.get(f"{url}/health").json()["status"] == "ok"
+    head = httpx.head(f"{url}/health")  # a load balancer's check: once 405
+    assert head.status_code == 200 and head.content == b""
     # counted under its route, not "other" (nor one label per model id)
     assert metric(url, "specdecode_requests_total", '{endpoint="/v1/models/{id}",status="200"}') >= 1
     assert metric(url, "specdecode_request_errors_total", '{endpoint="/v1/models/{id}",type="invalid_request_error"}') >= 1

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API (FastAPI) over the engine loop.
 
-Endpoints: ``GET /health`` (no key needed), ``GET /v1/models`` and ``GET /v1/models/{id}``,
+Endpoints: ``GET /health`` (and ``HEAD``; no key needed), ``GET /v1/models`` and ``GET /v1/models/{id}``,
 ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE streaming via ``sse-starlette``,
 ending in ``data: [DONE]``), ``GET /metrics`` (Prometheus text).
 
@@ -231,7 +231,7 @@ def create_app(generator, engine: EngineLoop, settings: ServeSettings, metrics: 
             raise ApiError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'",
                            "authentication_error", code="invalid_api_key")
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' checks (headers and status only)
     async def health():
         if not engine.alive:
             return JSONResponse({"status": "unavailable", "running": engine.running, "waiting": engine.waiting}, 503)

@@ -161,6 +161,9 @@ class CompletionRequest(_Sampling):
             return "echo", "echo is not supported; allowed: false"
         if self.best_of not in (None, 1):
             return "best_of", f"best_of={self.best_of} is not supported; allowed: 1"
+        if self.best_of is not None and self.best_of < self.n:  # OpenAI: best_of must be at least n
+            return "best_of", (f"best_of={self.best_of} is less than n={self.n}: best_of counts the candidates the n "
+                               "choices are picked from, so it must be at least n; leave best_of out")
         if self.suffix:
             return "suffix", "suffix is not supported; allowed: null"
         return super().unsupported()
