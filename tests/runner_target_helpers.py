@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from specdecode.engine.kv_cache import new_cache
+from specdecode.models.llama_cpp import LlamaCppModel
 
 #: A prompt whose n-grams repeat, so that prompt lookup drafts.
 PROMPT = [1, 5, 9, 11, 5, 9, 17, 23, 5, 9, 30, 12, 5, 9, 11]
@@ -31,6 +32,8 @@ class TorchBackedModel:
 
     def ensure_context(self, num_positions, cached):
         pass
+
+    take_over = LlamaCppModel.take_over  # the real bookkeeping over this stand-in's remove_from and ensure_context
 
     def remove_from(self, position):
         held = self.cache.get_seq_length()

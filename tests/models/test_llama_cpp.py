@@ -190,6 +190,8 @@ class FakeModel:
     def ensure_context(self, num_positions: int, cached: list[int]) -> None:
         pass
 
+    take_over = LlamaCppModel.take_over  # the real bookkeeping over this stand-in's remove_from and ensure_context
+
     def decode(self, ids, first_position, logits_to_keep):
         self.decoded.append((list(ids), first_position, logits_to_keep))
         return torch.zeros((logits_to_keep, self.vocab_size))

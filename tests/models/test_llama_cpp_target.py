@@ -42,6 +42,8 @@ class TorchBackedModel:
     def ensure_context(self, num_positions, cached):
         pass
 
+    take_over = LlamaCppModel.take_over  # the real bookkeeping over this stand-in's remove_from and ensure_context
+
     def remove_from(self, position):
         self.removed.append(position)
         held = self.cache.get_seq_length()

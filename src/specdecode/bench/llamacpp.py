@@ -241,8 +241,7 @@ class LlamaCppRunner:
             )
         needed = len(ids) + max_new_tokens + self.context_margin
         if self._shared is not None:  # the target's context: this generation takes it over (its caches refuse)
-            self._shared.generation += 1
-            self._shared.ensure_context(needed, [])
+            self._shared.take_over(needed)
         elif needed > self.n_ctx:
             self._load(self.context_step * math.ceil(needed / self.context_step))
 

@@ -427,6 +427,20 @@ class LlamaCppModel:
             rows[j] = np.ctypeslib.as_array(pointer, shape=(self.vocab_size,))
         return torch.from_numpy(rows)
 
+    def take_over(self, num_positions: int) -> int:
+        """Start a new generation on this context: any older generation's cache refuses from now on
+        (``LlamaCppCache.check_owner``), the KV cache is emptied and the context grown to hold
+        ``num_positions`` (``ensure_context``). Returns the new generation's number.
+
+        Raises:
+            InvalidArgumentError: As ``ensure_context`` (past the model's training context).
+            UnsupportedModelError: As ``remove_from``.
+        """
+        self.generation += 1
+        self.remove_from(0)
+        self.ensure_context(num_positions, [])
+        return self.generation
+
     def remove_from(self, position: int) -> None:
         """Drop the KV cache's positions from ``position`` on.
 

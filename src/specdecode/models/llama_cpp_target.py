@@ -156,10 +156,8 @@ class LlamaCppTargetRunner:
         """
         ids = _as_ids(ids, f"{self.name}'s prefill")
         model = self.model
-        model.generation += 1
-        model.remove_from(0)
-        model.ensure_context(len(ids) + max(0, max_new_tokens) + CONTEXT_STEP // 4, [])
-        self._cache = LlamaCppCache(model, model.generation)
+        generation = model.take_over(len(ids) + max(0, max_new_tokens) + CONTEXT_STEP // 4)
+        self._cache = LlamaCppCache(model, generation)
         return self.forward(ids, 0, 1)[0]
 
     def forward(self, ids, start: int, logits_to_keep: int | None = None) -> torch.Tensor:
