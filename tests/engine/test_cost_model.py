@@ -61,7 +61,7 @@ def test_costs_interpolate_between_and_extrapolate_past_the_measured_widths():
     assert c.at(10) == pytest.approx(0.2150 + 2 * (0.2150 - 0.0917) / 4)  # the last segment's slope goes on
     assert ForwardCosts({1: 0.01}).at(3) == pytest.approx(0.03)
     assert ForwardCosts({1: 0.02, 4: 0.01}).at(6) == pytest.approx(0.01)  # never falling past the last
-    assert MEASURED_WIDTHS == (1, 2, 4, 8) and SIZES[0] == 0 and list(SIZES) == sorted(SIZES)
+    assert MEASURED_WIDTHS == (1, 2, 3, 4, 6, 8) and SIZES[0] == 0 and list(SIZES) == sorted(SIZES)
 
 
 @pytest.mark.parametrize("alpha, best", [

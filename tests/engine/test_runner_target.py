@@ -20,6 +20,7 @@ from conftest import make_tiny_model, make_tiny_tokenizer
 from runner_target_helpers import PROMPT, TorchBackedModel, llama_cpp_greedy
 from specdecode import GenerationConfig, PromptLookupDrafter, SpeculativeDecoder
 from specdecode.engine.batched import BatchedSpeculativeDecoder
+from specdecode.engine.cost_model import MEASURED_WIDTHS
 from specdecode.engine.speculation_cost import SpeculationCostPolicy
 from specdecode.engine.runner_target import RunnerTargetCache, is_runner_target, measured_cost_policy
 from specdecode.errors import InvalidArgumentError
@@ -133,7 +134,7 @@ def test_measuring_the_costs_takes_a_stream_over(backed):
 
 def test_the_cost_policy_comes_from_measured_costs(backed):
     policy = measured_cost_policy(backed, max_tokens=5, context_tokens=20)
-    assert isinstance(policy, SpeculationCostPolicy) and list(backed.forward_costs) == [1, 2, 4, 8]
+    assert isinstance(policy, SpeculationCostPolicy) and list(backed.forward_costs) == list(MEASURED_WIDTHS)
     assert policy.max_size == 5 and policy.draft_node_s == 0.0 and policy.controller(8).max_tokens == 5
     costs = dict(backed.forward_costs)
     assert measured_cost_policy(backed).target_costs.seconds == costs  # measured once

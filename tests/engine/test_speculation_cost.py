@@ -371,8 +371,12 @@ def test_greedy_output_equals_target_only_with_the_cost_model(pair, method):
     assert drafted > 0  # the cost model drafted (a tiny model's verification is nearly flat)
     policy = control.cost_policy
     assert policy.target_costs is not None and 1 in policy.target_costs.seconds
-    if method != "token-recycling":
+    if method == "draft":
         assert not policy.trees and policy.acceptance().by_depth()  # chains measured by depth
+    elif method == "prompt-lookup":  # chains measured by depth, per n-gram size matched
+        assert not policy.trees and policy.by_match and not policy.acceptance().by_depth()
+        assert policy.match_depths and all(1 <= n <= 3 for n in policy.match_depths)
+        assert any(d.by_depth() for d in policy.match_depths.values())
     # Batched, two rows at once: each row's output is its own target-only output.
     batched = BatchedSpeculativeDecoder(target, make(), max_batch_size=2, max_length=96, num_speculative_tokens=6,
                                         draft_control=DraftControl(length_schedule="cost-model"))

@@ -41,7 +41,7 @@ def find_continuation(sequence, max_tokens: int, max_ngram: int, min_ngram: int)
         input's kind (a new tensor or array, never a view of the input).
     """
     if isinstance(sequence, np.ndarray):
-        return _find_continuation_host(sequence, max_tokens, max_ngram, min_ngram)
+        return match_continuation(sequence, max_tokens, max_ngram, min_ngram)[0]
     length = sequence.shape[0]
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
         # Windows starting at 0 .. L-n-1: each has at least one token after it,
@@ -54,16 +54,22 @@ def find_continuation(sequence, max_tokens: int, max_ngram: int, min_ngram: int)
     return sequence[:0]
 
 
-def _find_continuation_host(sequence: np.ndarray, max_tokens: int, max_ngram: int, min_ngram: int) -> np.ndarray:
-    """``find_continuation`` on an (L,) int64 numpy array, with the same result."""
+def match_continuation(sequence: np.ndarray, max_tokens: int, max_ngram: int, min_ngram: int) -> tuple[np.ndarray, int]:
+    """``find_continuation`` on an (L,) int64 numpy array, and the n whose match decided (0: none).
+
+    Returns:
+        ``(continuation, n)``: the (k,) int64 continuation (a new array), and the length n of the
+        matched n-gram (``Draft.ngram_sizes``: a longer match is accepted more often); ``(empty, 0)``
+        when no n-gram matches.
+    """
     length = sequence.shape[0]
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
         windows = sliding_window_view(sequence[: length - 1], n)
         hits = np.flatnonzero((windows == sequence[length - n :]).all(axis=1))
         if hits.size:
             start = int(hits[-1]) + n
-            return sequence[start : start + max_tokens].copy()
-    return sequence[:0].copy()
+            return sequence[start : start + max_tokens].copy(), n
+    return sequence[:0].copy(), 0
 
 
 def find_continuations(sequence: np.ndarray, max_tokens: int, max_ngram: int, min_ngram: int,
@@ -145,7 +151,8 @@ class PromptLookupDrafter(Drafter):
     """Per row, proposes the continuation of the most recent earlier match of its last n-gram.
 
     Deterministic, so ``Draft.probs`` is None (verification treats it as one-hot);
-    ``num_forwards`` stays 0. A row without a match proposes nothing, and takes a plain
+    ``num_forwards`` stays 0. A linear draft reports each row's matched n (``Draft.ngram_sizes``), by
+    which a cost model decides how much of it to verify (``engine.speculation_cost``). A row without a match proposes nothing, and takes a plain
     target step. The match runs on the host, in numpy, on the sequences the engine passes
     (no torch op, so no host sync whatever the device).
 
@@ -172,6 +179,7 @@ class PromptLookupDrafter(Drafter):
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
         self.branches = branches
+        self.reports_ngram_sizes = branches == 1  # a tree's nodes continue several matches
         self._device = None
 
     def bind(self, target_cache) -> None:
@@ -184,15 +192,15 @@ class PromptLookupDrafter(Drafter):
     def propose(self, sequences, max_tokens, exits=None, exit_rule="row") -> Draft:
         if self.branches > 1:
             return self._propose_trees(sequences, max_tokens)
-        found = [
-            find_continuation(np.asarray(s, dtype=np.int64), cap, self.max_ngram, self.min_ngram).tolist()
-            if cap > 0
-            else []
-            for s, cap in zip(sequences, max_tokens)
-        ]
+        found, sizes = [], []
+        for s, cap in zip(sequences, max_tokens):
+            tokens, n = match_continuation(np.asarray(s, dtype=np.int64), cap, self.max_ngram, self.min_ngram) \
+                if cap > 0 else (None, 0)
+            found.append(tokens.tolist() if n else [])
+            sizes.append(n if found[-1] else 0)
         width = max(1, max(len(f) for f in found))
         ids = to_device([f + [0] * (width - len(f)) for f in found], self._device)
-        return Draft(ids, [len(f) for f in found], None, None, self.who)
+        return Draft(ids, [len(f) for f in found], None, None, self.who, ngram_sizes=sizes)
 
     def _propose_trees(self, sequences, max_tokens) -> Draft:
         rows, trees = [], []

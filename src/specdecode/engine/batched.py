@@ -417,6 +417,9 @@ class BatchedSpeculativeDecoder(BatchRequests):
             # drafting only: no compilation, no deferred prompt prefill
             draft_s = time.perf_counter() - t_draft - (self.drafter.compile_time_s - draft_compiling) - draft_prefill
             k = list(draft.num_tokens)
+            if draft.ngram_sizes is not None:  # each row's policy keeps what its match's evidence pays for
+                k = [row.controller.trim(kb, draft.ngram_sizes[b]) if kb and row.controller is not None else kb
+                     for b, (row, kb) in enumerate(zip(rows, k))]
         trees, tokens, probs = self._trees(draft, k) if draft is not None else (None, None, None)
         K = max(k)
         # verify: one forward, row b at its own position len_b - 1, padded on the right to K + 1.

@@ -42,8 +42,10 @@ from types import MappingProxyType
 
 from specdecode.errors import InvalidArgumentError
 
-#: The verification widths a llama.cpp target is measured at (tokens fed to the target in one forward).
-MEASURED_WIDTHS = (1, 2, 4, 8)
+#: The verification widths a llama.cpp target is measured at (tokens fed to the target in one forward). Not
+#: interpolated at 3: llama.cpp's repacked Q4_K kernels run a multiple of 4 tokens together and the rest one at
+#: a time, so on a 2-core Xeon 3 tokens cost more than 4 (123.8 against 111.5 ms; docs/benchmarks/2026-11-27-xeon-amx.md).
+MEASURED_WIDTHS = (1, 2, 3, 4, 6, 8)
 #: Candidate tree sizes (nodes) up to a generation's γ, which is always one.
 SIZES = (0, 1, 2, 4, 8, 16, 32, 64)
 #: α before any round for prompt lookup and for a draft model (module docstring, "The prior").

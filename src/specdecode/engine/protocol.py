@@ -139,6 +139,12 @@ class RoundController(Protocol):
     def record(self, cap: int, num_drafted: int, num_accepted: int) -> None:
         """After verifying a block of ``num_drafted`` >= 1 tokens drafted under ``cap``."""
 
+    def trim(self, num_tokens: int, ngram_size: int) -> int:
+        """After the drafter proposed ``num_tokens`` >= 1 tokens for the row, continuing an earlier match of
+        its last ``ngram_size`` tokens (``Draft.ngram_sizes``), how many of them to verify (0 .. num_tokens;
+        0: a plain step). Called before ``record``; the default keeps them all."""
+        return num_tokens
+
     def record_round(self, cap: int, num_drafted: int, seconds: float, *, draft_seconds: float = 0.0,
                      depth: int | None = None) -> None:
         """After every round of the row, drafted or not (the engine calls it after ``record``): the row
@@ -212,6 +218,10 @@ class Draft:
             distributions, in order (row i of ``probs[b]`` is node ``prob_nodes[b][i]``'s q; they
             form a path from node 0); its other nodes are candidates chosen without the target (no
             q). None for other rows; None altogether when no row has them.
+        ngram_sizes: Per row of a linear draft without ``probs``, the length n of the n-gram whose
+            earlier occurrence the row's block continues (prompt lookup; 0: no match, no block): the
+            evidence a cost model prices the block by, as a longer match is accepted more often
+            (``RoundController.trim``). None for drafters without one.
     """
 
     tokens: torch.Tensor
@@ -221,6 +231,7 @@ class Draft:
     who: str = "draft model"
     trees: list[TokenTree | None] | None = None
     prob_nodes: list[list[int] | None] | None = None
+    ngram_sizes: list[int] | None = None
 
 
 class Drafter(abc.ABC):
@@ -245,6 +256,8 @@ class Drafter(abc.ABC):
         num_forwards: Model forwards run since ``bind``.
         supports_exit_policy: Whether ``propose`` honours ``exits`` (drafters that give
             probabilities).
+        reports_ngram_sizes: Whether its drafts carry ``Draft.ngram_sizes`` (prompt lookup's chains): a
+            cost-model policy then asks it for the longest block and keeps per row what the match pays for.
         who: The drafting model, for messages.
         prefill_time_s: Seconds ``propose`` spent prefilling prompts whose prefill was deferred from
             ``join`` (a draft model's ``_catch_up``), over its life: not drafting, so the engine leaves
@@ -256,6 +269,7 @@ class Drafter(abc.ABC):
     num_forwards: int = 0
     prefill_time_s: float = 0.0
     supports_exit_policy: bool = False
+    reports_ngram_sizes: bool = False
     who: str = "draft model"
 
     @property

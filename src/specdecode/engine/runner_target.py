@@ -241,7 +241,7 @@ def measured_cost_policy(target, max_tokens: int = MEASURED_WIDTHS[-1] - 1, cont
     """
     if not target.forward_costs:
         context = [(100 + i) % target.vocab_size for i in range(context_tokens)]
-        target.measure_forward_costs(context, MEASURED_WIDTHS, repeats=3, warmup=1)
+        target.measure_forward_costs(context, MEASURED_WIDTHS, repeats=5, warmup=1)
         engine = forwards_of(target).one_row_engine
         if engine is not None:  # the measurement took the target's memory: a stream in flight says so
             engine.cache.generation += 1
