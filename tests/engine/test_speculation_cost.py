@@ -171,6 +171,18 @@ def test_no_drafting_where_nothing_could_pay():
     assert [controller.round_cap() for _ in range(5)] == [0] * 5 and controller.num_probes == 0
 
 
+def test_a_draft_that_pays_only_at_near_full_acceptance_does_not_draft_or_probe():
+    # llama.cpp on a 2-core Xeon: the 1.5B target's forwards and the 0.5B draft's 44.1 ms step (seconds).
+    costs = ForwardCosts({1: 0.0641, 2: 0.1021, 4: 0.1158, 8: 0.2077})
+    policy = SpeculationCostPolicy(costs, draft_node_s=0.0441, prior=0.88, probe_every=2, max_size=7)
+    assert 0.95 < policy.break_even(3) < 1.0  # 3 tokens would pay if nearly all were accepted
+    controller = policy.controller(7)
+    assert not policy.can_pay(controller.sizes)
+    assert [controller.round_cap() for _ in range(40)] == [0] * 40 and controller.num_probes == 0
+    cheaper = SpeculationCostPolicy(costs, draft_node_s=0.02, prior=0.88, probe_every=2, max_size=7)
+    assert cheaper.can_pay(controller.sizes) and cheaper.controller(7).round_cap() > 0
+
+
 def test_a_measured_draft_cost_too_high_is_probed_again_rarely():
     """A first round's slow draft (first-shape kernels) must not stop drafting for good: with a measured
     s_node where no size pays, one token is tried every RARE_PROBE_FACTOR x probe_every plain steps; with a
