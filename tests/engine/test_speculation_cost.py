@@ -15,12 +15,17 @@ from specdecode.drafters import DraftModelDrafter, PromptLookupDrafter
 from specdecode.drafters.control import DraftControl
 from specdecode.drafters.token_recycling import TokenRecyclingDrafter
 from specdecode.engine.batched import BatchedSpeculativeDecoder
-from specdecode.engine.cost_model import DRAFT_MODEL_PRIOR, PROMPT_LOOKUP_PRIOR, ForwardCosts, expected_tokens
+from specdecode.engine.cost_model import (
+    DRAFT_MODEL_PRIOR,
+    PROMPT_LOOKUP_PRIOR,
+    DepthAcceptance,
+    ForwardCosts,
+    expected_tokens,
+)
 from specdecode.engine.protocol import DraftPolicy, RoundController
 from specdecode.engine.speculation_cost import (
     EXIT_PROBE_TOKENS,
     RARE_PROBE_FACTOR,
-    DepthAcceptance,
     SpeculationCostController,
     SpeculationCostPolicy,
     calibration_widths,

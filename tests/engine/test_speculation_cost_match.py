@@ -14,7 +14,8 @@ from specdecode.drafters.prompt_lookup import find_continuation, match_continuat
 from specdecode.engine.batched import BatchedSpeculativeDecoder
 from specdecode.engine.cost_model import ForwardCosts
 from specdecode.engine.protocol import DraftPolicy, RoundController
-from specdecode.engine.speculation_cost import RARE_PROBE_FACTOR, DepthAcceptance, SpeculationCostPolicy
+from specdecode.engine.cost_model import DepthAcceptance
+from specdecode.engine.speculation_cost import RARE_PROBE_FACTOR, SpeculationCostPolicy
 
 # A 2-core Xeon's llama.cpp Q4_K_M 1.5B target (ms, docs/benchmarks/2026-11-27-xeon-amx.md): 4 tokens cost 1.6
 # steps and 3 tokens more than 4.

@@ -117,9 +117,12 @@ from specdecode.engine.cost_model import (
     DRAFT_MODEL_PRIOR,
     PROMPT_LOOKUP_PRIOR,
     SIZES,
+    DepthAcceptance,
     ForwardCosts,
     RateMean,
     SizeMeans,
+    best_size,
+    check_count,
     expected_tokens,
 )
 from specdecode.engine.protocol import DraftPolicy, Drafter, MeasureForwards, RoundController
@@ -138,11 +141,6 @@ EAGER_WIDTHS = (1, 2, 3, 5, 9, 17, 33, 65)
 PLAUSIBLE_ACCEPTANCE = 0.95
 
 
-def _check_count(name: str, value: object, least: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise InvalidArgumentError(f"{name} must be an integer >= {least}, got {value!r}")
-
-
 def _check_seconds(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise InvalidArgumentError(f"{name} must be finite seconds >= 0, got {value!r}")
@@ -154,93 +152,8 @@ def calibration_widths(max_width: int) -> tuple[int, ...]:
     Raises:
         InvalidArgumentError: ``max_width`` < 1.
     """
-    _check_count("max_width", max_width, 1)
+    check_count("max_width", max_width, 1)
     return tuple(sorted({w for w in EAGER_WIDTHS if w < max_width} | {max_width}))
-
-
-class DepthAcceptance:
-    """Running estimates of α_d, the probability that depth d is accepted given depth d - 1 was.
-
-    Args:
-        prior: α_d before any trial at depth d, in [0, 1].
-        prior_weight: Trials the prior is worth (> 0), forgotten like the trials.
-        decay: Weight an earlier trial keeps at each new trial of its depth, in (0, 1].
-
-    Raises:
-        InvalidArgumentError: A value outside its range.
-    """
-
-    def __init__(self, prior: float, prior_weight: float = 2.0, decay: float = 0.9) -> None:
-        if isinstance(prior, bool) or not isinstance(prior, (int, float)) or not 0.0 <= prior <= 1.0:
-            raise InvalidArgumentError(f"prior must be in [0, 1], got {prior!r}")
-        if isinstance(prior_weight, bool) or not isinstance(prior_weight, (int, float)) or not (
-                math.isfinite(prior_weight) and prior_weight > 0):
-            raise InvalidArgumentError(f"prior_weight must be a finite number > 0, got {prior_weight!r}")
-        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay <= 1.0:
-            raise InvalidArgumentError(f"decay must be in (0, 1], got {decay!r}")
-        self.prior, self.prior_weight, self.decay = float(prior), float(prior_weight), float(decay)
-        self.accepted: list[float] = []  # per depth (index d - 1): decayed successes, the prior's included
-        self.trials: list[float] = []
-        # Σ_{d<=k} Π_{j<=d} α_j for k = 0, 1, ..: the controller prices every size each round (twice), so the
-        # sums are built once per update, not once per size; cleared by every trial.
-        self._sums: list[float] = [0.0]
-        self._reach = 1.0
-
-    def alpha(self, depth: int) -> float:
-        """α at ``depth`` >= 1 (the prior at a depth never tried)."""
-        _check_count("depth", depth, 1)
-        if depth > len(self.trials):
-            return self.prior
-        return self.accepted[depth - 1] / self.trials[depth - 1]
-
-    def _trial(self, depth: int, success: bool) -> None:
-        while len(self.trials) < depth:
-            self.accepted.append(self.prior * self.prior_weight)
-            self.trials.append(self.prior_weight)
-        i = depth - 1
-        self.accepted[i] = self.decay * self.accepted[i] + success
-        self.trials[i] = self.decay * self.trials[i] + 1.0
-        self._sums, self._reach = [0.0], 1.0
-
-    def update(self, num_drafted: int, num_accepted: int) -> None:
-        """After a chain of ``num_drafted`` >= 1 tokens of which the first ``num_accepted`` were accepted:
-        successes at depths 1 .. num_accepted, a failure at num_accepted + 1 when it was drafted.
-
-        Raises:
-            InvalidArgumentError: ``num_drafted`` < 1 or ``num_accepted`` outside 0 .. ``num_drafted``.
-        """
-        if isinstance(num_drafted, bool) or not isinstance(num_drafted, int) or num_drafted < 1 \
-                or not 0 <= num_accepted <= num_drafted:
-            raise InvalidArgumentError(f"a chain must draft >= 1 tokens and accept 0..drafted of them, "
-                                       f"got {num_accepted!r} of {num_drafted!r}")
-        for d in range(1, num_accepted + 1):
-            self._trial(d, True)
-        if num_accepted < num_drafted:
-            self._trial(num_accepted + 1, False)
-
-    def expected_accepted(self, k: int) -> float:
-        """Σ_{d=1..k} Π_{j=1..d} α_j: the expected accepted tokens of a chain of k >= 0 tokens."""
-        _check_count("k", k, 0)
-        sums = self._sums
-        while len(sums) <= k:
-            self._reach *= self.alpha(len(sums))
-            sums.append(sums[-1] + self._reach)
-        return sums[k]
-
-    def by_depth(self) -> list[float]:
-        """α_1, α_2, .. at the depths tried so far."""
-        return [a / t for a, t in zip(self.accepted, self.trials)]
-
-
-def best_size(sizes: Sequence[int], rate) -> int:
-    """The size in ``sizes`` with the highest ``rate(size)`` (expected tokens per second; None: not
-    known, skipped); a tie goes to the smaller size. 0 when no size has a rate."""
-    best, best_rate = 0, None
-    for size in sorted(sizes):
-        r = rate(size)
-        if r is not None and (best_rate is None or r > best_rate * (1 + 1e-12)):
-            best, best_rate = size, r
-    return best
 
 
 class SpeculationCostPolicy(DraftPolicy):
@@ -285,9 +198,9 @@ class SpeculationCostPolicy(DraftPolicy):
             raise InvalidArgumentError(f"target_costs must be a ForwardCosts or None, got {target_costs!r}")
         if draft_node_s is not None:
             _check_seconds("draft_node_s", draft_node_s)
-        _check_count("probe_every", probe_every, 1)
+        check_count("probe_every", probe_every, 1)
         if max_size is not None:
-            _check_count("max_size", max_size, 1)
+            check_count("max_size", max_size, 1)
         DepthAcceptance(0.5 if prior is None else prior, prior_weight, decay)  # validates them
         self.target_costs = target_costs
         self.draft_node_s = draft_node_s
@@ -376,7 +289,7 @@ class SpeculationCostPolicy(DraftPolicy):
         Raises:
             InvalidArgumentError: ``k`` < 1.
         """
-        _check_count("k", k, 1)
+        check_count("k", k, 1)
         plain, seconds = 1.0 / self.seconds(0), self.seconds(k)
         if expected_tokens(1.0, k) / seconds < plain:
             return None
@@ -427,7 +340,7 @@ class SpeculationCostPolicy(DraftPolicy):
         Raises:
             InvalidArgumentError: ``gamma`` < 1.
         """
-        _check_count("max_tokens", gamma, 1)
+        check_count("max_tokens", gamma, 1)
         return SpeculationCostController(self, gamma if self.max_size is None else min(gamma, self.max_size), exit)
 
 
@@ -461,7 +374,7 @@ class SpeculationCostController(RoundController):
     gate = None
 
     def __init__(self, policy: SpeculationCostPolicy, max_tokens: int, exit=None) -> None:
-        _check_count("max_tokens", max_tokens, 1)
+        check_count("max_tokens", max_tokens, 1)
         self.policy = policy
         self.max_tokens = max_tokens
         self.exit = exit
