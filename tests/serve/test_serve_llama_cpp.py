@@ -20,6 +20,7 @@ from conftest import make_tiny_model, make_tiny_tokenizer
 from runner_target_helpers import PROMPT
 from serve_helpers import serving
 from specdecode.cli import build_parser, main
+from specdecode.engine.cost_model import MEASURED_WIDTHS
 
 TEXT_A = " ".join(f"w{t}" for t in PROMPT[1:])  # the tiny tokenizer's words: ids PROMPT[1:], no BOS
 TEXT_B = "w30 w31 w32 w30 w31 w8 w30 w31"
@@ -154,7 +155,7 @@ def test_server_runs_the_llama_cpp_target_one_row_with_prompt_lookup_from_measur
     assert type(decoder.target).__name__ == "LlamaCppTargetRunner"
     assert type(decoder.drafter).__name__ == "PromptLookupDrafter"
     assert type(decoder.draft_control).__name__ == "SpeculationCostPolicy"  # as generate --backend llama-cpp drafts
-    assert list(decoder.target.forward_costs) == [1, 2, 4, 8]
+    assert list(decoder.target.forward_costs) == list(MEASURED_WIDTHS)
 
 
 def test_completion_equals_llama_cpp_s_own_greedy_output(llama_server, tiny_gguf):
