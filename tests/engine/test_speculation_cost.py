@@ -457,13 +457,13 @@ def test_with_adaptive_exit_drafting_and_plain_steps_are_chosen_by_their_measure
     assert later.round_cap() == 0 and later.exit_rounds.rate is None and policy.plain_rate() == 2.0
     while later.round_cap() == 0:
         later.record_round(0, 0, 0.5)
-    later.record(3, 2, 1)
-    later.record_round(3, 2, 0.6)  # a probe with a rejection fails, however fast
+    later.record(3, 3, 3)
+    later.record_round(3, 3, 2.1)  # every token accepted, but 4 tokens in 2.1 s: slower than plain steps
     assert later.round_cap() == 0
     while later.round_cap() == 0:
         later.record_round(0, 0, 0.5)
-    later.record(3, 3, 3)
-    later.record_round(3, 3, 2.0)  # a probe whose tokens were all accepted: draft at the full cap
+    later.record(3, 2, 1)
+    later.record_round(3, 2, 0.9)  # a rejection, but 2 tokens in 0.9 s beat plain steps: draft at the full cap
     assert later.round_cap() == 6 and later.exit_rounds.rate is None
     later.record(6, 6, 6)
     later.record_round(6, 6, 2.0)  # 7 tokens in 2 s: drafting goes on
