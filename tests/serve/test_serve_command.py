@@ -40,6 +40,21 @@ from specdecode.serve.loadtest import wait_until_healthy, wait_until_listening
         (["--max-verify-tokens", "many"], "'many'"),
         (["--port", "70000"], "0..65535"),
         (["--max-tokens-limit", "0", "--max-length", "64"], "max_tokens_limit must be an integer >= 1"),
+        # --max-length too short for one prompt token, one new token and a draft block: refused once the
+        # models had loaded (and the engine had warmed up)
+        (["--device", "cpu", "--max-length", "14"],  # cascade's default adaptive exit: blocks of up to 12
+         "--max-length 14 leaves no room for a request: a row keeps 13 positions for a draft block (--method "
+         "cascade drafts up to 12 tokens a round, + 1), and a request needs at least one prompt token and one new "
+         "token; allowed: --max-length >= 15"),
+        (["--method", "autoregressive", "--max-length", "2"], "keeps 1 positions for a draft block (--method "
+         "autoregressive drafts no token, + 1)"),
+        (["--method", "autoregressive", "--max-length", "2"], "allowed: --max-length >= 3"),
+        (["--method", "draft", "-g", "3", "--max-length", "5"], "allowed: --max-length >= 6"),
+        (["--method", "prompt-lookup", "--max-length", "7"], "allowed: --max-length >= 8"),
+        (["--method", "draft", "-g", "4", "--max-length", "100", "--max-prompt-tokens", "96"],
+         "--max-prompt-tokens 96 does not fit --max-length 100: a prompt of 96 tokens, one new token and a draft "
+         "block (5 positions) take 102; allowed: --max-prompt-tokens 1..94, or --max-length >= 102"),
+        (["--max-length", "0"], "--max-length must be >= 1"),
     ],
 )
 def test_bad_options_exit_2_before_loading_models(args, needle, capsys):
@@ -207,3 +222,43 @@ def test_check_address_binds_as_asyncio_does():
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
     check_address("", port)  # every interface, as uvicorn's --host ""
+
+
+# --- --max-length against the draft block ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_folders(tmp_path_factory):
+    return tiny_chat_folders(tmp_path_factory.mktemp("tiny"))
+
+
+def serve_args(tiny_folders, *flags) -> list[str]:
+    target, draft = tiny_folders
+    return ["serve", "--target", str(target), "--draft", str(draft), "--dtype", "float32", "--device", "cpu",
+            "--port", "0", "--log-level", "warning", "--no-warmup", *map(str, flags)]
+
+
+@pytest.mark.parametrize("flags", [
+    [], ["--method", "autoregressive"], ["--method", "draft"], ["--method", "draft", "-g", "3"],
+    ["--method", "cascade", "--no-adaptive-draft-exit"], ["--method", "draft", "--draft-tree-depth", "3"],
+    ["--method", "layer-skip", "--skip-layers", "attn=1;mlp=1"], ["--method", "early-exit", "--exit-layer", "2"],
+    ["--method", "prompt-lookup"], ["--method", "prompt-lookup", "--prompt-lookup-branches", "3", "-g", "7"],
+    ["--method", "token-recycling"], ["--method", "layer-skip", "--skip-layers", "attn=1", "--adaptive-draft-exit"],
+])
+def test_the_draft_block_known_before_loading_is_the_engine_s(tiny_folders, flags):
+    """--max-length's bounds are checked with the longest draft block the flags give, before the models load;
+    it must be the block of the engine built afterwards."""
+    import torch
+
+    from specdecode.cli import build_parser
+    from specdecode.pipeline import SpeculativeGenerator
+    from specdecode.serve.command import build_decoder, check_llama_cpp_backend, resolve_defaults
+    from specdecode.serve.limits import longest_draft_block
+
+    args = build_parser().parse_args(serve_args(tiny_folders, "--max-length", 256, *flags))
+    check_llama_cpp_backend(args)
+    plan = resolve_defaults(args, torch.device("cpu"))
+    target, draft = tiny_folders
+    gen = SpeculativeGenerator.from_pretrained(str(target), str(draft) if plan.draft else None, dtype="float32",
+                                               device="cpu")
+    assert longest_draft_block(args, plan) == build_decoder(gen, args, plan).max_block
