@@ -51,7 +51,13 @@ from specdecode.pipeline import (
     prompt_limit_by_default,
     why_no_int4_draft,
 )
-from specdecode.serve.limits import check_max_length, longest_draft_block
+from specdecode.serve.limits import (
+    DEFAULT_MAX_LENGTH,
+    check_cache_memory,
+    check_max_length,
+    fit_max_length,
+    longest_draft_block,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -92,11 +98,13 @@ def add_arguments(p: argparse.ArgumentParser, *, default_target: str, default_dr
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health")
     p.add_argument("--max-batch-size", type=int, default=None,
                    help=f"rows decoded at once (default {DEFAULT_MAX_BATCH_SIZE}; with --backend llama-cpp 1, the only "
-                        "value it takes: one request at a time)")
+                        "value it takes: one request at a time); at most the rows whose KV caches (--max-length "
+                        "positions each, target and draft model) fit in the memory free once the models loaded")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait for a free row; beyond it the server answers 429 (default 64)")
-    p.add_argument("--max-length", type=int, default=2048,
-                   help="cache positions per row: prompt + max_tokens + a draft block (default 2048)")
+    p.add_argument("--max-length", type=int, default=None,
+                   help=f"cache positions per row: prompt + max_tokens + a draft block (default {DEFAULT_MAX_LENGTH}, "
+                        "or the target's context length + a draft block where that is less; at most that)")
     p.add_argument("--max-prompt-tokens", type=int, default=None,
                    help="longest prompt accepted, in tokens (default: what --max-length leaves room for beside one "
                         "new token and a draft block)")
@@ -273,7 +281,10 @@ def run(args) -> int:
 
     Raises:
         SpecDecodeError: Bad options (before loading models), a missing ``serve`` extra, or
-            the loading errors of ``SpeculativeGenerator.from_pretrained``.
+            the loading errors of ``SpeculativeGenerator.from_pretrained``; once the models loaded,
+            before the engine is built: a --max-length past what the target's context length and a
+            draft block use (``fit_max_length``), or a --max-batch-size whose KV caches do not fit in
+            memory (``check_cache_memory``).
     """
     app, engine = load_server(args)
     server = make_uvicorn_server(app, engine, host=args.host, port=args.port,
@@ -315,8 +326,10 @@ def load_server(args):
     backend = getattr(args, "backend", "torch")
     plan = resolve_defaults(args, resolve_device("cpu" if backend == "llama-cpp" else args.device))
     block = longest_draft_block(args, plan)
-    check_max_length(args.max_length, block, args.method, args.max_prompt_tokens)  # the rows' room: no model needed
-    serve_settings(args, args.max_length, block)  # the limits' ranges (the settings are made once the engine is)
+    # What needs no model: the rows' room for a request (the default may only shrink once the target is known)
+    max_length = DEFAULT_MAX_LENGTH if args.max_length is None else args.max_length
+    check_max_length(max_length, block, args.method, args.max_prompt_tokens)
+    serve_settings(args, max_length, block)  # the limits' ranges (the settings are made once the engine is)
     check_address(args.host, args.port)  # the flags' last check: the models take minutes to load
     _configure_logging(args.log_level)
     started = time.perf_counter()
@@ -331,10 +344,18 @@ def load_server(args):
     loaded_s = time.perf_counter() - started
     logger.info("start-up: models loaded%s in %.1f s", " and quantized" if gen.target.quantize != "none" or (
         gen.draft is not None and gen.draft.quantize != "none") else "", loaded_s)
+    # What needs the models, before the engine is built and its caches allocated
+    max_length = fit_max_length(args.max_length, block, gen.target.model)
+    if max_length != DEFAULT_MAX_LENGTH and args.max_length is None:
+        logger.info("start-up: --max-length %d (the target's context length and a %d-position draft block; "
+                    "default %d)", max_length, block + 1, DEFAULT_MAX_LENGTH)
+    check_max_length(max_length, block, args.method, args.max_prompt_tokens)
+    check_cache_memory(gen, args.method, max_batch_size=args.max_batch_size, max_length=max_length, block=block,
+                       compile=args.compile)
     t0 = time.perf_counter()
     control = plan.draft_control  # None under a llama.cpp target: batch_decoder measures its costs
     measured = gen.backend == "llama-cpp" and control is None and args.method != "autoregressive"
-    decoder = build_decoder(gen, args, plan, max_verify_tokens=verify)
+    decoder = build_decoder(gen, args, plan, max_length=max_length, max_verify_tokens=verify)
     settings = serve_settings(args, decoder.max_length, decoder.max_block)
     logger.info("start-up: batched engine built in %.1f s: method %s, %d rows%s, %s, max_model_prompt_tokens %s",
                 time.perf_counter() - t0, args.method, args.max_batch_size,
@@ -354,15 +375,18 @@ def load_server(args):
     return app, engine
 
 
-def build_decoder(gen, args, plan: ServePlan, *, max_verify_tokens="auto"):
+def build_decoder(gen, args, plan: ServePlan, *, max_length: int | None = None, max_verify_tokens="auto"):
     """The server's batched engine over ``gen`` from its flags and ``resolve_defaults``' plan (its caches are
-    allocated at the first forward).
+    allocated at the first forward); ``max_length``: as ``fit_max_length`` gives (None: --max-length or
+    ``DEFAULT_MAX_LENGTH``).
 
     Raises:
         InvalidArgumentError: ``SpeculativeGenerator.batch_decoder``'s.
     """
+    if max_length is None:
+        max_length = DEFAULT_MAX_LENGTH if args.max_length is None else args.max_length
     return gen.batch_decoder(
-        args.method, max_batch_size=args.max_batch_size, max_length=args.max_length,
+        args.method, max_batch_size=args.max_batch_size, max_length=max_length,
         num_speculative_tokens=plan.num_speculative_tokens, draft_control=plan.draft_control,
         exit_rule=args.exit_rule, max_verify_tokens=max_verify_tokens, skip_layers=args.skip_layers,
         skip_config=args.skip_config, exit_layer=args.exit_layer, prompt_lookup_max_ngram=args.prompt_lookup_max_ngram,
