@@ -162,3 +162,17 @@ def test_an_out_path_that_cannot_be_written_exits_2_before_loading(folders, tmp_
     out, err = capsys.readouterr()
     assert code == 2 and out == ""
     assert f"cannot create the folder of --out '{tmp_path / 'a-file' / 'best.json'}': File exists" in err, err
+
+
+def test_an_out_path_that_is_a_folder_exits_2_before_the_study(folders, tmp_path, capsys):
+    """--out names best.json (plots and the default storage go beside it); an existing folder there
+    failed only when best.json was written, after the whole study had run."""
+    out = tmp_path / "results"
+    out.mkdir()
+    code = main(_search_args(folders, out, "--trials", "2", "--no-plots"))
+    stdout, err = capsys.readouterr()
+    assert code == 2 and stdout == "", err
+    assert (f"--out {str(out)!r} is a folder: --out names the best.json file to write (the plots and the "
+            f"default storage go beside it); pass e.g. --out {str(out / 'best.json')!r}") in err, err
+    assert list(tmp_path.glob("*.db")) == [], "the study ran before --out was checked"
+    assert list(out.iterdir()) == []

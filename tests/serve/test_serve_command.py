@@ -40,6 +40,21 @@ from specdecode.serve.loadtest import wait_until_healthy, wait_until_listening
         (["--max-verify-tokens", "many"], "'many'"),
         (["--port", "70000"], "0..65535"),
         (["--max-tokens-limit", "0", "--max-length", "64"], "max_tokens_limit must be an integer >= 1"),
+        # --max-length too short for one prompt token, one new token and a draft block: refused once the
+        # models had loaded (and the engine had warmed up)
+        (["--device", "cpu", "--max-length", "14"],  # cascade's default adaptive exit: blocks of up to 12
+         "--max-length 14 leaves no room for a request: a row keeps 13 positions for a draft block (--method "
+         "cascade drafts up to 12 tokens a round, + 1), and a request needs at least one prompt token and one new "
+         "token; allowed: --max-length >= 15"),
+        (["--method", "autoregressive", "--max-length", "2"], "keeps 1 positions for a draft block (--method "
+         "autoregressive drafts no token, + 1)"),
+        (["--method", "autoregressive", "--max-length", "2"], "allowed: --max-length >= 3"),
+        (["--method", "draft", "-g", "3", "--max-length", "5"], "allowed: --max-length >= 6"),
+        (["--method", "prompt-lookup", "--max-length", "7"], "allowed: --max-length >= 8"),
+        (["--method", "draft", "-g", "4", "--max-length", "100", "--max-prompt-tokens", "96"],
+         "--max-prompt-tokens 96 does not fit --max-length 100: a prompt of 96 tokens, one new token and a draft "
+         "block (5 positions) take 102; allowed: --max-prompt-tokens 1..94, or --max-length >= 102"),
+        (["--max-length", "0"], "--max-length must be >= 1"),
     ],
 )
 def test_bad_options_exit_2_before_loading_models(args, needle, capsys):
@@ -55,7 +70,7 @@ def test_sigterm_finishes_or_cancels_requests_and_exits_cleanly(tmp_path):
     with open(log_path, "w") as log:  # --port 0: the server binds a free port and names it in its log
         proc = subprocess.Popen(
             [sys.executable, "-m", "specdecode.cli", "serve", "--target", str(target), "--draft", str(draft),
-             "--dtype", "float32", "--device", "cpu", "--port", "0", "--max-length", "1024",
+             "--dtype", "float32", "--device", "cpu", "--port", "0", "--max-length", "512",
              "--shutdown-timeout", "1", "--log-level", "info", "--max-batch-size", "4"],
             stdout=log, stderr=subprocess.STDOUT, text=True, env=env,
         )
@@ -207,3 +222,122 @@ def test_check_address_binds_as_asyncio_does():
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
     check_address("", port)  # every interface, as uvicorn's --host ""
+
+
+# --- --max-length and --max-batch-size against the loaded models ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_folders(tmp_path_factory):
+    return tiny_chat_folders(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture
+def not_listening(monkeypatch):
+    """``serve`` stops where it would listen (so a test sees whether it got that far); returns the list
+    of servers it made."""
+    from specdecode.serve import command
+
+    made = []
+
+    class NotListening:
+        def run(self):
+            pass
+
+    def make(app, engine, **kw):
+        made.append((app, engine))
+        return NotListening()
+
+    monkeypatch.setattr(command, "make_uvicorn_server", make)
+    return made
+
+
+def serve_args(tiny_folders, *flags) -> list[str]:
+    target, draft = tiny_folders
+    return ["serve", "--target", str(target), "--draft", str(draft), "--dtype", "float32", "--device", "cpu",
+            "--port", "0", "--log-level", "warning", "--no-warmup", *map(str, flags)]
+
+
+def test_a_max_length_past_the_target_s_context_is_refused_before_the_engine_is_built(
+        tiny_folders, not_listening, capsys):
+    """The tiny target has 512 positions (max_position_embeddings); cascade's rows keep 13 more for a draft
+    block. --max-length 100000 once started a server whose rows could never use more than 525 positions,
+    its caches sized for 100000."""
+    code = main(serve_args(tiny_folders, "--max-length", 100000))
+    err = capsys.readouterr().err
+    assert code == 2 and not_listening == [], err
+    assert ("--max-length 100000 is more than a row can use: the target's context length is 512 positions "
+            "(max_position_embeddings) and a row keeps 13 more for a draft block; allowed: --max-length 15..525"
+            ) in err, err
+    assert main(serve_args(tiny_folders, "--max-length", 525)) == 0 and len(not_listening) == 1  # the bound
+
+
+def test_the_default_max_length_is_what_the_target_s_context_leaves_room_for(tiny_folders):
+    """2048 by default, or the context length and a draft block where they take fewer (512 + 13 here):
+    the default once was 2048 whatever the model."""
+    from specdecode.cli import build_parser
+    from specdecode.serve.command import load_server
+
+    _, engine = load_server(build_parser().parse_args(serve_args(tiny_folders)))
+    assert engine.decoder.max_length == 525
+    _, engine = load_server(build_parser().parse_args(serve_args(tiny_folders, "--method", "autoregressive")))
+    assert engine.decoder.max_length == 513
+
+
+def test_a_max_batch_size_whose_caches_do_not_fit_in_memory_is_refused_before_the_engine_is_built(
+        tiny_folders, not_listening, capsys):
+    """Rows of 256 positions take 256 KiB of keys and values here (target and draft), so 2,000,000 rows
+    need about 488 GiB: the caches were only allocated at the warm-up (or, with --no-warmup, the first
+    request), and failed there."""
+    code = main(serve_args(tiny_folders, "--max-length", 256, "--max-batch-size", 2_000_000))
+    err = capsys.readouterr().err
+    assert code == 2 and not_listening == [], err
+    assert re.search(r"--max-batch-size 2000000 does not fit in memory: at --max-length 256 a row's keys and "
+                     r"values take 256\.0 KiB \(target 128\.0 KiB, draft 128\.0 KiB\), 2000000 rows 488\.3 GiB, "
+                     r"more than the [\d.]+ GiB available on cpu; allowed: --max-batch-size 1\.\.\d+ at "
+                     r"--max-length 256", err), err
+
+
+def test_the_cache_memory_check_allows_exactly_the_rows_that_fit(tiny_folders):
+    from specdecode.errors import InvalidArgumentError
+    from specdecode.pipeline import SpeculativeGenerator
+    from specdecode.serve.limits import check_cache_memory, kv_bytes_per_position
+
+    target, draft = tiny_folders
+    gen = SpeculativeGenerator.from_pretrained(str(target), str(draft), dtype="float32", device="cpu")
+    # 4 layers x 2 key/value heads x 8 dimensions x (keys + values) x 4 bytes
+    assert kv_bytes_per_position(gen.target.model) == kv_bytes_per_position(gen.draft.model) == 512
+    row = 2 * 512 * 100  # target and draft, 100 positions
+    check_cache_memory(gen, "cascade", max_batch_size=3, max_length=100, available_bytes=3 * row)
+    with pytest.raises(InvalidArgumentError, match=r"--max-batch-size 4 does not fit in memory: .* allowed: "
+                                                   r"--max-batch-size 1\.\.3 at --max-length 100"):
+        check_cache_memory(gen, "cascade", max_batch_size=4, max_length=100, available_bytes=3 * row)
+    check_cache_memory(gen, "prompt-lookup", max_batch_size=6, max_length=100, available_bytes=3 * row)
+    with pytest.raises(InvalidArgumentError, match=r"not even one row fits: lower --max-length"):
+        check_cache_memory(gen, "cascade", max_batch_size=1, max_length=100, available_bytes=row - 1)
+
+
+@pytest.mark.parametrize("flags", [
+    [], ["--method", "autoregressive"], ["--method", "draft"], ["--method", "draft", "-g", "3"],
+    ["--method", "cascade", "--no-adaptive-draft-exit"], ["--method", "draft", "--draft-tree-depth", "3"],
+    ["--method", "layer-skip", "--skip-layers", "attn=1;mlp=1"], ["--method", "early-exit", "--exit-layer", "2"],
+    ["--method", "prompt-lookup"], ["--method", "prompt-lookup", "--prompt-lookup-branches", "3", "-g", "7"],
+    ["--method", "token-recycling"], ["--method", "layer-skip", "--skip-layers", "attn=1", "--adaptive-draft-exit"],
+])
+def test_the_draft_block_known_before_loading_is_the_engine_s(tiny_folders, flags):
+    """--max-length's bounds are checked with the longest draft block the flags give, before the models load;
+    it must be the block of the engine built afterwards."""
+    import torch
+
+    from specdecode.cli import build_parser
+    from specdecode.pipeline import SpeculativeGenerator
+    from specdecode.serve.command import build_decoder, check_llama_cpp_backend, resolve_defaults
+    from specdecode.serve.limits import longest_draft_block
+
+    args = build_parser().parse_args(serve_args(tiny_folders, "--max-length", 256, *flags))
+    check_llama_cpp_backend(args)
+    plan = resolve_defaults(args, torch.device("cpu"))
+    target, draft = tiny_folders
+    gen = SpeculativeGenerator.from_pretrained(str(target), str(draft) if plan.draft else None, dtype="float32",
+                                               device="cpu")
+    assert longest_draft_block(args, plan) == build_decoder(gen, args, plan).max_block

@@ -219,3 +219,21 @@ def test_readme_s_server_section_says_one_request_at_a_time():
     assert "serve --backend llama-cpp" in section
     assert "`--backend llama-cpp` serves one request at a time." in section
     assert "further requests wait in the queue (`--max-queue`" in section
+
+
+@pytest.mark.parametrize("flags", [[], ["-g", "9"], ["--method", "autoregressive"]])
+def test_the_draft_block_known_before_loading_is_the_engine_s(tiny_gguf, tmp_path, flags, monkeypatch):
+    """--max-length's bounds are checked before loading with the longest draft block the flags give: under
+    llama.cpp, prompt lookup's γ capped at the widest forward whose cost is measured (8 tokens: blocks of 7)."""
+    from specdecode.models import llama_cpp_target
+    from specdecode.serve.command import check_llama_cpp_backend, load_server, resolve_defaults
+    from specdecode.serve.limits import longest_draft_block
+
+    monkeypatch.setattr(llama_cpp_target, "_target_tokenizer", lambda spec, path, cache_dir: make_tiny_tokenizer())
+    argv = ["serve", "--backend", "llama-cpp", "--target", str(tiny_gguf), "--max-length", "64", "--no-warmup",
+            "--cache-dir", str(tmp_path), "--log-level", "warning", *flags]
+    _, engine = load_server(build_parser().parse_args(argv))
+    args = build_parser().parse_args(argv)
+    check_llama_cpp_backend(args)
+    block = longest_draft_block(args, resolve_defaults(args, torch.device("cpu")))
+    assert block == engine.decoder.max_block == {(): 5, ("-g", "9"): 7}.get(tuple(flags), 0)

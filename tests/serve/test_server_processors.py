@@ -117,6 +117,35 @@ def test_completion_logprobs(server, generator):
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
 
 
+def test_completion_text_offsets_point_into_the_returned_text_past_special_tokens(server, generator):
+    """text_offset[i] is where token i starts in the returned text, as vLLM's: the text is decoded without
+    special tokens, so a special token (here <pad> and <s>, which the bias makes the tiny model emit between
+    words) adds no characters. The offsets once added each token's own decode, "<s>" included, so every
+    offset after a special token pointed past where its token starts (and past the end of the text)."""
+    url, _, _ = server
+    tok = generator.tokenizer
+    want = alone(generator, PROMPT, False, logit_bias={1: 1.0}, max_new_tokens=12)
+    ids = want.token_ids
+    special = set(tok.all_special_ids)
+    assert any(t in special for t in ids[:-1]) and any(t not in special for t in ids), ids  # the case at hand
+    expected = [len(tok.decode(ids[:i], skip_special_tokens=True)) for i in range(len(ids))]
+    c = client(url)
+    kwargs = dict(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, logprobs=0, logit_bias={"1": 1.0})
+    r = c.completions.create(**kwargs)
+    text, lp = r.choices[0].text, r.choices[0].logprobs
+    assert text == tok.decode(ids, skip_special_tokens=True)
+    assert lp.tokens == [tok.decode([t]) for t in ids]  # a token is still its own decode, "<s>" included
+    assert lp.text_offset == expected
+    # Each token's characters: from its offset to the next one's; together they are the text.
+    pieces = [text[a:b] for a, b in zip(lp.text_offset, [*lp.text_offset[1:], len(text)])]
+    assert "".join(pieces) == text
+    assert all(p == "" for p, t in zip(pieces, ids) if t in special)
+    assert all(p.strip() == tok.decode([t]) for p, t in zip(pieces, ids) if t not in special)
+    streamed = [o for chunk in c.completions.create(**kwargs, stream=True)
+                if chunk.choices and chunk.choices[0].logprobs for o in chunk.choices[0].logprobs.text_offset]
+    assert streamed == expected
+
+
 @pytest.mark.parametrize(
     ("create", "param", "needle"),
     [
@@ -176,3 +205,20 @@ def test_a_masked_tokens_logprob_is_floored_in_json():
     assert chat["content"][0]["top_logprobs"][1]["logprob"] == LOGPROB_FLOOR
     completion = logprobs_json(False, [entry], None)
     assert completion["top_logprobs"] == [{"5": -0.1, "7": LOGPROB_FLOOR}] and completion["text_offset"] == [0]
+
+
+def test_logprobs_json_offsets_without_given_ones_are_those_of_the_text_without_special_tokens():
+    """A whole completion's offsets computed from its tokens: <pad> and <s> add no characters to the text."""
+    from conftest import make_tiny_tokenizer
+    from specdecode.engine.processors import TokenLogprob
+    from specdecode.serve.openai_format import logprobs_json
+
+    tok = make_tiny_tokenizer()
+    ids = [0, 23, 1, 40, 23]  # text "w23 w40 w23"
+    entries = [TokenLogprob(t, -1.0, ()) for t in ids]
+    got = logprobs_json(False, entries, tok)
+    assert got["tokens"] == ["<pad>", "w23", "<s>", "w40", "w23"]
+    assert got["text_offset"] == [0, 0, 3, 3, 7]  # it was [0, 5, 8, 11, 14]: each token's own decode added up
+    assert logprobs_json(False, entries, tok, [7, 7, 10, 10, 14])["text_offset"] == [7, 7, 10, 10, 14]
+    with pytest.raises(ValueError, match="one offset per entry: 2 for 5"):
+        logprobs_json(False, entries, tok, [0, 0])

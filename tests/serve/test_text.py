@@ -86,3 +86,21 @@ def test_each_push_decodes_only_the_new_window():
         a.push([1, 2], final=False)
     assert a.text == "Hello wor" * 50
     assert max(calls) <= 4  # the previous delivery as context plus this one, never the whole output
+
+
+def test_token_offsets_skip_special_tokens_and_count_a_split_character_once():
+    """Completions' logprobs.text_offset: where each token starts in the text as sent, which is decoded
+    without special tokens; both halves of 'é' start where 'é' does."""
+    a = TextAssembler(PieceTokenizer(), offsets=True)
+    parts = stream(a, [[1, 0], [2, 7], [8, 3, 4]])
+    text = "".join(parts)
+    assert text == a.text == "Hello woréld!"
+    assert a.token_ids == [1, 0, 2, 7, 8, 3, 4]
+    assert a.token_offsets == [0, 5, 5, 9, 9, 10, 12]
+    assert TextAssembler(PieceTokenizer()).token_offsets is None  # only computed when asked
+
+
+def test_token_offsets_follow_the_tokens_past_a_stop_string():
+    a = TextAssembler(PieceTokenizer(), ("END",), offsets=True)
+    assert "".join(stream(a, [[1, 0, 2], [3, 5, 6]])) == "Hello world "
+    assert a.token_offsets == [0, 5, 5, 9, 11, 14]  # " EN" starts at 11; "D" past the cut text

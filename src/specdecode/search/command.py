@@ -34,6 +34,12 @@ def run(args) -> int:
 
     Returns:
         The exit status: 0, or 130 when interrupted (the finished trials are kept).
+
+    Raises:
+        InvalidArgumentError: Before the model loads: a setting out of range, an --out that is an existing
+            folder (--out names the best.json file) or whose folder cannot be created.
+        StorageError, DatasetError: Before the model loads: a --storage that cannot be opened, a bad
+            calibration file. Loading errors (``load_model``'s) and the study's pass through too.
     """
     settings = SearchSettings(
         trials=args.trials, objective=args.objective, sampler=args.sampler, timeout_s=args.timeout,
@@ -47,6 +53,10 @@ def run(args) -> int:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
     # Everything that needs no model first: a bad URL or file fails in a second, not after the load.
     out = Path(args.out)
+    if out.is_dir():  # best.json would replace the folder only after the whole study
+        raise InvalidArgumentError(
+            f"--out {str(out)!r} is a folder: --out names the best.json file to write (the plots and the default "
+            f"storage go beside it); pass e.g. --out {str(out / 'best.json')!r}")
     try:  # best.json is written after the study: an --out that cannot be written must fail now
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:

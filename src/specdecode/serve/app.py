@@ -322,7 +322,8 @@ def create_app(generator, engine: EngineLoop, settings: ServeSettings, metrics: 
             raise ApiError(400, str(e), param=param, code="invalid_value") from e
         metrics.prompt_tokens.inc(len(ids))
         shape = ResponseShape(chat, settings.model_name)
-        texts = [TextAssembler(tokenizer, c.stop_strings) for c in configs]
+        # [processors] completions' logprobs: each token's offset in the text (chat has none)
+        texts = [TextAssembler(tokenizer, c.stop_strings, offsets=c.logprobs and not chat) for c in configs]
         endpoint = request.url.path
         if body.stream:
             return EventSourceResponse(
@@ -396,7 +397,8 @@ def create_app(generator, engine: EngineLoop, settings: ServeSettings, metrics: 
             if len(finals) < len(handles):
                 return Response(status_code=499)  # the client went away; nobody reads this
             choices = [(texts[i].text, FINISH_REASONS[finals[i].finish_reason],
-                        None if logprobs[i] is None else logprobs_json(shape.chat, logprobs[i], tokenizer))
+                        None if logprobs[i] is None
+                        else logprobs_json(shape.chat, logprobs[i], tokenizer, texts[i].token_offsets))
                        for i in range(len(handles))]
             return shape.full(choices, _usage(handles, texts), _spec([finals[i] for i in range(len(handles))]))
         finally:
@@ -406,7 +408,7 @@ def create_app(generator, engine: EngineLoop, settings: ServeSettings, metrics: 
     async def _stream(handles: list[RequestHandle], shape: ResponseShape, texts: list[TextAssembler],
                       include_usage: bool, endpoint: str):
         finals: dict[int, Delivery] = {}
-        # [processors] per choice, logprobs not yet sent (None: not asked) and text characters sent
+        # [processors] per choice, logprobs not yet sent (None: not asked) and how many were sent
         pending = [[] if h.config.logprobs else None for h in handles]
         sent = [0] * len(handles)
         try:
@@ -429,9 +431,11 @@ def create_app(generator, engine: EngineLoop, settings: ServeSettings, metrics: 
                     reason = FINISH_REASONS[d.finish_reason] if final else None
                     extra = {"speculative": _spec([d])} if final else {}
                     if pending[d.index] is not None:
-                        extra["logprobs"] = logprobs_json(shape.chat, pending[d.index], tokenizer, sent[d.index])
+                        n, offsets = len(pending[d.index]), texts[d.index].token_offsets
+                        extra["logprobs"] = logprobs_json(shape.chat, pending[d.index], tokenizer, None if offsets
+                                                          is None else offsets[sent[d.index]:sent[d.index] + n])
+                        sent[d.index] += n
                         pending[d.index] = []
-                    sent[d.index] += len(delta)
                     yield _data(shape.chunk(delta if delta or not shape.chat else None, reason, index=d.index,
                                             include_usage=include_usage, **extra))
             if include_usage and len(finals) == len(handles):

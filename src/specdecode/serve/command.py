@@ -51,6 +51,13 @@ from specdecode.pipeline import (
     prompt_limit_by_default,
     why_no_int4_draft,
 )
+from specdecode.serve.limits import (
+    DEFAULT_MAX_LENGTH,
+    check_cache_memory,
+    check_max_length,
+    fit_max_length,
+    longest_draft_block,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -91,13 +98,16 @@ def add_arguments(p: argparse.ArgumentParser, *, default_target: str, default_dr
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health")
     p.add_argument("--max-batch-size", type=int, default=None,
                    help=f"rows decoded at once (default {DEFAULT_MAX_BATCH_SIZE}; with --backend llama-cpp 1, the only "
-                        "value it takes: one request at a time)")
+                        "value it takes: one request at a time); at most the rows whose KV caches (--max-length "
+                        "positions each, target and draft model) fit in the memory free once the models loaded")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait for a free row; beyond it the server answers 429 (default 64)")
-    p.add_argument("--max-length", type=int, default=2048,
-                   help="cache positions per row: prompt + max_tokens + a draft block (default 2048)")
+    p.add_argument("--max-length", type=int, default=None,
+                   help=f"cache positions per row: prompt + max_tokens + a draft block (default {DEFAULT_MAX_LENGTH}, "
+                        "or the target's context length + a draft block where that is less; at most that)")
     p.add_argument("--max-prompt-tokens", type=int, default=None,
-                   help="longest prompt accepted, in tokens (default: what --max-length leaves room for)")
+                   help="longest prompt accepted, in tokens (default: what --max-length leaves room for beside one "
+                        "new token and a draft block)")
     p.add_argument("--max-tokens-limit", type=int, default=None,
                    help="largest max_tokens accepted (default: --max-length)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
@@ -271,7 +281,10 @@ def run(args) -> int:
 
     Raises:
         SpecDecodeError: Bad options (before loading models), a missing ``serve`` extra, or
-            the loading errors of ``SpeculativeGenerator.from_pretrained``.
+            the loading errors of ``SpeculativeGenerator.from_pretrained``; once the models loaded,
+            before the engine is built: a --max-length past what the target's context length and a
+            draft block use (``fit_max_length``), or a --max-batch-size whose KV caches do not fit in
+            memory (``check_cache_memory``).
     """
     app, engine = load_server(args)
     server = make_uvicorn_server(app, engine, host=args.host, port=args.port,
@@ -295,7 +308,6 @@ def load_server(args):
         raise SpecDecodeError(f"specdecode serve needs the 'serve' extra ({e.name} is missing): "
                               "pip install 'specdecode[serve]'") from e
     from specdecode.pipeline import SpeculativeGenerator
-    from specdecode.serve.app import ServeSettings
 
     if not 0 <= args.port <= 65535:
         raise InvalidArgumentError(f"--port must be in 0..65535, got {args.port}")
@@ -311,14 +323,13 @@ def load_server(args):
     if args.max_queue < 0:
         raise InvalidArgumentError(f"--max-queue must be >= 0, got {args.max_queue}")
     verify = _max_verify_tokens(args.max_verify_tokens)
-    limit = args.max_length if args.max_tokens_limit is None else args.max_tokens_limit
-    settings = ServeSettings(
-        model_name=args.served_model_name or args.target, method=args.method, api_key=args.api_key,
-        max_prompt_tokens=args.max_length if args.max_prompt_tokens is None else args.max_prompt_tokens, max_tokens_limit=limit,
-        max_body_bytes=args.max_body_bytes, shutdown_timeout_s=args.shutdown_timeout,
-    )
     backend = getattr(args, "backend", "torch")
     plan = resolve_defaults(args, resolve_device("cpu" if backend == "llama-cpp" else args.device))
+    block = longest_draft_block(args, plan)
+    # What needs no model: the rows' room for a request (the default may only shrink once the target is known)
+    max_length = DEFAULT_MAX_LENGTH if args.max_length is None else args.max_length
+    check_max_length(max_length, block, args.method, args.max_prompt_tokens)
+    serve_settings(args, max_length, block)  # the limits' ranges (the settings are made once the engine is)
     check_address(args.host, args.port)  # the flags' last check: the models take minutes to load
     _configure_logging(args.log_level)
     started = time.perf_counter()
@@ -333,20 +344,19 @@ def load_server(args):
     loaded_s = time.perf_counter() - started
     logger.info("start-up: models loaded%s in %.1f s", " and quantized" if gen.target.quantize != "none" or (
         gen.draft is not None and gen.draft.quantize != "none") else "", loaded_s)
+    # What needs the models, before the engine is built and its caches allocated
+    max_length = fit_max_length(args.max_length, block, gen.target.model)
+    if max_length != DEFAULT_MAX_LENGTH and args.max_length is None:
+        logger.info("start-up: --max-length %d (the target's context length and a %d-position draft block; "
+                    "default %d)", max_length, block + 1, DEFAULT_MAX_LENGTH)
+    check_max_length(max_length, block, args.method, args.max_prompt_tokens)
+    check_cache_memory(gen, args.method, max_batch_size=args.max_batch_size, max_length=max_length, block=block,
+                       compile=args.compile)
     t0 = time.perf_counter()
     control = plan.draft_control  # None under a llama.cpp target: batch_decoder measures its costs
     measured = gen.backend == "llama-cpp" and control is None and args.method != "autoregressive"
-    decoder = gen.batch_decoder(
-        args.method, max_batch_size=args.max_batch_size, max_length=args.max_length,
-        num_speculative_tokens=plan.num_speculative_tokens, draft_control=control,
-        exit_rule=args.exit_rule, max_verify_tokens=verify, skip_layers=args.skip_layers, skip_config=args.skip_config,
-        exit_layer=args.exit_layer, prompt_lookup_max_ngram=args.prompt_lookup_max_ngram,
-        prompt_lookup_min_ngram=args.prompt_lookup_min_ngram, compile=args.compile,
-        ngram_check=args.ngram_check, max_model_prompt_tokens=plan.max_model_prompt_tokens,
-        draft_context_window=args.draft_context_window, draft_vocab_size=args.draft_vocab_size,
-        prompt_lookup_branches=args.prompt_lookup_branches, draft_tree_depth=args.draft_tree_depth,
-        draft_tree_expand=args.draft_tree_expand,
-    )
+    decoder = build_decoder(gen, args, plan, max_length=max_length, max_verify_tokens=verify)
+    settings = serve_settings(args, decoder.max_length, decoder.max_block)
     logger.info("start-up: batched engine built in %.1f s: method %s, %d rows%s, %s, max_model_prompt_tokens %s",
                 time.perf_counter() - t0, args.method, args.max_batch_size,
                 " (the target in llama.cpp: one request at a time, the others wait in the queue)"
@@ -354,15 +364,56 @@ def load_server(args):
                 "draft length from measured costs" if measured
                 else f"adaptive draft exit {'on' if plan.draft_control is not None else 'off'}",
                 plan.max_model_prompt_tokens)
+    app, engine, _ = build(gen, decoder, max_queue=args.max_queue, settings=settings)  # checks the rows' room
     warm_s = 0.0
     if not args.no_warmup:
         logger.info("start-up: warm-up (every forward width the engine uses; --no-warmup skips it)")
         warm_s = decoder.warm_up()
         logger.info("start-up: warm-up done in %.1f s", warm_s)
-    app, engine, _ = build(gen, decoder, max_queue=args.max_queue, settings=settings)
     logger.info("start-up: ready in %.1f s (loading %.1f s, warm-up %.1f s); serving %s (%s)",
                 time.perf_counter() - started, loaded_s, warm_s, settings.model_name, args.method)
     return app, engine
+
+
+def build_decoder(gen, args, plan: ServePlan, *, max_length: int | None = None, max_verify_tokens="auto"):
+    """The server's batched engine over ``gen`` from its flags and ``resolve_defaults``' plan (its caches are
+    allocated at the first forward); ``max_length``: as ``fit_max_length`` gives (None: --max-length or
+    ``DEFAULT_MAX_LENGTH``).
+
+    Raises:
+        InvalidArgumentError: ``SpeculativeGenerator.batch_decoder``'s.
+    """
+    if max_length is None:
+        max_length = DEFAULT_MAX_LENGTH if args.max_length is None else args.max_length
+    return gen.batch_decoder(
+        args.method, max_batch_size=args.max_batch_size, max_length=max_length,
+        num_speculative_tokens=plan.num_speculative_tokens, draft_control=plan.draft_control,
+        exit_rule=args.exit_rule, max_verify_tokens=max_verify_tokens, skip_layers=args.skip_layers,
+        skip_config=args.skip_config, exit_layer=args.exit_layer, prompt_lookup_max_ngram=args.prompt_lookup_max_ngram,
+        prompt_lookup_min_ngram=args.prompt_lookup_min_ngram, compile=args.compile,
+        ngram_check=args.ngram_check, max_model_prompt_tokens=plan.max_model_prompt_tokens,
+        draft_context_window=args.draft_context_window, draft_vocab_size=args.draft_vocab_size,
+        prompt_lookup_branches=args.prompt_lookup_branches, draft_tree_depth=args.draft_tree_depth,
+        draft_tree_expand=args.draft_tree_expand,
+    )
+
+
+def serve_settings(args, max_length: int, block: int):
+    """The HTTP layer's ``ServeSettings`` from the flags, for rows of ``max_length`` positions that keep
+    ``block`` + 1 for a draft block: by default a prompt may take what is left beside one new token, and
+    ``max_tokens`` up to ``max_length``.
+
+    Raises:
+        InvalidArgumentError: A limit below 1 (``ServeSettings``).
+    """
+    from specdecode.serve.app import ServeSettings
+
+    return ServeSettings(
+        model_name=args.served_model_name or args.target, method=args.method, api_key=args.api_key,
+        max_prompt_tokens=max(max_length - block - 2, 1) if args.max_prompt_tokens is None else args.max_prompt_tokens,
+        max_tokens_limit=max_length if args.max_tokens_limit is None else args.max_tokens_limit,
+        max_body_bytes=args.max_body_bytes, shutdown_timeout_s=args.shutdown_timeout,
+    )
 
 
 def check_address(host: str, port: int) -> None:

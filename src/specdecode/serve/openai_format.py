@@ -150,13 +150,22 @@ class ResponseShape:
 LOGPROB_FLOOR = -9999.0
 
 
-def logprobs_json(chat: bool, entries: list, tokenizer, text_offset: int = 0) -> dict:
+def logprobs_json(chat: bool, entries: list, tokenizer, text_offsets: Sequence[int] | None = None) -> dict:
     """OpenAI's ``logprobs`` object for ``entries`` (``engine.processors.TokenLogprob``s).
 
     Chat: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}], "refusal": None}``.
     Completions: ``{"tokens", "token_logprobs", "top_logprobs" (a {token: logprob} dict per token,
-    or None when no alternatives were asked), "text_offset"}``, offsets counted from ``text_offset``.
-    A token's text is its own decode (special tokens included).
+    or None when no alternatives were asked), "text_offset"}``. A token's text is its own decode
+    (special tokens included).
+
+    ``text_offset[i]``, as vLLM's: where token i starts in the returned text, in characters, which is
+    decoded without special tokens (``text.TextAssembler``), so a special token adds no characters.
+    ``text_offsets``: those offsets, one per entry (a stream's chunk: its tokens' offsets in the whole
+    text, ``TextAssembler.token_offsets``); None: ``entries`` are a whole completion, and the offsets
+    are the lengths of its prefixes' text (``tokenizer.decode(ids[:i], skip_special_tokens=True)``).
+
+    Raises:
+        ValueError: ``text_offsets`` not one per entry.
     """
 
     def text_of(token_id: int) -> str:
@@ -174,15 +183,17 @@ def logprobs_json(chat: bool, entries: list, tokenizer, text_offset: int = 0) ->
             content.append({"token": token, "logprob": finite(e.logprob), "bytes": list(token.encode("utf-8")),
                             "top_logprobs": top})
         return {"content": content, "refusal": None}
-    tokens, offsets, offset = [], [], text_offset
-    for e in entries:
-        tokens.append(text_of(e.token_id))
-        offsets.append(offset)
-        offset += len(tokens[-1])
+    tokens = [text_of(e.token_id) for e in entries]
+    if text_offsets is None:
+        ids = [e.token_id for e in entries]
+        text_offsets = [len(tokenizer.decode(ids[:i], skip_special_tokens=True)) if tokenizer is not None
+                        else len("".join(tokens[:i])) for i in range(len(ids))]
+    if len(text_offsets) != len(entries):
+        raise ValueError(f"text_offsets must hold one offset per entry: {len(text_offsets)} for {len(entries)}")
     asked_top = any(e.top for e in entries)
     return {
         "tokens": tokens,
         "token_logprobs": [finite(e.logprob) for e in entries],
         "top_logprobs": [{text_of(t): finite(v) for t, v in e.top} for e in entries] if asked_top else None,
-        "text_offset": offsets,
+        "text_offset": list(text_offsets),
     }

@@ -28,12 +28,21 @@ class TextAssembler:
     characters (``clean_up_tokenization_spaces``: then the new tokens are decoded on their
     own). A window whose text ends in an incomplete
     UTF-8 character (decoded as U+FFFD) is not committed until its last byte arrives.
+
+    With ``offsets``, ``token_offsets`` keeps each token's ``text_offset`` (completions' logprobs):
+    the characters the tokens before it decode to, decoded as the text is (special tokens skipped,
+    so a special token adds none), so ``text[token_offsets[i]:token_offsets[i + 1]]`` is what token i
+    added. A character whose UTF-8 bytes span tokens counts from the token that completes it (the
+    tokens before then start where it starts). Offsets follow the decoded tokens: a token that
+    completed a stop string may start past the end of ``text``, which is cut before the stop string.
     """
 
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()) -> None:
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), *, offsets: bool = False) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
         self.token_ids: list[int] = []
+        #: With ``offsets``: per token, where it starts in the decoded text (characters); else None.
+        self.token_offsets: list[int] | None = [] if offsets else None
         self.text = ""  # the text sent so far
         self.stopped = False  # a stop string was found: nothing more is sent
         self._committed = ""  # text of token_ids[:self._read], final
@@ -48,7 +57,10 @@ class TextAssembler:
             final: Whether the request ended with this delivery (everything held back
                 that is not a stop string is released).
         """
+        start = len(self.token_ids)
         self.token_ids.extend(token_ids)
+        if self.token_offsets is not None:
+            self.token_offsets += self._offsets(start)
         if self.stopped:
             return ""
         full = self._decode(final)
@@ -77,6 +89,24 @@ class TextAssembler:
             self._prefix, self._read = self._read, len(self.token_ids)
             return self._committed
         return self._committed + pending
+
+    def _offsets(self, start: int) -> list[int]:
+        """Where tokens ``start ..`` (not yet decoded) start in the text: the committed text, plus what the
+        window's tokens before each add (decoded with the window's context, as ``_decode`` does; an
+        incomplete character at its end not counted)."""
+
+        def decode(ids: list[int]) -> str:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+        context = decode(self.token_ids[self._prefix:self._read])
+        out = []
+        for j in range(start, len(self.token_ids)):
+            pending = ""
+            if j > self._read:
+                window = decode(self.token_ids[self._prefix:j])
+                pending = window[len(context):] if window.startswith(context) else decode(self.token_ids[self._read:j])
+            out.append(len(self._committed) + len(pending.rstrip(REPLACEMENT)))
+        return out
 
     def _stop_index(self, full: str) -> int | None:
         """Where the first stop string starts in ``full`` (searching only text not yet sent,

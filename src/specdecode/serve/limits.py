@@ -1,0 +1,179 @@
+"""How long and how many the server's rows may be: ``specdecode serve``'s --max-length and
+--max-batch-size against the flags (before any model loads) and against the loaded models (before the
+engine is built and its caches allocated).
+
+A row of the batched engine holds --max-length cache positions: a request's prompt and new tokens, and
+the longest draft block + 1 for the verification (``BatchedSpeculativeDecoder.max_block``). So
+--max-length must leave one prompt token and one new token beside that block, and is of no use past the
+target's context length plus the block. Every row's keys and values are allocated at the engine's first
+forward, for the target and a draft model: --max-batch-size rows of them must fit in the memory left
+once the models loaded.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdecode import method_registry
+from specdecode.engine import kv_cache
+from specdecode.engine.cost_model import MEASURED_WIDTHS
+from specdecode.engine.fast_path import resolve_compile
+from specdecode.engine.runner_target import is_runner_target
+from specdecode.errors import InvalidArgumentError
+
+#: Cache positions per row when --max-length is not given, fewer where the target's context length and a
+#: draft block take fewer (``fit_max_length``).
+DEFAULT_MAX_LENGTH = 2048
+
+
+def longest_draft_block(args, plan) -> int:
+    """The longest draft block (tokens) a round of the server's engine drafts, its
+    ``BatchedSpeculativeDecoder.max_block``, from the flags before any model loads: none for
+    autoregressive; with an active draft policy (adaptive draft exit, a length schedule) its longest,
+    adaptive exit's ``max_draft_tokens``; under a llama.cpp target without one, γ capped at the widest
+    forward measured (``runner_target.measured_cost_policy``); else γ (a draft tree's nodes, token
+    recycling's largest tree). A row keeps it + 1 cache positions past its tokens for the verification.
+    """
+    if args.method == "autoregressive":  # no drafter
+        return 0
+    gamma = plan.num_speculative_tokens
+    control = plan.draft_control
+    if control is not None:
+        return control.controller(gamma).max_tokens if control.active else gamma
+    if getattr(args, "backend", "torch") == "llama-cpp":
+        return min(gamma, MEASURED_WIDTHS[-1] - 1)
+    return gamma
+
+
+def check_max_length(max_length: int, block: int, method: str, max_prompt_tokens: int | None = None) -> None:
+    """Refuse a --max-length that leaves a row no room for a request: one prompt token and one new token
+    beside ``block`` + 1 positions for a draft block (``longest_draft_block``), or for a prompt of
+    --max-prompt-tokens tokens and one new token. Needs no model.
+
+    Raises:
+        InvalidArgumentError: Naming the flag, its value and the allowed range.
+    """
+    least = block + 3
+    drafts = "drafts no token" if block == 0 else f"drafts up to {block} tokens a round"
+    if max_length < least:
+        raise InvalidArgumentError(
+            f"--max-length {max_length} leaves no room for a request: a row keeps {block + 1} positions for a "
+            f"draft block (--method {method} {drafts}, + 1), and a request needs at least one prompt token and one "
+            f"new token; allowed: --max-length >= {least}")
+    if max_prompt_tokens is not None and max_prompt_tokens + block + 2 > max_length:
+        need = max_prompt_tokens + block + 2
+        raise InvalidArgumentError(
+            f"--max-prompt-tokens {max_prompt_tokens} does not fit --max-length {max_length}: a prompt of "
+            f"{max_prompt_tokens} tokens, one new token and a draft block ({block + 1} positions) take {need}; "
+            f"allowed: --max-prompt-tokens 1..{max_length - block - 2}, or --max-length >= {need}")
+
+
+def fit_max_length(max_length: int | None, block: int, target) -> int:
+    """The rows' cache positions for the loaded ``target``: a row never uses more than the target's context
+    length (``kv_cache.context_length``: its max_position_embeddings) plus ``block`` + 1 for a draft block.
+    ``max_length`` None: ``DEFAULT_MAX_LENGTH``, or that where it is less.
+
+    Raises:
+        InvalidArgumentError: A ``max_length`` above it, naming --max-length and the allowed range.
+    """
+    context = kv_cache.context_length(target)
+    most = None if context is None else context + block + 1
+    if max_length is None:
+        return DEFAULT_MAX_LENGTH if most is None else min(DEFAULT_MAX_LENGTH, most)
+    if most is not None and max_length > most:
+        raise InvalidArgumentError(
+            f"--max-length {max_length} is more than a row can use: the target's context length is {context} "
+            f"positions (max_position_embeddings) and a row keeps {block + 1} more for a draft block; allowed: "
+            f"--max-length {block + 3}..{most}")
+    return max_length
+
+
+def kv_bytes_per_position(model) -> int:
+    """Bytes of keys and values one cache position of one row holds for ``model`` (a transformers model): every
+    layer's key and value heads (``num_key_value_heads``, or ``num_attention_heads``) of ``head_dim`` (or
+    hidden_size / num_attention_heads) elements, in the model's dtype, as ``BatchKVCache`` allocates them."""
+    config = model.config
+    get_text = getattr(config, "get_text_config", None)
+    if callable(get_text):
+        config = get_text(decoder=True)
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_hidden_layers * heads * head_dim * 2 * model.dtype.itemsize
+
+
+def available_memory_bytes(device) -> int | None:
+    """Bytes free on ``device`` (a CUDA device's free memory, a CPU's available memory), None elsewhere."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cpu":
+        import psutil
+
+        return psutil.virtual_memory().available
+    return None
+
+
+def check_cache_memory(gen, method: str, *, max_batch_size: int, max_length: int, block: int = 0,
+                       compile: bool | None = False, available_bytes: int | None = None) -> None:
+    """Refuse a --max-batch-size whose KV caches cannot fit: the batched engine allocates every row's keys and
+    values (``max_length`` positions, and on the fast path its widest forward past them) at its first forward,
+    for the target and a draft model (``kv_bytes_per_position``), so that a batch too large failed only at the
+    warm-up or at the first requests. A target run outside torch (llama.cpp) holds its own memory and is not
+    counted.
+
+    Args:
+        gen: The loaded ``SpeculativeGenerator``.
+        method: The decoding method (a draft model's cache counts where it uses one).
+        max_batch_size, max_length: The rows and their positions (the flags' values).
+        block: The longest draft block (``longest_draft_block``): the fast path's widest forward is it + 1.
+        compile: --compile (None: the device's default).
+        available_bytes: Memory free for the caches (bytes); None: ``available_memory_bytes`` of the target's
+            device (no check where that is unknown).
+
+    Raises:
+        InvalidArgumentError: Naming --max-batch-size, the bytes a row takes, and the rows that fit.
+    """
+    target = gen.target.model
+    if is_runner_target(target):
+        return
+    models = {"target": target}
+    draft = getattr(gen, "draft", None)
+    if method_registry.REGISTRY[method].needs_draft_model and isinstance(getattr(draft, "model", None),
+                                                                          torch.nn.Module):
+        models["draft"] = draft.model
+    positions = max_length + (max(block + 1, 2) if resolve_compile(compile, target.device) else 0)
+    per_row = {name: kv_bytes_per_position(m) * positions for name, m in models.items()}
+    row = sum(per_row.values())
+    if available_bytes is None:
+        available_bytes = available_memory_bytes(target.device)
+        if available_bytes is None:
+            return
+    if max_batch_size * row <= available_bytes:
+        return
+    fits = available_bytes // row
+    allowed = (f"allowed: --max-batch-size 1..{fits} at --max-length {max_length} (or a smaller --max-length)"
+               if fits >= 1 else "not even one row fits: lower --max-length")
+    parts = ", ".join(f"{name} {_size(b)}" for name, b in per_row.items())
+    raise InvalidArgumentError(
+        f"--max-batch-size {max_batch_size} does not fit in memory: at --max-length {max_length} a row's keys and "
+        f"values take {_size(row)} ({parts}), {max_batch_size} rows {_size(max_batch_size * row)}, more than the "
+        f"{_size(available_bytes)} available on {target.device}; {allowed}")
+
+
+def _size(n: int) -> str:
+    """Bytes in KiB, MiB or GiB, one decimal."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n / 1024:.1f} KiB"
+
+
+__all__ = [
+    "DEFAULT_MAX_LENGTH",
+    "available_memory_bytes",
+    "check_cache_memory",
+    "check_max_length",
+    "fit_max_length",
+    "kv_bytes_per_position",
+    "longest_draft_block",
+]
