@@ -471,6 +471,21 @@ def test_with_adaptive_exit_drafting_and_plain_steps_are_chosen_by_their_measure
     assert policy.exit_rounds.rate < 2.0  # though the policy's history is slower
 
 
+def test_with_adaptive_exit_a_generation_prices_the_plain_arm_by_its_own_plain_steps():
+    """A step's cost grows with the context: a generation on a long prompt compares its drafting rounds with its
+    own plain steps once it has one, not with the faster plain steps of the shorter prompts before it."""
+    policy = SpeculationCostPolicy(ForwardCosts({1: 1.0}), prior=0.5, probe_every=4)
+    policy.plain_rounds.add(1, 0.25)  # earlier generations' plain steps: 4 tok/s
+    later = policy.controller(6, exit=_Exit())
+    assert later.plain_rate() == 4.0 and later.round_cap() == 6  # no drafting round measured yet: draft
+    later.record(6, 3, 1)
+    later.record_round(6, 3, 1.0)  # 2 tok/s: below the earlier plain steps' 4
+    assert later.round_cap() == 0
+    later.record_round(0, 0, 1.0)  # this generation's plain step, on its long context: 1 tok/s
+    assert later.plain_rate() == 1.0 and policy.plain_rate() > 1.0
+    assert later.round_cap() == 6  # drafting at 2 tok/s beats this generation's plain steps
+
+
 def test_with_adaptive_exit_nothing_is_timed_before_the_first_round_and_a_plain_round_prices_the_plain_arm():
     """The exit under the cost model times no synthetic forward: the first round drafts, the next ones are
     real plain steps (the first a warm-up) whose rate starts the plain arm, and from then on the arms'

@@ -369,6 +369,9 @@ class SpeculationCostController(RoundController):
     Attributes:
         gate: None. ``exit``, ``max_tokens``: as given. ``last``: the latest ``round_cap``.
         exit_rounds: With ``exit``, the ``RateMean`` of this generation's rounds that drafted.
+        plain_rounds: With ``exit``, the ``RateMean`` of this generation's plain steps (as the policy's, without
+            its first where the policy measures the target's costs by rounds): once it has one, the plain arm's rate is this generation's (``plain_rate``), as a step's cost grows
+            with the context and the policy's may come from shorter prompts.
         num_probes: Rounds that drafted another size than the best, to measure it.
 
     Raises:
@@ -383,6 +386,7 @@ class SpeculationCostController(RoundController):
         self.max_tokens = max_tokens
         self.exit = exit
         self.exit_rounds = RateMean(policy.size_decay)
+        self.plain_rounds = RateMean(policy.size_decay)
         self._explore = False  # with ``exit``: the next round drafts, whatever the rates (a probe succeeded)
         self._plain_warmed = False  # with ``exit``: this generation's first plain step was seen (a warm-up)
         self._probing = False  # with ``exit``: the latest ``round_cap`` was a probe
@@ -416,7 +420,7 @@ class SpeculationCostController(RoundController):
         """The next round's size and whether it is a probe (no state changes)."""
         policy, sizes = self.policy, self.sizes
         if self.exit is not None:  # two arms, each priced by its measured rounds (module docstring)
-            drafting, plain = self.exit_rounds.rate, policy.plain_rate()
+            drafting, plain = self.exit_rounds.rate, self.plain_rate()
             if drafting is None and not self._explore:  # before this generation's first drafting round
                 drafting = policy.exit_rounds.rate
             if sizes[-1] == 0:  # the engine allows no draft now
@@ -454,6 +458,12 @@ class SpeculationCostController(RoundController):
         if probe_round and best < self.max_tokens:
             return best + 1, True
         return best, False
+
+    def plain_rate(self) -> float | None:
+        """With an adaptive exit, the plain arm's tokens per second: this generation's plain steps' once it has
+        one, else the policy's (``SpeculationCostPolicy.plain_rate``)."""
+        rate = self.plain_rounds.rate
+        return rate if rate is not None else self.policy.plain_rate()
 
     @property
     def gated(self) -> bool:
@@ -541,6 +551,7 @@ class SpeculationCostController(RoundController):
                 if policy.target_costs is None and not self._plain_warmed:
                     self._plain_warmed = True  # a first one-token forward may set up its kernels: a warm-up
                 else:
+                    self.plain_rounds.add(1, seconds)
                     policy.plain_rounds.add(1, seconds)
             return
         policy.observe_draft(num_drafted, draft_seconds)
@@ -555,7 +566,7 @@ class SpeculationCostController(RoundController):
                 elif probe:
                     self._match_backoff[match] = min(2 * self._match_backoff.get(match, 1), RARE_PROBE_FACTOR)
             if self._probing:  # the exit mode's short probe: did its tokens come faster than plain steps'?
-                plain = policy.plain_rate()
+                plain = self.plain_rate()
                 paying = plain is not None and seconds > 0 and (accepted + 1) / seconds >= plain
                 if paying:  # drafting pays again here: draft at the full cap, measuring that arm afresh
                     self.exit_rounds, self._explore = RateMean(policy.size_decay), True
@@ -564,7 +575,7 @@ class SpeculationCostController(RoundController):
                 self.exit_rounds.add(accepted + 1, seconds)
                 policy.exit_rounds.add(accepted + 1, seconds)
                 rate = self.exit_rounds.rate
-                paying = rate is not None and rate >= (policy.plain_rate() or 0.0)
+                paying = rate is not None and rate >= (self.plain_rate() or 0.0)
             else:
                 paying = policy.trees or best_size(self.sizes, policy.rate) > 0
             # a probe after which drafting still does not pay waits twice as long for the next
