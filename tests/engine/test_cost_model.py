@@ -61,7 +61,9 @@ def test_costs_interpolate_between_and_extrapolate_past_the_measured_widths():
     assert c.at(10) == pytest.approx(0.2150 + 2 * (0.2150 - 0.0917) / 4)  # the last segment's slope goes on
     assert ForwardCosts({1: 0.01}).at(3) == pytest.approx(0.03)
     assert ForwardCosts({1: 0.02, 4: 0.01}).at(6) == pytest.approx(0.01)  # never falling past the last
-    assert MEASURED_WIDTHS == (1, 2, 3, 4, 6, 8) and SIZES[0] == 0 and list(SIZES) == sorted(SIZES)
+    from specdecode.models.llama_cpp_target import COST_WIDTHS  # the models layer's copy (it imports no engine)
+
+    assert MEASURED_WIDTHS == COST_WIDTHS == (1, 2, 3, 4, 6, 8) and SIZES[0] == 0 and list(SIZES) == sorted(SIZES)
 
 
 @pytest.mark.parametrize("alpha, best", [

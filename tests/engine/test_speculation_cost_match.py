@@ -12,9 +12,8 @@ from specdecode import GenerationConfig, SpeculativeDecoder
 from specdecode.drafters import DraftModelDrafter, PromptLookupDrafter
 from specdecode.drafters.prompt_lookup import find_continuation, match_continuation
 from specdecode.engine.batched import BatchedSpeculativeDecoder
-from specdecode.engine.cost_model import ForwardCosts
+from specdecode.engine.cost_model import DepthAcceptance, ForwardCosts
 from specdecode.engine.protocol import DraftPolicy, RoundController
-from specdecode.engine.cost_model import DepthAcceptance
 from specdecode.engine.speculation_cost import RARE_PROBE_FACTOR, SpeculationCostPolicy
 
 # A 2-core Xeon's llama.cpp Q4_K_M 1.5B target (ms, docs/benchmarks/2026-11-27-xeon-amx.md): 4 tokens cost 1.6
@@ -100,13 +99,11 @@ def test_a_ngram_size_that_does_not_pay_is_probed_with_one_token_and_backs_off()
 
 
 def test_without_reported_matches_the_block_is_kept():
-    target = make_tiny_model("llama", seed=3)
     for drafter in (DraftModelDrafter(make_tiny_model("llama", seed=4)), PromptLookupDrafter(branches=2)):
         policy = _primed(drafter=drafter)
         controller = policy.controller(7)
         assert not policy.by_match and controller.trim(5, 1) == 5
     assert RoundController.trim(object(), 4, 2) == 4  # the protocol's default
-    del target
 
 
 class _Trimming(RoundController):
@@ -162,3 +159,36 @@ def test_the_engine_verifies_only_what_trim_keeps_and_greedy_output_is_exact(row
     assert any(k > 1 for k, _ in trims)  # some blocks were longer than what was verified
     assert [e[1] for e in policy.log if e[0] == "record"] == [1] * len(trims)  # one token verified each time
     assert sum(r.stats.num_drafted_tokens for r in results) == len(trims)
+
+
+class _BadTrim(_Trimming):
+    def trim(self, num_tokens, ngram_size):
+        return num_tokens + 1
+
+
+class _BadTrimPolicy(_TrimPolicy):
+    def controller(self, gamma):
+        return _BadTrim(self.log)
+
+
+def test_a_trim_outside_the_block_is_refused():
+    from specdecode.errors import InvalidArgumentError
+
+    target = make_tiny_model("llama", seed=3)
+    config = GenerationConfig(max_new_tokens=24, num_speculative_tokens=4, stop_on_eos=False)
+    decoder = SpeculativeDecoder(target, PromptLookupDrafter(), draft_control=_BadTrimPolicy())
+    with pytest.raises(InvalidArgumentError, match=r"trim must keep 0\.\.\d+ tokens"):
+        decoder.generate([5, 9, 12, 7, 5, 9, 12, 7, 5, 9], config)
+
+
+def test_trimmed_blocks_on_sampling_rows_are_what_is_verified():
+    target = make_tiny_model("llama", seed=3)
+    prompts = [[5, 9, 12, 7, 5, 9, 12, 7, 5, 9], [3, 30, 41, 8, 11, 3, 30, 41]]
+    config = GenerationConfig(max_new_tokens=24, num_speculative_tokens=4, stop_on_eos=False, temperature=1.0,
+                              seed=7)
+    policy = _TrimPolicy()
+    results = BatchedSpeculativeDecoder(target, PromptLookupDrafter(), max_batch_size=2, max_length=64,
+                                        num_speculative_tokens=4, draft_control=policy).generate(prompts, config)
+    trims = [e for e in policy.log if e[0] != "record"]
+    assert trims and sum(r.stats.num_drafted_tokens for r in results) == len(trims)  # one token each
+    assert all(len(r.token_ids) == 24 for r in results)

@@ -40,8 +40,8 @@ from specdecode.serve.loadtest import wait_until_healthy, wait_until_listening
         (["--max-verify-tokens", "many"], "'many'"),
         (["--port", "70000"], "0..65535"),
         (["--max-tokens-limit", "0", "--max-length", "64"], "max_tokens_limit must be an integer >= 1"),
-        # --max-length too short for one prompt token, one new token and a draft block: refused once the
-        # models had loaded (and the engine had warmed up)
+        # --max-length too short for one prompt token, one new token and a draft block: refused before the
+        # models load
         (["--device", "cpu", "--max-length", "14"],  # cascade's default adaptive exit: blocks of up to 12
          "--max-length 14 leaves no room for a request: a row keeps 13 positions for a draft block (--method "
          "cascade drafts up to 12 tokens a round, + 1), and a request needs at least one prompt token and one new "

@@ -418,8 +418,7 @@ class BatchedSpeculativeDecoder(BatchRequests):
             draft_s = time.perf_counter() - t_draft - (self.drafter.compile_time_s - draft_compiling) - draft_prefill
             k = list(draft.num_tokens)
             if draft.ngram_sizes is not None:  # each row's policy keeps what its match's evidence pays for
-                k = [row.controller.trim(kb, draft.ngram_sizes[b]) if kb and row.controller is not None else kb
-                     for b, (row, kb) in enumerate(zip(rows, k))]
+                k = self._trimmed(rows, k, draft.ngram_sizes)
         trees, tokens, probs = self._trees(draft, k) if draft is not None else (None, None, None)
         K = max(k)
         # verify: one forward, row b at its own position len_b - 1, padded on the right to K + 1.
@@ -495,7 +494,8 @@ class BatchedSpeculativeDecoder(BatchRequests):
             depth = max(tree.depths) if tree is not None else None  # [trees] acceptance by depth
             depths[b] = depth if depth is not None else (kb or None)
             row.stats.record_block(kb, a, depth)
-            row.stats.record_cap(caps[b])
+            cap = min(caps[b], k[b]) if draft is not None and draft.ngram_sizes is not None else caps[b]
+            row.stats.record_cap(cap)  # where the policy trimmed the block, what it kept
             if row.controller is not None:
                 if kb:
                     row.controller.record(caps[b], kb, a)
@@ -504,7 +504,7 @@ class BatchedSpeculativeDecoder(BatchRequests):
                 if row.controller.gate is not None:
                     gate_rows.append((b, node, new[-1]))
             self.stats.record_block(kb, a, depth)
-            self.stats.record_cap(caps[b])
+            self.stats.record_cap(cap)
             out = row.emit(new, self.stats)
             self.stats.num_new_tokens += len(out)
             self._event(events, row, out)
@@ -530,6 +530,26 @@ class BatchedSpeculativeDecoder(BatchRequests):
             row.stats.decode_time_s += elapsed
             row.stats.warmup_s += compiled
             row.stats.num_draft_forwards += draft_forwards
+
+    def _trimmed(self, rows, k: list[int], ngram_sizes: list[int]) -> list[int]:
+        """Each row's block after its controller's ``trim`` (``Draft.ngram_sizes``); a block trimmed to nothing
+        is a gated step in the stats.
+
+        Raises:
+            InvalidArgumentError: A controller kept a count outside 0 .. the tokens proposed.
+        """
+        kept = list(k)
+        for b, row in enumerate(rows):
+            if not k[b] or row.controller is None:
+                continue
+            n = row.controller.trim(k[b], ngram_sizes[b])
+            if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= k[b]:
+                raise InvalidArgumentError(f"a round controller's trim must keep 0..{k[b]} tokens (those proposed), "
+                                           f"got {n!r}")
+            if n == 0:
+                row.stats.num_gated_steps += 1
+            kept[b] = n
+        return kept
 
     def _trees(self, draft: Draft, k: list[int]) -> tuple:
         """[trees] The trees this round verifies: ``(trees, tokens, probs)``, trees None when no row has

@@ -5,8 +5,8 @@ tokens per second: ``SpeculationCostPolicy``); this module holds what it and its
 
 * ``ForwardCosts``: seconds of a target forward by width (tokens in one forward), measured at a
   few widths and interpolated between them. Where verification is far from flat (llama.cpp on a
-  2-core CPU: the Qwen2.5-Coder 1.5B Q4_K_M costs about 33, 56, 92 and 215 ms for forwards over
-  1, 2, 4 and 8 tokens), a fixed γ loses to plain decoding unless the draft is accepted most of
+  2-core AVX512 EPYC: the Qwen2.5-Coder 1.5B Q4_K_M costs about 33, 56, 92 and 215 ms for forwards
+  over 1, 2, 4 and 8 tokens), a fixed γ loses to plain decoding unless the draft is accepted most of
   the time; these costs are what the cost model weighs the expected tokens against.
 * ``MEASURED_WIDTHS``: the widths a llama.cpp target is timed at (``engine.runner_target.
   measured_cost_policy``); ``SIZES``: the candidate tree sizes (nodes) up to a generation's γ.

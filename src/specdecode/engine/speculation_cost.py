@@ -95,8 +95,8 @@ probed after ``probe_every`` plain steps (a plain step's seconds count only from
 drafted), twice as long after each failed probe (up to
 ``RARE_PROBE_FACTOR`` x). A probe drafts at most ``EXIT_PROBE_TOKENS`` tokens, as a failed one costs
 its draft forwards and a wider verification; it is judged by its rate against the plain arm's (its
-accepted tokens and the target's over its seconds, the draft's catch-up on the plain steps' tokens
-excluded as a deferred prefill is): when it beat plain steps the generation drafts again at the full
+accepted tokens and the target's over its seconds, the draft model's catch-up on the plain steps' tokens
+included: the cautious side, as the full-cap rounds after it do not pay one): when it beat plain steps the generation drafts again at the full
 cap and measures that arm afresh (one full round, then the rates decide again). Judging it by its
 acceptance alone (every token accepted) kept prose in plain steps where drafting paid: on a 2-core Xeon
 with AMX, whose bf16 verification of 4 tokens costs a plain step, the cascade under this policy took
@@ -141,8 +141,9 @@ logger = logging.getLogger(__name__)
 EAGER_WIDTHS = (1, 2, 3, 5, 9, 17, 33, 65)
 
 #: The acceptance, at every depth, at which ``SpeculationCostPolicy.can_pay`` asks whether any size could beat a
-#: plain step: a draft model's on text it copies. A drafter that would not pay even there does not draft, not
-#: even a probe, whose draft-model catch-up and wider verification cost more than a round could return (the
+#: plain step: a draft model's on text it copies. A drafter that would not pay even there does not draft (with a
+#: fixed draft cost not even a probe; a measured one gets a rare probe, as it may fall), as a probe's draft-model
+#: catch-up and wider verification cost more than a round could return (the
 #: llama.cpp 0.5B draft beside the 1.5B target on a 2-core Xeon: 44 ms a token against a 64 ms step, where
 #: 3 tokens at α = 1 would pay by 3% and its probes made "draft" 0.83x target-only).
 PLAUSIBLE_ACCEPTANCE = 0.95
@@ -436,8 +437,8 @@ class SpeculationCostController(RoundController):
                 return sizes[-1], False
             due = self._probe_due or self._plain_steps + 1 >= policy.probe_every * self._backoff
             return (min(EXIT_PROBE_TOKENS, sizes[-1]), True) if due else (0, False)
-        if policy.by_match and not policy.trees:  # the drafter asks nothing of a model: ``trim`` decides
-            return (sizes[-1], False) if policy.can_pay(sizes) else (0, False)
+        if policy.by_match and not policy.trees and policy.can_pay(sizes):  # nothing asked of a model: ``trim`` decides
+            return sizes[-1], False
         if not policy.can_pay(sizes):
             # A measured draft cost may come from a slow first round (first-shape kernels): a rare probe
             # lets it be measured again; a fixed one (the llama.cpp draft's) or none never changes.

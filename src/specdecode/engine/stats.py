@@ -43,7 +43,8 @@ class SpecDecodingStats:
         rounds_by_draft_size: Entry n counts row verifications that checked a draft of n tokens (a
             chain) or n nodes (a tree); entry 0 the plain steps.
         rounds_by_draft_cap: Entry n counts row rounds whose draft policy allowed n tokens or nodes
-            (the size a cost model chose; a drafter may offer less: prompt lookup without a match).
+            (the size a cost model chose; a drafter may offer less: prompt lookup without a match; where
+            the policy trimmed a proposed block, ``RoundController.trim``, the tokens it kept).
         num_rounds: Decode rounds: target forwards over the whole batch (prefills excluded);
             equals ``num_target_forwards`` for one sequence.
         num_prefills: Rows prefilled (1 for one generation once it started).

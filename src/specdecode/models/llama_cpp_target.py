@@ -61,7 +61,7 @@ from specdecode.models.registry import OFFLINE_MODELS, default_cache_dir
 logger = logging.getLogger(__name__)
 
 #: The widths ``measure_forward_costs`` times by default (``engine.cost_model.MEASURED_WIDTHS``).
-COST_WIDTHS = (1, 2, 4, 8)
+COST_WIDTHS = (1, 2, 3, 4, 6, 8)
 
 
 def _as_ids(ids, what: str) -> list[int]:
