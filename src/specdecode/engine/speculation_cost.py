@@ -102,10 +102,7 @@ acceptance alone (every token accepted) kept prose in plain steps where drafting
 with AMX, whose bf16 verification of 4 tokens costs a plain step, the cascade under this policy took
 plain steps in 559 of 1,021 Spec-Bench rounds and ran 15% slower than the exit alone. A generation decides by its own drafting rounds once it has one (texts
 differ, so one good probe can turn a generation back to drafting) and before that by the drafting
-rounds of the generations before it, except that where those say plain steps its first round is a
-probe (waiting ``probe_every`` plain steps first cost short answers most of their rounds: 15 of 22 target
-forwards in Spec-Bench's two qa prompts); the plain arm is measured over the policy's life, and a
-generation's own plain steps price it once it has one. This generalises the confidence gate (a threshold on the target's
+rounds of the generations before it; the plain arm is measured over the policy's life. This generalises the confidence gate (a threshold on the target's
 confidence) into a decision in tokens per second.
 
 The policy (``SpeculationCostPolicy``) holds the estimates and is shared by every generation that
@@ -398,9 +395,7 @@ class SpeculationCostController(RoundController):
         self.num_probes = 0
         self._rounds = 0
         self._plain_steps = 0
-        # a chain's probe was allowed and no round has drafted since; with ``exit``, a generation's first round
-        # may probe at once where the generations before it drafted slower than plain steps (texts differ)
-        self._probe_due = exit is not None
+        self._probe_due = False  # a chain's probe was allowed and no round has drafted since
         self._backoff = 1  # the plain steps between a chain's probes are probe_every x this
         self._probe_up = True
         self._pending: tuple[int, int, int] | None = None
