@@ -102,7 +102,8 @@ acceptance alone (every token accepted) kept prose in plain steps where drafting
 with AMX, whose bf16 verification of 4 tokens costs a plain step, the cascade under this policy took
 plain steps in 559 of 1,021 Spec-Bench rounds and ran 15% slower than the exit alone. A generation decides by its own drafting rounds once it has one (texts
 differ, so one good probe can turn a generation back to drafting) and before that by the drafting
-rounds of the generations before it; the plain arm is measured over the policy's life. This generalises the confidence gate (a threshold on the target's
+rounds of the generations before it; the plain arm is measured over the policy's life, and priced by a
+generation's own plain steps once it has one (a step costs more on a longer context). This generalises the confidence gate (a threshold on the target's
 confidence) into a decision in tokens per second.
 
 The policy (``SpeculationCostPolicy``) holds the estimates and is shared by every generation that
