@@ -159,6 +159,10 @@ def test_the_engine_verifies_only_what_trim_keeps_and_greedy_output_is_exact(row
     assert any(k > 1 for k, _ in trims)  # some blocks were longer than what was verified
     assert [e[1] for e in policy.log if e[0] == "record"] == [1] * len(trims)  # one token verified each time
     assert sum(r.stats.num_drafted_tokens for r in results) == len(trims)
+    # The caps recorded: a trimmed block's kept size (1); elsewhere the engine's cap (4, or the tokens left near
+    # the end: at most one more round of cap 1 per row).
+    trimmed = sum(1 for k, _ in trims if k > 1)
+    assert trimmed <= sum(r.stats.rounds_by_draft_cap[1] for r in results) <= trimmed + rows
 
 
 class _BadTrim(_Trimming):

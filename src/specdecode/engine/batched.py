@@ -403,6 +403,7 @@ class BatchedSpeculativeDecoder(BatchRequests):
         draft: Draft | None = None
         n = len(rows)
         k = [0] * n
+        stat_caps = caps  # a trimmed row's: what it kept (``_trimmed``)
         draft_s = draft_prefill = 0.0
         depths: list[int | None] = [None] * n
         forwards_before = self.drafter.num_forwards if self.drafter is not None else 0
@@ -418,7 +419,7 @@ class BatchedSpeculativeDecoder(BatchRequests):
             draft_s = time.perf_counter() - t_draft - (self.drafter.compile_time_s - draft_compiling) - draft_prefill
             k = list(draft.num_tokens)
             if draft.ngram_sizes is not None:  # each row's policy keeps what its match's evidence pays for
-                k = self._trimmed(rows, k, draft.ngram_sizes)
+                k, stat_caps = self._trimmed(rows, k, draft.ngram_sizes, caps)
         trees, tokens, probs = self._trees(draft, k) if draft is not None else (None, None, None)
         K = max(k)
         # verify: one forward, row b at its own position len_b - 1, padded on the right to K + 1.
@@ -494,7 +495,7 @@ class BatchedSpeculativeDecoder(BatchRequests):
             depth = max(tree.depths) if tree is not None else None  # [trees] acceptance by depth
             depths[b] = depth if depth is not None else (kb or None)
             row.stats.record_block(kb, a, depth)
-            cap = min(caps[b], k[b]) if draft is not None and draft.ngram_sizes is not None else caps[b]
+            cap = stat_caps[b]
             row.stats.record_cap(cap)  # where the policy trimmed the block, what it kept
             if row.controller is not None:
                 if kb:
@@ -531,14 +532,14 @@ class BatchedSpeculativeDecoder(BatchRequests):
             row.stats.warmup_s += compiled
             row.stats.num_draft_forwards += draft_forwards
 
-    def _trimmed(self, rows, k: list[int], ngram_sizes: list[int]) -> list[int]:
-        """Each row's block after its controller's ``trim`` (``Draft.ngram_sizes``); a block trimmed to nothing
-        is a gated step in the stats.
+    def _trimmed(self, rows, k: list[int], ngram_sizes: list[int], caps: list[int]) -> tuple[list[int], list[int]]:
+        """Each row's block after its controller's ``trim`` (``Draft.ngram_sizes``), and the caps the stats record:
+        a trimmed row's what it kept (the others' ``caps``); a block trimmed to nothing is a gated step.
 
         Raises:
             InvalidArgumentError: A controller kept a count outside 0 .. the tokens proposed.
         """
-        kept = list(k)
+        kept, stat_caps = list(k), list(caps)
         for b, row in enumerate(rows):
             if not k[b] or row.controller is None:
                 continue
@@ -546,10 +547,12 @@ class BatchedSpeculativeDecoder(BatchRequests):
             if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= k[b]:
                 raise InvalidArgumentError(f"a round controller's trim must keep 0..{k[b]} tokens (those proposed), "
                                            f"got {n!r}")
-            if n == 0:
-                row.stats.num_gated_steps += 1
+            if n < k[b]:
+                stat_caps[b] = n
+                if n == 0:
+                    row.stats.num_gated_steps += 1
             kept[b] = n
-        return kept
+        return kept, stat_caps
 
     def _trees(self, draft: Draft, k: list[int]) -> tuple:
         """[trees] The trees this round verifies: ``(trees, tokens, probs)``, trees None when no row has
