@@ -333,7 +333,7 @@ def _print_stats(stats: dict, method: str, console) -> None:
         ("mean accepted tokens per target forward (incl. bonus)", "mean_accepted_tokens"),
         ("acceptance by draft position", "acceptance_by_position"),
         ("final adaptive draft-exit threshold", "final_draft_threshold"),
-        ("gated steps (target confidence below the gate)", "num_gated_steps"),
+        ("gated steps (plain steps the draft policy chose)", "num_gated_steps"),
         ("banned-word rollbacks", "num_banned_word_rollbacks"),
         ("tokens discarded by banned-word rollbacks", "num_banned_word_discarded_tokens"),
         ("prefill time (s)", "prefill_time_s"),

@@ -196,3 +196,15 @@ def test_trimmed_blocks_on_sampling_rows_are_what_is_verified():
     trims = [e for e in policy.log if e[0] != "record"]
     assert trims and sum(r.stats.num_drafted_tokens for r in results) == len(trims)  # one token each
     assert all(len(r.token_ids) == 24 for r in results)
+
+
+def test_where_no_size_can_pay_a_measured_draft_cost_is_still_probed_rarely():
+    """A prompt-lookup policy whose measured seconds per token made every size unpayable still verifies a rare
+    one-token block (``round_cap``'s rare probe goes through ``trim``), so the cost can be measured again."""
+    policy = SpeculationCostPolicy(XEON, prior=0.9, probe_every=2, max_size=7)  # s_node measured, not fixed
+    policy.prime(PromptLookupDrafter())
+    policy.node_seconds.add(0, 30.0)  # a first round 30 s per token: nothing can pay
+    controller = policy.controller(7)
+    assert not policy.can_pay(controller.sizes)
+    kept = [_round(controller, 3, 7, lambda k: k) for _ in range(2 * RARE_PROBE_FACTOR * 2)]
+    assert kept.count(1) == 2 and set(kept) == {0, 1}

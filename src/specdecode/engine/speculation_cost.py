@@ -506,6 +506,8 @@ class SpeculationCostController(RoundController):
         if not policy.by_match or policy.trees or self.exit is not None or num_tokens < 1:
             return num_tokens
         self._match = ngram_size
+        if not policy.can_pay(self.sizes):  # ``round_cap``'s rare probe (a measured draft cost may have fallen)
+            return min(num_tokens, 1)
         top = min(num_tokens, self.sizes[-1])
         best = best_size(range(top + 1), lambda n: policy.rate(n, ngram_size))
         if best == 0:

@@ -35,8 +35,9 @@ class SpecDecodingStats:
             ``prefill_time_s`` and ``decode_time_s`` so they never count in tokens/s.
         final_draft_threshold: The adaptive draft-exit threshold after the last
             block (``specdecode.drafters.control``), or None when adaptive exit is off.
-        num_gated_steps: Steps the target-confidence gate made plain target steps
-            (no drafting) because the target's last token had low probability.
+        num_gated_steps: Plain target steps (no drafting) a draft policy chose: the target-confidence
+            gate (the target's last token had low probability), a cost model, or a block it trimmed to
+            nothing (``RoundController.trim``).
         num_banned_word_rollbacks: Times a banned word completed and the output was
             rolled back to where it began (``GenerationConfig.banned_words``).
         num_banned_word_discarded_tokens: Tokens those rollbacks discarded.
