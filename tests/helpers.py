@@ -7,6 +7,7 @@ import copy
 import torch
 
 from specdecode.drafters import Draft, Drafter, DraftModelDrafter
+from specdecode.engine.protocol import RoundController
 
 
 def save_tiny_folders(root, tokenizer, target, draft):
@@ -114,3 +115,23 @@ class Recorder(Drafter):
 
     def move(self, src, dst, num_valid) -> None:
         self.inner.move(src, dst, num_valid)
+
+
+class FixedCapController(RoundController):
+    """A round controller that gives every round 4 tokens and logs ``("record", num_drafted)`` per verified block."""
+
+    exit = None
+    gate = None
+
+    def __init__(self, log) -> None:
+        self.max_tokens, self.log = 4, log
+
+    @property
+    def gated(self) -> bool:
+        return False
+
+    def round_cap(self) -> int:
+        return 4
+
+    def record(self, cap, num_drafted, num_accepted) -> None:
+        self.log.append(("record", num_drafted))

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from conftest import make_tiny_model
-from helpers import perturbed_copy
+from helpers import FixedCapController, perturbed_copy
 from specdecode import GenerationConfig, SpeculativeDecoder
 from specdecode.drafters import DraftModelDrafter, PromptLookupDrafter
 from specdecode.drafters.control import DraftControl
@@ -272,24 +272,8 @@ def test_a_tree_size_that_cannot_win_is_not_tried():
     assert controller.round_cap() != 8
 
 
-class _Recording(RoundController):
+class _Recording(FixedCapController):
     """A controller that keeps the protocol's default ``record_round``; the engine must call it."""
-
-    exit = None
-    gate = None
-
-    def __init__(self, log) -> None:
-        self.max_tokens, self.log = 4, log
-
-    @property
-    def gated(self) -> bool:
-        return False
-
-    def round_cap(self) -> int:
-        return 4
-
-    def record(self, cap, num_drafted, num_accepted) -> None:
-        self.log.append(("record", num_drafted))
 
     def record_round(self, cap, num_drafted, seconds, *, draft_seconds=0.0, depth=None) -> None:
         self.log.append(("round", num_drafted, depth))

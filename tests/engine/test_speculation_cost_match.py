@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import make_tiny_model
+from helpers import FixedCapController
 from specdecode import GenerationConfig, SpeculativeDecoder
 from specdecode.drafters import DraftModelDrafter, PromptLookupDrafter
 from specdecode.drafters.prompt_lookup import find_continuation, match_continuation
@@ -106,27 +107,12 @@ def test_without_reported_matches_the_block_is_kept():
     assert RoundController.trim(object(), 4, 2) == 4  # the protocol's default
 
 
-class _Trimming(RoundController):
+class _Trimming(FixedCapController):
     """Keeps one token of each block and logs what ``trim`` was given."""
-
-    exit = gate = None
-
-    def __init__(self, log) -> None:
-        self.max_tokens, self.log = 4, log
-
-    @property
-    def gated(self) -> bool:
-        return False
-
-    def round_cap(self) -> int:
-        return 4
 
     def trim(self, num_tokens, ngram_size) -> int:
         self.log.append((num_tokens, ngram_size))
         return 1
-
-    def record(self, cap, num_drafted, num_accepted) -> None:
-        self.log.append(("record", num_drafted))
 
 
 class _TrimPolicy(DraftPolicy):

@@ -533,24 +533,18 @@ class BatchedSpeculativeDecoder(BatchRequests):
             row.stats.num_draft_forwards += draft_forwards
 
     def _trimmed(self, rows, k: list[int], ngram_sizes: list[int], caps: list[int]) -> tuple[list[int], list[int]]:
-        """Each row's block after its controller's ``trim`` (``Draft.ngram_sizes``), and the caps the stats record:
-        a trimmed row's what it kept (the others' ``caps``); a block trimmed to nothing is a gated step.
-
-        Raises:
-            InvalidArgumentError: A controller kept a count outside 0 .. the tokens proposed.
-        """
+        """Each row's block after its controller's ``trim`` (``Draft.ngram_sizes``), and the caps the stats record
+        (a trimmed row's: what it kept; a block trimmed to nothing is a gated step). Raises InvalidArgumentError
+        where a controller kept a count outside 0 .. the tokens proposed."""
         kept, stat_caps = list(k), list(caps)
         for b, row in enumerate(rows):
-            if not k[b] or row.controller is None:
-                continue
-            n = row.controller.trim(k[b], ngram_sizes[b])
+            n = row.controller.trim(k[b], ngram_sizes[b]) if k[b] and row.controller is not None else k[b]
             if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= k[b]:
                 raise InvalidArgumentError(f"a round controller's trim must keep 0..{k[b]} tokens (those proposed), "
                                            f"got {n!r}")
             if n < k[b]:
                 stat_caps[b] = n
-                if n == 0:
-                    row.stats.num_gated_steps += 1
+                row.stats.num_gated_steps += n == 0
             kept[b] = n
         return kept, stat_caps
 
