@@ -25,6 +25,8 @@ DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 #: Every method (each has a batch mode): the method registry's (``specdecode.method_registry``).
 METHODS = method_registry.METHODS
 BATCH_METHODS = method_registry.BATCH_METHODS
+#: Prompt lookup's datastore under "auto" with a llama.cpp target (``method_registry``'s, where it is resolved).
+LLAMA_CPP_PROMPT_LOOKUP_DATASTORE = method_registry.LLAMA_CPP_PROMPT_LOOKUP_DATASTORE
 #: What runs a draft model's forwards: transformers (and specdecode's quantized layers), or
 #: llama.cpp on the draft's GGUF file (``specdecode.models.llama_cpp``).
 DRAFT_BACKENDS = ("torch", "llama-cpp")

@@ -39,6 +39,9 @@ class DrafterOptions:
         skip_set, skip_layers, skip_config: "layer-skip"'s skip set, given once.
         exit_layer: "early-exit"'s N (layers 0..N-1 draft).
         prompt_lookup_branches: "prompt-lookup"'s matches per round, as a token tree (1: linear).
+        prompt_lookup_history_tokens: "prompt-lookup"'s history of earlier outputs, in tokens (0: none).
+        prompt_lookup_datastore: "prompt-lookup"'s datastore corpus (``drafters.datastore.corpus_files``); None or
+            "none": none; "auto": ``LLAMA_CPP_PROMPT_LOOKUP_DATASTORE`` with a llama.cpp target, else none.
         prompt_lookup_max_ngram, prompt_lookup_min_ngram: n-gram sizes of "prompt-lookup" and of
             the cascade's n-gram part.
         draft_vocab_size: FR-Spec's K for the draft model's head (0 or None: the full head).
@@ -60,6 +63,8 @@ class DrafterOptions:
     prompt_lookup_max_ngram: int = 3
     prompt_lookup_min_ngram: int = 1
     prompt_lookup_branches: int = 1
+    prompt_lookup_history_tokens: int = 0
+    prompt_lookup_datastore: str | Path | None = "auto"
     draft_vocab_size: int | None = None
     ngram_check: bool = True
     draft_context_window: int | None = None
@@ -68,6 +73,13 @@ class DrafterOptions:
     max_model_prompt_tokens: int | None = None
     compile: bool | None = None
     draft_backend: str | None = None
+
+
+#: Prompt lookup's datastore (``drafters.datastore``) when ``prompt_lookup_datastore`` is "auto" (the default of the
+#: API and the commands): this Python's standard library with a llama.cpp target, where a verification of 2-4
+#: tokens costs 1.5-1.8 plain steps on 2 cores, so drafts must be sure to pay (measured: 1.10x -> 1.16x llama.cpp
+#: on 10 HumanEval prompts, docs/benchmarks/2026-11-27-datastore.md); none with a torch target (not measured).
+LLAMA_CPP_PROMPT_LOOKUP_DATASTORE = "python-stdlib"
 
 
 #: A factory: (generator, options) -> the drafter, or None for target-only decoding.
@@ -151,7 +163,13 @@ def _early_exit(generator, o: DrafterOptions) -> EarlyExitDrafter:
 
 
 def _prompt_lookup(generator, o: DrafterOptions) -> PromptLookupDrafter:
-    return PromptLookupDrafter(o.prompt_lookup_max_ngram, o.prompt_lookup_min_ngram, o.prompt_lookup_branches)
+    corpus = o.prompt_lookup_datastore
+    if corpus == "auto":  # a tree drafts the sequence's own matches only
+        llama = generator.backend == "llama-cpp" and o.prompt_lookup_branches == 1
+        corpus = LLAMA_CPP_PROMPT_LOOKUP_DATASTORE if llama else None
+    datastore = generator.datastore(corpus) if corpus is not None and str(corpus) != "none" else None
+    return PromptLookupDrafter(o.prompt_lookup_max_ngram, o.prompt_lookup_min_ngram, o.prompt_lookup_branches,
+                               history_tokens=o.prompt_lookup_history_tokens, datastore=datastore)
 
 
 def _token_recycling(generator, o: DrafterOptions) -> TokenRecyclingDrafter:
@@ -175,7 +193,8 @@ REGISTRY: Mapping[str, Method] = MappingProxyType({m.name: m for m in (
     Method("layer-skip", _layer_skip, frozenset({"skip_set", "skip_layers", "skip_config", "compile"}),
            adaptive_exit=True),
     Method("early-exit", _early_exit, frozenset({"exit_layer", "compile"}), adaptive_exit=True),
-    Method("prompt-lookup", _prompt_lookup, _NGRAMS | {"prompt_lookup_branches"}),
+    Method("prompt-lookup", _prompt_lookup, _NGRAMS | {"prompt_lookup_branches", "prompt_lookup_history_tokens",
+                                                        "prompt_lookup_datastore"}),
     Method("token-recycling", _token_recycling),
 )})
 

@@ -67,6 +67,11 @@ DRAFTER_OPTIONS = (
     DrafterOption("--prompt-lookup-min-ngram", "prompt_lookup_min_ngram", int, "prompt-lookup: shortest n-gram matched"),
     DrafterOption("--prompt-lookup-branches", "prompt_lookup_branches", int,
                   "prompt-lookup: matches per round as a token tree (1: linear)"),
+    DrafterOption("--prompt-lookup-datastore", "prompt_lookup_datastore", str,
+                  "prompt-lookup: corpus of its n-gram datastore ('python-stdlib', a folder, 'none'; default 'auto': "
+                  "python-stdlib with --backend llama-cpp)"),
+    DrafterOption("--prompt-lookup-history-tokens", "prompt_lookup_history_tokens", int,
+                  "prompt-lookup: tokens of earlier outputs it also drafts from (default 0)"),
     DrafterOption("--draft-tree-depth", "draft_tree_depth", int,
                   "draft and cascade: the draft's chain steps of a token tree of γ nodes (unset: linear)"),
     DrafterOption("--draft-tree-expand", "draft_tree_expand", int,

@@ -139,10 +139,11 @@ class RoundController(Protocol):
     def record(self, cap: int, num_drafted: int, num_accepted: int) -> None:
         """After verifying a block of ``num_drafted`` >= 1 tokens drafted under ``cap``."""
 
-    def trim(self, num_tokens: int, ngram_size: int) -> int:
+    def trim(self, num_tokens: int, ngram_size: int, source: str = "sequence") -> int:
         """After the drafter proposed ``num_tokens`` >= 1 tokens for the row, continuing an earlier match of
-        its last ``ngram_size`` tokens (``Draft.ngram_sizes``), how many of them to verify (0 .. num_tokens;
-        0: a plain step). Called before ``record``; the default keeps them all."""
+        its last ``ngram_size`` tokens (``Draft.ngram_sizes``) found in ``source`` (``Draft.match_sources``),
+        how many of them to verify (0 .. num_tokens; 0: a plain step). Called before ``record``; the default
+        keeps them all."""
         return num_tokens
 
     def record_round(self, cap: int, num_drafted: int, seconds: float, *, draft_seconds: float = 0.0,
@@ -222,6 +223,9 @@ class Draft:
             earlier occurrence the row's block continues (prompt lookup; 0: no match, no block): the
             evidence a cost model prices the block by, as a longer match is accepted more often
             (``RoundController.trim``). None for drafters without one.
+        match_sources: Per row with ``ngram_sizes``, where the match was: "sequence" (the row's own
+            prompt and output), "history" (earlier outputs), "datastore" (a corpus); each source's blocks
+            are priced by their own acceptance. None: every row's is "sequence".
     """
 
     tokens: torch.Tensor
@@ -232,6 +236,7 @@ class Draft:
     trees: list[TokenTree | None] | None = None
     prob_nodes: list[list[int] | None] | None = None
     ngram_sizes: list[int] | None = None
+    match_sources: list[str] | None = None
 
 
 class Drafter(abc.ABC):

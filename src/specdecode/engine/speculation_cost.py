@@ -221,7 +221,7 @@ class SpeculationCostPolicy(DraftPolicy):
         self.trees = False
         self.depths: DepthAcceptance | None = None if prior is None else DepthAcceptance(prior, prior_weight, decay)
         self.by_match = False
-        self.match_depths: dict[int, DepthAcceptance] = {}
+        self.match_depths: dict[int | tuple[str, int], DepthAcceptance] = {}  # by ``match_key``
 
     @property
     def active(self) -> bool:
@@ -249,9 +249,10 @@ class SpeculationCostPolicy(DraftPolicy):
             self.depths = DepthAcceptance(prior, self.prior_weight, self.decay)
         self.by_match = bool(getattr(drafter, "reports_ngram_sizes", False))
 
-    def acceptance(self, ngram_size: int | None = None) -> DepthAcceptance:
-        """The depth estimates (made with ``PROMPT_LOOKUP_PRIOR`` if no prior is known yet); with ``ngram_size``,
-        those of the blocks that continued a match of that many tokens (``by_match``), from the same prior."""
+    def acceptance(self, ngram_size: int | tuple[str, int] | None = None) -> DepthAcceptance:
+        """The depth estimates (made with ``PROMPT_LOOKUP_PRIOR`` if no prior is known yet); with ``ngram_size``
+        (a ``match_key``), those of the blocks that continued a match of that many tokens in the row's sequence,
+        or of ``(source, n)`` (``by_match``), from the same prior."""
         if self.depths is None:
             self.depths = DepthAcceptance(PROMPT_LOOKUP_PRIOR, self.prior_weight, self.decay)
         if ngram_size is None:
@@ -272,7 +273,7 @@ class SpeculationCostPolicy(DraftPolicy):
         verify = self.target_costs.at(size + 1) if self.target_costs is not None else 1.0
         return size * self.node_cost() + verify
 
-    def expected_tokens(self, size: int, ngram_size: int | None = None) -> float | None:
+    def expected_tokens(self, size: int, ngram_size: int | tuple[str, int] | None = None) -> float | None:
         """E[tokens](n): a chain's from the depth estimates (those after a match of ``ngram_size`` tokens, if
         given); a tree's 1 + A(n) (None: not measured)."""
         if size == 0:
@@ -282,7 +283,7 @@ class SpeculationCostPolicy(DraftPolicy):
         accepted = self.tree_accepted.get(size)
         return None if accepted is None else 1.0 + accepted
 
-    def rate(self, size: int, ngram_size: int | None = None) -> float | None:
+    def rate(self, size: int, ngram_size: int | tuple[str, int] | None = None) -> float | None:
         """Expected tokens per second at ``size`` (None: a tree size not measured); ``ngram_size`` as in
         ``expected_tokens``."""
         tokens = self.expected_tokens(size, ngram_size)
@@ -324,7 +325,7 @@ class SpeculationCostPolicy(DraftPolicy):
             self.node_seconds.add(0, draft_seconds / num_drafted)
 
     def observe_block(self, cap: int, num_drafted: int, num_accepted: int, depth: int | None,
-                      ngram_size: int | None = None) -> None:
+                      ngram_size: int | tuple[str, int] | None = None) -> None:
         """A verified draft of ``num_drafted`` >= 1 nodes, ``depth`` deep (None: a chain), given ``cap``,
         of which ``num_accepted`` were accepted: a chain updates α_d (those after a match of ``ngram_size``
         tokens, if given); once the drafter has made a tree, every round also updates the mean of its ``cap``.
@@ -348,6 +349,12 @@ class SpeculationCostPolicy(DraftPolicy):
         """
         check_count("max_tokens", gamma, 1)
         return SpeculationCostController(self, gamma if self.max_size is None else min(gamma, self.max_size), exit)
+
+
+def match_key(ngram_size: int, source: str = "sequence") -> int | tuple[str, int]:
+    """The key of ``SpeculationCostPolicy.match_depths`` for a block continuing a match of ``ngram_size`` tokens
+    in ``source``: the size alone for the row's own sequence, else ``(source, ngram_size)``."""
+    return ngram_size if source == "sequence" else (source, ngram_size)
 
 
 #: With an adaptive draft exit, a probe of the drafting arm drafts at most this many tokens (the exit may stop
@@ -402,10 +409,10 @@ class SpeculationCostController(RoundController):
         self._pending: tuple[int, int, int] | None = None
         self._ceiling: int | None = None  # the engine's lower cap (``record_round``), for probe_every rounds
         self._ceiling_rounds = 0
-        self._match: int | None = None  # ``trim``: the n-gram size of the block being verified
+        self._match: int | tuple[str, int] | None = None  # ``trim``: the ``match_key`` of the block being verified
         self._match_probe = False  # ``trim``: that block is a probe
-        self._match_plain: dict[int, int] = {}  # per n-gram size: blocks trimmed to nothing since its last draft
-        self._match_backoff: dict[int, int] = {}  # per n-gram size: as ``_backoff``
+        self._match_plain: dict = {}  # per ``match_key``: blocks trimmed to nothing since its last draft
+        self._match_backoff: dict = {}  # per ``match_key``: as ``_backoff``
 
     @property
     def sizes(self) -> list[int]:
@@ -491,11 +498,12 @@ class SpeculationCostController(RoundController):
         self.last = size
         return size
 
-    def trim(self, num_tokens: int, ngram_size: int) -> int:
-        """The tokens of a block of ``num_tokens`` that continues a match of ``ngram_size`` tokens to verify.
+    def trim(self, num_tokens: int, ngram_size: int, source: str = "sequence") -> int:
+        """The tokens of a block of ``num_tokens`` that continues a match of ``ngram_size`` tokens found in
+        ``source`` (``Draft.match_sources``) to verify.
 
-        With a drafter that reports its matches (``by_match``: prompt lookup's chains) each n-gram size has
-        its own α_d, as a longer match is accepted more often; the size with the most expected tokens per
+        With a drafter that reports its matches (``by_match``: prompt lookup's chains) each n-gram size of
+        each source has its own α_d (``match_key``), as a longer match is accepted more often; the size with the most expected tokens per
         second under them is kept (0: a plain step). Where none pays, one token is tried after
         ``probe_every`` plain steps of that n-gram size (twice as long after each probe that changed
         nothing, up to ``RARE_PROBE_FACTOR`` x); where the best size is below the block, one more token every
@@ -503,23 +511,24 @@ class SpeculationCostController(RoundController):
         """
         policy = self.policy
         self._match, self._match_probe = None, False
+        key = match_key(ngram_size, source)
         if not policy.by_match or policy.trees or self.exit is not None or num_tokens < 1:
             return num_tokens
-        self._match = ngram_size
+        self._match = key
         if not policy.can_pay(self.sizes):  # ``round_cap``'s rare probe (a measured draft cost may have fallen)
             return min(num_tokens, 1)
         top = min(num_tokens, self.sizes[-1])
-        best = best_size(range(top + 1), lambda n: policy.rate(n, ngram_size))
+        best = best_size(range(top + 1), lambda n: policy.rate(n, key))
         if best == 0:
-            waited = self._match_plain.get(ngram_size, 0) + 1
-            if top and waited >= policy.probe_every * self._match_backoff.get(ngram_size, 1):
-                self._match_plain[ngram_size] = 0
+            waited = self._match_plain.get(key, 0) + 1
+            if top and waited >= policy.probe_every * self._match_backoff.get(key, 1):
+                self._match_plain[key] = 0
                 self._match_probe = True
                 self.num_probes += 1
                 return 1
-            self._match_plain[ngram_size] = waited
+            self._match_plain[key] = waited
             return 0
-        self._match_plain[ngram_size] = 0
+        self._match_plain[key] = 0
         if self._rounds % policy.probe_every == 0 and best < top:
             self.num_probes += 1
             return best + 1

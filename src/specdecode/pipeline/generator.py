@@ -120,6 +120,8 @@ class SpeculativeGenerator(ModelPair):
         prompt_lookup_max_ngram: int = 3,
         prompt_lookup_min_ngram: int = 1,
         prompt_lookup_branches: int = 1,
+        prompt_lookup_history_tokens: int = 0,
+        prompt_lookup_datastore: str | Path | None = "auto",
         draft_vocab_size: int | None = None,
         ngram_check: bool = True,
         draft_context_window: int | None = None,
@@ -141,6 +143,13 @@ class SpeculativeGenerator(ModelPair):
                 and of the n-gram part of "cascade" (1 <= min <= max).
             prompt_lookup_branches: "prompt-lookup" drafts up to this many matches' continuations
                 as a token tree (1: the linear draft of the most recent match).
+            prompt_lookup_history_tokens: "prompt-lookup" also matches in the last this many tokens it
+                generated before (SuffixDecoding's outputs of earlier requests; 0: not).
+            prompt_lookup_datastore: "prompt-lookup" also matches in this corpus ("python-stdlib": this
+                Python's standard library sources; or a folder or file of text), REST's datastore
+                (``drafters.datastore``), tokenized once and cached in the cache folder; None or "none":
+                not; "auto" (the default): "python-stdlib" with a llama.cpp target, else none
+                (``method_registry.LLAMA_CPP_PROMPT_LOOKUP_DATASTORE``).
             draft_vocab_size: K for "draft" and "cascade": the draft model proposes only among
                 K frequent tokens and computes those LM-head rows alone (FR-Spec; see
                 ``draft_head``). 0 or None: the full head.
@@ -184,6 +193,8 @@ class SpeculativeGenerator(ModelPair):
             skip_set=skip_set, skip_layers=skip_layers, skip_config=skip_config, exit_layer=exit_layer,
             prompt_lookup_max_ngram=prompt_lookup_max_ngram, prompt_lookup_min_ngram=prompt_lookup_min_ngram,
             prompt_lookup_branches=prompt_lookup_branches,
+            prompt_lookup_history_tokens=prompt_lookup_history_tokens,
+            prompt_lookup_datastore=prompt_lookup_datastore,
             draft_vocab_size=draft_vocab_size, ngram_check=ngram_check, draft_context_window=draft_context_window,
             max_model_prompt_tokens=max_model_prompt_tokens, compile=compile, draft_backend=draft_backend,
             draft_tree_depth=draft_tree_depth, draft_tree_expand=draft_tree_expand,
@@ -215,6 +226,8 @@ class SpeculativeGenerator(ModelPair):
         prompt_lookup_max_ngram: int = 3,
         prompt_lookup_min_ngram: int = 1,
         prompt_lookup_branches: int = 1,
+        prompt_lookup_history_tokens: int = 0,
+        prompt_lookup_datastore: str | Path | None = "auto",
         draft_vocab_size: int | None = None,
         ngram_check: bool = True,
         draft_context_window: int | None = None,
@@ -252,6 +265,8 @@ class SpeculativeGenerator(ModelPair):
             prompt_lookup_max_ngram=prompt_lookup_max_ngram,
             prompt_lookup_min_ngram=prompt_lookup_min_ngram,
             prompt_lookup_branches=prompt_lookup_branches,
+            prompt_lookup_history_tokens=prompt_lookup_history_tokens,
+            prompt_lookup_datastore=prompt_lookup_datastore,
             draft_vocab_size=draft_vocab_size,
             ngram_check=ngram_check,
             draft_context_window=draft_context_window,
@@ -303,6 +318,8 @@ class SpeculativeGenerator(ModelPair):
         prompt_lookup_max_ngram: int = 3,
         prompt_lookup_min_ngram: int = 1,
         prompt_lookup_branches: int = 1,
+        prompt_lookup_history_tokens: int = 0,
+        prompt_lookup_datastore: str | Path | None = "auto",
         ngram_check: bool = True,
         max_model_prompt_tokens: int | None = None,
         draft_context_window: int | None = None,
@@ -341,6 +358,8 @@ class SpeculativeGenerator(ModelPair):
             skip_set=skip_set, skip_layers=skip_layers, skip_config=skip_config, exit_layer=exit_layer,
             prompt_lookup_max_ngram=prompt_lookup_max_ngram, prompt_lookup_min_ngram=prompt_lookup_min_ngram,
             prompt_lookup_branches=prompt_lookup_branches,
+            prompt_lookup_history_tokens=prompt_lookup_history_tokens,
+            prompt_lookup_datastore=prompt_lookup_datastore,
             ngram_check=ngram_check, max_model_prompt_tokens=max_model_prompt_tokens,
             draft_context_window=draft_context_window, draft_vocab_size=draft_vocab_size,
             draft_backend=draft_backend, draft_tree_depth=draft_tree_depth, draft_tree_expand=draft_tree_expand,

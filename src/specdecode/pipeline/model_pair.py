@@ -17,6 +17,7 @@ from typing import Self
 import torch
 
 from specdecode.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, DRAFT_BACKENDS, eos_token_ids
+from specdecode.drafters.datastore import NgramDatastore, load_or_build
 from specdecode.drafters.draft_head import DraftHead
 from specdecode.errors import InvalidArgumentError
 from specdecode.models import LoadedModel, check_vocabularies, load_model
@@ -30,7 +31,7 @@ from specdecode.models.llama_cpp import (
 )
 from specdecode.models.llama_cpp_target import LlamaCppTargetRunner, load_llama_cpp_target
 from specdecode.models.quantize import resolve_pair_quantization
-from specdecode.models.registry import OFFLINE_MODELS
+from specdecode.models.registry import OFFLINE_MODELS, default_cache_dir
 from specdecode.models.token_frequencies import TokenFrequencies, load_or_count, special_token_ids
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class ModelPair:
         self._llama_cpp_draft = llama_cpp_draft
         self._llama_cpp_runner: LlamaCppTargetRunner | None = None
         self._token_frequencies: TokenFrequencies | None = None
+        self._datastores: dict[str, NgramDatastore] = {}  # prompt lookup's, by corpus
         if draft is not None:
             check_vocabularies(target, draft)
         self._eos = eos_token_ids(target)
@@ -250,6 +252,22 @@ class ModelPair:
         if self._token_frequencies is None:
             self._token_frequencies = load_or_count(self.draft.tokenizer, self._draft_dense_folder())
         return self._token_frequencies
+
+    def datastore(self, corpus: str | Path) -> NgramDatastore:
+        """Prompt lookup's datastore of ``corpus`` (``drafters.datastore.corpus_files``) in the target's tokens,
+        made once per generator and corpus, its arrays cached in the cache folder's ``datastore``.
+
+        Raises:
+            InvalidArgumentError: As ``drafters.datastore.load_or_build``.
+        """
+        key = str(corpus)
+        if key not in self._datastores:
+            tok = self.tokenizer
+            self._datastores[key] = load_or_build(
+                corpus, lambda text: tok(text, add_special_tokens=False)["input_ids"],
+                f"{type(tok).__name__}|{getattr(tok, 'name_or_path', '')}|{len(tok)}",
+                self.cache_dir if self.cache_dir is not None else default_cache_dir())
+        return self._datastores[key]
 
     def _draft_dense_folder(self) -> Path | None:
         """The dense-cache folder of the draft model, or None (a folder or hub model has none)."""
