@@ -419,7 +419,7 @@ class BatchedSpeculativeDecoder(BatchRequests):
             draft_s = time.perf_counter() - t_draft - (self.drafter.compile_time_s - draft_compiling) - draft_prefill
             k = list(draft.num_tokens)
             if draft.ngram_sizes is not None:  # each row's policy keeps what its match's evidence pays for
-                k, stat_caps = self._trimmed(rows, k, draft.ngram_sizes, draft.match_sources, caps)
+                k, stat_caps = self._trimmed(rows, k, draft, caps)
         trees, tokens, probs = self._trees(draft, k) if draft is not None else (None, None, None)
         K = max(k)
         # verify: one forward, row b at its own position len_b - 1, padded on the right to K + 1.
@@ -532,15 +532,14 @@ class BatchedSpeculativeDecoder(BatchRequests):
             row.stats.warmup_s += compiled
             row.stats.num_draft_forwards += draft_forwards
 
-    def _trimmed(self, rows, k: list[int], ngram_sizes: list[int], sources: list[str] | None,
-                 caps: list[int]) -> tuple[list[int], list[int]]:
-        """Each row's block after its controller's ``trim`` (``Draft.ngram_sizes``), and the caps the stats record
-        (a trimmed row's: what it kept; a block trimmed to nothing is a gated step). Raises InvalidArgumentError
-        where a controller kept a count outside 0 .. the tokens proposed."""
-        kept, stat_caps = list(k), list(caps)
+    def _trimmed(self, rows, k: list[int], draft: Draft, caps: list[int]) -> tuple[list[int], list[int]]:
+        """Each row's block after its controller's ``trim`` (``Draft.ngram_sizes``, ``match_sources``), and the caps the
+        stats record (a trimmed row's: what it kept; a block trimmed to nothing is a gated step). Raises
+        InvalidArgumentError where a controller kept a count outside 0 .. the tokens proposed."""
+        kept, stat_caps, sources = list(k), list(caps), draft.match_sources
         for b, row in enumerate(rows):
             source = () if sources is None or sources[b] == "sequence" else (sources[b],)  # the protocol's default
-            n = row.controller.trim(k[b], ngram_sizes[b], *source) if k[b] and row.controller is not None else k[b]
+            n = row.controller.trim(k[b], draft.ngram_sizes[b], *source) if k[b] and row.controller is not None else k[b]
             if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= k[b]:
                 raise InvalidArgumentError(f"a round controller's trim must keep 0..{k[b]} tokens (those proposed), "
                                            f"got {n!r}")
