@@ -102,10 +102,15 @@ def kv_bytes_per_position(model) -> int:
 
 
 def available_memory_bytes(device) -> int | None:
-    """Bytes free on ``device`` (a CUDA device's free memory, a CPU's available memory), None elsewhere."""
+    """Bytes free on ``device``, None where unknown (neither CUDA nor the CPU).
+
+    A CUDA device: its free memory (``torch.cuda.mem_get_info``) plus what torch's caching allocator holds
+    reserved but unallocated (``memory_reserved - memory_allocated``), which the caches' tensors get first
+    and ``mem_get_info`` counts as used. A CPU: the memory available to new processes (psutil)."""
     device = torch.device(device)
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + max(cached, 0)
     if device.type == "cpu":
         import psutil
 
