@@ -47,3 +47,23 @@ def test_a_batch_that_fits_in_the_allocator_s_reserve_is_allowed(cuda_memory):
     with pytest.raises(InvalidArgumentError, match=rf"more than the 9\.0 GiB available on cuda:0; allowed: "
                                                    rf"--max-batch-size 1\.\.{9 * GIB // per_row} at --max-length 1024"):
         check_cache_memory(gen, "autoregressive", max_batch_size=2 * rows, max_length=1024)
+
+
+def test_a_llama_cpp_draft_s_training_context_limits_the_rows():
+    """A draft run in llama.cpp (the generator's llama_cpp_draft) states its training context, n_ctx_train."""
+    from specdecode.serve.limits import fit_max_length, loaded_context_limits
+
+    target = make_tiny_model("llama", num_layers=2)  # 512 positions
+    llama_draft = SimpleNamespace(n_ctx_train=200, name="draft.gguf")
+    gen = SimpleNamespace(target=SimpleNamespace(model=target, name="tiny"), draft=None,
+                          default_draft_backend=lambda: "llama-cpp", llama_cpp_draft=lambda: llama_draft)
+    limits = loaded_context_limits(gen, "draft", draft_name="/models/draft.gguf")
+    assert [(lim.role, lim.name, lim.positions) for lim in limits] == [("target", "tiny", 512),
+                                                                      ("draft model", "/models/draft.gguf", 200)]
+    assert fit_max_length(None, 5, limits) == 206
+    with pytest.raises(InvalidArgumentError, match=r"--max-length 300 is more than a row can use: the draft model "
+                                                   r"'/models/draft.gguf' has a context length of 200 positions "
+                                                   r"\(llama.cpp's n_ctx_train\), fewer than the target's 512 .* "
+                                                   r"allowed: --max-length 8\.\.206"):
+        fit_max_length(300, 5, limits)
+    assert [lim.role for lim in loaded_context_limits(gen, "prompt-lookup")] == ["target"]  # no draft model

@@ -341,3 +341,45 @@ def test_the_draft_block_known_before_loading_is_the_engine_s(tiny_folders, flag
     gen = SpeculativeGenerator.from_pretrained(str(target), str(draft) if plan.draft else None, dtype="float32",
                                                device="cpu")
     assert longest_draft_block(args, plan) == build_decoder(gen, args, plan).max_block
+
+
+# --- a draft model's context length ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def short_draft_folders(tmp_path_factory):
+    """The tiny pair, its draft stating a context length of 300 positions (the target's: 512)."""
+    import json
+
+    target, draft = tiny_chat_folders(tmp_path_factory.mktemp("short_draft"))
+    config = json.loads((draft / "config.json").read_text())
+    (draft / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 300}))
+    return target, draft
+
+
+def draft_refusal(draft, value: int) -> str:
+    return (f"--max-length {value} is more than a row can use: the draft model {str(draft)!r} has a context length "
+            "of 300 positions (max_position_embeddings), fewer than the target's 512 and a row keeps 13 more for a "
+            "draft block; allowed: --max-length 15..313")
+
+
+def test_a_max_length_past_a_shorter_draft_context_is_refused_naming_the_draft(
+        short_draft_folders, not_listening, capsys):
+    """The draft model sees every position of a row but the draft block: --max-length 400 gave it 387 positions,
+    past its 300. Only the target's context length was checked."""
+    code = main(serve_args(short_draft_folders, "--max-length", 400))
+    assert code == 2 and not_listening == []
+    assert draft_refusal(short_draft_folders[1], 400) in capsys.readouterr().err
+    assert main(serve_args(short_draft_folders, "--max-length", 313)) == 0 and len(not_listening) == 1  # the bound
+    # a method without a draft model is bound by the target alone
+    assert main(serve_args(short_draft_folders, "--method", "prompt-lookup", "--max-length", 400)) == 0
+
+
+def test_the_default_max_length_respects_a_shorter_draft_context(short_draft_folders):
+    from specdecode.cli import build_parser
+    from specdecode.serve.command import load_server
+
+    _, engine = load_server(build_parser().parse_args(serve_args(short_draft_folders)))
+    assert engine.decoder.max_length == 313  # 300 + 13; was 525, the target's 512 + 13
+    _, engine = load_server(build_parser().parse_args(serve_args(short_draft_folders, "--method", "autoregressive")))
+    assert engine.decoder.max_length == 513
