@@ -59,6 +59,7 @@ from specdecode.serve.limits import (
     fit_max_length,
     loaded_context_limits,
     longest_draft_block,
+    stored_context_limits,
     tightest_limit,
 )
 
@@ -285,10 +286,11 @@ def run(args) -> int:
 
     Raises:
         SpecDecodeError: Bad options (before loading models), a missing ``serve`` extra, or
-            the loading errors of ``SpeculativeGenerator.from_pretrained``; once the models loaded,
-            before the engine is built: a --max-length past what the target's or a draft model's context
-            length and a draft block use (``fit_max_length``), or a --max-batch-size whose KV caches do not
-            fit in memory (``check_cache_memory``).
+            the loading errors of ``SpeculativeGenerator.from_pretrained``; a --max-length past what the
+            target's or a draft model's context length and a draft block use (``fit_max_length``: before
+            loading where the models' files state their context lengths, ``stored_context_limits``, else
+            once they loaded); once the models loaded, before the engine is built, a --max-batch-size whose
+            KV caches do not fit in memory (``check_cache_memory``).
     """
     app, engine = load_server(args)
     server = make_uvicorn_server(app, engine, host=args.host, port=args.port,
@@ -330,8 +332,10 @@ def load_server(args):
     backend = getattr(args, "backend", "torch")
     plan = resolve_defaults(args, resolve_device("cpu" if backend == "llama-cpp" else args.device))
     block = longest_draft_block(args, plan)
-    # What needs no model: the rows' room for a request (the default may only shrink once the models are known)
-    max_length = DEFAULT_MAX_LENGTH if args.max_length is None else args.max_length
+    # What needs no model: the rows' room for a request, within the models' context lengths where their files
+    # state them (read without loading the weights: an over-long --max-length fails before minutes of loading)
+    stored = stored_context_limits(args.target, plan.draft, cache_dir=args.cache_dir, backend=backend)
+    max_length = fit_max_length(args.max_length, block, stored)
     check_max_length(max_length, block, args.method, args.max_prompt_tokens)
     serve_settings(args, max_length, block)  # the limits' ranges (the settings are made once the engine is)
     check_address(args.host, args.port)  # the flags' last check: the models take minutes to load

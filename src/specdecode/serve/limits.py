@@ -1,6 +1,6 @@
 """How long and how many the server's rows may be: ``specdecode serve``'s --max-length and
---max-batch-size against the flags (before any model loads) and against the loaded models (before the
-engine is built and its caches allocated).
+--max-batch-size against the flags and the models' files (before any model loads) and against the loaded
+models (before the engine is built and its caches allocated).
 
 A row of the batched engine holds --max-length cache positions: a request's prompt and new tokens, and
 the longest draft block + 1 for the verification (``BatchedSpeculativeDecoder.max_block``). So
@@ -23,6 +23,7 @@ from specdecode.engine.cost_model import MEASURED_WIDTHS
 from specdecode.engine.fast_path import resolve_compile
 from specdecode.engine.runner_target import is_runner_target
 from specdecode.errors import InvalidArgumentError
+from specdecode.models.context_length import stored_context_length
 
 #: Cache positions per row when --max-length is not given, fewer where the target's context length and a
 #: draft block take fewer (``fit_max_length``).
@@ -89,6 +90,19 @@ class ContextLimit:
     source: str
 
 
+def stored_context_limits(target: str, draft: str | None, *, cache_dir=None, backend: str = "torch"
+                          ) -> list[ContextLimit]:
+    """The context lengths of the ``target`` and the ``draft`` model (None: the method has none) that their files
+    state, read before loading them (``models.context_length.stored_context_length``: a model whose files do
+    not say it before loading is left out, for ``loaded_context_limits`` to check)."""
+    limits = []
+    for role, spec, runs_in in (("target", target, backend), ("draft model", draft, "torch")):
+        stored = stored_context_length(spec, cache_dir=cache_dir, backend=runs_in) if spec else None
+        if stored is not None:
+            limits.append(ContextLimit(role, spec, stored.positions, stored.source))
+    return limits
+
+
 def loaded_context_limits(gen, method: str, *, target_name: str | None = None,
                           draft_name: str | None = None) -> list[ContextLimit]:
     """The context lengths of the loaded target (``kv_cache.context_length``: a transformers model's
@@ -120,7 +134,7 @@ def loaded_context_limits(gen, method: str, *, target_name: str | None = None,
 
 def fit_max_length(max_length: int | None, block: int, limits: Sequence[ContextLimit]) -> int:
     """The rows' cache positions: a row never uses more than the shortest context length among ``limits`` (the
-    target's and a draft model's, ``loaded_context_limits``) plus ``block`` + 1
+    target's and a draft model's, ``stored_context_limits`` or ``loaded_context_limits``) plus ``block`` + 1
     for a draft block. ``max_length`` None: ``DEFAULT_MAX_LENGTH``, or that where it is less.
 
     Raises:
@@ -253,5 +267,6 @@ __all__ = [
     "kv_bytes_per_position",
     "loaded_context_limits",
     "longest_draft_block",
+    "stored_context_limits",
     "tightest_limit",
 ]
