@@ -189,3 +189,11 @@ def test_the_server_s_logprob_tokens_join_to_the_text_across_a_split_character(s
     k = lp["text_offset"].index(i)
     assert lp["tokens"][k:k + 2] == ["", "é"] and lp["text_offset"][k + 1] == i
     assert all(token in top for token, top in zip(lp["tokens"], lp["top_logprobs"]))  # greedy: chosen = top
+
+
+def test_top_tokens_whose_text_was_not_decoded_are_refused():
+    tok = byte_fallback_tokenizer()
+    assembler = TextAssembler(tok, offsets=True)
+    assembler.push([6, 3], final=True)  # no alternatives given
+    with pytest.raises(LogprobsMismatchError, match="the text of top token 7 at token 6 was not decoded"):
+        logprobs_json(False, entries([6, 3], {0: [7]}), tok, assembler.tokens)

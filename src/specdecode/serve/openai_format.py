@@ -196,7 +196,8 @@ def logprobs_json(chat: bool, entries: Sequence, tokenizer, tokens: Sequence[Tok
             stream chunk's, in the whole text); None: ``entries`` are a whole completion, decoded here.
 
     Raises:
-        LogprobsMismatchError: ``tokens`` not those of ``entries`` (another number, or another token).
+        LogprobsMismatchError: ``tokens`` not those of ``entries`` (another number, or another token), or
+            without the text of one of their top tokens.
     """
     if tokens is None:
         tokens = _whole_completion(entries, tokenizer)
@@ -205,8 +206,11 @@ def logprobs_json(chat: bool, entries: Sequence, tokenizer, tokens: Sequence[Tok
             f"{len(entries)} logprobs (tokens {[e.token_id for e in entries][:8]}) for {len(tokens)} tokens "
             f"({[t.token_id for t in tokens][:8]})")
 
-    def top_text(t: TokenText, token_id: int) -> str:
-        return t.alternatives[token_id] if token_id in t.alternatives else _own_text(tokenizer, token_id)
+    missing = next(((t.token_id, i) for t, e in zip(tokens, entries) for i, _ in e.top if i not in t.alternatives),
+                   None)
+    if missing is not None:
+        raise LogprobsMismatchError(f"the text of top token {missing[1]} at token {missing[0]} was not decoded "
+                                    "(TextAssembler.push takes the top tokens as alternatives)")
 
     def finite(value: float) -> float:  # a masked token's -inf is not JSON: vLLM's floor instead
         return max(value, LOGPROB_FLOOR)
@@ -214,7 +218,7 @@ def logprobs_json(chat: bool, entries: Sequence, tokenizer, tokens: Sequence[Tok
     if chat:
         content = []
         for t, e in zip(tokens, entries):
-            top = [{"token": top_text(t, i), "logprob": finite(v), "bytes": list(token_bytes(tokenizer, i))}
+            top = [{"token": t.alternatives[i], "logprob": finite(v), "bytes": list(token_bytes(tokenizer, i))}
                    for i, v in e.top]
             content.append({"token": t.text, "logprob": finite(e.logprob),
                             "bytes": list(token_bytes(tokenizer, e.token_id)), "top_logprobs": top})
@@ -223,7 +227,7 @@ def logprobs_json(chat: bool, entries: Sequence, tokenizer, tokens: Sequence[Tok
     return {
         "tokens": [t.text for t in tokens],
         "token_logprobs": [finite(e.logprob) for e in entries],
-        "top_logprobs": [{top_text(t, i): finite(v) for i, v in e.top} for t, e in zip(tokens, entries)]
+        "top_logprobs": [{t.alternatives[i]: finite(v) for i, v in e.top} for t, e in zip(tokens, entries)]
         if asked_top else None,
         "text_offset": [t.offset for t in tokens],
     }
