@@ -341,3 +341,81 @@ def test_the_draft_block_known_before_loading_is_the_engine_s(tiny_folders, flag
     gen = SpeculativeGenerator.from_pretrained(str(target), str(draft) if plan.draft else None, dtype="float32",
                                                device="cpu")
     assert longest_draft_block(args, plan) == build_decoder(gen, args, plan).max_block
+
+
+# --- a draft model's context length, and --max-length checked before the models load ----------------------------
+
+
+@pytest.fixture(scope="module")
+def short_draft_folders(tmp_path_factory):
+    """The tiny pair, its draft stating a context length of 300 positions (the target's: 512)."""
+    import json
+
+    target, draft = tiny_chat_folders(tmp_path_factory.mktemp("short_draft"))
+    config = json.loads((draft / "config.json").read_text())
+    (draft / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 300}))
+    return target, draft
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Loading models fails the test's command (a check it expects first did not come first); returns the
+    list of loads tried."""
+    from specdecode.errors import SpecDecodeError
+    from specdecode.pipeline import SpeculativeGenerator
+
+    tried = []
+
+    def refuse(cls, *args, **kwargs):
+        tried.append(args)
+        raise SpecDecodeError("this test loads no model")
+
+    monkeypatch.setattr(SpeculativeGenerator, "from_pretrained", classmethod(refuse))
+    return tried
+
+
+def draft_refusal(draft, value: int) -> str:
+    return (f"--max-length {value} is more than a row can use: the draft model {str(draft)!r} has a context length "
+            "of 300 positions (max_position_embeddings), fewer than the target's 512 and a row keeps 13 more for a "
+            "draft block; allowed: --max-length 15..313")
+
+
+def test_a_max_length_past_a_shorter_draft_context_is_refused_naming_the_draft_before_loading(
+        short_draft_folders, no_loading, capsys):
+    """The draft model sees every position of a row but the draft block: --max-length 400 gave it 387 positions,
+    past its 300. Only the target's context length was checked."""
+    code = main(serve_args(short_draft_folders, "--max-length", 400))
+    assert code == 2 and no_loading == []
+    assert draft_refusal(short_draft_folders[1], 400) in capsys.readouterr().err
+
+
+def test_the_draft_s_context_length_is_checked_once_loaded_where_its_files_said_nothing(
+        short_draft_folders, not_listening, capsys, monkeypatch):
+    from specdecode.serve import command
+
+    monkeypatch.setattr(command, "stored_context_limits", lambda *args, **kwargs: [])  # nothing read before loading
+    code = main(serve_args(short_draft_folders, "--max-length", 400))
+    assert code == 2 and not_listening == []
+    assert draft_refusal(short_draft_folders[1], 400) in capsys.readouterr().err
+    assert main(serve_args(short_draft_folders, "--max-length", 313)) == 0 and len(not_listening) == 1  # the bound
+    # a method without a draft model is bound by the target alone
+    assert main(serve_args(short_draft_folders, "--method", "prompt-lookup", "--max-length", 400)) == 0
+
+
+def test_the_default_max_length_respects_a_shorter_draft_context(short_draft_folders):
+    from specdecode.cli import build_parser
+    from specdecode.serve.command import load_server
+
+    _, engine = load_server(build_parser().parse_args(serve_args(short_draft_folders)))
+    assert engine.decoder.max_length == 313  # 300 + 13; was 525, the target's 512 + 13
+    _, engine = load_server(build_parser().parse_args(serve_args(short_draft_folders, "--method", "autoregressive")))
+    assert engine.decoder.max_length == 513
+
+
+def test_a_max_length_past_the_target_s_context_is_refused_before_the_models_load(tiny_folders, no_loading, capsys):
+    """The target folder's config states its context length: --max-length 100000 is refused in milliseconds,
+    not after loading the models (minutes for the offline models' first start)."""
+    code = main(serve_args(tiny_folders, "--max-length", 100000))
+    assert code == 2 and no_loading == []
+    assert ("--max-length 100000 is more than a row can use: the target's context length is 512 positions "
+            "(max_position_embeddings)") in capsys.readouterr().err

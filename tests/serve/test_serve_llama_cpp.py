@@ -237,3 +237,32 @@ def test_the_draft_block_known_before_loading_is_the_engine_s(tiny_gguf, tmp_pat
     check_llama_cpp_backend(args)
     block = longest_draft_block(args, resolve_defaults(args, torch.device("cpu")))
     assert block == engine.decoder.max_block == {(): 5, ("-g", "9"): 7}.get(tuple(flags), 0)
+
+
+def test_a_max_length_past_the_gguf_target_s_context_is_refused_before_loading(tiny_gguf, tmp_path, monkeypatch,
+                                                                                 capsys):
+    """The GGUF file's metadata states the target's training context (llama.cpp's n_ctx_train, 512 here): an
+    over-long --max-length is refused before llama.cpp loads the file (it was refused only after)."""
+    from specdecode.errors import SpecDecodeError
+    from specdecode.models.context_length import stored_context_length
+    from specdecode.models.llama_cpp import LlamaCppModel
+    from specdecode.pipeline import SpeculativeGenerator
+
+    model = LlamaCppModel(tiny_gguf, role="target model")
+    try:
+        assert stored_context_length(str(tiny_gguf), backend="llama-cpp").positions == model.n_ctx_train == 512
+    finally:
+        model.close()
+    tried = []
+
+    def refuse(cls, *args, **kwargs):
+        tried.append(args)
+        raise SpecDecodeError("this test loads no model")
+
+    monkeypatch.setattr(SpeculativeGenerator, "from_pretrained", classmethod(refuse))
+    code = main(["serve", "--backend", "llama-cpp", "--target", str(tiny_gguf), "--max-length", "100000",
+                 "--cache-dir", str(tmp_path), "--port", "0"])
+    assert code == 2 and tried == []
+    assert ("--max-length 100000 is more than a row can use: the target's context length is 512 positions (the GGUF "
+            "file's qwen2.context_length) and a row keeps 6 more for a draft block; allowed: --max-length 8..518"
+            ) in capsys.readouterr().err

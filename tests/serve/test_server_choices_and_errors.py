@@ -225,3 +225,41 @@ def test_failures_of_the_server_itself_answer_a_code(folders):
         engine.begin_shutdown(0.0)
         r = httpx.post(f"{url}/v1/completions", json={"prompt": [5, 6], "max_tokens": 4})
         assert r.status_code == 503 and _error_code(r) == "unavailable"
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_logprobs_the_engine_got_wrong_answer_a_clear_internal_error_streamed_or_not(folders, path):
+    """Logprobs that do not describe their tokens (an engine bug; no request field can cause it) once raised a
+    ValueError from logprobs_json: a 500 naming only "ValueError", and a stream cut off after its status 200
+    without an error or [DONE]. Now the response says what failed, and a stream ends with the error's body and
+    [DONE]."""
+    target, draft = folders
+    gen = SpeculativeGenerator.from_pretrained(str(target), str(draft), dtype="float32", device="cpu")
+    with running_server(gen) as (url, engine, gate):
+        step = gate._step
+
+        def lossy_step():  # each event's last logprob goes missing
+            events = step()
+            for event in events:
+                if event.logprobs:
+                    event.logprobs = event.logprobs[:-1]
+            return events
+
+        gate._step = lossy_step
+        body = ({"prompt": PROMPT} if path == "/v1/completions" else
+                {"messages": [{"role": "user", "content": "w9 w11"}]})
+        body.update(max_tokens=6, temperature=0, logprobs=1 if path == "/v1/completions" else True)
+        r = httpx.post(f"{url}{path}", json=body, timeout=60)
+        assert r.status_code == 500 and _error_code(r) == "internal_error", r.text
+        error = r.json()["error"]
+        assert error["type"] == "server_error"
+        assert "the logprobs do not match the generated tokens" in error["message"], error
+        with httpx.stream("POST", f"{url}{path}", json={**body, "stream": True}, timeout=60) as s:
+            assert s.status_code == 200
+            events = [line[len("data: "):] for line in s.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]", events
+        assert '"code":"internal_error"' in events[-2] and "the logprobs do not match" in events[-2], events
+        gate._step = step
+        r = httpx.post(f"{url}{path}", json=body, timeout=60)  # the server goes on
+        assert r.status_code == 200, r.text
+        assert engine.outstanding == 0

@@ -28,6 +28,11 @@ def text(generator, ids: list[int]) -> str:
     return generator.tokenizer.decode(ids, skip_special_tokens=True)
 
 
+def added(generator, ids: list[int]) -> list[str]:
+    """What each token adds to the text of ``ids`` (decoded without special tokens)."""
+    return [text(generator, ids[: i + 1])[len(text(generator, ids[:i])):] for i in range(len(ids))]
+
+
 def test_the_greedy_reference_repeats_and_a_penalty_changes_it(server, generator):
     url, _, _ = server
     plain = alone(generator, PROMPT, False, max_new_tokens=20)
@@ -92,11 +97,16 @@ def test_chat_logprobs_equal_autoregressive_streamed_or_not(server, generator):
                                   top_logprobs=3, presence_penalty=1.0)
     content = r.choices[0].logprobs.content
     assert len(content) == len(want.logprobs) == r.usage.completion_tokens
-    for entry, lp in zip(content, want.logprobs):
-        assert entry.token == generator.tokenizer.decode([lp.token_id])
+    ids = [lp.token_id for lp in want.logprobs]
+    # A token is what it adds to the text (" w23" after "w9", where its own decode is "w23"), so the tokens
+    # join to the message; its bytes are its own.
+    assert [entry.token for entry in content] == added(generator, ids)
+    assert "".join(entry.token for entry in content) == r.choices[0].message.content
+    for i, (entry, lp) in enumerate(zip(content, want.logprobs)):
         assert entry.logprob == pytest.approx(lp.logprob, abs=1e-4) and entry.logprob <= 0
-        assert [t.token for t in entry.top_logprobs] == [generator.tokenizer.decode([t]) for t, _ in lp.top]
-        assert entry.bytes == list(entry.token.encode("utf-8"))
+        assert [t.token for t in entry.top_logprobs] == [added(generator, ids[:i] + [t])[-1] for t, _ in lp.top]
+        assert entry.bytes == list(generator.tokenizer.decode([lp.token_id]).encode("utf-8"))
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the top token is the chosen one
     stream = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=20, temperature=0, logprobs=True,
                                        top_logprobs=3, presence_penalty=1.0, stream=True)
     streamed = [e for chunk in stream if chunk.choices and chunk.choices[0].logprobs
@@ -111,9 +121,11 @@ def test_completion_logprobs(server, generator):
     want = alone(generator, PROMPT, False, logprobs=True, top_logprobs=2)
     r = client(url).completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0, logprobs=2)
     lp = r.choices[0].logprobs
-    assert lp.tokens == [generator.tokenizer.decode([e.token_id]) for e in want.logprobs]
+    assert lp.tokens == added(generator, [e.token_id for e in want.logprobs])
+    assert "".join(lp.tokens) == r.choices[0].text
     assert lp.token_logprobs == pytest.approx([e.logprob for e in want.logprobs], abs=1e-4)
     assert [len(t) for t in lp.top_logprobs] == [2] * len(lp.tokens)
+    assert all(token in top for token, top in zip(lp.tokens, lp.top_logprobs))  # greedy: the chosen token leads
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
 
 
@@ -134,11 +146,12 @@ def test_completion_text_offsets_point_into_the_returned_text_past_special_token
     r = c.completions.create(**kwargs)
     text, lp = r.choices[0].text, r.choices[0].logprobs
     assert text == tok.decode(ids, skip_special_tokens=True)
-    assert lp.tokens == [tok.decode([t]) for t in ids]  # a token is still its own decode, "<s>" included
     assert lp.text_offset == expected
-    # Each token's characters: from its offset to the next one's; together they are the text.
+    # Each token's characters: from its offset to the next one's; together they are the text, and each is
+    # the token's text in logprobs.tokens (it was the token's own decode: "<s>", and "w23" for " w23").
     pieces = [text[a:b] for a, b in zip(lp.text_offset, [*lp.text_offset[1:], len(text)])]
-    assert "".join(pieces) == text
+    assert "".join(pieces) == text == "".join(lp.tokens)
+    assert lp.tokens == pieces
     assert all(p == "" for p, t in zip(pieces, ids) if t in special)
     assert all(p.strip() == tok.decode([t]) for p, t in zip(pieces, ids) if t not in special)
     streamed = [o for chunk in c.completions.create(**kwargs, stream=True)
@@ -217,8 +230,5 @@ def test_logprobs_json_offsets_without_given_ones_are_those_of_the_text_without_
     ids = [0, 23, 1, 40, 23]  # text "w23 w40 w23"
     entries = [TokenLogprob(t, -1.0, ()) for t in ids]
     got = logprobs_json(False, entries, tok)
-    assert got["tokens"] == ["<pad>", "w23", "<s>", "w40", "w23"]
+    assert got["tokens"] == ["", "w23", "", " w40", " w23"]  # was each token's own decode: "<pad>", "w40", ...
     assert got["text_offset"] == [0, 0, 3, 3, 7]  # it was [0, 5, 8, 11, 14]: each token's own decode added up
-    assert logprobs_json(False, entries, tok, [7, 7, 10, 10, 14])["text_offset"] == [7, 7, 10, 10, 14]
-    with pytest.raises(ValueError, match="one offset per entry: 2 for 5"):
-        logprobs_json(False, entries, tok, [0, 0])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from specdecode.serve.text import TextAssembler
 
 
@@ -104,3 +106,22 @@ def test_token_offsets_follow_the_tokens_past_a_stop_string():
     a = TextAssembler(PieceTokenizer(), ("END",), offsets=True)
     assert "".join(stream(a, [[1, 0, 2], [3, 5, 6]])) == "Hello world "
     assert a.token_offsets == [0, 5, 5, 9, 11, 14]  # " EN" starts at 11; "D" past the cut text
+
+
+def test_token_texts_are_what_each_token_adds_and_join_to_the_text():
+    """logprobs' tokens: a special token adds "", the first half of 'é' adds "" and the second the whole 'é'
+    (each half's own decode is U+FFFD)."""
+    a = TextAssembler(PieceTokenizer(), offsets=True)
+    assert "".join(stream(a, [[1, 0], [2, 7], [8, 3, 4]])) == a.text == "Hello woréld!"
+    assert [t.text for t in a.tokens] == ["Hello", "", " wor", "", "é", "ld", "!"]
+    assert [t.offset for t in a.tokens] == a.token_offsets
+    assert all(a.text[t.offset:t.offset + len(t.text)] == t.text for t in a.tokens)
+
+
+def test_token_texts_of_alternatives_are_decoded_in_the_same_place():
+    a = TextAssembler(PieceTokenizer(), offsets=True)
+    a.push([1, 7], final=False, alternatives=[[2], [3, 0]])
+    a.push([8], final=True, alternatives=[[4, 8]])
+    assert [dict(t.alternatives) for t in a.tokens] == [{2: " wor"}, {3: "ld", 0: ""}, {4: "\ufffd!", 8: "é"}]
+    with pytest.raises(ValueError, match="one entry per token: 1 for 2 tokens"):
+        a.push([3, 4], final=False, alternatives=[[1]])

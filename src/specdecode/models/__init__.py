@@ -5,6 +5,8 @@
 - ``dense_cache``: the de-quantized copy written once, atomically;
 - ``loading``: ``load_model`` for every kind of spec, device and dtype choice,
   ``check_vocabularies`` for a target/draft pair;
+- ``context_length``: a model's context length read from its files without loading its weights
+  (``serve`` checks --max-length against it before loading);
 - ``token_frequencies``: token counts on installed Python text for a truncated draft
   head (FR-Spec), stored next to the draft model's dense copy.
 - ``quantize``: weight-only int8 / int4 linear layers on CPU and the quantized input

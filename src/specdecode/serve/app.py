@@ -8,7 +8,8 @@ Every error is answered with OpenAI's body ``{"error": {"message", "type", "para
 and ``code`` is never null (``ApiError`` requires one): 400 for bad input (pydantic validation
 included; FastAPI's default would be 422), 401 for a missing or wrong key, 404/405 for unknown
 routes, 411/413 for a body without a length or too large, 429 with ``Retry-After`` when the
-queue is full, 503 while shutting down, 500 only for the server's own failures (logged).
+queue is full, 503 while shutting down, 500 only for the server's own failures (logged; a stream, whose
+status 200 was sent, ends with the error's body and ``[DONE]``).
 
 ``n`` > 1 runs as n rows of the batched engine over the same prompt, each with its own sampler
 (seed + i when a seed is given). A message's ``name`` goes to the chat template when the
@@ -41,8 +42,10 @@ from specdecode.serve.metrics import ServerMetrics
 from specdecode.serve.openai_format import (
     FINISH_REASONS,
     ApiError,
+    LogprobsMismatchError,
     ResponseShape,
     error_body,
+    internal_error,
     logprobs_json,
     speculative,
     usage,
@@ -215,12 +218,12 @@ def create_app(generator, engine: EngineLoop, settings: ServeSettings, metrics: 
         return JSONResponse(error_body(message, kind, None, code), exc.status_code,
                             headers=getattr(exc, "headers", None))
 
-    @app.exception_handler(Exception)
+    @app.exception_handler(Exception)  # LogprobsMismatchError included
     async def _unexpected(request: Request, exc: Exception):
         logger.exception("unexpected error answering %s %s", request.method, request.url.path)
-        metrics.errors.labels(endpoint_label(request.url.path), "server_error").inc()
-        return JSONResponse(error_body(f"internal server error ({type(exc).__name__})", "server_error", None,
-                                       "internal_error"), 500)
+        err = internal_error(exc)
+        metrics.errors.labels(endpoint_label(request.url.path), err.type).inc()
+        return JSONResponse(err.body(), err.status)
 
     async def authorize(request: Request) -> None:
         if settings.api_key is None:
@@ -322,8 +325,8 @@ def create_app(generator, engine: EngineLoop, settings: ServeSettings, metrics: 
             raise ApiError(400, str(e), param=param, code="invalid_value") from e
         metrics.prompt_tokens.inc(len(ids))
         shape = ResponseShape(chat, settings.model_name)
-        # [processors] completions' logprobs: each token's offset in the text (chat has none)
-        texts = [TextAssembler(tokenizer, c.stop_strings, offsets=c.logprobs and not chat) for c in configs]
+        # [processors] logprobs: what each token adds to the text, and where (TextAssembler.tokens)
+        texts = [TextAssembler(tokenizer, c.stop_strings, offsets=c.logprobs) for c in configs]
         endpoint = request.url.path
         if body.stream:
             return EventSourceResponse(
@@ -376,6 +379,19 @@ def create_app(generator, engine: EngineLoop, settings: ServeSettings, metrics: 
         return ApiError(500, f"generation failed: {d.error or 'unknown error'}", "server_error",
                         code="generation_failed")
 
+    def _push(text: TextAssembler, d: Delivery, logprobs: bool) -> str:
+        """``text.push`` of a delivery's tokens; with ``logprobs``, their top tokens' too, once the engine's
+        logprobs are checked to be those of its tokens (``LogprobsMismatchError``, an internal error)."""
+        alternatives = None
+        if logprobs:
+            entries = d.logprobs or []
+            if [e.token_id for e in entries] != list(d.token_ids):
+                raise LogprobsMismatchError(
+                    f"the engine delivered {len(entries)} logprobs (tokens {[e.token_id for e in entries][:8]}) "
+                    f"with {len(d.token_ids)} tokens ({list(d.token_ids)[:8]})")
+            alternatives = [[t for t, _ in e.top] for e in entries]
+        return text.push(d.token_ids, final=d.finish_reason is not None, alternatives=alternatives)
+
     def _usage(handles: list[RequestHandle], texts: list[TextAssembler]) -> dict:
         return usage(len(handles[0].prompt_ids), sum(len(t.token_ids) for t in texts))
 
@@ -386,7 +402,7 @@ def create_app(generator, engine: EngineLoop, settings: ServeSettings, metrics: 
         logprobs = [[] if h.config.logprobs else None for h in handles]
         try:
             async for d in _deliveries(handles, request):
-                texts[d.index].push(d.token_ids, final=d.finish_reason is not None)
+                _push(texts[d.index], d, logprobs[d.index] is not None)
                 if logprobs[d.index] is not None:
                     logprobs[d.index] += d.logprobs or []
                 if d.finish_reason is None:
@@ -398,7 +414,7 @@ def create_app(generator, engine: EngineLoop, settings: ServeSettings, metrics: 
                 return Response(status_code=499)  # the client went away; nobody reads this
             choices = [(texts[i].text, FINISH_REASONS[finals[i].finish_reason],
                         None if logprobs[i] is None
-                        else logprobs_json(shape.chat, logprobs[i], tokenizer, texts[i].token_offsets))
+                        else logprobs_json(shape.chat, logprobs[i], tokenizer, texts[i].tokens))
                        for i in range(len(handles))]
             return shape.full(choices, _usage(handles, texts), _spec([finals[i] for i in range(len(handles))]))
         finally:
@@ -415,31 +431,37 @@ def create_app(generator, engine: EngineLoop, settings: ServeSettings, metrics: 
             if shape.chat:
                 for i in range(len(handles)):
                     yield _data(shape.chunk(None, index=i, role=True, include_usage=include_usage))
-            async for d in _deliveries(handles):
-                final = d.finish_reason is not None
-                delta = texts[d.index].push(d.token_ids, final=final)
-                if pending[d.index] is not None:
-                    pending[d.index] += d.logprobs or []
-                if final and d.finish_reason not in FINISH_REASONS:
-                    err = _failure(d)
-                    metrics.errors.labels(endpoint, err.type).inc()
-                    yield _data(err.body())
-                    break
-                if final:
-                    finals[d.index] = d
-                if delta or final:
-                    reason = FINISH_REASONS[d.finish_reason] if final else None
-                    extra = {"speculative": _spec([d])} if final else {}
+            try:
+                async for d in _deliveries(handles):
+                    final = d.finish_reason is not None
+                    delta = _push(texts[d.index], d, pending[d.index] is not None)
                     if pending[d.index] is not None:
-                        n, offsets = len(pending[d.index]), texts[d.index].token_offsets
-                        extra["logprobs"] = logprobs_json(shape.chat, pending[d.index], tokenizer, None if offsets
-                                                          is None else offsets[sent[d.index]:sent[d.index] + n])
-                        sent[d.index] += n
-                        pending[d.index] = []
-                    yield _data(shape.chunk(delta if delta or not shape.chat else None, reason, index=d.index,
-                                            include_usage=include_usage, **extra))
-            if include_usage and len(finals) == len(handles):
-                yield _data(shape.usage_chunk(_usage(handles, texts), _spec(list(finals.values()))))
+                        pending[d.index] += d.logprobs or []
+                    if final and d.finish_reason not in FINISH_REASONS:
+                        err = _failure(d)
+                        metrics.errors.labels(endpoint, err.type).inc()
+                        yield _data(err.body())
+                        break
+                    if final:
+                        finals[d.index] = d
+                    if delta or final:
+                        reason = FINISH_REASONS[d.finish_reason] if final else None
+                        extra = {"speculative": _spec([d])} if final else {}
+                        if pending[d.index] is not None:
+                            n, tokens = len(pending[d.index]), texts[d.index].tokens
+                            extra["logprobs"] = logprobs_json(shape.chat, pending[d.index], tokenizer,
+                                                              tokens[sent[d.index]:sent[d.index] + n])
+                            sent[d.index] += n
+                            pending[d.index] = []
+                        yield _data(shape.chunk(delta if delta or not shape.chat else None, reason, index=d.index,
+                                                include_usage=include_usage, **extra))
+                if include_usage and len(finals) == len(handles):
+                    yield _data(shape.usage_chunk(_usage(handles, texts), _spec(list(finals.values()))))
+            except Exception as exc:  # noqa: BLE001 -- the status was sent: the stream ends with the error's body
+                logger.exception("unexpected error streaming %s", endpoint)
+                err = internal_error(exc)
+                metrics.errors.labels(endpoint, err.type).inc()
+                yield _data(err.body())
             yield "[DONE]"
         finally:
             for handle in handles:

@@ -55,8 +55,12 @@ from specdecode.serve.limits import (
     DEFAULT_MAX_LENGTH,
     check_cache_memory,
     check_max_length,
+    describe_limit,
     fit_max_length,
+    loaded_context_limits,
     longest_draft_block,
+    stored_context_limits,
+    tightest_limit,
 )
 
 logger = logging.getLogger(__name__)
@@ -104,7 +108,8 @@ def add_arguments(p: argparse.ArgumentParser, *, default_target: str, default_dr
                    help="requests that may wait for a free row; beyond it the server answers 429 (default 64)")
     p.add_argument("--max-length", type=int, default=None,
                    help=f"cache positions per row: prompt + max_tokens + a draft block (default {DEFAULT_MAX_LENGTH}, "
-                        "or the target's context length + a draft block where that is less; at most that)")
+                        "or the shorter context length of the target and a draft model + a draft block where that is "
+                        "less; at most that)")
     p.add_argument("--max-prompt-tokens", type=int, default=None,
                    help="longest prompt accepted, in tokens (default: what --max-length leaves room for beside one "
                         "new token and a draft block)")
@@ -290,10 +295,11 @@ def run(args) -> int:
 
     Raises:
         SpecDecodeError: Bad options (before loading models), a missing ``serve`` extra, or
-            the loading errors of ``SpeculativeGenerator.from_pretrained``; once the models loaded,
-            before the engine is built: a --max-length past what the target's context length and a
-            draft block use (``fit_max_length``), or a --max-batch-size whose KV caches do not fit in
-            memory (``check_cache_memory``).
+            the loading errors of ``SpeculativeGenerator.from_pretrained``; a --max-length past what the
+            target's or a draft model's context length and a draft block use (``fit_max_length``: before
+            loading where the models' files state their context lengths, ``stored_context_limits``, else
+            once they loaded); once the models loaded, before the engine is built, a --max-batch-size whose
+            KV caches do not fit in memory (``check_cache_memory``).
     """
     app, engine = load_server(args)
     server = make_uvicorn_server(app, engine, host=args.host, port=args.port,
@@ -335,8 +341,10 @@ def load_server(args):
     backend = getattr(args, "backend", "torch")
     plan = resolve_defaults(args, resolve_device("cpu" if backend == "llama-cpp" else args.device))
     block = longest_draft_block(args, plan)
-    # What needs no model: the rows' room for a request (the default may only shrink once the target is known)
-    max_length = DEFAULT_MAX_LENGTH if args.max_length is None else args.max_length
+    # What needs no model: the rows' room for a request, within the models' context lengths where their files
+    # state them (read without loading the weights: an over-long --max-length fails before minutes of loading)
+    stored = stored_context_limits(args.target, plan.draft, cache_dir=args.cache_dir, backend=backend)
+    max_length = fit_max_length(args.max_length, block, stored)
     check_max_length(max_length, block, args.method, args.max_prompt_tokens)
     serve_settings(args, max_length, block)  # the limits' ranges (the settings are made once the engine is)
     check_address(args.host, args.port)  # the flags' last check: the models take minutes to load
@@ -354,10 +362,11 @@ def load_server(args):
     logger.info("start-up: models loaded%s in %.1f s", " and quantized" if gen.target.quantize != "none" or (
         gen.draft is not None and gen.draft.quantize != "none") else "", loaded_s)
     # What needs the models, before the engine is built and its caches allocated
-    max_length = fit_max_length(args.max_length, block, gen.target.model)
+    limits = loaded_context_limits(gen, args.method, target_name=args.target, draft_name=plan.draft)
+    max_length = fit_max_length(args.max_length, block, limits)
     if max_length != DEFAULT_MAX_LENGTH and args.max_length is None:
-        logger.info("start-up: --max-length %d (the target's context length and a %d-position draft block; "
-                    "default %d)", max_length, block + 1, DEFAULT_MAX_LENGTH)
+        logger.info("start-up: --max-length %d (%s, and a %d-position draft block; default %d)", max_length,
+                    describe_limit(tightest_limit(limits), limits), block + 1, DEFAULT_MAX_LENGTH)
     check_max_length(max_length, block, args.method, args.max_prompt_tokens)
     check_cache_memory(gen, args.method, max_batch_size=args.max_batch_size, max_length=max_length, block=block,
                        compile=args.compile)

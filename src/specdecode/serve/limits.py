@@ -1,16 +1,19 @@
 """How long and how many the server's rows may be: ``specdecode serve``'s --max-length and
---max-batch-size against the flags (before any model loads) and against the loaded models (before the
-engine is built and its caches allocated).
+--max-batch-size against the flags and the models' files (before any model loads) and against the loaded
+models (before the engine is built and its caches allocated).
 
 A row of the batched engine holds --max-length cache positions: a request's prompt and new tokens, and
 the longest draft block + 1 for the verification (``BatchedSpeculativeDecoder.max_block``). So
 --max-length must leave one prompt token and one new token beside that block, and is of no use past the
-target's context length plus the block. Every row's keys and values are allocated at the engine's first
-forward, for the target and a draft model: --max-batch-size rows of them must fit in the memory left
-once the models loaded.
+context length of the target, or of a draft model (which sees every position of the row but the block),
+plus the block. Every row's keys and values are allocated at the engine's first forward, for the target
+and a draft model: --max-batch-size rows of them must fit in the memory left once the models loaded.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -20,6 +23,7 @@ from specdecode.engine.cost_model import MEASURED_WIDTHS
 from specdecode.engine.fast_path import resolve_compile
 from specdecode.engine.runner_target import is_runner_target
 from specdecode.errors import InvalidArgumentError
+from specdecode.models.context_length import stored_context_length
 
 #: Cache positions per row when --max-length is not given, fewer where the target's context length and a
 #: draft block take fewer (``fit_max_length``).
@@ -68,24 +72,103 @@ def check_max_length(max_length: int, block: int, method: str, max_prompt_tokens
             f"allowed: --max-prompt-tokens 1..{max_length - block - 2}, or --max-length >= {need}")
 
 
-def fit_max_length(max_length: int | None, block: int, target) -> int:
-    """The rows' cache positions for the loaded ``target``: a row never uses more than the target's context
-    length (``kv_cache.context_length``: its max_position_embeddings) plus ``block`` + 1 for a draft block.
-    ``max_length`` None: ``DEFAULT_MAX_LENGTH``, or that where it is less.
+@dataclass(frozen=True)
+class ContextLimit:
+    """The most positions one of the server's models handles.
+
+    Attributes:
+        role: "target" or "draft model".
+        name: Its spec (--target, --draft).
+        positions: Its context length.
+        source: Where that was read, for messages ("max_position_embeddings", "the GGUF file's
+            qwen2.context_length", "llama.cpp's n_ctx_train").
+    """
+
+    role: str
+    name: str
+    positions: int
+    source: str
+
+
+def stored_context_limits(target: str, draft: str | None, *, cache_dir=None, backend: str = "torch"
+                          ) -> list[ContextLimit]:
+    """The context lengths of the ``target`` and the ``draft`` model (None: the method has none) that their files
+    state, read before loading them (``models.context_length.stored_context_length``: a model whose files do
+    not say it before loading is left out, for ``loaded_context_limits`` to check)."""
+    limits = []
+    for role, spec, runs_in in (("target", target, backend), ("draft model", draft, "torch")):
+        stored = stored_context_length(spec, cache_dir=cache_dir, backend=runs_in) if spec else None
+        if stored is not None:
+            limits.append(ContextLimit(role, spec, stored.positions, stored.source))
+    return limits
+
+
+def loaded_context_limits(gen, method: str, *, target_name: str | None = None,
+                          draft_name: str | None = None) -> list[ContextLimit]:
+    """The context lengths of the loaded target (``kv_cache.context_length``: a transformers model's
+    max_position_embeddings, a llama.cpp target's training context) and, where ``method`` drafts with a draft
+    model, of the draft model the engine will use: the torch draft's, or a llama.cpp draft's training context
+    (``n_ctx_train``; the generator's ``llama_cpp_draft``, loaded here if it was not yet). A model that states
+    none is left out. ``target_name``, ``draft_name``: the specs they were loaded from, for messages (None: the
+    loaded models' names)."""
+    target = gen.target.model
+    limits = []
+    context = kv_cache.context_length(target)
+    if context is not None:
+        source = "max_position_embeddings" if isinstance(target, torch.nn.Module) else "llama.cpp's n_ctx_train"
+        limits.append(ContextLimit("target", target_name or gen.target.name, context, source))
+    if not method_registry.REGISTRY[method].needs_draft_model:
+        return limits
+    if gen.default_draft_backend() == "llama-cpp":
+        draft = gen.llama_cpp_draft()
+        trained = getattr(draft, "n_ctx_train", None)
+        if isinstance(trained, int) and trained > 0:
+            limits.append(ContextLimit("draft model", draft_name or draft.name, trained, "llama.cpp's n_ctx_train"))
+    elif gen.draft is not None:
+        context = kv_cache.context_length(gen.draft.model)
+        if context is not None:
+            limits.append(ContextLimit("draft model", draft_name or gen.draft.name, context,
+                                       "max_position_embeddings"))
+    return limits
+
+
+def fit_max_length(max_length: int | None, block: int, limits: Sequence[ContextLimit]) -> int:
+    """The rows' cache positions: a row never uses more than the shortest context length among ``limits`` (the
+    target's and a draft model's, ``stored_context_limits`` or ``loaded_context_limits``) plus ``block`` + 1
+    for a draft block. ``max_length`` None: ``DEFAULT_MAX_LENGTH``, or that where it is less.
 
     Raises:
-        InvalidArgumentError: A ``max_length`` above it, naming --max-length and the allowed range.
+        InvalidArgumentError: A ``max_length`` above it, naming --max-length, the model that limits it (a
+            draft model by name) and its context length, and the allowed range.
     """
-    context = kv_cache.context_length(target)
-    most = None if context is None else context + block + 1
+    tightest = tightest_limit(limits)
+    if tightest is None:
+        return DEFAULT_MAX_LENGTH if max_length is None else max_length
+    most = tightest.positions + block + 1
     if max_length is None:
-        return DEFAULT_MAX_LENGTH if most is None else min(DEFAULT_MAX_LENGTH, most)
-    if most is not None and max_length > most:
+        return min(DEFAULT_MAX_LENGTH, most)
+    if max_length > most:
         raise InvalidArgumentError(
-            f"--max-length {max_length} is more than a row can use: the target's context length is {context} "
-            f"positions (max_position_embeddings) and a row keeps {block + 1} more for a draft block; allowed: "
-            f"--max-length {block + 3}..{most}")
+            f"--max-length {max_length} is more than a row can use: {describe_limit(tightest, limits)} and a row "
+            f"keeps {block + 1} more for a draft block; allowed: --max-length {block + 3}..{most}")
     return max_length
+
+
+def tightest_limit(limits: Sequence[ContextLimit]) -> ContextLimit | None:
+    """The shortest context length among ``limits`` (the target's where a draft model's is as long), or None."""
+    return min(limits, key=lambda limit: (limit.positions, limit.role != "target"), default=None)
+
+
+def describe_limit(limit: ContextLimit, limits: Sequence[ContextLimit] = ()) -> str:
+    """``limit`` in words: "the target's context length is 512 positions (max_position_embeddings)", or for a
+    draft model "the draft model 'NAME' has a context length of 300 positions (...), fewer than the target's
+    512" (the target's from ``limits``, where known)."""
+    if limit.role == "target":
+        return f"the target's context length is {limit.positions} positions ({limit.source})"
+    target = next((t for t in limits if t.role == "target"), None)
+    than = f", fewer than the target's {target.positions}" if target is not None else ""
+    return (f"the {limit.role} {limit.name!r} has a context length of {limit.positions} positions "
+            f"({limit.source}){than}")
 
 
 def kv_bytes_per_position(model) -> int:
@@ -102,10 +185,15 @@ def kv_bytes_per_position(model) -> int:
 
 
 def available_memory_bytes(device) -> int | None:
-    """Bytes free on ``device`` (a CUDA device's free memory, a CPU's available memory), None elsewhere."""
+    """Bytes free on ``device``, None where unknown (neither CUDA nor the CPU).
+
+    A CUDA device: its free memory (``torch.cuda.mem_get_info``) plus what torch's caching allocator holds
+    reserved but unallocated (``memory_reserved - memory_allocated``), which the caches' tensors get first
+    and ``mem_get_info`` counts as used. A CPU: the memory available to new processes (psutil)."""
     device = torch.device(device)
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + max(cached, 0)
     if device.type == "cpu":
         import psutil
 
@@ -170,10 +258,15 @@ def _size(n: int) -> str:
 
 __all__ = [
     "DEFAULT_MAX_LENGTH",
+    "ContextLimit",
     "available_memory_bytes",
     "check_cache_memory",
     "check_max_length",
+    "describe_limit",
     "fit_max_length",
     "kv_bytes_per_position",
+    "loaded_context_limits",
     "longest_draft_block",
+    "stored_context_limits",
+    "tightest_limit",
 ]

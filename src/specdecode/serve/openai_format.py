@@ -7,11 +7,17 @@ an extra attribute and otherwise ignore.
 
 from __future__ import annotations
 
+import functools
+import re
 import time
 import uuid
 from collections.abc import Sequence
 
+from tokenizers import decoders
+
 from specdecode.engine.stats import SpecDecodingStats
+from specdecode.errors import SpecDecodeError
+from specdecode.serve.text import REPLACEMENT, TextAssembler, TokenText
 
 #: The engine's finish reasons -> OpenAI's.
 FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "length": "length"}
@@ -50,6 +56,16 @@ class ApiError(Exception):
 def error_body(message: str, type: str, param: str | None, code: str) -> dict:
     """OpenAI's error body; every error this server answers carries a ``code``."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def internal_error(exc: Exception) -> ApiError:
+    """The 500 ``internal_error`` of a failure of the server itself (never of a request's content: bad input
+    is answered 4xx before it reaches the engine), naming what failed; the caller logs the traceback."""
+    if isinstance(exc, LogprobsMismatchError):
+        message = f"internal server error: the logprobs do not match the generated tokens: {exc}"
+    else:
+        message = f"internal server error ({type(exc).__name__})"
+    return ApiError(500, message, "server_error", code="internal_error")
 
 
 def new_id(prefix: str) -> str:
@@ -148,52 +164,132 @@ class ResponseShape:
 
 #: The lowest logprob a response carries (a masked token's is -inf, which JSON cannot hold; vLLM's value).
 LOGPROB_FLOOR = -9999.0
+#: A SentencePiece byte-fallback token: the byte it stands for.
+BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
-def logprobs_json(chat: bool, entries: list, tokenizer, text_offsets: Sequence[int] | None = None) -> dict:
+class LogprobsMismatchError(SpecDecodeError):
+    """The engine's logprobs do not describe the tokens they came with (an internal error: the server
+    answers 500 ``internal_error``; no request field can cause it)."""
+
+
+def logprobs_json(chat: bool, entries: Sequence, tokenizer, tokens: Sequence[TokenText] | None = None) -> dict:
     """OpenAI's ``logprobs`` object for ``entries`` (``engine.processors.TokenLogprob``s).
 
     Chat: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}], "refusal": None}``.
     Completions: ``{"tokens", "token_logprobs", "top_logprobs" (a {token: logprob} dict per token,
-    or None when no alternatives were asked), "text_offset"}``. A token's text is its own decode
-    (special tokens included).
+    or None when no alternatives were asked), "text_offset"}``.
 
-    ``text_offset[i]``, as vLLM's: where token i starts in the returned text, in characters, which is
-    decoded without special tokens (``text.TextAssembler``), so a special token adds no characters.
-    ``text_offsets``: those offsets, one per entry (a stream's chunk: its tokens' offsets in the whole
-    text, ``TextAssembler.token_offsets``); None: ``entries`` are a whole completion, and the offsets
-    are the lengths of its prefixes' text (``tokenizer.decode(ids[:i], skip_special_tokens=True)``).
+    A token's text (``tokens``, ``token``, the top tokens' too) is what it adds to the returned text,
+    decoded in context as the text is (vLLM's incremental detokenization; ``text.TokenText``): joined,
+    the tokens' texts are the text (before a stop string cut it); a special token adds "" (the text is
+    decoded without them), and of a UTF-8 character split over tokens, the token completing it carries
+    the whole character and those before it "". Chat's ``bytes`` are the token's own
+    (``token_bytes``), so the bytes of a split character's pieces join to its UTF-8.
+    ``text_offset[i]``, as vLLM's: where token i starts in the returned text, in characters.
+
+    Args:
+        chat: Chat's layout (else completions').
+        entries: The tokens' logprobs.
+        tokenizer: The target's tokenizer (None: a token's text is its id, for tests).
+        tokens: What each entry's token adds to the text and where (``TextAssembler.tokens``: a
+            stream chunk's, in the whole text); None: ``entries`` are a whole completion, decoded here.
 
     Raises:
-        ValueError: ``text_offsets`` not one per entry.
+        LogprobsMismatchError: ``tokens`` not those of ``entries`` (another number, or another token), or
+            without the text of one of their top tokens.
     """
+    if tokens is None:
+        tokens = _whole_completion(entries, tokenizer)
+    if len(tokens) != len(entries) or any(t.token_id != e.token_id for t, e in zip(tokens, entries)):
+        raise LogprobsMismatchError(
+            f"{len(entries)} logprobs (tokens {[e.token_id for e in entries][:8]}) for {len(tokens)} tokens "
+            f"({[t.token_id for t in tokens][:8]})")
 
-    def text_of(token_id: int) -> str:
-        return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
+    missing = next(((t.token_id, i) for t, e in zip(tokens, entries) for i, _ in e.top if i not in t.alternatives),
+                   None)
+    if missing is not None:
+        raise LogprobsMismatchError(f"the text of top token {missing[1]} at token {missing[0]} was not decoded "
+                                    "(TextAssembler.push takes the top tokens as alternatives)")
 
     def finite(value: float) -> float:  # a masked token's -inf is not JSON: vLLM's floor instead
         return max(value, LOGPROB_FLOOR)
 
     if chat:
         content = []
-        for e in entries:
-            token = text_of(e.token_id)
-            top = [{"token": text_of(t), "logprob": finite(v), "bytes": list(text_of(t).encode("utf-8"))}
-                   for t, v in e.top]
-            content.append({"token": token, "logprob": finite(e.logprob), "bytes": list(token.encode("utf-8")),
-                            "top_logprobs": top})
+        for t, e in zip(tokens, entries):
+            top = [{"token": t.alternatives[i], "logprob": finite(v), "bytes": list(token_bytes(tokenizer, i))}
+                   for i, v in e.top]
+            content.append({"token": t.text, "logprob": finite(e.logprob),
+                            "bytes": list(token_bytes(tokenizer, e.token_id)), "top_logprobs": top})
         return {"content": content, "refusal": None}
-    tokens = [text_of(e.token_id) for e in entries]
-    if text_offsets is None:
-        ids = [e.token_id for e in entries]
-        text_offsets = [len(tokenizer.decode(ids[:i], skip_special_tokens=True)) if tokenizer is not None
-                        else len("".join(tokens[:i])) for i in range(len(ids))]
-    if len(text_offsets) != len(entries):
-        raise ValueError(f"text_offsets must hold one offset per entry: {len(text_offsets)} for {len(entries)}")
     asked_top = any(e.top for e in entries)
     return {
-        "tokens": tokens,
+        "tokens": [t.text for t in tokens],
         "token_logprobs": [finite(e.logprob) for e in entries],
-        "top_logprobs": [{text_of(t): finite(v) for t, v in e.top} for e in entries] if asked_top else None,
-        "text_offset": list(text_offsets),
+        "top_logprobs": [{t.alternatives[i]: finite(v) for i, v in e.top} for t, e in zip(tokens, entries)]
+        if asked_top else None,
+        "text_offset": [t.offset for t in tokens],
     }
+
+
+def _whole_completion(entries: Sequence, tokenizer) -> list[TokenText]:
+    """The ``TokenText``s of a whole completion's tokens (with their top tokens' texts)."""
+    ids = [e.token_id for e in entries]
+    if tokenizer is None:
+        offsets = [0]
+        for i in ids:
+            offsets.append(offsets[-1] + len(str(i)))
+        return [TokenText(i, offsets[k], str(i), {t: str(t) for t, _ in e.top}) for k, (i, e) in
+                enumerate(zip(ids, entries))]
+    assembler = TextAssembler(tokenizer, offsets=True)
+    assembler.push(ids, final=True, alternatives=[[t for t, _ in e.top] for e in entries])
+    return assembler.tokens
+
+
+def _own_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
+
+
+def token_bytes(tokenizer, token_id: int) -> bytes:
+    """A token's own bytes (chat logprobs' ``bytes``): the UTF-8 of its own decode (special tokens included),
+    or, where that decode is an incomplete UTF-8 character (U+FFFD), the bytes the token stands for when the
+    tokenizer says: a SentencePiece byte-fallback token's (``<0xC3>``), or a byte-level BPE token's (GPT-2's
+    byte-to-character map, the tokenizer's decoder ``ByteLevel``). A tokenizer that says neither keeps the
+    U+FFFD's UTF-8 (what its decode gives)."""
+    own = _own_text(tokenizer, token_id)
+    if REPLACEMENT in own and tokenizer is not None:
+        raw = _raw_bytes(tokenizer, token_id)
+        if raw is not None:
+            return raw
+    return own.encode("utf-8")
+
+
+def _raw_bytes(tokenizer, token_id: int) -> bytes | None:
+    """The bytes a byte-fallback or byte-level token stands for, or None (another kind of token)."""
+    convert = getattr(tokenizer, "convert_ids_to_tokens", None)
+    piece = convert(token_id) if callable(convert) else None
+    if not isinstance(piece, str):
+        return None
+    match = BYTE_FALLBACK.fullmatch(piece)
+    if match:
+        return bytes([int(match.group(1), 16)])
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    table = _byte_level_table()
+    if isinstance(decoder, decoders.ByteLevel) and all(c in table for c in piece):
+        return bytes(table[c] for c in piece)
+    return None
+
+
+@functools.cache
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: character -> the byte it stands for (``bytes_to_unicode``, inverted)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    table = {chr(b): b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
