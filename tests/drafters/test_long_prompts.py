@@ -201,3 +201,31 @@ def test_decoding_without_drafting_runs_no_draft_forward():
             assert len(result.token_ids) == n and bool(calls) == runs
     finally:
         handle.remove()
+
+
+def test_a_draft_model_with_a_shorter_context_refuses_what_it_cannot_hold():
+    """The draft model's context length bounds a generation as the target's does (one row and many), except where
+    the draft model never sees the prompt (the cascade's long prompts) or sees only its window."""
+    from specdecode import GenerationConfig, InvalidArgumentError, SpeculativeDecoder
+    from specdecode.drafters import CascadeDrafter, DraftModelDrafter
+    from specdecode.engine.batched import BatchedSpeculativeDecoder
+
+    target = make_tiny_model("llama", max_position_embeddings=512)
+    draft = make_tiny_model("llama", num_layers=1, seed=1, max_position_embeddings=40)
+    prompt = list(range(3, 33))  # 30 tokens
+    config = GenerationConfig(max_new_tokens=12, stop_on_eos=False)
+    message = r"42 positions, past the draft model's context length of 40.*at most 10"
+    with pytest.raises(InvalidArgumentError, match=message):
+        SpeculativeDecoder(target, DraftModelDrafter(draft)).generate(prompt, config)
+    batched = BatchedSpeculativeDecoder(target, DraftModelDrafter(draft), max_batch_size=2, max_length=128)
+    with pytest.raises(InvalidArgumentError, match=message):
+        batched.generate([prompt], config)
+    fits = GenerationConfig(max_new_tokens=10, stop_on_eos=False)
+    assert len(SpeculativeDecoder(target, DraftModelDrafter(draft)).generate(prompt, fits).token_ids) == 10
+    # A window of 20 prompt tokens, or a cascade whose long prompts skip the model: no limit reached.
+    assert len(SpeculativeDecoder(target, DraftModelDrafter(draft, context_window=20)).generate(prompt, config)
+               .token_ids) == 12
+    cascade = CascadeDrafter(draft, max_model_prompt_tokens=16)
+    assert len(SpeculativeDecoder(target, cascade).generate(prompt, config).token_ids) == 12
+    with pytest.raises(InvalidArgumentError, match=message):
+        SpeculativeDecoder(target, CascadeDrafter(draft, max_model_prompt_tokens=64)).generate(prompt, config)

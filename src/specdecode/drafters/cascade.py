@@ -176,6 +176,13 @@ class CascadeDrafter(DraftModelDrafter):
         self._last = None
         self.num_ngram_tokens = self.num_ngram_accepted = 0
 
+    def check_context(self, num_prompt_tokens: int, max_new_tokens: int) -> None:
+        """As ``DraftModelDrafter.check_context``, except for a prompt longer than ``max_model_prompt_tokens``,
+        which never reaches the draft model."""
+        limit = self.max_model_prompt_tokens
+        if limit is None or num_prompt_tokens <= limit:
+            super().check_context(num_prompt_tokens, max_new_tokens)
+
     def join(self, slot: int, prompt_ids: torch.Tensor, sampler: Sampler) -> None:
         """Take the row: the draft model's prefill waits for the row's first round that uses the model
         (``DraftModelDrafter._catch_up``); a prompt longer than ``max_model_prompt_tokens`` never uses it."""

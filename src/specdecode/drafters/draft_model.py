@@ -66,6 +66,7 @@ from specdecode.drafters.draft_tree import (
 )
 from specdecode.engine.batch_cache import BatchKVCache, batch_prefill, to_device, warm_up_forwards, warm_up_widths
 from specdecode.engine.batch_runner import BatchRunner
+from specdecode.engine.kv_cache import context_length
 from specdecode.engine.protocol import Draft
 from specdecode.engine.sampling import Sampler
 from specdecode.errors import InvalidArgumentError
@@ -132,6 +133,23 @@ class DraftModelDrafter(Drafter):
         self._samplers: list[Sampler | None] = []
         self._chains: list[tuple[int, list[int]] | None] = []  # [trees] per slot: (position, chain tokens fed)
         self._device = None
+
+    def check_context(self, num_prompt_tokens: int, max_new_tokens: int) -> None:
+        """Raise unless the draft model's context length (``kv_cache.context_length``: its config's, or a llama.cpp
+        draft's training context) holds the positions it will see: the prompt (its last ``context_window`` tokens)
+        plus ``max_new_tokens``.
+
+        Raises:
+            InvalidArgumentError: Naming the positions, the draft model's limit and the largest max_new_tokens.
+        """
+        limit = context_length(self.model if self.model is not None else self._sequence_runner)
+        prompt = num_prompt_tokens if self.context_window is None else min(num_prompt_tokens, self.context_window)
+        if limit is not None and prompt + max_new_tokens > limit:
+            raise InvalidArgumentError(
+                f"the draft model sees {prompt} prompt tokens and max_new_tokens is {max_new_tokens}: "
+                f"{prompt + max_new_tokens} positions, past the draft model's context length of {limit}; shorten the "
+                f"prompt (or set a draft context window) or lower max_new_tokens to at most {max(limit - prompt, 0)}"
+            )
 
     def bind(self, target_cache) -> None:
         if self._sequence_runner is not None:

@@ -89,13 +89,15 @@ class BatchRequests:
         Raises:
             InvalidArgumentError: If the prompt is empty, not one row, holds an id outside the
                 target's vocabulary, does not fit ``max_length`` or the model's context
-                length with its ``max_new_tokens``, asks for banned words without a
+                length (or the draft model's) with its ``max_new_tokens``, asks for banned words without a
                 tokenizer, or ``prompt_cache`` holds no tokens or not fewer than n. The batch
                 is left unchanged.
         """
         config = config or GenerationConfig()
         prompt = request_prompt(input_ids, self.vocab_size)
         kv_cache.check_context_length(self.target, len(prompt), config.max_new_tokens)
+        if self.drafter is not None:
+            self.drafter.check_context(len(prompt), config.max_new_tokens)
         need = len(prompt) + config.max_new_tokens + self.max_block + 1
         if need > self.max_length:
             raise InvalidArgumentError(

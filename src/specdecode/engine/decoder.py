@@ -292,7 +292,8 @@ class SpeculativeDecoder:
         Raises:
             InvalidArgumentError: If the prompt is empty or has a batch size other than 1,
                 ``prompt_cache`` holds no tokens or not fewer than n, or n + ``max_new_tokens``
-                exceeds the target's context length (``kv_cache.check_context_length``).
+                exceeds the target's context length (``kv_cache.check_context_length``) or the draft model's
+                (``Drafter.check_context``).
         """
         config = config or GenerationConfig()
         device = self.target.device
@@ -304,6 +305,8 @@ class SpeculativeDecoder:
         if input_ids.shape[1] == 0:
             raise InvalidArgumentError("the prompt is empty: it must contain at least one token")
         kv_cache.check_context_length(self.target, int(input_ids.shape[1]), config.max_new_tokens)
+        if self.drafter is not None:
+            self.drafter.check_context(int(input_ids.shape[1]), config.max_new_tokens)
         check_prompt_cache(prompt_cache, int(input_ids.shape[1]))
         return GenerationStream(self, input_ids.to(device=device, dtype=torch.long), config, prompt_cache)
 

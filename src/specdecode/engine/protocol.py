@@ -322,6 +322,11 @@ class Drafter(abc.ABC):
         target's logits there (after no processor), ``num_nodes[b]`` the real nodes of row b (the
         rest is padding). Called only when ``observes_target``."""
 
+    def check_context(self, num_prompt_tokens: int, max_new_tokens: int) -> None:
+        """Before a row joins: raise ``InvalidArgumentError`` where a model of the drafter's own could not hold
+        the prompt's ``num_prompt_tokens`` plus ``max_new_tokens`` (its context length, as the engine checks the
+        target's); nothing for drafters without one."""
+
     def warm_up(self, max_rows: int, max_block: int) -> None:
         """Run a model of its own once at every width it can take (after ``bind``, before any
         ``join``; ``batch_cache.warm_up_widths``). Nothing for drafters without one: a
