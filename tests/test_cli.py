@@ -401,6 +401,12 @@ def test_generate_prompt_limit_and_context_window(tiny_folders, capsys, flags, l
     (["--method", "draft", "--draft-tree-depth", "3", "--adaptive-draft-exit"], "drafts a linear chain, never a tree"),
     (["--method", "cascade", "--draft-tree-depth", "3", "--draft-tree-expand", "2"],
      "--draft-tree-expand applies to --method draft (the draft model's token tree), not 'cascade'"),
+    (["--method", "draft", "--prompt-lookup-datastore", "none"],
+     "--prompt-lookup-datastore applies to --method prompt-lookup (prompt lookup's datastore), not 'draft'"),
+    (["--method", "prompt-lookup", "--prompt-lookup-datastore", "/no/such/corpus"],
+     "datastore '/no/such/corpus' is neither 'python-stdlib', a folder nor a file"),
+    (["--method", "prompt-lookup", "--prompt-lookup-datastore", "python-stdlib", "--prompt-lookup-branches", "2"],
+     "with --prompt-lookup-branches 2 use 'auto' or 'none'"),
 ])
 def test_generate_refuses_bad_long_prompt_flags(capsys, flags, message):
     code, out, err = _run(capsys, "--prompt", "w5", *flags)

@@ -106,6 +106,20 @@ def test_prompt_lookup_takes_its_draft_length_from_measured_costs(gen, caplog):
     assert gen.decoder("prompt-lookup", draft_control=given).draft_control is given  # the user's control wins
 
 
+def test_prompt_lookup_s_datastore_is_the_standard_library_by_default_on_this_backend_only(gen, tiny, tmp_path):
+    gen.cache_dir = tmp_path  # its datastore cache, not the user's
+    assert len(gen.make_drafter("prompt-lookup").datastore) > 1000  # "auto": the standard library's sources
+    assert list((tmp_path / "datastore").iterdir())
+    assert gen.make_drafter("prompt-lookup", prompt_lookup_datastore="none").datastore is None
+    assert gen.make_drafter("prompt-lookup", prompt_lookup_branches=2).datastore is None  # a tree: none
+    assert gen.make_drafter("prompt-lookup").datastore is gen.make_drafter("prompt-lookup").datastore  # made once
+    with pytest.raises(InvalidArgumentError, match=r"prompt_lookup_datastore='none' \(--prompt-lookup-datastore\) "
+                                                   r"applies to the method 'prompt-lookup', not to 'draft'"):
+        gen.make_drafter("draft", prompt_lookup_datastore="none")
+    torch_gen = SpeculativeGenerator(LoadedModel(tiny, make_tiny_tokenizer(), "tiny"), cache_dir=tmp_path)
+    assert torch_gen.make_drafter("prompt-lookup").datastore is None
+
+
 def test_tokens_stop_strings_and_banned_words_are_the_torch_targets(gen, tiny):
     torch_gen = SpeculativeGenerator(LoadedModel(tiny, make_tiny_tokenizer(), "tiny"))
     free = torch_gen.generate(TEXT, GenerationConfig(max_new_tokens=30, stop_on_eos=False), method="autoregressive",

@@ -263,8 +263,6 @@ def add_generate_parser(sub) -> None:
                         "2 tokens or more: 'python-stdlib' (this Python's standard library sources), a folder or "
                         "file of text, or 'none'; tokenized once, cached (default 'auto': python-stdlib with "
                         "--backend llama-cpp, else none)")
-    g.add_argument("--prompt-lookup-history-tokens", type=int, metavar="N", default=0,
-                   help="prompt-lookup: also draft from the last N tokens generated before (default 0: off)")
     g.add_argument("--ngram-check", action=argparse.BooleanOptionalAction, default=True,
                    help="cascade: keep only the n-gram tokens the draft model itself would draft (default); "
                         "--no-ngram-check proposes the whole match")
@@ -372,8 +370,9 @@ def _check_method_options(args) -> None:
     if args.exit_layer is not None and args.exit_layer < 1:
         raise InvalidArgumentError(f"--exit-layer {args.exit_layer} is out of range: it must be in 1..L-1")
     if "prompt_lookup_max_ngram" in method_registry.REGISTRY[args.method].options:
-        PromptLookupDrafter(args.prompt_lookup_max_ngram, args.prompt_lookup_min_ngram, args.prompt_lookup_branches,
-                            history_tokens=args.prompt_lookup_history_tokens)
+        PromptLookupDrafter(args.prompt_lookup_max_ngram, args.prompt_lookup_min_ngram, args.prompt_lookup_branches)
+    if args.method == "prompt-lookup":
+        method_registry.check_datastore_option(args.prompt_lookup_datastore, args.prompt_lookup_branches)
     if args.draft_vocab_size is not None and args.draft_vocab_size < 0:
         raise InvalidArgumentError(
             f"--draft-vocab-size {args.draft_vocab_size} is out of range: use K in S..V (S special tokens, V the "
@@ -486,7 +485,6 @@ def run_generate(args) -> int:
         prompt_lookup_branches=args.prompt_lookup_branches,
         ngram_check=args.ngram_check,
         prompt_lookup_datastore=args.prompt_lookup_datastore,
-        prompt_lookup_history_tokens=args.prompt_lookup_history_tokens,
         draft_control=control if control.active else None,
         compile=args.compile,  # None: the pipeline's device default
     )

@@ -21,6 +21,7 @@ from types import MappingProxyType
 from typing import Any
 
 from specdecode.drafters import CascadeDrafter, DraftModelDrafter, Drafter
+from specdecode.drafters.datastore import corpus_files
 from specdecode.drafters.early_exit import EarlyExitDrafter, check_exit_layer_given
 from specdecode.drafters.layer_skip import LayerSkipDrafter, SkipSet, resolve_skip_set
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
@@ -39,7 +40,6 @@ class DrafterOptions:
         skip_set, skip_layers, skip_config: "layer-skip"'s skip set, given once.
         exit_layer: "early-exit"'s N (layers 0..N-1 draft).
         prompt_lookup_branches: "prompt-lookup"'s matches per round, as a token tree (1: linear).
-        prompt_lookup_history_tokens: "prompt-lookup"'s history of earlier outputs, in tokens (0: none).
         prompt_lookup_datastore: "prompt-lookup"'s datastore corpus (``drafters.datastore.corpus_files``); None or
             "none": none; "auto": ``LLAMA_CPP_PROMPT_LOOKUP_DATASTORE`` with a llama.cpp target, else none.
         prompt_lookup_max_ngram, prompt_lookup_min_ngram: n-gram sizes of "prompt-lookup" and of
@@ -63,7 +63,6 @@ class DrafterOptions:
     prompt_lookup_max_ngram: int = 3
     prompt_lookup_min_ngram: int = 1
     prompt_lookup_branches: int = 1
-    prompt_lookup_history_tokens: int = 0
     prompt_lookup_datastore: str | Path | None = "auto"
     draft_vocab_size: int | None = None
     ngram_check: bool = True
@@ -77,8 +76,9 @@ class DrafterOptions:
 
 #: Prompt lookup's datastore (``drafters.datastore``) when ``prompt_lookup_datastore`` is "auto" (the default of the
 #: API and the commands): this Python's standard library with a llama.cpp target, where a verification of 2-4
-#: tokens costs 1.5-1.8 plain steps on 2 cores, so drafts must be sure to pay (measured: 1.10x -> 1.16x llama.cpp
-#: on 10 HumanEval prompts, docs/benchmarks/2026-11-27-datastore.md); none with a torch target (not measured).
+#: tokens costs 1.5-1.8 plain steps on 2 cores, so drafts must be sure to pay (measured in one run: 1.10x -> 1.19x
+#: llama.cpp on 10 HumanEval prompts, 1.06x -> 1.05x on 26 Spec-Bench prompts, docs/benchmarks/2026-11-27-datastore.md);
+#: none with a torch target (not measured). A Python without its standard library's sources gets none, with a warning.
 LLAMA_CPP_PROMPT_LOOKUP_DATASTORE = "python-stdlib"
 
 
@@ -167,9 +167,16 @@ def _prompt_lookup(generator, o: DrafterOptions) -> PromptLookupDrafter:
     if corpus == "auto":  # a tree drafts the sequence's own matches only
         llama = generator.backend == "llama-cpp" and o.prompt_lookup_branches == 1
         corpus = LLAMA_CPP_PROMPT_LOOKUP_DATASTORE if llama else None
+        if corpus is not None:
+            try:
+                return PromptLookupDrafter(o.prompt_lookup_max_ngram, o.prompt_lookup_min_ngram,
+                                           o.prompt_lookup_branches, datastore=generator.datastore(corpus))
+            except InvalidArgumentError as exc:  # a default, not asked for: prompt lookup goes on without it
+                logger.warning("prompt lookup without its default datastore %r: %s", corpus, exc)
+                corpus = None
     datastore = generator.datastore(corpus) if corpus is not None and str(corpus) != "none" else None
     return PromptLookupDrafter(o.prompt_lookup_max_ngram, o.prompt_lookup_min_ngram, o.prompt_lookup_branches,
-                               history_tokens=o.prompt_lookup_history_tokens, datastore=datastore)
+                               datastore=datastore)
 
 
 def _token_recycling(generator, o: DrafterOptions) -> TokenRecyclingDrafter:
@@ -193,8 +200,7 @@ REGISTRY: Mapping[str, Method] = MappingProxyType({m.name: m for m in (
     Method("layer-skip", _layer_skip, frozenset({"skip_set", "skip_layers", "skip_config", "compile"}),
            adaptive_exit=True),
     Method("early-exit", _early_exit, frozenset({"exit_layer", "compile"}), adaptive_exit=True),
-    Method("prompt-lookup", _prompt_lookup, _NGRAMS | {"prompt_lookup_branches", "prompt_lookup_history_tokens",
-                                                        "prompt_lookup_datastore"}),
+    Method("prompt-lookup", _prompt_lookup, _NGRAMS | {"prompt_lookup_branches", "prompt_lookup_datastore"}),
     Method("token-recycling", _token_recycling),
 )})
 
@@ -235,6 +241,7 @@ METHOD_ONLY_OPTIONS: tuple[MethodOnlyOption, ...] = (
     MethodOnlyOption("draft_backend", "the draft model"),
     MethodOnlyOption("draft_tree_depth", "the draft model's token tree"),
     MethodOnlyOption("draft_tree_expand", "the draft model's token tree"),
+    MethodOnlyOption("prompt_lookup_datastore", "prompt lookup's datastore"),
 )
 _DRAFT_LOADING_OPTIONS = ("draft_quantize", "draft_quantize_head")
 
@@ -264,8 +271,26 @@ def who_takes(keyword: str) -> str:
 
 def given(keyword: str, value: object) -> bool:
     """Whether a method-only option counts as given: not None (``draft_vocab_size``: truthy, 0 being
-    the full head)."""
-    return bool(value) if keyword == "draft_vocab_size" else value is not None
+    the full head; ``prompt_lookup_datastore``: not "auto", its default)."""
+    if keyword == "draft_vocab_size":
+        return bool(value)
+    return value is not None and not (keyword == "prompt_lookup_datastore" and value == "auto")
+
+
+def check_datastore_option(corpus: object, branches: int) -> None:
+    """Refuse, before any model loads, a ``prompt_lookup_datastore`` that cannot be used: a corpus
+    (``drafters.datastore.corpus_files``) that does not exist or holds no text files, or one given with
+    ``prompt_lookup_branches`` > 1 (a tree drafts the sequence's own matches only). "auto", "none" and None pass.
+
+    Raises:
+        InvalidArgumentError: Naming the value and what is allowed.
+    """
+    if corpus is None or str(corpus) in ("auto", "none"):
+        return
+    if branches > 1:
+        raise InvalidArgumentError(f"a prompt lookup datastore ({str(corpus)!r}) drafts a linear block; with "
+                                   f"--prompt-lookup-branches {branches} use 'auto' or 'none'")
+    corpus_files(corpus)
 
 
 def refused_option(method: str, options: Mapping[str, object]) -> tuple[str, object] | None:
@@ -349,7 +374,7 @@ def make_drafter(generator, method: str, options: DrafterOptions) -> Drafter | N
     refuse_on_llama_cpp_target(generator, method, options)
     refused = refused_option(method, {k: getattr(options, k) for k in (
         "draft_backend", "draft_vocab_size", "max_model_prompt_tokens", "draft_context_window", "draft_tree_depth",
-        "draft_tree_expand")})
+        "draft_tree_expand", "prompt_lookup_datastore")})
     if refused is not None:
         keyword, value = refused
         raise InvalidArgumentError(

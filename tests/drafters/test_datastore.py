@@ -1,5 +1,5 @@
-"""Prompt lookup's datastore (specdecode.drafters.datastore) and its other sources: lookups against a brute-force
-count, validation, the on-disk cache, the history of earlier outputs, and exact greedy output through the engine."""
+"""Prompt lookup's datastore (specdecode.drafters.datastore): lookups against a brute-force count, validation, the
+on-disk cache, the drafter's order of sources, the options' checks, and exact greedy output through the engine."""
 
 from __future__ import annotations
 
@@ -20,12 +20,14 @@ from specdecode.drafters.datastore import (
     corpus_files,
     load_or_build,
     python_stdlib_files,
+    tokenize_corpus,
 )
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 from specdecode.engine.batch_cache import BatchKVCache
 from specdecode.engine.batched import BatchedSpeculativeDecoder
 from specdecode.engine.cost_model import DepthAcceptance, ForwardCosts
 from specdecode.engine.speculation_cost import SpeculationCostPolicy, match_key
+from specdecode.method_registry import check_datastore_option, refused_option
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -121,16 +123,55 @@ def test_a_corpus_is_tokenized_once_and_read_back_from_the_cache(tmp_path, monke
     assert np.array_equal(again.suffix_array, built.suffix_array)
     context = np.asarray(_encode("for i in ra"))
     assert again.lookup(context, 4) == built.lookup(context, 4) and built.lookup(context, 4)[0]
-    # Another tokenizer, or a changed file, is another key; a damaged file is rebuilt, with a warning.
+    # Another tokenizer is another file; a changed corpus replaces its own.
     monkeypatch.undo()
     assert len(list((cache / "datastore").iterdir())) == 1
-    load_or_build(corpus, _encode, "other", cache)
+    load_or_build(corpus, _encode, "other", cache, min_count=2)
     assert len(list((cache / "datastore").iterdir())) == 2
-    for path in (cache / "datastore").iterdir():
-        path.write_bytes(b"not an npz")
+    (corpus / "c.txt").write_text("while True:\n    break\n")
+    load_or_build(corpus, _encode, "chars", cache, min_count=2)
+    assert len(list((cache / "datastore").iterdir())) == 2
+
+
+@pytest.mark.parametrize("damage", ["garbage", "empty", "truncated", "unsorted"])
+def test_a_damaged_cache_file_is_rebuilt_with_a_warning(tmp_path, caplog, damage):
+    corpus = tmp_path / "a.py"
+    corpus.write_text("for i in range(10):\n    print(i)\n" * 3)
+    built = load_or_build(corpus, _encode, "chars", tmp_path, min_count=2)
+    (path,) = (tmp_path / "datastore").iterdir()
+    if damage == "unsorted":  # a file of the right shapes whose suffix array is not in order
+        with np.load(path) as saved:
+            tokens, order = saved["tokens"], saved["suffix_array"]
+        with open(path, "wb") as f:
+            np.savez(f, tokens=tokens, suffix_array=order[::-1].copy())
+    else:
+        data = path.read_bytes()
+        path.write_bytes({"garbage": b"not an npz", "empty": b"", "truncated": data[: len(data) // 2]}[damage])
     with caplog.at_level(logging.WARNING, logger="specdecode.drafters.datastore"):
-        rebuilt = load_or_build(corpus, _encode, "chars", cache)
-    assert "unreadable" in caplog.text and np.array_equal(rebuilt.tokens, built.tokens)
+        rebuilt = load_or_build(corpus, _encode, "chars", tmp_path, min_count=2)
+    assert "unreadable" in caplog.text and np.array_equal(rebuilt.suffix_array, built.suffix_array)
+    context = np.asarray(_encode("for i in ra"))
+    assert rebuilt.lookup(context, 3) == built.lookup(context, 3) != ([], 0)
+
+
+def test_a_cache_that_cannot_be_written_is_warned_about_and_the_datastore_still_works(tmp_path, caplog):
+    corpus = tmp_path / "a.py"
+    corpus.write_text("x = 1\n" * 20)
+    blocked = tmp_path / "file"
+    blocked.write_text("a file where the cache folder would be")
+    with caplog.at_level(logging.WARNING, logger="specdecode.drafters.datastore"):
+        store = load_or_build(corpus, _encode, "chars", blocked, min_count=2)
+    assert "not written" in caplog.text and store.lookup(np.asarray(_encode("x = ")), 2)[0]
+
+
+def test_files_that_are_not_text_are_counted_in_a_warning_and_a_corpus_of_none_is_refused(tmp_path, caplog):
+    (tmp_path / "good.py").write_text("x = 1\n")
+    (tmp_path / "latin1.py").write_bytes("caf\xe9 = 1\n".encode("latin-1"))
+    with caplog.at_level(logging.WARNING, logger="specdecode.drafters.datastore"):
+        tokenize_corpus(corpus_files(tmp_path), _encode)
+    assert "1 of 2 files are not UTF-8 text" in caplog.text
+    with pytest.raises(InvalidArgumentError, match="none of the 1 files holds UTF-8 text"):
+        tokenize_corpus([tmp_path / "latin1.py"], _encode)
 
 
 def test_bad_corpora_are_refused_by_name(tmp_path):
@@ -153,42 +194,47 @@ def _bound(drafter: PromptLookupDrafter) -> PromptLookupDrafter:
     return drafter
 
 
-def test_the_sequence_first_then_the_history_then_the_datastore():
+def test_the_sequence_first_then_the_datastore():
     store = NgramDatastore(np.asarray([40, 41, 42, 43, SEPARATOR] * 3), max_ngram=2, min_count=2)
-    drafter = _bound(PromptLookupDrafter(history_tokens=64, datastore=store))
-    drafter.join(0, torch.tensor([[1, 2]]), None)
-    drafter.propose([[1, 2, 30, 31, 32, 33, 34]], [3])  # the row's output so far: 30 .. 34
-    drafter.join(0, torch.tensor([[5]]), None)  # another row takes the slot: 30 .. 34 joins the history
-    draft = drafter.propose([[7, 8, 9, 7, 8, 5, 6, 30, 31, 32], [41, 42], [5, 6, 7]], [3, 3, 3])
-    # Row 0: "30 31 32" from the history (the sequence has only "32"... no earlier match of 2 tokens or more).
-    # Row 1: the datastore's "41 42" -> 43. Row 2: nothing anywhere.
-    assert draft.num_tokens == [2, 1, 0] and draft.tokens[0, :2].tolist() == [33, 34] and draft.tokens[1, 0] == 43
-    assert draft.match_sources == ["history", "datastore", "sequence"] and draft.ngram_sizes == [3, 2, 0]
-    draft = drafter.propose([[7, 8, 9, 7, 8]], [3])  # the sequence's own "7 8" comes first
-    assert draft.match_sources == ["sequence"] and draft.ngram_sizes == [2] and draft.tokens[0].tolist() == [9, 7, 8]
+    drafter = _bound(PromptLookupDrafter(datastore=store))
+    draft = drafter.propose([[41, 42], [5, 6, 7], [7, 8, 9, 7, 8], [3, 42, 5, 42]], [3, 3, 3, 3])
+    # Row 0: the datastore's "41 42" -> 43. Row 1: nothing anywhere. Row 2: the sequence's own "7 8" comes
+    # first. Row 3: the sequence's one-token match "42", as the datastore has no "5 42".
+    assert draft.num_tokens == [1, 0, 3, 2] and draft.tokens[0, 0] == 43 and draft.tokens[2].tolist() == [9, 7, 8]
+    assert draft.match_sources == ["datastore", "sequence", "sequence", "sequence"]
+    assert draft.ngram_sizes == [2, 0, 2, 1] and draft.tokens[3, :2].tolist() == [5, 42]
     plain = _bound(PromptLookupDrafter())
     assert plain.propose([[41, 42]], [3]).num_tokens == [0]
 
 
-def test_bad_history_and_datastore_options_are_refused():
-    with pytest.raises(InvalidArgumentError, match="history_tokens must be an integer >= 0, got -1"):
-        PromptLookupDrafter(history_tokens=-1)
+def test_bad_datastore_options_are_refused():
     with pytest.raises(InvalidArgumentError, match="datastore must be an NgramDatastore or None, got 'x'"):
         PromptLookupDrafter(datastore="x")
+    store = NgramDatastore(np.arange(5))
     with pytest.raises(InvalidArgumentError, match="branches=2 drafts trees .* needs branches=1"):
-        PromptLookupDrafter(branches=2, history_tokens=8)
+        PromptLookupDrafter(branches=2, datastore=store)
+    check_datastore_option("auto", 3)  # the default and "none" pass whatever the branches
+    check_datastore_option("none", 3)
+    with pytest.raises(InvalidArgumentError, match="with --prompt-lookup-branches 2 use 'auto' or 'none'"):
+        check_datastore_option(PYTHON_STDLIB, 2)
+    with pytest.raises(InvalidArgumentError, match="neither 'python-stdlib', a folder nor a file"):
+        check_datastore_option("/no/such/folder", 1)
+    assert refused_option("draft", {"prompt_lookup_datastore": "none"}) == ("prompt_lookup_datastore", "none")
+    assert refused_option("draft", {"prompt_lookup_datastore": "auto"}) is None
 
 
-def test_greedy_output_is_exact_while_drafting_from_the_history_and_the_datastore():
+def test_greedy_output_is_exact_while_drafting_from_the_datastore():
     target = make_tiny_model("llama", seed=5)
     config = GenerationConfig(max_new_tokens=30, num_speculative_tokens=4, stop_on_eos=False)
     prompts = [[3, 17, 29, 41], [8, 17, 29, 41], [40, 2, 33]]
     expected = [autoregressive(target, torch.tensor([p]), config) for p in prompts]
-    # A datastore of the third prompt's output, and a history of the outputs before (the second's and the third's
-    # share "12 17 15"); the sequence's own matches are of one token (max_ngram=1), so both sources are asked every
-    # round: each drafts, and what is verified is the target's own output.
-    store = NgramDatastore(np.asarray(expected[2] + [SEPARATOR]), max_ngram=3, min_count=1, min_share=0.5)
-    drafter = PromptLookupDrafter(max_ngram=1, history_tokens=256, datastore=store)
+    # A datastore of the third prompt's output (its drafts are right there) and of a shuffled copy of the
+    # second's (wrong there); the sequence's own matches are of one token (max_ngram=1), so the datastore is
+    # asked every round: it drafts, and what is verified is the target's own output.
+    wrong = list(np.random.default_rng(0).permutation(expected[1]))
+    store = NgramDatastore(np.asarray(expected[2] + [SEPARATOR] + wrong + [SEPARATOR]), max_ngram=3, min_count=1,
+                           min_share=0.5)
+    drafter = PromptLookupDrafter(max_ngram=1, datastore=store)
     sources = []
     propose = drafter.propose
 
@@ -201,10 +247,11 @@ def test_greedy_output_is_exact_while_drafting_from_the_history_and_the_datastor
     decoder = SpeculativeDecoder(target, drafter)
     results = [decoder.generate(p, config) for p in prompts]
     assert [r.token_ids for r in results] == expected
-    assert {"datastore", "history"} <= set(sources), collections.Counter(sources)
+    assert "datastore" in sources and results[2].stats.num_accepted_tokens > 0
+    assert sum(r.stats.num_drafted_tokens - r.stats.num_accepted_tokens for r in results) > 0  # some were wrong
     # Several rows at once, rows joining mid-flight: as exact.
-    batched = BatchedSpeculativeDecoder(target, PromptLookupDrafter(1, history_tokens=256, datastore=store),
-                                        max_batch_size=2, max_length=64, num_speculative_tokens=4)
+    batched = BatchedSpeculativeDecoder(target, PromptLookupDrafter(1, datastore=store), max_batch_size=2,
+                                        max_length=64, num_speculative_tokens=4)
     assert [r.token_ids for r in batched.generate(prompts, config)] == expected
 
 
@@ -218,5 +265,5 @@ def test_each_source_has_its_own_acceptance():
     controller = policy.controller(7)
     controller.round_cap()
     assert controller.trim(5, 3) >= 3 and controller.trim(5, 3, "datastore") == 0
-    controller.trim(5, 3, "history")  # a source not seen yet starts at the prior
-    assert policy.acceptance(("history", 3)).alpha(1) == pytest.approx(0.56)
+    controller.trim(5, 2, "datastore")  # an n-gram size not seen yet starts at the prior
+    assert policy.acceptance(("datastore", 2)).alpha(1) == pytest.approx(0.56)

@@ -110,7 +110,7 @@ def test_without_reported_matches_the_block_is_kept():
 class _Trimming(FixedCapController):
     """Keeps one token of each block and logs what ``trim`` was given."""
 
-    def trim(self, num_tokens, ngram_size) -> int:
+    def trim(self, num_tokens, ngram_size, source="sequence") -> int:
         self.log.append((num_tokens, ngram_size))
         return 1
 
@@ -152,7 +152,7 @@ def test_the_engine_verifies_only_what_trim_keeps_and_greedy_output_is_exact(row
 
 
 class _BadTrim(_Trimming):
-    def trim(self, num_tokens, ngram_size):
+    def trim(self, num_tokens, ngram_size, source="sequence"):
         return num_tokens + 1
 
 

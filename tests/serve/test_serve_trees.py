@@ -70,6 +70,12 @@ def test_tree_flags_reach_the_drafter_and_keep_the_greedy_text(folders, tmp_path
     (["--method", "prompt-lookup", "--draft-tree-depth", "3"], "not to 'prompt-lookup'"),
     (["--method", "cascade", "--draft-tree-depth", "3", "--draft-tree-expand", "2"], "not to 'cascade'"),
     (["--method", "draft", "--draft-tree-depth", "3", "--adaptive-draft-exit"], "drafts a linear chain, never a tree"),
+    (["--method", "draft", "--prompt-lookup-datastore", "none"], "--prompt-lookup-datastore applies to the method "
+                                                                 "'prompt-lookup', not to 'draft'"),
+    (["--method", "prompt-lookup", "--prompt-lookup-datastore", "/no/such/corpus"], "neither 'python-stdlib', a "
+                                                                                   "folder nor a file"),
+    (["--method", "prompt-lookup", "--prompt-lookup-datastore", "python-stdlib", "--prompt-lookup-branches", "2"],
+     "with --prompt-lookup-branches 2 use 'auto' or 'none'"),
 ])
 def test_bad_tree_flags_exit_2_before_loading(args, needle, capsys):
     assert main(["serve", "--target", "/nonexistent/model", *args]) == 2

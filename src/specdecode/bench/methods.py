@@ -70,8 +70,6 @@ DRAFTER_OPTIONS = (
     DrafterOption("--prompt-lookup-datastore", "prompt_lookup_datastore", str,
                   "prompt-lookup: corpus of its n-gram datastore ('python-stdlib', a folder, 'none'; default 'auto': "
                   "python-stdlib with --backend llama-cpp)"),
-    DrafterOption("--prompt-lookup-history-tokens", "prompt_lookup_history_tokens", int,
-                  "prompt-lookup: tokens of earlier outputs it also drafts from (default 0)"),
     DrafterOption("--draft-tree-depth", "draft_tree_depth", int,
                   "draft and cascade: the draft's chain steps of a token tree of γ nodes (unset: linear)"),
     DrafterOption("--draft-tree-expand", "draft_tree_expand", int,
@@ -496,7 +494,7 @@ def resolve_methods(
                 takes = entry.options if entry is not None else frozenset()
                 # Run-wide draft-model options go to the methods that take them (the registry's) alone.
                 for keyword in ("draft_vocab_size", "draft_context_window", "max_model_prompt_tokens",
-                                "draft_tree_depth", "draft_tree_expand"):
+                                "draft_tree_depth", "draft_tree_expand", "prompt_lookup_datastore"):
                     if keyword not in takes:
                         run_wide.pop(keyword, None)
                 options = {} if spec.base == "autoregressive" else {**run_wide, **spec.options}

@@ -13,14 +13,16 @@ of the context's end (``min_ngram`` .. ``max_ngram`` tokens) that occurs at leas
 in the corpus and drafts its most frequent continuation, token by token (at each depth the
 plurality among the occurrences that agree so far). It drafts only where that first token is at
 least ``min_share`` of the continuations: replayed over llama.cpp's greedy outputs of 10 HumanEval
-prompts (``docs/benchmarks/prompt_lookup_replay.py``), a datastore of the standard library drafted
-where the prompt had no match of two tokens or more and raised the rate over plain steps by about
-4% at the 2-core Xeon's llama.cpp costs, and only with that threshold (without it: no gain).
+prompts (``docs/benchmarks/prompt_lookup_sources_replay.py``), a datastore of the standard library
+drafted where the prompt had no match of two tokens or more and raised the rate over plain steps by
+about 4% at the 2-core Xeon's llama.cpp costs, and only with that threshold (without it: no gain);
+measured, 1.10x -> 1.19x llama.cpp's own decoding (docs/benchmarks/2026-11-27-datastore.md).
 
 Memory: 4 bytes per corpus token for the tokens, 4 for the suffix array and 4 per column
-(``max_ngram`` of them): about 80 MB for the 2.8M tokens of CPython 3.11's standard library with
+(``max_ngram`` of them): about 98 MB for the 3.1M tokens of CPython 3.11's standard library with
 Qwen2.5's tokenizer at ``max_ngram`` 6. The tokens and the suffix array are cached on disk
-(``load_or_build``), keyed by the tokenizer and the files, so a second process reads them back.
+(``load_or_build``), keyed by the corpus, the tokenizer and the files, so a second process reads them
+back; a changed corpus replaces its file.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ PYTHON_STDLIB = "python-stdlib"
 SEPARATOR = -1
 #: Bump when the cached arrays' layout or the tokenization of the corpus changes.
 FORMAT_VERSION = 1
+#: The longest n-gram looked up, and the columns the suffix array is sorted by.
+DEFAULT_MAX_NGRAM = 6
 #: Folders of the standard library left out of ``python_stdlib_files``: tests and bundled third-party code.
 STDLIB_EXCLUDED = frozenset({"test", "tests", "site-packages", "dist-packages", "idle_test", "__pycache__"})
 
@@ -96,22 +100,32 @@ TEXT_SUFFIXES = frozenset({".py", ".pyi", ".md", ".rst", ".txt", ".c", ".h", ".c
 def _read_text(path: Path) -> str | None:
     try:
         return path.read_text(encoding="utf-8")
-    except (UnicodeDecodeError, OSError) as exc:  # not text, or unreadable: not part of the corpus
-        logger.debug("datastore: skipping %s (%s)", path, exc)
+    except (UnicodeDecodeError, OSError):  # not text, or unreadable: counted by ``tokenize_corpus``
         return None
 
 
 def tokenize_corpus(files: Sequence[Path], encode: Callable[[str], Sequence[int]]) -> np.ndarray:
-    """The files' tokens, each file's followed by ``SEPARATOR``: an (N,) int32 array. Files that are not
-    UTF-8 text, or empty, are left out."""
-    parts = []
+    """The files' tokens, each file's followed by ``SEPARATOR``: an (N,) int32 array. Empty files are left out;
+    files that are not UTF-8 text (or not readable) too, with one warning that counts them.
+
+    Raises:
+        InvalidArgumentError: No file could be read as text.
+    """
+    parts, skipped = [], []
     for path in files:
         text = _read_text(path)
-        if not text or not text.strip():
-            continue
-        parts.append(np.asarray(list(encode(text)), dtype=np.int32))
-        parts.append(np.asarray([SEPARATOR], dtype=np.int32))
-    return np.concatenate(parts) if parts else np.asarray([SEPARATOR], dtype=np.int32)
+        if text is None:
+            skipped.append(path)
+        elif text.strip():
+            parts.append(np.asarray(list(encode(text)), dtype=np.int32))
+            parts.append(np.asarray([SEPARATOR], dtype=np.int32))
+    if skipped:
+        logger.warning("datastore: %d of %d files are not UTF-8 text or not readable and were left out (first: %s)",
+                       len(skipped), len(files), skipped[0])
+    if not parts:
+        raise InvalidArgumentError(f"datastore: none of the {len(files)} files holds UTF-8 text "
+                                   f"(first: {str(files[0]) if files else None!r})")
+    return np.concatenate(parts)
 
 
 class NgramDatastore:
@@ -130,7 +144,7 @@ class NgramDatastore:
         InvalidArgumentError: A value outside its range, or a suffix array of another length.
     """
 
-    def __init__(self, tokens: np.ndarray, max_ngram: int = 6, min_ngram: int = 2, min_count: int = 5,
+    def __init__(self, tokens: np.ndarray, max_ngram: int = DEFAULT_MAX_NGRAM, min_ngram: int = 2, min_count: int = 5,
                  min_share: float = 0.8, suffix_array: np.ndarray | None = None) -> None:
         for name, value, low, high in (("max_ngram", max_ngram, 1, 16), ("min_ngram", min_ngram, 1, max_ngram),
                                        ("min_count", min_count, 1, None)):
@@ -217,46 +231,87 @@ class NgramDatastore:
         return out, (n if out else 0)
 
 
-def _fingerprint(files: Sequence[Path], encode: Callable[[str], Sequence[int]], tokenizer_id: str) -> str:
-    digest = hashlib.sha256(f"v{FORMAT_VERSION}|{tokenizer_id}|".encode())
-    digest.update(repr(list(encode("def f(x):\n    return x  # ünïcode 数据"))).encode())
+def _is_sorted(columns: list[np.ndarray]) -> bool:
+    """Whether consecutive rows of the columns are in lexicographic order (a cached suffix array's check)."""
+    if columns[0].shape[0] < 2:
+        return True
+    ok = np.ones(columns[0].shape[0] - 1, dtype=bool)
+    decided = np.zeros_like(ok)
+    for column in columns:
+        step = np.diff(column.astype(np.int64))
+        ok &= decided | (step >= 0)
+        decided |= step != 0
+    return bool(ok.all())
+
+
+def _digest(*parts: str) -> str:
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def _fingerprint(files: Sequence[Path], encode: Callable[[str], Sequence[int]]) -> str:
+    digest = hashlib.sha256(f"v{FORMAT_VERSION}|".encode())
+    digest.update(repr(list(encode("def f(x):\n    return x  # ünïcode 数据 <|im_end|>"))).encode())
     for path in files:
         stat = path.stat()
         digest.update(f"{path}|{stat.st_size}|{stat.st_mtime_ns}\n".encode())
-    return digest.hexdigest()[:20]
+    return digest.hexdigest()[:16]
 
 
 def load_or_build(corpus: str | Path, encode: Callable[[str], Sequence[int]], tokenizer_id: str,
                   cache_dir: str | Path | None, **options) -> NgramDatastore:
     """The ``NgramDatastore`` of ``corpus`` (``corpus_files``) under ``encode`` (text -> token ids, no special
     tokens), read from ``cache_dir``/datastore when built there before, else tokenized, sorted, and written
-    there atomically (skipped with ``cache_dir`` None). ``tokenizer_id`` names the tokenizer (with a probe
-    encoding, the cache key's tokenizer part); ``options`` as ``NgramDatastore``'s.
+    there atomically (replacing the file of an earlier state of the same corpus and tokenizer; skipped with
+    ``cache_dir`` None). ``tokenizer_id`` names the tokenizer (with a probe encoding and the files' sizes and
+    times, the cache key); ``options`` as ``NgramDatastore``'s.
+
+    A cached file that cannot be read or fails its checks (lengths, the suffix array's order) is rebuilt, with
+    a warning; a cache that cannot be written is warned about, and the datastore is used from memory.
 
     Raises:
-        InvalidArgumentError: As ``corpus_files`` and ``NgramDatastore``.
+        InvalidArgumentError: As ``corpus_files``, ``tokenize_corpus`` and ``NgramDatastore``.
     """
     files = corpus_files(corpus)
-    key = _fingerprint(files, encode, tokenizer_id)
-    max_ngram = options.get("max_ngram", 6)
-    path = Path(cache_dir) / "datastore" / f"{key}-n{max_ngram}.npz" if cache_dir is not None else None
-    if path is not None and path.is_file():
-        try:
-            with np.load(path) as saved:
-                tokens, suffix_array = saved["tokens"], saved["suffix_array"]
-            logger.info("datastore %s: %d tokens of %d files, read from %s", corpus, len(tokens), len(files), path)
-            return NgramDatastore(tokens, suffix_array=suffix_array, **options)
-        except (OSError, KeyError, ValueError) as exc:  # a damaged cache file: rebuilt below, and replaced
-            logger.warning("datastore cache %s unreadable (%s): rebuilding it", path, exc)
+    max_ngram = options.get("max_ngram", DEFAULT_MAX_NGRAM)
+    stem = f"{_digest(str(corpus), tokenizer_id, str(max_ngram))}-"  # this corpus and tokenizer
+    path = None
+    if cache_dir is not None:
+        path = Path(cache_dir) / "datastore" / f"{stem}{_fingerprint(files, encode)}.npz"
+        store = _read_cached(path, options)
+        if store is not None:
+            logger.info("datastore %s: %d tokens of %d files, read from %s", corpus, len(store), len(files), path)
+            return store
     t0 = time.perf_counter()
     tokens = tokenize_corpus(files, encode)
     logger.info("datastore %s: %d tokens of %d files, tokenized in %.1f s", corpus, len(tokens), len(files),
                 time.perf_counter() - t0)
     store = NgramDatastore(tokens, **options)
     if path is not None:
-        os.makedirs(path.parent, exist_ok=True)
-        write_atomic(path, lambda tmp: _save(tmp, store))
+        try:
+            os.makedirs(path.parent, exist_ok=True)
+            write_atomic(path, lambda tmp: _save(tmp, store))
+            for old in path.parent.glob(f"{stem}*.npz"):  # an earlier state of this corpus
+                if old != path:
+                    old.unlink(missing_ok=True)
+        except OSError as exc:
+            logger.warning("datastore cache %s not written (%s): it is built again at the next start", path, exc)
     return store
+
+
+def _read_cached(path: Path, options: dict) -> NgramDatastore | None:
+    """The datastore cached at ``path``, or None (no file; a damaged or inconsistent one, with a warning)."""
+    if not path.is_file():
+        return None
+    try:
+        with np.load(path) as saved:
+            tokens, suffix_array = saved["tokens"], saved["suffix_array"]
+        store = NgramDatastore(tokens, suffix_array=suffix_array, **options)
+        if tokens.dtype != np.int32 or not _is_sorted(store.columns):
+            raise ValueError("its suffix array is not in order")
+        return store
+    except Exception as exc:  # noqa: BLE001 (a zip, pickle or numpy error of any kind: the file is rebuilt)
+        logger.warning("datastore cache %s unreadable (%s: %s): rebuilding it", path, type(exc).__name__, exc)
+        return None
 
 
 def _save(tmp: Path, store: NgramDatastore) -> None:

@@ -11,17 +11,13 @@ Differences from transformers: the most recent earlier occurrence wins (transfor
 takes the leftmost), as the nearest context is the likeliest to repeat; n is tried
 from ``max_ngram`` down to ``min_ngram``.
 
-Two more sources, both off by default, draft where the sequence itself has no match of two
-tokens or more (``PromptLookupDrafter``'s ``history_tokens`` and ``datastore``):
-
-* the texts this drafter generated before (its last ``history_tokens`` tokens): SuffixDecoding
-  (Oliaro et al. 2024, "SuffixDecoding: A Model-Free Approach to Speeding Up Large Language Model
-  Inference") keeps the outputs of earlier requests for the same reason, as replies to similar
-  requests repeat each other (a code block's fences, the same imports, "Here is");
-* a datastore of a corpus (``drafters.datastore``, REST's retrieval).
-
-Each block says where it came from (``Draft.match_sources``), so a cost model prices each source's
-blocks by their own acceptance (``engine.speculation_cost``).
+A datastore of a corpus (``drafters.datastore``, REST's retrieval; ``PromptLookupDrafter``'s
+``datastore``) drafts where the sequence itself has no match of two tokens or more. Each block says
+where it came from (``Draft.match_sources``), so a cost model prices each source's blocks by their
+own acceptance (``engine.speculation_cost``). A history of earlier outputs (SuffixDecoding, Oliaro
+et al. 2024) was built and measured beside it and left out: on 10 HumanEval prompts with a
+llama.cpp target it changed nothing (15.82 against 15.81 tok/s,
+docs/benchmarks/2026-11-27-datastore.md), and it would draft one client's replies for another.
 """
 
 from __future__ import annotations
@@ -160,13 +156,11 @@ def check_ngram_sizes(max_ngram: int, min_ngram: int) -> None:
         )
 
 
-#: ``Draft.match_sources``: the row's own sequence (prompt and output), the drafter's earlier outputs, a datastore.
-SOURCES = ("sequence", "history", "datastore")
-#: Shortest match, in tokens, of the sequence that is drafted before the history and the datastore are asked;
-#: a shorter one is drafted only where neither has anything.
+#: ``Draft.match_sources``: the row's own sequence (prompt and output), a datastore.
+SOURCES = ("sequence", "datastore")
+#: Shortest match, in tokens, of the sequence that is drafted before the datastore is asked; a shorter one is
+#: drafted only where the datastore has nothing.
 SEQUENCE_FIRST_NGRAM = 2
-#: n-gram sizes matched in the history (longest first).
-HISTORY_NGRAMS = (6, 3)
 
 
 class PromptLookupDrafter(Drafter):
@@ -184,82 +178,51 @@ class PromptLookupDrafter(Drafter):
     verification forward checks several guesses where the most recent match is wrong (the
     multi-match n-gram drafter of issue 29). A round's nodes are at most the row's budget.
 
-    Where the sequence has no match of ``SEQUENCE_FIRST_NGRAM`` tokens or more, a linear draft asks, in
-    order, its history (the last ``history_tokens`` tokens this drafter's rows generated, rows that
-    finished before: an n-gram of ``HISTORY_NGRAMS`` tokens) and its ``datastore``
-    (``NgramDatastore.lookup``), then takes the sequence's shorter match.
+    With a ``datastore``, where the sequence has no match of ``SEQUENCE_FIRST_NGRAM`` tokens or more, a
+    linear draft asks it (``NgramDatastore.lookup``), then takes the sequence's shorter match.
 
     Args:
         max_ngram: Longest n-gram to match (>= min_ngram).
         min_ngram: Shortest n-gram to match (>= 1).
         branches: Most continuations per round (>= 1; 1: a linear draft, the most recent match).
-        history_tokens: Tokens of earlier outputs kept to match in (>= 0; 0: none). A row's output joins
-            the history when another row takes its slot (in a server: the replies to other requests,
-            whose tokens can then be drafted, and verified, for this one).
         datastore: An ``NgramDatastore`` to match in, or None.
 
     Raises:
-        InvalidArgumentError: Unless 1 <= min_ngram <= max_ngram; ``branches`` < 1; ``history_tokens`` < 0;
-            ``branches`` > 1 with a history or a datastore (trees continue the sequence's matches only).
+        InvalidArgumentError: Unless 1 <= min_ngram <= max_ngram; ``branches`` < 1; a ``datastore`` that is
+            not an ``NgramDatastore``, or one with ``branches`` > 1 (trees continue the sequence's matches only).
     """
 
     who = "prompt lookup"
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, branches: int = 1, history_tokens: int = 0,
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, branches: int = 1,
                  datastore: NgramDatastore | None = None) -> None:
         check_ngram_sizes(max_ngram, min_ngram)
         if isinstance(branches, bool) or not isinstance(branches, int) or branches < 1:
             raise InvalidArgumentError(f"prompt lookup branches must be an integer >= 1, got {branches!r}")
-        if isinstance(history_tokens, bool) or not isinstance(history_tokens, int) or history_tokens < 0:
-            raise InvalidArgumentError(f"prompt lookup history_tokens must be an integer >= 0, got {history_tokens!r}")
         if datastore is not None and not isinstance(datastore, NgramDatastore):
             raise InvalidArgumentError(f"prompt lookup datastore must be an NgramDatastore or None, got {datastore!r}")
-        if branches > 1 and (history_tokens or datastore is not None):
+        if branches > 1 and datastore is not None:
             raise InvalidArgumentError(f"prompt lookup branches={branches} drafts trees of the sequence's own matches; "
-                                       "a history or a datastore needs branches=1")
+                                       "a datastore needs branches=1")
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
         self.branches = branches
-        self.history_tokens = history_tokens
         self.datastore = datastore
         self.reports_ngram_sizes = branches == 1  # a tree's nodes continue several matches
         self._device = None
-        self._history = np.full(0, -1, dtype=np.int64)  # earlier outputs, each followed by -1
-        self._rows: dict[int, tuple[int, list[int]]] = {}  # slot -> (prompt length, its latest sequence)
 
     def bind(self, target_cache) -> None:
         self._device = target_cache.device
         self.num_forwards = 0
-        self._keep_outputs()
 
     def join(self, slot: int, prompt_ids: torch.Tensor, sampler: Sampler) -> None:
-        """Keep nothing but, with a history, where the prompt ends (the sequence is passed to every
-        ``propose``); the output of the row this slot held before joins the history."""
-        if self.history_tokens:
-            previous = self._rows.pop(slot, None)
-            if previous is not None:
-                self._remember(previous)
-            self._rows[slot] = (int(prompt_ids.shape[-1]), [])
-
-    def _keep_outputs(self) -> None:
-        """Every row's output joins the history (a new engine: its rows are gone)."""
-        for row in self._rows.values():
-            self._remember(row)
-        self._rows.clear()
-
-    def _remember(self, row: tuple[int, list[int]]) -> None:
-        prompt_length, sequence = row
-        output = np.asarray(sequence[prompt_length:], dtype=np.int64)
-        if output.size:
-            self._history = np.concatenate([self._history, output, [-1]])[-self.history_tokens:]
+        """Nothing to keep: the sequence is passed to every ``propose``."""
 
     def propose(self, sequences, max_tokens, exits=None, exit_rule="row") -> Draft:
         if self.branches > 1:
             return self._propose_trees(sequences, max_tokens)
         found, sizes, sources = [], [], []
-        for b, (s, cap) in enumerate(zip(sequences, max_tokens)):
-            if self.history_tokens and b in self._rows:
-                self._rows[b] = (self._rows[b][0], s)
+        for s, cap in zip(sequences, max_tokens):
             tokens, n, source = self._match(np.asarray(s, dtype=np.int64), cap) if cap > 0 else ([], 0, "sequence")
             found.append(tokens)
             sizes.append(n if tokens else 0)
@@ -271,16 +234,7 @@ class PromptLookupDrafter(Drafter):
     def _match(self, sequence: np.ndarray, cap: int) -> tuple[list[int], int, str]:
         """One row's block: ``(tokens, n, source)`` (class docstring)."""
         tokens, n = match_continuation(sequence, cap, self.max_ngram, self.min_ngram)
-        if n >= SEQUENCE_FIRST_NGRAM or (not self._history.size and self.datastore is None):
-            return tokens.tolist(), n, "sequence"
-        if self._history.size:
-            tail = sequence[-HISTORY_NGRAMS[0]:]
-            hit, m = match_continuation(np.concatenate([self._history, tail]), cap, *HISTORY_NGRAMS)
-            end = np.flatnonzero(hit < 0)  # an earlier output ends there
-            hit = hit[: end[0]] if end.size else hit
-            if m and hit.size:
-                return hit.tolist(), m, "history"
-        if self.datastore is not None:
+        if n < SEQUENCE_FIRST_NGRAM and self.datastore is not None:
             hit, m = self.datastore.lookup(sequence, cap)
             if hit:
                 return hit, m, "datastore"
@@ -299,13 +253,7 @@ class PromptLookupDrafter(Drafter):
         return Draft(ids, [len(r) for r in rows], None, None, self.who, trees=trees)
 
     def rollback(self, num_valid: list[int]) -> None:
-        """Nothing to do: the sequences passed to ``propose`` are the confirmed ones."""
+        """Nothing to do: no state."""
 
     def move(self, src: int, dst: int, num_valid: int) -> None:
-        """With a history: the row that left ``dst`` joins it, and the row in ``src`` now lives in ``dst``."""
-        if self.history_tokens:
-            left = self._rows.pop(dst, None)
-            if left is not None:
-                self._remember(left)
-            if src in self._rows:
-                self._rows[dst] = self._rows.pop(src)
+        """Nothing to do: no state."""

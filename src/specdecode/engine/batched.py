@@ -536,10 +536,10 @@ class BatchedSpeculativeDecoder(BatchRequests):
         """Each row's block after its controller's ``trim`` (``Draft.ngram_sizes``, ``match_sources``), and the caps the
         stats record (a trimmed row's: what it kept; a block trimmed to nothing is a gated step). Raises
         InvalidArgumentError where a controller kept a count outside 0 .. the tokens proposed."""
-        kept, stat_caps, sources = list(k), list(caps), draft.match_sources
+        kept, stat_caps, sources = list(k), list(caps), draft.match_sources or ["sequence"] * len(rows)
         for b, row in enumerate(rows):
-            source = () if sources is None or sources[b] == "sequence" else (sources[b],)  # the protocol's default
-            n = row.controller.trim(k[b], draft.ngram_sizes[b], *source) if k[b] and row.controller is not None else k[b]
+            trim = row.controller.trim if k[b] and row.controller is not None else None
+            n = trim(k[b], draft.ngram_sizes[b], sources[b]) if trim is not None else k[b]
             if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= k[b]:
                 raise InvalidArgumentError(f"a round controller's trim must keep 0..{k[b]} tokens (those proposed), "
                                            f"got {n!r}")

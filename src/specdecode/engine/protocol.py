@@ -224,8 +224,8 @@ class Draft:
             evidence a cost model prices the block by, as a longer match is accepted more often
             (``RoundController.trim``). None for drafters without one.
         match_sources: Per row with ``ngram_sizes``, where the match was: "sequence" (the row's own
-            prompt and output), "history" (earlier outputs), "datastore" (a corpus); each source's blocks
-            are priced by their own acceptance. None: every row's is "sequence".
+            prompt and output) or "datastore" (a corpus); each source's blocks are priced by their own
+            acceptance. None: every row's is "sequence".
     """
 
     tokens: torch.Tensor

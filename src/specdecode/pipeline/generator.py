@@ -120,7 +120,6 @@ class SpeculativeGenerator(ModelPair):
         prompt_lookup_max_ngram: int = 3,
         prompt_lookup_min_ngram: int = 1,
         prompt_lookup_branches: int = 1,
-        prompt_lookup_history_tokens: int = 0,
         prompt_lookup_datastore: str | Path | None = "auto",
         draft_vocab_size: int | None = None,
         ngram_check: bool = True,
@@ -143,8 +142,6 @@ class SpeculativeGenerator(ModelPair):
                 and of the n-gram part of "cascade" (1 <= min <= max).
             prompt_lookup_branches: "prompt-lookup" drafts up to this many matches' continuations
                 as a token tree (1: the linear draft of the most recent match).
-            prompt_lookup_history_tokens: "prompt-lookup" also matches in the last this many tokens it
-                generated before (SuffixDecoding's outputs of earlier requests; 0: not).
             prompt_lookup_datastore: "prompt-lookup" also matches in this corpus ("python-stdlib": this
                 Python's standard library sources; or a folder or file of text), REST's datastore
                 (``drafters.datastore``), tokenized once and cached in the cache folder; None or "none":
@@ -193,7 +190,6 @@ class SpeculativeGenerator(ModelPair):
             skip_set=skip_set, skip_layers=skip_layers, skip_config=skip_config, exit_layer=exit_layer,
             prompt_lookup_max_ngram=prompt_lookup_max_ngram, prompt_lookup_min_ngram=prompt_lookup_min_ngram,
             prompt_lookup_branches=prompt_lookup_branches,
-            prompt_lookup_history_tokens=prompt_lookup_history_tokens,
             prompt_lookup_datastore=prompt_lookup_datastore,
             draft_vocab_size=draft_vocab_size, ngram_check=ngram_check, draft_context_window=draft_context_window,
             max_model_prompt_tokens=max_model_prompt_tokens, compile=compile, draft_backend=draft_backend,
@@ -226,7 +222,6 @@ class SpeculativeGenerator(ModelPair):
         prompt_lookup_max_ngram: int = 3,
         prompt_lookup_min_ngram: int = 1,
         prompt_lookup_branches: int = 1,
-        prompt_lookup_history_tokens: int = 0,
         prompt_lookup_datastore: str | Path | None = "auto",
         draft_vocab_size: int | None = None,
         ngram_check: bool = True,
@@ -265,7 +260,6 @@ class SpeculativeGenerator(ModelPair):
             prompt_lookup_max_ngram=prompt_lookup_max_ngram,
             prompt_lookup_min_ngram=prompt_lookup_min_ngram,
             prompt_lookup_branches=prompt_lookup_branches,
-            prompt_lookup_history_tokens=prompt_lookup_history_tokens,
             prompt_lookup_datastore=prompt_lookup_datastore,
             draft_vocab_size=draft_vocab_size,
             ngram_check=ngram_check,
@@ -318,7 +312,6 @@ class SpeculativeGenerator(ModelPair):
         prompt_lookup_max_ngram: int = 3,
         prompt_lookup_min_ngram: int = 1,
         prompt_lookup_branches: int = 1,
-        prompt_lookup_history_tokens: int = 0,
         prompt_lookup_datastore: str | Path | None = "auto",
         ngram_check: bool = True,
         max_model_prompt_tokens: int | None = None,
@@ -358,7 +351,6 @@ class SpeculativeGenerator(ModelPair):
             skip_set=skip_set, skip_layers=skip_layers, skip_config=skip_config, exit_layer=exit_layer,
             prompt_lookup_max_ngram=prompt_lookup_max_ngram, prompt_lookup_min_ngram=prompt_lookup_min_ngram,
             prompt_lookup_branches=prompt_lookup_branches,
-            prompt_lookup_history_tokens=prompt_lookup_history_tokens,
             prompt_lookup_datastore=prompt_lookup_datastore,
             ngram_check=ngram_check, max_model_prompt_tokens=max_model_prompt_tokens,
             draft_context_window=draft_context_window, draft_vocab_size=draft_vocab_size,

@@ -263,8 +263,8 @@ class ModelPair:
         key = str(corpus)
         if key not in self._datastores:
             tok = self.tokenizer
-            self._datastores[key] = load_or_build(
-                corpus, lambda text: tok(text, add_special_tokens=False)["input_ids"],
+            self._datastores[key] = load_or_build(  # a special token's text in the corpus is text, not the token
+                corpus, lambda text: tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"],
                 f"{type(tok).__name__}|{getattr(tok, 'name_or_path', '')}|{len(tok)}",
                 self.cache_dir if self.cache_dir is not None else default_cache_dir())
         return self._datastores[key]

@@ -140,9 +140,6 @@ def add_arguments(p: argparse.ArgumentParser, *, default_target: str, default_dr
     p.add_argument("--prompt-lookup-datastore", metavar="CORPUS", default="auto",
                    help="prompt-lookup: also draft from an n-gram index of CORPUS ('python-stdlib', a folder or file "
                         "of text, or 'none'; default 'auto': python-stdlib with --backend llama-cpp, else none)")
-    p.add_argument("--prompt-lookup-history-tokens", type=int, default=0, metavar="N",
-                   help="prompt-lookup: also draft from the last N tokens of earlier replies, to any client "
-                        "(default 0: off)")
     p.add_argument("--prompt-lookup-branches", type=int, default=1, metavar="N",
                    help="prompt-lookup: N matches drafted per round as a token tree, verified in one forward "
                         "(default 1: the most recent match, a linear draft)")
@@ -204,9 +201,10 @@ def _check_draft_options(args) -> None:
     if args.prompt_lookup_branches < 1:
         raise InvalidArgumentError(f"--prompt-lookup-branches must be >= 1 (matches per round), got "
                                    f"{args.prompt_lookup_branches}")
-    if args.prompt_lookup_history_tokens < 0:
-        raise InvalidArgumentError(f"--prompt-lookup-history-tokens must be >= 0 (tokens), got "
-                                   f"{args.prompt_lookup_history_tokens}")
+    if method_registry.refused_option(args.method, {"prompt_lookup_datastore": args.prompt_lookup_datastore}):
+        raise InvalidArgumentError(f"--prompt-lookup-datastore applies to {who_takes('prompt_lookup_datastore')}, "
+                                   f"not to {args.method!r}")
+    method_registry.check_datastore_option(args.prompt_lookup_datastore, args.prompt_lookup_branches)
     if args.prompt_lookup_branches > 1 and args.method != "prompt-lookup":
         raise InvalidArgumentError(f"--prompt-lookup-branches applies to {who_takes('prompt_lookup_branches')}, "
                                    f"not to {args.method!r}")
@@ -413,7 +411,6 @@ def build_decoder(gen, args, plan: ServePlan, *, max_length: int | None = None, 
         draft_context_window=args.draft_context_window, draft_vocab_size=args.draft_vocab_size,
         prompt_lookup_branches=args.prompt_lookup_branches, draft_tree_depth=args.draft_tree_depth,
         draft_tree_expand=args.draft_tree_expand, prompt_lookup_datastore=args.prompt_lookup_datastore,
-        prompt_lookup_history_tokens=args.prompt_lookup_history_tokens,
     )
 
 
