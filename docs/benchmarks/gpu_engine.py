@@ -42,6 +42,9 @@ What it prints (each as a Markdown table; warm-up and compilation seconds apart 
    ``--tree-nodes`` (16) nodes a round, the chain and its steps' runners-up; α counts every node.
    ``draft-tree-expand``: ``draft`` growing EAGLE-2's dynamic tree, the ``--draft-tree-expand`` (4) best
    nodes of each depth expanded by one draft tree forward (``--draft-tree-depth`` - 1 of them).
+   ``prompt-lookup-datastore`` (issue 30): ``prompt-lookup`` with the standard library's datastore
+   (``prompt_lookup_datastore="python-stdlib"``; its default with a llama.cpp target, none with torch's:
+   this row says whether it pays where verification is flat).
 3. ``rounds``: per method, ms per round (decode time / target forwards) and its overhead: the round
    minus the cost of the forwards it ran, each priced at the cost measured as in 1. on the runner that
    ran it, for its width (its compiled bucket). The forwards are counted by wrapping
@@ -110,6 +113,7 @@ METHODS = (
     ("draft+adaptive", "ours", "draft", True, True, False),
     ("cascade+adaptive", "ours", "cascade", True, True, False),
     ("prompt-lookup", "ours", "prompt-lookup", False, True, False),
+    ("prompt-lookup-datastore", "ours", "prompt-lookup-datastore", False, True, False),
     ("token-recycling", "ours", "token-recycling", False, True, False),
     ("draft-tree", "ours", "draft-tree", False, True, False),
     ("cascade-tree", "ours", "cascade-tree", False, True, False),
@@ -120,11 +124,13 @@ METHODS = (
 )
 TABLE_ORDER = ("hf-generate", "hf-generate-static", "hf-assisted", "autoregressive-eager", "autoregressive",
                "draft", "draft+adaptive", "cascade+adaptive", "draft-tree", "cascade-tree", "draft-tree-expand",
-               "prompt-lookup", "token-recycling")
+               "prompt-lookup", "prompt-lookup-datastore", "token-recycling")
 #: The draft-model tree rows (issue 29): base name -> the method, run with ``draft_tree_depth=--draft-tree-depth``
 #: and a budget of ``--tree-nodes`` nodes a round (``specdecode.drafters.draft_tree``); draft-tree-expand also
 #: with ``draft_tree_expand=--draft-tree-expand`` (EAGLE-2's expansion, a draft tree forward per depth).
 TREE_BASES = {"draft-tree": "draft", "cascade-tree": "cascade", "draft-tree-expand": "draft"}
+#: Rows that run another method with options: base name -> (the method, its options).
+OPTION_BASES = {"prompt-lookup-datastore": ("prompt-lookup", {"prompt_lookup_datastore": "python-stdlib"})}
 BATCH_METHODS = ("autoregressive", "draft", "prompt-lookup")
 SETS = ("code", "prose")
 
@@ -379,8 +385,9 @@ class Run:
             tree = {"draft_tree_depth": self.args.draft_tree_depth} if base in TREE_BASES else {}
             if base == "draft-tree-expand":
                 tree["draft_tree_expand"] = self.args.draft_tree_expand
-            self.decoders[key] = self.gen.decoder(TREE_BASES.get(base, base), draft_control=control,
-                                                  compile=fast and self.compile(), **tree)
+            method, options = OPTION_BASES.get(base, (TREE_BASES.get(base, base), {}))
+            self.decoders[key] = self.gen.decoder(method, draft_control=control, compile=fast and self.compile(),
+                                                  **tree, **options)
         return self.decoders[key]
 
     def engine(self, base: str, adaptive: bool):

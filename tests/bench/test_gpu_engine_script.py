@@ -23,6 +23,7 @@ TINY = ["--device", "cpu", "--dtype", "float32", "--no-compile", "--prompts", "1
         "--max-new-tokens", "8", "--warmup-tokens", "2", "--context", "24", "--repeats", "2",
         "--batch-sizes", "1,2", "--batch-groups", "1",
         "--methods", "autoregressive,draft,draft+adaptive,cascade+adaptive,draft-tree,cascade-tree,prompt-lookup,"
+        "prompt-lookup-datastore,"
         "draft-tree-expand,hf-generate,hf-assisted", "--tree-nodes", "6", "--draft-tree-depth", "3",
         "--draft-tree-expand", "2"]
 
