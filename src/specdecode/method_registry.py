@@ -163,20 +163,25 @@ def _early_exit(generator, o: DrafterOptions) -> EarlyExitDrafter:
 
 
 def _prompt_lookup(generator, o: DrafterOptions) -> PromptLookupDrafter:
-    corpus = o.prompt_lookup_datastore
-    if corpus == "auto":  # a tree drafts the sequence's own matches only
-        llama = generator.backend == "llama-cpp" and o.prompt_lookup_branches == 1
-        corpus = LLAMA_CPP_PROMPT_LOOKUP_DATASTORE if llama else None
-        if corpus is not None:
-            try:
-                return PromptLookupDrafter(o.prompt_lookup_max_ngram, o.prompt_lookup_min_ngram,
-                                           o.prompt_lookup_branches, datastore=generator.datastore(corpus))
-            except InvalidArgumentError as exc:  # a default, not asked for: prompt lookup goes on without it
-                logger.warning("prompt lookup without its default datastore %r: %s", corpus, exc)
-                corpus = None
-    datastore = generator.datastore(corpus) if corpus is not None and str(corpus) != "none" else None
     return PromptLookupDrafter(o.prompt_lookup_max_ngram, o.prompt_lookup_min_ngram, o.prompt_lookup_branches,
-                               datastore=datastore)
+                               datastore=_datastore(generator, o))
+
+
+def _datastore(generator, o: DrafterOptions):
+    """Prompt lookup's ``NgramDatastore`` for ``prompt_lookup_datastore``, or None ("none", None; "auto" where it
+    resolves to none, or where its default corpus cannot be read, with a warning: it was not asked for)."""
+    corpus = o.prompt_lookup_datastore
+    if corpus is None or str(corpus) == "none":
+        return None
+    if corpus != "auto":
+        return generator.datastore(corpus)
+    if generator.backend != "llama-cpp" or o.prompt_lookup_branches != 1:  # a tree drafts the sequence's matches
+        return None
+    try:
+        return generator.datastore(LLAMA_CPP_PROMPT_LOOKUP_DATASTORE)
+    except InvalidArgumentError as exc:
+        logger.warning("prompt lookup without its default datastore %r: %s", LLAMA_CPP_PROMPT_LOOKUP_DATASTORE, exc)
+        return None
 
 
 def _token_recycling(generator, o: DrafterOptions) -> TokenRecyclingDrafter:
