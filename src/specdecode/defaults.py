@@ -169,6 +169,13 @@ def prompt_limit_by_default(method: str, draft_scheme: str, draft_backend: str |
     return MAX_MODEL_PROMPT_TOKENS if method == "cascade" and costly_prefill else None
 
 
+#: The commands' help for --draft-exit-mode (generate and serve; bench: the option draft_exit_mode=).
+DRAFT_EXIT_MODE_HELP = ("with --adaptive-draft-exit, how the exit reads the draft's confidence: per-step (after each "
+                        "draft token, stopping at the first unsure one), previous-round (each block as long as the "
+                        "previous round's confident run; nothing read between draft steps), masked (the whole "
+                        "--max-draft-tokens drafted, cut after the first unsure token with the round's one read); "
+                        "auto: per-step on a CPU, previous-round on CUDA")
+
 #: The commands' help for --prepack-linears / --no-prepack-linears (``prepack_by_default``).
 PREPACK_HELP = ("float32 linear layers on oneDNN's CPU kernel (weights prepacked once at load): faster plain steps "
                 "and far cheaper verification where a model computes in float32 on a CPU (one without native bf16); "

@@ -98,7 +98,8 @@ class MethodSpec:
     e.g. ``early-exit:exit_layer=8+adaptive`` or ``layer-skip:skip_config=best.json+gated=0.4``.
     The whole string is the method's name in the records and tables; its options
     override the run's ``BenchSettings.drafter_options``, except
-    ``num_speculative_tokens=N``, which sets this method's γ, and ``compile=0|1``
+    ``num_speculative_tokens=N``, which sets this method's γ, ``draft_exit_mode=MODE`` (with
+    ``+adaptive``: ``DraftControl.exit_mode``), and ``compile=0|1``
     (also ``false|true``), which turns the fast path (static KV cache, compiled forwards)
     off or on for this method, overriding ``BenchSettings.compile``. ``compile`` is the
     only option ``autoregressive`` takes, so one run can hold ``autoregressive:compile=0``
@@ -188,6 +189,11 @@ class MethodSpec:
         gamma = options.pop("num_speculative_tokens", None)
         if gamma is not None:
             check_num_speculative_tokens(gamma)
+        if "draft_exit_mode" in options:  # the adaptive exit's (``DraftControl.exit_mode``)
+            if not control.get("adaptive_exit"):
+                raise InvalidArgumentError(f"method {name!r}: draft_exit_mode applies to the adaptive draft exit; "
+                                           "add +adaptive")
+            control["exit_mode"] = options.pop("draft_exit_mode")
         return cls(name, base, MappingProxyType(options), DraftControl(**control) if control else None, gamma,
                    compile_)
 

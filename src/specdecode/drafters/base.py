@@ -6,7 +6,9 @@ The protocol (``Drafter``, ``Draft``, ``ExitPolicy``) is defined by the engine i
 Adaptive draft exit under ``exit_rule``: "row" ends a row's block at its own first unsure
 token while the other rows go on (its later forwards are wasted on it); "batch" goes on until
 every row has been unsure, and each row keeps everything it drafted: the verification is as
-wide as the longest row either way, so the extra tokens cost the target nothing.
+wide as the longest row either way, so the extra tokens cost the target nothing. Exits that read
+nothing between steps (``ExitPolicy.mode`` "previous-round" or "masked") end no block here: every row
+drafts its ``max_tokens`` and the draft carries each step's top probability (``Draft.top_probs``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from specdecode.engine.protocol import Draft, Drafter, ExitPolicy
 from specdecode.engine.sampling import Sampler, check_finite
 from specdecode.errors import InvalidArgumentError
 
-__all__ = ["Draft", "Drafter", "ExitPolicy", "draft_batch", "draft_views"]
+__all__ = ["Draft", "Drafter", "ExitPolicy", "draft_batch", "draft_views", "reads_per_step"]
 
 
 def draft_batch(
@@ -61,13 +63,15 @@ def draft_batch(
 
     Raises:
         NonFiniteLogitsError: If a forward gives NaN or inf (checked on the host when sampling
-            or with exits; otherwise the flag goes to ``Draft.finite``).
+            or with per-step exits; otherwise the flag goes to ``Draft.finite``).
     """
     n, K = len(max_tokens), max(max_tokens)
     if K < 1:
         raise InvalidArgumentError(f"draft_batch needs some row with max_tokens >= 1, got {max_tokens}")
     greedy = all(s.greedy for s in samplers)
-    deferred = greedy and exits is None
+    per_step = reads_per_step(exits)
+    kept_tops: list[torch.Tensor] | None = [] if exits is not None and not per_step else None
+    deferred = greedy and not per_step
     active = [c > 0 for c in max_tokens]
     unsure = [False] * n
     num = [0] * n
@@ -109,7 +113,9 @@ def draft_batch(
             for b, view in enumerate(processings):
                 if view is not None:
                     view.push(token[b])
-        top = tops.tolist() if exits is not None else None  # one host sync per draft step with exits
+        if kept_tops is not None:  # exits that read the round's tops with its one sync
+            kept_tops.append(tops)
+        top = tops.tolist() if per_step else None  # one host sync per draft step with per-step exits
         for b in range(n):
             if not active[b]:
                 continue
@@ -132,8 +138,14 @@ def draft_batch(
         row_probs if any(p is not None for p in row_probs) else None,
         finite,
         who,
+        top_probs=torch.stack(kept_tops, dim=1).float() if kept_tops is not None else None,
     )
     return draft, steps
+
+
+def reads_per_step(exits: list[ExitPolicy | None] | None) -> bool:
+    """Whether some row's exit reads each draft step's confidence on the host (``ExitPolicy.mode``)."""
+    return exits is not None and any(e is not None and e.mode == "per-step" for e in exits)
 
 
 def draft_views(samplers: list[Sampler], sequences: list[list[int]], head: BoundDraftHead) -> list | None:

@@ -91,7 +91,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS
-from specdecode.drafters.base import draft_batch, draft_views
+from specdecode.drafters.base import draft_batch, draft_views, reads_per_step
 from specdecode.drafters.control import check_optional_count
 from specdecode.drafters.draft_head import DraftHead
 from specdecode.drafters.draft_model import DraftModelDrafter
@@ -262,7 +262,7 @@ class CascadeDrafter(DraftModelDrafter):
         logits = self.runner(to_device(feeds, device), starts, keep)  # (n, keep, V), or K columns (FR-Spec)
         self.head.check_logits(logits)
         self.num_forwards += 1
-        deferred = all(s.greedy for s in samplers) and exits is None
+        deferred = all(s.greedy for s in samplers) and not reads_per_step(exits)
         finite = torch.isfinite(logits).all() if deferred else None
         if not deferred:
             check_finite(logits, self.who)
@@ -309,19 +309,30 @@ class CascadeDrafter(DraftModelDrafter):
                                                              model_tokens, blocks, model.probs)
             self._keep_chains(tree_rows, valid, chains, steps)
             return tree_draft(tokens, num, self._probs(blocks, model, samplers), finite, self.who, trees, sampled)
-        tokens = self._join_tokens(blocks, model, num)
-        return Draft(tokens, num, self._probs(blocks, model, samplers), finite, self.who)
+        tokens = self._join(blocks, model.tokens if model is not None else None, num)
+        tops = None
+        if exits is not None and not reads_per_step(exits):  # the n-gram tokens count as sure
+            tops = self._join(blocks, model.top_probs if model is not None else None, num, ones=True)
+        return Draft(tokens, num, self._probs(blocks, model, samplers), finite, self.who, top_probs=tops)
 
-    def _join_tokens(self, blocks: list[list[int]], model: Draft | None, num: list[int]) -> torch.Tensor:
-        """(n, max(1, max(num))) long: each row's n-gram tokens, then its model tokens, then padding."""
+    def _join(self, blocks: list[list[int]], model: torch.Tensor | None, num: list[int],
+              ones: bool = False) -> torch.Tensor:
+        """(n, max(1, max(num))): each row's n-gram tokens (``ones``: 1.0 at their positions, float32), then
+        its model part's columns (``model``, (n, S): tokens or top probabilities), then padding."""
         device = self._device
         longest = max(len(blk) for blk in blocks)
-        ngram = to_device([blk + [0] * (longest - len(blk)) for blk in blocks], device) if longest else None
+        if ones:
+            ngram = torch.ones((len(blocks), longest), dtype=torch.float32, device=device) if longest else None
+        else:
+            ngram = to_device([blk + [0] * (longest - len(blk)) for blk in blocks], device) if longest else None
         if model is None:
-            return ngram if ngram is not None else torch.zeros((len(blocks), 1), dtype=torch.long, device=device)
+            if ngram is not None:
+                return ngram
+            return torch.ones((len(blocks), 1), device=device) if ones else \
+                torch.zeros((len(blocks), 1), dtype=torch.long, device=device)
         if ngram is None:
-            return model.tokens
-        both = torch.cat([ngram, model.tokens], dim=1)  # (n, A + S)
+            return model
+        both = torch.cat([ngram, model], dim=1)  # (n, A + S)
         last, total = both.shape[1] - 1, max(1, max(num))
         index = [[j if j < len(blk) else min(longest + j - len(blk), last) for j in range(total)] for blk in blocks]
         return both.gather(1, to_device(index, device))

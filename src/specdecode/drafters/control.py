@@ -41,7 +41,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from specdecode.engine.protocol import DraftPolicy, Drafter, MeasureForwards, RoundController
+from specdecode.engine.protocol import DRAFT_EXIT_MODES, DraftPolicy, Drafter, MeasureForwards, RoundController
 from specdecode.engine.speculation_cost import SpeculationCostPolicy
 from specdecode.errors import InvalidArgumentError
 
@@ -100,6 +100,10 @@ class AdaptiveDraftExit:
     Attributes:
         threshold: The current threshold.
         matchness: m, the smoothed accepted/drafted ratio (starts at 0, as in the paper's code).
+        mode: How the draft's confidence is read (``engine.protocol.ExitPolicy.mode``): "per-step" unless the
+            engine sets another (``DraftControl.exit_mode``, resolved for its device).
+        next_length: With mode "previous-round", the next block's length (``observe``; starts at
+            ``max_draft_tokens``).
 
     Raises:
         InvalidArgumentError: If a parameter is outside its range.
@@ -126,10 +130,21 @@ class AdaptiveDraftExit:
         self.beta1, self.beta2, self.epsilon, self.alpha = beta1, beta2, epsilon, alpha
         self.max_draft_tokens = max_draft_tokens
         self.matchness = 0.0
+        self.mode = "per-step"
+        self.next_length = max_draft_tokens
+        self._exited: bool | None = None  # set by ``observe`` for the next ``update``
 
     def should_stop(self, top_prob: float) -> bool:
         """True when a drafted token's top probability is below the threshold (that token still counts)."""
         return top_prob < self.threshold
+
+    def observe(self, exit_point: int | None, num_drafted: int) -> None:
+        """A block drafted without reads between steps (``engine.draft_exit``): its first unsure token's
+        1-based position, or None (none of its ``num_drafted`` tokens was unsure). The next ``update`` counts
+        the block as exited early iff one before its last token was (as the per-step loop, which drafts the
+        cap's last token whatever its confidence); "previous-round" sizes the next block from it."""
+        self._exited = exit_point is not None and exit_point < num_drafted
+        self.next_length = exit_point if exit_point is not None else min(self.max_draft_tokens, num_drafted + 2)
 
     def update(self, num_drafted: int, num_accepted: int, max_drafted: int | None = None) -> None:
         """Account one verified block.
@@ -138,18 +153,19 @@ class AdaptiveDraftExit:
             num_drafted: Tokens in the block (>= 1).
             num_accepted: How many the target accepted (0..num_drafted).
             max_drafted: The block's cap; ``num_drafted == max_drafted`` means the
-                threshold never stopped drafting. Defaults to ``max_draft_tokens``
-                (the decoder passes a smaller cap near the length budget).
+                threshold never stopped drafting (after an ``observe``, its exit point says). Defaults to
+                ``max_draft_tokens`` (the decoder passes a smaller cap near the length budget).
 
         Raises:
             InvalidArgumentError: If the counts are inconsistent.
         """
         _check_block(num_drafted, num_accepted)
         cap = self.max_draft_tokens if max_drafted is None else max_drafted
+        exited, self._exited = (num_drafted < cap if self._exited is None else self._exited), None
         self.matchness = self.beta1 * self.matchness + (1 - self.beta1) * (num_accepted / num_drafted)
         if self.matchness < self.alpha:
             proposal = self.threshold + self.epsilon
-        elif num_drafted >= cap:
+        elif not exited:
             proposal = self.threshold
         else:
             proposal = self.threshold - self.epsilon
@@ -228,6 +244,11 @@ class DraftControl(DraftPolicy):
             adaptive exit too, the cost model chooses between drafting (up to ``max_draft_tokens``,
             the exit stopping earlier) and a plain step by their measured tokens per second.
         confidence_gate: Threshold of ``ConfidenceGate``, or None for no gating.
+        exit_mode: How the adaptive exit reads the draft's confidence (``engine.protocol.DRAFT_EXIT_MODES``,
+            ``engine.draft_exit``): "per-step" (after every draft step, on the host), "previous-round" (the
+            block's length from the previous round's confidences; nothing read between draft steps),
+            "masked" (the whole cap drafted, cut after the first unsure token once read with the round's
+            sync), or "auto": "per-step" on a CPU, "previous-round" on CUDA.
 
     Raises:
         InvalidArgumentError: If a value is outside its range.
@@ -242,9 +263,14 @@ class DraftControl(DraftPolicy):
     max_draft_tokens: int = 12
     length_schedule: str = "constant"
     confidence_gate: float | None = None
+    exit_mode: str = "auto"
 
     def __post_init__(self) -> None:
         self.new_exit()  # validates the exit parameters
+        if self.exit_mode not in DRAFT_EXIT_MODES:
+            raise InvalidArgumentError(
+                f"unknown draft exit mode {self.exit_mode!r}; allowed: {', '.join(DRAFT_EXIT_MODES)}"
+            )
         if self.length_schedule not in LENGTH_SCHEDULES:
             raise InvalidArgumentError(
                 f"unknown draft length schedule {self.length_schedule!r}; allowed: {', '.join(LENGTH_SCHEDULES)}"

@@ -61,8 +61,9 @@ from specdecode.engine.batch_cache import (
 from specdecode.engine.batch_requests import BatchRequests
 from specdecode.engine.batch_rows import BatchEvent
 from specdecode.engine.batch_runner import BatchRunner, check_row_buckets, default_batch_compile
+from specdecode.engine.draft_exit import exit_points, observe_exits
 from specdecode.engine.processors import process_rows
-from specdecode.engine.protocol import BATCH_EXIT_RULES, Draft, Drafter, DraftPolicy
+from specdecode.engine.protocol import BATCH_EXIT_RULES, Draft, Drafter, DraftPolicy, resolve_exit_mode
 from specdecode.engine.runner_target import is_runner_target, runner_target_parts, torch_threads
 from specdecode.engine.sampling import check_finite, logits_width, raise_non_finite
 from specdecode.engine.stats import SpecDecodingStats
@@ -171,6 +172,9 @@ class BatchedSpeculativeDecoder(BatchRequests):
         self.target = target
         self.drafter = drafter
         self.draft_control = draft_control
+        #: How the rows' adaptive exits read the draft's confidence (``engine.draft_exit``), or None.
+        self.exit_mode = resolve_exit_mode(draft_control.exit_mode, target.device) \
+            if self.adaptive and draft_control.adaptive_exit else None
         self.exit_rule = exit_rule
         self.max_verify_tokens = max_verify_tokens
         self.tokenizer = tokenizer
@@ -340,6 +344,8 @@ class BatchedSpeculativeDecoder(BatchRequests):
                 if row.controller.gated and row.remaining > 1:
                     row.stats.num_gated_steps += 1
                 cap = min(row.controller.round_cap(), self.max_block, share)
+                if self.exit_mode == "previous-round" and row.controller.exit is not None:
+                    cap = min(cap, row.controller.exit.next_length)
             caps.append(max(0, min(cap, row.remaining - 1)))
         return caps
 
@@ -407,10 +413,10 @@ class BatchedSpeculativeDecoder(BatchRequests):
         draft_s = draft_prefill = 0.0
         depths: list[int | None] = [None] * n
         forwards_before = self.drafter.num_forwards if self.drafter is not None else 0
+        exits = [row.controller.exit for row in rows] if self.adaptive else None
+        if exits is not None and all(e is None for e in exits):
+            exits = None  # gating or a schedule only: no per-step host sync
         if max(caps) > 0:
-            exits = [row.controller.exit for row in rows] if self.adaptive else None
-            if exits is not None and all(e is None for e in exits):
-                exits = None  # gating or a schedule only: no per-step host sync
             t_draft, draft_compiling = time.perf_counter(), self.drafter.compile_time_s
             draft_prefill = self.drafter.prefill_time_s
             draft = self.drafter.propose(sequences, caps, exits, self.exit_rule)
@@ -439,7 +445,13 @@ class BatchedSpeculativeDecoder(BatchRequests):
             mask_batch(logits, [row.banned for row in rows], [len(s) for s in sequences])
         draft_finite = draft.finite.view(1) if draft is not None and draft.finite is not None else finite.new_ones(1)
         parts = [ids[:, 1:].flatten()] if K else []
+        points = exit_points(draft.top_probs, exits) if draft is not None and draft.top_probs is not None else None
+        if points is not None:  # [exits read with the sync] each row's first unsure position
+            parts = [*parts, points]
         host = torch.cat([*parts, logits.argmax(-1).flatten(), finite.long(), draft_finite.long()]).tolist()
+        if points is not None:
+            k = observe_exits(exits, k, host[n * K : n * K + n], self.exit_rule)
+            del host[n * K : n * K + n]
         if not host[-1]:
             if self.drafter is not None:  # the rows did not move: keep the drafter in step with them
                 self.drafter.rollback([len(row.tokens) - 1 for row in rows])

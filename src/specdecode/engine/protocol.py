@@ -101,10 +101,31 @@ class TargetRunnerProtocol(Protocol):
 
 
 class ExitPolicy(Protocol):
-    """Decides, after each drafted token, whether the block ends there (``AdaptiveDraftExit``)."""
+    """Decides, after each drafted token, whether the block ends there (``AdaptiveDraftExit``).
+
+    Attributes:
+        mode: How the exit reads the draft's confidence (``DRAFT_EXIT_MODES``, resolved: never "auto").
+            "per-step": the draft loop reads each step's top probability on the host and stops a row at its
+            first unsure token (one host sync per draft step). "previous-round" and "masked": the loop reads
+            nothing between draft steps; it drafts every row's ``max_tokens`` and returns the steps' top
+            probabilities on the device (``Draft.top_probs``), which the engine reads with the round's one
+            sync. "masked" keeps each block up to its first unsure token (the rest is verified but not
+            counted); "previous-round" keeps the whole block, and the engine sizes the next round's from
+            where this one's confidence first fell below the threshold (``next_length``).
+        threshold: The current threshold on the top probability (a token below it is unsure).
+        next_length: With "previous-round", the most tokens the next block drafts.
+    """
+
+    mode: str
+    threshold: float
+    next_length: int
 
     def should_stop(self, top_prob: float) -> bool:
         """``top_prob``: the draft distribution's largest probability, in [0, 1]."""
+
+    def observe(self, exit_point: int | None, num_drafted: int) -> None:
+        """Modes other than "per-step": after the round's sync, the block's first unsure position (1-based) or
+        None (``engine.draft_exit``)."""
 
 
 class ConfidenceObserver(Protocol):
@@ -170,9 +191,12 @@ class DraftPolicy(Protocol):
     Attributes:
         adaptive_exit: Whether ``controller`` gives an ``exit`` policy (needs a drafter
             with ``supports_exit_policy``).
+        exit_mode: How the exit reads the draft's confidence (``DRAFT_EXIT_MODES``; the engine resolves
+            "auto" for its device and sets each exit's ``mode``).
     """
 
     adaptive_exit: bool
+    exit_mode: str
 
     @property
     def active(self) -> bool:
@@ -187,6 +211,25 @@ class DraftPolicy(Protocol):
         ``max_width`` (the widest verification, longest block + 1), once in its life, and reads what
         it needs of ``drafter``. The default does nothing."""
         return None
+
+
+#: How an adaptive draft exit reads the draft's confidence (``ExitPolicy.mode``); "auto": "per-step" on a
+#: CPU, where torch's kernels run as they are called and a read costs no wait, "previous-round" on CUDA,
+#: where a read between draft steps stalls the queue of graphs (``resolve_exit_mode``).
+DRAFT_EXIT_MODES = ("auto", "per-step", "previous-round", "masked")
+
+
+def resolve_exit_mode(mode: str, device: torch.device | str) -> str:
+    """``mode`` (``DRAFT_EXIT_MODES``) with "auto" resolved for ``device``'s type.
+
+    Raises:
+        ValueError: If ``mode`` is not one of ``DRAFT_EXIT_MODES`` (``DraftControl`` validates it first).
+    """
+    if mode not in DRAFT_EXIT_MODES:
+        raise ValueError(f"draft exit mode must be one of {DRAFT_EXIT_MODES}, got {mode!r}")
+    if mode != "auto":
+        return mode
+    return "previous-round" if torch.device(device).type == "cuda" else "per-step"
 
 
 #: How adaptive draft exit ends a batched block: "row" stops each row at its own first unsure
@@ -226,6 +269,11 @@ class Draft:
         match_sources: Per row with ``ngram_sizes``, where the match was: "sequence" (the row's own
             prompt and output) or "datastore" (a corpus); each source's blocks are priced by their own
             acceptance. None: every row's is "sequence".
+        top_probs: (n, K) float32 on the device, the draft distribution's largest probability at each
+            block position (1 for tokens not drafted by a model: a cascade's n-gram part), when the exits
+            passed to ``propose`` read nothing between steps (``ExitPolicy.mode`` not "per-step"); the
+            engine compares them with each row's threshold and reads the result with the round's sync.
+            None otherwise.
     """
 
     tokens: torch.Tensor
@@ -237,6 +285,7 @@ class Draft:
     prob_nodes: list[list[int] | None] | None = None
     ngram_sizes: list[int] | None = None
     match_sources: list[str] | None = None
+    top_probs: torch.Tensor | None = None
 
 
 class Drafter(abc.ABC):
@@ -302,7 +351,8 @@ class Drafter(abc.ABC):
         """Draft up to ``max_tokens[b]`` (>= 0) tokens after each row's sequence (its last token in no cache).
 
         ``exits`` (one per row, or None) end a row's block after an unsure token, under
-        ``exit_rule`` (``BATCH_EXIT_RULES``).
+        ``exit_rule`` (``BATCH_EXIT_RULES``); exits whose ``mode`` is not "per-step" end nothing: the
+        draft carries ``top_probs`` instead.
         """
 
     @abc.abstractmethod

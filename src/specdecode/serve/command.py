@@ -25,9 +25,10 @@ from dataclasses import dataclass
 
 from specdecode import defaults, method_registry
 from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS
-from specdecode.defaults import LLAMA_CPP_COMMAND_METHOD
+from specdecode.defaults import DRAFT_EXIT_MODE_HELP, LLAMA_CPP_COMMAND_METHOD
 from specdecode.drafters.control import DraftControl
 from specdecode.drafters.draft_tree import MAX_TREE_DEPTH
+from specdecode.engine.protocol import DRAFT_EXIT_MODES
 from specdecode.engine.runner_target import ONE_SEQUENCE
 from specdecode.errors import InvalidArgumentError, SpecDecodeError
 from specdecode.method_registry import who_takes
@@ -128,6 +129,8 @@ def add_arguments(p: argparse.ArgumentParser, *, default_target: str, default_dr
                         "step by measured tokens per second), given explicitly alone")
     p.add_argument("--exit-rule", default="row", choices=("row", "batch"),
                    help="with --adaptive-draft-exit: a row stops at its own unsure token, or the batch at the last")
+    p.add_argument("--draft-exit-mode", choices=DRAFT_EXIT_MODES, default=DraftControl.exit_mode,
+                   help=DRAFT_EXIT_MODE_HELP)
     p.add_argument("--max-verify-tokens", default="auto",
                    help="most tokens one verification forward takes ('auto': on CPU 12, or the longest draft "
                         "block + 1 where more, so one request drafts as specdecode generate; none elsewhere; "
@@ -584,7 +587,7 @@ def resolve_defaults(args, device) -> ServePlan:
         draft_quantize_note=f"{scheme}: {why}" if scheme is not None else "",
         # as generate: over the default exit, the cost model where the target computes in float32 on a CPU
         draft_control=DraftControl(adaptive_exit=True, length_schedule=length_schedule_by_default(
-            args.adaptive_draft_exit is None, float32_cpu)) if adaptive else None,
+            args.adaptive_draft_exit is None, float32_cpu), exit_mode=args.draft_exit_mode) if adaptive else None,
         num_speculative_tokens=(DEFAULT_NUM_SPECULATIVE_TOKENS if args.num_speculative_tokens is None
                                 else args.num_speculative_tokens),
         max_model_prompt_tokens=limit or None,

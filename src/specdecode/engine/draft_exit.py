@@ -1,0 +1,78 @@
+"""An adaptive draft exit that reads nothing between draft steps (``ExitPolicy.mode`` not "per-step").
+
+Draft & Verify's exit (Zhang et al. 2023, Sec. 3.3) stops drafting after the first token whose draft top
+probability is below a threshold: read as written, the host reads every draft step's probability before
+it launches the next step, one host sync per drafted token. On CUDA that read stalls the queue of graphs
+(issue 28: nothing is read back between draft steps). Two modes keep the steps on the device; the draft
+carries each step's top probability (``Draft.top_probs``), and the engine reads where each row's first
+unsure token is (``exit_points``) with the round's one sync:
+
+* **"masked"**: every row drafts its cap (the exit's ``max_draft_tokens``); its block is cut after its
+  first unsure token (``observe_exits``), as the per-step exit would have cut it: the tokens past it were
+  drafted and verified (the verification's width is its compiled bucket on the fast path) but are not
+  kept. The same blocks as "per-step", at the price of the draft steps past each exit.
+* **"previous-round"**: a row drafts ``next_length`` tokens, set from the previous round (the exit's
+  point there, or two more than it drafted where no token was unsure), and keeps all it drafted; nothing
+  is wasted past an exit, but the length lags the text by a round.
+
+The threshold learns from each block as under "per-step": ``AdaptiveDraftExit.update`` is told whether an
+unsure token was seen (``observe``). Which mode runs where: ``protocol.resolve_exit_mode``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from specdecode.engine.protocol import ExitPolicy
+
+
+def exit_points(top_probs: torch.Tensor, exits: Sequence[ExitPolicy | None]) -> torch.Tensor:
+    """Per row, the 1-based position of its first token whose top probability is below its exit's threshold.
+
+    Args:
+        top_probs: (n, K) float32, ``Draft.top_probs``.
+        exits: Per row, its exit (its ``threshold``), or None (that row never exits).
+
+    Returns:
+        (n,) long on ``top_probs``' device; K + 1 where no position is below the threshold. Compared in
+        float64, as the per-step exit compares a Python float with the threshold.
+    """
+    n, width = top_probs.shape
+    thresholds = torch.tensor([[e.threshold if e is not None else -1.0] for e in exits], dtype=torch.float64)
+    if top_probs.device.type == "cuda":
+        thresholds = thresholds.pin_memory()
+    thresholds = thresholds.to(top_probs.device, non_blocking=top_probs.device.type == "cuda")
+    unsure = top_probs.double() < thresholds  # (n, K)
+    first = unsure.long().argmax(dim=1) + 1  # argmax gives the first of equal values
+    return torch.where(unsure.any(dim=1), first, torch.full_like(first, width + 1))
+
+
+def observe_exits(exits: Sequence[ExitPolicy | None], num_drafted: Sequence[int], points: Sequence[int],
+                  exit_rule: str) -> list[int]:
+    """After the round's sync: tell each row's exit where its block's first unsure token was
+    (``AdaptiveDraftExit.observe``) and return, per row, how many of its ``num_drafted`` tokens to keep.
+
+    Args:
+        exits: Per row, its exit or None.
+        num_drafted: Per row, the tokens its block holds (k_b).
+        points: Per row, ``exit_points`` read back (> k_b: none of its tokens was unsure).
+        exit_rule: "row": a "masked" row keeps up to its own exit point; "batch": every row keeps up to where
+            the per-step loop would have stopped, the latest of the rows' ends (a row's end: its exit point,
+            or k_b where it had none).
+
+    Returns:
+        Per row, k_b, or less for a "masked" row cut at its exit point.
+    """
+    seen = [p if e is not None and k and p <= k else None for e, k, p in zip(exits, num_drafted, points)]
+    end = max(p if p is not None else k for p, k in zip(seen, num_drafted))
+    kept = []
+    for e, k, point in zip(exits, num_drafted, seen):
+        if e is None or not k:
+            kept.append(k)
+            continue
+        e.observe(point, k)
+        cut = (point if point is not None else k) if exit_rule == "row" else end
+        kept.append(min(k, cut) if e.mode == "masked" else k)
+    return kept
