@@ -45,6 +45,11 @@ What it prints (each as a Markdown table; warm-up and compilation seconds apart 
    ``prompt-lookup-datastore`` (issue 30): ``prompt-lookup`` with the standard library's datastore
    (``prompt_lookup_datastore="python-stdlib"``; its default with a llama.cpp target, none with torch's:
    this row says whether it pays where verification is flat).
+   The adaptive draft exit's reads (issue 28 item 3, ``specdecode.engine.draft_exit``): ``draft+adaptive``
+   and ``cascade+adaptive`` run the default, "per-step" (each draft step's confidence read on the host,
+   one sync per draft token; fastest on a CPU); ``draft+adaptive-masked`` reads nothing between draft
+   steps (the whole cap drafted, each block cut after its first unsure token with the round's one read);
+   ``...-previous-round`` as masked, one token past the previous round's exit. These rows say which pays.
 3. ``rounds``: per method, ms per round (decode time / target forwards) and its overhead: the round
    minus the cost of the forwards it ran, each priced at the cost measured as in 1. on the runner that
    ran it, for its width (its compiled bucket). The forwards are counted by wrapping
@@ -52,10 +57,12 @@ What it prints (each as a Markdown table; warm-up and compilation seconds apart 
    through it); if that count disagrees with the stats, it falls back to the stats (target forwards
    priced by block size from ``drafted_by_position``, decode-phase draft forwards at width 1)
    and says so in the table's last column.
-4. ``batched``: total tok/s at B = 1, 8, 32 for autoregressive, draft and prompt-lookup on up to 32
+4. ``syncs`` (CUDA only): host syncs per round of each fast-path method under
+   ``torch.cuda.set_sync_debug_mode("warn")``, one generation of ``--sync-tokens`` (48) on a code prompt.
+5. ``batched``: total tok/s at B = 1, 8, 32 for autoregressive, draft and prompt-lookup on up to 32
    code prompts (``--batch-groups`` groups of B each), with ``SpeculativeGenerator.batch_decoder``;
    ``compile=True`` is passed on CUDA when ``batch_decoder`` takes it (printed either way).
-5. ``baselines``: the slow rows on ``--slow-prompts`` (2) prompts per set: transformers ``generate``
+6. ``baselines``: the slow rows on ``--slow-prompts`` (2) prompts per set: transformers ``generate``
    (eager ``DynamicCache``), ``hf-assisted`` and our eager ``autoregressive``; then the whole
    single-sequence table again.
 
@@ -104,14 +111,18 @@ import transformers  # noqa: E402
 import specdecode  # noqa: E402
 from specdecode import DraftControl, GenerationConfig, SpeculativeGenerator  # noqa: E402
 
-SECTIONS = ("forwards", "single", "rounds", "batched", "baselines")
-# name, kind ("ours" | "hf"), base method, adaptive exit, fast path, slow baseline
+SECTIONS = ("forwards", "single", "rounds", "syncs", "batched", "baselines")
+# name, kind ("ours" | "hf"), base method, adaptive exit (True: its device default; or a DraftControl.exit_mode),
+# fast path, slow baseline
 METHODS = (
     ("hf-generate-static", "hf", "hf-generate-static", False, True, False),
     ("autoregressive", "ours", "autoregressive", False, True, False),
     ("draft", "ours", "draft", False, True, False),
     ("draft+adaptive", "ours", "draft", True, True, False),
     ("cascade+adaptive", "ours", "cascade", True, True, False),
+    ("draft+adaptive-previous-round", "ours", "draft", "previous-round", True, False),
+    ("draft+adaptive-masked", "ours", "draft", "masked", True, False),
+    ("cascade+adaptive-previous-round", "ours", "cascade", "previous-round", True, False),
     ("prompt-lookup", "ours", "prompt-lookup", False, True, False),
     ("prompt-lookup-datastore", "ours", "prompt-lookup-datastore", False, True, False),
     ("token-recycling", "ours", "token-recycling", False, True, False),
@@ -123,7 +134,8 @@ METHODS = (
     ("hf-assisted", "hf", "hf-assisted", False, False, True),
 )
 TABLE_ORDER = ("hf-generate", "hf-generate-static", "hf-assisted", "autoregressive-eager", "autoregressive",
-               "draft", "draft+adaptive", "cascade+adaptive", "draft-tree", "cascade-tree", "draft-tree-expand",
+               "draft", "draft+adaptive", "draft+adaptive-previous-round", "draft+adaptive-masked",
+               "cascade+adaptive", "cascade+adaptive-previous-round", "draft-tree", "cascade-tree", "draft-tree-expand",
                "prompt-lookup", "prompt-lookup-datastore", "token-recycling")
 #: The draft-model tree rows (issue 29): base name -> the method, run with ``draft_tree_depth=--draft-tree-depth``
 #: and a budget of ``--tree-nodes`` nodes a round (``specdecode.drafters.draft_tree``); draft-tree-expand also
@@ -381,7 +393,8 @@ class Run:
         widths) and one-row engine serve every section."""
         key = (base, adaptive, fast)
         if key not in self.decoders:
-            control = DraftControl(adaptive_exit=True) if adaptive else None
+            mode = {"exit_mode": adaptive} if isinstance(adaptive, str) else {}  # the exit's reads (issue 28 item 3)
+            control = DraftControl(adaptive_exit=True, **mode) if adaptive else None
             tree = {"draft_tree_depth": self.args.draft_tree_depth} if base in TREE_BASES else {}
             if base == "draft-tree-expand":
                 tree["draft_tree_expand"] = self.args.draft_tree_expand
@@ -631,7 +644,8 @@ def section_rounds(run: Run) -> None:
         say("no single-sequence runs yet: running the fast-path methods on the prompts first")
         run_methods(run, slow=False)
     rows = []
-    for name in ("autoregressive", "draft", "draft+adaptive", "cascade+adaptive", "prompt-lookup"):
+    for name in ("autoregressive", "draft", "draft+adaptive", "draft+adaptive-previous-round", "draft+adaptive-masked",
+                 "cascade+adaptive", "cascade+adaptive-previous-round", "prompt-lookup"):
         for s in SETS:
             t = run.tallies.get(name, {}).get(s)
             if not isinstance(t, Tally) or not t.target_forwards:
@@ -662,6 +676,39 @@ def section_rounds(run: Run) -> None:
         "costs of their width, measured as in 'forwards':\n")
     table(["method", "set", "rounds", "ms per round", "draft forwards per round", "forwards, ms per round",
            "overhead, ms per round", "tokens per round τ", "overhead per token, ms", "forwards from"], rows)
+
+
+SYNC_METHODS = ("autoregressive", "draft", "draft+adaptive", "draft+adaptive-previous-round", "draft+adaptive-masked",
+                "cascade+adaptive", "prompt-lookup")
+
+
+def section_syncs(run: Run) -> None:
+    """Host syncs per round on CUDA, as ``torch.cuda.set_sync_debug_mode("warn")`` reports them: one greedy
+    generation of ``--sync-tokens`` on the first code prompt per fast-path method (untimed; the prefill's
+    syncs are counted too)."""
+    if run.device.type != "cuda" or not hasattr(torch.cuda, "set_sync_debug_mode"):
+        say("syncs: CUDA only (torch.cuda.set_sync_debug_mode); not run on this device")
+        return
+    import warnings
+
+    rows, ids = [], run.encoded("code")[0]
+    for name, kind, base, adaptive, fast, _ in METHODS:
+        if name not in SYNC_METHODS or name not in run.args.methods or run.over_budget(f"syncs: {name}"):
+            continue
+        dec = run.decoder(base, adaptive, fast)
+        config = GenerationConfig(max_new_tokens=run.args.sync_tokens, num_speculative_tokens=run.args.gamma)
+        dec.generate(ids, config)  # compiled and captured before counting
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                stats = dec.generate(ids, config).stats
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = sum("synchroniz" in str(w.message) for w in caught)
+        rows.append([name, stats.num_target_forwards, syncs, fmt(syncs / max(1, stats.num_target_forwards), 2)])
+    say(f"\nHost syncs (torch.cuda.set_sync_debug_mode, {run.args.sync_tokens} tokens, prefill included):\n")
+    table(["method", "rounds", "host syncs", "per round"], rows)
 
 
 # -- batched --------------------------------------------------------------------------------------
@@ -835,6 +882,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=300, help="cached tokens before a timed forward")
     p.add_argument("--repeats", type=int, default=20, help="timed calls per forward width")
     p.add_argument("--warmup-tokens", type=int, default=16, help="new tokens of each method's warm-up run")
+    p.add_argument("--sync-tokens", type=int, default=48, help="new tokens of each method's run in 'syncs'")
     p.add_argument("--batch-sizes", default="1,8,32")
     p.add_argument("--batch-methods", default=",".join(BATCH_METHODS))
     p.add_argument("--batch-prompts", type=int, default=32, help="most prompts per batch size (1..32)")
@@ -860,7 +908,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name, low, high in (("prompts", 1, 8), ("slow_prompts", 1, 8), ("batch_prompts", 1, 32),
                             ("max_new_tokens", 1, 4096), ("gamma", 1, 64), ("tree_nodes", 1, 64),
                             ("draft_tree_depth", 1, 64), ("draft_tree_expand", 1, 64), ("context", 1, 8192),
-                            ("repeats", 1, 10_000), ("warmup_tokens", 1, 4096), ("batch_groups", 1, 32)):
+                            ("repeats", 1, 10_000), ("warmup_tokens", 1, 4096), ("batch_groups", 1, 32),
+                            ("sync_tokens", 1, 4096)):
         if not low <= getattr(args, name) <= high:
             p.error(f"--{name.replace('_', '-')} must be in {low}..{high}, got {getattr(args, name)}")
     if any(b < 1 for b in args.batch_sizes):
@@ -869,7 +918,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 SECTION_FUNCTIONS = {"forwards": section_forwards, "single": section_single, "rounds": section_rounds,
-                     "batched": section_batched, "baselines": section_baselines}
+                     "syncs": section_syncs, "batched": section_batched, "baselines": section_baselines}
 
 
 def main(argv: list[str] | None = None, generator: SpeculativeGenerator | None = None) -> int:

@@ -22,7 +22,8 @@ SCRIPT = Path(__file__).resolve().parents[2] / "docs" / "benchmarks" / "gpu_engi
 TINY = ["--device", "cpu", "--dtype", "float32", "--no-compile", "--prompts", "1", "--slow-prompts", "1",
         "--max-new-tokens", "8", "--warmup-tokens", "2", "--context", "24", "--repeats", "2",
         "--batch-sizes", "1,2", "--batch-groups", "1",
-        "--methods", "autoregressive,draft,draft+adaptive,cascade+adaptive,draft-tree,cascade-tree,prompt-lookup,"
+        "--methods", "autoregressive,draft,draft+adaptive,cascade+adaptive,draft+adaptive-previous-round,"
+        "draft+adaptive-masked,cascade+adaptive-previous-round,draft-tree,cascade-tree,prompt-lookup,"
         "prompt-lookup-datastore,"
         "draft-tree-expand,hf-generate,hf-assisted", "--tree-nodes", "6", "--draft-tree-depth", "3",
         "--draft-tree-expand", "2"]
@@ -58,11 +59,14 @@ def test_every_section_runs_and_prints_its_table(script, generator, capsys):
         assert header in out, header
     # Every single-sequence method got a row, and the rounds table priced counted forwards.
     for name in ("| hf-generate |", "| hf-assisted |", "| draft+adaptive |", "| cascade+adaptive |",
+                 "| draft+adaptive-previous-round |", "| draft+adaptive-masked |",
+                 "| cascade+adaptive-previous-round |",
                  "| prompt-lookup |", "| draft-tree |", "| cascade-tree |", "| draft-tree-expand |"):
         assert name in out, name
     rounds = [line for line in out.splitlines() if line.startswith("| draft | code |")]
     assert rounds and rounds[0].endswith("| counted |"), rounds
     assert "batched engine: eager" in out
+    assert "syncs: CUDA only" in out and "| syncs | ok |" in out
 
 
 def test_a_failing_section_is_reported_and_the_next_one_runs(script, generator, capsys, monkeypatch):
@@ -110,7 +114,7 @@ def test_the_compile_shim_drops_what_torch_compile_lacks(script, monkeypatch):
 def test_bad_options_name_the_allowed_values(script, capsys):
     with pytest.raises(SystemExit):
         script.parse_args(["--sections", "forwards,nope"])
-    assert "--sections: unknown ['nope']; allowed: forwards, single, rounds, batched, baselines" in capsys.readouterr().err
+    assert "--sections: unknown ['nope']; allowed: forwards, single, rounds, syncs, batched, baselines" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         script.parse_args(["--prompts", "9"])
     assert "--prompts must be in 1..8, got 9" in capsys.readouterr().err

@@ -17,7 +17,6 @@ from specdecode.drafters.control import AdaptiveDraftExit, DraftControl
 from specdecode.engine.batched import BatchedSpeculativeDecoder
 from specdecode.engine.draft_exit import exit_points, observe_exits
 from specdecode.engine.fast_path import ModelRunner
-from specdecode.engine.protocol import resolve_exit_mode
 from specdecode.errors import InvalidArgumentError
 from test_host_syncs import SyncCounter, _prompt
 
@@ -75,7 +74,9 @@ def test_masked_keeps_the_per_step_blocks_and_drafts_the_whole_cap(method):
     prompt = torch.tensor([REPETITIVE])
     step = _one_row(target, make(), "per-step").generate(prompt, config)
     masked = _one_row(target, make(), "masked").generate(prompt, config)
-    assert masked.token_ids == step.token_ids
+    previous = _one_row(target, make(), "previous-round").generate(prompt, config)
+    assert masked.token_ids == step.token_ids == previous.token_ids
+    assert previous.stats.num_draft_forwards < masked.stats.num_draft_forwards  # its blocks end sooner
     a, b = step.stats, masked.stats
     assert (b.num_target_forwards, b.num_drafted_tokens, b.num_accepted_tokens) == \
         (a.num_target_forwards, a.num_drafted_tokens, a.num_accepted_tokens)
@@ -85,14 +86,14 @@ def test_masked_keeps_the_per_step_blocks_and_drafts_the_whole_cap(method):
     assert b.num_draft_forwards > a.num_draft_forwards
 
 
-def test_previous_round_sizes_each_block_from_the_last_rounds_exit_point():
+def test_previous_round_sizes_each_block_one_past_the_last_rounds_exit_point():
     exit_ = AdaptiveDraftExit(0.5, max_draft_tokens=8)
     exit_.mode = "previous-round"
     assert exit_.next_length == 8
-    assert observe_exits([exit_], [8], [3], "row") == [8]  # keeps its block: nothing masked
-    assert exit_.next_length == 3
-    observe_exits([exit_], [3], [4], "row")  # no unsure token among its 3: two more
-    assert exit_.next_length == 5
+    assert observe_exits([exit_], [8], [3], "row") == [3]  # cut after its first unsure token
+    assert exit_.next_length == 4
+    assert observe_exits([exit_], [4], [5], "row") == [4]  # no unsure token among its 4: two more
+    assert exit_.next_length == 6
     observe_exits([exit_], [7], [9], "row")
     assert exit_.next_length == 8  # never past max_draft_tokens
 
@@ -167,10 +168,7 @@ def test_per_step_reads_every_draft_step():
     assert counter.count > 2 * stream.stats.num_target_forwards
 
 
-def test_auto_is_per_step_on_a_cpu_and_previous_round_on_cuda():
-    assert resolve_exit_mode("auto", "cpu") == "per-step"
-    assert resolve_exit_mode("auto", torch.device("cuda", 0)) == "previous-round"
-    assert resolve_exit_mode("masked", "cuda") == "masked"
+def test_per_step_is_the_default_and_only_an_exit_has_a_mode():
     target = make_tiny_model("llama", num_layers=2)
     dec = BatchedSpeculativeDecoder(target, DraftModelDrafter(perturbed_copy(target, 0.3)),
                                     draft_control=DraftControl(adaptive_exit=True))
@@ -180,6 +178,6 @@ def test_auto_is_per_step_on_a_cpu_and_previous_round_on_cuda():
 
 
 def test_an_unknown_mode_is_refused_with_the_allowed_ones():
-    with pytest.raises(InvalidArgumentError, match=r"unknown draft exit mode 'lagged'; allowed: auto, per-step, "
+    with pytest.raises(InvalidArgumentError, match=r"unknown draft exit mode 'lagged'; allowed: per-step, "
                                                    r"previous-round, masked"):
         DraftControl(adaptive_exit=True, exit_mode="lagged")

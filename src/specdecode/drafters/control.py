@@ -101,7 +101,7 @@ class AdaptiveDraftExit:
         threshold: The current threshold.
         matchness: m, the smoothed accepted/drafted ratio (starts at 0, as in the paper's code).
         mode: How the draft's confidence is read (``engine.protocol.ExitPolicy.mode``): "per-step" unless the
-            engine sets another (``DraftControl.exit_mode``, resolved for its device).
+            engine sets another (``DraftControl.exit_mode``).
         next_length: With mode "previous-round", the next block's length (``observe``; starts at
             ``max_draft_tokens``).
 
@@ -144,7 +144,7 @@ class AdaptiveDraftExit:
         the block as exited early iff one before its last token was (as the per-step loop, which drafts the
         cap's last token whatever its confidence); "previous-round" sizes the next block from it."""
         self._exited = exit_point is not None and exit_point < num_drafted
-        self.next_length = exit_point if exit_point is not None else min(self.max_draft_tokens, num_drafted + 2)
+        self.next_length = min(self.max_draft_tokens, exit_point + 1 if exit_point is not None else num_drafted + 2)
 
     def update(self, num_drafted: int, num_accepted: int, max_drafted: int | None = None) -> None:
         """Account one verified block.
@@ -248,7 +248,7 @@ class DraftControl(DraftPolicy):
             ``engine.draft_exit``): "per-step" (after every draft step, on the host), "previous-round" (the
             block's length from the previous round's confidences; nothing read between draft steps),
             "masked" (the whole cap drafted, cut after the first unsure token once read with the round's
-            sync), or "auto": "per-step" on a CPU, "previous-round" on CUDA.
+            sync). Default "per-step": the fastest measured (``engine.draft_exit``).
 
     Raises:
         InvalidArgumentError: If a value is outside its range.
@@ -263,7 +263,7 @@ class DraftControl(DraftPolicy):
     max_draft_tokens: int = 12
     length_schedule: str = "constant"
     confidence_gate: float | None = None
-    exit_mode: str = "auto"
+    exit_mode: str = "per-step"
 
     def __post_init__(self) -> None:
         self.new_exit()  # validates the exit parameters

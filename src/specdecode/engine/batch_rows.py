@@ -66,7 +66,7 @@ class BatchRow:
         self.finish_reason: str | None = None
         self.prompt_cache = None  # a DynamicCache of the first prompt tokens, until the row joins
         if self.controller is not None and self.controller.exit is not None:
-            self.controller.exit.mode = dec.exit_mode  # the engine's, resolved for its device
+            self.controller.exit.mode = dec.exit_mode  # ``DraftControl.exit_mode``
             self.stats.final_draft_threshold = self.controller.exit.threshold
         self.joined_at = time.perf_counter()
 

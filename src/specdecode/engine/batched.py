@@ -63,7 +63,7 @@ from specdecode.engine.batch_rows import BatchEvent
 from specdecode.engine.batch_runner import BatchRunner, check_row_buckets, default_batch_compile
 from specdecode.engine.draft_exit import exit_points, observe_exits
 from specdecode.engine.processors import process_rows
-from specdecode.engine.protocol import BATCH_EXIT_RULES, Draft, Drafter, DraftPolicy, resolve_exit_mode
+from specdecode.engine.protocol import BATCH_EXIT_RULES, Draft, Drafter, DraftPolicy
 from specdecode.engine.runner_target import is_runner_target, runner_target_parts, torch_threads
 from specdecode.engine.sampling import check_finite, logits_width, raise_non_finite
 from specdecode.engine.stats import SpecDecodingStats
@@ -173,8 +173,7 @@ class BatchedSpeculativeDecoder(BatchRequests):
         self.drafter = drafter
         self.draft_control = draft_control
         #: How the rows' adaptive exits read the draft's confidence (``engine.draft_exit``), or None.
-        self.exit_mode = resolve_exit_mode(draft_control.exit_mode, target.device) \
-            if self.adaptive and draft_control.adaptive_exit else None
+        self.exit_mode = draft_control.exit_mode if self.adaptive and draft_control.adaptive_exit else None
         self.exit_rule = exit_rule
         self.max_verify_tokens = max_verify_tokens
         self.tokenizer = tokenizer

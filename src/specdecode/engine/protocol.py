@@ -104,7 +104,7 @@ class ExitPolicy(Protocol):
     """Decides, after each drafted token, whether the block ends there (``AdaptiveDraftExit``).
 
     Attributes:
-        mode: How the exit reads the draft's confidence (``DRAFT_EXIT_MODES``, resolved: never "auto").
+        mode: How the exit reads the draft's confidence (``DRAFT_EXIT_MODES``).
             "per-step": the draft loop reads each step's top probability on the host and stops a row at its
             first unsure token (one host sync per draft step). "previous-round" and "masked": the loop reads
             nothing between draft steps; it drafts every row's ``max_tokens`` and returns the steps' top
@@ -191,8 +191,8 @@ class DraftPolicy(Protocol):
     Attributes:
         adaptive_exit: Whether ``controller`` gives an ``exit`` policy (needs a drafter
             with ``supports_exit_policy``).
-        exit_mode: How the exit reads the draft's confidence (``DRAFT_EXIT_MODES``; the engine resolves
-            "auto" for its device and sets each exit's ``mode``).
+        exit_mode: How the exit reads the draft's confidence (``DRAFT_EXIT_MODES``; the engine sets each
+            row's exit's ``mode`` to it).
     """
 
     adaptive_exit: bool
@@ -213,23 +213,8 @@ class DraftPolicy(Protocol):
         return None
 
 
-#: How an adaptive draft exit reads the draft's confidence (``ExitPolicy.mode``); "auto": "per-step" on a
-#: CPU, where torch's kernels run as they are called and a read costs no wait, "previous-round" on CUDA,
-#: where a read between draft steps stalls the queue of graphs (``resolve_exit_mode``).
-DRAFT_EXIT_MODES = ("auto", "per-step", "previous-round", "masked")
-
-
-def resolve_exit_mode(mode: str, device: torch.device | str) -> str:
-    """``mode`` (``DRAFT_EXIT_MODES``) with "auto" resolved for ``device``'s type.
-
-    Raises:
-        ValueError: If ``mode`` is not one of ``DRAFT_EXIT_MODES`` (``DraftControl`` validates it first).
-    """
-    if mode not in DRAFT_EXIT_MODES:
-        raise ValueError(f"draft exit mode must be one of {DRAFT_EXIT_MODES}, got {mode!r}")
-    if mode != "auto":
-        return mode
-    return "previous-round" if torch.device(device).type == "cuda" else "per-step"
+#: How an adaptive draft exit reads the draft's confidence (``ExitPolicy.mode``, ``engine.draft_exit``).
+DRAFT_EXIT_MODES = ("per-step", "previous-round", "masked")
 
 
 #: How adaptive draft exit ends a batched block: "row" stops each row at its own first unsure

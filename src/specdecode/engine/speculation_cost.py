@@ -182,7 +182,7 @@ class SpeculationCostPolicy(DraftPolicy):
             of its measured widths less one, so no cost is extrapolated).
 
     Attributes:
-        adaptive_exit: False (``exit_mode``: "auto", unused). ``trees``: whether the drafter's rounds were trees.
+        adaptive_exit: False (``exit_mode``: unused). ``trees``: whether the drafter's rounds were trees.
         depths: The ``DepthAcceptance`` (None until the prior is known).
         tree_accepted: The ``SizeMeans`` of a tree's accepted tokens by size.
         node_seconds: The ``SizeMeans`` (at key 0) of the measured seconds per drafted node.
@@ -196,7 +196,7 @@ class SpeculationCostPolicy(DraftPolicy):
     """
 
     adaptive_exit = False
-    exit_mode = "auto"  # no exit of its own (``DraftControl`` pairs one with it)
+    exit_mode = "per-step"  # no exit of its own (``DraftControl`` pairs one with it)
 
     def __init__(self, target_costs: ForwardCosts | None = None, draft_node_s: float | None = None,
                  prior: float | None = None, prior_weight: float = 2.0, decay: float = 0.9, size_decay: float = 0.8,
