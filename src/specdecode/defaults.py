@@ -173,8 +173,8 @@ def prompt_limit_by_default(method: str, draft_scheme: str, draft_backend: str |
 DRAFT_EXIT_MODE_HELP = ("with --adaptive-draft-exit, how the exit reads the draft's confidence: per-step (default: "
                         "after each draft token, stopping at the first unsure one), masked (nothing read between "
                         "draft steps: the whole --max-draft-tokens drafted, cut after the first unsure token with "
-                        "the round's one read), previous-round (as masked, drafting one token past the previous "
-                        "round's first unsure one)")
+                        "the round's one read), previous-round (nothing read between draft steps: each block as "
+                        "long as the previous round's up to its first unsure token, kept whole)")
 
 #: The commands' help for --prepack-linears / --no-prepack-linears (``prepack_by_default``).
 PREPACK_HELP = ("float32 linear layers on oneDNN's CPU kernel (weights prepacked once at load): faster plain steps "

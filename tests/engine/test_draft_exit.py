@@ -77,6 +77,7 @@ def test_masked_keeps_the_per_step_blocks_and_drafts_the_whole_cap(method):
     previous = _one_row(target, make(), "previous-round").generate(prompt, config)
     assert masked.token_ids == step.token_ids == previous.token_ids
     assert previous.stats.num_draft_forwards < masked.stats.num_draft_forwards  # its blocks end sooner
+    assert previous.stats.num_drafted_tokens == previous.stats.num_draft_forwards  # keeps all it drafts
     a, b = step.stats, masked.stats
     assert (b.num_target_forwards, b.num_drafted_tokens, b.num_accepted_tokens) == \
         (a.num_target_forwards, a.num_drafted_tokens, a.num_accepted_tokens)
@@ -86,14 +87,14 @@ def test_masked_keeps_the_per_step_blocks_and_drafts_the_whole_cap(method):
     assert b.num_draft_forwards > a.num_draft_forwards
 
 
-def test_previous_round_sizes_each_block_one_past_the_last_rounds_exit_point():
+def test_previous_round_sizes_each_block_from_the_last_rounds_exit_point():
     exit_ = AdaptiveDraftExit(0.5, max_draft_tokens=8)
     exit_.mode = "previous-round"
     assert exit_.next_length == 8
-    assert observe_exits([exit_], [8], [3], "row") == [3]  # cut after its first unsure token
-    assert exit_.next_length == 4
-    assert observe_exits([exit_], [4], [5], "row") == [4]  # no unsure token among its 4: two more
-    assert exit_.next_length == 6
+    assert observe_exits([exit_], [8], [3], "row") == [8]  # keeps its block: nothing cut
+    assert exit_.next_length == 3
+    assert observe_exits([exit_], [3], [4], "row") == [3]  # no unsure token among its 3: two more
+    assert exit_.next_length == 5
     observe_exits([exit_], [7], [9], "row")
     assert exit_.next_length == 8  # never past max_draft_tokens
 

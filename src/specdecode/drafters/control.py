@@ -144,7 +144,7 @@ class AdaptiveDraftExit:
         the block as exited early iff one before its last token was (as the per-step loop, which drafts the
         cap's last token whatever its confidence); "previous-round" sizes the next block from it."""
         self._exited = exit_point is not None and exit_point < num_drafted
-        self.next_length = min(self.max_draft_tokens, exit_point + 1 if exit_point is not None else num_drafted + 2)
+        self.next_length = exit_point if exit_point is not None else min(self.max_draft_tokens, num_drafted + 2)
 
     def update(self, num_drafted: int, num_accepted: int, max_drafted: int | None = None) -> None:
         """Account one verified block.

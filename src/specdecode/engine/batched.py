@@ -67,7 +67,7 @@ from specdecode.engine.protocol import BATCH_EXIT_RULES, Draft, Drafter, DraftPo
 from specdecode.engine.runner_target import is_runner_target, runner_target_parts, torch_threads
 from specdecode.engine.sampling import check_finite, logits_width, raise_non_finite
 from specdecode.engine.stats import SpecDecodingStats
-from specdecode.engine.tree import TokenTree, greedy_tree_verify, tree_rejection_sample
+from specdecode.engine.tree import TokenTree, draft_q, greedy_tree_verify, round_trees, tree_rejection_sample
 from specdecode.engine.verification import greedy_verify, sample_block
 from specdecode.errors import InvalidArgumentError
 
@@ -425,7 +425,8 @@ class BatchedSpeculativeDecoder(BatchRequests):
             k = list(draft.num_tokens)
             if draft.ngram_sizes is not None:  # each row's policy keeps what its match's evidence pays for
                 k, stat_caps = self._trimmed(rows, k, draft, caps)
-        trees, tokens, probs = self._trees(draft, k) if draft is not None else (None, None, None)
+        trees, tokens, probs = round_trees(draft, k, rows, getattr(self.runner, "takes_trees", False)) \
+            if draft is not None else (None, None, None)
         K = max(k)
         # verify: one forward, row b at its own position len_b - 1, padded on the right to K + 1.
         pending = to_device([[s[-1]] for s in sequences], device)
@@ -478,7 +479,7 @@ class BatchedSpeculativeDecoder(BatchRequests):
                     path, token = greedy_tree_verify(tree, nodes, argmax[b * (K + 1) : (b + 1) * (K + 1)]) \
                         if row.sampler.greedy else \
                         tree_rejection_sample(row.sampler, row.sampler.probs(logits[b, : kb + 1]), tree, nodes,
-                                              _draft_q(draft, probs, b))
+                                              draft_q(draft, probs, b))
                 except Exception as exc:  # noqa: BLE001 -- this row ends ("error", logged); the others go on
                     if not self.contain_errors:
                         raise
@@ -560,37 +561,6 @@ class BatchedSpeculativeDecoder(BatchRequests):
             kept[b] = n
         return kept, stat_caps
 
-    def _trees(self, draft: Draft, k: list[int]) -> tuple:
-        """[trees] The trees this round verifies: ``(trees, tokens, probs)``, trees None when no row has
-        one. A sampling row's tree is verified with its ``Draft.prob_nodes`` (its draft-sampled path;
-        without them, with draft probabilities, only as a chain). A row that cannot be verified as a
-        tree (logits processors, banned words, a runner without tree forwards) keeps its tree's first
-        chain, or its draft-sampled path: its tokens (and draft probabilities) are gathered into place
-        and ``k[b]`` shrinks to the chain's length."""
-        if draft.trees is None:
-            return None, draft.tokens, draft.probs
-        takes = getattr(self.runner, "takes_trees", False)
-        trees, tokens, probs = [], draft.tokens, draft.probs
-        for b, (row, tree) in enumerate(zip(self._rows, draft.trees)):
-            sampled = draft.prob_nodes[b] if draft.prob_nodes is not None else None
-            with_q = probs is not None and probs[b] is not None
-            if tree is None or tree.is_chain or not k[b]:
-                trees.append(None)
-            elif takes and row.sampler.processors is None and row.banned is None and (
-                    row.sampler.greedy or not with_q or sampled is not None):
-                trees.append(tree)
-            else:
-                chain = sampled if sampled is not None else tree.first_chain()
-                index = torch.tensor([c - 1 for c in chain], dtype=torch.long, device=tokens.device)
-                tokens = tokens.clone() if tokens is draft.tokens else tokens
-                tokens[b, : len(index)] = draft.tokens[b, index]
-                if with_q and sampled is None:  # with prob_nodes, row i of q is already the chain's node i
-                    probs = list(probs)
-                    probs[b] = probs[b][index]
-                k[b] = len(index)
-                trees.append(None)
-        return (trees if any(t is not None for t in trees) else None), tokens, probs
-
     def _observe_gates(self, logits: torch.Tensor, gate_rows: list[tuple[int, int, int]]) -> None:
         """Feed confidence gates the target's probability of each row's new token (one host sync)."""
         values = []
@@ -602,11 +572,3 @@ class BatchedSpeculativeDecoder(BatchRequests):
         for (b, _, _), p in zip(gate_rows, torch.stack(values).tolist()):
             self._rows[b].controller.gate.observe(p)
 
-
-def _draft_q(draft: Draft, probs: list | None, b: int) -> dict[int, torch.Tensor] | None:
-    """[trees] Row b's draft distributions by tree node (``Draft.prob_nodes``), or None: every node is a
-    candidate without q (deterministic drafters; greedy rows never ask)."""
-    nodes = draft.prob_nodes[b] if draft.prob_nodes is not None else None
-    if nodes is None or probs is None or probs[b] is None:
-        return None
-    return {node: probs[b][i] for i, node in enumerate(nodes)}

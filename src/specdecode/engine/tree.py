@@ -230,3 +230,44 @@ def tree_rejection_sample(sampler, target_probs: torch.Tensor, tree: TokenTree, 
             if float(p.sum()) <= 0.0:
                 p = target_probs[node]
             return path, int(sampler.sample((p / p.sum()).unsqueeze(0))[0])
+
+
+def round_trees(draft, k: list[int], rows: Sequence, takes_trees: bool) -> tuple:
+    """The trees a round of the batched engine verifies (``draft``: the round's ``protocol.Draft``, ``rows``:
+    its ``BatchRow``s; ``takes_trees``: whether the target's runner takes tree forwards): ``(trees, tokens,
+    probs)``, trees None when no row has one. A sampling row's tree is verified with its
+    ``Draft.prob_nodes`` (its draft-sampled path; without them, with draft probabilities, only as a chain).
+    A row that cannot be verified as a tree (logits processors, banned words, a runner without tree
+    forwards) keeps its tree's first chain, or its draft-sampled path: its tokens (and draft
+    probabilities) are gathered into place and ``k[b]`` shrinks to the chain's length."""
+    if draft.trees is None:
+        return None, draft.tokens, draft.probs
+    trees, tokens, probs = [], draft.tokens, draft.probs
+    for b, (row, tree) in enumerate(zip(rows, draft.trees)):
+        sampled = draft.prob_nodes[b] if draft.prob_nodes is not None else None
+        with_q = probs is not None and probs[b] is not None
+        if tree is None or tree.is_chain or not k[b]:
+            trees.append(None)
+        elif takes_trees and row.sampler.processors is None and row.banned is None and (
+                row.sampler.greedy or not with_q or sampled is not None):
+            trees.append(tree)
+        else:
+            chain = sampled if sampled is not None else tree.first_chain()
+            index = torch.tensor([c - 1 for c in chain], dtype=torch.long, device=tokens.device)
+            tokens = tokens.clone() if tokens is draft.tokens else tokens
+            tokens[b, : len(index)] = draft.tokens[b, index]
+            if with_q and sampled is None:  # with prob_nodes, row i of q is already the chain's node i
+                probs = list(probs)
+                probs[b] = probs[b][index]
+            k[b] = len(index)
+            trees.append(None)
+    return (trees if any(t is not None for t in trees) else None), tokens, probs
+
+
+def draft_q(draft, probs: list | None, b: int) -> dict[int, torch.Tensor] | None:
+    """Row b's draft distributions by tree node (``Draft.prob_nodes``), or None: every node is a
+    candidate without q (deterministic drafters; greedy rows never ask)."""
+    nodes = draft.prob_nodes[b] if draft.prob_nodes is not None else None
+    if nodes is None or probs is None or probs[b] is None:
+        return None
+    return {node: probs[b][i] for i, node in enumerate(nodes)}
