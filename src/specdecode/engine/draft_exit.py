@@ -19,9 +19,11 @@ unsure token is (``exit_points``) with the round's one sync:
 The threshold learns from each block as under "per-step": ``AdaptiveDraftExit.update`` is told whether an
 unsure token came before the block's last (``observe``).
 
-Measured (2-core Xeon with AMX, bf16 Qwen2.5-Coder 1.5B target and 0.5B draft, HumanEval 0-9, 64 tokens;
+Measured (2-core Xeon with AMX, bf16 Qwen2.5-Coder 1.5B target and 0.5B draft, 64 tokens;
 ``docs/benchmarks/2026-11-27-draft-exit-modes.md``): on a CPU a read costs no wait, so "per-step" is the
-fastest and the default; the read-free modes exist for CUDA, where they are not measured yet
+fastest (HumanEval 0-9: 7.10 tok/s, "previous-round" 6.11, "masked" 4.44) and the default everywhere;
+the read-free modes are for CUDA, where they win only if a read stalls the GPU for more than about
+0.4 ms ("previous-round") or 1.4 ms ("masked") per draft step: not measured yet
 (``docs/benchmarks/gpu_engine.py`` has a row for each).
 """
 
