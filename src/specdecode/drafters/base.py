@@ -7,6 +7,12 @@ Adaptive draft exit under ``exit_rule``: "row" ends a row's block at its own fir
 token while the other rows go on (its later forwards are wasted on it); "batch" goes on until
 every row has been unsure, and each row keeps everything it drafted: the verification is as
 wide as the longest row either way, so the extra tokens cost the target nothing.
+
+**Fused steps.** A round of greedy rows with no exits, processors or tree runs its steps after the
+first as one compiled function of the drafter's runner (``BatchRunner.draft_steps``; one CUDA graph
+on CUDA) where that runner can (the fast path, ``BatchRunner.fuses_draft_steps``): the same
+tokens, counts, finiteness flag and steps as the loop, with no host work between the steps. Any
+other round, or a drafter that passes no runner (``fused_draft_steps=False``), runs the loop.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ def draft_batch(
     head: BoundDraftHead | None = None,
     processings: list[DraftProcessing | None] | None = None,
     tree_tops=None,
+    runner=None,
 ) -> tuple[Draft, int]:
     """The batched draft loop shared by the model drafters.
 
@@ -55,6 +62,9 @@ def draft_batch(
             (``Sampler.drafting``), or None (full heads only); None altogether: raw logits.
         tree_tops: A ``draft_tree.TopK`` that each step's logits (those the greedy token is taken from)
             are added to, on the device (draft trees); None: nothing kept.
+        runner: The ``BatchRunner`` that ``forward`` runs on: a greedy round with no exits, processors
+            or ``tree_tops`` runs its steps after the first as ``runner.draft_steps`` where
+            ``runner.fuses_draft_steps(n)`` (module docstring); None: the loop, step by step.
 
     Returns:
         The draft, and S, the steps run (S - 1 drafted tokens were fed back).
@@ -68,6 +78,11 @@ def draft_batch(
         raise InvalidArgumentError(f"draft_batch needs some row with max_tokens >= 1, got {max_tokens}")
     greedy = all(s.greedy for s in samplers)
     deferred = greedy and exits is None
+    truncated = head is not None and head.ids is not None
+    if deferred and K > 1 and processings is None and tree_tops is None and runner is not None \
+            and runner.fuses_draft_steps(n):
+        return _fused(runner, first_logits, next_starts, max_tokens, samplers[0].vocab_size, who,
+                      head.ids if truncated else None)
     active = [c > 0 for c in max_tokens]
     unsure = [False] * n
     num = [0] * n
@@ -76,7 +91,6 @@ def draft_batch(
     finite = None
     logits = first_logits
     vocab = samplers[0].vocab_size
-    truncated = head is not None and head.ids is not None
     for i in range(K):
         if deferred:
             ok = torch.isfinite(logits).all()
@@ -134,6 +148,18 @@ def draft_batch(
         who,
     )
     return draft, steps
+
+
+def _fused(runner, first_logits: torch.Tensor, next_starts: list[int], max_tokens: list[int], vocab: int,
+           who: str, head_ids: torch.Tensor | None) -> tuple[Draft, int]:
+    """``draft_batch``'s greedy round with no exits, processors or tree, its K - 1 steps after the first
+    token in one ``runner.draft_steps`` call: every row drafts K = max(max_tokens) tokens and keeps its
+    own ``max_tokens[b]``, as the loop does; the finiteness flag stays on the device."""
+    n, K = len(max_tokens), max(max_tokens)
+    token = head_ids[first_logits.argmax(-1)] if head_ids is not None else first_logits[:, :vocab].argmax(-1)
+    rest, finite = runner.draft_steps(token, next_starts, K - 1, head_ids, vocab)
+    tokens = torch.cat([token.view(n, 1), rest], dim=1)
+    return Draft(tokens, list(max_tokens), None, torch.isfinite(first_logits).all() & finite, who), K
 
 
 def draft_views(samplers: list[Sampler], sequences: list[list[int]], head: BoundDraftHead) -> list | None:
