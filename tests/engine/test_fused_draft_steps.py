@@ -26,7 +26,7 @@ from specdecode.drafters.layer_skip import SkipSet
 from specdecode.engine.batch_runner import BatchRunner
 from specdecode.engine.batched import BatchedSpeculativeDecoder
 from specdecode.errors import InvalidArgumentError
-from test_batched_fast_path import PROMPTS, _alone, _configs, _continuous
+from test_batched_fast_path import PROMPTS, _alone, _configs, _continuous, sync_counter  # noqa: F401 (a fixture)
 
 #: Truncated heads keep these token ids (all but every fifth id of the tiny vocabulary).
 HEAD_IDS = [i for i in range(48) if i % 5]
@@ -140,51 +140,39 @@ def test_switch_off_runs_step_by_step_with_the_same_drafts_stats_and_cache(name,
     assert 0 < on.stats.num_accepted_tokens < on.stats.num_drafted_tokens
 
 
-_SYNC_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
-
-
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("name", ["draft", "layer-skip"])
-def test_one_host_sync_per_fused_round_and_none_between_steps(name, monkeypatch):
+def test_one_host_sync_per_fused_round_and_none_between_steps(name, sync_counter, monkeypatch):
     """A fused greedy round reads the device back once (the round's ``tolist``); nothing inside
     ``draft_steps`` (its forwards included: the static path has no host reads) syncs."""
     target = make_tiny_model("qwen2", num_layers=3)
     draft = perturbed_copy(target, noise=0.3, seed=1)
     dec = _engine(target, _drafters(target, draft)[name](), 3)
-    calls: list[str] = []
-    for method in _SYNC_METHODS:
-        original = getattr(torch.Tensor, method)
-
-        def counted(self, *args, _method=method, _original=original, **kwargs):
-            calls.append(_method)
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, method, counted)
-    inside: list[int] = []
+    inside: list[list] = []
     steps = BatchRunner.draft_steps
 
     def fused(self, *args, **kwargs):
-        before = len(calls)
+        before = len(sync_counter)
         out = steps(self, *args, **kwargs)
-        inside.append(len(calls) - before)
+        inside.append(sync_counter[before:])
         return out
 
     monkeypatch.setattr(BatchRunner, "draft_steps", fused)
     for prompt, config in zip(PROMPTS[:3], _configs()):
         dec.add(prompt, config)
-    per_round: list[list[str]] = []
+    per_round: list[list] = []
     original_round = dec._round
 
     def counted_round(events):
-        before = len(calls)
+        before = len(sync_counter)
         original_round(events)
-        per_round.append(calls[before:])
+        per_round.append([(m, f) for m, _, f in sync_counter[before:]])
 
     dec._round = counted_round
     while dec.has_work:
         dec.step()
     assert len(per_round) == dec.stats.num_rounds > 5
-    assert all(c == ["tolist"] for c in per_round), per_round
+    assert all(c == [("tolist", "_round")] for c in per_round), per_round
     assert len(inside) > 5 and not any(inside), inside
 
 
