@@ -26,7 +26,8 @@ from specdecode.drafters.layer_skip import SkipSet
 from specdecode.engine.batch_runner import BatchRunner
 from specdecode.engine.batched import BatchedSpeculativeDecoder
 from specdecode.errors import InvalidArgumentError
-from test_batched_fast_path import PROMPTS, _alone, _configs, _continuous, sync_counter  # noqa: F401 (a fixture)
+from test_batched_fast_path import (  # noqa: F401 (sync_counter: a fixture)
+    PROMPTS, _alone, _configs, _continuous, round_syncs, sync_counter)
 
 #: Truncated heads keep these token ids (all but every fifth id of the tiny vocabulary).
 HEAD_IDS = [i for i in range(48) if i % 5]
@@ -62,21 +63,19 @@ def _engine(target, drafter, batch: int, fused: bool = True, **kwargs) -> Batche
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_fused_steps_greedy_equals_autoregressive(arch, fused_calls):
-    """Draft model, cascade, layer skip and a truncated head, B = 1 and B = 3 with rows joining mid-flight."""
+@pytest.mark.parametrize("name", ["draft", "cascade", "layer-skip", "draft-truncated"])
+def test_fused_steps_greedy_equals_autoregressive(arch, name, fused_calls):
+    """B = 1, then B = 3 with rows joining mid-flight and finishing at different lengths: the target's tokens,
+    with γ - 1 = 3 fused steps after each round's first draft forward (fewer near a row's end)."""
     target = make_tiny_model(arch, num_layers=3)
-    draft = perturbed_copy(target, noise=0.3, seed=1)
+    make = _drafters(target, perturbed_copy(target, noise=0.3, seed=1))[name]
     configs = _configs()
     expected = _alone(target, PROMPTS, configs)
-    for name, make in _drafters(target, draft).items():
-        for batch in (1, 3):
-            fused_calls.clear()
-            dec = _engine(target, make(), batch)
-            assert _continuous(dec, PROMPTS, configs) == expected, (arch, name, batch)
-            assert len(fused_calls) > 3, (name, batch)
-            assert {steps for _, steps in fused_calls} >= {3}, fused_calls  # γ - 1 steps after the first forward
-            if batch == 3:
-                assert {rows for rows, _ in fused_calls} > {3}, fused_calls  # rows joining and finishing
+    assert _continuous(_engine(target, make(), 1), PROMPTS, configs) == expected
+    assert {rows for rows, _ in fused_calls} == {1} and (1, 3) in fused_calls
+    fused_calls.clear()
+    assert _continuous(_engine(target, make(), 3), PROMPTS, configs) == expected
+    assert {rows for rows, _ in fused_calls} > {3} and (3, 3) in fused_calls, fused_calls  # rows join and finish
 
 
 def _drafts(dec: BatchedSpeculativeDecoder) -> list:
@@ -160,17 +159,7 @@ def test_one_host_sync_per_fused_round_and_none_between_steps(name, sync_counter
     monkeypatch.setattr(BatchRunner, "draft_steps", fused)
     for prompt, config in zip(PROMPTS[:3], _configs()):
         dec.add(prompt, config)
-    per_round: list[list] = []
-    original_round = dec._round
-
-    def counted_round(events):
-        before = len(sync_counter)
-        original_round(events)
-        per_round.append([(m, f) for m, _, f in sync_counter[before:]])
-
-    dec._round = counted_round
-    while dec.has_work:
-        dec.step()
+    per_round = [[(m, f) for m, _, f in calls] for calls in round_syncs(dec, sync_counter)]
     assert len(per_round) == dec.stats.num_rounds > 5
     assert all(c == [("tolist", "_round")] for c in per_round), per_round
     assert len(inside) > 5 and not any(inside), inside

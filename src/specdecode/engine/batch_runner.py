@@ -34,7 +34,7 @@ write positions advanced on the device (``index.add_(1)`` on the bucket's buffer
 accumulated on the device, so no host work runs between the steps. A bucket of its own per
 (rows, S), compiled at its first use (``warm_up_draft_steps``: before a server's first request)
 and timed in ``compile_time_s`` like the others; free rows n .. R - 1 are written at positions
-0 .. S - 1 (S < the widest bucket), which a joining row's prefill overwrites.
+0 .. S - 1, which a joining row's prefill overwrites.
 
 A forward wider than the runner's widest bucket, the first forward on a cache not yet
 allocated, and every prefill run eagerly on the same cache (``batch_cache.batch_forward``).
@@ -289,7 +289,8 @@ class BatchRunner:
             bucket = self._buckets[(rows, width, tree)] = _Bucket(self, rows, width, tree)
         return bucket
 
-    def _run(self, bucket: _Bucket):
+    def _run(self, bucket: _Bucket) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Call ``bucket``'s function on its buffers: (R, W, V) logits, or a steps bucket's (tokens, finite)."""
         window = self.cache._window
         window.static, window.index = True, bucket.index
         window.tree = (bucket.depth, bucket.ancestors) if bucket.tree else None
