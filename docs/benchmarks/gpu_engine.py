@@ -30,9 +30,10 @@ What it prints (each as a Markdown table; warm-up and compilation seconds apart 
 1. ``forwards``: ms per forward through the round's runners (``specdecode.engine.batch_runner.BatchRunner``)
    of the ``draft`` method's one-row engine, sized for the longest prompt before ``single`` runs on it:
    the target at its widths 1 and γ + 1 (with the adaptive methods, also the adaptive engine's
-   target at its longest block + 1), the draft model at 1 and 2. After ``--context`` (300) tokens
-   in slot 0; ``--repeats`` calls at the same position (the static cache: each call overwrites the
-   last) between ``torch.cuda.synchronize()``s, after 3 untimed ones.
+   target at its longest block + 1), the draft model at 1 and 2, and on the fast path the draft's fused
+   γ - 1 steps (``BatchRunner.draft_steps``: one call, one graph; ms per call and per step). After
+   ``--context`` (300) tokens in slot 0; ``--repeats`` calls at the same position (the static cache:
+   each call overwrites the last) between ``torch.cuda.synchronize()``s, after 3 untimed ones.
 2. ``single``: greedy, ``--max-new-tokens`` (128), ``--prompts`` (8) held-out code prompts
    (HumanEval-style stubs, continued raw) and 8 prose prompts (MT-bench-style, chat template), whole
    prompt timed: ``hf-generate-static`` and our fast-path methods. tok/s, × compiled
@@ -50,15 +51,20 @@ What it prints (each as a Markdown table; warm-up and compilation seconds apart 
    one sync per draft token; fastest on a CPU); ``draft+adaptive-masked`` reads nothing between draft
    steps (the whole cap drafted, each block cut after its first unsure token with the round's one read);
    ``...-previous-round`` reads nothing between draft steps either: each block as long as the previous
-   round's up to its first unsure token, kept whole. These rows say which pays (on the Xeon, per-step:
-   previous-round's τ is 22% lower; masked drafts twice the tokens).
+   round's up to its first unsure token, kept whole. Both run their draft steps as one graph (the fused
+   steps below). These rows say which pays (on the Xeon, per-step: previous-round's τ is 22% lower;
+   masked drafts twice the tokens).
+   ``draft-unfused``: ``draft`` with its drafter's ``fused_draft_steps`` off, each draft step its own graph
+   (issue 28: the γ draft steps as one graph): the A/B of the fused draft steps.
 3. ``rounds``: per method, ms per round (decode time / target forwards) and its overhead: the round
    minus the cost of the forwards it ran, each priced at the cost measured as in 1. on the runner that
    ran it, for its width (its compiled bucket). The forwards are counted by wrapping
    ``BatchRunner.__call__`` during the timed runs (restored after; about 1 µs a call; prefills do not go
-   through it); if that count disagrees with the stats, it falls back to the stats (target forwards
-   priced by block size from ``drafted_by_position``, decode-phase draft forwards at width 1)
-   and says so in the table's last column.
+   through it), and ``BatchRunner.draft_steps``, whose call of S fused steps counts as S draft forwards
+   of width 1 (priced as such: the ``forwards`` row of the fused steps shows what one call costs); if
+   that count disagrees with the stats, it falls back to the stats (target forwards priced by block
+   size from ``drafted_by_position``, decode-phase draft forwards at width 1) and says so in the
+   table's last column.
 4. ``syncs`` (CUDA only): host syncs per round of each fast-path method under
    ``torch.cuda.set_sync_debug_mode("warn")``, one generation of ``--sync-tokens`` (48) on a code prompt.
 5. ``batched``: total tok/s at B = 1, 8, 32 for autoregressive, draft and prompt-lookup on up to 32
@@ -91,6 +97,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import gc
 import inspect
 import logging
@@ -120,6 +127,7 @@ METHODS = (
     ("hf-generate-static", "hf", "hf-generate-static", False, True, False),
     ("autoregressive", "ours", "autoregressive", False, True, False),
     ("draft", "ours", "draft", False, True, False),
+    ("draft-unfused", "ours", "draft-unfused", False, True, False),
     ("draft+adaptive", "ours", "draft", True, True, False),
     ("cascade+adaptive", "ours", "cascade", True, True, False),
     ("draft+adaptive-previous-round", "ours", "draft", "previous-round", True, False),
@@ -136,7 +144,7 @@ METHODS = (
     ("hf-assisted", "hf", "hf-assisted", False, False, True),
 )
 TABLE_ORDER = ("hf-generate", "hf-generate-static", "hf-assisted", "autoregressive-eager", "autoregressive",
-               "draft", "draft+adaptive", "draft+adaptive-previous-round", "draft+adaptive-masked",
+               "draft", "draft-unfused", "draft+adaptive", "draft+adaptive-previous-round", "draft+adaptive-masked",
                "cascade+adaptive", "cascade+adaptive-previous-round", "draft-tree", "cascade-tree", "draft-tree-expand",
                "prompt-lookup", "prompt-lookup-datastore", "token-recycling")
 #: The draft-model tree rows (issue 29): base name -> the method, run with ``draft_tree_depth=--draft-tree-depth``
@@ -145,6 +153,9 @@ TABLE_ORDER = ("hf-generate", "hf-generate-static", "hf-assisted", "autoregressi
 TREE_BASES = {"draft-tree": "draft", "cascade-tree": "cascade", "draft-tree-expand": "draft"}
 #: Rows that run another method with options: base name -> (the method, its options).
 OPTION_BASES = {"prompt-lookup-datastore": ("prompt-lookup", {"prompt_lookup_datastore": "python-stdlib"})}
+#: Rows that run another method with its drafter's fused draft steps off (``fused_draft_steps=False``): the
+#: steps after a round's first draft forward one graph each, not one graph in all (``BatchRunner.draft_steps``).
+UNFUSED_BASES = {"draft-unfused": "draft"}
 BATCH_METHODS = ("autoregressive", "draft", "prompt-lookup")
 SETS = ("code", "prose")
 
@@ -272,7 +283,7 @@ def compile_shim(enabled: bool):
 class ForwardLog:
     """Every decode-time forward of the round while ``recording``: (runner, tokens). Wraps
     ``BatchRunner.__call__`` (the target's and a draft model's runners; prefills bypass it) and
-    restores it in ``finally``."""
+    ``BatchRunner.draft_steps`` (S fused draft steps: S forwards of 1 token), and restores them in ``finally``."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[object, int]] = []
@@ -288,16 +299,25 @@ class ForwardLog:
             yield
             return
         original, calls = self.runner_class.__call__, self.calls
+        original_steps = getattr(self.runner_class, "draft_steps", None)
 
         def call(runner, ids, *args, **kwargs):
             calls.append((runner, int(ids.shape[1])))
             return original(runner, ids, *args, **kwargs)
 
+        def steps(runner, tokens, starts, num_steps, *args, **kwargs):
+            calls.extend([(runner, 1)] * num_steps)
+            return original_steps(runner, tokens, starts, num_steps, *args, **kwargs)
+
         self.runner_class.__call__ = call
+        if original_steps is not None:
+            self.runner_class.draft_steps = steps
         try:
             yield
         finally:
             self.runner_class.__call__ = original
+            if original_steps is not None:
+                self.runner_class.draft_steps = original_steps
 
 
 def is_target(runner) -> bool:
@@ -400,9 +420,11 @@ class Run:
             tree = {"draft_tree_depth": self.args.draft_tree_depth} if base in TREE_BASES else {}
             if base == "draft-tree-expand":
                 tree["draft_tree_expand"] = self.args.draft_tree_expand
-            method, options = OPTION_BASES.get(base, (TREE_BASES.get(base, base), {}))
+            method, options = OPTION_BASES.get(base, (TREE_BASES.get(base, UNFUSED_BASES.get(base, base)), {}))
             self.decoders[key] = self.gen.decoder(method, draft_control=control, compile=fast and self.compile(),
                                                   **tree, **options)
+            if base in UNFUSED_BASES:
+                self.decoders[key].drafter.fused_draft_steps = False
         return self.decoders[key]
 
     def engine(self, base: str, adaptive: bool):
@@ -437,8 +459,11 @@ class Run:
 
 
 @torch.inference_mode()
-def forward_ms(run: Run, runner, width: int, keep: int = 1) -> tuple[float, float]:
+def forward_ms(run: Run, runner, width: int, keep: int = 1, steps: int = 0) -> tuple[float, float]:
     """(ms per forward over ``width`` tokens after ``--context`` cached, seconds of first calls).
+
+    ``steps`` > 0: ms per call of the runner's ``steps`` fused one-token draft steps instead
+    (``BatchRunner.draft_steps``, greedy, the full head).
 
     ``runner`` is a round's ``BatchRunner``: the context is prefilled into slot 0 of its cache (shortened
     to fit the slot), then each call writes ``width`` tokens at the position after it, overwriting the
@@ -454,14 +479,19 @@ def forward_ms(run: Run, runner, width: int, keep: int = 1) -> tuple[float, floa
     batch_prefill(runner.model, cache, ids, 0)
     keep = min(keep, width)
     x = ids[:, :width].contiguous() if width <= context else ids[:, -1:].expand(1, width).contiguous()
+    if steps:
+        context = min(context, cache.capacity - steps)
+        call = functools.partial(runner.draft_steps, x[:, 0], [context], steps, None, vocab)
+    else:
+        call = functools.partial(runner, x, [context], keep)
     c0, t0 = runner.compile_time_s, time.perf_counter()
     for _ in range(3):
-        runner(x, [context], keep)
+        call()
     sync(device)
     first_s = runner.compile_time_s - c0 if runner.fast is not None else time.perf_counter() - t0
     t0 = time.perf_counter()
     for _ in range(args.repeats):
-        runner(x, [context], keep)
+        call()
     sync(device)
     return 1000 * (time.perf_counter() - t0) / args.repeats, first_s
 
@@ -488,6 +518,12 @@ def section_forwards(run: Run) -> None:
             run.costs[(id(runner), priced_width(runner, w))] = ms
             rows.append([name, w, fmt(ms, 2), fmt(ms / w, 3), fmt(first_s, 1)])
             say(f"  {name} width {w}: {ms:.2f} ms (first calls {first_s:.1f} s)")
+        steps = args.gamma - 1  # a round's draft steps after its first forward, fused (the fast path only)
+        if name == "draft" and steps > 0 and getattr(runner, "fast", None) is not None \
+                and hasattr(runner, "draft_steps") and not run.over_budget(f"forwards: {name} fused steps"):
+            ms, first_s = forward_ms(run, runner, 1, steps=steps)
+            rows.append([name, f"1 x {steps} fused steps", fmt(ms, 2), fmt(ms / steps, 3), fmt(first_s, 1)])
+            say(f"  {name} {steps} fused steps: {ms:.2f} ms a call (first calls {first_s:.1f} s)")
     mode = "compiled (fast path)" if run.compile() else "eager (--no-compile)"
     say(f"\nPer forward, {mode}, {args.context} tokens of context, {args.repeats} timed calls:\n")
     table(["model", "tokens", "ms per forward", "ms per token", "first 3 calls (compile, capture), s"], rows)
@@ -646,8 +682,8 @@ def section_rounds(run: Run) -> None:
         say("no single-sequence runs yet: running the fast-path methods on the prompts first")
         run_methods(run, slow=False)
     rows = []
-    for name in ("autoregressive", "draft", "draft+adaptive", "draft+adaptive-previous-round", "draft+adaptive-masked",
-                 "cascade+adaptive", "cascade+adaptive-previous-round", "prompt-lookup"):
+    for name in ("autoregressive", "draft", "draft-unfused", "draft+adaptive", "draft+adaptive-previous-round",
+                 "draft+adaptive-masked", "cascade+adaptive", "cascade+adaptive-previous-round", "prompt-lookup"):
         for s in SETS:
             t = run.tallies.get(name, {}).get(s)
             if not isinstance(t, Tally) or not t.target_forwards:
@@ -680,8 +716,8 @@ def section_rounds(run: Run) -> None:
            "overhead, ms per round", "tokens per round τ", "overhead per token, ms", "forwards from"], rows)
 
 
-SYNC_METHODS = ("autoregressive", "draft", "draft+adaptive", "draft+adaptive-previous-round", "draft+adaptive-masked",
-                "cascade+adaptive", "prompt-lookup")
+SYNC_METHODS = ("autoregressive", "draft", "draft-unfused", "draft+adaptive", "draft+adaptive-previous-round",
+                "draft+adaptive-masked", "cascade+adaptive", "prompt-lookup")
 
 
 def section_syncs(run: Run) -> None:

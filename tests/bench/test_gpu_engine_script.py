@@ -22,7 +22,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "docs" / "benchmarks" / "gpu_engi
 TINY = ["--device", "cpu", "--dtype", "float32", "--no-compile", "--prompts", "1", "--slow-prompts", "1",
         "--max-new-tokens", "8", "--warmup-tokens", "2", "--context", "24", "--repeats", "2",
         "--batch-sizes", "1,2", "--batch-groups", "1",
-        "--methods", "autoregressive,draft,draft+adaptive,cascade+adaptive,draft+adaptive-previous-round,"
+        "--methods", "autoregressive,draft,draft-unfused,draft+adaptive,cascade+adaptive,draft+adaptive-previous-round,"
         "draft+adaptive-masked,cascade+adaptive-previous-round,draft-tree,cascade-tree,prompt-lookup,"
         "prompt-lookup-datastore,"
         "draft-tree-expand,hf-generate,hf-assisted", "--tree-nodes", "6", "--draft-tree-depth", "3",
@@ -58,8 +58,8 @@ def test_every_section_runs_and_prints_its_table(script, generator, capsys):
                    "| B | autoregressive, total tok/s", "| section | status | seconds"):
         assert header in out, header
     # Every single-sequence method got a row, and the rounds table priced counted forwards.
-    for name in ("| hf-generate |", "| hf-assisted |", "| draft+adaptive |", "| cascade+adaptive |",
-                 "| draft+adaptive-previous-round |", "| draft+adaptive-masked |",
+    for name in ("| hf-generate |", "| hf-assisted |", "| draft-unfused |", "| draft+adaptive |",
+                 "| cascade+adaptive |", "| draft+adaptive-previous-round |", "| draft+adaptive-masked |",
                  "| cascade+adaptive-previous-round |",
                  "| prompt-lookup |", "| draft-tree |", "| cascade-tree |", "| draft-tree-expand |"):
         assert name in out, name
@@ -67,6 +67,42 @@ def test_every_section_runs_and_prints_its_table(script, generator, capsys):
     assert rounds and rounds[0].endswith("| counted |"), rounds
     assert "batched engine: eager" in out
     assert "syncs: CUDA only" in out and "| syncs | ok |" in out
+
+
+def test_fused_draft_steps_are_counted_and_draft_unfused_runs_without_them(script, capsys, monkeypatch):
+    """On the fast path (its static forwards, uncompiled: ``graphs=False``) ``draft`` fuses its draft steps and
+    ``draft-unfused`` does not; the rounds table counts a fused call of S steps as S draft forwards (as the
+    stats do), and ``forwards`` prices the fused call."""
+    from specdecode.drafters import DraftModelDrafter
+    from specdecode.engine.batch_runner import BatchRunner
+    from specdecode.engine.fast_path import ModelRunner
+
+    tokenizer, target = make_tiny_tokenizer(), make_tiny_model("qwen2", num_layers=2, seed=0)
+    gen = SpeculativeGenerator(LoadedModel(target, tokenizer, "t"), LoadedModel(perturbed_copy(target, 0.05, seed=1),
+                                                                                 tokenizer, "d"))
+    gen._runners[True] = ModelRunner(target, compile=True, graphs=False, name="target model")
+    fused: list[int] = []
+    steps, propose = BatchRunner.draft_steps, DraftModelDrafter.propose
+    monkeypatch.setattr(BatchRunner, "draft_steps", lambda *a, **k: fused.append(a[3]) or steps(*a, **k))
+    rounds: list[tuple[bool, int]] = []
+
+    def counted(drafter, *args, **kwargs):
+        before = len(fused)
+        out = propose(drafter, *args, **kwargs)
+        rounds.append((drafter.fused_draft_steps, len(fused) - before))
+        return out
+
+    monkeypatch.setattr(DraftModelDrafter, "propose", counted)
+    flags = [a for a in TINY if a != "--no-compile"]
+    methods = ["--methods", "autoregressive,draft,draft-unfused"]
+    code = script.main(flags + ["--sections", "forwards,single,rounds"] + methods, generator=gen)
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "| draft | 1 x 4 fused steps |" in out
+    assert any(on and n for on, n in rounds) and not any(n for on, n in rounds if not on)
+    for name in ("draft", "draft-unfused"):
+        lines = [line for line in out.splitlines() if line.startswith(f"| {name} | code |")]
+        assert lines and lines[0].endswith("| counted |"), lines  # counted draft forwards == the stats'
 
 
 def test_a_failing_section_is_reported_and_the_next_one_runs(script, generator, capsys, monkeypatch):

@@ -227,6 +227,22 @@ def sync_counter(monkeypatch):
     return calls
 
 
+def round_syncs(dec: BatchedSpeculativeDecoder, sync_counter: list) -> list[list]:
+    """Steps ``dec`` until its requests are done; per round, the host reads it made (``sync_counter``'s records)."""
+    round_calls: list[list] = []
+    original = dec._round
+
+    def counted_round(events):
+        before = len(sync_counter)
+        original(events)
+        round_calls.append(sync_counter[before:])
+
+    dec._round = counted_round
+    while dec.has_work:
+        dec.step()
+    return round_calls
+
+
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("name", ["autoregressive", "draft", "prompt-lookup"])
 def test_one_host_sync_per_batched_round(name, sync_counter):
@@ -239,17 +255,7 @@ def test_one_host_sync_per_batched_round(name, sync_counter):
                                     num_speculative_tokens=4, compile=True, graphs=False)
     for prompt, config in zip(PROMPTS[:3], _configs()):
         dec.add(prompt, config)
-    round_calls: list[list] = []
-    original = dec._round
-
-    def counted_round(events):
-        before = len(sync_counter)
-        original(events)
-        round_calls.append(sync_counter[before:])
-
-    dec._round = counted_round
-    while dec.has_work:
-        dec.step()
+    round_calls = round_syncs(dec, sync_counter)
     assert len(round_calls) == dec.stats.num_rounds > 5
     for calls in round_calls:
         assert [(m, f) for m, _, f in calls] == [("tolist", "_round")], calls

@@ -14,6 +14,7 @@ from specdecode import GenerationConfig, SpeculativeDecoder
 from specdecode.drafters import DraftModelDrafter, EarlyExitDrafter
 from specdecode.drafters.cascade import CascadeDrafter
 from specdecode.drafters.control import AdaptiveDraftExit, DraftControl
+from specdecode.engine.batch_runner import BatchRunner
 from specdecode.engine.batched import BatchedSpeculativeDecoder
 from specdecode.engine.draft_exit import exit_points, observe_exits
 from specdecode.engine.fast_path import ModelRunner
@@ -182,3 +183,37 @@ def test_an_unknown_mode_is_refused_with_the_allowed_ones():
     with pytest.raises(InvalidArgumentError, match=r"unknown draft exit mode 'lagged'; allowed: per-step, "
                                                    r"previous-round, masked"):
         DraftControl(adaptive_exit=True, exit_mode="lagged")
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("mode", ["previous-round", "masked"])
+def test_read_free_modes_run_their_steps_fused_with_the_loops_blocks(mode, monkeypatch):
+    """On the fast path a read-free exit's draft steps run as one ``BatchRunner.draft_steps`` call, whose
+    top probabilities give the same blocks, thresholds and output as the step-by-step loop (B = 2)."""
+    target = make_tiny_model("llama", num_layers=3, seed=4)
+    draft = perturbed_copy(target, noise=0.4, seed=5)
+    calls = []
+    original = BatchRunner.draft_steps
+
+    def counted(self, *args, **kwargs):
+        calls.append(args[2])
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(BatchRunner, "draft_steps", counted)
+    results = {}
+    for fused in (True, False):
+        drafter = DraftModelDrafter(draft)
+        drafter.fused_draft_steps = fused
+        control = DraftControl(adaptive_exit=True, max_draft_tokens=6, exit_mode=mode, exit_threshold=0.1)
+        dec = BatchedSpeculativeDecoder(target, drafter, max_batch_size=2, max_length=96, draft_control=control,
+                                        compile=True, graphs=False)
+        out = dec.generate(PROMPTS[:3], _configs()[:3])
+        results[fused] = ([r.token_ids for r in out], [r.stats.num_drafted_tokens for r in out],
+                          [r.stats.num_accepted_tokens for r in out], [r.stats.final_draft_threshold for r in out])
+        if fused:
+            assert calls and all(c >= 1 for c in calls), calls
+            calls.clear()
+    assert not calls  # the switch off never fuses
+    assert results[True] == results[False]
+    plain = SpeculativeDecoder(target)
+    assert results[True][0] == [plain.generate(p, c).token_ids for p, c in zip(PROMPTS[:3], _configs()[:3])]

@@ -9,6 +9,12 @@ every row has been unsure, and each row keeps everything it drafted: the verific
 wide as the longest row either way, so the extra tokens cost the target nothing. Exits that read
 nothing between steps (``ExitPolicy.mode`` "previous-round" or "masked") end no block here: every row
 drafts its ``max_tokens`` and the draft carries each step's top probability (``Draft.top_probs``).
+
+**Fused steps.** A round of greedy rows with no per-step exits, processors or tree runs its steps after
+the first as one compiled function of the drafter's runner (``BatchRunner.draft_steps``; one CUDA graph
+on CUDA) where that runner can (the fast path, at its ``BatchRunner.fused_steps``): the same tokens,
+counts, finiteness flag, top probabilities and steps as the loop, with no host work between the steps.
+Any other round, or a drafter that passes no runner (``fused_draft_steps=False``), runs the loop.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ def draft_batch(
     head: BoundDraftHead | None = None,
     processings: list[DraftProcessing | None] | None = None,
     tree_tops=None,
+    runner=None,
 ) -> tuple[Draft, int]:
     """The batched draft loop shared by the model drafters.
 
@@ -57,6 +64,9 @@ def draft_batch(
             (``Sampler.drafting``), or None (full heads only); None altogether: raw logits.
         tree_tops: A ``draft_tree.TopK`` that each step's logits (those the greedy token is taken from)
             are added to, on the device (draft trees); None: nothing kept.
+        runner: The ``BatchRunner`` that ``forward`` runs on: a greedy round with no exits, processors
+            or ``tree_tops`` runs its steps after the first as ``runner.draft_steps`` where
+            ``runner.fuses_draft_steps(n, K - 1)`` (module docstring); None: the loop, step by step.
 
     Returns:
         The draft, and S, the steps run (S - 1 drafted tokens were fed back).
@@ -72,6 +82,11 @@ def draft_batch(
     per_step = reads_per_step(exits)
     kept_tops: list[torch.Tensor] | None = [] if exits is not None and not per_step else None
     deferred = greedy and not per_step
+    truncated = head is not None and head.ids is not None
+    if deferred and K > 1 and processings is None and tree_tops is None and runner is not None \
+            and runner.fuses_draft_steps(n, K - 1):
+        return _fused(runner, first_logits, next_starts, max_tokens, samplers[0].vocab_size, who,
+                      head.ids if truncated else None, kept_tops is not None)
     active = [c > 0 for c in max_tokens]
     unsure = [False] * n
     num = [0] * n
@@ -80,7 +95,6 @@ def draft_batch(
     finite = None
     logits = first_logits
     vocab = samplers[0].vocab_size
-    truncated = head is not None and head.ids is not None
     for i in range(K):
         if deferred:
             ok = torch.isfinite(logits).all()
@@ -146,6 +160,23 @@ def draft_batch(
 def reads_per_step(exits: list[ExitPolicy | None] | None) -> bool:
     """Whether some row's exit reads each draft step's confidence on the host (``ExitPolicy.mode``)."""
     return exits is not None and any(e is not None and e.mode == "per-step" for e in exits)
+
+
+def _fused(runner, first_logits: torch.Tensor, next_starts: list[int], max_tokens: list[int], vocab: int,
+           who: str, head_ids: torch.Tensor | None, with_tops: bool) -> tuple[Draft, int]:
+    """``draft_batch``'s greedy round with no per-step exits, processors or tree, its K - 1 steps after the
+    first token in one ``runner.draft_steps`` call: every row drafts K = max(max_tokens) tokens and keeps
+    its own ``max_tokens[b]``, as the loop does; the finiteness flag stays on the device, and so do the
+    steps' top probabilities (``with_tops``: exits that read them with the round's sync)."""
+    n, K = len(max_tokens), max(max_tokens)
+    token = head_ids[first_logits.argmax(-1)] if head_ids is not None else first_logits[:, :vocab].argmax(-1)
+    rest, finite, tops = runner.draft_steps(token, next_starts, K - 1, head_ids, vocab)
+    tokens = torch.cat([token.view(n, 1), rest], dim=1)
+    top_probs = None
+    if with_tops:  # as the loop: the softmax over every column of each step's logits
+        top_probs = torch.cat([torch.softmax(first_logits.float(), -1).amax(-1).view(n, 1), tops], dim=1)
+    finite = torch.isfinite(first_logits).all() & finite
+    return Draft(tokens, list(max_tokens), None, finite, who, top_probs=top_probs), K
 
 
 def draft_views(samplers: list[Sampler], sequences: list[list[int]], head: BoundDraftHead) -> list | None:

@@ -34,6 +34,12 @@ forward of the draft model (prefills and warm-up included, so that the fast path
 traced with it) computes the K rows of its LM head only; the draft proposes among those K
 tokens, and its q is zero outside them (exact under sampling).
 
+**Fused steps** (``fused_draft_steps``, on by default): on the fast path a greedy round with no per-step
+exit, processors or tree that drafts the engine's longest block runs its draft steps after the first
+forward as one compiled function (``base.draft_batch``, ``BatchRunner.draft_steps`` at its
+``fused_steps``; one CUDA graph on CUDA), warmed up with the other buckets. Set the attribute to False
+on a drafter to run them step by step (to measure).
+
 **Token trees** (``tree_depth=D``, off by default; ``drafters.draft_tree``, EAGLE-2's reranking, Li
 et al. 2024): a row with no logits processors and no adaptive exit drafts a chain of min(D, c)
 tokens (c, the row's budget; greedy, or drawn from q when sampling) and keeps, among the chain and
@@ -68,7 +74,7 @@ from specdecode.engine.batch_cache import BatchKVCache, batch_prefill, to_device
 from specdecode.engine.batch_runner import BatchRunner
 from specdecode.engine.kv_cache import context_length
 from specdecode.engine.protocol import Draft
-from specdecode.engine.sampling import Sampler
+from specdecode.engine.sampling import Sampler, logits_width
 from specdecode.errors import InvalidArgumentError
 
 __all__ = ["DraftModelDrafter"]
@@ -109,6 +115,9 @@ class DraftModelDrafter(Drafter):
 
     supports_exit_policy = True
     who = "draft model"
+    #: Greedy rounds run their draft steps as one compiled function on the fast path (module docstring);
+    #: False: step by step.
+    fused_draft_steps = True
 
     def __init__(self, model=None, context_window: int | None = None, head: DraftHead | None = None, *,
                  runner=None, one_sequence_reason: str = "the draft model runs one sequence",
@@ -133,6 +142,7 @@ class DraftModelDrafter(Drafter):
         self._samplers: list[Sampler | None] = []
         self._chains: list[tuple[int, list[int]] | None] = []  # [trees] per slot: (position, chain tokens fed)
         self._device = None
+        self._target = None  # the target (its vocabulary), from ``bind``
 
     def check_context(self, num_prompt_tokens: int, max_new_tokens: int) -> None:
         """Raise unless the draft model's context length (``kv_cache.context_length``: its config's, or a llama.cpp
@@ -176,6 +186,7 @@ class DraftModelDrafter(Drafter):
                 shared = target_cache.shared[key] = (cache, BatchRunner(self.model, cache, (1, 2), self.who))
             self.cache, self.runner = shared
         self._device = target_cache.device
+        self._target = target_cache.owner  # its vocabulary: the fused steps' argmax (``warm_up``)
         self._num_cached = [0] * target_cache.num_slots
         self._offsets = [0] * target_cache.num_slots
         self._samplers = [None] * target_cache.num_slots
@@ -190,6 +201,8 @@ class DraftModelDrafter(Drafter):
             warm_up_forwards(self.model, self.cache, *warm_up_widths(self.cache, max_rows, max_block))
             if self.cache.fast is not None:
                 self.runner.warm_up()
+                if self.fused_draft_steps:
+                    self.runner.warm_up_draft_steps(self.head.ids, logits_width(self._target))
 
     def join(self, slot: int, prompt_ids: torch.Tensor, sampler: Sampler) -> None:
         """Take the row in ``slot``; its draft prefill waits for its first ``propose`` (``_catch_up``)."""
@@ -262,7 +275,7 @@ class DraftModelDrafter(Drafter):
             tops = TopK(TREE_TOP_K, self.head.ids) if any(tree_rows) else None
             caps = [min(c, self.tree_depth) if t else c for c, t in zip(max_tokens, tree_rows)]
             draft, steps = draft_batch(self._step, first, at, caps, self._samplers[:n], exits, exit_rule,
-                                       self.who, self.head, views, tops)
+                                       self.who, self.head, views, tops, self._steps_runner())
         self.num_forwards += steps
         for b in range(n):
             self._num_cached[b] = lengths[b] + min(draft.num_tokens[b], steps - 1)
@@ -318,6 +331,10 @@ class DraftModelDrafter(Drafter):
     def _step(self, token: torch.Tensor, at: list[int]) -> torch.Tensor:
         """One more token per row: (n, 1) ids at draft-cache positions ``at``; (n, V') logits."""
         return self.runner(token, at, 1)[:, -1]
+
+    def _steps_runner(self) -> BatchRunner | None:
+        """The runner ``draft_batch`` may fuse the round's steps on (module docstring), or None."""
+        return self.runner if self.fused_draft_steps and isinstance(self.runner, BatchRunner) else None
 
     def rollback(self, num_valid: list[int]) -> None:
         for b, valid in enumerate(num_valid):

@@ -35,7 +35,7 @@ from specdecode.drafters.base import Draft, Drafter, draft_batch
 from specdecode.engine import kv_cache
 from specdecode.engine.batch_cache import BatchKVCache, to_device
 from specdecode.engine.batch_runner import BatchRunner
-from specdecode.engine.sampling import Sampler
+from specdecode.engine.sampling import Sampler, logits_width
 from specdecode.errors import InvalidArgumentError, UnsupportedModelError
 
 logger = logging.getLogger(__name__)
@@ -341,6 +341,9 @@ class LayerSkipDrafter(Drafter):
 
     supports_exit_policy = True
     who = "layer-skip draft"
+    #: Greedy rounds run their draft steps as one compiled function on the fast path (``base.draft_batch``,
+    #: ``BatchRunner.draft_steps`` at its ``fused_steps``, warmed up); False: step by step (to measure).
+    fused_draft_steps = True
 
     def __init__(self, model: PreTrainedModel, skip_set: SkipSet) -> None:
         skip_set.check(len(decoder_layers(model)))
@@ -367,6 +370,8 @@ class LayerSkipDrafter(Drafter):
         if self.cache.fast is not None:
             with draft_mode(self.model, self.skip_set):
                 self.runner.warm_up()
+                if self.fused_draft_steps:
+                    self.runner.warm_up_draft_steps(None, logits_width(self.model))
 
     def join(self, slot: int, prompt_ids: torch.Tensor, sampler: Sampler) -> None:
         self._samplers[slot] = sampler
@@ -380,7 +385,8 @@ class LayerSkipDrafter(Drafter):
         with draft_mode(self.model, self.skip_set):
             first = self._step(pending, starts)
             draft, steps = draft_batch(
-                self._step, first, [s + 1 for s in starts], max_tokens, self._samplers[:n], exits, exit_rule, self.who
+                self._step, first, [s + 1 for s in starts], max_tokens, self._samplers[:n], exits, exit_rule, self.who,
+                runner=self.runner if self.fused_draft_steps else None,
             )
         self.num_forwards += steps
         return draft

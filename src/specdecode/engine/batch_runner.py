@@ -27,6 +27,16 @@ whose rows each continue at their own position (``batch_cache.BatchKVCache``):
   write positions from host ints through pinned memory without blocking (``to_device``).
   Nothing reads back.
 
+**Fused draft steps** (``BatchRunner.draft_steps``): a greedy draft round's one-token steps after
+its first forward, S of them, run as ONE compiled function (one CUDA graph on CUDA), as gpt-fast
+compiles its whole decode step: step i feeds step i - 1's argmax at each row's position + i, the
+write positions advanced on the device (``index.add_(1)`` on the bucket's buffer), finiteness
+accumulated on the device, so no host work runs between the steps. Rounds fuse at one step count,
+``fused_steps`` (the engine's longest block less one); a bucket of its own per rows bucket, compiled at
+its first use (``warm_up_draft_steps``: before a server's first request) and timed in
+``compile_time_s`` like the others. Free rows n .. R - 1 are written at positions 0 .. S - 1, which a
+joining row's prefill overwrites.
+
 A forward wider than the runner's widest bucket, the first forward on a cache not yet
 allocated, and every prefill run eagerly on the same cache (``batch_cache.batch_forward``).
 ``graphs=False`` keeps the static full-capacity path, buckets and padding included, without
@@ -127,7 +137,9 @@ class BatchRunner:
         self.num_eager_forwards = 0
         self._cuda = cache.device.type == "cuda"
         self._warm_calls = 2 if self._cuda else 1  # CUDA graph trees record at the second call
-        self._buckets: dict[tuple[int, int], _Bucket] = {}
+        self._buckets: dict[tuple[int, int, bool], _Bucket] = {}
+        #: [fused draft steps] by (rows, steps, vocab, head size or None)
+        self._steps_buckets: dict[tuple[int, int, int, int | None], _Bucket] = {}
 
     takes_trees = True  # tree forwards (``engine.tree``), eagerly
 
@@ -196,13 +208,101 @@ class BatchRunner:
                 for _ in range(self._warm_calls):
                     self._run(bucket)
 
+    @property
+    def fused_steps(self) -> int:
+        """The one step count a round fuses (``fuses_draft_steps``): the engine's longest block less one,
+        ``FastPath.max_width`` - 2 (its widest verification, longest block + 1, less the first draft
+        token), or 0 without the fast path. Other counts (a row near its end, a cost model's shorter
+        block) run step by step, so no graph compiles in the middle of a request."""
+        return self.fast.max_width - 2 if self.fast is not None else 0
+
+    def fuses_draft_steps(self, n: int, num_steps: int | None = None) -> bool:
+        """Whether ``draft_steps`` can run ``n`` rows: the fast path on, its cache allocated, a rows bucket
+        for n rows and a width-1 bucket (the steps are this runner's one-token forwards); with
+        ``num_steps``, also whether a round of that many steps fuses (it is ``fused_steps``)."""
+        return self.fast is not None and 1 in self.widths and self.cache.layers[0].is_initialized \
+            and any(r >= n for r in self.rows) and (num_steps is None or num_steps == self.fused_steps)
+
+    @torch.inference_mode()
+    def draft_steps(self, tokens: torch.Tensor, starts: Sequence[int], num_steps: int,
+                    head_ids: torch.Tensor | None, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``num_steps`` greedy one-token forwards over slots 0 .. n - 1 as one compiled function (the
+        module docstring): the same tokens as ``num_steps`` calls of ``self(ids, at, 1)``, each followed
+        by the argmax, but with no host work between them.
+
+        Args:
+            tokens: (n,) long on the model's device: each row's latest token, fed at ``starts[b]``.
+            starts: (n,) Python ints: where each row's token is written (its cached length); step i
+                writes at ``starts[b] + i``.
+            num_steps: S >= 1, the forwards to run.
+            head_ids: (K,) long on the device, a truncated head's token ids (logit column j is token
+                ``head_ids[j]``); None: the logits' first ``vocab`` columns are the tokens.
+            vocab: V >= 1, the target's vocabulary size (a full head's columns past it are ignored).
+
+        Returns:
+            ``(tokens, finite, tops)``: (n, S) long, step i's argmax per row; a 0-dim bool tensor, whether
+            every step's logits of rows 0 .. n - 1 were finite; (n, S) float32, the largest probability of
+            each step's softmax over all its logits' columns (an adaptive exit's confidence,
+            ``base.draft_batch``). Nothing is read back to the host.
+
+        Raises:
+            InvalidArgumentError: ``num_steps`` or ``vocab`` not an integer >= 1; ``fuses_draft_steps(n)``
+                false; a row that would write past the cache's capacity.
+        """
+        n = int(tokens.shape[0])
+        for name, value in (("num_steps", num_steps), ("vocab", vocab)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgumentError(f"{self.name}: draft_steps' {name} must be an integer >= 1, got {value!r}")
+        if not self.fuses_draft_steps(n):
+            raise InvalidArgumentError(
+                f"{self.name}: fused draft steps need the fast path, an allocated cache, width 1 and a rows bucket "
+                f"for {n} rows (rows buckets {list(self.rows)}, widths {list(self.widths)})")
+        end = max(starts) + num_steps
+        if end > self.cache.capacity:
+            raise InvalidArgumentError(
+                f"a forward would write position {end - 1}, past the batch cache's capacity of {self.cache.capacity}"
+            )
+        rows = next(r for r in self.rows if r >= n)
+        bucket = self._steps_bucket(rows, num_steps, head_ids, vocab)
+        bucket.ids[:n].copy_(tokens.view(n, 1))
+        _copy_from_host(bucket.index.view(rows, 1), [[s] for s in starts] + [[0]] * (rows - n))
+        out, finite, tops = self._run(bucket)
+        out, tops = out[:n], tops[:n]
+        return (out.clone() if self._cuda else out), finite[:n].all(), (tops.clone() if self._cuda else tops)
+
+    @torch.inference_mode()
+    def warm_up_draft_steps(self, head_ids: torch.Tensor | None, vocab: int) -> None:
+        """Run ``draft_steps``' bucket of ``fused_steps`` steps once at every rows bucket (twice on CUDA), so
+        that a server compiles it before its first request (the drafters call it in the model's draft mode
+        or under its truncated head, as their rounds run it). Slots hold garbage afterwards, which
+        prefills overwrite. Does nothing unless ``fuses_draft_steps(1)`` and ``fused_steps`` >= 1."""
+        if not self.fuses_draft_steps(1) or self.fused_steps < 1:
+            return
+        for rows in self.rows:
+            bucket = self._steps_bucket(rows, self.fused_steps, head_ids, vocab)
+            bucket.ids.zero_()
+            for _ in range(self._warm_calls):
+                bucket.index.zero_()
+                self._run(bucket)
+
+    def _steps_bucket(self, rows: int, num_steps: int, head_ids: torch.Tensor | None, vocab: int) -> _Bucket:
+        key = (rows, num_steps, vocab, None if head_ids is None else int(head_ids.numel()))
+        bucket = self._steps_buckets.get(key)
+        if bucket is None:
+            bucket = self._steps_buckets[key] = _Bucket(self, rows, 1, steps=(num_steps, vocab, key[3]))
+        if head_ids is not None and bucket.head_source is not head_ids:  # a device copy, once per head tensor
+            bucket.head.copy_(head_ids)
+            bucket.head_source = head_ids
+        return bucket
+
     def _bucket(self, rows: int, width: int, tree: bool = False) -> _Bucket:
         bucket = self._buckets.get((rows, width, tree))
         if bucket is None:
             bucket = self._buckets[(rows, width, tree)] = _Bucket(self, rows, width, tree)
         return bucket
 
-    def _run(self, bucket: _Bucket) -> torch.Tensor:
+    def _run(self, bucket: _Bucket) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Call ``bucket``'s function on its buffers: (R, W, V) logits, or a steps bucket's (tokens, finite)."""
         window = self.cache._window
         window.static, window.index = True, bucket.index
         window.tree = (bucket.depth, bucket.ancestors) if bucket.tree else None
@@ -210,34 +310,48 @@ class BatchRunner:
         t0 = time.perf_counter() if first else 0.0
         if self._cuda:
             torch.compiler.cudagraph_mark_step_begin()
-        logits = bucket.forward(bucket.ids, self.cache)
+        out = bucket.forward(*bucket.inputs, self.cache)
         if first:
             bucket.calls += 1
             seconds = time.perf_counter() - t0
             self.compile_time_s += seconds
             if bucket.calls == 1 and self.fast.graphs:
-                logger.info("%s: compiled %d rows x %d tokens in %.1f s", self.name, bucket.rows, bucket.width, seconds)
-        return logits
+                what = f"{bucket.steps} draft steps" if bucket.steps else f"{bucket.width} tokens"
+                logger.info("%s: compiled %d rows x %s in %.1f s", self.name, bucket.rows, what, seconds)
+        return out
 
 
 class _Bucket:
-    """One (rows, width) bucket: persistent input buffers and its own compiled forward."""
+    """One (rows, width) bucket: persistent input buffers and its own compiled forward.
 
-    def __init__(self, runner: BatchRunner, rows: int, width: int, tree: bool = False) -> None:
+    ``steps=(S, V, K)``: [fused draft steps] a width-1 bucket whose function runs S greedy steps
+    (``_steps_function``; V the vocabulary, K a truncated head's size or None; ``head``: its (K,)
+    token ids, copied from ``head_source``)."""
+
+    def __init__(self, runner: BatchRunner, rows: int, width: int, tree: bool = False,
+                 steps: tuple[int, int, int | None] | None = None) -> None:
         device = runner.cache.device
         self.rows, self.width, self.calls, self.tree = rows, width, 0, tree
-        self.depth = self.ancestors = None
+        self.steps = steps[0] if steps is not None else 0
+        self.depth = self.ancestors = self.head = self.head_source = None
         with torch.inference_mode():
             self.ids = torch.zeros((rows, width), dtype=torch.long, device=device)
             self.index = torch.zeros((rows, 1, width, 1), dtype=torch.long, device=device)
             if tree:  # [trees] node depths and ancestor masks (``BatchKVCache.static_inputs``)
                 self.depth = torch.zeros((rows, width), dtype=torch.long, device=device)
                 self.ancestors = torch.zeros((rows, width, width), dtype=torch.bool, device=device)
-        for buffer in (self.ids, self.index, self.depth, self.ancestors):
+            if steps is not None and steps[2] is not None:  # [fused draft steps] a truncated head's ids
+                self.head = torch.zeros(steps[2], dtype=torch.long, device=device)
+        for buffer in (self.ids, self.index, self.depth, self.ancestors, self.head):
             if buffer is not None:
                 torch._dynamo.mark_static_address(buffer)
-        tag = f"r{rows}w{width}{'t' if tree else ''}"
-        self.forward = _forward_function(runner.model, tag, runner.fast.graphs, runner._cuda)
+        graphs, cuda = runner.fast.graphs, runner._cuda
+        if steps is None:
+            self.inputs = (self.ids,)
+            self.forward = _forward_function(runner.model, f"r{rows}w{width}{'t' if tree else ''}", graphs, cuda)
+        else:
+            self.inputs = (self.ids, self.index, self.head)
+            self.forward = _steps_function(runner.model, f"r{rows}s{self.steps}", self.steps, steps[1], graphs, cuda)
 
 
 def _forward_function(model: PreTrainedModel, tag: str, graphs: bool, cuda: bool) -> Callable:
@@ -250,10 +364,43 @@ def _forward_function(model: PreTrainedModel, tag: str, graphs: bool, cuda: bool
             input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=cache, use_cache=True
         ).logits
 
+    return _own_compiled(forward, tag, graphs, cuda)
+
+
+def _steps_function(model: PreTrainedModel, tag: str, num_steps: int, vocab: int, graphs: bool,
+                    cuda: bool) -> Callable:
+    """[fused draft steps] ``steps(ids (R, 1), index (R, 1, 1, 1), head (K,) or None, cache) -> (tokens
+    (R, S) long, finite (R,) bool, tops (R, S) float32)``: S one-token forwards on the static path, each fed the previous
+    one's greedy token (``head[argmax]`` of a truncated head's K logits, else the argmax of the first
+    ``vocab``), ``index`` (the window's write positions) advanced by one in place after each; compiled
+    on a code object of its own when ``graphs`` (the module docstring)."""
+
+    def steps(ids: torch.Tensor, index: torch.Tensor, head: torch.Tensor | None,
+              cache: BatchKVCache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        tokens, tops, finite = [], [], None
+        for _ in range(num_steps):
+            positions, mask = cache.static_inputs(model.dtype)  # from ``index``, the window's buffer
+            logits = model(
+                input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=cache, use_cache=True
+            ).logits[:, -1]
+            ok = torch.isfinite(logits).all(-1)
+            finite = ok if finite is None else finite & ok
+            tops.append(torch.softmax(logits.float(), -1).amax(-1))  # an adaptive exit's confidence
+            ids = (head[logits.argmax(-1)] if head is not None else logits[:, :vocab].argmax(-1)).view(-1, 1)
+            tokens.append(ids)
+            index.add_(1)
+        return torch.cat(tokens, dim=1), finite, torch.stack(tops, dim=1)
+
+    return _own_compiled(steps, tag, graphs, cuda)
+
+
+def _own_compiled(fn: types.FunctionType, tag: str, graphs: bool, cuda: bool) -> Callable:
+    """``fn`` itself, or with ``graphs`` compiled on a code object of its own named by ``tag`` (the
+    module docstring: one compiled function per bucket)."""
     if not graphs:
-        return forward
-    code = forward.__code__.replace(co_name=f"forward_{tag}", co_qualname=f"batch_forward_{tag}")
-    own = types.FunctionType(code, forward.__globals__, code.co_name, forward.__defaults__, forward.__closure__)
+        return fn
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{tag}", co_qualname=f"batch_{fn.__name__}_{tag}")
+    own = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
     # compat.compile_function: the options this torch has (CUDA graphs on CUDA), the compile cache
     # in specdecode's folder (a second process reuses the graphs).
     return compile_function(own, "cuda" if cuda else "cpu")
