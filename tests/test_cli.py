@@ -407,6 +407,8 @@ def test_generate_prompt_limit_and_context_window(tiny_folders, capsys, flags, l
      "datastore '/no/such/corpus' is neither 'python-stdlib', a folder nor a file"),
     (["--method", "prompt-lookup", "--prompt-lookup-datastore", "python-stdlib", "--prompt-lookup-branches", "2"],
      "with --prompt-lookup-branches 2 use 'auto' or 'none'"),
+    (["--method", "draft", "--no-adaptive-draft-exit", "--draft-exit-mode", "masked"],
+     "--draft-exit-mode masked applies to the adaptive draft exit, which is off here: add --adaptive-draft-exit"),
 ])
 def test_generate_refuses_bad_long_prompt_flags(capsys, flags, message):
     code, out, err = _run(capsys, "--prompt", "w5", *flags)

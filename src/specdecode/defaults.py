@@ -171,10 +171,22 @@ def prompt_limit_by_default(method: str, draft_scheme: str, draft_backend: str |
 
 #: The commands' help for --draft-exit-mode (generate and serve; bench: the option draft_exit_mode=).
 DRAFT_EXIT_MODE_HELP = ("with --adaptive-draft-exit, how the exit reads the draft's confidence: per-step (default: "
-                        "after each draft token, stopping at the first unsure one), masked (nothing read between "
-                        "draft steps: the whole --max-draft-tokens drafted, cut after the first unsure token with "
-                        "the round's one read), previous-round (nothing read between draft steps: each block as "
-                        "long as the previous round's up to its first unsure token, kept whole)")
+                        "after each draft token, stopping at the first unsure one), masked (in greedy rounds "
+                        "nothing read between draft steps: the whole cap drafted, cut after the first unsure "
+                        "token with the round's one read), previous-round (in greedy rounds nothing read between "
+                        "draft steps: each block as long as the previous round's up to its first unsure token, "
+                        "kept whole)")
+
+def check_exit_mode_flag(mode: str, adaptive: bool) -> None:
+    """generate's and serve's ``--draft-exit-mode``: anything but the default needs the adaptive draft exit on.
+
+    Raises:
+        InvalidArgumentError: ``mode`` other than "per-step" while the exit is off, naming both flags.
+    """
+    if mode != DraftControl.exit_mode and not adaptive:
+        raise InvalidArgumentError(f"--draft-exit-mode {mode} applies to the adaptive draft exit, which is off here: "
+                                   "add --adaptive-draft-exit (with a method whose drafts carry probabilities)")
+
 
 #: The commands' help for --prepack-linears / --no-prepack-linears (``prepack_by_default``).
 PREPACK_HELP = ("float32 linear layers on oneDNN's CPU kernel (weights prepacked once at load): faster plain steps "

@@ -468,6 +468,7 @@ def run_generate(args) -> int:
     _check_method_options(args)  # before minutes of model loading
     adaptive = (_adaptive_by_default(args) and args.draft_length_schedule != "cost-model"
                 if args.adaptive_draft_exit is None else args.adaptive_draft_exit)
+    defaults.check_exit_mode_flag(args.draft_exit_mode, adaptive)
     schedule = args.draft_length_schedule
     if schedule is None:  # the cost model over the default exit where the target computes in float32 on a CPU
         default_exit = args.adaptive_draft_exit is None and adaptive and args.confidence_gate is None

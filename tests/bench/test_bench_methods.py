@@ -113,6 +113,8 @@ def test_method_variants_carry_options_and_draft_control(target_only, tmp_path):
     ("autoregressive:compile=1,exit_layer=2", r"'autoregressive' takes no options or modifiers but compile=0\|1"),
     ("autoregressive:compile=1+adaptive", r"'autoregressive' takes no options or modifiers but compile=0\|1"),
     ("hf-generate:compile=1", r"'hf-generate' takes no options or modifiers .* use 'hf-generate-static'"),
+    ("draft:draft_exit_mode=masked", r"draft_exit_mode applies to the adaptive draft exit; add \+adaptive"),
+    ("draft:draft_exit_mode=lagged+adaptive", r"unknown draft exit mode 'lagged'; allowed: per-step, previous-round"),
 ])
 def test_bad_method_variants(name, match):
     with pytest.raises(InvalidArgumentError, match=match):
@@ -146,6 +148,12 @@ class _PlainGenerator(SpeculativeGenerator):
 
     def make_drafter(self, method: str):
         return super().make_drafter(method)
+
+
+def test_draft_exit_mode_option_sets_the_control():
+    spec = bench.MethodSpec.parse("draft:draft_exit_mode=masked+adaptive")
+    assert spec.base == "draft" and not spec.options
+    assert spec.draft_control.adaptive_exit and spec.draft_control.exit_mode == "masked"
 
 
 @pytest.mark.parametrize("name, base, compile_, gamma", [

@@ -1,6 +1,7 @@
 """An adaptive draft exit that reads nothing between draft steps (``engine.draft_exit``): exact greedy
 output in every mode, "masked" keeps the per-step exit's blocks, "previous-round" sizes blocks from the
-previous round, one host sync per round, "auto" by device, bad modes refused."""
+previous round, one host sync per round, per-step by default, the fused steps' top probabilities, bad modes
+refused."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from specdecode.engine.batch_runner import BatchRunner
 from specdecode.engine.batched import BatchedSpeculativeDecoder
 from specdecode.engine.draft_exit import exit_points, observe_exits
 from specdecode.engine.fast_path import ModelRunner
+from specdecode.engine.speculation_cost import SpeculationCostController
 from specdecode.errors import InvalidArgumentError
 from test_host_syncs import SyncCounter, _prompt
 
@@ -132,6 +134,19 @@ def test_the_threshold_learns_whether_the_block_had_an_early_unsure_token():
     assert after(2) == pytest.approx(0.4)  # exited early, drafts passing: draft longer
 
 
+def _counted_syncs(dec, models, config):
+    """Stream one generation of ``_prompt()``: its tokens, stats and the host syncs of its rounds (after the
+    prefill's first token)."""
+    counter = SyncCounter(models)
+    stream = dec.stream(_prompt(), config)
+    rounds = iter(stream)
+    first = next(rounds)
+    with counter.counting():
+        counter.active = True
+        tokens = first + [t for block in rounds for t in block]
+    return tokens, stream.stats, counter.count
+
+
 @pytest.mark.parametrize("method", ["draft", "cascade"])
 @pytest.mark.parametrize("mode", ["previous-round", "masked"])
 def test_one_host_sync_per_round_without_reads_between_draft_steps(method, mode, monkeypatch):
@@ -141,17 +156,11 @@ def test_one_host_sync_per_round_without_reads_between_draft_steps(method, mode,
     config = GenerationConfig(max_new_tokens=40, stop_on_eos=False)
     expected = SpeculativeDecoder(target).generate(_prompt(), config).token_ids
     dec = _one_row(target, make[method](), mode, compile=True, threshold=0.05)  # longer blocks
-    counter = SyncCounter([target, draft])
-    stream = dec.stream(_prompt(), config)
-    rounds = iter(stream)
-    first = next(rounds)
-    with counter.counting():
-        counter.active = True
-        tokens = first + [t for block in rounds for t in block]
+    tokens, stats, syncs = _counted_syncs(dec, [target, draft], config)
     assert tokens == expected
-    num_rounds = stream.stats.num_target_forwards
-    assert num_rounds > 3 and stream.stats.num_drafted_tokens > num_rounds
-    assert counter.count <= num_rounds, f"{counter.count} host syncs in {num_rounds} rounds"
+    num_rounds = stats.num_target_forwards
+    assert num_rounds > 3 and stats.num_drafted_tokens > num_rounds
+    assert syncs <= num_rounds, f"{syncs} host syncs in {num_rounds} rounds"
 
 
 def test_per_step_reads_every_draft_step():
@@ -160,14 +169,8 @@ def test_per_step_reads_every_draft_step():
     draft = perturbed_copy(target, noise=0.3, seed=1)
     config = GenerationConfig(max_new_tokens=40, stop_on_eos=False)
     dec = _one_row(target, DraftModelDrafter(draft), "per-step", compile=True, threshold=0.05)
-    counter = SyncCounter([target, draft])
-    stream = dec.stream(_prompt(), config)
-    rounds = iter(stream)
-    first = next(rounds)
-    with counter.counting():
-        counter.active = True
-        _ = first + [t for block in rounds for t in block]
-    assert counter.count > 2 * stream.stats.num_target_forwards
+    _, stats, syncs = _counted_syncs(dec, [target, draft], config)
+    assert syncs > 2 * stats.num_target_forwards
 
 
 def test_per_step_is_the_default_and_only_an_exit_has_a_mode():
@@ -217,3 +220,34 @@ def test_read_free_modes_run_their_steps_fused_with_the_loops_blocks(mode, monke
     assert results[True] == results[False]
     plain = SpeculativeDecoder(target)
     assert results[True][0] == [plain.generate(p, c).token_ids for p, c in zip(PROMPTS[:3], _configs()[:3])]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_previous_round_shortens_the_draft_not_the_cap_the_cost_model_learns_from(monkeypatch):
+    """With the cost model, the controller's ``record_round`` gets its own ``round_cap`` back (a shorter cap
+    would read as a row near its end and hold its sizes down), while the rounds draft less."""
+    target = make_tiny_model("llama", num_layers=3, seed=2)
+    draft = perturbed_copy(target, noise=0.5, seed=3)
+    events = []
+    round_cap, record_round = SpeculationCostController.round_cap, SpeculationCostController.record_round
+
+    def cap(self):
+        events.append(("cap", round_cap(self)))
+        return events[-1][1]
+
+    def record(self, cap, *args, **kwargs):
+        events.append(("record", cap))
+        return record_round(self, cap, *args, **kwargs)
+
+    monkeypatch.setattr(SpeculationCostController, "round_cap", cap)
+    monkeypatch.setattr(SpeculationCostController, "record_round", record)
+    control = DraftControl(adaptive_exit=True, max_draft_tokens=6, exit_mode="previous-round",
+                           length_schedule="cost-model", exit_threshold=0.3)
+    dec = BatchedSpeculativeDecoder(target, DraftModelDrafter(draft), max_batch_size=1, max_length=128,
+                                    draft_control=control)
+    result = dec.generate([REPETITIVE], [GenerationConfig(max_new_tokens=60, stop_on_eos=False)])[0]
+    pairs = [(a[1], b[1]) for a, b in zip(events, events[1:]) if a[0] == "cap" and b[0] == "record"]
+    assert len(pairs) > 10
+    assert all(recorded == min(given, 6) for given, recorded in pairs[:-7])  # the budget binds at the end
+    drafted_caps = result.stats.rounds_by_draft_cap
+    assert any(drafted_caps[c] for c in range(1, 6)), drafted_caps  # previous-round drafted less than 6

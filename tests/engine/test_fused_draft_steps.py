@@ -21,6 +21,7 @@ from helpers import perturbed_copy
 from selfspec_helpers import one_thread  # noqa: F401 (a fixture)
 from specdecode import GenerationConfig
 from specdecode.drafters import CascadeDrafter, DraftModelDrafter, LayerSkipDrafter
+from specdecode.drafters.control import DraftControl
 from specdecode.drafters.draft_head import DraftHead
 from specdecode.drafters.layer_skip import SkipSet
 from specdecode.engine.batch_runner import BatchRunner
@@ -173,7 +174,8 @@ def test_draft_steps_equal_one_token_calls_and_flag_non_finite_logits():
     dec = _engine(target, DraftModelDrafter(perturbed_copy(target, noise=0.3, seed=1)), 2)
     dec.generate([[5, 9, 12, 4, 8]] * 2, [GenerationConfig(max_new_tokens=3)] * 2)  # allocates the caches
     runner, vocab = dec.drafter.runner, 40
-    fused, finite, tops = runner.draft_steps(torch.tensor([7, 11]), [4, 6], 3, None, vocab)
+    assert runner.draft_steps(torch.tensor([7, 11]), [4, 6], 3, None, vocab)[2] is None  # no tops asked
+    fused, finite, tops = runner.draft_steps(torch.tensor([7, 11]), [4, 6], 3, None, vocab, with_tops=True)
     token, expected, expected_tops = torch.tensor([[7], [11]]), [], []
     for i in range(3):
         logits = runner(token, [4 + i, 6 + i], 1)[:, -1]
@@ -205,6 +207,10 @@ def test_draft_steps_checks_its_arguments():
         runner.draft_steps(torch.tensor([5, 6, 7]), [3, 3, 3], 2, None, 48)
     with pytest.raises(InvalidArgumentError, match=r"past the batch cache's capacity of 96"):
         runner.draft_steps(tokens, [94], 3, None, 48)
+    with pytest.raises(InvalidArgumentError, match=r"one start \(an int >= 0\) per row of its 1 tokens, got \[3, 4\]"):
+        runner.draft_steps(tokens, [3, 4], 2, None, 48)
+    with pytest.raises(InvalidArgumentError, match=r"got \[-1\]"):
+        runner.draft_steps(tokens, [-1], 2, None, 48)
     eager = BatchedSpeculativeDecoder(target, LayerSkipDrafter(target, SkipSet(attn=(1,))), max_batch_size=1,
                                       max_length=32, compile=False)
     assert not eager.drafter.runner.fuses_draft_steps(1)  # no fast path: the drafters run the loop
@@ -232,10 +238,31 @@ def test_compiled_fused_steps_equal_autoregressive(fused_calls):
     graphs = counters["stats"]["unique_graphs"]
     dec.warm_up()
     assert counters["stats"]["unique_graphs"] - graphs == 5
-    assert set(dec.drafter.runner._steps_buckets) == {(3, 3, 48, len(HEAD_IDS))}
+    assert set(dec.drafter.runner._steps_buckets) == {(3, 3, 48, len(HEAD_IDS), False)}
     compiled = dec.compile_time_s
     assert compiled > 0
     assert _continuous(dec, prompts, configs) == expected
     assert {steps for _, steps in fused_calls} == {3}  # a row near its end drafts less: step by step
     assert counters["stats"]["unique_graphs"] - graphs == 5  # nothing compiled mid-request
     assert dec.compile_time_s == compiled
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_an_engine_sharing_a_wider_engines_cache_fuses_its_own_rounds(fused_calls):
+    """One row at a time, a γ = 4 engine takes over the cache of an adaptive one whose blocks reach 6: each
+    fuses its own full rounds (5 and 3 steps), and both give the target's tokens."""
+    target = make_tiny_model("llama", num_layers=3)
+    draft = perturbed_copy(target, noise=0.3, seed=1)
+    configs, prompts = _configs()[:2], PROMPTS[:2]
+    expected = _alone(target, prompts, configs)
+    control = DraftControl(adaptive_exit=True, max_draft_tokens=6, exit_mode="masked")
+    wide = BatchedSpeculativeDecoder(target, DraftModelDrafter(draft), max_batch_size=1, max_length=96,
+                                     draft_control=control, compile=True, graphs=False)
+    assert _continuous(wide, prompts, configs) == expected
+    narrow = BatchedSpeculativeDecoder(target, DraftModelDrafter(draft), max_batch_size=1, max_length=96,
+                                       num_speculative_tokens=4, compile=True, graphs=False, shared_with=wide)
+    assert narrow.cache is wide.cache and narrow.drafter.runner is wide.drafter.runner
+    assert narrow.drafter.runner.fused_steps == ((3, False), (5, True))
+    fused_calls.clear()
+    assert _continuous(narrow, prompts, configs) == expected
+    assert {steps for _, steps in fused_calls} == {3}

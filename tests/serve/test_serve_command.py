@@ -55,6 +55,8 @@ from specdecode.serve.loadtest import wait_until_healthy, wait_until_listening
          "--max-prompt-tokens 96 does not fit --max-length 100: a prompt of 96 tokens, one new token and a draft "
          "block (5 positions) take 102; allowed: --max-prompt-tokens 1..94, or --max-length >= 102"),
         (["--max-length", "0"], "--max-length must be >= 1"),
+        (["--method", "prompt-lookup", "--draft-exit-mode", "previous-round"],
+         "--draft-exit-mode previous-round applies to the adaptive draft exit, which is off here"),
     ],
 )
 def test_bad_options_exit_2_before_loading_models(args, needle, capsys):

@@ -13,7 +13,8 @@ drafts its ``max_tokens`` and the draft carries each step's top probability (``D
 **Fused steps.** A round of greedy rows with no per-step exits, processors or tree runs its steps after
 the first as one compiled function of the drafter's runner (``BatchRunner.draft_steps``; one CUDA graph
 on CUDA) where that runner can (the fast path, at its ``BatchRunner.fused_steps``): the same tokens,
-counts, finiteness flag, top probabilities and steps as the loop, with no host work between the steps.
+counts, finiteness flag, top probabilities and steps as the loop (bit for bit on the uncompiled static
+path; a compiled graph may round the last bits differently), with no host work between the steps.
 Any other round, or a drafter that passes no runner (``fused_draft_steps=False``), runs the loop.
 """
 
@@ -66,7 +67,8 @@ def draft_batch(
             are added to, on the device (draft trees); None: nothing kept.
         runner: The ``BatchRunner`` that ``forward`` runs on: a greedy round with no exits, processors
             or ``tree_tops`` runs its steps after the first as ``runner.draft_steps`` where
-            ``runner.fuses_draft_steps(n, K - 1)`` (module docstring); None: the loop, step by step.
+            ``runner.fuses_draft_steps(n, K - 1, with top probabilities)`` (module docstring); None: the
+            loop, step by step.
 
     Returns:
         The draft, and S, the steps run (S - 1 drafted tokens were fed back).
@@ -84,7 +86,7 @@ def draft_batch(
     deferred = greedy and not per_step
     truncated = head is not None and head.ids is not None
     if deferred and K > 1 and processings is None and tree_tops is None and runner is not None \
-            and runner.fuses_draft_steps(n, K - 1):
+            and runner.fuses_draft_steps(n, K - 1, kept_tops is not None):
         return _fused(runner, first_logits, next_starts, max_tokens, samplers[0].vocab_size, who,
                       head.ids if truncated else None, kept_tops is not None)
     active = [c > 0 for c in max_tokens]
@@ -170,7 +172,7 @@ def _fused(runner, first_logits: torch.Tensor, next_starts: list[int], max_token
     steps' top probabilities (``with_tops``: exits that read them with the round's sync)."""
     n, K = len(max_tokens), max(max_tokens)
     token = head_ids[first_logits.argmax(-1)] if head_ids is not None else first_logits[:, :vocab].argmax(-1)
-    rest, finite, tops = runner.draft_steps(token, next_starts, K - 1, head_ids, vocab)
+    rest, finite, tops = runner.draft_steps(token, next_starts, K - 1, head_ids, vocab, with_tops)
     tokens = torch.cat([token.view(n, 1), rest], dim=1)
     top_probs = None
     if with_tops:  # as the loop: the softmax over every column of each step's logits

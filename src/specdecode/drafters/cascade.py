@@ -235,7 +235,8 @@ class CascadeDrafter(DraftModelDrafter):
             self.num_ngram_tokens += sum(len(ng) for ng in ngrams)
             width = max(1, max(len(ng) for ng in ngrams))
             ids = to_device([ng + [0] * (width - len(ng)) for ng in ngrams], self._device)
-            return Draft(ids, [len(ng) for ng in ngrams], None, None, self.who)
+            sure = torch.ones(ids.shape, device=ids.device) if exits is not None and not reads_per_step(exits) else None
+            return Draft(ids, [len(ng) for ng in ngrams], None, None, self.who, top_probs=sure)  # n-gram tokens: sure
         with self.head.applied():
             return self._propose_with_model(sequences, lengths, max_tokens, uses_model, ngrams, fed, exits, exit_rule)
 

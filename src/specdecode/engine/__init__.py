@@ -18,7 +18,9 @@
 - ``batch_rows``: a batched request's state (``BatchRow``) and ``BatchEvent``;
 - ``batched``: ``BatchedSpeculativeDecoder``, many rows at once with continuous batching,
   on ``batch_cache.BatchKVCache`` (per-row positions and masks); ``batch_runner``: its fast path (``BatchRunner``, forwards
-  compiled at (rows, width) buckets, CUDA graphs on CUDA);
+  compiled at (rows, width) buckets, CUDA graphs on CUDA; a greedy round's draft steps as one graph);
+- ``draft_exit``: an adaptive draft exit read with the round's one sync (``DraftControl.exit_mode``
+  "masked" and "previous-round");
 - ``compat``: ``torch.compile`` options feature-detected for the torch installed (2.11 and later);
 - ``compile_cache``: compiled graphs kept in specdecode's cache folder, reused by later processes;
 - ``stopping``: EOS, budget and stop strings (``emit``);

@@ -36,7 +36,7 @@ config has ``layer_types`` (Gemma 2/3, Qwen2) gets one mask per attention type.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel
@@ -64,11 +64,16 @@ class FastPath:
             where padding tokens land.
         graphs: True compiles each bucket (``torch.compile``; CUDA graphs on CUDA); False runs the
             same static-shape forwards eagerly (tests, debugging).
+        draft_steps: What a draft runner on these caches fuses (``BatchRunner.draft_steps``): (steps,
+            with top probabilities) pairs; each engine on them adds its longest block less one, with top
+            probabilities where its adaptive exit reads them with the round's sync, so engines that share
+            a cache (one row at a time, ``SpeculativeDecoder``) each fuse their own full rounds.
     """
 
     rows: tuple[int, ...]
     max_width: int
     graphs: bool = True
+    draft_steps: set[tuple[int, bool]] = field(default_factory=set, compare=False)
 
 
 class _Window:
@@ -407,10 +412,10 @@ class BatchKVCache(Cache):
         return self._window.kv_len
 
 
-def to_device(values: Sequence, device) -> torch.Tensor:
-    """A long tensor of (nested) Python ints on ``device``; on CUDA through pinned memory with a
-    non-blocking copy, so that building a forward's inputs never waits for the GPU."""
-    host = torch.tensor(values, dtype=torch.long)
+def to_device(values: Sequence, device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A ``dtype`` (long) tensor of (nested) Python numbers on ``device``; on CUDA through pinned memory with
+    a non-blocking copy, so that building a forward's inputs never waits for the GPU."""
+    host = torch.tensor(values, dtype=dtype)
     if torch.device(device).type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)

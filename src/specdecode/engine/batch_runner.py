@@ -31,8 +31,8 @@ whose rows each continue at their own position (``batch_cache.BatchKVCache``):
 its first forward, S of them, run as ONE compiled function (one CUDA graph on CUDA), as gpt-fast
 compiles its whole decode step: step i feeds step i - 1's argmax at each row's position + i, the
 write positions advanced on the device (``index.add_(1)`` on the bucket's buffer), finiteness
-accumulated on the device, so no host work runs between the steps. Rounds fuse at one step count,
-``fused_steps`` (the engine's longest block less one); a bucket of its own per rows bucket, compiled at
+accumulated on the device, so no host work runs between the steps. Rounds fuse at their engine's
+longest block less one (``fused_steps``); a bucket of its own per rows bucket and count, compiled at
 its first use (``warm_up_draft_steps``: before a server's first request) and timed in
 ``compile_time_s`` like the others. Free rows n .. R - 1 are written at positions 0 .. S - 1, which a
 joining row's prefill overwrites.
@@ -139,7 +139,7 @@ class BatchRunner:
         self._warm_calls = 2 if self._cuda else 1  # CUDA graph trees record at the second call
         self._buckets: dict[tuple[int, int, bool], _Bucket] = {}
         #: [fused draft steps] by (rows, steps, vocab, head size or None)
-        self._steps_buckets: dict[tuple[int, int, int, int | None], _Bucket] = {}
+        self._steps_buckets: dict[tuple[int, int, int, int | None, bool], _Bucket] = {}
 
     takes_trees = True  # tree forwards (``engine.tree``), eagerly
 
@@ -209,23 +209,25 @@ class BatchRunner:
                     self._run(bucket)
 
     @property
-    def fused_steps(self) -> int:
-        """The one step count a round fuses (``fuses_draft_steps``): the engine's longest block less one,
-        ``FastPath.max_width`` - 2 (its widest verification, longest block + 1, less the first draft
-        token), or 0 without the fast path. Other counts (a row near its end, a cost model's shorter
-        block) run step by step, so no graph compiles in the middle of a request."""
-        return self.fast.max_width - 2 if self.fast is not None else 0
+    def fused_steps(self) -> tuple[tuple[int, bool], ...]:
+        """What rounds fuse (``fuses_draft_steps``): (steps, with top probabilities) pairs, each engine's
+        longest block less one (``FastPath.draft_steps``); none without the fast path. Other counts (a row
+        near its end, a cost model's shorter block) run step by step, so no graph compiles in the middle
+        of a request."""
+        return tuple(sorted(self.fast.draft_steps)) if self.fast is not None else ()
 
-    def fuses_draft_steps(self, n: int, num_steps: int | None = None) -> bool:
+    def fuses_draft_steps(self, n: int, num_steps: int | None = None, with_tops: bool = False) -> bool:
         """Whether ``draft_steps`` can run ``n`` rows: the fast path on, its cache allocated, a rows bucket
         for n rows and a width-1 bucket (the steps are this runner's one-token forwards); with
-        ``num_steps``, also whether a round of that many steps fuses (it is ``fused_steps``)."""
+        ``num_steps``, also whether a round of that many steps (``with_tops``: and top probabilities) fuses
+        (one of ``fused_steps``)."""
         return self.fast is not None and 1 in self.widths and self.cache.layers[0].is_initialized \
-            and any(r >= n for r in self.rows) and (num_steps is None or num_steps == self.fused_steps)
+            and any(r >= n for r in self.rows) \
+            and (num_steps is None or (num_steps, with_tops) in self.fast.draft_steps)
 
     @torch.inference_mode()
-    def draft_steps(self, tokens: torch.Tensor, starts: Sequence[int], num_steps: int,
-                    head_ids: torch.Tensor | None, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def draft_steps(self, tokens: torch.Tensor, starts: Sequence[int], num_steps: int, head_ids: torch.Tensor | None,
+                    vocab: int, with_tops: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``num_steps`` greedy one-token forwards over slots 0 .. n - 1 as one compiled function (the
         module docstring): the same tokens as ``num_steps`` calls of ``self(ids, at, 1)``, each followed
         by the argmax, but with no host work between them.
@@ -238,18 +240,23 @@ class BatchRunner:
             head_ids: (K,) long on the device, a truncated head's token ids (logit column j is token
                 ``head_ids[j]``); None: the logits' first ``vocab`` columns are the tokens.
             vocab: V >= 1, the target's vocabulary size (a full head's columns past it are ignored).
+            with_tops: Also return each step's top probability (a bucket of its own).
 
         Returns:
             ``(tokens, finite, tops)``: (n, S) long, step i's argmax per row; a 0-dim bool tensor, whether
-            every step's logits of rows 0 .. n - 1 were finite; (n, S) float32, the largest probability of
-            each step's softmax over all its logits' columns (an adaptive exit's confidence,
-            ``base.draft_batch``). Nothing is read back to the host.
+            every step's logits of rows 0 .. n - 1 were finite; with ``with_tops``, (n, S) float32, the
+            largest probability of each step's softmax over all its logits' columns (an adaptive exit's
+            confidence, ``base.draft_batch``), else None. Nothing is read back to the host.
 
         Raises:
-            InvalidArgumentError: ``num_steps`` or ``vocab`` not an integer >= 1; ``fuses_draft_steps(n)``
-                false; a row that would write past the cache's capacity.
+            InvalidArgumentError: ``num_steps`` or ``vocab`` not an integer >= 1; ``starts`` not one int
+                >= 0 per row; ``fuses_draft_steps(n)`` false; a row that would write past the cache's
+                capacity.
         """
         n = int(tokens.shape[0])
+        if len(starts) != n or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in starts):
+            raise InvalidArgumentError(f"{self.name}: draft_steps needs one start (an int >= 0) per row of its "
+                                       f"{n} tokens, got {list(starts)!r}")
         for name, value in (("num_steps", num_steps), ("vocab", vocab)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidArgumentError(f"{self.name}: draft_steps' {name} must be an integer >= 1, got {value!r}")
@@ -263,33 +270,37 @@ class BatchRunner:
                 f"a forward would write position {end - 1}, past the batch cache's capacity of {self.cache.capacity}"
             )
         rows = next(r for r in self.rows if r >= n)
-        bucket = self._steps_bucket(rows, num_steps, head_ids, vocab)
+        bucket = self._steps_bucket(rows, num_steps, head_ids, vocab, with_tops)
         bucket.ids[:n].copy_(tokens.view(n, 1))
         _copy_from_host(bucket.index.view(rows, 1), [[s] for s in starts] + [[0]] * (rows - n))
         out, finite, tops = self._run(bucket)
-        out, tops = out[:n], tops[:n]
-        return (out.clone() if self._cuda else out), finite[:n].all(), (tops.clone() if self._cuda else tops)
+        out, tops = out[:n], tops[:n] if tops is not None else None
+        if self._cuda:  # the graph's outputs are overwritten by its next replay
+            out, tops = out.clone(), tops.clone() if tops is not None else None
+        return out, finite[:n].all(), tops
 
     @torch.inference_mode()
     def warm_up_draft_steps(self, head_ids: torch.Tensor | None, vocab: int) -> None:
-        """Run ``draft_steps``' bucket of ``fused_steps`` steps once at every rows bucket (twice on CUDA), so
-        that a server compiles it before its first request (the drafters call it in the model's draft mode
+        """Run ``draft_steps``' buckets of each of ``fused_steps`` once at every rows bucket (twice on CUDA), so
+        that a server compiles them before its first request (the drafters call it in the model's draft mode
         or under its truncated head, as their rounds run it). Slots hold garbage afterwards, which
-        prefills overwrite. Does nothing unless ``fuses_draft_steps(1)`` and ``fused_steps`` >= 1."""
-        if not self.fuses_draft_steps(1) or self.fused_steps < 1:
+        prefills overwrite. Does nothing unless ``fuses_draft_steps(1)``."""
+        if not self.fuses_draft_steps(1):
             return
-        for rows in self.rows:
-            bucket = self._steps_bucket(rows, self.fused_steps, head_ids, vocab)
+        for rows, (steps, with_tops) in ((r, s) for r in self.rows for s in self.fused_steps):
+            bucket = self._steps_bucket(rows, steps, head_ids, vocab, with_tops)
             bucket.ids.zero_()
             for _ in range(self._warm_calls):
                 bucket.index.zero_()
                 self._run(bucket)
 
-    def _steps_bucket(self, rows: int, num_steps: int, head_ids: torch.Tensor | None, vocab: int) -> _Bucket:
-        key = (rows, num_steps, vocab, None if head_ids is None else int(head_ids.numel()))
+    def _steps_bucket(self, rows: int, num_steps: int, head_ids: torch.Tensor | None, vocab: int,
+                      with_tops: bool = False) -> _Bucket:
+        """[fused draft steps] The bucket of ``rows`` x ``num_steps`` (made at its first use), its head ids set."""
+        key = (rows, num_steps, vocab, None if head_ids is None else int(head_ids.numel()), with_tops)
         bucket = self._steps_buckets.get(key)
         if bucket is None:
-            bucket = self._steps_buckets[key] = _Bucket(self, rows, 1, steps=(num_steps, vocab, key[3]))
+            bucket = self._steps_buckets[key] = _Bucket(self, rows, 1, steps=(num_steps, vocab, key[3], with_tops))
         if head_ids is not None and bucket.head_source is not head_ids:  # a device copy, once per head tensor
             bucket.head.copy_(head_ids)
             bucket.head_source = head_ids
@@ -301,8 +312,9 @@ class BatchRunner:
             bucket = self._buckets[(rows, width, tree)] = _Bucket(self, rows, width, tree)
         return bucket
 
-    def _run(self, bucket: _Bucket) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Call ``bucket``'s function on its buffers: (R, W, V) logits, or a steps bucket's (tokens, finite)."""
+    def _run(self, bucket: _Bucket) -> torch.Tensor | tuple:
+        """Call ``bucket``'s function on its buffers: (R, W, V) logits, or a steps bucket's (tokens, finite,
+        tops or None)."""
         window = self.cache._window
         window.static, window.index = True, bucket.index
         window.tree = (bucket.depth, bucket.ancestors) if bucket.tree else None
@@ -324,12 +336,12 @@ class BatchRunner:
 class _Bucket:
     """One (rows, width) bucket: persistent input buffers and its own compiled forward.
 
-    ``steps=(S, V, K)``: [fused draft steps] a width-1 bucket whose function runs S greedy steps
-    (``_steps_function``; V the vocabulary, K a truncated head's size or None; ``head``: its (K,)
-    token ids, copied from ``head_source``)."""
+    ``steps=(S, V, K, tops)``: [fused draft steps] a width-1 bucket whose function runs S greedy steps
+    (``_steps_function``; V the vocabulary, K a truncated head's size or None, ``tops``: whether it
+    returns each step's top probability; ``head``: its (K,) token ids, copied from ``head_source``)."""
 
     def __init__(self, runner: BatchRunner, rows: int, width: int, tree: bool = False,
-                 steps: tuple[int, int, int | None] | None = None) -> None:
+                 steps: tuple[int, int, int | None, bool] | None = None) -> None:
         device = runner.cache.device
         self.rows, self.width, self.calls, self.tree = rows, width, 0, tree
         self.steps = steps[0] if steps is not None else 0
@@ -351,7 +363,8 @@ class _Bucket:
             self.forward = _forward_function(runner.model, f"r{rows}w{width}{'t' if tree else ''}", graphs, cuda)
         else:
             self.inputs = (self.ids, self.index, self.head)
-            self.forward = _steps_function(runner.model, f"r{rows}s{self.steps}", self.steps, steps[1], graphs, cuda)
+            tag = f"r{rows}s{self.steps}{'p' if steps[3] else ''}"
+            self.forward = _steps_function(runner.model, tag, self.steps, steps[1], steps[3], graphs, cuda)
 
 
 def _forward_function(model: PreTrainedModel, tag: str, graphs: bool, cuda: bool) -> Callable:
@@ -367,16 +380,16 @@ def _forward_function(model: PreTrainedModel, tag: str, graphs: bool, cuda: bool
     return _own_compiled(forward, tag, graphs, cuda)
 
 
-def _steps_function(model: PreTrainedModel, tag: str, num_steps: int, vocab: int, graphs: bool,
+def _steps_function(model: PreTrainedModel, tag: str, num_steps: int, vocab: int, with_tops: bool, graphs: bool,
                     cuda: bool) -> Callable:
     """[fused draft steps] ``steps(ids (R, 1), index (R, 1, 1, 1), head (K,) or None, cache) -> (tokens
-    (R, S) long, finite (R,) bool, tops (R, S) float32)``: S one-token forwards on the static path, each fed the previous
-    one's greedy token (``head[argmax]`` of a truncated head's K logits, else the argmax of the first
+    (R, S) long, finite (R,) bool, tops (R, S) float32 or None)``: S one-token forwards on the static path,
+    each fed the previous one's greedy token (``head[argmax]`` of a truncated head's K logits, else the argmax of the first
     ``vocab``), ``index`` (the window's write positions) advanced by one in place after each; compiled
     on a code object of its own when ``graphs`` (the module docstring)."""
 
     def steps(ids: torch.Tensor, index: torch.Tensor, head: torch.Tensor | None,
-              cache: BatchKVCache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              cache: BatchKVCache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         tokens, tops, finite = [], [], None
         for _ in range(num_steps):
             positions, mask = cache.static_inputs(model.dtype)  # from ``index``, the window's buffer
@@ -385,11 +398,12 @@ def _steps_function(model: PreTrainedModel, tag: str, num_steps: int, vocab: int
             ).logits[:, -1]
             ok = torch.isfinite(logits).all(-1)
             finite = ok if finite is None else finite & ok
-            tops.append(torch.softmax(logits.float(), -1).amax(-1))  # an adaptive exit's confidence
+            if with_tops:  # an adaptive exit's confidence
+                tops.append(torch.softmax(logits.float(), -1).amax(-1))
             ids = (head[logits.argmax(-1)] if head is not None else logits[:, :vocab].argmax(-1)).view(-1, 1)
             tokens.append(ids)
             index.add_(1)
-        return torch.cat(tokens, dim=1), finite, torch.stack(tops, dim=1)
+        return torch.cat(tokens, dim=1), finite, torch.stack(tops, dim=1) if with_tops else None
 
     return _own_compiled(steps, tag, graphs, cuda)
 

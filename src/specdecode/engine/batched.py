@@ -212,6 +212,8 @@ class BatchedSpeculativeDecoder(BatchRequests):
             )
             self.runner = BatchRunner(target, self.cache, (1, self.max_block + 1), "target model")
         self.max_length = max_length
+        if self.cache.fast is not None and drafter is not None and self.max_block > 1:  # what a draft runner fuses
+            self.cache.fast.draft_steps.add((self.max_block - 1, self.exit_mode in ("masked", "previous-round")))
         if drafter is not None:
             drafter.bind(self.cache)
         self.stats = SpecDecodingStats()
@@ -332,9 +334,10 @@ class BatchedSpeculativeDecoder(BatchRequests):
         if self.drafter is not None and any(row.banned is not None for row in self._rows):
             self.drafter.rollback([len(row.tokens) - 1 for row in self._rows])  # a first token rolled back
 
-    def _caps(self) -> list[int]:
+    def _caps(self) -> tuple[list[int], list[int]]:
         """Per row, the most tokens to draft this round (its policy, its length budget, γ, and the
-        share of ``max_verify_tokens`` each of the n rows gets)."""
+        share of ``max_verify_tokens`` each of the n rows gets), and the same within a "previous-round"
+        exit's ``next_length`` (what the round drafts; the first is what its controller learns from)."""
         caps = []
         share = self.max_block if self.max_verify_tokens is None else self.max_verify_tokens // len(self._rows) - 1
         for row in self._rows:
@@ -343,10 +346,11 @@ class BatchedSpeculativeDecoder(BatchRequests):
                 if row.controller.gated and row.remaining > 1:
                     row.stats.num_gated_steps += 1
                 cap = min(row.controller.round_cap(), self.max_block, share)
-                if self.exit_mode == "previous-round" and row.controller.exit is not None:
-                    cap = min(cap, row.controller.exit.next_length)
             caps.append(max(0, min(cap, row.remaining - 1)))
-        return caps
+        if self.exit_mode != "previous-round":
+            return caps, caps
+        return caps, [min(c, r.controller.exit.next_length) if r.controller.exit is not None else c
+                      for c, r in zip(caps, self._rows)]
 
     def _calibrate(self) -> None:
         """Once per engine, before its first round with a drafter: ``DraftPolicy.calibrate`` with this
@@ -403,28 +407,28 @@ class BatchedSpeculativeDecoder(BatchRequests):
             self._calibrate()
         rows, device = self._rows, self.target.device
         t0, compiling = time.perf_counter(), self.compile_time_s
-        caps = self._caps() if self.drafter is not None else [0] * len(rows)
+        caps, limits = self._caps() if self.drafter is not None else ([0] * len(rows),) * 2
         sequences = [row.tokens for row in rows]
         draft: Draft | None = None
         n = len(rows)
         k = [0] * n
-        stat_caps = caps  # a trimmed row's: what it kept (``_trimmed``)
+        stat_caps = limits  # a trimmed row's: what it kept (``_trimmed``)
         draft_s = draft_prefill = 0.0
         depths: list[int | None] = [None] * n
         forwards_before = self.drafter.num_forwards if self.drafter is not None else 0
         exits = [row.controller.exit for row in rows] if self.adaptive else None
         if exits is not None and all(e is None for e in exits):
             exits = None  # gating or a schedule only: no per-step host sync
-        if max(caps) > 0:
+        if max(limits) > 0:
             t_draft, draft_compiling = time.perf_counter(), self.drafter.compile_time_s
             draft_prefill = self.drafter.prefill_time_s
-            draft = self.drafter.propose(sequences, caps, exits, self.exit_rule)
+            draft = self.drafter.propose(sequences, limits, exits, self.exit_rule)
             draft_prefill = self.drafter.prefill_time_s - draft_prefill
             # drafting only: no compilation, no deferred prompt prefill
             draft_s = time.perf_counter() - t_draft - (self.drafter.compile_time_s - draft_compiling) - draft_prefill
             k = list(draft.num_tokens)
             if draft.ngram_sizes is not None:  # each row's policy keeps what its match's evidence pays for
-                k, stat_caps = self._trimmed(rows, k, draft, caps)
+                k, stat_caps = self._trimmed(rows, k, draft, limits)
         trees, tokens, probs = round_trees(draft, k, rows, getattr(self.runner, "takes_trees", False)) \
             if draft is not None else (None, None, None)
         K = max(k)
@@ -449,13 +453,15 @@ class BatchedSpeculativeDecoder(BatchRequests):
         if points is not None:  # [exits read with the sync] each row's first unsure position
             parts = [*parts, points]
         host = torch.cat([*parts, logits.argmax(-1).flatten(), finite.long(), draft_finite.long()]).tolist()
-        if points is not None:
-            k = observe_exits(exits, k, host[n * K : n * K + n], self.exit_rule)
+        exit_at = host[n * K : n * K + n] if points is not None else None
+        if exit_at is not None:
             del host[n * K : n * K + n]
         if not host[-1]:
             if self.drafter is not None:  # the rows did not move: keep the drafter in step with them
                 self.drafter.rollback([len(row.tokens) - 1 for row in rows])
             raise_non_finite(draft.who, logits.dtype)
+        if exit_at is not None:
+            k = observe_exits(exits, k, exit_at, self.exit_rule)
         drafted = [host[b * K : (b + 1) * K] for b in range(n)]
         argmax = host[n * K : n * K + n * (K + 1)]
         flags = host[n * (2 * K + 1) : n * (3 * K + 2)]
@@ -511,7 +517,7 @@ class BatchedSpeculativeDecoder(BatchRequests):
             row.stats.record_cap(cap)  # where the policy trimmed the block, what it kept
             if row.controller is not None:
                 if kb:
-                    row.controller.record(caps[b], kb, a)
+                    row.controller.record(limits[b], kb, a)
                 if row.controller.exit is not None:
                     row.stats.final_draft_threshold = row.controller.exit.threshold
                 if row.controller.gate is not None:

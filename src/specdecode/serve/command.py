@@ -577,6 +577,7 @@ def resolve_defaults(args, device) -> ServePlan:
             raise InvalidArgumentError(f"--adaptive-draft-exit needs a method whose drafts carry probabilities; "
                                        f"{args.method!r} has none")
         adaptive = False
+    defaults.check_exit_mode_flag(args.draft_exit_mode, adaptive)
     float32_cpu = target_float32_on_cpu(args.dtype, device, getattr(args, "backend", "torch"))
     limit = args.max_model_prompt_tokens
     if limit is None:
