@@ -83,6 +83,11 @@ single: 16 prompts x 5 methods x 128 tokens at 190-490 tok/s, about 50 s, plus a
 up to 650 s, past the budget. ``--budget-s`` (540) is a deadline from the start, loading included: a
 width, prompt or group that would start after it is skipped and named (exit status 2). The sections
 run in the order above, so the budget cuts the slow baselines first; a second call, warm, fits.
+The rows added since (trees, the datastore, ``draft-unfused`` and the three exit-mode rows) add about
+10 methods x 16 prompts x 128 tokens, roughly 2 minutes, plus the fused draft steps' graphs (one of
+γ - 1 = 4 steps, two of 11 for the adaptive engines, each a whole unrolled draft model: not measured
+cold): on a cold machine call ``--sections forwards,single,rounds,syncs`` first, then
+``--sections batched,baselines``, or cut ``--methods``.
 
 Exit status: 0 all ran; 1 a section failed (its traceback is printed and the next section runs);
 2 none failed but the budget skipped some runs.
