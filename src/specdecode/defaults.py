@@ -12,6 +12,7 @@ import torch
 
 from specdecode import method_registry
 from specdecode.drafters.control import DraftControl
+from specdecode.engine.protocol import DRAFT_EXIT_MODES
 from specdecode.errors import InvalidArgumentError
 from specdecode.models import LoadedModel
 from specdecode.models.loading import resolve_dtype
@@ -169,7 +170,13 @@ def prompt_limit_by_default(method: str, draft_scheme: str, draft_backend: str |
     return MAX_MODEL_PROMPT_TOKENS if method == "cascade" and costly_prefill else None
 
 
-#: The commands' help for --draft-exit-mode (generate and serve; bench: the option draft_exit_mode=).
+def add_exit_mode_flag(parser) -> None:
+    """generate's and serve's ``--draft-exit-mode`` (``DraftControl.exit_mode``; bench: the option
+    ``draft_exit_mode=``), on ``parser`` (an argparse parser or group); ``check_exit_mode_flag`` checks it."""
+    parser.add_argument("--draft-exit-mode", choices=DRAFT_EXIT_MODES, default=DraftControl.exit_mode,
+                        help=DRAFT_EXIT_MODE_HELP)
+
+
 DRAFT_EXIT_MODE_HELP = ("with --adaptive-draft-exit, how the exit reads the draft's confidence: per-step (default: "
                         "after each draft token, stopping at the first unsure one), masked (in greedy rounds "
                         "nothing read between draft steps: the whole cap drafted, cut after the first unsure "

@@ -21,7 +21,6 @@ from specdecode import defaults, method_registry
 from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS, GenerationConfig, check_unicode, parse_logit_bias
 from specdecode.drafters.control import LENGTH_SCHEDULES, DraftControl
 from specdecode.drafters.draft_tree import MAX_TREE_DEPTH
-from specdecode.engine.protocol import DRAFT_EXIT_MODES
 from specdecode.errors import InvalidArgumentError, SpecDecodeError
 from specdecode.models.llama_cpp_target import TARGET_BACKENDS, check_llama_cpp_target_options
 from specdecode.models.loading import resolve_device
@@ -303,8 +302,7 @@ def add_generate_parser(sub) -> None:
                    help="initial adaptive draft-exit threshold")
     c.add_argument("--max-draft-tokens", type=int, default=DraftControl.max_draft_tokens,
                    help="most tokens per block with --adaptive-draft-exit")
-    c.add_argument("--draft-exit-mode", choices=DRAFT_EXIT_MODES, default=DraftControl.exit_mode,
-                   help=defaults.DRAFT_EXIT_MODE_HELP)
+    defaults.add_exit_mode_flag(c)
     c.add_argument("--draft-length-schedule", choices=LENGTH_SCHEDULES, default=None,
                    help="default: cost-model over the default adaptive exit where the target computes in float32 on "
                         "a CPU, else constant. constant: -g tokens per block; heuristic: +2 after a fully accepted block, -1 otherwise; "

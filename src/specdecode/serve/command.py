@@ -1,19 +1,17 @@
 """``specdecode serve``: load the models, build the batched engine, run uvicorn.
 
-The arguments are defined here without importing FastAPI, so ``specdecode generate``
-works without the ``serve`` extra; ``run`` imports it and says how to install it if missing.
-The server's defaults are ``generate``'s on the same device (``pipeline``'s command
-defaults): method ``cascade`` with adaptive draft exit, an int4 draft on a CPU, and the
-cascade's prompt limit for the draft model. Start-up logs each phase (loading, quantizing,
-warm-up) with its duration at ``--log-level info``, and last ``start-up: listening on
-http://HOST:PORT``, the address bound (with ``--port 0``, the free port the system picked).
+The arguments are defined here without importing FastAPI, so ``specdecode generate`` works without the ``serve``
+extra; ``run`` imports it and says how to install it if missing. The server's defaults are ``generate``'s on the
+same device (``pipeline``'s command defaults): method ``cascade`` with adaptive draft exit, an int4 draft on a
+CPU, and the cascade's prompt limit for the draft model. Start-up logs each phase (loading, quantizing, warm-up)
+with its duration at ``--log-level info``, and last ``start-up: listening on http://HOST:PORT``, the address
+bound (with ``--port 0``, the free port the system picked).
 
-``--backend llama-cpp`` runs the target's GGUF file in llama.cpp (as ``generate --backend
-llama-cpp``, with its default method, ``defaults.LLAMA_CPP_COMMAND_METHOD``, and prompt lookup's
-draft length from the measured forward costs): one request at a time, since llama.cpp's
-multi-sequence batches are not built, so the engine has one row and further requests wait in
-the queue (``--max-queue``). What that backend cannot do is refused before loading
-(``check_llama_cpp_backend``).
+``--backend llama-cpp`` runs the target's GGUF file in llama.cpp (as ``generate --backend llama-cpp``, with its
+default method, ``defaults.LLAMA_CPP_COMMAND_METHOD``, and prompt lookup's draft length from the measured
+forward costs): one request at a time, since llama.cpp's multi-sequence batches are not built, so the engine
+has one row and further requests wait in the queue (``--max-queue``). What that backend cannot do is refused
+before loading (``check_llama_cpp_backend``).
 """
 
 from __future__ import annotations
@@ -25,10 +23,9 @@ from dataclasses import dataclass
 
 from specdecode import defaults, method_registry
 from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS
-from specdecode.defaults import DRAFT_EXIT_MODE_HELP, LLAMA_CPP_COMMAND_METHOD
+from specdecode.defaults import LLAMA_CPP_COMMAND_METHOD
 from specdecode.drafters.control import DraftControl
 from specdecode.drafters.draft_tree import MAX_TREE_DEPTH
-from specdecode.engine.protocol import DRAFT_EXIT_MODES
 from specdecode.engine.runner_target import ONE_SEQUENCE
 from specdecode.errors import InvalidArgumentError, SpecDecodeError
 from specdecode.method_registry import who_takes
@@ -129,8 +126,7 @@ def add_arguments(p: argparse.ArgumentParser, *, default_target: str, default_dr
                         "step by measured tokens per second), given explicitly alone")
     p.add_argument("--exit-rule", default="row", choices=("row", "batch"),
                    help="with --adaptive-draft-exit: a row stops at its own unsure token, or the batch at the last")
-    p.add_argument("--draft-exit-mode", choices=DRAFT_EXIT_MODES, default=DraftControl.exit_mode,
-                   help=DRAFT_EXIT_MODE_HELP)
+    defaults.add_exit_mode_flag(p)
     p.add_argument("--max-verify-tokens", default="auto",
                    help="most tokens one verification forward takes ('auto': on CPU 12, or the longest draft "
                         "block + 1 where more, so one request drafts as specdecode generate; none elsewhere; "
