@@ -310,33 +310,30 @@ class CascadeDrafter(DraftModelDrafter):
                                                              model_tokens, blocks, model.probs)
             self._keep_chains(tree_rows, valid, chains, steps)
             return tree_draft(tokens, num, self._probs(blocks, model, samplers), finite, self.who, trees, sampled)
-        tokens = self._join(blocks, model.tokens if model is not None else None, num)
-        tops = None
-        if exits is not None and not reads_per_step(exits):  # the n-gram tokens count as sure
-            tops = self._join(blocks, model.top_probs if model is not None else None, num, ones=True)
+        with_tops = exits is not None and not reads_per_step(exits)  # the n-gram tokens count as sure
+        tokens, tops = self._join(blocks, num, model, with_tops)
         return Draft(tokens, num, self._probs(blocks, model, samplers), finite, self.who, top_probs=tops)
 
-    def _join(self, blocks: list[list[int]], model: torch.Tensor | None, num: list[int],
-              ones: bool = False) -> torch.Tensor:
-        """(n, max(1, max(num))): each row's n-gram tokens (``ones``: 1.0 at their positions, float32), then
-        its model part's columns (``model``, (n, S): tokens or top probabilities), then padding."""
-        device = self._device
+    def _join(self, blocks: list[list[int]], num: list[int], model: Draft | None,
+              with_tops: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(n, max(1, max(num))) long: each row's n-gram tokens, then its model part's tokens, then padding;
+        and with ``with_tops`` the same layout of top probabilities (float32, 1.0 at the n-gram tokens'
+        positions), both gathered by one index."""
+        device, n = self._device, len(blocks)
         longest = max(len(blk) for blk in blocks)
-        if ones:
-            ngram = torch.ones((len(blocks), longest), dtype=torch.float32, device=device) if longest else None
-        else:
-            ngram = to_device([blk + [0] * (longest - len(blk)) for blk in blocks], device) if longest else None
+        ngram = to_device([blk + [0] * (longest - len(blk)) for blk in blocks], device) if longest else None
+        sure = torch.ones((n, longest), dtype=torch.float32, device=device) if with_tops and longest else None
         if model is None:
-            if ngram is not None:
-                return ngram
-            return torch.ones((len(blocks), 1), device=device) if ones else \
-                torch.zeros((len(blocks), 1), dtype=torch.long, device=device)
+            if ngram is None:
+                ngram, sure = torch.zeros((n, 1), dtype=torch.long, device=device), torch.ones((n, 1), device=device)
+            return ngram, sure if with_tops else None
         if ngram is None:
-            return model
-        both = torch.cat([ngram, model], dim=1)  # (n, A + S)
-        last, total = both.shape[1] - 1, max(1, max(num))
-        index = [[j if j < len(blk) else min(longest + j - len(blk), last) for j in range(total)] for blk in blocks]
-        return both.gather(1, to_device(index, device))
+            return model.tokens, model.top_probs if with_tops else None
+        last, total = longest + model.tokens.shape[1] - 1, max(1, max(num))
+        index = to_device([[j if j < len(blk) else min(longest + j - len(blk), last) for j in range(total)]
+                           for blk in blocks], device)
+        tokens = torch.cat([ngram, model.tokens], dim=1).gather(1, index)  # (n, A + S) -> (n, total)
+        return tokens, torch.cat([sure, model.top_probs], dim=1).gather(1, index) if with_tops else None
 
     def _probs(self, blocks, model: Draft | None, samplers) -> list[torch.Tensor | None] | None:
         """Per row, one-hot rows for its n-gram tokens, then the model part's distributions (sampling rows)."""
