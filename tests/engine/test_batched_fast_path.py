@@ -19,8 +19,9 @@ from torch._dynamo.utils import counters
 from conftest import make_tiny_model
 from helpers import perturbed_copy
 from selfspec_helpers import REPETITIVE, one_thread  # noqa: F401 (a fixture)
-from specdecode import GenerationConfig, SpeculativeDecoder
+from specdecode import DraftControl, GenerationConfig, SpeculativeDecoder
 from specdecode.drafters import (
+    CascadeDrafter,
     DraftModelDrafter,
     EarlyExitDrafter,
     LayerSkipDrafter,
@@ -105,6 +106,39 @@ def test_static_path_greedy_equals_autoregressive(arch):
                 assert dec.stats.max_rows == 3
                 assert {n for n, _ in shapes} >= {1, 3}  # 1 row ran in bucket 1; 3 rows in bucket 4 -> padded
                 assert dec.cache.fast.rows == (1, 2, 3)
+
+
+WIDE_FEEDS = {  # drafters whose rounds feed the draft model more than 2 tokens at once
+    "cascade": lambda draft: (CascadeDrafter(draft), None),
+    "cascade+adaptive": lambda draft: (CascadeDrafter(draft), DraftControl(adaptive_exit=True)),
+    "cascade-unchecked": lambda draft: (CascadeDrafter(draft, ngram_check=False), None),
+    "cascade-tree": lambda draft: (CascadeDrafter(draft, tree_depth=3), None),
+    "draft-tree-expand": lambda draft: (DraftModelDrafter(draft, tree_depth=3, tree_expand=2), None),
+}
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("name", list(WIDE_FEEDS))
+def test_wide_draft_forwards_run_in_a_bucket(name):
+    """The cascade's check (each row's uncached tokens, then its n-gram candidates) and EAGLE-2's tree
+    expansion feed the draft model more than 2 tokens: its runner gets the cache's widest bucket, and a
+    check that would not fit keeps only the n-gram tokens that do (``CascadeDrafter._fit``), so no
+    decode-time forward of either model runs eagerly (on CUDA an eager forward costs many graph
+    replays). Tokens equal target-only decoding; B = 1, and B = 3 with rows joining."""
+    target = make_tiny_model("llama", num_layers=3)
+    draft = perturbed_copy(target, noise=0.3, seed=1)
+    configs = _configs()
+    expected = _alone(target, PROMPTS, configs)
+    for batch in (1, 3):
+        drafter, control = WIDE_FEEDS[name](draft)
+        dec = BatchedSpeculativeDecoder(target, drafter, max_batch_size=batch, max_length=96, num_speculative_tokens=4,
+                                        draft_control=control, compile=True, graphs=False)
+        assert _continuous(dec, PROMPTS, configs) == expected, (name, batch)
+        assert dec.runner.num_eager_forwards == 0 and drafter.runner.num_eager_forwards == 0, (name, batch)
+        widest = dec.cache.fast.max_width
+        assert drafter.runner.widths == (1, 2, widest)
+        assert any(w == widest and b.calls for (_, w, _), b in drafter.runner._buckets.items()), (name, batch)
+        assert 0 < dec.stats.num_accepted_tokens < dec.stats.num_drafted_tokens, (name, batch)
 
 
 @pytest.mark.usefixtures("one_thread")

@@ -54,7 +54,10 @@ model part only: an n-gram token has no confidence to test.
    all candidates in one forward, where the single-sequence check feeds 4 per forward and stops
    at the first disagreement). The logits after the kept candidates give the first token of the
    row's model part, with no forward of its own. Reading the kept counts is one host sync, in
-   rounds where some row has candidates.
+   rounds where some row has candidates. On the fast path this forward runs the draft runner's
+   widest bucket (the cache's ``max_width``, the engine's longest block + 1); a row whose uncached
+   tokens and candidates would not fit keeps the leading candidates that do (``_fit``), so the
+   check never runs eagerly.
 3. **model part**: ``batched.draft_batch`` drafts the rest of each row's block from where its
    check stopped (positions ``len + kept``), as ``DraftModelDrafter`` does.
 
@@ -240,8 +243,26 @@ class CascadeDrafter(DraftModelDrafter):
         with self.head.applied():
             return self._propose_with_model(sequences, lengths, max_tokens, uses_model, ngrams, fed, exits, exit_rule)
 
+    def _runner_widths(self, max_width: int) -> tuple[int, ...]:
+        """The check's forward (each row's uncached tokens and its n-gram candidates) on the fast path too:
+        ``max_width`` (``_fit``), as ``DraftModelDrafter._runner_widths``."""
+        return (1, 2, max_width)
+
+    def _fit(self, lengths, uses_model, ngrams, fed) -> None:
+        """On the fast path, keep each row's first forward within the runner's widest bucket: a row whose
+        uncached tokens and fed n-gram tokens would not fit keeps the leading n-gram tokens that do (its
+        model part drafts on from there), so the forward runs a compiled graph, not eagerly. In place."""
+        if self.cache is None or self.cache.fast is None:
+            return
+        widest = self.runner.widths[-1]
+        for b, (length, own) in enumerate(zip(lengths, uses_model)):
+            room = widest - (length - self._num_cached[b])
+            if own and 1 <= room < len(fed[b]):  # room < 1: a catch-up too long for any bucket
+                ngrams[b], fed[b] = ngrams[b][:room], fed[b][:room]
+
     def _propose_with_model(self, sequences, lengths, max_tokens, uses_model, ngrams, fed, exits, exit_rule):
         self._catch_up(sequences, uses_model)
+        self._fit(lengths, uses_model, ngrams, fed)
         n, device = len(sequences), self._device
         samplers, offsets = self._samplers[:n], self._offsets[:n]
         # The first forward: each drafting row's uncached tokens and fed n-gram tokens, on the right.

@@ -15,7 +15,8 @@ all, and a row back from many plain steps catches up by a chunked prefill.
 
 **Where the model runs.** A transformers model gets its own ``BatchKVCache`` (the target's
 slots and capacity) and a ``BatchRunner`` (eager, or the fast path's widths 1 and 2 at every
-rows bucket when the target's cache is on it). A GGUF draft in llama.cpp comes as a
+rows bucket when the target's cache is on it, and the widest for drafters that feed wider forwards:
+``_runner_widths``). A GGUF draft in llama.cpp comes as a
 ``runner`` of one sequence (``models.llama_cpp_target.LlamaCppTargetRunner``, same call); it
 keeps its positions in llama.cpp's memory, so the engine must have one slot: ``bind``
 refuses more, naming why.
@@ -174,7 +175,10 @@ class DraftModelDrafter(Drafter):
             # compiled buckets: decoders that alternate on a generator's cache compile once.
             key = ("draft model", id(self.model), None if self.head.ids is None else id(self.head.ids))
             shared = target_cache.shared.get(key)
-            if shared is None:
+            widths = self._runner_widths(target_cache.fast.max_width) if target_cache.fast is not None else (1, 2)
+            if shared is not None:
+                shared[1].add_widths(widths)
+            else:
                 cache = BatchKVCache(
                     self.model,
                     target_cache.num_slots,
@@ -183,7 +187,7 @@ class DraftModelDrafter(Drafter):
                     prefill_pad_multiple=target_cache.prefill_pad_multiple,
                     fast=target_cache.fast,
                 )
-                shared = target_cache.shared[key] = (cache, BatchRunner(self.model, cache, (1, 2), self.who))
+                shared = target_cache.shared[key] = (cache, BatchRunner(self.model, cache, widths, self.who))
             self.cache, self.runner = shared
         self._device = target_cache.device
         self._target = target_cache.owner  # its vocabulary: the fused steps' argmax (``warm_up``)
@@ -193,6 +197,13 @@ class DraftModelDrafter(Drafter):
         self._chains = [None] * target_cache.num_slots
         self.num_forwards = 0
         self.prefill_time_s = 0.0
+
+    def _runner_widths(self, max_width: int) -> tuple[int, ...]:
+        """The draft runner's width buckets on the fast path, so no decode-time forward runs eagerly (an eager
+        forward costs many graph replays on CUDA): 1 (a draft step) and 2 (a round's first forward after a
+        block accepted whole); with ``tree_expand`` also ``max_width``, the cache's widest (its tree forwards
+        take up to 1 + M (D - 1) <= the round's budget nodes)."""
+        return (1, 2, max_width) if self.tree_expand is not None else (1, 2)
 
     def warm_up(self, max_rows: int, max_block: int) -> None:
         if self.cache is None:  # a one-sequence runner: nothing compiled

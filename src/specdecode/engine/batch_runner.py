@@ -127,11 +127,8 @@ class BatchRunner:
         self.fast = cache.fast
         if self.fast is not None and self.fast.graphs:  # before any forward: the draft's as well as the target's
             check_compilable(model, name)
-        limit = self.fast.max_width if self.fast is not None else None
-        for w in widths:
-            if isinstance(w, bool) or not isinstance(w, int) or w < 1 or (limit is not None and w > limit):
-                raise InvalidArgumentError(f"{name}: width buckets must be integers in 1..{limit}, got {list(widths)}")
-        self.widths = tuple(sorted(set(widths)))
+        self.widths: tuple[int, ...] = ()
+        self.add_widths(widths)
         self.rows = self.fast.rows if self.fast is not None else ()
         self.compile_time_s = 0.0
         self.num_eager_forwards = 0
@@ -141,7 +138,21 @@ class BatchRunner:
         #: [fused draft steps] by (rows, steps, vocab, head size or None)
         self._steps_buckets: dict[tuple[int, int, int, int | None, bool], _Bucket] = {}
 
-    takes_trees = True  # tree forwards (``engine.tree``), eagerly
+    takes_trees = True  # tree forwards (``engine.tree``): on the fast path, buckets of their own
+
+    def add_widths(self, widths: Sequence[int]) -> None:
+        """Add width buckets (a drafter sharing this runner may feed wider forwards than the one that made it);
+        each compiles at ``warm_up`` or at its first call.
+
+        Raises:
+            InvalidArgumentError: A width that is not an integer in 1 .. ``cache.fast.max_width``.
+        """
+        limit = self.fast.max_width if self.fast is not None else None
+        for w in widths:
+            if isinstance(w, bool) or not isinstance(w, int) or w < 1 or (limit is not None and w > limit):
+                raise InvalidArgumentError(f"{self.name}: width buckets must be integers in 1..{limit}, "
+                                           f"got {list(widths)}")
+        self.widths = tuple(sorted({*self.widths, *widths}))
 
     @property
     def buckets(self) -> list[tuple[int, int]]:
