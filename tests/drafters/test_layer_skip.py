@@ -19,7 +19,6 @@ from selfspec_helpers import (
 )
 from specdecode import GenerationConfig, InvalidArgumentError, SpeculativeDecoder
 from specdecode.drafters.layer_skip import LayerSkipDrafter, SkipSet, decoder_layers, draft_mode
-from specdecode.engine.verification import VerificationResult
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -294,9 +293,9 @@ def test_sampling_check_catches_sampling_from_the_draft(small_model, monkeypatch
 
     def accept_all(draft_tokens, draft_probs, target_probs, sampler):
         k = draft_tokens.shape[0]
-        return VerificationResult(k, int(sampler.sample(target_probs[k : k + 1])[0]))
+        return torch.cat([torch.tensor([k]), sampler.sample(target_probs[k : k + 1])])
 
-    monkeypatch.setattr("specdecode.engine.verification.rejection_sample", accept_all)  # in sample_block
+    monkeypatch.setattr("specdecode.engine.verification.rejection_sample_device", accept_all)  # in sample_rows
     dec = SpeculativeDecoder(small_model, LayerSkipDrafter(small_model, skip))
     freq = sample_counts(dec, PROMPT, config, N_SAMPLES, V_SMALL)
     bad = violations(exact, freq, N_SAMPLES)

@@ -315,9 +315,13 @@ def test_greedy_and_sampling_rows_share_a_batch_and_gating_works_per_row():
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_non_finite_target_logits_end_only_that_row():
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_non_finite_target_logits_end_only_that_row(temperature):
+    """The poisoned row ends with its error, greedy or sampling (its draw on the device, made before the
+    round's read tells its logits were not finite, is safe and never kept); the others are untouched."""
     target = make_tiny_model("gemma2")
     configs = _configs()
+    configs[1] = dataclasses.replace(configs[1], temperature=temperature, seed=5)
     expected = _alone(target, PROMPTS[:3], configs[:3])
     poisoned = {"slot": None}
 

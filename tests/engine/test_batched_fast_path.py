@@ -278,16 +278,23 @@ def round_syncs(dec: BatchedSpeculativeDecoder, sync_counter: list) -> list[list
 
 
 @pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("sampling", [False, True])
 @pytest.mark.parametrize("name", ["autoregressive", "draft", "prompt-lookup"])
-def test_one_host_sync_per_batched_round(name, sync_counter):
-    """Greedy rounds on the fast path read the device back once: the round's one ``tolist`` of
-    drafts, argmaxes and finiteness flags. Prompt lookup drafts on the host with numpy, over the
-    rows' token lists, so it adds no tensor read at all."""
+def test_one_host_sync_per_batched_round(name, sampling, sync_counter):
+    """Rounds on the fast path read the device back once: the round's one ``tolist`` of drafts,
+    argmaxes, finiteness flags and, with sampling rows (here rows 0 and 2, each its own temperature
+    and seed), their speculative sampling's verdicts, decided on the device (``sample_rows``), and
+    their draft steps' draws. Prompt lookup drafts on the host with numpy, over the rows' token
+    lists, so it adds no tensor read at all."""
     target = make_tiny_model("qwen2", num_layers=2)
     draft = perturbed_copy(target, noise=0.3, seed=1)
     dec = BatchedSpeculativeDecoder(target, _drafters(target, draft)[name](), max_batch_size=3, max_length=96,
                                     num_speculative_tokens=4, compile=True, graphs=False)
-    for prompt, config in zip(PROMPTS[:3], _configs()):
+    configs = _configs()
+    if sampling:
+        configs[0] = GenerationConfig(max_new_tokens=LENGTHS[0], temperature=0.8, top_p=0.9, seed=1)
+        configs[2] = GenerationConfig(max_new_tokens=LENGTHS[2], temperature=1.3, top_k=8, seed=2)
+    for prompt, config in zip(PROMPTS[:3], configs):
         dec.add(prompt, config)
     round_calls = round_syncs(dec, sync_counter)
     assert len(round_calls) == dec.stats.num_rounds > 5

@@ -259,14 +259,17 @@ def test_compiled_speculative_sampling_matches_target_distribution(fresh_dynamo)
     assert dec.compile_time_s() > 0
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
 @pytest.mark.parametrize("nan_in", ["target", "draft"])
-def test_non_finite_logits_found_in_the_rounds_one_sync(nan_in):
-    """Greedy rounds read the finiteness of target and draft logits with the tokens, in one host
-    sync; a NaN still raises, naming the model that produced it."""
+def test_non_finite_logits_found_in_the_rounds_one_sync(nan_in, temperature):
+    """Rounds read the finiteness of target and draft logits with the tokens, in one host sync (sampling
+    rounds too: their draws meanwhile are made safely, ``Sampler.sample``); a NaN still raises, naming the
+    model that produced it."""
     target = make_tiny_model("llama")
     draft = perturbed_copy(target, noise=0.3, seed=1)
     with torch.no_grad():
         (target if nan_in == "target" else draft).get_output_embeddings().weight[7, 0] = float("nan")
     dec = SpeculativeDecoder(target, DraftModelDrafter(draft), compile=False)
     with pytest.raises(NonFiniteLogitsError, match=f"the {nan_in} model produced non-finite logits"):
-        dec.generate(_prompt(4, 0), GenerationConfig(max_new_tokens=6, stop_on_eos=False))
+        dec.generate(_prompt(4, 0), GenerationConfig(max_new_tokens=6, stop_on_eos=False, temperature=temperature,
+                                                     seed=0))

@@ -27,7 +27,7 @@ import torch
 from specdecode.drafters.draft_head import BoundDraftHead
 from specdecode.engine.processors import DraftProcessing, process_draft_rows
 from specdecode.engine.protocol import Draft, Drafter, ExitPolicy
-from specdecode.engine.sampling import Sampler, check_finite
+from specdecode.engine.sampling import Sampler, check_finite, safe_logits
 from specdecode.errors import InvalidArgumentError
 
 __all__ = ["Draft", "Drafter", "ExitPolicy", "draft_batch", "draft_views", "reads_per_step"]
@@ -74,8 +74,8 @@ def draft_batch(
         The draft, and S, the steps run (S - 1 drafted tokens were fed back).
 
     Raises:
-        NonFiniteLogitsError: If a forward gives NaN or inf (checked on the host when sampling
-            or with per-step exits; otherwise the flag goes to ``Draft.finite``).
+        NonFiniteLogitsError: If a forward gives NaN or inf (checked on the host with per-step exits;
+            otherwise the flag goes to ``Draft.finite``).
     """
     n, K = len(max_tokens), max(max_tokens)
     if K < 1:
@@ -83,9 +83,9 @@ def draft_batch(
     greedy = all(s.greedy for s in samplers)
     per_step = reads_per_step(exits)
     kept_tops: list[torch.Tensor] | None = [] if exits is not None and not per_step else None
-    deferred = greedy and not per_step
+    deferred = not per_step  # finiteness read with the round's sync (sampling rows draw from ``safe_logits``)
     truncated = head is not None and head.ids is not None
-    if deferred and K > 1 and processings is None and tree_tops is None and runner is not None \
+    if greedy and deferred and K > 1 and processings is None and tree_tops is None and runner is not None \
             and runner.fuses_draft_steps(n, K - 1, kept_tops is not None):
         return _fused(runner, first_logits, next_starts, max_tokens, samplers[0].vocab_size, who,
                       head.ids if truncated else None, kept_tops is not None)
@@ -111,6 +111,7 @@ def draft_batch(
         tops = None
         if not greedy:
             token, tops = token.clone(), []
+            logits = safe_logits(logits) if deferred else logits  # its flag is read with the round's sync
             for b, sampler in enumerate(samplers):
                 if sampler.greedy or not active[b]:
                     if exits is not None:

@@ -212,8 +212,8 @@ class CascadeDrafter(DraftModelDrafter):
             A ``Draft``; a sampling row's ``probs`` have one-hot rows for its n-gram tokens.
 
         Raises:
-            NonFiniteLogitsError: If a draft forward gives NaN or inf (checked on the host when
-                sampling or with exits; otherwise the flag goes to ``Draft.finite``).
+            NonFiniteLogitsError: If a draft forward gives NaN or inf (checked on the host with per-step
+                exits; otherwise the flag goes to ``Draft.finite``).
         """
         self._forget_rejected(sequences)
         n = len(sequences)
@@ -284,7 +284,7 @@ class CascadeDrafter(DraftModelDrafter):
         logits = self.runner(to_device(feeds, device), starts, keep)  # (n, keep, V), or K columns (FR-Spec)
         self.head.check_logits(logits)
         self.num_forwards += 1
-        deferred = all(s.greedy for s in samplers) and not reads_per_step(exits)
+        deferred = not reads_per_step(exits)  # as ``draft_batch``'s
         finite = torch.isfinite(logits).all() if deferred else None
         if not deferred:
             check_finite(logits, self.who)

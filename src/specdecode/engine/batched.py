@@ -10,7 +10,8 @@ Each round (Medusa's four steps, for every active row at once):
    in the ``batch_cache.BatchKVCache`` (per-row position ids and attention masks), so
    its logits are those it would get alone. Greedy rows accept the longest prefix
    equal to the target's argmax; sampling rows run speculative sampling with their
-   own temperature, top-k, top-p and ``torch.Generator`` (Leviathan et al. 2022);
+   own temperature, top-k, top-p and ``torch.Generator`` (Leviathan et al. 2022), on the
+   device (``verification.sample_rows``), read back with the round's one host sync;
 3. **accept**: each row's length grows by its own n_b + 1; rejected and padded
    positions stay in the cache past the row's length and are overwritten by the next
    round (never copied);
@@ -68,7 +69,7 @@ from specdecode.engine.runner_target import is_runner_target, runner_target_part
 from specdecode.engine.sampling import check_finite, logits_width, raise_non_finite
 from specdecode.engine.stats import SpecDecodingStats
 from specdecode.engine.tree import TokenTree, draft_q, greedy_tree_verify, round_trees, tree_rejection_sample
-from specdecode.engine.verification import greedy_verify, sample_block
+from specdecode.engine.verification import greedy_verify, sample_block, sample_rows
 from specdecode.errors import InvalidArgumentError
 
 logger = logging.getLogger(__name__)
@@ -452,10 +453,17 @@ class BatchedSpeculativeDecoder(BatchRequests):
         points = exit_points(draft.top_probs, exits) if draft is not None and draft.top_probs is not None else None
         if points is not None:  # [exits read with the sync] each row's first unsure position
             parts = [*parts, points]
-        host = torch.cat([*parts, logits.argmax(-1).flatten(), finite.long(), draft_finite.long()]).tolist()
+        # [sampling] rows whose block is known before the read sample on the device: (accepted, next token)
+        sampled = sample_rows(rows, logits, ids, k, trees, probs, self.contain_errors) if points is None else {}
+        verdicts = [v for v in sampled.values() if isinstance(v, torch.Tensor)]
+        host = torch.cat([*parts, *verdicts, logits.argmax(-1).flatten(), finite.long(),
+                          draft_finite.long()]).tolist()
         exit_at = host[n * K : n * K + n] if points is not None else None
         if exit_at is not None:
             del host[n * K : n * K + n]
+        read = iter(host[n * K : n * K + 2 * len(verdicts)])
+        sampled = {b: v if isinstance(v, str) else (next(read), next(read)) for b, v in sampled.items()}
+        del host[n * K : n * K + 2 * len(verdicts)]
         if not host[-1]:
             if self.drafter is not None:  # the rows did not move: keep the drafter in step with them
                 self.drafter.rollback([len(row.tokens) - 1 for row in rows])
@@ -498,7 +506,13 @@ class BatchedSpeculativeDecoder(BatchRequests):
                 verdict = greedy_verify(drafted[b][:kb], argmax[b * (K + 1) : (b + 1) * (K + 1)])
                 a = node = verdict.num_accepted
                 new = drafted[b][:a] + [verdict.next_token]
-            else:
+            elif b in sampled:  # [sampling] decided on the device, read with the round's sync
+                if isinstance(sampled[b], str):
+                    self._fail(events, row, sampled[b])
+                    continue
+                a = node = sampled[b][0]
+                new = drafted[b][:a] + [sampled[b][1]]
+            else:  # a banned word's cut or a read-free exit's: known only after the read
                 try:
                     q = probs[b] if probs is not None else None
                     a, new = sample_block(row.sampler, logits[b, : kb + 1], ids[b, 1 : kb + 1], q, drafted[b])

@@ -37,6 +37,14 @@ def logits_width(model: torch.nn.Module) -> int:
     return int(getattr(head, "out_features", None) or head.weight.shape[0])
 
 
+def safe_logits(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` with NaN and +inf replaced by 0 (-inf, a masked token, kept): a draw from them cannot fail
+    (``torch.multinomial`` raises on NaN, or fails the device on CUDA) before the round's one host sync reads
+    their finiteness flag, computed from the logits as they were, and drops what was drawn. One operation,
+    nothing read back."""
+    return torch.nan_to_num(logits, nan=0.0, posinf=0.0, neginf=float("-inf"))
+
+
 def check_finite(logits: torch.Tensor, who: str) -> None:
     """Raise if ``logits`` holds NaN or infinity.
 

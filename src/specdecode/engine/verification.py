@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.engine.sampling import Sampler
+from specdecode.engine.sampling import Sampler, safe_logits
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,8 @@ def rejection_sample(
     target_probs: torch.Tensor,
     sampler: Sampler,
 ) -> VerificationResult:
-    """Speculative sampling of one block (Leviathan et al. 2022, Algorithm 1).
+    """Speculative sampling of one block (Leviathan et al. 2022, Algorithm 1), read back to the host
+    (``rejection_sample_device`` and one host sync).
 
     Args:
         draft_tokens: (γ,) long, the drafted ids.
@@ -76,31 +77,49 @@ def rejection_sample(
     Returns:
         The number of accepted draft tokens and the next token.
     """
-    gamma = draft_tokens.shape[0]
-    rows = torch.arange(gamma, device=target_probs.device)
-    p_drafted = target_probs[rows, draft_tokens]
-    if draft_probs is None:
-        q_drafted = torch.ones_like(p_drafted)
-    else:
-        q_drafted = draft_probs[rows, draft_tokens]
-    uniforms = sampler.uniform(gamma, target_probs.device)
-    # u < p/q  <=>  u * q < p, with no division by a tiny q.
-    accepted = uniforms * q_drafted < p_drafted
-    num_accepted = int(accepted.cumprod(0).sum())  # the one host sync of the round
-    if num_accepted == gamma:
-        return VerificationResult(gamma, int(sampler.sample(target_probs[gamma : gamma + 1])[0]))
-    p = target_probs[num_accepted]
-    if draft_probs is None:
-        residual = p.clone()
-        residual[draft_tokens[num_accepted]] = 0.0
-    else:
-        residual = (p - draft_probs[num_accepted]).clamp_min_(0.0)
-    total = residual.sum()
-    if float(total) <= 0.0:
-        # Only reachable through rounding when p == q; then p itself is the exact residual law.
-        residual, total = p, p.sum()
-    next_token = int(sampler.sample((residual / total).unsqueeze(0))[0])
+    num_accepted, next_token = rejection_sample_device(draft_tokens, draft_probs, target_probs, sampler).tolist()
     return VerificationResult(num_accepted, next_token)
+
+
+def rejection_sample_device(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    sampler: Sampler,
+) -> torch.Tensor:
+    """``rejection_sample`` with nothing read back: every choice is made on the device (the accepted count
+    indexes the distribution the next token is drawn from), so a round can read its rows' outcomes with
+    its one host sync (issue 28: speculative sampling stays on the device). The generator draws γ
+    uniforms, then one token, as ``rejection_sample`` always did, so a seed gives the same tokens.
+
+    Args:
+        As ``rejection_sample`` (γ >= 0).
+
+    Returns:
+        (2,) long on the probabilities' device: the number of accepted draft tokens and the next token
+        (the replacement drawn from ``norm(max(0, p_n - q_n))`` at the first rejection n, or the bonus
+        token from p_γ when all are accepted).
+    """
+    gamma, device = draft_tokens.shape[0], target_probs.device
+    rows = torch.arange(gamma, device=device)
+    p_drafted = target_probs[rows, draft_tokens]
+    q_drafted = torch.ones_like(p_drafted) if draft_probs is None else draft_probs[rows, draft_tokens]
+    uniforms = sampler.uniform(gamma, device)
+    # u < p/q  <=>  u * q < p, with no division by a tiny q.
+    num_accepted = (uniforms * q_drafted < p_drafted).cumprod(0).sum()  # 0-dim long, on the device
+    at = num_accepted.view(1)
+    p = target_probs.index_select(0, at)  # (1, V): p_n, or p_γ (the bonus token's law)
+    if gamma:
+        before = at.clamp(max=gamma - 1)  # where the rejected token was (ignored when all are accepted)
+        if draft_probs is None:  # a one-hot q: p without the rejected token
+            residual = p.scatter(1, draft_tokens.index_select(0, before).view(1, 1), 0.0)
+        else:
+            residual = (p - draft_probs.index_select(0, before)).clamp_min_(0.0)
+        total = residual.sum(-1, keepdim=True)
+        # total <= 0 only through rounding when p == q; then p itself is the exact residual law.
+        residual = torch.where(total > 0.0, residual / total, p / p.sum(-1, keepdim=True))
+        p = torch.where(num_accepted == gamma, p, residual)
+    return torch.cat([at, sampler.sample(p)])
 
 
 def sample_block(
@@ -119,8 +138,51 @@ def sample_block(
     Returns:
         (accepted draft tokens, the new tokens: the accepted ones and the replacement or bonus).
     """
+    num_accepted, next_token = sample_block_device(sampler, logits, proposed, draft_probs).tolist()
+    return num_accepted, drafted[:num_accepted] + [next_token]
+
+
+def sample_block_device(sampler: Sampler, logits: torch.Tensor, proposed: torch.Tensor,
+                        draft_probs: torch.Tensor | None) -> torch.Tensor:
+    """``sample_block`` with nothing read back (``rejection_sample_device``): (2,) long on the logits' device,
+    the accepted draft tokens and the next token. Arguments as ``sample_block``."""
     probs = sampler.probs(logits)
     if not proposed.shape[0]:
-        return 0, [int(sampler.sample(probs[:1])[0])]
-    verdict = rejection_sample(proposed, draft_probs, probs, sampler)
-    return verdict.num_accepted, drafted[: verdict.num_accepted] + [verdict.next_token]
+        return torch.cat([torch.zeros(1, dtype=torch.long, device=probs.device), sampler.sample(probs[:1])])
+    return rejection_sample_device(proposed, draft_probs, probs, sampler)
+
+
+def sample_rows(rows, logits: torch.Tensor, ids: torch.Tensor, num_tokens: list[int], trees, probs,
+                contain_errors: bool) -> dict[int, torch.Tensor | str]:
+    """The batched round's speculative sampling on the device (``sample_block_device``), for each sampling row
+    whose block is final before the round's read: no token tree, no banned words (whose cut needs the draft
+    on the host). Nothing is read back; the round reads the verdicts with its one host sync.
+
+    Args:
+        rows: The round's rows (``engine.batch_rows.BatchRow``: ``sampler``, ``banned``, ``request_id``).
+        logits: (n, K + 1, V') the target's logits, processed as the rows' verification sees them.
+        ids: (n, K + 1) the verification's input: each row's pending token, then its draft.
+        num_tokens: Per row, k_b, its drafted tokens.
+        trees: Per row, a ``TokenTree`` or None, or None altogether.
+        probs: Per row, the (k_b, V) draft distributions q or None, or None altogether.
+        contain_errors: False: a sampling that raises propagates.
+
+    Returns:
+        Row index -> its (2,) long verdict (accepted draft tokens, next token), or the message of a sampling
+        that raised (the row fails alone).
+    """
+    out: dict[int, torch.Tensor | str] = {}
+    safe = None
+    for b, row in enumerate(rows):
+        if row.sampler.greedy or row.banned is not None or (trees is not None and trees[b] is not None):
+            continue
+        if safe is None:  # a row with non-finite logits draws safely; it fails once the flags are read
+            safe = logits = safe_logits(logits)
+        try:
+            q = probs[b] if probs is not None else None
+            out[b] = sample_block_device(row.sampler, logits[b, : num_tokens[b] + 1], ids[b, 1 : num_tokens[b] + 1], q)
+        except Exception as exc:  # noqa: BLE001 -- this row ends ("error", logged); the others go on
+            if not contain_errors:
+                raise
+            out[b] = f"request {row.request_id} failed in its sampling: {type(exc).__name__}: {exc}"
+    return out
