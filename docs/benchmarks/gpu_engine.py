@@ -67,7 +67,8 @@ What it prints (each as a Markdown table; warm-up and compilation seconds apart 
    size from ``drafted_by_position``, decode-phase draft forwards at width 1) and says so in the
    table's last column.
 4. ``syncs`` (CUDA only): host syncs per round of each fast-path method under
-   ``torch.cuda.set_sync_debug_mode("warn")``, one generation of ``--sync-tokens`` (48) on a code prompt.
+   ``torch.cuda.set_sync_debug_mode("warn")``, one generation of ``--sync-tokens`` (48) on a code prompt,
+   greedy and sampling (temperature 0.8, top-p 0.95: speculative sampling on the device, one read a round).
 5. ``batched``: total tok/s at B = 1, 8, 32 for autoregressive, draft and prompt-lookup on up to 32
    code prompts (``--batch-groups`` groups of B each), with ``SpeculativeGenerator.batch_decoder``;
    ``compile=True`` is passed on CUDA when ``batch_decoder`` takes it (printed either way).
@@ -106,6 +107,7 @@ import dataclasses
 import functools
 import gc
 import inspect
+import itertools
 import logging
 import math
 import platform
@@ -727,20 +729,23 @@ SYNC_METHODS = ("autoregressive", "draft", "draft-unfused", "draft+adaptive", "d
 
 
 def section_syncs(run: Run) -> None:
-    """Host syncs per round on CUDA, as ``torch.cuda.set_sync_debug_mode("warn")`` reports them: one greedy
-    generation of ``--sync-tokens`` on the first code prompt per fast-path method (untimed; the prefill's
-    syncs are counted too)."""
+    """Host syncs per round on CUDA, as ``torch.cuda.set_sync_debug_mode("warn")`` reports them: one greedy and
+    one sampling generation of ``--sync-tokens`` on the first code prompt per fast-path method (untimed; the
+    prefill's syncs are counted too)."""
     if run.device.type != "cuda" or not hasattr(torch.cuda, "set_sync_debug_mode"):
         say("syncs: CUDA only (torch.cuda.set_sync_debug_mode); not run on this device")
         return
     import warnings
 
     rows, ids = [], run.encoded("code")[0]
-    for name, kind, base, adaptive, fast, _ in METHODS:
+    for (name, kind, base, adaptive, fast, _), sampling in itertools.product(METHODS, (False, True)):
         if name not in SYNC_METHODS or name not in run.args.methods or run.over_budget(f"syncs: {name}"):
             continue
         dec = run.decoder(base, adaptive, fast)
-        config = GenerationConfig(max_new_tokens=run.args.sync_tokens, num_speculative_tokens=run.args.gamma)
+        # sampling (speculative sampling on the device since 2026-11-27): temperature 0.8, top-p 0.95, seed 0
+        config = GenerationConfig(max_new_tokens=run.args.sync_tokens, num_speculative_tokens=run.args.gamma,
+                                  **(dict(temperature=0.8, top_p=0.95, seed=0) if sampling else {}))
+        name = f"{name} (sampling)" if sampling else name
         dec.generate(ids, config)  # compiled and captured before counting
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
