@@ -745,7 +745,6 @@ def section_syncs(run: Run) -> None:
         # sampling (speculative sampling on the device since 2026-11-27): temperature 0.8, top-p 0.95, seed 0
         config = GenerationConfig(max_new_tokens=run.args.sync_tokens, num_speculative_tokens=run.args.gamma,
                                   **(dict(temperature=0.8, top_p=0.95, seed=0) if sampling else {}))
-        name = f"{name} (sampling)" if sampling else name
         dec.generate(ids, config)  # compiled and captured before counting
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -755,7 +754,8 @@ def section_syncs(run: Run) -> None:
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         syncs = sum("synchroniz" in str(w.message) for w in caught)
-        rows.append([name, stats.num_target_forwards, syncs, fmt(syncs / max(1, stats.num_target_forwards), 2)])
+        rows.append([f"{name} (sampling)" if sampling else name, stats.num_target_forwards, syncs,
+                     fmt(syncs / max(1, stats.num_target_forwards), 2)])
     say(f"\nHost syncs (torch.cuda.set_sync_debug_mode, {run.args.sync_tokens} tokens, prefill included):\n")
     table(["method", "rounds", "host syncs", "per round"], rows)
 

@@ -9,11 +9,12 @@ padding, every forward through ``BatchRunner``, but no ``torch.compile``) on a t
 target and a perturbed copy of it as the draft model (vocabulary 256, 2 layers, hidden size 64):
 
 - ``host ms/round``: decode time less the time inside the runners' bucket functions
-  (``BatchRunner._run``, which on the real fast path is one compiled graph), per target forward;
-  the fastest of ``--repeats`` runs;
+  (``BatchRunner._run``, which on the real fast path is one compiled graph) and inside eager forwards
+  (``batch_cache.batch_forward``: a draft model's deferred prefill and catch-ups), per round; the
+  fastest of ``--repeats`` runs;
 - ``ops/round``: aten operations dispatched in the rounds (``BatchedSpeculativeDecoder._round``; a
-  request's admission and prefill are not counted) outside those functions (``TorchDispatchMode``);
-  on CUDA each one that computes is a kernel launch;
+  request's admission is not counted) outside those forwards (``TorchDispatchMode``); on CUDA each
+  one that computes is a kernel launch;
 - ``syncs/round``: host reads (``item``, ``tolist``, ``cpu``, ``numpy``, tensor truth and number
   conversions) in the rounds, outside them;
 - ``eager fwd``: decode-time forwards that ran eagerly (``BatchRunner.num_eager_forwards``): no
@@ -50,7 +51,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from specdecode import DraftControl, GenerationConfig  # noqa: E402
 from specdecode.drafters import CascadeDrafter, DraftModelDrafter, LayerSkipDrafter, PromptLookupDrafter  # noqa: E402
 from specdecode.drafters.layer_skip import SkipSet  # noqa: E402
-from specdecode.engine import batch_runner  # noqa: E402
+from specdecode.engine import batch_cache, batch_runner  # noqa: E402
 from specdecode.engine.batched import BatchedSpeculativeDecoder  # noqa: E402
 
 VOCAB = 256
@@ -136,26 +137,29 @@ class Probe:
     def active(self, count: bool):
         original_run = batch_runner.BatchRunner._run
         original_round = BatchedSpeculativeDecoder._round
-        originals = {name: getattr(torch.Tensor, name) for name in SYNCS} if count else {}
+        original_forward = batch_cache.batch_forward  # eager forwards: prefills, catch-ups (and eager fwd)
+        originals = {name: vars(torch.Tensor).get(name) for name in SYNCS} if count else {}
         probe = self
 
-        def run(runner, bucket):
-            if probe._cuda:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            probe._depth += 1
-            if probe.counting is not None:
-                probe.counting.depth += 1  # inside a bucket function: not counted
-            try:
-                out = original_run(runner, bucket)
+        def inside(fn):
+            def forward(*args, **kwargs):
                 if probe._cuda:
                     torch.cuda.synchronize()
-                return out
-            finally:
-                probe._depth -= 1
+                t0 = time.perf_counter()
+                probe._depth += 1
                 if probe.counting is not None:
-                    probe.counting.depth -= 1
-                probe.inside_s += time.perf_counter() - t0
+                    probe.counting.depth += 1  # inside a forward: not counted
+                try:
+                    out = fn(*args, **kwargs)
+                    if probe._cuda:
+                        torch.cuda.synchronize()
+                    return out
+                finally:
+                    probe._depth -= 1
+                    if probe.counting is not None:
+                        probe.counting.depth -= 1
+                    probe.inside_s += time.perf_counter() - t0
+            return forward
 
         def round_(engine, events):
             probe._rounds += 1
@@ -171,11 +175,12 @@ class Probe:
                 return fn(tensor, *args, **kwargs)
             return sync
 
-        batch_runner.BatchRunner._run = run
+        batch_runner.BatchRunner._run = inside(original_run)
+        batch_cache.batch_forward = batch_runner.batch_forward = inside(original_forward)
         BatchedSpeculativeDecoder._round = round_
         try:
-            for name, fn in originals.items():
-                setattr(torch.Tensor, name, counted(fn))
+            for name in originals:
+                setattr(torch.Tensor, name, counted(getattr(torch.Tensor, name)))
             if count:
                 self.counting = Counting(self)
                 with self.counting:
@@ -184,9 +189,13 @@ class Probe:
                 yield self
         finally:
             batch_runner.BatchRunner._run = original_run
+            batch_cache.batch_forward = batch_runner.batch_forward = original_forward
             BatchedSpeculativeDecoder._round = original_round
-            for name, fn in originals.items():
-                setattr(torch.Tensor, name, fn)
+            for name, fn in originals.items():  # the class as it was: inherited methods are not copied in
+                if fn is None:
+                    delattr(torch.Tensor, name)
+                else:
+                    setattr(torch.Tensor, name, fn)
             self.counting = None
 
 

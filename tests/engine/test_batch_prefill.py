@@ -105,7 +105,9 @@ def test_prefill_settings_are_validated():
 
 @pytest.mark.usefixtures("one_thread")
 def test_a_sampling_failure_ends_only_its_row():
-    """One sampled row's warper raises in a round: that request ends with "error", the others finish."""
+    """One sampled row's warper raises in a round: that request ends with "error", the others finish. The
+    rows share their settings, so the round warps them in one call with the first row's sampler (the broken
+    one here): when that raises, each row is warped alone and only the broken one fails."""
     target = make_tiny_model("qwen2", num_layers=2)
     prompts = PROMPTS[1:4]
     base = GenerationConfig(max_new_tokens=10, stop_on_eos=False)
@@ -119,7 +121,7 @@ def test_a_sampling_failure_ends_only_its_row():
     ended = {}
     for ev in dec.step():  # the prefills and a first round
         out[ev.request_id].extend(ev.token_ids)
-    broken = next(row for row in dec._rows if row.request_id == ids[1])
+    broken = next(row for row in dec._rows if row.request_id == ids[0])
 
     def fail(logits):
         raise RuntimeError("warper failed")
@@ -130,11 +132,11 @@ def test_a_sampling_failure_ends_only_its_row():
             out[ev.request_id].extend(ev.token_ids)
             if ev.finish_reason:
                 ended[ev.request_id] = ev
-    assert ended[ids[1]].finish_reason == "error"
-    assert f"request {ids[1]} failed in its sampling: RuntimeError: warper failed" in ended[ids[1]].error
-    assert ended[ids[0]].finish_reason == ended[ids[2]].finish_reason == "length"
-    assert out[ids[0]] == expected[0] and out[ids[2]] == expected[2]
-    assert out[ids[1]] == expected[1][: len(out[ids[1]])] and len(out[ids[1]]) < len(expected[1])
+    assert ended[ids[0]].finish_reason == "error"
+    assert f"request {ids[0]} failed in its sampling: RuntimeError: warper failed" in ended[ids[0]].error
+    assert ended[ids[1]].finish_reason == ended[ids[2]].finish_reason == "length"
+    assert out[ids[1]] == expected[1] and out[ids[2]] == expected[2]
+    assert out[ids[0]] == expected[0][: len(out[ids[0]])] and len(out[ids[0]]) < len(expected[0])
 
 
 @pytest.mark.usefixtures("one_thread")

@@ -139,6 +139,31 @@ def test_wide_draft_forwards_run_in_a_bucket(name):
         assert drafter.runner.widths == (1, 2, widest)
         assert any(w == widest and b.calls for (_, w, _), b in drafter.runner._buckets.items()), (name, batch)
         assert 0 < dec.stats.num_accepted_tokens < dec.stats.num_drafted_tokens, (name, batch)
+    # A long repetitive generation: rounds drafted by n-grams alone leave the draft model behind, and the
+    # row catches up by a chunked prefill, not by a first forward wider than every bucket.
+    config = GenerationConfig(max_new_tokens=70)
+    expected = _alone(target, [REPETITIVE], [config])
+    drafter, control = WIDE_FEEDS[name](draft)
+    dec = BatchedSpeculativeDecoder(target, drafter, max_batch_size=1, max_length=128, num_speculative_tokens=4,
+                                    draft_control=control, compile=True, graphs=False)
+    assert [r.token_ids for r in dec.generate([REPETITIVE], [config])] == expected
+    assert dec.runner.num_eager_forwards == 0 and drafter.runner.num_eager_forwards == 0, name
+
+
+def test_drafters_sharing_a_runner_add_their_widths():
+    """A draft model's drafters on one target cache share its draft cache and runner; the cascade adds the
+    widest bucket to a runner a plain draft made (``BatchRunner.add_widths``), and bad widths are refused."""
+    target = make_tiny_model("llama", num_layers=2)
+    draft = perturbed_copy(target, noise=0.3, seed=1)
+    dec = BatchedSpeculativeDecoder(target, DraftModelDrafter(draft), max_batch_size=2, max_length=64,
+                                    num_speculative_tokens=4, compile=True, graphs=False)
+    plain = dec.drafter
+    assert plain.runner.widths == (1, 2)
+    cascade = CascadeDrafter(draft)
+    cascade.bind(dec.cache)
+    assert cascade.runner is plain.runner and plain.runner.widths == (1, 2, 5)
+    with pytest.raises(InvalidArgumentError, match=r"draft model: width buckets must be integers in 1..5, got \[6\]"):
+        plain.runner.add_widths([6])
 
 
 @pytest.mark.usefixtures("one_thread")

@@ -263,8 +263,8 @@ def test_compiled_speculative_sampling_matches_target_distribution(fresh_dynamo)
 @pytest.mark.parametrize("nan_in", ["target", "draft"])
 def test_non_finite_logits_found_in_the_rounds_one_sync(nan_in, temperature):
     """Rounds read the finiteness of target and draft logits with the tokens, in one host sync (sampling
-    rounds too: their draws meanwhile are made safely, ``Sampler.sample``); a NaN still raises, naming the
-    model that produced it."""
+    rounds too: their draws meanwhile are made from ``safe_logits``); a NaN still raises, naming the model
+    that produced it."""
     target = make_tiny_model("llama")
     draft = perturbed_copy(target, noise=0.3, seed=1)
     with torch.no_grad():

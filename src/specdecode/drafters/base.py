@@ -27,7 +27,7 @@ import torch
 from specdecode.drafters.draft_head import BoundDraftHead
 from specdecode.engine.processors import DraftProcessing, process_draft_rows
 from specdecode.engine.protocol import Draft, Drafter, ExitPolicy
-from specdecode.engine.sampling import Sampler, check_finite, safe_logits
+from specdecode.engine.sampling import Sampler, check_finite, safe_logits, warped_probs
 from specdecode.errors import InvalidArgumentError
 
 __all__ = ["Draft", "Drafter", "ExitPolicy", "draft_batch", "draft_views", "reads_per_step"]
@@ -99,8 +99,11 @@ def draft_batch(
     vocab = samplers[0].vocab_size
     for i in range(K):
         if deferred:
-            ok = torch.isfinite(logits).all()
+            rows_ok = torch.isfinite(logits).all(-1) if not greedy else None  # (n,): a sampling row draws safely
+            ok = rows_ok.all() if rows_ok is not None else torch.isfinite(logits).all()
             finite = ok if finite is None else finite & ok
+            if rows_ok is not None:  # its flag is read with the round's sync
+                logits = safe_logits(logits, rows_ok)
         else:
             check_finite(logits, who)
         if processings is not None and not truncated:  # [processors] each row's q on its own context
@@ -111,13 +114,16 @@ def draft_batch(
         tops = None
         if not greedy:
             token, tops = token.clone(), []
-            logits = safe_logits(logits) if deferred else logits  # its flag is read with the round's sync
+            live = [b for b, sampler in enumerate(samplers) if not sampler.greedy and active[b]]
+            warped = warped_probs([samplers[b] for b in live], logits if len(live) == n else logits[live],
+                                  head.ids if truncated else None) if live else None  # (len(live), V)
+            q_of = {b: warped[j : j + 1] for j, b in enumerate(live)}
             for b, sampler in enumerate(samplers):
-                if sampler.greedy or not active[b]:
+                if b not in q_of:
                     if exits is not None:
                         tops.append(torch.softmax(logits[b].float(), -1).amax())
                     continue
-                q = head.probs(sampler, logits[b : b + 1]) if truncated else sampler.probs(logits[b : b + 1])
+                q = q_of[b]
                 token[b] = sampler.sample(q)[0]
                 probs[b].append(q)
                 if exits is not None:

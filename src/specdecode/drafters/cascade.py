@@ -57,7 +57,9 @@ model part only: an n-gram token has no confidence to test.
    rounds where some row has candidates. On the fast path this forward runs the draft runner's
    widest bucket (the cache's ``max_width``, the engine's longest block + 1); a row whose uncached
    tokens and candidates would not fit keeps the leading candidates that do (``_fit``), so the
-   check never runs eagerly.
+   check runs compiled. On the fast path the blocks can therefore differ from the eager path's:
+   greedy output is the same (the target verifies every token), and sampling follows the same law,
+   but a seed's sampled tokens may differ between the two.
 3. **model part**: ``batched.draft_batch`` drafts the rest of each row's block from where its
    check stopped (positions ``len + kept``), as ``DraftModelDrafter`` does.
 
@@ -256,8 +258,8 @@ class CascadeDrafter(DraftModelDrafter):
             return
         widest = self.runner.widths[-1]
         for b, (length, own) in enumerate(zip(lengths, uses_model)):
-            room = widest - (length - self._num_cached[b])
-            if own and 1 <= room < len(fed[b]):  # room < 1: a catch-up too long for any bucket
+            room = max(0, widest - (length - self._num_cached[b]))  # ``_catch_up`` left <= widest uncached
+            if own and room < len(fed[b]):
                 ngrams[b], fed[b] = ngrams[b][:room], fed[b][:room]
 
     def _propose_with_model(self, sequences, lengths, max_tokens, uses_model, ngrams, fed, exits, exit_rule):

@@ -37,7 +37,6 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from specdecode.engine.sampling import Sampler
 from specdecode.errors import InvalidArgumentError, UnsupportedModelError
 
 
@@ -214,12 +213,3 @@ class BoundDraftHead:
                 "be truncated"
             )
 
-    def probs(self, sampler: Sampler, logits: torch.Tensor) -> torch.Tensor:
-        """The draft distribution q: (m, K) logits -> (m, V) float32, zero outside the K ids.
-
-        Temperature, top-k and top-p shape the K logits as ``Sampler.probs`` shapes a full
-        row (``Sampler.probs_over``).
-        """
-        if self.ids is None:
-            return sampler.probs(logits)
-        return sampler.probs_over(logits, self.ids)

@@ -199,10 +199,12 @@ class DraftModelDrafter(Drafter):
         self.prefill_time_s = 0.0
 
     def _runner_widths(self, max_width: int) -> tuple[int, ...]:
-        """The draft runner's width buckets on the fast path, so no decode-time forward runs eagerly (an eager
-        forward costs many graph replays on CUDA): 1 (a draft step) and 2 (a round's first forward after a
-        block accepted whole); with ``tree_expand`` also ``max_width``, the cache's widest (its tree forwards
-        take up to 1 + M (D - 1) <= the round's budget nodes)."""
+        """The draft runner's width buckets on the fast path, so that a round's draft forwards run compiled (an
+        eager forward costs many graph replays on CUDA): 1 (a draft step) and 2 (a round's first forward after
+        a block accepted whole); with ``tree_expand`` also ``max_width``, the cache's widest (its tree forwards
+        take up to 1 + M (D - 1) <= the round's budget nodes). A row that fell further behind (plain steps, or
+        the cascade's rounds without the model) catches up by a chunked prefill, eager as prefills are
+        (``_catch_up``)."""
         return (1, 2, max_width) if self.tree_expand is not None else (1, 2)
 
     def warm_up(self, max_rows: int, max_block: int) -> None:
@@ -231,12 +233,16 @@ class DraftModelDrafter(Drafter):
         (``batch_prefill`` from its cached length; a one-sequence runner: its ``prefill``, for a row
         with nothing cached). So a row that never drafts costs no draft forward (the join's prefill is
         deferred to here), and a row back from plain steps catches up in prefill chunks, not in one wide
-        forward of a width nothing was warmed up for."""
+        forward of a width nothing was warmed up for. On the fast path a row also catches up where its
+        first forward would be wider than the runner's widest bucket (it would run eagerly either way)."""
+        limit = CATCH_UP_TOKENS
+        if self.cache is not None and self.cache.fast is not None:
+            limit = min(limit, self.runner.widths[-1] - 1)
         for b, seq in enumerate(sequences):
             if rows is not None and not rows[b]:
                 continue
             cached, offset, end = self._num_cached[b], self._offsets[b], len(seq) - 1
-            if end <= cached or (cached > offset and end - cached <= CATCH_UP_TOKENS):
+            if end <= cached or (cached > offset and end - cached <= limit):
                 continue
             t0, compiling = time.perf_counter(), self.compile_time_s
             if self.cache is None:

@@ -454,7 +454,8 @@ class BatchedSpeculativeDecoder(BatchRequests):
         if points is not None:  # [exits read with the sync] each row's first unsure position
             parts = [*parts, points]
         # [sampling] rows whose block is known before the read sample on the device: (accepted, next token)
-        sampled = sample_rows(rows, logits, ids, k, trees, probs, self.contain_errors) if points is None else {}
+        sampled = sample_rows(rows, logits, finite.view(n, K + 1), ids, k, trees, probs, self.contain_errors) \
+            if points is None else {}
         verdicts = [v for v in sampled.values() if isinstance(v, torch.Tensor)]
         host = torch.cat([*parts, *verdicts, logits.argmax(-1).flatten(), finite.long(),
                           draft_finite.long()]).tolist()

@@ -9,6 +9,8 @@ speculative-sampling test compares them. The context-dependent processors (penal
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from transformers.generation.logits_process import (
     LogitsProcessorList,
@@ -37,12 +39,58 @@ def logits_width(model: torch.nn.Module) -> int:
     return int(getattr(head, "out_features", None) or head.weight.shape[0])
 
 
-def safe_logits(logits: torch.Tensor) -> torch.Tensor:
-    """``logits`` with NaN and +inf replaced by 0 (-inf, a masked token, kept): a draw from them cannot fail
-    (``torch.multinomial`` raises on NaN, or fails the device on CUDA) before the round's one host sync reads
-    their finiteness flag, computed from the logits as they were, and drops what was drawn. One operation,
-    nothing read back."""
-    return torch.nan_to_num(logits, nan=0.0, posinf=0.0, neginf=float("-inf"))
+def warped_probs(samplers: Sequence[Sampler], logits: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's ``Sampler.probs`` (or, with ``ids``, ``probs_over``), rows whose samplers share a ``warp_key``
+    warped in one call: the warpers act row by row, so each row's values are those it gets alone, with
+    a handful of operations per distinct setting instead of per row.
+
+    Args:
+        samplers: Per row, its sampler (m rows; none greedy).
+        logits: (m, ..., V') float; row i is shaped by ``samplers[i]``.
+        ids: A truncated head's (K,) token ids (``logits`` then has K columns), or None.
+
+    Returns:
+        (m, ..., V) float32, each distribution summing to 1.
+    """
+    shape = logits.shape
+    flat = logits.reshape(shape[0], -1, shape[-1])
+
+    def warp(sampler: Sampler, rows: torch.Tensor) -> torch.Tensor:  # (r, T, V') -> (r, T, V)
+        two = rows.reshape(-1, shape[-1])
+        q = sampler.probs(two) if ids is None else sampler.probs_over(two, ids)
+        return q.view(rows.shape[0], rows.shape[1], -1)
+
+    groups: dict = {}
+    for i, sampler in enumerate(samplers):
+        groups.setdefault(sampler.warp_key, []).append(i)
+    if len(groups) == 1:
+        out = warp(samplers[0], flat)
+    else:
+        out = None
+        for members in groups.values():
+            index = torch.tensor(members, device=logits.device)
+            q = warp(samplers[members[0]], flat.index_select(0, index))
+            out = q.new_empty((shape[0], *q.shape[1:])) if out is None else out
+            out.index_copy_(0, index, q)
+    return out.view(*shape[:-1], -1)
+
+
+def safe_logits(logits: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+    """``logits`` with every position whose raw logits were not all finite set to zeros: a draw from them
+    (a uniform one) cannot fail (``torch.multinomial`` raises on NaN, or fails the device on CUDA) before
+    the round's one host sync reads ``finite`` and drops what was drawn. Positions whose raw logits were
+    finite are untouched, the -inf of a processor's mask included.
+
+    Args:
+        logits: (..., V) float, possibly processed since ``finite`` was computed.
+        finite: Bool of ``logits``' shape but the last dimension, or broadcastable to it with a trailing 1:
+            whether each position's raw logits were all finite.
+
+    Returns:
+        A tensor of ``logits``' shape (one operation, nothing read back).
+    """
+    mask = finite if finite.dim() == logits.dim() else finite.unsqueeze(-1)
+    return torch.where(mask, logits, 0.0)
 
 
 def check_finite(logits: torch.Tensor, who: str) -> None:
@@ -63,7 +111,7 @@ def raise_non_finite(who: str, dtype: torch.dtype) -> None:
     """Raise ``NonFiniteLogitsError`` for logits of ``who`` (a model name) computed in ``dtype``.
 
     For callers that test finiteness on the device and read the flag with other values in
-    one host sync (the decoder's greedy round) instead of calling ``check_finite``.
+    one host sync (the engine's round) instead of calling ``check_finite``.
 
     Raises:
         NonFiniteLogitsError: Always.
@@ -105,6 +153,8 @@ class Sampler:
             if config.min_p > 0.0:
                 warpers.append(MinPLogitsWarper(min_p=config.min_p))
         self._warpers = warpers
+        #: Rows whose samplers share this key shape logits alike (``warped_probs`` warps them together).
+        self.warp_key = None if self.greedy else (config.temperature, config.top_k, config.top_p, config.min_p)
         self._no_ids = torch.empty(0, dtype=torch.long)
         self._config = config
         self._device = device

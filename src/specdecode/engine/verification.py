@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.engine.sampling import Sampler, safe_logits
+from specdecode.engine.sampling import Sampler, safe_logits, warped_probs
 
 
 @dataclass(frozen=True)
@@ -146,25 +146,34 @@ def sample_block_device(sampler: Sampler, logits: torch.Tensor, proposed: torch.
                         draft_probs: torch.Tensor | None) -> torch.Tensor:
     """``sample_block`` with nothing read back (``rejection_sample_device``): (2,) long on the logits' device,
     the accepted draft tokens and the next token. Arguments as ``sample_block``."""
-    probs = sampler.probs(logits)
+    return _verdict(sampler, sampler.probs(logits), proposed, draft_probs)
+
+
+def _verdict(sampler: Sampler, probs: torch.Tensor, proposed: torch.Tensor,
+             draft_probs: torch.Tensor | None) -> torch.Tensor:
+    """``sample_block_device`` from the target's (k + 1, V) warped ``probs``."""
     if not proposed.shape[0]:
         return torch.cat([torch.zeros(1, dtype=torch.long, device=probs.device), sampler.sample(probs[:1])])
     return rejection_sample_device(proposed, draft_probs, probs, sampler)
 
 
-def sample_rows(rows, logits: torch.Tensor, ids: torch.Tensor, num_tokens: list[int], trees, probs,
-                contain_errors: bool) -> dict[int, torch.Tensor | str]:
+def sample_rows(rows, logits: torch.Tensor, finite: torch.Tensor, ids: torch.Tensor, num_tokens: list[int], trees,
+                draft_probs, contain_errors: bool) -> dict[int, torch.Tensor | str]:
     """The batched round's speculative sampling on the device (``sample_block_device``), for each sampling row
     whose block is final before the round's read: no token tree, no banned words (whose cut needs the draft
-    on the host). Nothing is read back; the round reads the verdicts with its one host sync.
+    on the host). Rows that share their warpers' settings are warped in one call (``warped_probs``; if that
+    raises, each row alone, so only a row whose warping fails ends).
+    Nothing is read back; the round reads the verdicts with its one host sync.
 
     Args:
         rows: The round's rows (``engine.batch_rows.BatchRow``: ``sampler``, ``banned``, ``request_id``).
         logits: (n, K + 1, V') the target's logits, processed as the rows' verification sees them.
+        finite: (n, K + 1) bool, whether each position's raw logits were all finite: a row with non-finite
+            ones draws safely (``safe_logits``) and fails once the round reads the flags.
         ids: (n, K + 1) the verification's input: each row's pending token, then its draft.
         num_tokens: Per row, k_b, its drafted tokens.
         trees: Per row, a ``TokenTree`` or None, or None altogether.
-        probs: Per row, the (k_b, V) draft distributions q or None, or None altogether.
+        draft_probs: Per row, the (k_b, V) draft distributions q or None, or None altogether.
         contain_errors: False: a sampling that raises propagates.
 
     Returns:
@@ -172,17 +181,28 @@ def sample_rows(rows, logits: torch.Tensor, ids: torch.Tensor, num_tokens: list[
         that raised (the row fails alone).
     """
     out: dict[int, torch.Tensor | str] = {}
-    safe = None
-    for b, row in enumerate(rows):
-        if row.sampler.greedy or row.banned is not None or (trees is not None and trees[b] is not None):
-            continue
-        if safe is None:  # a row with non-finite logits draws safely; it fails once the flags are read
-            safe = logits = safe_logits(logits)
+    live = [b for b, row in enumerate(rows) if not row.sampler.greedy and row.banned is None
+            and (trees is None or trees[b] is None)]
+    if not live:
+        return out
+    width = max(num_tokens[b] for b in live) + 1
+    live_logits, live_finite = logits[:, :width], finite[:, :width]
+    if len(live) < len(rows):
+        index = torch.tensor(live, device=logits.device)
+        live_logits, live_finite = live_logits.index_select(0, index), live_finite.index_select(0, index)
+    safe = safe_logits(live_logits, live_finite)
+    try:  # rows sharing their warpers' settings are warped in one call
+        probs = warped_probs([rows[b].sampler for b in live], safe)
+    except Exception:  # noqa: BLE001 -- each row is warped alone below, so only a row that fails ends
+        probs = None
+    for j, b in enumerate(live):
         try:
-            q = probs[b] if probs is not None else None
-            out[b] = sample_block_device(row.sampler, logits[b, : num_tokens[b] + 1], ids[b, 1 : num_tokens[b] + 1], q)
+            k, q = num_tokens[b], draft_probs[b] if draft_probs is not None else None
+            p = probs[j, : k + 1] if probs is not None else rows[b].sampler.probs(safe[j, : k + 1])
+            out[b] = _verdict(rows[b].sampler, p, ids[b, 1 : k + 1], q)
         except Exception as exc:  # noqa: BLE001 -- this row ends ("error", logged); the others go on
             if not contain_errors:
                 raise
-            out[b] = f"request {row.request_id} failed in its sampling: {type(exc).__name__}: {exc}"
+            out[b] = f"request {rows[b].request_id} failed in its sampling: {type(exc).__name__}: {exc}"
     return out
+
