@@ -158,7 +158,8 @@ class Probe:
                     probe._depth -= 1
                     if probe.counting is not None:
                         probe.counting.depth -= 1
-                    probe.inside_s += time.perf_counter() - t0
+                    if probe._rounds:  # an admission's prefill is not in the decode time either
+                        probe.inside_s += time.perf_counter() - t0
             return forward
 
         def round_(engine, events):
