@@ -17,6 +17,9 @@ target and a perturbed copy of it as the draft model (vocabulary 256, 2 layers, 
   one that computes is a kernel launch;
 - ``syncs/round``: host reads (``item``, ``tolist``, ``cpu``, ``numpy``, tensor truth and number
   conversions) in the rounds, outside them;
+- ``prefill fwd``: the other eager forwards in the rounds, over all of them: a draft model's deferred prompt
+  prefill (a request's first round that drafts) and catch-ups (a row whose draft cache fell behind), in
+  prefill chunks;
 - ``eager fwd``: decode-time forwards that ran eagerly (``BatchRunner.num_eager_forwards``): no
   bucket held them, so on CUDA each costs a whole eager forward. Should be 0.
 
@@ -106,8 +109,7 @@ def drafter(method: str, target, draft):
 
 
 class Counting(TorchDispatchMode):
-    """Counts aten operations dispatched in a round (``probe``) while ``depth`` is 0 (outside the bucket
-    functions)."""
+    """Counts aten operations dispatched in a round (``probe``) while ``depth`` is 0 (outside forwards)."""
 
     def __init__(self, probe) -> None:
         super().__init__()
@@ -122,12 +124,14 @@ class Counting(TorchDispatchMode):
 
 
 class Probe:
-    """Wraps ``BatchRunner._run`` (restored in ``finally``): seconds inside it, and a depth that the op
-    and sync counters skip."""
+    """Wraps ``BatchedSpeculativeDecoder._round``, ``BatchRunner._run`` and ``batch_cache.batch_forward``
+    (restored in ``finally``): seconds inside forwards during rounds, the eager forwards in rounds, and a
+    depth that the op and sync counters skip."""
 
     def __init__(self, device: torch.device) -> None:
         self.inside_s = 0.0
         self.syncs = 0
+        self.eager_in_rounds = 0  # ``batch_forward`` calls during rounds (runner fallbacks included)
         self.counting: Counting | None = None
         self._depth = 0
         self._rounds = 0  # inside ``BatchedSpeculativeDecoder._round``: only rounds are counted
@@ -177,7 +181,13 @@ class Probe:
             return sync
 
         batch_runner.BatchRunner._run = inside(original_run)
-        batch_cache.batch_forward = batch_runner.batch_forward = inside(original_forward)
+        timed_forward = inside(original_forward)
+
+        def eager_forward(*args, **kwargs):
+            probe.eager_in_rounds += bool(probe._rounds)
+            return timed_forward(*args, **kwargs)
+
+        batch_cache.batch_forward = batch_runner.batch_forward = eager_forward
         BatchedSpeculativeDecoder._round = round_
         try:
             for name in originals:
@@ -236,12 +246,13 @@ def measure(method: str, batch: int, args, target, draft, device) -> list:
         ops = probe.counting.ops
     eager = engine.runner.num_eager_forwards + getattr(getattr(engine.drafter, "runner", None),
                                                       "num_eager_forwards", 0) - eager
+    prefills = probe.eager_in_rounds - eager
     rounds = engine.stats.num_rounds - before[0]
     drafted = engine.stats.num_drafted_tokens - before[1]
     accepted = engine.stats.num_accepted_tokens - before[2]
     alpha = f"{accepted / drafted:.0%}" if drafted else "-"
     return [method, batch, rounds, alpha, f"{1000 * best:.3f}", f"{ops / rounds:.1f}", f"{probe.syncs / rounds:.2f}",
-            eager]
+            prefills, eager]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -268,7 +279,8 @@ def main(argv: list[str] | None = None) -> None:
             for method in args.methods.split(","):
                 rows.append(measure(method, batch, args, target, draft, device))
                 print("  " + " | ".join(map(str, rows[-1])), file=sys.stderr)
-    headers = ["method", "B", "rounds", "α", "host ms/round", "ops/round", "syncs/round", "eager fwd"]
+    headers = ["method", "B", "rounds", "α", "host ms/round", "ops/round", "syncs/round", "prefill fwd",
+               "eager fwd"]
     print("| " + " | ".join(headers) + " |")
     print("|" + "|".join("---" for _ in headers) + "|")
     for row in rows:

@@ -135,3 +135,43 @@ def test_speculative_sampling_matches_target_distribution(temperature, top_k, to
     assert 0.05 < mean_rate < 0.95, "the draft must be rejected often for this test to mean anything"
     assert _within(counts / N, want, N)
     assert not _within(draft_law, want, N)
+
+
+def test_warped_probs_gives_each_row_its_own_distribution():
+    """Rows warped together (``warped_probs``, grouped by their settings) get exactly what each gets alone:
+    (m, V) and (m, T, V) logits, two groups and one, and a truncated head's K columns."""
+    from specdecode.engine.sampling import warped_probs
+
+    V = 40
+    configs = [GenerationConfig(temperature=0.7, top_p=0.8), GenerationConfig(temperature=1.3, top_k=5),
+               GenerationConfig(temperature=0.7, top_p=0.8), GenerationConfig(temperature=1.0, min_p=0.1)]
+    samplers = [Sampler(c, V, "cpu") for c in configs]
+    gen = torch.Generator().manual_seed(0)
+    for shape in ((4, V), (4, 3, V)):
+        logits = torch.randn(shape, generator=gen) * 3
+        for rows in (samplers, [samplers[0], samplers[2]]):
+            got = warped_probs(rows, logits[: len(rows)])
+            for i, sampler in enumerate(rows):
+                alone = sampler.probs(logits[i].reshape(-1, V)).view(got[i].shape)
+                assert torch.equal(got[i], alone), (shape, i)
+    ids = torch.tensor([3, 7, 11, 20, 39])
+    head = torch.randn((4, 5), generator=gen)
+    got = warped_probs(samplers, head, ids)
+    assert got.shape == (4, V)
+    for i, sampler in enumerate(samplers):
+        assert torch.equal(got[i], sampler.probs_over(head[i : i + 1], ids)[0])
+
+
+def test_safe_logits_zeroes_only_positions_that_were_not_finite():
+    """A position whose raw logits had a NaN becomes zeros (a safe, uniform draw; the round's flag drops it);
+    a finite one stays as it is after its processors, their -inf mask included."""
+    from specdecode.engine.sampling import safe_logits
+
+    raw = torch.tensor([[[0.5, 1.5, 2.0], [float("nan"), 1.0, 1.0]]])
+    finite = torch.isfinite(raw).all(-1)  # (1, 2): before the processors
+    processed = raw.clone()
+    processed[0, 0, 1] = float("-inf")  # a processor masks a token
+    out = safe_logits(processed, finite)
+    assert torch.equal(out[0, 0], processed[0, 0])
+    assert torch.equal(out[0, 1], torch.zeros(3))
+    assert torch.equal(safe_logits(processed[0], finite[0]), out[0])  # (T, V) with (T,) flags

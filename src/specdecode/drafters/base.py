@@ -26,6 +26,7 @@ import torch
 
 from specdecode.drafters.draft_head import BoundDraftHead
 from specdecode.engine.processors import DraftProcessing, process_draft_rows
+from specdecode.engine.batch_cache import to_device
 from specdecode.engine.protocol import Draft, Drafter, ExitPolicy
 from specdecode.engine.sampling import Sampler, check_finite, safe_logits, warped_probs
 from specdecode.errors import InvalidArgumentError
@@ -90,6 +91,8 @@ def draft_batch(
         return _fused(runner, first_logits, next_starts, max_tokens, samplers[0].vocab_size, who,
                       head.ids if truncated else None, kept_tops is not None)
     active = [c > 0 for c in max_tokens]
+    sampled = [b for b, s in enumerate(samplers) if not s.greedy]  # warped every step, active or not, so the
+    sampled_index = to_device(sampled, first_logits.device) if 0 < len(sampled) < n else None  # index is built once
     unsure = [False] * n
     num = [0] * n
     probs: list[list[torch.Tensor]] = [[] for _ in range(n)]
@@ -114,10 +117,10 @@ def draft_batch(
         tops = None
         if not greedy:
             token, tops = token.clone(), []
-            live = [b for b, sampler in enumerate(samplers) if not sampler.greedy and active[b]]
-            warped = warped_probs([samplers[b] for b in live], logits if len(live) == n else logits[live],
-                                  head.ids if truncated else None) if live else None  # (len(live), V)
-            q_of = {b: warped[j : j + 1] for j, b in enumerate(live)}
+            warped = warped_probs([samplers[b] for b in sampled],  # (len(sampled), V)
+                                  logits if sampled_index is None else logits.index_select(0, sampled_index),
+                                  head.ids if truncated else None)
+            q_of = {b: warped[j : j + 1] for j, b in enumerate(sampled) if active[b]}
             for b, sampler in enumerate(samplers):
                 if b not in q_of:
                     if exits is not None:

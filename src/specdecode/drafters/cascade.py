@@ -250,6 +250,14 @@ class CascadeDrafter(DraftModelDrafter):
         ``max_width`` (``_fit``), as ``DraftModelDrafter._runner_widths``."""
         return (1, 2, max_width)
 
+    def _catch_up_limit(self) -> int:
+        """On the fast path, a row whose uncached tokens would not fit the widest bucket catches up by a chunked
+        prefill first (rounds drafted by n-grams alone leave the draft model behind), so ``_fit`` can always
+        fit the check; else ``DraftModelDrafter``'s."""
+        if self.cache is None or self.cache.fast is None:
+            return super()._catch_up_limit()
+        return min(super()._catch_up_limit(), self.runner.widths[-1] - 1)
+
     def _fit(self, lengths, uses_model, ngrams, fed) -> None:
         """On the fast path, keep each row's first forward within the runner's widest bucket: a row whose
         uncached tokens and fed n-gram tokens would not fit keeps the leading n-gram tokens that do (its

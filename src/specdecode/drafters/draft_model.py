@@ -82,7 +82,8 @@ __all__ = ["DraftModelDrafter"]
 
 #: A row whose draft cache lacks more than this many of its tokens at a round's start (or holds none yet)
 #: catches up with a chunked prefill first (``DraftModelDrafter._catch_up``); fewer go with the round's
-#: first forward, as after a fully accepted block (2 tokens) or a tree's accepted path (its depth + 1).
+#: first forward, as after a fully accepted block (2 tokens) or a tree's accepted path (its depth + 1). The
+#: cascade lowers it on the fast path to what its widest bucket takes (``CascadeDrafter._catch_up_limit``).
 CATCH_UP_TOKENS = 16
 
 
@@ -202,8 +203,8 @@ class DraftModelDrafter(Drafter):
         """The draft runner's width buckets on the fast path, so that a round's draft forwards run compiled (an
         eager forward costs many graph replays on CUDA): 1 (a draft step) and 2 (a round's first forward after
         a block accepted whole); with ``tree_expand`` also ``max_width``, the cache's widest (its tree forwards
-        take up to 1 + M (D - 1) <= the round's budget nodes). A row that fell further behind (plain steps, or
-        the cascade's rounds without the model) catches up by a chunked prefill, eager as prefills are
+        take up to 1 + M (D - 1) <= the round's budget nodes). A row that fell further behind (plain steps)
+        feeds one wider forward, eager, shared by the rows, or catches up by a chunked prefill
         (``_catch_up``)."""
         return (1, 2, max_width) if self.tree_expand is not None else (1, 2)
 
@@ -233,11 +234,8 @@ class DraftModelDrafter(Drafter):
         (``batch_prefill`` from its cached length; a one-sequence runner: its ``prefill``, for a row
         with nothing cached). So a row that never drafts costs no draft forward (the join's prefill is
         deferred to here), and a row back from plain steps catches up in prefill chunks, not in one wide
-        forward of a width nothing was warmed up for. On the fast path a row also catches up where its
-        first forward would be wider than the runner's widest bucket (it would run eagerly either way)."""
-        limit = CATCH_UP_TOKENS
-        if self.cache is not None and self.cache.fast is not None:
-            limit = min(limit, self.runner.widths[-1] - 1)
+        forward of a width nothing was warmed up for (``_catch_up_limit``)."""
+        limit = self._catch_up_limit()
         for b, seq in enumerate(sequences):
             if rows is not None and not rows[b]:
                 continue
@@ -257,6 +255,10 @@ class DraftModelDrafter(Drafter):
             else:  # nor timed as drafting (``Drafter.prefill_time_s``)
                 self.prefill_time_s += time.perf_counter() - t0 - (self.compile_time_s - compiling)
             self._num_cached[b] = end
+
+    def _catch_up_limit(self) -> int:
+        """Most uncached tokens (besides the last) a row's first forward feeds; more are caught up first."""
+        return CATCH_UP_TOKENS
 
     @torch.inference_mode()
     def propose(self, sequences, max_tokens, exits=None, exit_rule="row") -> Draft:

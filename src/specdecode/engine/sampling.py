@@ -21,6 +21,7 @@ from transformers.generation.logits_process import (
 )
 
 from specdecode.config import GenerationConfig
+from specdecode.engine.batch_cache import to_device
 from specdecode.engine.processors import DraftProcessing, LogitsProcessing, fit_width
 from specdecode.errors import NonFiniteLogitsError
 
@@ -41,8 +42,10 @@ def logits_width(model: torch.nn.Module) -> int:
 
 def warped_probs(samplers: Sequence[Sampler], logits: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
     """Each row's ``Sampler.probs`` (or, with ``ids``, ``probs_over``), rows whose samplers share a ``warp_key``
-    warped in one call: the warpers act row by row, so each row's values are those it gets alone, with
-    a handful of operations per distinct setting instead of per row.
+    warped in one call, by the group's first sampler: the warpers act row by row, so each row gets the
+    values it gets alone (checked on CPU; on CUDA a batched softmax may round a last bit differently, so a
+    seed's draw could rarely differ, the law never), with a handful of operations per distinct setting
+    instead of per row. Nothing is read back.
 
     Args:
         samplers: Per row, its sampler (m rows; none greedy).
@@ -68,7 +71,7 @@ def warped_probs(samplers: Sequence[Sampler], logits: torch.Tensor, ids: torch.T
     else:
         out = None
         for members in groups.values():
-            index = torch.tensor(members, device=logits.device)
+            index = to_device(members, logits.device)  # pinned, non-blocking: no wait for the device
             q = warp(samplers[members[0]], flat.index_select(0, index))
             out = q.new_empty((shape[0], *q.shape[1:])) if out is None else out
             out.index_copy_(0, index, q)

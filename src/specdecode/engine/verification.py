@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdecode.engine.batch_cache import to_device
 from specdecode.engine.sampling import Sampler, safe_logits, warped_probs
 
 
@@ -188,7 +189,7 @@ def sample_rows(rows, logits: torch.Tensor, finite: torch.Tensor, ids: torch.Ten
     width = max(num_tokens[b] for b in live) + 1
     live_logits, live_finite = logits[:, :width], finite[:, :width]
     if len(live) < len(rows):
-        index = torch.tensor(live, device=logits.device)
+        index = to_device(live, logits.device)  # pinned, non-blocking: no wait for the device
         live_logits, live_finite = live_logits.index_select(0, index), live_finite.index_select(0, index)
     safe = safe_logits(live_logits, live_finite)
     try:  # rows sharing their warpers' settings are warped in one call
