@@ -17,7 +17,7 @@ import torch
 from conftest import make_tiny_model
 from helpers import perturbed_copy
 from specdecode import DraftModelDrafter, GenerationConfig, SpeculativeDecoder
-from specdecode.engine.sampling import Sampler
+from specdecode.engine.sampling import Sampler, safe_logits, warped_probs
 from specdecode.engine.verification import VerificationResult as R, greedy_verify, rejection_sample
 
 Z = 4.5
@@ -140,8 +140,6 @@ def test_speculative_sampling_matches_target_distribution(temperature, top_k, to
 def test_warped_probs_gives_each_row_its_own_distribution():
     """Rows warped together (``warped_probs``, grouped by their settings) get exactly what each gets alone:
     (m, V) and (m, T, V) logits, two groups and one, and a truncated head's K columns."""
-    from specdecode.engine.sampling import warped_probs
-
     V = 40
     configs = [GenerationConfig(temperature=0.7, top_p=0.8), GenerationConfig(temperature=1.3, top_k=5),
                GenerationConfig(temperature=0.7, top_p=0.8), GenerationConfig(temperature=1.0, min_p=0.1)]
@@ -165,8 +163,6 @@ def test_warped_probs_gives_each_row_its_own_distribution():
 def test_safe_logits_zeroes_only_positions_that_were_not_finite():
     """A position whose raw logits had a NaN becomes zeros (a safe, uniform draw; the round's flag drops it);
     a finite one stays as it is after its processors, their -inf mask included."""
-    from specdecode.engine.sampling import safe_logits
-
     raw = torch.tensor([[[0.5, 1.5, 2.0], [float("nan"), 1.0, 1.0]]])
     finite = torch.isfinite(raw).all(-1)  # (1, 2): before the processors
     processed = raw.clone()

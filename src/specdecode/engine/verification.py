@@ -139,20 +139,15 @@ def sample_block(
     Returns:
         (accepted draft tokens, the new tokens: the accepted ones and the replacement or bonus).
     """
-    num_accepted, next_token = sample_block_device(sampler, logits, proposed, draft_probs).tolist()
+    num_accepted, next_token = sample_block_device(sampler, sampler.probs(logits), proposed, draft_probs).tolist()
     return num_accepted, drafted[:num_accepted] + [next_token]
 
 
-def sample_block_device(sampler: Sampler, logits: torch.Tensor, proposed: torch.Tensor,
+def sample_block_device(sampler: Sampler, probs: torch.Tensor, proposed: torch.Tensor,
                         draft_probs: torch.Tensor | None) -> torch.Tensor:
-    """``sample_block`` with nothing read back (``rejection_sample_device``): (2,) long on the logits' device,
-    the accepted draft tokens and the next token. Arguments as ``sample_block``."""
-    return _verdict(sampler, sampler.probs(logits), proposed, draft_probs)
-
-
-def _verdict(sampler: Sampler, probs: torch.Tensor, proposed: torch.Tensor,
-             draft_probs: torch.Tensor | None) -> torch.Tensor:
-    """``sample_block_device`` from the target's (k + 1, V) warped ``probs``."""
+    """``sample_block`` with nothing read back (``rejection_sample_device``), from the target's (k + 1, V)
+    warped ``probs`` (``Sampler.probs``): (2,) long on their device, the accepted draft tokens and the next
+    token. Other arguments as ``sample_block``."""
     if not proposed.shape[0]:
         return torch.cat([torch.zeros(1, dtype=torch.long, device=probs.device), sampler.sample(probs[:1])])
     return rejection_sample_device(proposed, draft_probs, probs, sampler)
@@ -200,7 +195,7 @@ def sample_rows(rows, logits: torch.Tensor, finite: torch.Tensor, ids: torch.Ten
         try:
             k, q = num_tokens[b], draft_probs[b] if draft_probs is not None else None
             p = probs[j, : k + 1] if probs is not None else rows[b].sampler.probs(safe[j, : k + 1])
-            out[b] = _verdict(rows[b].sampler, p, ids[b, 1 : k + 1], q)
+            out[b] = sample_block_device(rows[b].sampler, p, ids[b, 1 : k + 1], q)
         except Exception as exc:  # noqa: BLE001 -- this row ends ("error", logged); the others go on
             if not contain_errors:
                 raise
