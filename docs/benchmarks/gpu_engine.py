@@ -25,6 +25,13 @@ the offline models (every section end to end, tiny settings)::
         --device cpu --no-compile --prompts 1 --slow-prompts 1 --max-new-tokens 8 --context 32 \
         --repeats 1 --batch-sizes 1,2 --batch-groups 1 --budget-s 5000
 
+Without the GGUF files (copying 1.6 GB takes about 30 calls): ``--random-weights echo --target DIR --draft DIR``
+builds both models on the machine from the ``config.json`` in each folder (the target's with its tokenizer
+files; copy them from ``~/.cache/specdecode/dense/<model>-bfloat16/``) with random weights that make each model
+repeat the last token: the real shapes' forward and round costs, with full acceptance
+(``docs/benchmarks/2026-11-27-gpu-h200.md`` has the command). ``--row-buckets batch`` compiles one rows bucket
+per batch size (each bucket compiles in 25-40 s on a cold machine).
+
 What it prints (each as a Markdown table; warm-up and compilation seconds apart from timed runs):
 
 1. ``forwards``: ms per forward through the round's runners (``specdecode.engine.batch_runner.BatchRunner``)
@@ -51,12 +58,15 @@ What it prints (each as a Markdown table; warm-up and compilation seconds apart 
    one sync per draft token; fastest on a CPU); ``draft+adaptive-masked`` reads nothing between draft
    steps (the whole cap drafted, each block cut after its first unsure token with the round's one read);
    ``...-previous-round`` reads nothing between draft steps either: each block as long as the previous
-   round's up to its first unsure token, kept whole. masked runs its draft steps as one graph (the fused
-   steps below), previous-round where it drafts the longest block. These rows say which pays (on the
+   round's up to its first unsure token, kept whole. masked can run its draft steps as one graph (the fused
+   steps below, with ``draft-fused``'s switch), previous-round where it drafts the longest block. These rows say which pays (on the
    Xeon, per-step: previous-round's τ is 24% lower on code and 6% on prose; masked drafts twice the
    tokens).
-   ``draft-unfused``: ``draft`` with its drafter's ``fused_draft_steps`` off, each draft step its own graph
-   (issue 28: the γ draft steps as one graph): the A/B of the fused draft steps.
+   ``draft-fused``: ``draft`` with its drafter's ``fused_draft_steps`` on (off by default since it did not
+   pay on an H200), the γ - 1 draft steps after the first as one graph: the A/B of the fused draft steps.
+   ``hf-generate-static`` runs after our rows, and ``autoregressive-after-hf`` and ``draft-after-hf`` run our
+   engines again after it: on an H200 our rows ran slower after transformers' compiled generate had run in
+   the process (``draft`` 30.4 against 15.4 ms a round), cause not found; these rows say whether that holds.
 3. ``rounds``: per method, ms per round (decode time / target forwards) and its overhead: the round
    minus the cost of the forwards it ran, each priced at the cost measured as in 1. on the runner that
    ran it, for its width (its compiled bucket). The forwards are counted by wrapping
@@ -84,7 +94,7 @@ single: 16 prompts x 5 methods x 128 tokens at 190-490 tok/s, about 50 s, plus a
 up to 650 s, past the budget. ``--budget-s`` (540) is a deadline from the start, loading included: a
 width, prompt or group that would start after it is skipped and named (exit status 2). The sections
 run in the order above, so the budget cuts the slow baselines first; a second call, warm, fits.
-The rows added since (trees, the datastore, ``draft-unfused`` and the three exit-mode rows) add about
+The rows added since (trees, the datastore, ``draft-fused`` and the three exit-mode rows) add about
 10 methods x 16 prompts x 128 tokens, roughly 2 minutes, plus the fused draft steps' graphs (one of
 γ - 1 = 4 steps, two of 11 for the adaptive engines, each a whole unrolled draft model: not measured
 cold): on a cold machine call ``--sections forwards,single,rounds,syncs`` first, then
@@ -132,10 +142,9 @@ SECTIONS = ("forwards", "single", "rounds", "syncs", "batched", "baselines")
 # name, kind ("ours" | "hf"), base method, adaptive exit (True: per-step, the default; or a DraftControl.exit_mode),
 # fast path, slow baseline
 METHODS = (
-    ("hf-generate-static", "hf", "hf-generate-static", False, True, False),
     ("autoregressive", "ours", "autoregressive", False, True, False),
     ("draft", "ours", "draft", False, True, False),
-    ("draft-unfused", "ours", "draft-unfused", False, True, False),
+    ("draft-fused", "ours", "draft-fused", False, True, False),
     ("draft+adaptive", "ours", "draft", True, True, False),
     ("cascade+adaptive", "ours", "cascade", True, True, False),
     ("draft+adaptive-previous-round", "ours", "draft", "previous-round", True, False),
@@ -147,23 +156,28 @@ METHODS = (
     ("draft-tree", "ours", "draft-tree", False, True, False),
     ("cascade-tree", "ours", "cascade-tree", False, True, False),
     ("draft-tree-expand", "ours", "draft-tree-expand", False, True, False),
+    # After our rows: our engines ran slower on an H200 once transformers' compiled generate had run.
+    ("hf-generate-static", "hf", "hf-generate-static", False, True, False),
+    ("autoregressive-after-hf", "ours", "autoregressive", False, True, False),
+    ("draft-after-hf", "ours", "draft", False, True, False),
     ("autoregressive-eager", "ours", "autoregressive", False, False, True),
     ("hf-generate", "hf", "hf-generate", False, False, True),
     ("hf-assisted", "hf", "hf-assisted", False, False, True),
 )
 TABLE_ORDER = ("hf-generate", "hf-generate-static", "hf-assisted", "autoregressive-eager", "autoregressive",
-               "draft", "draft-unfused", "draft+adaptive", "draft+adaptive-previous-round", "draft+adaptive-masked",
+               "draft", "draft-fused", "draft+adaptive", "draft+adaptive-previous-round", "draft+adaptive-masked",
                "cascade+adaptive", "cascade+adaptive-previous-round", "draft-tree", "cascade-tree", "draft-tree-expand",
-               "prompt-lookup", "prompt-lookup-datastore", "token-recycling")
+               "prompt-lookup", "prompt-lookup-datastore", "token-recycling", "autoregressive-after-hf",
+               "draft-after-hf")
 #: The draft-model tree rows (issue 29): base name -> the method, run with ``draft_tree_depth=--draft-tree-depth``
 #: and a budget of ``--tree-nodes`` nodes a round (``specdecode.drafters.draft_tree``); draft-tree-expand also
 #: with ``draft_tree_expand=--draft-tree-expand`` (EAGLE-2's expansion, a draft tree forward per depth).
 TREE_BASES = {"draft-tree": "draft", "cascade-tree": "cascade", "draft-tree-expand": "draft"}
 #: Rows that run another method with options: base name -> (the method, its options).
 OPTION_BASES = {"prompt-lookup-datastore": ("prompt-lookup", {"prompt_lookup_datastore": "python-stdlib"})}
-#: Rows that run another method with its drafter's fused draft steps off (``fused_draft_steps=False``): the
+#: Rows that run another method with its drafter's fused draft steps on (``fused_draft_steps=True``): the
 #: steps after a round's first draft forward one graph each, not one graph in all (``BatchRunner.draft_steps``).
-UNFUSED_BASES = {"draft-unfused": "draft"}
+FUSED_BASES = {"draft-fused": "draft"}
 BATCH_METHODS = ("autoregressive", "draft", "prompt-lookup")
 SETS = ("code", "prose")
 
@@ -428,11 +442,11 @@ class Run:
             tree = {"draft_tree_depth": self.args.draft_tree_depth} if base in TREE_BASES else {}
             if base == "draft-tree-expand":
                 tree["draft_tree_expand"] = self.args.draft_tree_expand
-            method, options = OPTION_BASES.get(base, (TREE_BASES.get(base, UNFUSED_BASES.get(base, base)), {}))
+            method, options = OPTION_BASES.get(base, (TREE_BASES.get(base, FUSED_BASES.get(base, base)), {}))
             self.decoders[key] = self.gen.decoder(method, draft_control=control, compile=fast and self.compile(),
                                                   **tree, **options)
-            if base in UNFUSED_BASES:
-                self.decoders[key].drafter.fused_draft_steps = False
+            if base in FUSED_BASES:
+                self.decoders[key].drafter.fused_draft_steps = True
         return self.decoders[key]
 
     def engine(self, base: str, adaptive: bool):
@@ -690,8 +704,8 @@ def section_rounds(run: Run) -> None:
         say("no single-sequence runs yet: running the fast-path methods on the prompts first")
         run_methods(run, slow=False)
     rows = []
-    for name in ("autoregressive", "draft", "draft-unfused", "draft+adaptive", "draft+adaptive-previous-round",
-                 "draft+adaptive-masked", "cascade+adaptive", "cascade+adaptive-previous-round", "prompt-lookup"):
+    for name in ("autoregressive", "autoregressive-after-hf", "draft", "draft-after-hf", "draft-fused",
+                 "draft+adaptive", "draft+adaptive-previous-round", "draft+adaptive-masked", "cascade+adaptive", "cascade+adaptive-previous-round", "prompt-lookup"):
         for s in SETS:
             t = run.tallies.get(name, {}).get(s)
             if not isinstance(t, Tally) or not t.target_forwards:
@@ -724,7 +738,7 @@ def section_rounds(run: Run) -> None:
            "overhead, ms per round", "tokens per round τ", "overhead per token, ms", "forwards from"], rows)
 
 
-SYNC_METHODS = ("autoregressive", "draft", "draft-unfused", "draft+adaptive", "draft+adaptive-previous-round",
+SYNC_METHODS = ("autoregressive", "draft", "draft-fused", "draft+adaptive", "draft+adaptive-previous-round",
                 "draft+adaptive-masked", "cascade+adaptive", "prompt-lookup")
 
 
@@ -777,58 +791,64 @@ def section_batched(run: Run) -> None:
         options = {"compile": False}
     mode = ("compiled (compile=True)" if options.get("compile") else "eager (compile=False)") if takes_compile \
         else "eager (batch_decoder takes no compile option)"
+    if args.row_buckets == "batch" and options.get("compile"):
+        mode += ", rows buckets B alone (--row-buckets batch)"
     say(f"batched engine: {mode}")
     prompts = run.encoded("batch")
     longest = max(int(p.shape[1]) for p in prompts)
     config = GenerationConfig(max_new_tokens=args.max_new_tokens)
     results = run.batched
-    for b in args.batch_sizes:
+    # Method by method, autoregressive (the reference) first at every B: the budget cuts the speculative rows.
+    order = sorted(args.batch_methods, key=lambda m: m != "autoregressive")
+    for method, b in ((m, b) for m in order for b in args.batch_sizes):
         n = min(len(prompts), args.batch_prompts, b * args.batch_groups)
         groups = [prompts[i:i + b] for i in range(0, n, b)]
-        for method in args.batch_methods:
-            if run.over_budget(f"batched: {method} B={b}"):
-                continue
-            try:
-                engine = gen.batch_decoder(method, max_batch_size=b, num_speculative_tokens=args.gamma,
-                                           max_length=longest + args.max_new_tokens + 64, **options)
-                # A compiled engine warms up on a whole group (its graphs for every row count), eager on a short one.
-                warm_tokens = args.max_new_tokens if options.get("compile") else args.warmup_tokens
-                t0 = time.perf_counter()
-                engine.generate(groups[0], dataclasses.replace(config, max_new_tokens=warm_tokens))
+        if run.over_budget(f"batched: {method} B={b}"):
+            continue
+        try:
+            buckets = {"row_buckets": (b,)} if args.row_buckets == "batch" and options.get("compile") \
+                and "row_buckets" in inspect.signature(gen.batch_decoder).parameters else {}
+            engine = gen.batch_decoder(method, max_batch_size=b, num_speculative_tokens=args.gamma,
+                                       max_length=longest + args.max_new_tokens + 64, **options, **buckets)
+            # A compiled engine warms up on a whole group (its graphs for every row count), eager on a short one.
+            warm_tokens = args.max_new_tokens if options.get("compile") else args.warmup_tokens
+            t0 = time.perf_counter()
+            engine.generate(groups[0], dataclasses.replace(config, max_new_tokens=warm_tokens))
+            sync(device)
+            warm = time.perf_counter() - t0
+            before = counters(engine.stats)
+            tokens, seconds, last, done = 0, 0.0, 0.0, 0
+            for g, group in enumerate(groups):
+                if run.over_budget(f"batched: {method} B={b} group {g}", last):
+                    continue
                 sync(device)
-                warm = time.perf_counter() - t0
-                before = counters(engine.stats)
-                tokens, seconds, last, done = 0, 0.0, 0.0, 0
-                for g, group in enumerate(groups):
-                    if run.over_budget(f"batched: {method} B={b} group {g}", last):
-                        continue
-                    sync(device)
-                    t0 = time.perf_counter()
-                    out = engine.generate(group, config)
-                    sync(device)
-                    last = time.perf_counter() - t0
-                    seconds += last
-                    tokens += sum(len(r.token_ids) for r in out)
-                    done += len(group)
-                after = counters(engine.stats)
-                d = {k: after[k] - before.get(k, 0) for k in after}
-                seconds -= d.get("warmup_s", 0.0)
-                results[(method, b)] = dict(
-                    tok_s=tokens / seconds if seconds > 0 else None, warm=warm, prompts=done,
-                    alpha=d["num_accepted_tokens"] / d["num_drafted_tokens"] if d.get("num_drafted_tokens") else None,
-                    tau=(d["num_accepted_tokens"] + d["num_row_rounds"]) / d["num_row_rounds"]
-                    if d.get("num_row_rounds") else None,
-                    round_ms=1000 * d["decode_time_s"] / d["num_rounds"] if d.get("num_rounds") else None)
-                say(f"  {method} B={b}: {fmt(results[(method, b)]['tok_s'])} tok/s in total, warm-up {warm:.1f} s")
-                del engine
-            except Exception:
-                say(f"FAILED: batched {method} at B={b}")
-                traceback.print_exc(file=sys.stdout)
-                results[(method, b)] = {"failed": True}
-                run.failures.append(f"batched: {method} B={b}")
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+                t0 = time.perf_counter()
+                out = engine.generate(group, config)
+                sync(device)
+                last = time.perf_counter() - t0
+                seconds += last
+                tokens += sum(len(r.token_ids) for r in out)
+                done += len(group)
+            after = counters(engine.stats)
+            d = {k: after[k] - before.get(k, 0) for k in after}
+            seconds -= d.get("warmup_s", 0.0)
+            results[(method, b)] = dict(
+                tok_s=tokens / seconds if seconds > 0 else None, warm=warm, prompts=done,
+                alpha=d["num_accepted_tokens"] / d["num_drafted_tokens"] if d.get("num_drafted_tokens") else None,
+                tau=(d["num_accepted_tokens"] + d["num_row_rounds"]) / d["num_row_rounds"]
+                if d.get("num_row_rounds") else None,
+                round_ms=1000 * d["decode_time_s"] / d["num_rounds"] if d.get("num_rounds") else None)
+            say(f"  {method} B={b}: {fmt(results[(method, b)]['tok_s'])} tok/s in total, warm-up {warm:.1f} s, "
+                f"shared prefill {getattr(engine, 'shared_prefill', 'n/a')}")
+            del engine
+        except Exception:
+            say(f"FAILED: batched {method} at B={b}")
+            traceback.print_exc(file=sys.stdout)
+            results[(method, b)] = {"failed": True}
+            run.failures.append(f"batched: {method} B={b}")
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     say(f"\nBatched engine ({mode}), {args.max_new_tokens} new tokens, greedy, code prompts in groups of B, "
         "total tok/s = all new tokens / all group wall seconds (prefills included), × over autoregressive:\n")
     rows = []
@@ -939,6 +959,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--code-chat", action="store_true", help="wrap code prompts in the chat template")
     p.add_argument("--no-compile", action="store_true", help="our fast path off (eager forwards everywhere)")
     p.add_argument("--no-compile-shim", action="store_true", help="leave torch.compile as it is")
+    p.add_argument("--random-weights", default=None, choices=RANDOM_WEIGHTS,
+                   help="--target and --draft are folders with a config.json (the target's with its tokenizer): "
+                        "models of those shapes with random weights, no GGUF to copy (random_weights_pair)")
+    p.add_argument("--row-buckets", default="powers", choices=("powers", "batch"),
+                   help="batched engine's rows buckets: 1, 2, 4, .. and B (the default), or B alone (fewer "
+                        "compilations on a cold machine: a batch with fewer live rows runs padded to B)")
     p.add_argument("--budget-s", type=float, default=540.0,
                    help="deadline in seconds from the start, loading included")
     args = p.parse_args(argv)
@@ -966,6 +992,42 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+RANDOM_WEIGHTS = {
+    "independent": "forward and round costs hold; acceptance (about 0), τ and speculative speedups do not",
+    "echo": "each layer's output projections zeroed and the LM head a copy of the embeddings, so each model "
+            "repeats the last token: draft rounds accepted in full (prompt-lookup's partly); forward and round costs hold, "
+            "acceptance rates, τ and speedups are this setting's, not a real pair's",
+}
+
+
+def random_weights_pair(target: str, draft: str, dtype: str, device: torch.device,
+                        mode: str = "independent") -> SpeculativeGenerator:
+    """A pair of the shapes that the folders' ``config.json`` give, with random weights (seeded), on ``device``.
+
+    For a GPU machine with no model files: forward costs depend on the shapes alone. The tokenizer is the
+    target folder's, shared by the draft. ``mode`` "echo" zeroes every ``o_proj`` and ``down_proj`` weight
+    and copies the embeddings into the LM head (``RANDOM_WEIGHTS``): the same matrix products, but the
+    residual stream stays the last token's embedding, whose own row scores highest."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from specdecode.models import LoadedModel
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    loaded = []
+    for seed, folder in enumerate((target, draft)):
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=getattr(torch, dtype))
+        if mode == "echo":
+            with torch.no_grad():
+                for name, module in model.named_modules():
+                    if name.endswith(("o_proj", "down_proj")):
+                        module.weight.zero_()
+                model.get_output_embeddings().weight.copy_(model.get_input_embeddings().weight)
+        loaded.append(LoadedModel(model.eval(), tokenizer, f"{Path(folder).name} (random weights)"))
+    return SpeculativeGenerator(loaded[0], loaded[1])
+
+
 SECTION_FUNCTIONS = {"forwards": section_forwards, "single": section_single, "rounds": section_rounds,
                      "syncs": section_syncs, "batched": section_batched, "baselines": section_baselines}
 
@@ -981,6 +1043,11 @@ def main(argv: list[str] | None = None, generator: SpeculativeGenerator | None =
         device = torch.device(args.device)
         for line in environment(device, shim):
             say(f"- {line}")
+        if generator is None and args.random_weights:
+            t0 = time.perf_counter()
+            generator = random_weights_pair(args.target, args.draft, args.dtype, device, args.random_weights)
+            say(f"- built both models with random weights ({args.random_weights}) in {time.perf_counter() - t0:.1f} "
+                f"s: {RANDOM_WEIGHTS[args.random_weights]}")
         if generator is None:
             t0 = time.perf_counter()
             generator = SpeculativeGenerator.from_pretrained(args.target, args.draft, dtype=args.dtype,

@@ -22,10 +22,10 @@ SCRIPT = Path(__file__).resolve().parents[2] / "docs" / "benchmarks" / "gpu_engi
 TINY = ["--device", "cpu", "--dtype", "float32", "--no-compile", "--prompts", "1", "--slow-prompts", "1",
         "--max-new-tokens", "8", "--warmup-tokens", "2", "--context", "24", "--repeats", "2",
         "--batch-sizes", "1,2", "--batch-groups", "1",
-        "--methods", "autoregressive,draft,draft-unfused,draft+adaptive,cascade+adaptive,draft+adaptive-previous-round,"
+        "--methods", "autoregressive,draft,draft-fused,draft+adaptive,cascade+adaptive,draft+adaptive-previous-round,"
         "draft+adaptive-masked,cascade+adaptive-previous-round,draft-tree,cascade-tree,prompt-lookup,"
         "prompt-lookup-datastore,"
-        "draft-tree-expand,hf-generate,hf-assisted", "--tree-nodes", "6", "--draft-tree-depth", "3",
+        "draft-tree-expand,hf-generate,hf-assisted,autoregressive-after-hf,draft-after-hf", "--tree-nodes", "6", "--draft-tree-depth", "3",
         "--draft-tree-expand", "2"]
 
 
@@ -58,7 +58,7 @@ def test_every_section_runs_and_prints_its_table(script, generator, capsys):
                    "| B | autoregressive, total tok/s", "| section | status | seconds"):
         assert header in out, header
     # Every single-sequence method got a row, and the rounds table priced counted forwards.
-    for name in ("| hf-generate |", "| hf-assisted |", "| draft-unfused |", "| draft+adaptive |",
+    for name in ("| hf-generate |", "| hf-assisted |", "| draft-fused |", "| draft-after-hf |", "| draft+adaptive |",
                  "| cascade+adaptive |", "| draft+adaptive-previous-round |", "| draft+adaptive-masked |",
                  "| cascade+adaptive-previous-round |",
                  "| prompt-lookup |", "| draft-tree |", "| cascade-tree |", "| draft-tree-expand |"):
@@ -69,9 +69,9 @@ def test_every_section_runs_and_prints_its_table(script, generator, capsys):
     assert "syncs: CUDA only" in out and "| syncs | ok |" in out
 
 
-def test_fused_draft_steps_are_counted_and_draft_unfused_runs_without_them(script, capsys, monkeypatch):
-    """On the fast path (its static forwards, uncompiled: ``graphs=False``) ``draft`` fuses its draft steps and
-    ``draft-unfused`` does not; the rounds table counts a fused call of S steps as S draft forwards (as the
+def test_fused_draft_steps_are_counted_and_only_draft_fused_runs_them(script, capsys, monkeypatch):
+    """On the fast path (its static forwards, uncompiled: ``graphs=False``) ``draft-fused`` fuses its draft steps
+    and ``draft`` (the default: off) does not; the rounds table counts a fused call of S steps as S draft forwards (as the
     stats do), and ``forwards`` prices the fused call."""
     from specdecode.drafters import DraftModelDrafter
     from specdecode.engine.batch_runner import BatchRunner
@@ -94,13 +94,13 @@ def test_fused_draft_steps_are_counted_and_draft_unfused_runs_without_them(scrip
 
     monkeypatch.setattr(DraftModelDrafter, "propose", counted)
     flags = [a for a in TINY if a != "--no-compile"]
-    methods = ["--methods", "autoregressive,draft,draft-unfused"]
+    methods = ["--methods", "autoregressive,draft,draft-fused"]
     code = script.main(flags + ["--sections", "forwards,single,rounds"] + methods, generator=gen)
     out = capsys.readouterr().out
     assert code == 0, out
     assert "| draft | 1 x 4 fused steps |" in out
     assert any(on and n for on, n in rounds) and not any(n for on, n in rounds if not on)
-    for name in ("draft", "draft-unfused"):
+    for name in ("draft", "draft-fused"):
         lines = [line for line in out.splitlines() if line.startswith(f"| {name} | code |")]
         assert lines and lines[0].endswith("| counted |"), lines  # counted draft forwards == the stats'
 

@@ -232,6 +232,9 @@ def test_batch_decoder_and_bench_pass_compile_through():
     assert gen.batch_decoder("draft", max_batch_size=2, compile=True).compile is True
     assert gen.batch_decoder("draft", max_batch_size=2, compile=True).drafter.cache.fast is not None
     assert gen.batch_decoder("prompt-lookup", max_batch_size=2).compile is False  # the CPU default
+    assert gen.batch_decoder("draft", max_batch_size=4, compile=True).cache.fast.rows == (1, 2, 4)
+    one_bucket = gen.batch_decoder("draft", max_batch_size=4, compile=True, row_buckets=(4,))
+    assert one_bucket.cache.fast.rows == (4,) and one_bucket.drafter.cache.fast.rows == (4,)
     for name, flag, want in (("autoregressive", True, True), ("autoregressive:compile=0", True, False),
                              ("prompt-lookup", None, False), ("draft:compile=1", False, True)):
         run = _runner(gen, BatchMethod.parse(name), BenchSettings(compile=flag), 2, 64)

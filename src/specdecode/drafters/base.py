@@ -15,7 +15,7 @@ the first as one compiled function of the drafter's runner (``BatchRunner.draft_
 on CUDA) where that runner can (the fast path, at its ``BatchRunner.fused_steps``): the same tokens,
 counts, finiteness flag, top probabilities and steps as the loop (bit for bit on the uncompiled static
 path; a compiled graph may round the last bits differently), with no host work between the steps.
-Any other round, or a drafter that passes no runner (``fused_draft_steps=False``), runs the loop.
+Any other round, or a drafter that passes no runner (``fused_draft_steps=False``, the default), runs the loop.
 """
 
 from __future__ import annotations

@@ -35,11 +35,15 @@ forward of the draft model (prefills and warm-up included, so that the fast path
 traced with it) computes the K rows of its LM head only; the draft proposes among those K
 tokens, and its q is zero outside them (exact under sampling).
 
-**Fused steps** (``fused_draft_steps``, on by default): on the fast path a greedy round with no per-step
+**Fused steps** (``fused_draft_steps``, off by default): on the fast path a greedy round with no per-step
 exit, processors or tree that drafts the engine's longest block runs its draft steps after the first
 forward as one compiled function (``base.draft_batch``, ``BatchRunner.draft_steps`` at its
-``fused_steps``; one CUDA graph on CUDA), warmed up with the other buckets. Set the attribute to False
-on a drafter to run them step by step (to measure).
+``fused_steps``; one CUDA graph on CUDA), warmed up with the other buckets. Set the attribute to True
+on a drafter to fuse. Off because it did not pay where measured (H200, torch 2.11, the Qwen2.5-Coder
+0.5B draft's shape, ``docs/benchmarks/2026-11-27-gpu-h200.md``): 4 fused steps took 6.37 ms against
+4 x 1.64 ms step by step, a draft round took longer fused (15.4 ms, against 13.0 ms unfused in
+another run), and each rows bucket of the fused steps compiled in 113-124 s against 25-28 s for a
+width bucket.
 
 **Token trees** (``tree_depth=D``, off by default; ``drafters.draft_tree``, EAGLE-2's reranking, Li
 et al. 2024): a row with no logits processors and no adaptive exit drafts a chain of min(D, c)
@@ -76,6 +80,7 @@ from specdecode.engine.batch_runner import BatchRunner
 from specdecode.engine.kv_cache import context_length
 from specdecode.engine.protocol import Draft
 from specdecode.engine.sampling import Sampler, logits_width
+from specdecode.engine.shared_prefill import check_shared_prefill, consecutive_runs, prefill_bodies
 from specdecode.errors import InvalidArgumentError
 
 __all__ = ["DraftModelDrafter"]
@@ -117,9 +122,12 @@ class DraftModelDrafter(Drafter):
 
     supports_exit_policy = True
     who = "draft model"
-    #: Greedy rounds run their draft steps as one compiled function on the fast path (module docstring);
-    #: False: step by step.
-    fused_draft_steps = True
+    #: True: greedy rounds run their draft steps as one compiled function on the fast path (module docstring);
+    #: False (the default, measured faster on an H200): step by step.
+    fused_draft_steps = False
+    #: Rows joining together share their deferred prompt prefill's forwards (``engine.shared_prefill``): True,
+    #: False, or None for the device's default (CUDA only).
+    shared_prefill: bool | None = None
 
     def __init__(self, model=None, context_window: int | None = None, head: DraftHead | None = None, *,
                  runner=None, one_sequence_reason: str = "the draft model runs one sequence",
@@ -234,13 +242,20 @@ class DraftModelDrafter(Drafter):
         (``batch_prefill`` from its cached length; a one-sequence runner: its ``prefill``, for a row
         with nothing cached). So a row that never drafts costs no draft forward (the join's prefill is
         deferred to here), and a row back from plain steps catches up in prefill chunks, not in one wide
-        forward of a width nothing was warmed up for (``_catch_up_limit``)."""
+        forward of a width nothing was warmed up for (``_catch_up_limit``). Rows with nothing cached in
+        consecutive slots share their prefill's forwards where ``shared_prefill`` says so
+        (``engine.shared_prefill.prefill_bodies``)."""
         limit = self._catch_up_limit()
+        share = self.cache is not None and check_shared_prefill(self.shared_prefill, self._device)
+        fresh: list[int] = []
         for b, seq in enumerate(sequences):
             if rows is not None and not rows[b]:
                 continue
             cached, offset, end = self._num_cached[b], self._offsets[b], len(seq) - 1
             if end <= cached or (cached > offset and end - cached <= limit):
+                continue
+            if share and cached == offset:
+                fresh.append(b)
                 continue
             t0, compiling = time.perf_counter(), self.compile_time_s
             if self.cache is None:
@@ -255,6 +270,13 @@ class DraftModelDrafter(Drafter):
             else:  # nor timed as drafting (``Drafter.prefill_time_s``)
                 self.prefill_time_s += time.perf_counter() - t0 - (self.compile_time_s - compiling)
             self._num_cached[b] = end
+        for run in consecutive_runs(fresh):
+            t0, compiling = time.perf_counter(), self.compile_time_s
+            bodies = [sequences[b][self._offsets[b]:len(sequences[b]) - 1] for b in run]
+            prefill_bodies(self.model, self.cache, bodies, run[0], [0] * len(run))
+            self.prefill_time_s += time.perf_counter() - t0 - (self.compile_time_s - compiling)
+            for b, body in zip(run, bodies):
+                self._num_cached[b] = self._offsets[b] + len(body)
 
     def _catch_up_limit(self) -> int:
         """Most uncached tokens (besides the last) a row's first forward feeds; more are caught up first."""

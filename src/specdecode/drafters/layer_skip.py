@@ -341,9 +341,10 @@ class LayerSkipDrafter(Drafter):
 
     supports_exit_policy = True
     who = "layer-skip draft"
-    #: Greedy rounds run their draft steps as one compiled function on the fast path (``base.draft_batch``,
-    #: ``BatchRunner.draft_steps`` at its ``fused_steps``, warmed up); False: step by step (to measure).
-    fused_draft_steps = True
+    #: True: greedy rounds run their draft steps as one compiled function on the fast path (``base.draft_batch``,
+    #: ``BatchRunner.draft_steps`` at its ``fused_steps``, warmed up); False (the default, as the draft model's,
+    #: ``drafters.draft_model``): step by step.
+    fused_draft_steps = False
 
     def __init__(self, model: PreTrainedModel, skip_set: SkipSet) -> None:
         skip_set.check(len(decoder_layers(model)))

@@ -20,15 +20,12 @@ Each round (Medusa's four steps, for every active row at once):
    single-sequence decoder: on a match the row rewinds to where the word began and that
    token is masked there; the other rows are untouched); finished rows leave.
 
-Continuous batching: ``add`` queues a request at any time; at the start of each
-``step`` queued requests join while slots are free (their prompt is prefilled alone,
-at batch size 1, into their slot), and after the round finished or cancelled rows
-leave. The last active row moves into a freed slot (one copy of its cache), so the
-active rows always occupy slots 0 .. n - 1 and every forward works on views. That
-bookkeeping (add, cancel, generate, retire) is ``engine.batch_requests.BatchRequests``.
-
-transformers' assisted generation refuses batches; vLLM batches speculative decoding
-with the same per-row accounting (its ``SpecDecodingStats`` names are used here).
+Continuous batching: ``add`` queues a request at any time; at the start of each ``step`` queued
+requests join while slots are free (prefilled into their slots alone, or on CUDA together in 2
+forwards: ``engine.shared_prefill``); after the round finished or cancelled rows leave. The last
+active row moves into a freed slot (one copy of its cache), so the active rows occupy slots 0 .. n - 1
+and every forward works on views. That bookkeeping is ``engine.batch_requests.BatchRequests``. vLLM
+batches speculative decoding with the same per-row accounting (its ``SpecDecodingStats`` names).
 
 The number of draft tokens γ is an engine setting, as in vLLM: a request's
 ``GenerationConfig.num_speculative_tokens`` is not used (``SpeculativeDecoder``, which runs
@@ -42,6 +39,7 @@ at a few (rows, width) buckets, CUDA graphs on CUDA) where ``compile`` is on; pr
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Iterable, Sequence
@@ -67,6 +65,7 @@ from specdecode.engine.processors import process_rows
 from specdecode.engine.protocol import BATCH_EXIT_RULES, Draft, Drafter, DraftPolicy
 from specdecode.engine.runner_target import is_runner_target, runner_target_parts, torch_threads
 from specdecode.engine.sampling import check_finite, logits_width, raise_non_finite
+from specdecode.engine.shared_prefill import admit_shared, check_shared_prefill
 from specdecode.engine.stats import SpecDecodingStats
 from specdecode.engine.tree import TokenTree, draft_q, greedy_tree_verify, round_trees, tree_rejection_sample
 from specdecode.engine.verification import greedy_verify, sample_block, sample_rows
@@ -105,10 +104,9 @@ class BatchedSpeculativeDecoder(BatchRequests):
             hardware verifies at about the cost of one step costs more than speculation saves
             (``docs/benchmarks/batched_forward_cost.py`` measures the knee).
         prefill_chunk_tokens, prefill_pad_multiple: A prompt (target and draft model) is
-            prefilled in forwards of at most ``prefill_chunk_tokens``, the last padded to a
-            multiple of ``prefill_pad_multiple`` (``batch_cache.batch_prefill``), so a server's
-            stream of prompt lengths gives a few forward shapes, and oneDNN's per-shape
-            kernels stop piling up on a CPU.
+            prefilled in forwards of at most ``prefill_chunk_tokens``, the last padded to a multiple
+            of ``prefill_pad_multiple`` (``batch_cache.batch_prefill``): a stream of prompt lengths
+            gives a few forward shapes, so oneDNN's per-shape kernels stop piling up on a CPU.
         compile: The fast path (``batch_runner``) for the target's and the drafter's decode-time
             forwards: True, False, or None for the device's default (``default_batch_compile``).
         graphs: With ``compile``, False runs the fast path's static-shape forwards without
@@ -116,12 +114,14 @@ class BatchedSpeculativeDecoder(BatchRequests):
         row_buckets: With ``compile``, the rows buckets (integers in 1 .. ``max_batch_size``);
             None: 1, 2, 4, .. and ``max_batch_size`` (``batch_runner.row_buckets``). Fewer
             buckets compile faster and pad more rows.
+        shared_prefill: Requests admitted in one step share 2 prefill forwards (``shared_prefill``)
+            rather than one each: True, False, or None for the device's default (CUDA only; never
+            with a llama.cpp target).
         shared_with: An idle engine whose cache and target runner this one takes over when they
             fit (same target, slots, fast-path settings and widths, capacity >= ``max_length``,
             which then becomes that capacity; its widest verification at least this one's): its
-            compiled buckets are reused. The two must
-            never run requests at the same time (``SpeculativeDecoder`` checks with
-            ``BatchKVCache.generation``).
+            compiled buckets are reused. The two must never run requests at the same time
+            (``SpeculativeDecoder`` checks with ``BatchKVCache.generation``).
 
     Attributes:
         compile: Whether the fast path is on.
@@ -153,6 +153,7 @@ class BatchedSpeculativeDecoder(BatchRequests):
         graphs: bool = True,
         row_buckets: Sequence[int] | None = None,
         shared_with: BatchedSpeculativeDecoder | None = None,
+        shared_prefill: bool | None = None,
     ) -> None:
         if compile is not None and not isinstance(compile, bool):
             raise InvalidArgumentError(f"compile must be True, False or None (the device default), got {compile!r}")
@@ -185,6 +186,7 @@ class BatchedSpeculativeDecoder(BatchRequests):
         #: The longest block a round drafts (the verification is at most this + 1 wide).
         self.max_block = probe.max_tokens if probe is not None else self.gamma
         self.compile = default_batch_compile(target.device) if compile is None else compile
+        self.shared_prefill = check_shared_prefill(shared_prefill, target.device) and not is_runner_target(target)
         # The widest bucket: a verification (max_block + 1) or a draft model's first feed (2).
         rows = check_row_buckets(row_buckets, max_batch_size)
         fast = FastPath(rows, max(self.max_block + 1, 2), graphs) if self.compile else None
@@ -264,7 +266,7 @@ class BatchedSpeculativeDecoder(BatchRequests):
 
     @torch.inference_mode()
     def step(self, *, decode: bool = True) -> list[BatchEvent]:
-        """Admit queued requests into free slots (each prefilled alone, giving its first token), then
+        """Admit queued requests into free slots (prefilled alone, or together: ``shared_prefill``), then
         run one round over every row, new ones included; finished rows leave.
 
         Args:
@@ -291,21 +293,29 @@ class BatchedSpeculativeDecoder(BatchRequests):
         return list(events.values())
 
     def _admit(self, events: dict) -> None:
+        free = min(len(self._waiting), self.max_batch_size - len(self._rows))
+        shared = admit_shared(self.target, self.cache, list(itertools.islice(self._waiting, free)),
+                              len(self._rows)) if self.shared_prefill and free > 1 else {}
         while self._waiting and len(self._rows) < self.max_batch_size:
             row = self._waiting.popleft()
             slot = len(self._rows)
             t0 = time.perf_counter()
             compiling = self.compile_time_s
             prompt = torch.tensor([row.tokens], dtype=torch.long, device=self.target.device)
+            planned, share = shared.get(row.request_id), 0.0
             try:
-                start = 0
-                if row.prompt_cache is not None:
-                    start = self.cache.load_prefix(slot, row.prompt_cache)
-                    if not start:
-                        logger.debug("request %d: prompt cache not usable (a trimmed sliding layer): re-encoded",
-                                     row.request_id)
-                    row.prompt_cache = None  # not kept: the slot holds it now
-                logits = self.cache.prefill_row(self.target, prompt, slot, start)  # a llama.cpp target: its own
+                if planned is not None and planned[0] == slot:  # its slot as planned: no row before it failed
+                    _, logits, share = planned
+                    row.prompt_cache = None
+                else:
+                    start = 0
+                    if row.prompt_cache is not None:
+                        start = self.cache.load_prefix(slot, row.prompt_cache)
+                        if not start:
+                            logger.debug("request %d: prompt cache not usable (a trimmed sliding layer): re-encoded",
+                                         row.request_id)
+                        row.prompt_cache = None  # not kept: the slot holds it now
+                    logits = self.cache.prefill_row(self.target, prompt, slot, start)  # llama.cpp: its own
                 check_finite(logits, "target model")
                 token = row.sampler.choose(logits)
                 if self.drafter is not None:
@@ -322,7 +332,7 @@ class BatchedSpeculativeDecoder(BatchRequests):
             self._rows.append(row)
             new = row.emit([token], self.stats)
             compiled = self.compile_time_s - compiling  # a drafter's first calls of buckets: warm-up
-            elapsed = time.perf_counter() - t0 - compiled
+            elapsed = time.perf_counter() - t0 - compiled + share
             row.stats.warmup_s += compiled
             self.stats.warmup_s += compiled
             row.stats.prefill_time_s = elapsed

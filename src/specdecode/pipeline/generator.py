@@ -5,6 +5,7 @@ drafter of each method (``make_drafter``, through ``specdecode.method_registry``
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -321,6 +322,8 @@ class SpeculativeGenerator(ModelPair):
         draft_backend: str | None = None,
         draft_tree_depth: int | None = None,
         draft_tree_expand: int | None = None,
+        row_buckets: Sequence[int] | None = None,
+        shared_prefill: bool | None = None,
     ) -> BatchedSpeculativeDecoder:
         """A ``BatchedSpeculativeDecoder`` (many rows at once, continuous batching) for ``method``.
 
@@ -340,6 +343,11 @@ class SpeculativeGenerator(ModelPair):
                 True, False, or None for the device's default (``BatchedSpeculativeDecoder``).
             draft_backend: As in ``make_drafter``; "llama-cpp" ("draft", "cascade") runs one
                 sequence, so ``max_batch_size`` must be 1 (the drafter refuses more).
+            row_buckets: With ``compile``, the rows buckets compiled; None: 1, 2, 4, .. and
+                ``max_batch_size`` (``BatchedSpeculativeDecoder``). ``(max_batch_size,)`` compiles one
+                rows bucket per width, fewer rows running padded.
+            shared_prefill: Requests admitted together share their prefill forwards (``engine.shared_prefill``):
+                True, False, or None for the device's default (CUDA only).
 
         Raises:
             InvalidArgumentError: Unknown method; the errors of
@@ -372,6 +380,8 @@ class SpeculativeGenerator(ModelPair):
             exit_rule=exit_rule,
             max_verify_tokens=max_verify_tokens,
             compile=compile,
+            row_buckets=row_buckets,
+            shared_prefill=shared_prefill,
         )
 
     def stream(
