@@ -369,6 +369,7 @@ class Tally:
     tokens_from_forwards: int = 0
     draft_forwards: int = 0
     decode_s: float = 0.0
+    prefill_s: float = 0.0
     warmup_s: float = 0.0
     drafted_by_position: list = dataclasses.field(default_factory=list)
     decode_calls: dict = dataclasses.field(default_factory=dict)  # (runner, priced width) -> forwards
@@ -590,7 +591,7 @@ def method_runner(run: Run, kind: str, base: str, adaptive: bool, fast: bool) ->
         return dict(tokens=len(r.token_ids), seconds=time.perf_counter() - t0 - s.warmup_s, warmup_s=s.warmup_s,
                     drafted=s.num_drafted_tokens, accepted=s.num_accepted_tokens, target_forwards=s.num_target_forwards,
                     tokens_from_forwards=s.num_tokens_from_forwards, draft_forwards=s.num_draft_forwards,
-                    decode_s=s.decode_time_s, drafted_by_position=list(s.drafted_by_position),
+                    decode_s=s.decode_time_s, prefill_s=s.prefill_time_s, drafted_by_position=list(s.drafted_by_position),
                     calls=list(run.log.calls))
 
     return generate_ours
@@ -604,6 +605,7 @@ def add_outcome(t: Tally, out: dict, index: int) -> None:
         setattr(t, key, getattr(t, key) + out[key])
     t.draft_forwards += out.get("draft_forwards", 0)
     t.decode_s += out.get("decode_s", 0.0)
+    t.prefill_s += out.get("prefill_s", 0.0)
     dbp = out.get("drafted_by_position") or []
     t.drafted_by_position += [0] * (len(dbp) - len(t.drafted_by_position))
     for i, v in enumerate(dbp):
@@ -731,11 +733,15 @@ def section_rounds(run: Run) -> None:
             run.overheads[(name, s)] = round_ms - per_round
             rows.append([name, s, t.target_forwards, fmt(round_ms, 2), fmt(draft_n / t.target_forwards, 2),
                          fmt(per_round, 2), fmt(round_ms - per_round, 2), fmt(t.tau, 2),
-                         fmt((round_ms - per_round) / t.tau if t.tau else None, 2), how])
+                         fmt((round_ms - per_round) / t.tau if t.tau else None, 2),
+                         fmt(1000 * t.prefill_s / t.prompts if t.prompts else None, 1),
+                         fmt(1000 * (t.seconds - t.decode_s - t.prefill_s) / t.prompts if t.prompts else None, 1), how])
     say("\nPer round (decode time / target forwards, after the prefill); forwards priced at the per-forward "
-        "costs of their width, measured as in 'forwards':\n")
+        "costs of their width, measured as in 'forwards'; a prompt's prefill (the stats' prefill_time_s) and "
+        "the rest of its time outside the rounds:\n")
     table(["method", "set", "rounds", "ms per round", "draft forwards per round", "forwards, ms per round",
-           "overhead, ms per round", "tokens per round τ", "overhead per token, ms", "forwards from"], rows)
+           "overhead, ms per round", "tokens per round τ", "overhead per token, ms", "prefill, ms a prompt",
+           "rest outside the rounds, ms a prompt", "forwards from"], rows)
 
 
 SYNC_METHODS = ("autoregressive", "draft", "draft-fused", "draft+adaptive", "draft+adaptive-previous-round",
@@ -783,12 +789,23 @@ def counters(stats) -> dict:
     return {k: v for k, v in fields.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
+def batch_options(args: argparse.Namespace, gen: SpeculativeGenerator, device: torch.device, compiled: bool,
+                  b: int) -> dict:
+    """``batch_decoder``'s options at batch size ``b``: ``compile=True`` on CUDA with our fast path on
+    (``compiled``), else False (none where it takes no ``compile``); with ``--row-buckets batch`` and compiling,
+    ``row_buckets=(b,)`` (where it takes them)."""
+    takes = inspect.signature(gen.batch_decoder).parameters
+    if "compile" not in takes:
+        return {}
+    if not (device.type == "cuda" and compiled):
+        return {"compile": False}
+    return {"compile": True} | ({"row_buckets": (b,)} if args.row_buckets == "batch" and "row_buckets" in takes else {})
+
+
 def section_batched(run: Run) -> None:
     args, gen, device = run.args, run.gen, run.device
     takes_compile = "compile" in inspect.signature(gen.batch_decoder).parameters
-    options = {"compile": True} if takes_compile and device.type == "cuda" and run.compile() else {}
-    if takes_compile and not options:
-        options = {"compile": False}
+    options = batch_options(args, gen, device, run.compile(), 1)
     mode = ("compiled (compile=True)" if options.get("compile") else "eager (compile=False)") if takes_compile \
         else "eager (batch_decoder takes no compile option)"
     if args.row_buckets == "batch" and options.get("compile"):
@@ -806,10 +823,9 @@ def section_batched(run: Run) -> None:
         if run.over_budget(f"batched: {method} B={b}"):
             continue
         try:
-            buckets = {"row_buckets": (b,)} if args.row_buckets == "batch" and options.get("compile") \
-                and "row_buckets" in inspect.signature(gen.batch_decoder).parameters else {}
             engine = gen.batch_decoder(method, max_batch_size=b, num_speculative_tokens=args.gamma,
-                                       max_length=longest + args.max_new_tokens + 64, **options, **buckets)
+                                       max_length=longest + args.max_new_tokens + 64,
+                                       **batch_options(args, gen, device, run.compile(), b))
             # A compiled engine warms up on a whole group (its graphs for every row count), eager on a short one.
             warm_tokens = args.max_new_tokens if options.get("compile") else args.warmup_tokens
             t0 = time.perf_counter()

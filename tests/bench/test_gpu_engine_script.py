@@ -15,7 +15,7 @@ import torch
 from conftest import make_tiny_model, make_tiny_tokenizer
 from helpers import perturbed_copy
 
-from specdecode import LoadedModel, SpeculativeGenerator
+from specdecode import GenerationConfig, LoadedModel, SpeculativeGenerator
 
 SCRIPT = Path(__file__).resolve().parents[2] / "docs" / "benchmarks" / "gpu_engine.py"
 # Fast settings: eager forwards (compiling on CPU takes tens of seconds per width), short outputs.
@@ -169,7 +169,7 @@ class Block(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, Block())
 sys.path[:0] = [{str(Path(__file__).resolve().parents[1])!r}]
 from conftest import make_tiny_model, make_tiny_tokenizer
-from specdecode import LoadedModel, SpeculativeGenerator
+from specdecode import GenerationConfig, LoadedModel, SpeculativeGenerator
 spec = importlib.util.spec_from_file_location("gpu_engine", {str(SCRIPT)!r})
 module = importlib.util.module_from_spec(spec)
 sys.modules["gpu_engine"] = module
@@ -183,3 +183,34 @@ sys.exit(module.main({TINY!r} + ["--batch-sizes", "2"], generator=gen))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "| batched | ok |" in done.stdout and "| baselines | ok |" in done.stdout
+
+
+@pytest.mark.parametrize("mode", ["independent", "echo"])
+def test_random_weights_pairs_are_built_from_config_folders(script, tmp_path, mode):
+    """``--random-weights``: models of the folders' shapes with seeded random weights, the target folder's
+    tokenizer shared; "echo" makes each model repeat its last token, so a draft's every token is accepted."""
+    target, draft = make_tiny_model("qwen2", num_layers=2), make_tiny_model("qwen2", num_layers=1, seed=3)
+    for name, model in (("t", target), ("d", draft)):
+        model.config.save_pretrained(tmp_path / name)
+    make_tiny_tokenizer().save_pretrained(tmp_path / "t")
+    gen = script.random_weights_pair(str(tmp_path / "t"), str(tmp_path / "d"), "float32", torch.device("cpu"), mode)
+    assert gen.target.name == "t (random weights)" and gen.draft.tokenizer is gen.target.tokenizer
+    assert [m.config.num_hidden_layers for m in (gen.target.model, gen.draft.model)] == [2, 1]
+    again = script.random_weights_pair(str(tmp_path / "t"), str(tmp_path / "d"), "float32", torch.device("cpu"), mode)
+    assert torch.equal(gen.target.model.lm_head.weight, again.target.model.lm_head.weight)  # seeded
+    result = gen.decoder("draft").generate([5, 9, 12, 7], GenerationConfig(max_new_tokens=12, stop_on_eos=False))
+    if mode == "echo":
+        assert result.token_ids == [7] * 12
+        assert result.stats.num_accepted_tokens == result.stats.num_drafted_tokens > 0
+    else:
+        assert result.stats.num_drafted_tokens > 0
+
+
+def test_batched_options_compile_on_cuda_only_and_one_rows_bucket_with_row_buckets_batch(script, generator):
+    """``--row-buckets batch`` gives ``row_buckets=(B,)`` where the batched engine compiles (CUDA), nothing else."""
+    args = script.parse_args(["--row-buckets", "batch"])
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert script.batch_options(args, generator, cuda, True, 8) == {"compile": True, "row_buckets": (8,)}
+    assert script.batch_options(args, generator, cpu, True, 8) == {"compile": False}
+    assert script.batch_options(args, generator, cuda, False, 8) == {"compile": False}
+    assert script.batch_options(script.parse_args([]), generator, cuda, True, 8) == {"compile": True}

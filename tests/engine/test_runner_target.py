@@ -100,6 +100,11 @@ def test_one_row_only_and_no_compiling_or_prompt_cache(backed):
         BatchedSpeculativeDecoder(backed, None, max_batch_size=1, max_length=64, compile=True)
     with pytest.raises(InvalidArgumentError, match="compile=True compiles torch forwards"):
         SpeculativeDecoder(backed, compile=True)
+    with pytest.raises(InvalidArgumentError, match=r"shared_prefill=True shares torch forwards, but the target model "
+                                                   r"runs in llama.cpp \(one sequence\)"):
+        BatchedSpeculativeDecoder(backed, None, max_batch_size=1, max_length=64, shared_prefill=True)
+    assert BatchedSpeculativeDecoder(backed, None, max_batch_size=1, max_length=64, shared_prefill=None).shared_prefill \
+        is False
     decoder = SpeculativeDecoder(backed)
     with pytest.raises(InvalidArgumentError, match="a prompt cache holds a torch model's keys and values"):
         decoder.prompt_cache(PROMPT[:4])

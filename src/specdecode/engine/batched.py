@@ -65,7 +65,7 @@ from specdecode.engine.processors import process_rows
 from specdecode.engine.protocol import BATCH_EXIT_RULES, Draft, Drafter, DraftPolicy
 from specdecode.engine.runner_target import is_runner_target, runner_target_parts, torch_threads
 from specdecode.engine.sampling import check_finite, logits_width, raise_non_finite
-from specdecode.engine.shared_prefill import admit_shared, check_shared_prefill
+from specdecode.engine.shared_prefill import admit_shared, engine_shared_prefill
 from specdecode.engine.stats import SpecDecodingStats
 from specdecode.engine.tree import TokenTree, draft_q, greedy_tree_verify, round_trees, tree_rejection_sample
 from specdecode.engine.verification import greedy_verify, sample_block, sample_rows
@@ -114,9 +114,10 @@ class BatchedSpeculativeDecoder(BatchRequests):
         row_buckets: With ``compile``, the rows buckets (integers in 1 .. ``max_batch_size``);
             None: 1, 2, 4, .. and ``max_batch_size`` (``batch_runner.row_buckets``). Fewer
             buckets compile faster and pad more rows.
-        shared_prefill: Requests admitted in one step share 2 prefill forwards (``shared_prefill``)
-            rather than one each: True, False, or None for the device's default (CUDA only; never
-            with a llama.cpp target).
+        shared_prefill: Requests admitted in one step share 2 prefill forwards (``shared_prefill``;
+            plus the leading chunks of prompts longer than ``prefill_chunk_tokens``, alone) rather
+            than one each: True, False, or None for the device's default (CUDA only; never with a
+            llama.cpp target, which refuses True).
         shared_with: An idle engine whose cache and target runner this one takes over when they
             fit (same target, slots, fast-path settings and widths, capacity >= ``max_length``,
             which then becomes that capacity; its widest verification at least this one's): its
@@ -125,6 +126,8 @@ class BatchedSpeculativeDecoder(BatchRequests):
 
     Attributes:
         compile: Whether the fast path is on.
+        shared_prefill: Whether requests admitted together share their prefill forwards (the drafter's
+            deferred prompt prefills too: the engine sets a draft model drafter's ``shared_prefill``).
         runner: The target's ``BatchRunner``.
 
     Raises:
@@ -186,7 +189,7 @@ class BatchedSpeculativeDecoder(BatchRequests):
         #: The longest block a round drafts (the verification is at most this + 1 wide).
         self.max_block = probe.max_tokens if probe is not None else self.gamma
         self.compile = default_batch_compile(target.device) if compile is None else compile
-        self.shared_prefill = check_shared_prefill(shared_prefill, target.device) and not is_runner_target(target)
+        self.shared_prefill = engine_shared_prefill(shared_prefill, target, drafter)
         # The widest bucket: a verification (max_block + 1) or a draft model's first feed (2).
         rows = check_row_buckets(row_buckets, max_batch_size)
         fast = FastPath(rows, max(self.max_block + 1, 2), graphs) if self.compile else None
@@ -237,12 +240,11 @@ class BatchedSpeculativeDecoder(BatchRequests):
         return self.runner.compile_time_s + getattr(self.drafter, "compile_time_s", 0.0)
 
     def warm_up(self) -> float:
-        """Run the target, and a draft model, once at every token count this engine's forwards can
-        take (``batch_cache.warm_up_widths``), before any request: on a CPU each new matmul shape
-        JIT-compiles oneDNN kernels that stay in memory, so a server's resident memory would
-        grow while rare shapes keep turning up. On the fast path it then runs every compiled
-        bucket of the target and the drafter once, so compilation happens here. Returns the
-        seconds it took.
+        """Run the target, and a draft model, once at every token count this engine's forwards can take
+        (``batch_cache.warm_up_widths``), before any request: on a CPU each new matmul shape JIT-compiles
+        oneDNN kernels that stay in memory, so a server's memory would grow while rare shapes turn up.
+        On the fast path it then runs every compiled bucket of the target and the drafter once, so
+        compilation happens here. Returns the seconds it took.
 
         Raises:
             InvalidArgumentError: If requests are queued or running.

@@ -1,17 +1,19 @@
 """Shared prefills: the prompts of rows that join together, in a few forwards rather than one each.
 
-On CUDA an eager forward of a 1.5B model costs about 20-25 ms however few tokens it takes: the host
+On CUDA an eager forward of a 1.5B model costs about 20-27 ms however few tokens it takes: the host
 launching its kernels, not the GPU. The batched engine admits up to ``max_batch_size`` requests in one
 step, and prefilling each alone (``batch_cache.batch_prefill``) cost 32 eager forwards at B = 32: on an
-H200 (``docs/benchmarks/2026-11-27-gpu-h200.md``) a group of 32 code prompts took 1.49 s, of which the
-128 decoding rounds took 0.61 s. Here the k rows admitted together (slots ``lo .. lo + k - 1``) take:
+H200 (``docs/benchmarks/2026-11-27-gpu-h200.md``) a group of 32 code prompts took 1.49 s, of which its
+127 decoding rounds took 0.61 s (the rest, by inference, its 32 prefills at about 27 ms each). Here the
+k rows admitted together (slots ``lo .. lo + k - 1``) take:
 
 1. each row's whole leading chunks alone (a prompt longer than ``prefill_chunk_tokens``; rare);
 2. ONE forward over the rest of every row's prompt but its last token (at most one chunk each), padded
    on the right to a multiple of ``prefill_pad_multiple``; no logits kept;
 3. ONE forward of each row's last prompt token (width 1): the (k, V) logits its first token is chosen from.
 
-So 2 eager forwards for the group, whatever k. Correctness is ``batch_cache``'s: padding lands past a
+So 2 eager forwards for the group, whatever k, beside the leading chunks (and one more wherever the
+widest chunk would not fit the cache from some row's position: ``prefill_bodies``). Correctness is ``batch_cache``'s: padding lands past a
 row's length, where its next forward writes before any query reads (step 3 writes the first padded
 position of step 2; decoding the rest), and each row's positions and mask are its own, so its keys and
 logits are those of its prompt alone up to the rounding of a different matmul shape (exact tokens in
@@ -28,7 +30,8 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel
 
-from specdecode.engine.batch_cache import BatchKVCache, batch_forward, batch_prefill, to_device
+from specdecode.engine.batch_cache import BatchKVCache, batch_forward, to_device
+from specdecode.engine.runner_target import is_runner_target
 from specdecode.errors import InvalidArgumentError
 
 logger = logging.getLogger(__name__)
@@ -52,10 +55,30 @@ def check_shared_prefill(value: bool | None, device: torch.device | str) -> bool
     return value
 
 
+def engine_shared_prefill(value: bool | None, target, drafter) -> bool:
+    """The batched engine's setting (``BatchedSpeculativeDecoder(shared_prefill=...)``): ``value`` or the
+    device's default, never with a target run outside torch; a draft model drafter (its ``shared_prefill``
+    attribute) is set to it, so its deferred prompt prefills follow the engine.
+
+    Raises:
+        InvalidArgumentError: A ``value`` other than True, False or None; True with a llama.cpp target.
+    """
+    outside = is_runner_target(target)
+    if value is True and outside:
+        raise InvalidArgumentError(f"shared_prefill=True shares torch forwards, but the {target.name} runs in "
+                                   "llama.cpp (one sequence): use shared_prefill=None or False")
+    shared = check_shared_prefill(value, "cpu" if outside else target.device) and not outside
+    if hasattr(drafter, "shared_prefill"):
+        drafter.shared_prefill = shared
+    return shared
+
+
 def prefill_bodies(model: PreTrainedModel, cache: BatchKVCache, bodies: Sequence[Sequence[int]], lo: int,
                    starts: Sequence[int]) -> None:
     """Write row i's tokens ``bodies[i]`` at positions ``starts[i] ..`` of slot ``lo + i``, the rows' last
-    (or only) chunks in one shared forward (steps 1-2 of the module docstring).
+    (or only) chunks in one shared forward (steps 1-2 of the module docstring). Where the group's widest
+    chunk would write past the capacity from some row's position (a row deep into its prompt beside one
+    with a long chunk), the rows are cut, in slot order, into runs that fit, one forward each.
 
     Args:
         model: The model ``cache`` belongs to.
@@ -66,25 +89,43 @@ def prefill_bodies(model: PreTrainedModel, cache: BatchKVCache, bodies: Sequence
         starts: Per row, the position its first token goes to (its cached length).
 
     Raises:
-        InvalidArgumentError: If the shared forward would write past the cache's capacity (a row's
-            start plus the group's widest chunk), or as ``BatchKVCache.prepare``.
+        InvalidArgumentError: As ``BatchKVCache.prepare``: a row whose own tokens do not fit its slot.
     """
-    chunk, multiple = cache.prefill_chunk_tokens, cache.prefill_pad_multiple
+    chunk = cache.prefill_chunk_tokens
     tails, at = [], []
     for i, (body, start) in enumerate(zip(bodies, starts)):
         lead = (len(body) - 1) // chunk * chunk if body else 0  # whole chunks before the last one
         if lead:
             ids = torch.tensor([list(body[:lead])], dtype=torch.long, device=model.device)
-            batch_prefill(model, cache, ids, lo + i, start)  # (its logits are not needed)
+            for a in range(0, lead, chunk):  # alone, at the row's own positions (no logits needed)
+                batch_forward(model, cache, ids[:, a:a + chunk], lo + i, [start + a], 1)
         tails.append(list(body[lead:]))
         at.append(start + lead)
+    first = 0
+    for i in range(1, len(tails) + 1):  # runs of rows whose widest chunk fits from every row's position
+        if i == len(tails) or _width(cache, tails[first:i + 1], at[first:i + 1]) is None:
+            _shared_forward(model, cache, tails[first:i], lo + first, at[first:i])
+            first = i
+
+
+def _width(cache: BatchKVCache, tails: Sequence[list[int]], at: Sequence[int]) -> int | None:
+    """The padded width of one forward over ``tails`` written at ``at`` (0: nothing to write), or None where
+    it would write past the capacity."""
     real = max(len(t) for t in tails)
-    if real == 0:
+    width = max(real, min(-(-real // cache.prefill_pad_multiple) * cache.prefill_pad_multiple,
+                          cache.capacity - max(at)))
+    return width if real == 0 or max(at) + width <= cache.capacity else None
+
+
+def _shared_forward(model: PreTrainedModel, cache: BatchKVCache, tails: Sequence[list[int]], lo: int,
+                    at: Sequence[int]) -> None:
+    """One forward writing row i's ``tails[i]`` at ``at[i] ..`` of slot ``lo + i``, padded on the right (with
+    the row's last token) to ``_width``; a lone row that does not fit raises as ``BatchKVCache.prepare``."""
+    width = _width(cache, tails, at)
+    if width == 0:
         return
-    width = max(real, min(-(-real // multiple) * multiple, cache.capacity - max(at)))
-    if max(at) + width > cache.capacity:
-        raise InvalidArgumentError(f"a shared prefill would write position {max(at) + width - 1}, past the batch "
-                                   f"cache's capacity of {cache.capacity}")
+    if width is None:
+        width = max(len(t) for t in tails)
     pad = [t[-1] if t else 0 for t in tails]
     ids = to_device([t + [p] * (width - len(t)) for t, p in zip(tails, pad)], model.device)
     batch_forward(model, cache, ids, lo, at, 1)
@@ -110,7 +151,8 @@ def prefill_rows(model: PreTrainedModel, cache: BatchKVCache, prompts: Sequence[
     """
     for prompt, start in zip(prompts, starts):
         if not 0 <= start < len(prompt):
-            raise InvalidArgumentError(f"a prompt of {len(prompt)} tokens cannot start at position {start}")
+            raise InvalidArgumentError(f"a prompt of {len(prompt)} tokens must start in 0..{len(prompt) - 1}, "
+                                       f"got start {start}")
     prefill_bodies(model, cache, [p[s:-1] for p, s in zip(prompts, starts)], lo, starts)
     last = to_device([[p[-1]] for p in prompts], model.device)
     return batch_forward(model, cache, last, lo, [len(p) - 1 for p in prompts], 1)[:, 0]
@@ -128,14 +170,23 @@ def admit_shared(model: PreTrainedModel, cache: BatchKVCache, rows: Sequence, lo
 
     Returns:
         By request id, ``(slot, (1, V) logits, seconds)``: its slot, its last prompt token's logits and its
-        share of the time. Empty if the shared forwards raised (logged): the engine then prefills each
-        row alone, where the failing one fails by itself with its own message.
+        share of the time (the forwards waited for on CUDA: one sync per admission). Empty if the shared
+        forwards raised (logged; their time is not counted): the engine then prefills each row alone, where the
+        failing one fails by itself with its own message. A row prefilled again (an earlier row failed, so
+        its slot moved) counts only its own prefill.
     """
     t0 = time.perf_counter()
     try:
-        starts = [cache.load_prefix(lo + i, row.prompt_cache) if row.prompt_cache is not None else 0
-                  for i, row in enumerate(rows)]
+        starts = []
+        for i, row in enumerate(rows):
+            start = cache.load_prefix(lo + i, row.prompt_cache) if row.prompt_cache is not None else 0
+            if row.prompt_cache is not None and not start:
+                logger.debug("request %d: prompt cache not usable (a trimmed sliding layer): re-encoded",
+                             row.request_id)
+            starts.append(start)
         logits = prefill_rows(model, cache, [row.tokens for row in rows], lo, starts)
+        if logits.is_cuda:
+            torch.cuda.synchronize(logits.device)  # the time below is the forwards', not the first row's check
     except Exception as exc:  # noqa: BLE001 -- each row is prefilled alone next, and fails alone if it must
         logger.warning("the shared prefill of %d requests failed (%s: %s); each is prefilled alone", len(rows),
                        type(exc).__name__, exc)
