@@ -37,8 +37,9 @@ What it prints (each as a Markdown table; warm-up and compilation seconds apart 
 1. ``forwards``: ms per forward through the round's runners (``specdecode.engine.batch_runner.BatchRunner``)
    of the ``draft`` method's one-row engine, sized for the longest prompt before ``single`` runs on it:
    the target at its widths 1 and γ + 1 (with the adaptive methods, also the adaptive engine's
-   target at its longest block + 1), the draft model at 1 and 2, and on the fast path the draft's fused
-   γ - 1 steps (``BatchRunner.draft_steps``: one call, one graph; ms per call and per step). After
+   target at its longest block + 1), the draft model at 1 and 2, and on the fast path with ``draft-fused`` in
+   ``--methods`` the draft's fused γ - 1 steps (``BatchRunner.draft_steps``: one call, one graph; ms per
+   call and per step; 113-124 s to compile cold on an H200). After
    ``--context`` (300) tokens in slot 0; ``--repeats`` calls at the same position (the static cache:
    each call overwrites the last) between ``torch.cuda.synchronize()``s, after 3 untimed ones.
 2. ``single``: greedy, ``--max-new-tokens`` (128), ``--prompts`` (8) held-out code prompts
@@ -59,11 +60,16 @@ What it prints (each as a Markdown table; warm-up and compilation seconds apart 
    steps (the whole cap drafted, each block cut after its first unsure token with the round's one read);
    ``...-previous-round`` reads nothing between draft steps either: each block as long as the previous
    round's up to its first unsure token, kept whole. masked can run its draft steps as one graph (the fused
-   steps below, with ``draft-fused``'s switch), previous-round where it drafts the longest block. These rows say which pays (on the
-   Xeon, per-step: previous-round's τ is 24% lower on code and 6% on prose; masked drafts twice the
-   tokens).
+   steps below, with ``draft-fused``'s switch), previous-round where it drafts the longest block. These rows
+   say which pays (on the Xeon, per-step: previous-round's τ is 24% lower on code and 6% on prose; masked
+   drafts twice the tokens).
    ``draft-fused``: ``draft`` with its drafter's ``fused_draft_steps`` on (off by default since it did not
    pay on an H200), the γ - 1 draft steps after the first as one graph: the A/B of the fused draft steps.
+   ``autoregressive-captured``, ``draft-captured``, ``prompt-lookup-captured``: those methods with CUDA graphs
+   of specdecode's own (``graphs="captured"``: compiled without torch.compile's graphs, one
+   ``torch.cuda.CUDAGraph`` per bucket captured and replayed, ``engine.batch_runner``), the A/B of the host
+   time a compiled call costs (about 0.3-0.8 ms on an H200); their buckets compile apart (cold: 25-40 s each).
+   Not yet run on a GPU.
    ``hf-generate-static`` runs after our rows, and ``autoregressive-after-hf`` and ``draft-after-hf`` run our
    engines again after it: on an H200 our rows ran slower after transformers' compiled generate had run in
    the process (``draft`` 30.4 against 15.4 ms a round), cause not found; these rows say whether that holds.
@@ -136,7 +142,8 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import specdecode  # noqa: E402
-from specdecode import DraftControl, GenerationConfig, SpeculativeGenerator  # noqa: E402
+from specdecode import DraftControl, GenerationConfig, SpeculativeDecoder, SpeculativeGenerator  # noqa: E402
+from specdecode.engine.fast_path import ModelRunner  # noqa: E402
 
 SECTIONS = ("forwards", "single", "rounds", "syncs", "batched", "baselines")
 # name, kind ("ours" | "hf"), base method, adaptive exit (True: per-step, the default; or a DraftControl.exit_mode),
@@ -156,6 +163,9 @@ METHODS = (
     ("draft-tree", "ours", "draft-tree", False, True, False),
     ("cascade-tree", "ours", "cascade-tree", False, True, False),
     ("draft-tree-expand", "ours", "draft-tree-expand", False, True, False),
+    ("autoregressive-captured", "ours", "autoregressive-captured", False, True, False),
+    ("draft-captured", "ours", "draft-captured", False, True, False),
+    ("prompt-lookup-captured", "ours", "prompt-lookup-captured", False, True, False),
     # After our rows: our engines ran slower on an H200 once transformers' compiled generate had run.
     ("hf-generate-static", "hf", "hf-generate-static", False, True, False),
     ("autoregressive-after-hf", "ours", "autoregressive", False, True, False),
@@ -167,8 +177,8 @@ METHODS = (
 TABLE_ORDER = ("hf-generate", "hf-generate-static", "hf-assisted", "autoregressive-eager", "autoregressive",
                "draft", "draft-fused", "draft+adaptive", "draft+adaptive-previous-round", "draft+adaptive-masked",
                "cascade+adaptive", "cascade+adaptive-previous-round", "draft-tree", "cascade-tree", "draft-tree-expand",
-               "prompt-lookup", "prompt-lookup-datastore", "token-recycling", "autoregressive-after-hf",
-               "draft-after-hf")
+               "prompt-lookup", "prompt-lookup-datastore", "token-recycling", "autoregressive-captured",
+               "draft-captured", "prompt-lookup-captured", "autoregressive-after-hf", "draft-after-hf")
 #: The draft-model tree rows (issue 29): base name -> the method, run with ``draft_tree_depth=--draft-tree-depth``
 #: and a budget of ``--tree-nodes`` nodes a round (``specdecode.drafters.draft_tree``); draft-tree-expand also
 #: with ``draft_tree_expand=--draft-tree-expand`` (EAGLE-2's expansion, a draft tree forward per depth).
@@ -178,6 +188,10 @@ OPTION_BASES = {"prompt-lookup-datastore": ("prompt-lookup", {"prompt_lookup_dat
 #: Rows that run another method with its drafter's fused draft steps on (``fused_draft_steps=True``): the
 #: steps after a round's first draft forward one graph each, not one graph in all (``BatchRunner.draft_steps``).
 FUSED_BASES = {"draft-fused": "draft"}
+#: Rows that run another method with the target's and the drafter's buckets as CUDA graphs of specdecode's own
+#: (``graphs="captured"``, ``engine.batch_runner``) rather than torch.compile's: the A/B of the per-call overhead.
+CAPTURED_BASES = {"autoregressive-captured": "autoregressive", "draft-captured": "draft",
+                  "prompt-lookup-captured": "prompt-lookup"}
 BATCH_METHODS = ("autoregressive", "draft", "prompt-lookup")
 SETS = ("code", "prose")
 
@@ -444,10 +458,15 @@ class Run:
             if base == "draft-tree-expand":
                 tree["draft_tree_expand"] = self.args.draft_tree_expand
             method, options = OPTION_BASES.get(base, (TREE_BASES.get(base, FUSED_BASES.get(base, base)), {}))
-            self.decoders[key] = self.gen.decoder(method, draft_control=control, compile=fast and self.compile(),
-                                                  **tree, **options)
+            method = CAPTURED_BASES.get(base, method)
+            made = self.gen.decoder(method, draft_control=control, compile=fast and self.compile(), **tree, **options)
             if base in FUSED_BASES:
-                self.decoders[key].drafter.fused_draft_steps = True
+                made.drafter.fused_draft_steps = True
+            if base in CAPTURED_BASES and made.runner.compile:  # its own runner: buckets of its own
+                runner = ModelRunner(made.target, compile=True, graphs="captured", name="target model")
+                made = SpeculativeDecoder(made.target, made.drafter, eos_token_ids=made.eos_token_ids,
+                                          tokenizer=made.tokenizer, draft_control=made.draft_control, runner=runner)
+            self.decoders[key] = made
         return self.decoders[key]
 
     def engine(self, base: str, adaptive: bool):
@@ -542,7 +561,8 @@ def section_forwards(run: Run) -> None:
             rows.append([name, w, fmt(ms, 2), fmt(ms / w, 3), fmt(first_s, 1)])
             say(f"  {name} width {w}: {ms:.2f} ms (first calls {first_s:.1f} s)")
         steps = args.gamma - 1  # a round's draft steps after its first forward, fused (the fast path only)
-        if name == "draft" and steps > 0 and getattr(runner, "fast", None) is not None \
+        if name == "draft" and steps > 0 and "draft-fused" in args.methods \
+                and getattr(runner, "fast", None) is not None \
                 and hasattr(runner, "draft_steps") and not run.over_budget(f"forwards: {name} fused steps"):
             ms, first_s = forward_ms(run, runner, 1, steps=steps)
             rows.append([name, f"1 x {steps} fused steps", fmt(ms, 2), fmt(ms / steps, 3), fmt(first_s, 1)])
@@ -706,7 +726,8 @@ def section_rounds(run: Run) -> None:
         say("no single-sequence runs yet: running the fast-path methods on the prompts first")
         run_methods(run, slow=False)
     rows = []
-    for name in ("autoregressive", "autoregressive-after-hf", "draft", "draft-after-hf", "draft-fused",
+    for name in ("autoregressive", "autoregressive-after-hf", "autoregressive-captured", "draft", "draft-after-hf",
+                 "draft-captured", "draft-fused", "prompt-lookup-captured",
                  "draft+adaptive", "draft+adaptive-previous-round", "draft+adaptive-masked", "cascade+adaptive", "cascade+adaptive-previous-round", "prompt-lookup"):
         for s in SETS:
             t = run.tallies.get(name, {}).get(s)

@@ -25,7 +25,8 @@ TINY = ["--device", "cpu", "--dtype", "float32", "--no-compile", "--prompts", "1
         "--methods", "autoregressive,draft,draft-fused,draft+adaptive,cascade+adaptive,draft+adaptive-previous-round,"
         "draft+adaptive-masked,cascade+adaptive-previous-round,draft-tree,cascade-tree,prompt-lookup,"
         "prompt-lookup-datastore,"
-        "draft-tree-expand,hf-generate,hf-assisted,autoregressive-after-hf,draft-after-hf", "--tree-nodes", "6", "--draft-tree-depth", "3",
+        "draft-tree-expand,hf-generate,hf-assisted,autoregressive-after-hf,draft-after-hf,autoregressive-captured,"
+        "draft-captured,prompt-lookup-captured", "--tree-nodes", "6", "--draft-tree-depth", "3",
         "--draft-tree-expand", "2"]
 
 
@@ -58,7 +59,7 @@ def test_every_section_runs_and_prints_its_table(script, generator, capsys):
                    "| B | autoregressive, total tok/s", "| section | status | seconds"):
         assert header in out, header
     # Every single-sequence method got a row, and the rounds table priced counted forwards.
-    for name in ("| hf-generate |", "| hf-assisted |", "| draft-fused |", "| draft-after-hf |", "| draft+adaptive |",
+    for name in ("| hf-generate |", "| hf-assisted |", "| draft-fused |", "| draft-after-hf |", "| draft-captured |", "| draft+adaptive |",
                  "| cascade+adaptive |", "| draft+adaptive-previous-round |", "| draft+adaptive-masked |",
                  "| cascade+adaptive-previous-round |",
                  "| prompt-lookup |", "| draft-tree |", "| cascade-tree |", "| draft-tree-expand |"):
@@ -214,3 +215,14 @@ def test_batched_options_compile_on_cuda_only_and_one_rows_bucket_with_row_bucke
     assert script.batch_options(args, generator, cpu, True, 8) == {"compile": False}
     assert script.batch_options(args, generator, cuda, False, 8) == {"compile": False}
     assert script.batch_options(script.parse_args([]), generator, cuda, True, 8) == {"compile": True}
+
+
+def test_captured_rows_get_a_target_runner_of_their_own_with_captured_graphs(script, generator, monkeypatch):
+    """``-captured`` rows: on the fast path, the method's drafter behind a ``ModelRunner(graphs="captured")`` of
+    their own (so their buckets are not the other rows'); made, not run (compiling takes long on a CPU)."""
+    run = script.Run(script.parse_args(["--device", "cpu"]), generator, 0.0)
+    monkeypatch.setattr(script.Run, "compile", lambda self: True)
+    captured, plain = run.decoder("draft-captured", False, True), run.decoder("draft", False, True)
+    assert captured.runner.graphs == "captured" and captured.runner.compile
+    assert plain.runner.graphs is True and captured.runner is not plain.runner
+    assert type(captured.drafter).__name__ == "DraftModelDrafter" and captured.drafter is not plain.drafter

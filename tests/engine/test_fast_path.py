@@ -273,3 +273,30 @@ def test_non_finite_logits_found_in_the_rounds_one_sync(nan_in, temperature):
     with pytest.raises(NonFiniteLogitsError, match=f"the {nan_in} model produced non-finite logits"):
         dec.generate(_prompt(4, 0), GenerationConfig(max_new_tokens=6, stop_on_eos=False, temperature=temperature,
                                                      seed=0))
+
+
+def test_captured_graphs_option_is_checked_and_on_a_cpu_compiles_as_true(fresh_dynamo):
+    """``graphs="captured"`` (CUDA graphs of specdecode's own, ``engine.batch_runner``): a bad value is refused
+    by name; on a CPU there is nothing to capture, so its buckets are the compiled ones of ``graphs=True``, with
+    the autoregressive tokens. (The capture itself needs CUDA: ``docs/benchmarks/gpu_engine.py``'s
+    ``-captured`` rows.)"""
+    from specdecode.engine.batch_cache import FastPath
+    from specdecode.engine.compat import compile_kwargs
+
+    target = make_tiny_model("llama", num_layers=2)
+    draft = perturbed_copy(target, noise=0.3, seed=1)
+    with pytest.raises(InvalidArgumentError, match=r"graphs must be True, False or 'captured', got 'manual'"):
+        ModelRunner(target, compile=True, graphs="manual")
+    with pytest.raises(InvalidArgumentError, match=r"graphs must be True, False or 'captured', got 1"):
+        FastPath((1,), 2, 1)
+    assert "mode" not in compile_kwargs("cuda", cuda_graphs=False) and "mode" not in compile_kwargs("cpu")
+    assert compile_kwargs("cuda")["mode"] == "reduce-overhead"
+    config = GenerationConfig(max_new_tokens=12, num_speculative_tokens=3, stop_on_eos=False)
+    prompt = _prompt(9, 3)
+    expected = SpeculativeDecoder(target, compile=False).generate(prompt, config).token_ids
+    runner = ModelRunner(target, compile=True, graphs="captured", name="target model")
+    dec = SpeculativeDecoder(target, DraftModelDrafter(draft), runner=runner)
+    assert dec.generate(prompt, config).token_ids == expected
+    engine = runner.one_row_engine
+    assert engine.cache.fast.graphs == "captured" and engine.runner.compile_time_s > 0
+    assert all(not b.capture and b.graph is None for b in engine.runner._buckets.values())

@@ -62,8 +62,10 @@ class FastPath:
         rows: Rows buckets, ascending, the last one the cache's ``num_slots``.
         max_width: The widest width bucket of any runner: positions allocated past the capacity,
             where padding tokens land.
-        graphs: True compiles each bucket (``torch.compile``; CUDA graphs on CUDA); False runs the
-            same static-shape forwards eagerly (tests, debugging).
+        graphs: True compiles each bucket (``torch.compile``; its CUDA graphs on CUDA); "captured"
+            compiles each without them and, on CUDA, captures and replays one ``torch.cuda.CUDAGraph``
+            per bucket itself (``batch_runner``; elsewhere as True); False runs the same static-shape
+            forwards eagerly (tests, debugging).
         draft_steps: What a draft runner on these caches fuses (``BatchRunner.draft_steps``): (steps,
             with top probabilities) pairs; each engine on them adds its longest block less one, with top
             probabilities where its adaptive exit reads them with the round's sync, so engines that share
@@ -72,8 +74,26 @@ class FastPath:
 
     rows: tuple[int, ...]
     max_width: int
-    graphs: bool = True
+    graphs: bool | str = True
     draft_steps: set[tuple[int, bool]] = field(default_factory=set, compare=False)
+
+    def __post_init__(self) -> None:
+        check_graphs(self.graphs)
+
+
+#: ``FastPath.graphs``' values.
+GRAPHS = (True, False, "captured")
+
+
+def check_graphs(graphs) -> bool | str:
+    """``graphs`` if it is one of ``GRAPHS``.
+
+    Raises:
+        InvalidArgumentError: Any other value (named, with the allowed ones).
+    """
+    if not any(graphs is g or (isinstance(graphs, str) and graphs == g) for g in GRAPHS):
+        raise InvalidArgumentError(f"graphs must be True, False or 'captured', got {graphs!r}")
+    return graphs
 
 
 class _Window:

@@ -37,6 +37,15 @@ its first use (``warm_up_draft_steps``: before a server's first request) and tim
 ``compile_time_s`` like the others. Free rows n .. R - 1 are written at positions 0 .. S - 1, which a
 joining row's prefill overwrites.
 
+**Captured graphs** (``FastPath.graphs="captured"``, CUDA only; elsewhere as True): each bucket is
+compiled without torch.compile's CUDA graphs (no ``mode``), and its second call records that compiled
+function as one ``torch.cuda.CUDAGraph`` (after one run on a side stream, as ``torch.cuda.graph`` asks;
+a steps bucket's write positions put back first), which every later call replays: no dynamo guards, no
+graph-tree bookkeeping per call, the way vLLM and SGLang replay their decode graphs. On an H200 a
+compiled call cost about 0.3-0.8 ms of host time beside its graph (``docs/benchmarks/2026-11-27-gpu-h200.md``);
+this option is what ``docs/benchmarks/gpu_engine.py``'s ``-captured`` rows measure against it. Not yet
+run on a GPU: off by default.
+
 A forward wider than the runner's widest bucket, the first forward on a cache not yet
 allocated, and every prefill run eagerly on the same cache (``batch_cache.batch_forward``).
 ``graphs=False`` keeps the static full-capacity path, buckets and padding included, without
@@ -331,9 +340,15 @@ class BatchRunner:
         window.tree = (bucket.depth, bucket.ancestors) if bucket.tree else None
         first = bucket.calls < self._warm_calls
         t0 = time.perf_counter() if first else 0.0
-        if self._cuda:
-            torch.compiler.cudagraph_mark_step_begin()
-        out = bucket.forward(*bucket.inputs, self.cache)
+        if bucket.graph is not None:  # [captured graphs] a replay: the outputs are the graph's own tensors
+            bucket.graph.replay()
+            out = bucket.outputs
+        elif bucket.capture and bucket.calls >= self._warm_calls - 1:
+            out = self._capture(bucket)
+        else:
+            if self._cuda and not bucket.capture:
+                torch.compiler.cudagraph_mark_step_begin()
+            out = bucket.forward(*bucket.inputs, self.cache)
         if first:
             bucket.calls += 1
             seconds = time.perf_counter() - t0
@@ -342,6 +357,28 @@ class BatchRunner:
                 what = f"{bucket.steps} draft steps" if bucket.steps else f"{bucket.width} tokens"
                 logger.info("%s: compiled %d rows x %s in %.1f s", self.name, bucket.rows, what, seconds)
         return out
+
+
+    def _capture(self, bucket: _Bucket) -> torch.Tensor | tuple:
+        """[captured graphs] Record ``bucket``'s compiled function (compiled by the call before) as one CUDA
+        graph and replay it once: this call's result, in the graph's output tensors, which every replay
+        overwrites (callers clone what they keep). The side-stream run before it writes what the replay
+        writes (the same tokens at the same positions); a steps bucket's positions, which it advances, are
+        put back."""
+        device = self.cache.device
+        index = bucket.index.clone()
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            bucket.forward(*bucket.inputs, self.cache)
+        torch.cuda.current_stream(device).wait_stream(side)
+        bucket.index.copy_(index)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            outputs = bucket.forward(*bucket.inputs, self.cache)
+        bucket.graph, bucket.outputs = graph, outputs
+        graph.replay()
+        return outputs
 
 
 class _Bucket:
@@ -369,16 +406,21 @@ class _Bucket:
             if buffer is not None:
                 torch._dynamo.mark_static_address(buffer)
         graphs, cuda = runner.fast.graphs, runner._cuda
+        #: [captured graphs] compiled without torch's CUDA graphs, recorded by ``BatchRunner._capture``
+        self.capture = cuda and graphs == "captured"
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.outputs = None
+        compiled = (bool(graphs), cuda, cuda and graphs is True)  # compile; CUDA; torch.compile's graphs
         if steps is None:
             self.inputs = (self.ids,)
-            self.forward = _forward_function(runner.model, f"r{rows}w{width}{'t' if tree else ''}", graphs, cuda)
+            self.forward = _forward_function(runner.model, f"r{rows}w{width}{'t' if tree else ''}", *compiled)
         else:
             self.inputs = (self.ids, self.index, self.head)
             tag = f"r{rows}s{self.steps}{'p' if steps[3] else ''}"
-            self.forward = _steps_function(runner.model, tag, self.steps, steps[1], steps[3], graphs, cuda)
+            self.forward = _steps_function(runner.model, tag, self.steps, steps[1], steps[3], *compiled)
 
 
-def _forward_function(model: PreTrainedModel, tag: str, graphs: bool, cuda: bool) -> Callable:
+def _forward_function(model: PreTrainedModel, tag: str, graphs: bool, cuda: bool, cuda_graphs: bool) -> Callable:
     """``forward(ids (R, W), cache) -> (R, W, V)`` logits on the static path; compiled on a code
     object of its own when ``graphs`` (the module docstring)."""
 
@@ -388,11 +430,11 @@ def _forward_function(model: PreTrainedModel, tag: str, graphs: bool, cuda: bool
             input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=cache, use_cache=True
         ).logits
 
-    return _own_compiled(forward, tag, graphs, cuda)
+    return _own_compiled(forward, tag, graphs, cuda, cuda_graphs)
 
 
 def _steps_function(model: PreTrainedModel, tag: str, num_steps: int, vocab: int, with_tops: bool, graphs: bool,
-                    cuda: bool) -> Callable:
+                    cuda: bool, cuda_graphs: bool) -> Callable:
     """[fused draft steps] ``steps(ids (R, 1), index (R, 1, 1, 1), head (K,) or None, cache) -> (tokens
     (R, S) long, finite (R,) bool, tops (R, S) float32 or None)``: S one-token forwards on the static path,
     each fed the previous one's greedy token (``head[argmax]`` of a truncated head's K logits, else the argmax of the first
@@ -416,19 +458,20 @@ def _steps_function(model: PreTrainedModel, tag: str, num_steps: int, vocab: int
             index.add_(1)
         return torch.cat(tokens, dim=1), finite, torch.stack(tops, dim=1) if with_tops else None
 
-    return _own_compiled(steps, tag, graphs, cuda)
+    return _own_compiled(steps, tag, graphs, cuda, cuda_graphs)
 
 
-def _own_compiled(fn: types.FunctionType, tag: str, graphs: bool, cuda: bool) -> Callable:
+def _own_compiled(fn: types.FunctionType, tag: str, graphs: bool, cuda: bool, cuda_graphs: bool) -> Callable:
     """``fn`` itself, or with ``graphs`` compiled on a code object of its own named by ``tag`` (the
-    module docstring: one compiled function per bucket)."""
+    module docstring: one compiled function per bucket), with torch.compile's CUDA graphs where
+    ``cuda_graphs``."""
     if not graphs:
         return fn
     code = fn.__code__.replace(co_name=f"{fn.__name__}_{tag}", co_qualname=f"batch_{fn.__name__}_{tag}")
     own = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
     # compat.compile_function: the options this torch has (CUDA graphs on CUDA), the compile cache
     # in specdecode's folder (a second process reuses the graphs).
-    return compile_function(own, "cuda" if cuda else "cpu")
+    return compile_function(own, "cuda" if cuda else "cpu", cuda_graphs=cuda_graphs)
 
 
 def _copy_from_host(dst: torch.Tensor, values: list) -> None:

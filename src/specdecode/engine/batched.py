@@ -110,7 +110,8 @@ class BatchedSpeculativeDecoder(BatchRequests):
         compile: The fast path (``batch_runner``) for the target's and the drafter's decode-time
             forwards: True, False, or None for the device's default (``default_batch_compile``).
         graphs: With ``compile``, False runs the fast path's static-shape forwards without
-            ``torch.compile`` (tests, debugging).
+            ``torch.compile`` (tests, debugging); "captured": CUDA graphs of specdecode's own
+            (``batch_cache.FastPath``).
         row_buckets: With ``compile``, the rows buckets (integers in 1 .. ``max_batch_size``);
             None: 1, 2, 4, .. and ``max_batch_size`` (``batch_runner.row_buckets``). Fewer
             buckets compile faster and pad more rows.
@@ -153,7 +154,7 @@ class BatchedSpeculativeDecoder(BatchRequests):
         prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS,
         prefill_pad_multiple: int = PREFILL_PAD_MULTIPLE,
         compile: bool | None = None,
-        graphs: bool = True,
+        graphs: bool | str = True,
         row_buckets: Sequence[int] | None = None,
         shared_with: BatchedSpeculativeDecoder | None = None,
         shared_prefill: bool | None = None,

@@ -76,19 +76,20 @@ def _log_dropped(dropped: tuple[str, ...], version: str) -> None:
                 "; ".join(replacements[name] for name in dropped))
 
 
-def compile_kwargs(device_type: str, *, recompile_limit: int = RECOMPILE_LIMIT) -> dict:
+def compile_kwargs(device_type: str, *, recompile_limit: int = RECOMPILE_LIMIT, cuda_graphs: bool = True) -> dict:
     """The keyword arguments of specdecode's ``torch.compile`` calls, for this torch.
 
     Always ``dynamic=False`` (one graph per shape: the fast path's fixed widths) and
     ``fullgraph=True`` (a graph break or an exhausted recompile budget raises, never a silent
     eager fallback); ``mode="reduce-overhead"`` (CUDA graphs) when ``device_type`` is
-    ``"cuda"``; and ``isolate_recompiles=True`` and ``recompile_limit`` only where
-    ``torch.compile``'s signature has them (torch 2.13 does, 2.11 does not; each one dropped
-    is logged once). Use ``compile_function`` to compile: it also makes up for dropped options.
+    ``"cuda"`` and ``cuda_graphs`` (False: the caller captures graphs itself); and
+    ``isolate_recompiles=True`` and ``recompile_limit`` only where ``torch.compile``'s signature
+    has them (torch 2.13 does, 2.11 does not; each one dropped is logged once). Use ``compile_function`` to compile: it also makes up for dropped options.
 
     Args:
         device_type: ``torch.device(...).type`` of the model, e.g. "cuda" or "cpu".
         recompile_limit: Graph variants the compiled function may build (>= 1).
+        cuda_graphs: On CUDA, whether torch.compile makes CUDA graphs (its graph trees).
 
     Returns:
         A new dict of keyword arguments for ``torch.compile``.
@@ -98,7 +99,7 @@ def compile_kwargs(device_type: str, *, recompile_limit: int = RECOMPILE_LIMIT) 
     """
     _check_limit(recompile_limit)
     kwargs: dict = {"dynamic": False, "fullgraph": True}
-    if device_type == "cuda":
+    if device_type == "cuda" and cuda_graphs:
         kwargs["mode"] = "reduce-overhead"
     wanted = {"isolate_recompiles": True, "recompile_limit": recompile_limit}
     supported = compile_parameters()
@@ -109,7 +110,8 @@ def compile_kwargs(device_type: str, *, recompile_limit: int = RECOMPILE_LIMIT) 
     return kwargs
 
 
-def compile_function(fn: Callable, device_type: str, *, recompile_limit: int = RECOMPILE_LIMIT) -> Callable:
+def compile_function(fn: Callable, device_type: str, *, recompile_limit: int = RECOMPILE_LIMIT,
+                     cuda_graphs: bool = True) -> Callable:
     """``torch.compile(fn, **compile_kwargs(device_type))``, with the same behaviour on older torch.
 
     Before compiling, torch's compile caches are pointed at specdecode's cache folder
@@ -123,6 +125,7 @@ def compile_function(fn: Callable, device_type: str, *, recompile_limit: int = R
         fn: A plain Python function (not a bound method or module), e.g. a closure over a model.
         device_type: ``torch.device(...).type`` of the model, e.g. "cuda" or "cpu".
         recompile_limit: Graph variants ``fn`` may build before a call raises (>= 1).
+        cuda_graphs: As ``compile_kwargs``.
 
     Returns:
         The compiled callable, with ``fn``'s signature.
@@ -135,7 +138,7 @@ def compile_function(fn: Callable, device_type: str, *, recompile_limit: int = R
     """
     if not isinstance(fn, types.FunctionType):
         raise InvalidArgumentError(f"compile_function needs a Python function, got {type(fn).__name__}")
-    kwargs = compile_kwargs(device_type, recompile_limit=recompile_limit)
+    kwargs = compile_kwargs(device_type, recompile_limit=recompile_limit, cuda_graphs=cuda_graphs)
     compile_cache.use_compile_cache()
     if "isolate_recompiles" not in kwargs:
         fn = _private_copy(fn)

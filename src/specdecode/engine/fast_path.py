@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
+from specdecode.engine.batch_cache import check_graphs
 from specdecode.engine.compat import RECOMPILE_LIMIT  # noqa: F401 (the fast path's limit, defined with the options)
 from specdecode.errors import InvalidArgumentError
 
@@ -85,7 +86,8 @@ class ModelRunner:
             the same cache; None: ``default_compile``.
         name: For messages ("target model").
         graphs: False keeps every forward eager even with ``compile`` (the fast path's cache
-            logic without its compile time, for tests and debugging).
+            logic without its compile time, for tests and debugging); "captured": specdecode's own
+            CUDA graphs rather than torch.compile's (``batch_cache.FastPath``; CUDA only).
 
     Attributes:
         model, name, compile, graphs: As given (``compile`` resolved).
@@ -97,7 +99,8 @@ class ModelRunner:
     """
 
     def __init__(self, model: PreTrainedModel, *, compile: bool | None = None, name: str = "model",
-                 graphs: bool = True) -> None:
+                 graphs: bool | str = True) -> None:
+        check_graphs(graphs)
         self.model = model
         self.name = name
         self.compile = resolve_compile(compile, model.device)
