@@ -427,9 +427,14 @@ class Run:
         self.log = ForwardLog()
         self._encoded: dict = {}
         self._runners: dict[str, object] | None = None
+        self._captured: ModelRunner | None = None  # the -captured rows' target runner, one for all of them
 
     def compile(self) -> bool:
         return not self.args.no_compile
+
+    def captures(self) -> bool:
+        """Whether the ``-captured`` rows capture anything: the fast path on, on CUDA."""
+        return self.compile() and self.device.type == "cuda"
 
     def over_budget(self, what: str, estimate_s: float = 0.0) -> bool:
         if time.monotonic() + estimate_s <= self.deadline:
@@ -462,11 +467,15 @@ class Run:
             made = self.gen.decoder(method, draft_control=control, compile=fast and self.compile(), **tree, **options)
             if base in FUSED_BASES:
                 made.drafter.fused_draft_steps = True
-            if base in CAPTURED_BASES and made.runner.compile:  # its own runner: buckets of its own
-                runner = ModelRunner(made.target, compile=True, graphs="captured", name="target model")
+            if base in CAPTURED_BASES and made.runner.compile:  # a runner of their own: buckets of their own
+                if self._captured is None:
+                    self._captured = ModelRunner(made.target, compile=True, graphs="captured", name="target model")
                 made = SpeculativeDecoder(made.target, made.drafter, eos_token_ids=made.eos_token_ids,
-                                          tokenizer=made.tokenizer, draft_control=made.draft_control, runner=runner)
+                                          tokenizer=made.tokenizer, draft_control=made.draft_control,
+                                          runner=self._captured)
             self.decoders[key] = made
+            if base in CAPTURED_BASES and made.runner.compile:  # sized as the other rows' (``engine``)
+                self.engine(base, adaptive)
         return self.decoders[key]
 
     def engine(self, base: str, adaptive: bool):
@@ -493,6 +502,11 @@ class Run:
                 adaptive = self.engine("draft", True).runner
                 if adaptive is not engine.runner:
                     out["target (adaptive)"] = adaptive
+        if self.captures() and any(m in self.args.methods for m in CAPTURED_BASES):  # priced as the others
+            captured = self.engine("draft-captured" if speculative else "autoregressive-captured", False)
+            out["target (captured)"] = captured.runner
+            if speculative:
+                out["draft (captured)"] = captured.drafter.runner
         self._runners = out
         return out
 
@@ -646,6 +660,10 @@ def run_methods(run: Run, slow: bool) -> None:
         if name == "autoregressive-eager" and not run.compile():
             say("autoregressive-eager: the same as 'autoregressive' under --no-compile; not run")
             continue
+        if name in CAPTURED_BASES and not run.captures():
+            say(f"{name}: the same as '{CAPTURED_BASES[name]}' without the fast path on CUDA (nothing to capture); "
+                "not run")
+            continue
         if base == "hf-generate-static" and run.device.type == "cpu":
             say("note: hf-generate-static compiles on CPU too (transformers' compile_all_devices): slow")
         if run.over_budget(f"single: {name}"):
@@ -766,7 +784,7 @@ def section_rounds(run: Run) -> None:
 
 
 SYNC_METHODS = ("autoregressive", "draft", "draft-fused", "draft+adaptive", "draft+adaptive-previous-round",
-                "draft+adaptive-masked", "cascade+adaptive", "prompt-lookup")
+                "draft+adaptive-masked", "cascade+adaptive", "prompt-lookup", *CAPTURED_BASES)
 
 
 def section_syncs(run: Run) -> None:

@@ -59,7 +59,8 @@ def test_every_section_runs_and_prints_its_table(script, generator, capsys):
                    "| B | autoregressive, total tok/s", "| section | status | seconds"):
         assert header in out, header
     # Every single-sequence method got a row, and the rounds table priced counted forwards.
-    for name in ("| hf-generate |", "| hf-assisted |", "| draft-fused |", "| draft-after-hf |", "| draft-captured |", "| draft+adaptive |",
+    assert "draft-captured: the same as 'draft' without the fast path on CUDA (nothing to capture); not run" in out
+    for name in ("| hf-generate |", "| hf-assisted |", "| draft-fused |", "| draft-after-hf |", "| draft+adaptive |",
                  "| cascade+adaptive |", "| draft+adaptive-previous-round |", "| draft+adaptive-masked |",
                  "| cascade+adaptive-previous-round |",
                  "| prompt-lookup |", "| draft-tree |", "| cascade-tree |", "| draft-tree-expand |"):
@@ -220,9 +221,17 @@ def test_batched_options_compile_on_cuda_only_and_one_rows_bucket_with_row_bucke
 def test_captured_rows_get_a_target_runner_of_their_own_with_captured_graphs(script, generator, monkeypatch):
     """``-captured`` rows: on the fast path, the method's drafter behind a ``ModelRunner(graphs="captured")`` of
     their own (so their buckets are not the other rows'); made, not run (compiling takes long on a CPU)."""
-    run = script.Run(script.parse_args(["--device", "cpu"]), generator, 0.0)
+    run = script.Run(script.parse_args(["--device", "cpu", "--methods", "draft,draft-captured,prompt-lookup-captured"]),
+                     generator, 0.0)
     monkeypatch.setattr(script.Run, "compile", lambda self: True)
+    monkeypatch.setattr(script.Run, "captures", lambda self: True)
     captured, plain = run.decoder("draft-captured", False, True), run.decoder("draft", False, True)
     assert captured.runner.graphs == "captured" and captured.runner.compile
     assert plain.runner.graphs is True and captured.runner is not plain.runner
     assert type(captured.drafter).__name__ == "DraftModelDrafter" and captured.drafter is not plain.drafter
+    assert run.decoder("prompt-lookup-captured", False, True).runner is captured.runner  # one captured runner
+    # sized as the other rows' engines, and its runners priced by ``forwards`` with the others
+    assert captured.runner.one_row_engine.max_length == run.engine("draft", False).max_length
+    runners = run.runners()
+    assert runners["target (captured)"] is captured.runner.one_row_engine.runner
+    assert runners["draft (captured)"] is captured.runner.one_row_engine.drafter.runner

@@ -41,7 +41,10 @@ joining row's prefill overwrites.
 compiled without torch.compile's CUDA graphs (no ``mode``), and its second call records that compiled
 function as one ``torch.cuda.CUDAGraph`` (after one run on a side stream, as ``torch.cuda.graph`` asks;
 a steps bucket's write positions put back first), which every later call replays: no dynamo guards, no
-graph-tree bookkeeping per call, the way vLLM and SGLang replay their decode graphs. On an H200 a
+graph-tree bookkeeping per call, the way vLLM and SGLang replay their decode graphs. A replay skips
+dynamo's guards, so it needs what the trace read to stay put, as it does: the cache's tensors (allocated
+once), the weights, a truncated head's rows, a skip set's runner and the window's tree flag, all fixed
+per bucket. Each graph keeps a memory pool of its own (its outputs and scratch). On an H200 a
 compiled call cost about 0.3-0.8 ms of host time beside its graph (``docs/benchmarks/2026-11-27-gpu-h200.md``);
 this option is what ``docs/benchmarks/gpu_engine.py``'s ``-captured`` rows measure against it. Not yet
 run on a GPU: off by default.
@@ -358,24 +361,33 @@ class BatchRunner:
                 logger.info("%s: compiled %d rows x %s in %.1f s", self.name, bucket.rows, what, seconds)
         return out
 
-
     def _capture(self, bucket: _Bucket) -> torch.Tensor | tuple:
         """[captured graphs] Record ``bucket``'s compiled function (compiled by the call before) as one CUDA
         graph and replay it once: this call's result, in the graph's output tensors, which every replay
         overwrites (callers clone what they keep). The side-stream run before it writes what the replay
         writes (the same tokens at the same positions); a steps bucket's positions, which it advances, are
-        put back."""
+        put back. On the cache's device, with a capture stream of that device. A capture that raises is
+        logged and the bucket runs its compiled function uncaptured from then on (torch's graphs off)."""
         device = self.cache.device
         index = bucket.index.clone()
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            bucket.forward(*bucket.inputs, self.cache)
-        torch.cuda.current_stream(device).wait_stream(side)
-        bucket.index.copy_(index)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            outputs = bucket.forward(*bucket.inputs, self.cache)
+        try:
+            with torch.cuda.device(device):
+                side = torch.cuda.Stream(device)
+                side.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(side):
+                    bucket.forward(*bucket.inputs, self.cache)
+                torch.cuda.current_stream(device).wait_stream(side)
+                bucket.index.copy_(index)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, stream=torch.cuda.Stream(device), capture_error_mode="thread_local"):
+                    outputs = bucket.forward(*bucket.inputs, self.cache)
+        except Exception as exc:  # noqa: BLE001 -- logged; the bucket's compiled function still runs
+            logger.warning("%s: capturing the CUDA graph of %d rows x %d tokens failed (%s: %s); that bucket runs "
+                           "its compiled function uncaptured", self.name, bucket.rows, bucket.width,
+                           type(exc).__name__, exc)
+            bucket.capture = False
+            bucket.index.copy_(index)
+            return bucket.forward(*bucket.inputs, self.cache)
         bucket.graph, bucket.outputs = graph, outputs
         graph.replay()
         return outputs
@@ -386,7 +398,9 @@ class _Bucket:
 
     ``steps=(S, V, K, tops)``: [fused draft steps] a width-1 bucket whose function runs S greedy steps
     (``_steps_function``; V the vocabulary, K a truncated head's size or None, ``tops``: whether it
-    returns each step's top probability; ``head``: its (K,) token ids, copied from ``head_source``)."""
+    returns each step's top probability; ``head``: its (K,) token ids, copied from ``head_source``).
+    [captured graphs] ``capture``: whether its second call captures a CUDA graph; ``graph``, ``outputs``:
+    that graph and its output tensors, once captured."""
 
     def __init__(self, runner: BatchRunner, rows: int, width: int, tree: bool = False,
                  steps: tuple[int, int, int | None, bool] | None = None) -> None:

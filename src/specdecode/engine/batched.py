@@ -49,14 +49,8 @@ from transformers import PreTrainedModel
 
 from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS, check_num_speculative_tokens
 from specdecode.engine.banned_rows import mask_batch
-from specdecode.engine.batch_cache import (
-    PREFILL_CHUNK_TOKENS,
-    PREFILL_PAD_MULTIPLE,
-    BatchKVCache,
-    FastPath,
-    to_device,
-    warm_up_widths,
-)
+from specdecode.engine.batch_cache import (PREFILL_CHUNK_TOKENS, PREFILL_PAD_MULTIPLE, BatchKVCache, FastPath,
+                                           check_graphs, to_device, warm_up_widths)
 from specdecode.engine.batch_requests import BatchRequests
 from specdecode.engine.batch_rows import BatchEvent
 from specdecode.engine.batch_runner import BatchRunner, check_row_buckets, default_batch_compile
@@ -65,7 +59,7 @@ from specdecode.engine.processors import process_rows
 from specdecode.engine.protocol import BATCH_EXIT_RULES, Draft, Drafter, DraftPolicy
 from specdecode.engine.runner_target import is_runner_target, runner_target_parts, torch_threads
 from specdecode.engine.sampling import check_finite, logits_width, raise_non_finite
-from specdecode.engine.shared_prefill import admit_shared, engine_shared_prefill
+from specdecode.engine.shared_prefill import admit_shared, engine_shared_prefill, load_prompt_cache
 from specdecode.engine.stats import SpecDecodingStats
 from specdecode.engine.tree import TokenTree, draft_q, greedy_tree_verify, round_trees, tree_rejection_sample
 from specdecode.engine.verification import greedy_verify, sample_block, sample_rows
@@ -111,7 +105,7 @@ class BatchedSpeculativeDecoder(BatchRequests):
             forwards: True, False, or None for the device's default (``default_batch_compile``).
         graphs: With ``compile``, False runs the fast path's static-shape forwards without
             ``torch.compile`` (tests, debugging); "captured": CUDA graphs of specdecode's own
-            (``batch_cache.FastPath``).
+            (``batch_cache.FastPath``; CUDA only, elsewhere as True).
         row_buckets: With ``compile``, the rows buckets (integers in 1 .. ``max_batch_size``);
             None: 1, 2, 4, .. and ``max_batch_size`` (``batch_runner.row_buckets``). Fewer
             buckets compile faster and pad more rows.
@@ -159,6 +153,7 @@ class BatchedSpeculativeDecoder(BatchRequests):
         shared_with: BatchedSpeculativeDecoder | None = None,
         shared_prefill: bool | None = None,
     ) -> None:
+        check_graphs(graphs)
         if compile is not None and not isinstance(compile, bool):
             raise InvalidArgumentError(f"compile must be True, False or None (the device default), got {compile!r}")
         if max_verify_tokens is not None and (
@@ -311,13 +306,8 @@ class BatchedSpeculativeDecoder(BatchRequests):
                     _, logits, share = planned
                     row.prompt_cache = None
                 else:
-                    start = 0
-                    if row.prompt_cache is not None:
-                        start = self.cache.load_prefix(slot, row.prompt_cache)
-                        if not start:
-                            logger.debug("request %d: prompt cache not usable (a trimmed sliding layer): re-encoded",
-                                         row.request_id)
-                        row.prompt_cache = None  # not kept: the slot holds it now
+                    start = load_prompt_cache(self.cache, slot, row)
+                    row.prompt_cache = None  # not kept: the slot holds it now
                     logits = self.cache.prefill_row(self.target, prompt, slot, start)  # llama.cpp: its own
                 check_finite(logits, "target model")
                 token = row.sampler.choose(logits)

@@ -84,7 +84,8 @@ def compile_kwargs(device_type: str, *, recompile_limit: int = RECOMPILE_LIMIT, 
     eager fallback); ``mode="reduce-overhead"`` (CUDA graphs) when ``device_type`` is
     ``"cuda"`` and ``cuda_graphs`` (False: the caller captures graphs itself); and
     ``isolate_recompiles=True`` and ``recompile_limit`` only where ``torch.compile``'s signature
-    has them (torch 2.13 does, 2.11 does not; each one dropped is logged once). Use ``compile_function`` to compile: it also makes up for dropped options.
+    has them (torch 2.13 does, 2.11 does not; each one dropped is logged once). Use
+    ``compile_function`` to compile: it also makes up for dropped options.
 
     Args:
         device_type: ``torch.device(...).type`` of the model, e.g. "cuda" or "cpu".
@@ -112,7 +113,7 @@ def compile_kwargs(device_type: str, *, recompile_limit: int = RECOMPILE_LIMIT, 
 
 def compile_function(fn: Callable, device_type: str, *, recompile_limit: int = RECOMPILE_LIMIT,
                      cuda_graphs: bool = True) -> Callable:
-    """``torch.compile(fn, **compile_kwargs(device_type))``, with the same behaviour on older torch.
+    """``torch.compile(fn, **compile_kwargs(device_type, cuda_graphs=...))``, the same on older torch.
 
     Before compiling, torch's compile caches are pointed at specdecode's cache folder
     (``compile_cache.use_compile_cache``), so a later process reuses the compiled graphs.

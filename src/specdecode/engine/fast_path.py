@@ -95,7 +95,8 @@ class ModelRunner:
             (set by ``SpeculativeDecoder``), or None.
 
     Raises:
-        InvalidArgumentError: A bad ``compile``; compiling a model it cannot compile (``check_compilable``).
+        InvalidArgumentError: A bad ``compile`` or ``graphs``; compiling a model it cannot compile
+            (``check_compilable``).
     """
 
     def __init__(self, model: PreTrainedModel, *, compile: bool | None = None, name: str = "model",

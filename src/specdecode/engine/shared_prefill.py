@@ -177,13 +177,7 @@ def admit_shared(model: PreTrainedModel, cache: BatchKVCache, rows: Sequence, lo
     """
     t0 = time.perf_counter()
     try:
-        starts = []
-        for i, row in enumerate(rows):
-            start = cache.load_prefix(lo + i, row.prompt_cache) if row.prompt_cache is not None else 0
-            if row.prompt_cache is not None and not start:
-                logger.debug("request %d: prompt cache not usable (a trimmed sliding layer): re-encoded",
-                             row.request_id)
-            starts.append(start)
+        starts = [load_prompt_cache(cache, lo + i, row) for i, row in enumerate(rows)]
         logits = prefill_rows(model, cache, [row.tokens for row in rows], lo, starts)
         if logits.is_cuda:
             torch.cuda.synchronize(logits.device)  # the time below is the forwards', not the first row's check
@@ -193,6 +187,17 @@ def admit_shared(model: PreTrainedModel, cache: BatchKVCache, rows: Sequence, lo
         return {}
     share = (time.perf_counter() - t0) / len(rows)
     return {row.request_id: (lo + i, logits[i:i + 1], share) for i, row in enumerate(rows)}
+
+
+def load_prompt_cache(cache: BatchKVCache, slot: int, row) -> int:
+    """Copy a joining request's prompt cache (``row.prompt_cache``, a ``DynamicCache`` or None) into ``slot``
+    (``BatchKVCache.load_prefix``): the positions now held, 0 for none or one not usable (logged at debug)."""
+    if row.prompt_cache is None:
+        return 0
+    start = cache.load_prefix(slot, row.prompt_cache)
+    if not start:
+        logger.debug("request %d: prompt cache not usable (a trimmed sliding layer): re-encoded", row.request_id)
+    return start
 
 
 def consecutive_runs(slots: Sequence[int]) -> list[list[int]]:
