@@ -126,7 +126,7 @@ class DraftModelDrafter(Drafter):
     #: False (the default, measured faster on an H200): step by step.
     fused_draft_steps = False
     #: Rows joining together share their deferred prompt prefill's forwards (``engine.shared_prefill``): True,
-    #: False, or None for the device's default (CUDA only).
+    #: False, or None for the device's default (CUDA only); the engine that binds the drafter sets it to its own.
     shared_prefill: bool | None = None
 
     def __init__(self, model=None, context_window: int | None = None, head: DraftHead | None = None, *,
