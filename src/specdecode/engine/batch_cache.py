@@ -479,6 +479,13 @@ def batch_forward(
     return out.logits
 
 
+def padded_width(cache: BatchKVCache, real: int, at: int) -> int:
+    """The width of a prefill forward of ``real`` tokens written from position ``at``: ``real`` rounded up to a
+    multiple of ``cache.prefill_pad_multiple``, short of the capacity (never less than ``real``)."""
+    multiple = cache.prefill_pad_multiple
+    return max(real, min(-(-real // multiple) * multiple, cache.capacity - at))
+
+
 def batch_prefill(
     model: PreTrainedModel, cache: BatchKVCache, prompt_ids: torch.Tensor, slot: int, start: int = 0
 ) -> torch.Tensor:
@@ -507,12 +514,12 @@ def batch_prefill(
         InvalidArgumentError: As ``BatchKVCache.prepare`` (the prompt does not fit the slot).
     """
     n = prompt_ids.shape[1]
-    chunk, multiple = cache.prefill_chunk_tokens, cache.prefill_pad_multiple
+    chunk = cache.prefill_chunk_tokens
     logits = None
     for at in range(start, n, chunk):
         ids = prompt_ids[:, at : at + chunk]
         real = ids.shape[1]
-        width = max(real, min(-(-real // multiple) * multiple, cache.capacity - at))
+        width = padded_width(cache, real, at)
         if width > real:
             ids = torch.cat([ids, ids[:, -1:].expand(1, width - real)], dim=1)
         logits = batch_forward(model, cache, ids, slot, [at], width - real + 1)[:, 0]

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel
 
-from specdecode.engine.batch_cache import BatchKVCache, batch_forward, to_device
+from specdecode.engine.batch_cache import BatchKVCache, batch_forward, padded_width, to_device
 from specdecode.engine.runner_target import is_runner_target
 from specdecode.errors import InvalidArgumentError
 
@@ -112,8 +112,7 @@ def _width(cache: BatchKVCache, tails: Sequence[list[int]], at: Sequence[int]) -
     """The padded width of one forward over ``tails`` written at ``at`` (0: nothing to write), or None where
     it would write past the capacity."""
     real = max(len(t) for t in tails)
-    width = max(real, min(-(-real // cache.prefill_pad_multiple) * cache.prefill_pad_multiple,
-                          cache.capacity - max(at)))
+    width = padded_width(cache, real, max(at))
     return width if real == 0 or max(at) + width <= cache.capacity else None
 
 
