@@ -85,10 +85,19 @@ What it prints (each as a Markdown table; warm-up and compilation seconds apart 
 4. ``syncs`` (CUDA only): host syncs per round of each fast-path method under
    ``torch.cuda.set_sync_debug_mode("warn")``, one generation of ``--sync-tokens`` (48) on a code prompt,
    greedy and sampling (temperature 0.8, top-p 0.95: speculative sampling on the device, one read a round).
-5. ``batched``: total tok/s at B = 1, 8, 32 for autoregressive, draft and prompt-lookup on up to 32
+5. ``profile``: where the time goes (``gpu_profile.py``, beside this script): ``torch.profiler`` over the
+   target's forwards at 1 and γ + 1 tokens and the draft model's at 1 (wall against device busy time,
+   device activities, graph and kernel launches, host syncs, per call; the costliest kernels of the
+   target's one-token forward), and over one warm generation of the first code prompt per method of
+   ``autoregressive``, ``draft``, ``prompt-lookup`` and ``hf-generate-static`` in ``--methods`` (the same per
+   round, and the prefill, the rounds and the rest apart); ``cProfile`` over ``autoregressive``'s (the host's
+   Python). ``--profile-dir`` (e.g. ``$OUT/traces``) keeps each profile's Chrome trace, gzipped. It answers
+   the H200 run's open questions: a 1.5B forward of 2.60 ms against 0.65 ms of weight traffic, and about
+   95 ms a prompt outside ``autoregressive``'s rounds.
+6. ``batched``: total tok/s at B = 1, 8, 32 for autoregressive, draft and prompt-lookup on up to 32
    code prompts (``--batch-groups`` groups of B each), with ``SpeculativeGenerator.batch_decoder``;
    ``compile=True`` is passed on CUDA when ``batch_decoder`` takes it (printed either way).
-6. ``baselines``: the slow rows on ``--slow-prompts`` (2) prompts per set: transformers ``generate``
+7. ``baselines``: the slow rows on ``--slow-prompts`` (2) prompts per set: transformers ``generate``
    (eager ``DynamicCache``), ``hf-assisted`` and our eager ``autoregressive``; then the whole
    single-sequence table again.
 
@@ -137,6 +146,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
+if str(Path(__file__).resolve().parent) not in sys.path:  # gpu_profile, beside this script
+    sys.path.append(str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
@@ -145,7 +156,7 @@ import specdecode  # noqa: E402
 from specdecode import DraftControl, GenerationConfig, SpeculativeDecoder, SpeculativeGenerator  # noqa: E402
 from specdecode.engine.fast_path import ModelRunner  # noqa: E402
 
-SECTIONS = ("forwards", "single", "rounds", "syncs", "batched", "baselines")
+SECTIONS = ("forwards", "single", "rounds", "syncs", "profile", "batched", "baselines")
 # name, kind ("ours" | "hf"), base method, adaptive exit (True: per-step, the default; or a DraftControl.exit_mode),
 # fast path, slow baseline
 METHODS = (
@@ -515,8 +526,11 @@ class Run:
 
 
 @torch.inference_mode()
-def forward_ms(run: Run, runner, width: int, keep: int = 1, steps: int = 0) -> tuple[float, float]:
+def forward_ms(run: Run, runner, width: int, keep: int = 1, steps: int = 0,
+               around: Callable = contextlib.nullcontext) -> tuple[float, float]:
     """(ms per forward over ``width`` tokens after ``--context`` cached, seconds of first calls).
+
+    ``around``: a context manager factory entered around the timed calls alone (``profile`` profiles them).
 
     ``steps`` > 0: ms per call of the runner's ``steps`` fused one-token draft steps instead
     (``BatchRunner.draft_steps``, greedy, the full head).
@@ -545,11 +559,13 @@ def forward_ms(run: Run, runner, width: int, keep: int = 1, steps: int = 0) -> t
         call()
     sync(device)
     first_s = runner.compile_time_s - c0 if runner.fast is not None else time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for _ in range(args.repeats):
-        call()
-    sync(device)
-    return 1000 * (time.perf_counter() - t0) / args.repeats, first_s
+    with around():
+        t0 = time.perf_counter()
+        for _ in range(args.repeats):
+            call()
+        sync(device)
+        ms = 1000 * (time.perf_counter() - t0) / args.repeats
+    return ms, first_s
 
 
 def measure(run: Run, runner, width: int) -> float:
@@ -819,6 +835,88 @@ def section_syncs(run: Run) -> None:
     table(["method", "rounds", "host syncs", "per round"], rows)
 
 
+# -- profile --------------------------------------------------------------------------------------
+
+PROFILE_METHODS = ("autoregressive", "draft", "prompt-lookup", "hf-generate-static")
+
+
+def section_profile(run: Run) -> None:
+    """Where the time goes (``gpu_profile``): ``torch.profiler`` over the fast path's forwards (target at 1 and
+    γ + 1 tokens, the draft model at 1) and over one whole generation per method on the first code prompt
+    (warm: run once before), and ``cProfile`` over ``autoregressive``'s. Answers the H200 run's two open
+    questions: a 1.5B forward of 2.60 ms against 0.65 ms of weight traffic (device busy against wall), and
+    about 95 ms a prompt outside ``autoregressive``'s rounds (the generation's split and the host profile)."""
+    import gpu_profile
+
+    args, device = run.args, run.device
+    runners, rows = run.runners(), []
+    for name, width in (("target", 1), ("target", args.gamma + 1), ("draft", 1)):
+        runner = runners.get(name)
+        if runner is None or run.over_budget(f"profile: {name} width {width}"):
+            continue
+        keep = width if is_target(runner) else 1
+        clean, _ = forward_ms(run, runner, width, keep)  # compiled and warm before the profiler starts
+        held = {}
+
+        @contextlib.contextmanager
+        def around():
+            with gpu_profile.profiled(device) as prof:
+                yield
+            held["prof"] = prof
+
+        ms, _ = forward_ms(run, runner, width, keep, around=around)
+        s = gpu_profile.summary(held["prof"], args.repeats)
+        rows.append([name, width, fmt(clean, 2), fmt(ms, 2), fmt(s["device_ms"], 2), fmt(s["kernels"], 0),
+                     fmt(s["graph_launches"], 1), fmt(s["kernel_launches"], 1), fmt(s["syncs"], 1)])
+        if (name, width) == ("target", 1):
+            say(f"\nTarget forward of 1 token, {args.repeats} calls, costliest first:\n```")
+            say(gpu_profile.top_table(held["prof"], device.type == "cuda"))
+            say("```")
+            saved = gpu_profile.save_trace(held["prof"], args.profile_dir, "forward-target-1")
+            if saved:
+                say(f"trace: {saved}")
+    say(f"\nPer forward under torch.profiler, {args.repeats} calls after {args.context} tokens (wall: without, "
+        "then with the profiler's overhead; device busy: kernels and copies; per call):\n")
+    table(["model", "tokens", "wall ms", "wall ms, profiled", "device busy ms", "device activities",
+           "graph launches", "kernel launches", "host syncs"], rows)
+
+    rows, ids = [], run.encoded("code")[0]
+    for name in PROFILE_METHODS:
+        if name not in args.methods or run.over_budget(f"profile: {name}"):
+            continue
+        hf = name.startswith("hf-")
+        generate = method_runner(run, "hf" if hf else "ours", name, False, True)
+        generate(ids, args.max_new_tokens)  # compiled and warm
+        with gpu_profile.profiled(device) as prof:
+            t0 = time.perf_counter()
+            out = generate(ids, args.max_new_tokens)
+            sync(device)
+            wall = time.perf_counter() - t0
+        s, rounds = gpu_profile.summary(prof, 1), max(1, out["target_forwards"])
+        inside = out.get("prefill_s", 0.0) + out.get("decode_s", 0.0)
+        rows.append([name, out["tokens"], out["target_forwards"], fmt(1000 * wall, 1), fmt(s["device_ms"], 1),
+                     fmt(s["device_ms"] and 100 * s["device_ms"] / (1000 * wall), 0, "%"),
+                     "–" if hf else fmt(1000 * out["prefill_s"], 1), "–" if hf else fmt(1000 * out["decode_s"], 1),
+                     "–" if hf else fmt(1000 * (wall - inside), 1),
+                     fmt(s["kernels"] and s["kernels"] / rounds, 0), fmt(s["graph_launches"] / rounds, 2),
+                     fmt(s["kernel_launches"] / rounds, 1), fmt(s["syncs"] / rounds, 2)])
+        saved = gpu_profile.save_trace(prof, args.profile_dir, f"generate-{name}")
+        if name == "autoregressive":
+            say(f"\n{name}, one generation, costliest first (device time on a GPU, CPU time otherwise):\n```")
+            say(gpu_profile.top_table(prof, device.type == "cuda"))
+            say("```")
+            say(f"\n{name}, one generation under cProfile (the host's Python, cumulative seconds):\n```")
+            say(gpu_profile.host_profile(lambda: generate(ids, args.max_new_tokens)))
+            say("```")
+        if saved:
+            say(f"trace: {saved}")
+    say(f"\nOne generation under torch.profiler, first code prompt, {args.max_new_tokens} new tokens (ms; "
+        "prefill and rounds from the stats, the rest is neither; per round: per target forward):\n")
+    table(["method", "tokens", "rounds", "wall ms, profiled", "device busy ms", "busy", "prefill ms", "rounds ms",
+           "rest ms", "device activities per round", "graph launches per round", "kernel launches per round",
+           "host syncs per round"], rows)
+
+
 # -- batched --------------------------------------------------------------------------------------
 
 
@@ -1020,6 +1118,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--row-buckets", default="powers", choices=("powers", "batch"),
                    help="batched engine's rows buckets: 1, 2, 4, .. and B (the default), or B alone (fewer "
                         "compilations on a cold machine: a batch with fewer live rows runs padded to B)")
+    p.add_argument("--profile-dir", default=None,
+                   help="folder for the profile section's Chrome traces (gzipped), e.g. $OUT/traces; none by default")
     p.add_argument("--budget-s", type=float, default=540.0,
                    help="deadline in seconds from the start, loading included")
     args = p.parse_args(argv)
@@ -1084,7 +1184,8 @@ def random_weights_pair(target: str, draft: str, dtype: str, device: torch.devic
 
 
 SECTION_FUNCTIONS = {"forwards": section_forwards, "single": section_single, "rounds": section_rounds,
-                     "syncs": section_syncs, "batched": section_batched, "baselines": section_baselines}
+                     "syncs": section_syncs, "profile": section_profile, "batched": section_batched,
+                     "baselines": section_baselines}
 
 
 def main(argv: list[str] | None = None, generator: SpeculativeGenerator | None = None) -> int:

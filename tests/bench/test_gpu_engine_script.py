@@ -56,7 +56,8 @@ def test_every_section_runs_and_prints_its_table(script, generator, capsys):
     assert "FAILED" not in out
     for header in ("| model | tokens | ms per forward", "| method | code tok/s (×)", "| method | set | rounds",
                    "| target | measured | met |",
-                   "| B | autoregressive, total tok/s", "| section | status | seconds"):
+                   "| B | autoregressive, total tok/s", "| section | status | seconds",
+                   "| model | tokens | wall ms | wall ms, profiled", "| method | tokens | rounds | wall ms, profiled"):
         assert header in out, header
     # Every single-sequence method got a row, and the rounds table priced counted forwards.
     assert "draft-captured: the same as 'draft' without the fast path on CUDA (nothing to capture); not run" in out
@@ -152,7 +153,8 @@ def test_the_compile_shim_drops_what_torch_compile_lacks(script, monkeypatch):
 def test_bad_options_name_the_allowed_values(script, capsys):
     with pytest.raises(SystemExit):
         script.parse_args(["--sections", "forwards,nope"])
-    assert "--sections: unknown ['nope']; allowed: forwards, single, rounds, syncs, batched, baselines" in capsys.readouterr().err
+    assert ("--sections: unknown ['nope']; allowed: forwards, single, rounds, syncs, profile, batched, "
+            "baselines") in capsys.readouterr().err
     with pytest.raises(SystemExit):
         script.parse_args(["--prompts", "9"])
     assert "--prompts must be in 1..8, got 9" in capsys.readouterr().err
@@ -235,3 +237,27 @@ def test_captured_rows_get_a_target_runner_of_their_own_with_captured_graphs(scr
     runners = run.runners()
     assert runners["target (captured)"] is captured.runner.one_row_engine.runner
     assert runners["draft (captured)"] is captured.runner.one_row_engine.drafter.runner
+
+
+def test_the_profile_section_summarizes_forwards_and_generations_and_saves_traces(script, generator, capsys,
+                                                                                    tmp_path):
+    import gzip
+    import json
+
+    code = script.main(TINY + ["--sections", "profile", "--methods", "autoregressive,draft,prompt-lookup",
+                               "--profile-dir", str(tmp_path)], generator=generator)
+    out = capsys.readouterr().out
+    assert code == 0, out
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
+    for name in ("autoregressive", "draft", "prompt-lookup"):
+        cells = [c.strip() for c in rows[name].split("|")[1:-1]]
+        assert int(cells[1]) == 8 and int(cells[2]) >= 1, cells  # 8 new tokens, at least one round
+        assert float(cells[3]) > 0 and cells[4] == "–", cells  # no device activity on a CPU
+    assert int(rows["autoregressive"].split("|")[3]) == 7  # one round a token after the prefill's
+    assert "ncalls" in out and "cumtime" in out  # the cProfile table of autoregressive
+    assert "Self CPU" in out  # torch's key_averages table
+    traces = sorted(p.name for p in tmp_path.iterdir())
+    assert traces == ["forward-target-1.json.gz", "generate-autoregressive.json.gz", "generate-draft.json.gz",
+                      "generate-prompt-lookup.json.gz"], traces
+    with gzip.open(tmp_path / "generate-draft.json.gz", "rt") as f:
+        assert json.load(f)["traceEvents"]
