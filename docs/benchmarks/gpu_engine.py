@@ -70,6 +70,10 @@ What it prints (each as a Markdown table; warm-up and compilation seconds apart 
    ``torch.cuda.CUDAGraph`` per bucket captured and replayed, ``engine.batch_runner``), the A/B of the host
    time a compiled call costs (about 0.3-0.8 ms on an H200); their buckets compile apart (cold: 25-40 s each).
    Not yet run on a GPU.
+   ``autoregressive-serial``: ``autoregressive`` with ``overlap_rounds=False``: each round read back before the
+   next forward is enqueued, where the default on CUDA (``engine.overlap``, not yet run on a GPU) enqueues the
+   next round's forward on the device's chosen tokens first, so the host's read and emit overlap it: the A/B
+   of the overlapped rounds (``--overlap-rounds on`` forces them elsewhere, to run the rows on a CPU).
    ``hf-generate-static`` runs after our rows, and ``autoregressive-after-hf`` and ``draft-after-hf`` run our
    engines again after it: on an H200 our rows ran slower after transformers' compiled generate had run in
    the process (``draft`` 30.4 against 15.4 ms a round), cause not found; these rows say whether that holds.
@@ -96,7 +100,8 @@ What it prints (each as a Markdown table; warm-up and compilation seconds apart 
    95 ms a prompt outside ``autoregressive``'s rounds.
 6. ``batched``: total tok/s at B = 1, 8, 32 for autoregressive, draft and prompt-lookup on up to 32
    code prompts (``--batch-groups`` groups of B each), with ``SpeculativeGenerator.batch_decoder``;
-   ``compile=True`` is passed on CUDA when ``batch_decoder`` takes it (printed either way).
+   ``compile=True`` is passed on CUDA when ``batch_decoder`` takes it (printed either way). With overlapped
+   rounds on (CUDA), ``autoregressive``'s groups run again on the same engine with them off: the A/B table.
 7. ``baselines``: the slow rows on ``--slow-prompts`` (2) prompts per set: transformers ``generate``
    (eager ``DynamicCache``), ``hf-assisted`` and our eager ``autoregressive``; then the whole
    single-sequence table again.
@@ -161,6 +166,7 @@ SECTIONS = ("forwards", "single", "rounds", "syncs", "profile", "batched", "base
 # fast path, slow baseline
 METHODS = (
     ("autoregressive", "ours", "autoregressive", False, True, False),
+    ("autoregressive-serial", "ours", "autoregressive-serial", False, True, False),
     ("draft", "ours", "draft", False, True, False),
     ("draft-fused", "ours", "draft-fused", False, True, False),
     ("draft+adaptive", "ours", "draft", True, True, False),
@@ -186,6 +192,7 @@ METHODS = (
     ("hf-assisted", "hf", "hf-assisted", False, False, True),
 )
 TABLE_ORDER = ("hf-generate", "hf-generate-static", "hf-assisted", "autoregressive-eager", "autoregressive",
+               "autoregressive-serial",
                "draft", "draft-fused", "draft+adaptive", "draft+adaptive-previous-round", "draft+adaptive-masked",
                "cascade+adaptive", "cascade+adaptive-previous-round", "draft-tree", "cascade-tree", "draft-tree-expand",
                "prompt-lookup", "prompt-lookup-datastore", "token-recycling", "autoregressive-captured",
@@ -203,6 +210,10 @@ FUSED_BASES = {"draft-fused": "draft"}
 #: (``graphs="captured"``, ``engine.batch_runner``) rather than torch.compile's: the A/B of the per-call overhead.
 CAPTURED_BASES = {"autoregressive-captured": "autoregressive", "draft-captured": "draft",
                   "prompt-lookup-captured": "prompt-lookup"}
+#: Rows that run another method with ``overlap_rounds=False`` (``engine.overlap``; on by default on CUDA): each
+#: round's read before the next forward is enqueued, the A/B of the overlapped rounds.
+SERIAL_BASES = {"autoregressive-serial": "autoregressive"}
+OVERLAP = {"auto": None, "on": True, "off": False}  # --overlap-rounds
 BATCH_METHODS = ("autoregressive", "draft", "prompt-lookup")
 SETS = ("code", "prose")
 
@@ -474,8 +485,12 @@ class Run:
             if base == "draft-tree-expand":
                 tree["draft_tree_expand"] = self.args.draft_tree_expand
             method, options = OPTION_BASES.get(base, (TREE_BASES.get(base, FUSED_BASES.get(base, base)), {}))
-            method = CAPTURED_BASES.get(base, method)
+            method = CAPTURED_BASES.get(base, SERIAL_BASES.get(base, method))
             made = self.gen.decoder(method, draft_control=control, compile=fast and self.compile(), **tree, **options)
+            if base in SERIAL_BASES:
+                made.overlap_rounds = False
+            elif OVERLAP[self.args.overlap_rounds] is not None and hasattr(made, "overlap_rounds"):
+                made.overlap_rounds = OVERLAP[self.args.overlap_rounds]
             if base in FUSED_BASES:
                 made.drafter.fused_draft_steps = True
             if base in CAPTURED_BASES and made.runner.compile:  # a runner of their own: buckets of their own
@@ -760,7 +775,8 @@ def section_rounds(run: Run) -> None:
         say("no single-sequence runs yet: running the fast-path methods on the prompts first")
         run_methods(run, slow=False)
     rows = []
-    for name in ("autoregressive", "autoregressive-after-hf", "autoregressive-captured", "draft", "draft-after-hf",
+    for name in ("autoregressive", "autoregressive-serial", "autoregressive-after-hf", "autoregressive-captured",
+                 "draft", "draft-after-hf",
                  "draft-captured", "draft-fused", "prompt-lookup-captured",
                  "draft+adaptive", "draft+adaptive-previous-round", "draft+adaptive-masked", "cascade+adaptive", "cascade+adaptive-previous-round", "prompt-lookup"):
         for s in SETS:
@@ -799,7 +815,7 @@ def section_rounds(run: Run) -> None:
            "rest outside the rounds, ms a prompt", "forwards from"], rows)
 
 
-SYNC_METHODS = ("autoregressive", "draft", "draft-fused", "draft+adaptive", "draft+adaptive-previous-round",
+SYNC_METHODS = ("autoregressive", "autoregressive-serial", "draft", "draft-fused", "draft+adaptive", "draft+adaptive-previous-round",
                 "draft+adaptive-masked", "cascade+adaptive", "prompt-lookup", *CAPTURED_BASES)
 
 
@@ -932,11 +948,14 @@ def batch_options(args: argparse.Namespace, gen: SpeculativeGenerator, device: t
     (``compiled``), else False (none where it takes no ``compile``); with ``--row-buckets batch`` and compiling,
     ``row_buckets=(b,)`` (where it takes them)."""
     takes = inspect.signature(gen.batch_decoder).parameters
+    overlap = OVERLAP[args.overlap_rounds]
+    out = {"overlap_rounds": overlap} if overlap is not None and "overlap_rounds" in takes else {}
     if "compile" not in takes:
-        return {}
+        return out
     if not (device.type == "cuda" and compiled):
-        return {"compile": False}
-    return {"compile": True} | ({"row_buckets": (b,)} if args.row_buckets == "batch" and "row_buckets" in takes else {})
+        return out | {"compile": False}
+    return out | {"compile": True} | (
+        {"row_buckets": (b,)} if args.row_buckets == "batch" and "row_buckets" in takes else {})
 
 
 def section_batched(run: Run) -> None:
@@ -992,7 +1011,10 @@ def section_batched(run: Run) -> None:
                 if d.get("num_row_rounds") else None,
                 round_ms=1000 * d["decode_time_s"] / d["num_rounds"] if d.get("num_rounds") else None)
             say(f"  {method} B={b}: {fmt(results[(method, b)]['tok_s'])} tok/s in total, warm-up {warm:.1f} s, "
-                f"shared prefill {getattr(engine, 'shared_prefill', 'n/a')}")
+                f"shared prefill {getattr(engine, 'shared_prefill', 'n/a')}, overlapped rounds "
+                f"{getattr(engine, 'overlap_rounds', 'n/a')}")
+            if getattr(engine, "overlap_rounds", False) and method == "autoregressive":  # the A/B, same engine
+                serial_groups(run, engine, groups, config, b)
             del engine
         except Exception:
             say(f"FAILED: batched {method} at B={b}")
@@ -1024,6 +1046,39 @@ def section_batched(run: Run) -> None:
     table(["B"] + [f"{m}, total tok/s" for m in args.batch_methods]
           + [f"α, τ ({' / '.join(m for m in args.batch_methods if m != 'autoregressive')})",
              f"ms per round ({names})", f"prompts ({names})", f"warm-up s ({names})"], rows)
+    serial = [[b, fmt(results.get(("autoregressive", b), {}).get("tok_s")), fmt(r.get("tok_s")),
+               fmt(results.get(("autoregressive", b), {}).get("round_ms"), 2), fmt(r.get("round_ms"), 2)]
+              for b in args.batch_sizes if (r := results.get(("autoregressive-serial", b)))]
+    if serial:
+        say("\nBatched autoregressive with its rounds overlapped (the default on CUDA, ``engine.overlap``) and one "
+            "after the other (overlap_rounds=False), the same engine and groups:\n")
+        table(["B", "overlapped, total tok/s", "serial, total tok/s", "overlapped, ms per round",
+               "serial, ms per round"], serial)
+
+
+def serial_groups(run: Run, engine, groups, config, b: int) -> None:
+    """Time ``groups`` again on ``engine`` with ``overlap_rounds`` off (results as ("autoregressive-serial", B)),
+    then turn it back on."""
+    before = counters(engine.stats)
+    tokens, seconds = 0, 0.0
+    engine.overlap_rounds = False
+    try:
+        for g, group in enumerate(groups):
+            if run.over_budget(f"batched: autoregressive-serial B={b} group {g}"):
+                continue
+            sync(run.device)
+            t0 = time.perf_counter()
+            tokens += sum(len(r.token_ids) for r in engine.generate(group, config))
+            sync(run.device)
+            seconds += time.perf_counter() - t0
+    finally:
+        engine.overlap_rounds = True
+    d = {k: v - before.get(k, 0) for k, v in counters(engine.stats).items()}
+    seconds -= d.get("warmup_s", 0.0)
+    run.batched[("autoregressive-serial", b)] = dict(
+        tok_s=tokens / seconds if seconds > 0 and tokens else None,
+        round_ms=1000 * d["decode_time_s"] / d["num_rounds"] if d.get("num_rounds") else None)
+    say(f"  autoregressive-serial B={b}: {fmt(run.batched[('autoregressive-serial', b)]['tok_s'])} tok/s in total")
 
 
 # -- main -----------------------------------------------------------------------------------------
@@ -1118,6 +1173,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--row-buckets", default="powers", choices=("powers", "batch"),
                    help="batched engine's rows buckets: 1, 2, 4, .. and B (the default), or B alone (fewer "
                         "compilations on a cold machine: a batch with fewer live rows runs padded to B)")
+    p.add_argument("--overlap-rounds", default="auto", choices=tuple(OVERLAP),
+                   help="our engines' overlap_rounds (engine.overlap): auto (the device default: on for CUDA), on, off; "
+                        "the -serial rows and the batched A/B turn it off whatever this says")
     p.add_argument("--profile-dir", default=None,
                    help="folder for the profile section's Chrome traces (gzipped), e.g. $OUT/traces; none by default")
     p.add_argument("--budget-s", type=float, default=540.0,

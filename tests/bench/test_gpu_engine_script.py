@@ -261,3 +261,15 @@ def test_the_profile_section_summarizes_forwards_and_generations_and_saves_trace
                       "generate-prompt-lookup.json.gz"], traces
     with gzip.open(tmp_path / "generate-draft.json.gz", "rt") as f:
         assert json.load(f)["traceEvents"]
+
+
+def test_overlapped_rounds_get_their_serial_a_b_in_single_and_batched(script, generator, capsys):
+    code = script.main(TINY + ["--sections", "single,rounds,batched", "--methods",
+                               "autoregressive,autoregressive-serial", "--batch-methods", "autoregressive", "--batch-sizes", "2", "--overlap-rounds", "on"],
+                       generator=generator)
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "| autoregressive-serial | code |" in out and "| autoregressive |" in out
+    assert "overlapped rounds True" in out and "autoregressive-serial B=2:" in out
+    rows = [line for line in out.splitlines() if line.startswith("| 2 |")]
+    assert len(rows) == 2 and "–" not in rows[1], rows  # the batched table, then the A/B with both tok/s

@@ -10,7 +10,8 @@ the fast path's and the test stays quick.
 The bounds, greedy decoding, no adaptive exit:
 
 - autoregressive, draft model, prompt lookup: exactly one sync per round (the draft, the
-  target's choices and the finiteness flags, read together);
+  target's choices and the finiteness flags, read together); autoregressive with overlapped rounds
+  (``engine.overlap``: the next forward enqueued before the read) too;
 - cascade: one more in a round whose n-gram match the draft model checks (how many of the
   n-gram tokens it agrees with decides what it drafts next, a host decision).
 """
@@ -90,13 +91,15 @@ def _prompt() -> torch.Tensor:
     return torch.cat([half, half, half[:, :5]], dim=1)
 
 
-@pytest.mark.parametrize("method", ["autoregressive", "draft", "prompt-lookup", "cascade"])
+@pytest.mark.parametrize("method", ["autoregressive", "autoregressive-overlapped", "draft", "prompt-lookup",
+                                    "cascade"])
 def test_one_host_sync_per_round_on_the_fast_path(method, monkeypatch):
     target = make_tiny_model("llama", num_layers=3)
     draft = perturbed_copy(target, noise=0.3, seed=1)
     target_runner = ModelRunner(target, compile=True, graphs=False, name="target")
     drafter = {
         "autoregressive": lambda: None,
+        "autoregressive-overlapped": lambda: None,
         "draft": lambda: DraftModelDrafter(draft),
         "prompt-lookup": lambda: PromptLookupDrafter(),
         "cascade": lambda: CascadeDrafter(draft),
@@ -108,7 +111,8 @@ def test_one_host_sync_per_round_on_the_fast_path(method, monkeypatch):
     expected = SpeculativeDecoder(target, runner=target_runner).generate(_prompt(), config).token_ids
 
     counter = SyncCounter([target, draft])
-    stream = SpeculativeDecoder(target, drafter, runner=target_runner).stream(_prompt(), config)
+    overlap = method == "autoregressive-overlapped"
+    stream = SpeculativeDecoder(target, drafter, runner=target_runner, overlap_rounds=overlap).stream(_prompt(), config)
     rounds = iter(stream)
     first = next(rounds)  # the prefill (and the drafter's) may sync: not a round
     checks.clear()
@@ -124,3 +128,5 @@ def test_one_host_sync_per_round_on_the_fast_path(method, monkeypatch):
     assert counter.count <= allowed, f"{counter.count} host syncs in {num_rounds} rounds ({len(checks)} checks)"
     if method != "cascade":
         assert not checks
+    if overlap:
+        assert stream._decoder._engine.overlap_rounds

@@ -55,6 +55,8 @@ from specdecode.engine.batch_requests import BatchRequests
 from specdecode.engine.batch_rows import BatchEvent
 from specdecode.engine.batch_runner import BatchRunner, check_row_buckets, default_batch_compile
 from specdecode.engine.draft_exit import exit_points, observe_exits
+from specdecode.engine.overlap import (HostReader, RoundAhead, can_run_ahead, engine_overlap_rounds, fed_tokens,
+                                       next_tokens)
 from specdecode.engine.processors import process_rows
 from specdecode.engine.protocol import BATCH_EXIT_RULES, Draft, Drafter, DraftPolicy
 from specdecode.engine.runner_target import is_runner_target, runner_target_parts, torch_threads
@@ -113,6 +115,9 @@ class BatchedSpeculativeDecoder(BatchRequests):
             plus the leading chunks of prompts longer than ``prefill_chunk_tokens``, alone) rather
             than one each: True, False, or None for the device's default (CUDA only; never with a
             llama.cpp target, which refuses True).
+        overlap_rounds: Without a drafter, enqueue each round's successor forward on the device's chosen tokens
+            before reading the round back, so the host's read and emit overlap it (``engine.overlap``): True,
+            False, or None for the device's default (CUDA only; a llama.cpp target refuses True).
         shared_with: An idle engine whose cache and target runner this one takes over when they
             fit (same target, slots, fast-path settings and widths, capacity >= ``max_length``,
             which then becomes that capacity; its widest verification at least this one's): its
@@ -121,6 +126,7 @@ class BatchedSpeculativeDecoder(BatchRequests):
 
     Attributes:
         compile: Whether the fast path is on.
+        overlap_rounds: Whether rounds without a drafter overlap (may be set between steps).
         shared_prefill: Whether requests admitted together share their prefill forwards (the drafter's
             deferred prompt prefills too: the engine sets a draft model drafter's ``shared_prefill``).
         runner: The target's ``BatchRunner``.
@@ -152,6 +158,7 @@ class BatchedSpeculativeDecoder(BatchRequests):
         row_buckets: Sequence[int] | None = None,
         shared_with: BatchedSpeculativeDecoder | None = None,
         shared_prefill: bool | None = None,
+        overlap_rounds: bool | None = None,
     ) -> None:
         check_graphs(graphs)
         if compile is not None and not isinstance(compile, bool):
@@ -186,6 +193,7 @@ class BatchedSpeculativeDecoder(BatchRequests):
         self.max_block = probe.max_tokens if probe is not None else self.gamma
         self.compile = default_batch_compile(target.device) if compile is None else compile
         self.shared_prefill = engine_shared_prefill(shared_prefill, target, drafter)
+        self.overlap_rounds = engine_overlap_rounds(overlap_rounds, target)
         # The widest bucket: a verification (max_block + 1) or a draft model's first feed (2).
         rows = check_row_buckets(row_buckets, max_batch_size)
         fast = FastPath(rows, max(self.max_block + 1, 2), graphs) if self.compile else None
@@ -228,6 +236,8 @@ class BatchedSpeculativeDecoder(BatchRequests):
         #: Whether the draft policy was calibrated (``DraftPolicy.calibrate``, before the first round).
         self._calibrated = False
         self._measured_s = 0.0  # seconds of ``_measure_forwards`` in the latest calibration
+        self._ahead: RoundAhead | None = None  # [overlap] a forward enqueued before the last round's read
+        self._reader = HostReader(target.device)
         self._init_requests()
 
     @property
@@ -437,12 +447,19 @@ class BatchedSpeculativeDecoder(BatchRequests):
             if draft is not None else (None, None, None)
         K = max(k)
         # verify: one forward, row b at its own position len_b - 1, padded on the right to K + 1.
-        pending = to_device([[s[-1]] for s in sequences], device)
-        ids = torch.cat([pending, tokens[:, :K]], dim=1) if K else pending
         starts = [len(s) - 1 for s in sequences]
-        if trees is None:
+        ahead, self._ahead = self._ahead, None  # [overlap] the forward the last round ran ahead
+        if ahead is not None and not (K == 0 and ahead.matches(rows)):
+            self.stats.num_discarded_forwards += 1
+            ahead = None
+        if ahead is not None:
+            ids, logits = ahead.ids, ahead.logits
+        elif trees is None:
+            pending = to_device([[s[-1]] for s in sequences], device)
+            ids = torch.cat([pending, tokens[:, :K]], dim=1) if K else pending
             logits = self.runner(ids, starts, K + 1)
         else:  # [trees] rows without a tree verify their block as a chain
+            ids = torch.cat([to_device([[s[-1]] for s in sequences], device), tokens[:, :K]], dim=1)
             logits = self.runner(ids, starts, K + 1, trees=[t or TokenTree.chain(k[b]) for b, t in enumerate(trees)])
         logits = logits[..., : self.vocab_size] if logits.shape[-1] > self.vocab_size else logits
         target_logits = logits
@@ -460,14 +477,24 @@ class BatchedSpeculativeDecoder(BatchRequests):
         sampled = sample_rows(rows, logits, finite.view(n, K + 1), ids, k, trees, probs, self.contain_errors) \
             if points is None else {}
         verdicts = [v for v in sampled.values() if isinstance(v, torch.Tensor)]
-        host = torch.cat([*parts, *verdicts, logits.argmax(-1).flatten(), finite.long(),
-                          draft_finite.long()]).tolist()
+        host = torch.cat([*parts, *verdicts, logits.argmax(-1).flatten(), finite.long(), draft_finite.long()])
+        if self.overlap_rounds and self.drafter is None and not self._waiting \
+                and can_run_ahead(rows, sampled, self.cache.capacity):  # [overlap] the next forward first
+            self._reader.stage(host)
+            nxt = next_tokens(logits, sampled)
+            self._ahead = RoundAhead(self.runner(nxt, [s + 1 for s in starts], 1), nxt,
+                                     [(row.request_id, s + 1) for row, s in zip(rows, starts)])
+            host = self._reader.read()
+        else:
+            host = host.tolist()
         exit_at = host[n * K : n * K + n] if points is not None else None
         if exit_at is not None:
             del host[n * K : n * K + n]
         read = iter(host[n * K : n * K + 2 * len(verdicts)])
         sampled = {b: v if isinstance(v, str) else (next(read), next(read)) for b, v in sampled.items()}
         del host[n * K : n * K + 2 * len(verdicts)]
+        if self._ahead is not None:
+            self._ahead.fed = fed_tokens(host[n * K : n * K + n * (K + 1)], K + 1, sampled)
         if not host[-1]:
             if self.drafter is not None:  # the rows did not move: keep the drafter in step with them
                 self.drafter.rollback([len(row.tokens) - 1 for row in rows])

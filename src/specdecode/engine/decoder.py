@@ -38,6 +38,7 @@ from specdecode.engine import kv_cache
 from specdecode.engine.batch_rows import BatchRow, check_prompt_cache
 from specdecode.engine.batched import BatchedSpeculativeDecoder
 from specdecode.engine.fast_path import DRAFT_BUCKETS, ModelRunner
+from specdecode.engine.overlap import engine_overlap_rounds
 from specdecode.engine.protocol import Drafter, DraftPolicy
 from specdecode.engine.results import GenerationResult, as_2d
 from specdecode.engine.runner_target import forwards_of, is_runner_target
@@ -178,10 +179,14 @@ class SpeculativeDecoder:
         runner: A target ``fast_path.ModelRunner`` whose settings (``compile``, ``graphs``) the round
             takes, and whose one-row engine decoders sharing it share (``SpeculativeGenerator``
             keeps one per model); None makes one from ``compile``.
+        overlap_rounds: Without a drafter, each round's successor forward runs while the host reads and
+            emits the round (``engine.overlap``): True, False, or None for the device's default (CUDA
+            only). An attribute too, read at each generation's start.
 
     Raises:
         InvalidArgumentError: If adaptive draft exit is asked of a drafter that gives
-            no probabilities (``drafter.supports_exit_policy`` is False), or a bad ``compile``.
+            no probabilities (``drafter.supports_exit_policy`` is False), a bad ``compile`` or
+            ``overlap_rounds`` (True with a llama.cpp target).
 
     The output of greedy decoding equals target-only greedy decoding token for
     token (in float32; in lower precision a multi-token forward may round
@@ -199,7 +204,9 @@ class SpeculativeDecoder:
         draft_control: DraftPolicy | None = None,
         compile: bool | None = None,
         runner: ModelRunner | None = None,
+        overlap_rounds: bool | None = None,
     ) -> None:
+        engine_overlap_rounds(overlap_rounds, target)  # checked now, resolved by each engine
         if (
             draft_control is not None
             and draft_control.adaptive_exit
@@ -222,6 +229,7 @@ class SpeculativeDecoder:
                                            "llama.cpp: use compile=None or False")
             runner = forwards_of(target)
         self.runner = runner if runner is not None else ModelRunner(target, compile=compile, name="target model")
+        self.overlap_rounds = overlap_rounds
         self._engine: BatchedSpeculativeDecoder | None = None
         self._target_runners: list = []  # the round's target runners (BatchRunner) this decoder used
 
@@ -249,6 +257,7 @@ class SpeculativeDecoder:
         margin = DRAFT_BUCKETS[-1] if compile else 0  # a drafter's static cache pads its forwards
         need = num_prompt_tokens + config.max_new_tokens + block + 1 + margin
         if engine is self._engine and engine is not None and engine.gamma == gamma and engine.max_length >= need:
+            engine.overlap_rounds = engine_overlap_rounds(self.overlap_rounds, self.target)
             return engine
         length = -(-need // CACHE_STEP) * CACHE_STEP
         self._engine = BatchedSpeculativeDecoder(
@@ -264,6 +273,7 @@ class SpeculativeDecoder:
             graphs=getattr(self.runner, "graphs", True),
             prefill_pad_multiple=1,  # one prompt at a time: its own width, as transformers' generate
             shared_with=engine,
+            overlap_rounds=self.overlap_rounds,
         )
         self._engine.contain_errors = False
         if all(r is not self._engine.runner for r in self._target_runners):

@@ -49,6 +49,9 @@ class SpecDecodingStats:
         num_rounds: Decode rounds: target forwards over the whole batch (prefills excluded);
             equals ``num_target_forwards`` for one sequence.
         num_prefills: Rows prefilled (1 for one generation once it started).
+        num_discarded_forwards: Target forwards run ahead of a round's read (``engine.overlap``) and
+            dropped because the rows had changed by the next round (a row finished, failed or was
+            cancelled, or a request joined); the engine's stats only.
         max_rows: The most rows one round decoded (1 for one sequence).
     """
 
@@ -72,6 +75,7 @@ class SpecDecodingStats:
     rounds_by_draft_cap: list[int] = field(default_factory=list)
     num_rounds: int = 0
     num_prefills: int = 0
+    num_discarded_forwards: int = 0
     max_rows: int = 0
 
     #: Derived values ``to_dict`` adds to the counters.

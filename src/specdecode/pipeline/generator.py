@@ -324,6 +324,7 @@ class SpeculativeGenerator(ModelPair):
         draft_tree_expand: int | None = None,
         row_buckets: Sequence[int] | None = None,
         shared_prefill: bool | None = None,
+        overlap_rounds: bool | None = None,
     ) -> BatchedSpeculativeDecoder:
         """A ``BatchedSpeculativeDecoder`` (many rows at once, continuous batching) for ``method``.
 
@@ -348,6 +349,8 @@ class SpeculativeGenerator(ModelPair):
                 rows bucket per width, fewer rows running padded.
             shared_prefill: Requests admitted together share their prefill forwards (``engine.shared_prefill``):
                 True, False, or None for the device's default (CUDA only).
+            overlap_rounds: "autoregressive": each round's successor forward runs while the host reads and
+                emits the round (``engine.overlap``): True, False, or None for the device's default (CUDA only).
 
         Raises:
             InvalidArgumentError: Unknown method; the errors of
@@ -382,6 +385,7 @@ class SpeculativeGenerator(ModelPair):
             compile=compile,
             row_buckets=row_buckets,
             shared_prefill=shared_prefill,
+            overlap_rounds=overlap_rounds,
         )
 
     def stream(
