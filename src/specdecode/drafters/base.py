@@ -156,17 +156,10 @@ def draft_batch(
             break
         if i + 1 < K:
             logits = forward(token.view(n, 1), [s + i for s in next_starts])
-    steps = len(tokens)
     row_probs = [torch.cat(p) if p else None for p in probs]
-    draft = Draft(
-        torch.stack(tokens, dim=1),
-        num,
-        row_probs if any(p is not None for p in row_probs) else None,
-        finite,
-        who,
-        top_probs=torch.stack(kept_tops, dim=1).float() if kept_tops is not None else None,
-    )
-    return draft, steps
+    top_probs = torch.stack(kept_tops, dim=1).float() if kept_tops is not None else None
+    return Draft(torch.stack(tokens, dim=1), num, row_probs if any(p is not None for p in row_probs) else None,
+                 finite, who, top_probs=top_probs), len(tokens)
 
 
 def reads_per_step(exits: list[ExitPolicy | None] | None) -> bool:

@@ -5,44 +5,35 @@ proposes everywhere but costs a forward per token. The cascade takes both: each
 round it first copies the continuation of the last n-gram's most recent earlier
 match (``prompt_lookup.find_continuation``); when that gives fewer than
 ``max_tokens`` tokens, the draft model continues the same block from where the
-match ended. The draft model is fed the n-gram tokens as part of its input, so its
-KV cache stays that of the sequence it drafted after; when the target rejects part
-of the block, the next forward overwrites the rejected positions (``DraftModelDrafter``).
+match ended.
 
 **The n-gram check** (``ngram_check=True``, the default). An n-gram match is often weak
 (a single repeated token), and a rejected n-gram token discards the whole block, the
-model's tokens after it included. So the draft model first checks the match: it is fed
-the n-gram tokens in one forward, with a row of logits kept per token, and only the
+model's tokens after it included. So the draft model first checks the match, and only the
 leading tokens that equal its own greedy choice stay; its logits after them give the
 next token, and it drafts on from there.
 Greedy and without adaptive draft exit, the block is then the one ``draft`` would
 propose (up to rounding: a forward over several tokens may round differently from one
 over a single token), but a run of agreeing n-gram tokens costs one draft forward
 instead of one per token. With adaptive exit, agreeing n-gram tokens skip
-the confidence test (two sources agree), so blocks can be longer than ``draft``'s. With
-a truncated head (FR-Spec) an n-gram token outside its K tokens never agrees, so the
-check drops it.
+the confidence test (two sources agree), so blocks can be longer than ``draft``'s.
 With ``ngram_check=False`` the whole match is proposed unchecked (the first design;
 kept to measure against).
 
-**Long prompts** (``max_model_prompt_tokens=N``): a prompt of more than N tokens skips
-the draft model for the whole generation. It is not prefilled, and the cascade proposes
-the n-gram match alone, unchecked, up to ``LONG_PROMPT_BLOCK`` (5) tokens a block: it is
-then ``prompt-lookup`` with its default γ. The reason is the draft model's prefill: an
+**Long prompts** (``max_model_prompt_tokens=N``): a row whose prompt has more than N tokens
+skips the draft model for its whole generation. It is not prefilled, and proposes its n-gram
+match alone, unchecked, up to ``LONG_PROMPT_BLOCK`` (5) tokens a block: it is then
+``prompt-lookup`` with its default γ. The reason is the draft model's prefill: an
 int4 draft on a CPU prefills at about twice a bf16 draft's cost per token, about 3.4 s
 for a 700-token prompt on a 2-core EPYC with AVX512-BF16. Long prompts are mostly
 documents to summarize or answer from, whose answers copy from them, where prompt lookup
 is strong anyway. On 6 held-out Spec-Bench prompts of 705-1154 tokens (summarization and
 rag), ``prompt-lookup`` beat the cascade on all 6, and n-gram blocks of up to the
 adaptive exit's 12 tokens were 5% slower than its 5 (more rejected tokens to verify;
-``docs/benchmarks/2026-11-25-cascade-long-prompts.md``).
-
-Verification sees one block. The n-gram part is deterministic: its rows of
-``Draft.probs`` are one-hot when sampling, so speculative sampling accepts such a
-token with the target's probability and otherwise resamples from the target with
-it removed (exact, Leviathan et al. 2022 with a point-mass q); the model part
-carries the draft model's own distributions. Adaptive draft exit applies to the
-model part only: an n-gram token has no confidence to test.
+``docs/benchmarks/2026-11-25-cascade-long-prompts.md``). Every forward still spans slots
+0 .. n - 1 (the fast path's buckets take the active rows as a prefix of the slots), so such a
+row gets placeholder tokens at positions 0 .. of its own draft slot, which no real row reads;
+its logits are ignored.
 
 **The round, for every row at once.** 1. **n-gram match**: ``prompt_lookup.find_continuation`` on a numpy copy of the row's tokens
    (no torch op, so no host sync), up to the row's ``max_tokens``.
@@ -59,19 +50,14 @@ model part only: an n-gram token has no confidence to test.
    tokens and candidates would not fit keeps the leading candidates that do (``_fit``), so the
    check runs compiled. On the fast path the blocks can therefore differ from the eager path's:
    greedy output is the same (the target verifies every token), and sampling follows the same law,
-   but a seed's sampled tokens may differ between the two.
+   but a seed's sampled tokens may differ between the two. With ``ngram_check=False`` every n-gram
+   token is kept unchecked; the first forward feeds them (as context for the model part) only to
+   rows whose block the match leaves unfilled.
 3. **model part**: ``batched.draft_batch`` drafts the rest of each row's block from where its
-   check stopped (positions ``len + kept``), as ``DraftModelDrafter`` does.
-
-With ``ngram_check=False`` every n-gram token is kept unchecked; the first forward feeds them
-(as context for the model part) only to rows whose block the match leaves unfilled.
-
-**Long prompts** (``max_model_prompt_tokens=N``): a row whose prompt has more than N tokens
-skips the draft model for its whole generation: it is not prefilled, and proposes its n-gram
-match alone, unchecked, up to ``cascade.LONG_PROMPT_BLOCK`` tokens a block. Every forward
-still spans slots 0 .. n - 1 (the fast path's buckets take the active rows as a prefix of the
-slots), so such a row gets placeholder tokens at positions 0 .. of its own draft slot, which
-no real row reads; its logits are ignored.
+   check stopped (positions ``len + kept``), as ``DraftModelDrafter`` does. The draft model is
+   fed the n-gram tokens as part of its input, so its KV cache stays that of the sequence it
+   drafted after; when the target rejects part of the block, the next forward overwrites the
+   rejected positions.
 
 **Exactness.** The target verifies every token, so greedy output equals target-only decoding
 whatever the check keeps. When sampling, the n-gram tokens get one-hot rows of ``probs`` (a
@@ -80,7 +66,7 @@ otherwise resamples from the target with it removed, Leviathan et al. 2022); the
 carries the draft model's own distributions; a row drafted by n-grams alone gives None (the
 engine then treats its block as one-hot). Greedy agreement with the draft model is a
 deterministic function of the context, so kept candidates stay point masses. Adaptive draft
-exit applies to the model part only.
+exit applies to the model part only: an n-gram token has no confidence to test.
 
 **Draft context window** (``context_window=W``): the draft model is prefilled with a row's last W
 prompt tokens only (``DraftModelDrafter``); the n-gram part still matches against the whole

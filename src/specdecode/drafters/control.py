@@ -41,6 +41,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from specdecode.engine.cost_model import check_count
 from specdecode.engine.protocol import DRAFT_EXIT_MODES, DraftPolicy, Drafter, MeasureForwards, RoundController
 from specdecode.engine.speculation_cost import SpeculationCostPolicy
 from specdecode.errors import InvalidArgumentError
@@ -57,11 +58,6 @@ def _check_unit(name: str, value: float, *, open_right: bool = False) -> None:
 
 def _is_count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-def _check_count(name: str, value: int) -> None:
-    if not _is_count(value):
-        raise InvalidArgumentError(f"{name} must be an integer >= 1, got {value!r}")
 
 
 def check_optional_count(name: str, value: object, none_means: str) -> int | None:
@@ -125,7 +121,7 @@ class AdaptiveDraftExit:
         _check_unit("alpha", alpha)
         if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not math.isfinite(epsilon) or epsilon < 0:
             raise InvalidArgumentError(f"epsilon must be a finite number >= 0, got {epsilon!r}")
-        _check_count("max_draft_tokens", max_draft_tokens)
+        check_count("max_draft_tokens", max_draft_tokens, 1)
         self.threshold = float(threshold)
         self.beta1, self.beta2, self.epsilon, self.alpha = beta1, beta2, epsilon, alpha
         self.max_draft_tokens = max_draft_tokens
@@ -187,9 +183,9 @@ class HeuristicDraftLength:
     """
 
     def __init__(self, initial: int, max_tokens: int | None = None) -> None:
-        _check_count("initial draft length", initial)
+        check_count("initial draft length", initial, 1)
         if max_tokens is not None:
-            _check_count("max draft length", max_tokens)
+            check_count("max draft length", max_tokens, 1)
         self.max_tokens = max_tokens
         self.num_tokens = initial if max_tokens is None else min(initial, max_tokens)
 

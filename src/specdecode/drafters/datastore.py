@@ -196,15 +196,12 @@ class NgramDatastore:
         if max_tokens < 1:
             return [], 0
         length = context.shape[0]
-        found = None
         for n in range(min(self.max_ngram, length), self.min_ngram - 1, -1):
             lo, hi = self._range(context[length - n:])
             if hi - lo >= self.min_count:
-                found = n, lo, hi
                 break
-        if found is None:
+        else:
             return [], 0
-        n, lo, hi = found
         positions = None  # past the sorted columns: the occurrences that agree so far
         out: list[int] = []
         for depth in range(max_tokens):

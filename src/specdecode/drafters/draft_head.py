@@ -24,7 +24,6 @@ through its ``select_rows(ids)``. While ``BoundDraftHead.applied()`` is active, 
 the K-row copy's forward); the stock transformers forward runs unchanged around it, so
 whatever it does after the head (Gemma 2's final logit soft-capping, for one) still
 applies, and the model returns (…, K) logits whose column j belongs to token ``ids[j]``.
-``token`` and ``probs`` map those columns back to vocabulary ids.
 """
 
 from __future__ import annotations

@@ -72,12 +72,10 @@ def decoder_layers(model: PreTrainedModel) -> torch.nn.ModuleList:
 def _index_list(value, where: str) -> tuple[int, ...]:
     if not isinstance(value, (list, tuple)):
         raise InvalidArgumentError(f"{where} must be a list of layer indices, got {value!r}")
-    out = []
     for v in value:
         if isinstance(v, bool) or not isinstance(v, int):
             raise InvalidArgumentError(f"{where} must hold integer layer indices, got {v!r} in {list(value)!r}")
-        out.append(v)
-    return tuple(out)
+    return tuple(value)
 
 
 @dataclass(frozen=True)
@@ -106,11 +104,9 @@ class SkipSet:
                     raise InvalidArgumentError(
                         f"skip set {name!r} has layer index {i}; indices must be >= 0 (allowed 0..L-1)"
                     )
-            seen: set[int] = set()
-            for i in idx:
-                if i in seen:
+            for n, i in enumerate(idx):
+                if i in idx[:n]:
                     raise InvalidArgumentError(f"skip set {name!r} repeats layer index {i} in {list(idx)!r}")
-                seen.add(i)
             object.__setattr__(self, name, tuple(sorted(idx)))
         if not self.attn and not self.mlp:
             raise InvalidArgumentError(
@@ -248,26 +244,19 @@ def _cache_arg(kwargs: dict):
     return cache if cache is not None else kwargs.get("past_key_value")
 
 
-def _skipped_attention(attn: torch.nn.Module, layer_idx: int) -> Callable:
+def _skipped(attn: torch.nn.Module, layer_idx: int, whole_layer: bool) -> Callable:
+    """A skipped attention sublayer's forward: zero output (adds nothing to the residual, also through Gemma's
+    post-norm); with ``whole_layer``, a bypassed layer's (its input). Either appends a placeholder cache entry
+    so this layer's length follows the others."""
     def forward(hidden_states, *args, **kwargs):
-        # Zero output (adds nothing to the residual, also through Gemma's post-norm),
-        # and a placeholder cache entry so this layer's length follows the others.
         _append_placeholder(_cache_arg(kwargs), layer_idx, hidden_states, attn)
-        return torch.zeros_like(hidden_states), None
+        return hidden_states if whole_layer else (torch.zeros_like(hidden_states), None)
 
     return forward
 
 
 def _skipped_mlp(hidden_states, *args, **kwargs):
     return torch.zeros_like(hidden_states)
-
-
-def _bypassed_layer(attn: torch.nn.Module, layer_idx: int) -> Callable:
-    def forward(hidden_states, *args, **kwargs):
-        _append_placeholder(_cache_arg(kwargs), layer_idx, hidden_states, attn)
-        return hidden_states
-
-    return forward
 
 
 @contextmanager
@@ -305,9 +294,9 @@ def draft_mode(model: PreTrainedModel, skip_set: SkipSet) -> Iterator[None]:
         for i, layer in enumerate(layers):
             layer_idx = getattr(layer.self_attn, "layer_idx", i)
             if i in attn and i in mlp:
-                patch(layer, _bypassed_layer(layer.self_attn, layer_idx))
+                patch(layer, _skipped(layer.self_attn, layer_idx, True))
             elif i in attn:
-                patch(layer.self_attn, _skipped_attention(layer.self_attn, layer_idx))
+                patch(layer.self_attn, _skipped(layer.self_attn, layer_idx, False))
             elif i in mlp:
                 patch(layer.mlp, _skipped_mlp)
         yield
@@ -402,7 +391,6 @@ class LayerSkipDrafter(Drafter):
     def move(self, src: int, dst: int, num_valid: int) -> None:
         self._samplers[dst] = self._samplers[src]
         self._samplers[src] = None
-
 
 
 def resolve_skip_set(skip_set: SkipSet | None, skip_layers: str | None, skip_config: str | Path | None) -> SkipSet:

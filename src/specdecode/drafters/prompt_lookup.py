@@ -156,8 +156,6 @@ def check_ngram_sizes(max_ngram: int, min_ngram: int) -> None:
         )
 
 
-#: ``Draft.match_sources``: the row's own sequence (prompt and output), a datastore.
-SOURCES = ("sequence", "datastore")
 #: Shortest match, in tokens, of the sequence that is drafted before the datastore is asked; a shorter one is
 #: drafted only where the datastore has nothing.
 SEQUENCE_FIRST_NGRAM = 2

@@ -27,6 +27,7 @@ import heapq
 import torch
 
 from specdecode.engine.batch_cache import to_device
+from specdecode.engine.cost_model import check_count
 from specdecode.engine.protocol import Draft, Drafter
 from specdecode.engine.sampling import Sampler, logits_width
 from specdecode.engine.tree import TokenTree
@@ -51,8 +52,7 @@ def static_tree(num_nodes: int, top_k: int, max_depth: int = 8,
         InvalidArgumentError: ``num_nodes`` < 1, ``top_k`` outside 1 .. len(rank_prior), or ``max_depth`` < 1.
     """
     for name, value, low in (("num_nodes", num_nodes, 1), ("max_depth", max_depth, 1), ("top_k", top_k, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise InvalidArgumentError(f"{name} must be an integer >= {low}, got {value!r}")
+        check_count(name, value, low)
     if top_k > len(rank_prior):
         raise InvalidArgumentError(f"top_k must be in 1..{len(rank_prior)} (the rank prior's length), got {top_k}")
     parents, ranks, depths = [-1], [-1], [0]

@@ -115,11 +115,7 @@ class BannedRow:
         banned word it would spell begins (the matcher is fed the block, then put back).
         """
         tokens = list(tokens)
-        keep = len(tokens)
-        for i, token in enumerate(tokens):
-            if token in self.forbidden.get(first_position + i, ()):
-                keep = i
-                break
+        keep = next((i for i, t in enumerate(tokens) if t in self.forbidden.get(first_position + i, ())), len(tokens))
         matcher = self.matcher
         committed = len(matcher.token_ids)
         matcher.extend(tokens[:keep])
@@ -199,12 +195,6 @@ def mask_batch(logits: torch.Tensor, rows: Sequence[BannedRow | None], first_pos
         if row is not None
         for i, t in row.masks(first, width)
     ]
-    _fill(logits, index)
-
-
-def _fill(logits: torch.Tensor, index: list[tuple[int, ...]]) -> None:
-    """``logits[idx] = -inf`` for every index tuple in ``index`` (at once)."""
-    if not index:
-        return
-    where = to_device(index, logits.device).t()
-    logits.index_put_(tuple(where), logits.new_full((), float("-inf")))
+    if index:
+        where = to_device(index, logits.device).t()
+        logits.index_put_(tuple(where), logits.new_full((), float("-inf")))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -68,7 +67,6 @@ class BatchRow:
         if self.controller is not None and self.controller.exit is not None:
             self.controller.exit.mode = dec.exit_mode  # ``DraftControl.exit_mode``
             self.stats.final_draft_threshold = self.controller.exit.threshold
-        self.joined_at = time.perf_counter()
 
     @property
     def remaining(self) -> int:

@@ -20,12 +20,10 @@ Each round (Medusa's four steps, for every active row at once):
    single-sequence decoder: on a match the row rewinds to where the word began and that
    token is masked there; the other rows are untouched); finished rows leave.
 
-Continuous batching: ``add`` queues a request at any time; at the start of each ``step`` queued
-requests join while slots are free (prefilled into their slots alone, or on CUDA together in 2
-forwards: ``engine.shared_prefill``); after the round finished or cancelled rows leave. The last
-active row moves into a freed slot (one copy of its cache), so the active rows occupy slots 0 .. n - 1
-and every forward works on views. That bookkeeping is ``engine.batch_requests.BatchRequests``. vLLM
-batches speculative decoding with the same per-row accounting (its ``SpecDecodingStats`` names).
+Continuous batching (``engine.batch_requests.BatchRequests``): queued requests join at each ``step``
+while slots are free (prefilled into their slots alone, or on CUDA together in 2 forwards:
+``engine.shared_prefill``). vLLM batches speculative decoding with the same per-row accounting (its
+``SpecDecodingStats`` names).
 
 The number of draft tokens γ is an engine setting, as in vLLM: a request's
 ``GenerationConfig.num_speculative_tokens`` is not used (``SpeculativeDecoder``, which runs
@@ -54,6 +52,7 @@ from specdecode.engine.batch_cache import (PREFILL_CHUNK_TOKENS, PREFILL_PAD_MUL
 from specdecode.engine.batch_requests import BatchRequests
 from specdecode.engine.batch_rows import BatchEvent
 from specdecode.engine.batch_runner import BatchRunner, check_row_buckets, default_batch_compile
+from specdecode.engine.cost_model import check_count
 from specdecode.engine.draft_exit import exit_points, observe_exits
 from specdecode.engine.overlap import (HostReader, RoundAhead, can_run_ahead, engine_overlap_rounds, fed_tokens,
                                        next_tokens)
@@ -167,8 +166,7 @@ class BatchedSpeculativeDecoder(BatchRequests):
             isinstance(max_verify_tokens, bool) or not isinstance(max_verify_tokens, int) or max_verify_tokens < 1
         ):
             raise InvalidArgumentError(f"max_verify_tokens must be an integer >= 1 or None, got {max_verify_tokens!r}")
-        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
-            raise InvalidArgumentError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
+        check_count("max_batch_size", max_batch_size, 1)
         if exit_rule not in BATCH_EXIT_RULES:
             raise InvalidArgumentError(f"exit_rule must be one of {BATCH_EXIT_RULES}, got {exit_rule!r}")
         self.gamma = check_num_speculative_tokens(num_speculative_tokens) if drafter is not None else 0

@@ -1,24 +1,11 @@
 """Decoding one sequence: ``SpeculativeDecoder``, ``GenerationStream``, ``GenerationResult``.
 
-A generation runs the batched engine's round (``engine.batched.BatchedSpeculativeDecoder``) with
-one row, B = 1: one implementation of the four steps for one sequence and for many.
-
-1. **draft**: the drafter proposes k <= γ tokens after the sequence (an optional
-   draft policy, ``specdecode.drafters.control.DraftControl``, may change γ per
-   round, end a block early when the draft is unsure, or skip drafting after a
-   low-confidence target token; the engine sees it through
-   ``engine.protocol.DraftPolicy``);
-2. **verify**: one target forward over ``[pending token, d_1 .. d_k]`` gives k + 1
-   distributions; greedy or speculative-sampling verification accepts n of the
-   draft tokens and yields one more token (replacement or bonus);
-3. **accept**: the target's and the drafter's caches drop the k - n rejected
-   positions (no prompt is ever re-encoded);
-4. **emit**: the n + 1 new tokens are cut at EOS, a stop string or
-   ``max_new_tokens``, checked for banned words (``engine.banned_rows``: on a
-   match, both caches rewind to where the word began and that token is masked
-   there), and handed to the caller.
-
-Autoregressive decoding is the same loop with k = 0: one target forward, one token.
+A generation runs the batched engine's round (``engine.batched.BatchedSpeculativeDecoder``: draft,
+verify, accept, emit) with one row, B = 1: one implementation for one sequence and for many. An
+optional draft policy (``specdecode.drafters.control.DraftControl``, seen through
+``engine.protocol.DraftPolicy``) may change γ per round, end a block early when the draft is unsure,
+or skip drafting after a low-confidence target token. Autoregressive decoding is the same loop with
+k = 0: one target forward, one token.
 
 Drafters are batch-native (``engine.protocol.Drafter``): the same drafter object serves one
 row here and many in the serving engine. The engine is kept across generations; its cache is sized per generation (prompt + ``max_new_tokens`` + the longest

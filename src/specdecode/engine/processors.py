@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from specdecode.config import GenerationConfig
+from specdecode.engine.batch_cache import to_device
 from specdecode.errors import InvalidArgumentError
 
 
@@ -70,15 +71,6 @@ def fit_width(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         pad = logits.new_full((*logits.shape[:-1], vocab_size - width), float("-inf"))
         return torch.cat([logits, pad], dim=-1)
     return logits
-
-
-def _to_device(ids: Sequence[int], device: torch.device) -> torch.Tensor:
-    """Token ids as a long tensor on ``device``; on CUDA through pinned memory with a non-blocking
-    copy, so that it never waits for the GPU (no host sync)."""
-    host = torch.tensor(list(ids), dtype=torch.long)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 class LogitsProcessing:
@@ -125,7 +117,7 @@ class LogitsProcessing:
         self.logprobs: list[TokenLogprob] = []
         self._bias: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids, values) on the device
         if config.logit_bias:
-            self._bias = (_to_device([t for t, _ in config.logit_bias], self.device),
+            self._bias = (to_device([t for t, _ in config.logit_bias], self.device),
                           torch.tensor([b for _, b in config.logit_bias], dtype=torch.float32).to(self.device))
         self._counting = self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
         #: (V,) float32: how often each token occurs in the output so far (``sync``).
@@ -142,7 +134,7 @@ class LogitsProcessing:
     def _reset_context(self) -> None:
         """The context's columns back to the prompt's (start, or a rollback that recounts)."""
         self._col_set = set(self._prompt_ids)
-        self._cols = _to_device(self._prompt_ids, self.device)
+        self._cols = to_device(self._prompt_ids, self.device)
         #: (V,) bool: tokens in the prompt or the output (the repetition penalty's "seen").
         self._seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
         if self._prompt_ids and self.repetition_penalty != 1.0:
@@ -234,7 +226,7 @@ class LogitsProcessing:
             if tail.numel():
                 view.push(tail)
         elif len(sequence) > confirmed:
-            view.push(_to_device(sequence[confirmed:], self.device))
+            view.push(to_device(list(sequence[confirmed:]), self.device))
         return view
 
     # -- after the round -----------------------------------------------------------------------
@@ -250,12 +242,12 @@ class LogitsProcessing:
             done = 0
         if self._counting and len(output) > done:
             tail = list(output[done:])
-            self.counts.index_add_(0, _to_device(tail, self.device).clamp(0, self.vocab_size - 1),
+            self.counts.index_add_(0, to_device(tail, self.device).clamp(0, self.vocab_size - 1),
                                    torch.ones(len(tail), device=self.device))
             new = [t for t in dict.fromkeys(tail) if t not in self._col_set and 0 <= t < self.vocab_size]
             if new:
                 self._col_set.update(new)
-                ids = _to_device(new, self.device)
+                ids = to_device(new, self.device)
                 self._cols = torch.cat([self._cols, ids])
                 if self.repetition_penalty != 1.0:
                     self._seen[ids] = True

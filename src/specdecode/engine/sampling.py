@@ -189,16 +189,13 @@ class Sampler:
             return None
         return self.processors.drafting(sequence)
 
-    def _fit(self, logits: torch.Tensor) -> torch.Tensor:
-        return fit_width(logits, self.vocab_size)
-
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Greedy tokens. ``logits``: (m, V') -> (m,) long."""
-        return self._fit(logits).argmax(dim=-1)
+        return fit_width(logits, self.vocab_size).argmax(dim=-1)
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """Warped distributions. ``logits``: (m, V') any float dtype -> (m, V) float32, rows sum to 1."""
-        scores = self._warpers(self._no_ids, self._fit(logits).float())
+        scores = self._warpers(self._no_ids, fit_width(logits, self.vocab_size).float())
         return torch.softmax(scores, dim=-1)
 
     def probs_over(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdecode.engine.cost_model import check_count
 from specdecode.errors import InvalidArgumentError
 
 
@@ -71,8 +72,7 @@ class TokenTree:
     @classmethod
     def chain(cls, num_drafted: int) -> TokenTree:
         """The tree of a linear draft of ``num_drafted`` tokens (>= 0): node t's parent is t - 1."""
-        if isinstance(num_drafted, bool) or not isinstance(num_drafted, int) or num_drafted < 0:
-            raise InvalidArgumentError(f"num_drafted must be an integer >= 0, got {num_drafted!r}")
+        check_count("num_drafted", num_drafted, 0)
         return cls((-1, *range(num_drafted)))
 
     @property
