@@ -147,3 +147,25 @@ def check_prompt_cache(prompt_cache, num_prompt_tokens: int) -> None:
             f"prompt_cache holds {m} tokens; it must hold 1..{n - 1} of the {n} prompt tokens "
             "(at least the last prompt token is encoded by the generation itself)"
         )
+
+
+def trimmed_blocks(rows, k: list[int], draft, caps: list[int]) -> tuple[list[int], list[int]]:
+    """Each row's block (``k``: tokens proposed per row; ``draft``: the round's ``protocol.Draft``) after its
+    controller's ``trim`` (``Draft.ngram_sizes``, ``match_sources``), and the caps the stats record (a trimmed
+    row's: what it kept; a block trimmed to nothing is a gated step).
+
+    Raises:
+        InvalidArgumentError: A controller kept a count outside 0 .. the tokens proposed.
+    """
+    kept, stat_caps, sources = list(k), list(caps), draft.match_sources or ["sequence"] * len(rows)
+    for b, row in enumerate(rows):
+        trim = row.controller.trim if k[b] and row.controller is not None else None
+        n = trim(k[b], draft.ngram_sizes[b], sources[b]) if trim is not None else k[b]
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= k[b]:
+            raise InvalidArgumentError(f"a round controller's trim must keep 0..{k[b]} tokens (those proposed), "
+                                       f"got {n!r}")
+        if n < k[b]:
+            stat_caps[b] = n
+            row.stats.num_gated_steps += n == 0
+        kept[b] = n
+    return kept, stat_caps

@@ -50,12 +50,12 @@ from specdecode.engine.banned_rows import mask_batch
 from specdecode.engine.batch_cache import (PREFILL_CHUNK_TOKENS, PREFILL_PAD_MULTIPLE, BatchKVCache, FastPath,
                                            check_graphs, to_device, warm_up_widths)
 from specdecode.engine.batch_requests import BatchRequests
-from specdecode.engine.batch_rows import BatchEvent
+from specdecode.engine.batch_rows import BatchEvent, trimmed_blocks
 from specdecode.engine.batch_runner import BatchRunner, check_row_buckets, default_batch_compile
 from specdecode.engine.cost_model import check_count
 from specdecode.engine.draft_exit import exit_points, observe_exits
 from specdecode.engine.overlap import (HostReader, RoundAhead, can_run_ahead, engine_overlap_rounds, fed_tokens,
-                                       next_tokens)
+                                       run_ahead, taken)
 from specdecode.engine.processors import process_rows
 from specdecode.engine.protocol import BATCH_EXIT_RULES, Draft, Drafter, DraftPolicy
 from specdecode.engine.runner_target import is_runner_target, runner_target_parts, torch_threads
@@ -424,7 +424,7 @@ class BatchedSpeculativeDecoder(BatchRequests):
         draft: Draft | None = None
         n = len(rows)
         k = [0] * n
-        stat_caps = limits  # a trimmed row's: what it kept (``_trimmed``)
+        stat_caps = limits  # a trimmed row's: what it kept (``trimmed_blocks``)
         draft_s = draft_prefill = 0.0
         depths: list[int | None] = [None] * n
         forwards_before = self.drafter.num_forwards if self.drafter is not None else 0
@@ -440,16 +440,13 @@ class BatchedSpeculativeDecoder(BatchRequests):
             draft_s = time.perf_counter() - t_draft - (self.drafter.compile_time_s - draft_compiling) - draft_prefill
             k = list(draft.num_tokens)
             if draft.ngram_sizes is not None:  # each row's policy keeps what its match's evidence pays for
-                k, stat_caps = self._trimmed(rows, k, draft, limits)
+                k, stat_caps = trimmed_blocks(rows, k, draft, limits)
         trees, tokens, probs = round_trees(draft, k, rows, getattr(self.runner, "takes_trees", False)) \
             if draft is not None else (None, None, None)
         K = max(k)
         # verify: one forward, row b at its own position len_b - 1, padded on the right to K + 1.
         starts = [len(s) - 1 for s in sequences]
-        ahead, self._ahead = self._ahead, None  # [overlap] the forward the last round ran ahead
-        if ahead is not None and not (K == 0 and ahead.matches(rows)):
-            self.stats.num_discarded_forwards += 1
-            ahead = None
+        ahead, self._ahead = taken(self._ahead, rows, K, self.stats), None  # [overlap] the last round's forward
         if ahead is not None:
             ids, logits = ahead.ids, ahead.logits
         elif trees is None:
@@ -478,11 +475,7 @@ class BatchedSpeculativeDecoder(BatchRequests):
         host = torch.cat([*parts, *verdicts, logits.argmax(-1).flatten(), finite.long(), draft_finite.long()])
         if self.overlap_rounds and self.drafter is None and not self._waiting \
                 and can_run_ahead(rows, sampled, self.cache.capacity):  # [overlap] the next forward first
-            self._reader.stage(host)
-            nxt = next_tokens(logits, sampled)
-            self._ahead = RoundAhead(self.runner(nxt, [s + 1 for s in starts], 1), nxt,
-                                     [(row.request_id, s + 1) for row, s in zip(rows, starts)])
-            host = self._reader.read()
+            self._ahead, host = run_ahead(self.runner, self._reader, host, logits, sampled, rows, starts)
         else:
             host = host.tolist()
         exit_at = host[n * K : n * K + n] if points is not None else None
@@ -592,23 +585,6 @@ class BatchedSpeculativeDecoder(BatchRequests):
             row.stats.decode_time_s += elapsed
             row.stats.warmup_s += compiled
             row.stats.num_draft_forwards += draft_forwards
-
-    def _trimmed(self, rows, k: list[int], draft: Draft, caps: list[int]) -> tuple[list[int], list[int]]:
-        """Each row's block after its controller's ``trim`` (``Draft.ngram_sizes``, ``match_sources``), and the caps the
-        stats record (a trimmed row's: what it kept; a block trimmed to nothing is a gated step). Raises
-        InvalidArgumentError where a controller kept a count outside 0 .. the tokens proposed."""
-        kept, stat_caps, sources = list(k), list(caps), draft.match_sources or ["sequence"] * len(rows)
-        for b, row in enumerate(rows):
-            trim = row.controller.trim if k[b] and row.controller is not None else None
-            n = trim(k[b], draft.ngram_sizes[b], sources[b]) if trim is not None else k[b]
-            if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= k[b]:
-                raise InvalidArgumentError(f"a round controller's trim must keep 0..{k[b]} tokens (those proposed), "
-                                           f"got {n!r}")
-            if n < k[b]:
-                stat_caps[b] = n
-                row.stats.num_gated_steps += n == 0
-            kept[b] = n
-        return kept, stat_caps
 
     def _observe_gates(self, logits: torch.Tensor, gate_rows: list[tuple[int, int, int]]) -> None:
         """Feed confidence gates the target's probability of each row's new token (one host sync)."""

@@ -88,6 +88,35 @@ def can_run_ahead(rows, sampled: dict, capacity: int) -> bool:
         and all(isinstance(v, torch.Tensor) for v in sampled.values())
 
 
+def taken(ahead: RoundAhead | None, rows, width: int, stats) -> RoundAhead | None:
+    """``ahead`` if it is this round's forward (no draft: ``width`` K = 0; ``RoundAhead.matches`` the rows), else
+    None; an ``ahead`` not taken counts in ``stats.num_discarded_forwards``."""
+    if ahead is not None and not (width == 0 and ahead.matches(rows)):
+        stats.num_discarded_forwards += 1
+        return None
+    return ahead
+
+
+def run_ahead(runner, reader: HostReader, host: torch.Tensor, logits: torch.Tensor, sampled: dict, rows,
+              starts: Sequence[int]) -> tuple[RoundAhead, list[int]]:
+    """Stage the round's read (``host``, (m,) long on the device), enqueue the next round's forward on the rows'
+    next tokens (``next_tokens``) at ``starts`` + 1, then read: (the forward run ahead, the values read).
+
+    Args:
+        runner: The target's round runner (``batch_runner.BatchRunner``: ``runner(ids, starts, 1)``).
+        reader: The engine's ``HostReader``.
+        logits: (n, 1, V) the round's logits, as its verification sees them.
+        sampled: Row index -> (2,) verdict of the rows sampled on the device.
+        rows: The round's rows (``batch_rows.BatchRow``).
+        starts: (n,) each row's position this round wrote (its length - 1).
+    """
+    reader.stage(host)
+    ids = next_tokens(logits, sampled)
+    ahead = RoundAhead(runner(ids, [s + 1 for s in starts], 1), ids,
+                       [(row.request_id, s + 1) for row, s in zip(rows, starts)])
+    return ahead, reader.read()
+
+
 def next_tokens(logits: torch.Tensor, sampled: dict) -> torch.Tensor:
     """(n, 1) long on the device: each row's next token, the argmax of its last logits or, for a sampling row,
     its verdict's token (``verification.sample_rows``: row index -> (2,) (accepted, token)).
