@@ -847,7 +847,9 @@ def section_syncs(run: Run) -> None:
         syncs = sum("synchroniz" in str(w.message) for w in caught)
         rows.append([f"{name} (sampling)" if sampling else name, stats.num_target_forwards, syncs,
                      fmt(syncs / max(1, stats.num_target_forwards), 2)])
-    say(f"\nHost syncs (torch.cuda.set_sync_debug_mode, {run.args.sync_tokens} tokens, prefill included):\n")
+    say(f"\nHost syncs (torch.cuda.set_sync_debug_mode, {run.args.sync_tokens} tokens, prefill included; overlapped "
+        "rounds read through a CUDA event, which this mode does not report: the profile section counts those "
+        "cudaEventSynchronize calls):\n")
     table(["method", "rounds", "host syncs", "per round"], rows)
 
 
