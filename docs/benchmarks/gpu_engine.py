@@ -94,8 +94,8 @@ What it prints (each as a Markdown table; warm-up and compilation seconds apart 
    device activities, graph and kernel launches, host syncs, per call; the costliest kernels of the
    target's one-token forward), and over one warm generation of the first code prompt per method of
    ``autoregressive``, ``draft``, ``prompt-lookup`` and ``hf-generate-static`` in ``--methods`` (the same per
-   round, and the prefill, the rounds and the rest apart); ``cProfile`` over ``autoregressive``'s (the host's
-   Python). ``--profile-dir`` (e.g. ``$OUT/traces``) keeps each profile's Chrome trace, gzipped. It answers
+   round, and the prefill, the rounds and the rest apart, and Python's garbage collections in it, with what a
+   full collection costs); ``cProfile`` over ``autoregressive``'s (the host's Python). ``--profile-dir`` (e.g. ``$OUT/traces``) keeps each profile's Chrome trace, gzipped. It answers
    the H200 run's open questions: a 1.5B forward of 2.60 ms against 0.65 ms of weight traffic, and about
    95 ms a prompt outside ``autoregressive``'s rounds.
 6. ``batched``: total tok/s at B = 1, 8, 32 for autoregressive, draft and prompt-lookup on up to 32
@@ -855,6 +855,14 @@ def section_syncs(run: Run) -> None:
 
 # -- profile --------------------------------------------------------------------------------------
 
+
+def timed(fn) -> float:
+    """Seconds ``fn()`` took."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 PROFILE_METHODS = ("autoregressive", "draft", "prompt-lookup", "hf-generate-static")
 
 
@@ -863,7 +871,8 @@ def section_profile(run: Run) -> None:
     γ + 1 tokens, the draft model at 1) and over one whole generation per method on the first code prompt
     (warm: run once before), and ``cProfile`` over ``autoregressive``'s. Answers the H200 run's two open
     questions: a 1.5B forward of 2.60 ms against 0.65 ms of weight traffic (device busy against wall), and
-    about 95 ms a prompt outside ``autoregressive``'s rounds (the generation's split and the host profile)."""
+    about 95 ms a prompt outside ``autoregressive``'s rounds (the generation's split, its garbage collections
+    and the host profile)."""
     import gpu_profile
 
     args, device = run.args, run.device
@@ -905,7 +914,7 @@ def section_profile(run: Run) -> None:
         hf = name.startswith("hf-")
         generate = method_runner(run, "hf" if hf else "ours", name, False, True)
         generate(ids, args.max_new_tokens)  # compiled and warm
-        with gpu_profile.profiled(device) as prof:
+        with gpu_profile.profiled(device) as prof, gpu_profile.gc_pauses() as pauses:
             t0 = time.perf_counter()
             out = generate(ids, args.max_new_tokens)
             sync(device)
@@ -917,7 +926,8 @@ def section_profile(run: Run) -> None:
                      "–" if hf else fmt(1000 * out["prefill_s"], 1), "–" if hf else fmt(1000 * out["decode_s"], 1),
                      "–" if hf else fmt(1000 * (wall - inside), 1),
                      fmt(s["kernels"] and s["kernels"] / rounds, 0), fmt(s["graph_launches"] / rounds, 2),
-                     fmt(s["kernel_launches"] / rounds, 1), fmt(s["syncs"] / rounds, 2)])
+                     fmt(s["kernel_launches"] / rounds, 1), fmt(s["syncs"] / rounds, 2),
+                     f"{len(pauses)} ({sum(g == 2 for g, _ in pauses)})", fmt(1000 * sum(t for _, t in pauses), 1)])
         saved = gpu_profile.save_trace(prof, args.profile_dir, f"generate-{name}")
         if name == "autoregressive":
             say(f"\n{name}, one generation, costliest first (device time on a GPU, CPU time otherwise):\n```")
@@ -932,7 +942,9 @@ def section_profile(run: Run) -> None:
         "prefill and rounds from the stats, the rest is neither; per round: per target forward):\n")
     table(["method", "tokens", "rounds", "wall ms, profiled", "device busy ms", "busy", "prefill ms", "rounds ms",
            "rest ms", "device activities per round", "graph launches per round", "kernel launches per round",
-           "host syncs per round"], rows)
+           "host syncs per round", "GC collections (full)", "GC ms"], rows)
+    say(f"\nPython objects the garbage collector tracks: {len(gc.get_objects()):,}; a full collection now: "
+        f"{1000 * timed(gc.collect):.1f} ms")
 
 
 # -- batched --------------------------------------------------------------------------------------

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import cProfile
+import gc
 import gzip
+import time
 import io
 import os
 import pstats
@@ -104,6 +106,27 @@ def save_trace(prof, folder: str | os.PathLike | None, name: str) -> Path | None
             shutil.copyfileobj(src, dst)
         os.replace(packed, target)
     return target
+
+
+@contextlib.contextmanager
+def gc_pauses():
+    """``with gc_pauses() as pauses:`` collects (generation, seconds) of every garbage collection that runs in the
+    block (``gc.callbacks``): Python's cyclic collector pauses the host, and a full collection walks every tracked
+    object (about 0.4 million, 160 ms, on this project's 2-core CPU with the 1.5B and 0.5B models loaded)."""
+    pauses: list[tuple[int, float]] = []
+    started: list[float] = []
+
+    def callback(phase: str, info: dict) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            pauses.append((info["generation"], time.perf_counter() - started.pop()))
+
+    gc.callbacks.append(callback)
+    try:
+        yield pauses
+    finally:
+        gc.callbacks.remove(callback)
 
 
 def host_profile(fn, rows: int = 25) -> str:

@@ -255,6 +255,7 @@ def test_the_profile_section_summarizes_forwards_and_generations_and_saves_trace
         assert float(cells[3]) > 0 and cells[4] == "–", cells  # no device activity on a CPU
     assert int(rows["autoregressive"].split("|")[3]) == 7  # one round a token after the prefill's
     assert "ncalls" in out and "cumtime" in out  # the cProfile table of autoregressive
+    assert "Python objects the garbage collector tracks:" in out and "GC collections (full)" in out
     assert "Self CPU" in out  # torch's key_averages table
     traces = sorted(p.name for p in tmp_path.iterdir())
     assert traces == ["forward-target-1.json.gz", "generate-autoregressive.json.gz", "generate-draft.json.gz",
@@ -273,3 +274,18 @@ def test_overlapped_rounds_get_their_serial_a_b_in_single_and_batched(script, ge
     assert "overlapped rounds True" in out and "autoregressive-serial B=2:" in out
     rows = [line for line in out.splitlines() if line.startswith("| 2 |")]
     assert len(rows) == 2 and "–" not in rows[1], rows  # the batched table, then the A/B with both tok/s
+
+
+def test_gc_pauses_time_each_collection_and_the_summary_counts_no_device_work_on_a_cpu(script):
+    import gc
+
+    import gpu_profile
+
+    with gpu_profile.gc_pauses() as pauses:
+        gc.collect()
+        gc.collect(0)
+    assert [g for g, _ in pauses] == [2, 0] and all(t >= 0 for _, t in pauses)
+    with gpu_profile.profiled(torch.device("cpu")) as prof:
+        torch.ones(8).sum()
+    s = gpu_profile.summary(prof, 2)
+    assert s["device_ms"] is None and s["kernels"] is None and s["graph_launches"] == 0 and s["syncs"] == 0
