@@ -73,7 +73,8 @@ What it prints (each as a Markdown table; warm-up and compilation seconds apart 
    ``autoregressive-serial``: ``autoregressive`` with ``overlap_rounds=False``: each round read back before the
    next forward is enqueued, where the default on CUDA (``engine.overlap``, not yet run on a GPU) enqueues the
    next round's forward on the device's chosen tokens first, so the host's read and emit overlap it: the A/B
-   of the overlapped rounds (``--overlap-rounds on`` forces them elsewhere, to run the rows on a CPU).
+   of the overlapped rounds (``--overlap-rounds on`` forces them elsewhere, to run the rows on a CPU). Every other
+   ``autoregressive`` row (``-eager``, ``-after-hf``, ``-captured``) overlaps on CUDA too, unlike the H200 run's.
    ``hf-generate-static`` runs after our rows, and ``autoregressive-after-hf`` and ``draft-after-hf`` run our
    engines again after it: on an H200 our rows ran slower after transformers' compiled generate had run in
    the process (``draft`` 30.4 against 15.4 ms a round), cause not found; these rows say whether that holds.
@@ -89,19 +90,20 @@ What it prints (each as a Markdown table; warm-up and compilation seconds apart 
 4. ``syncs`` (CUDA only): host syncs per round of each fast-path method under
    ``torch.cuda.set_sync_debug_mode("warn")``, one generation of ``--sync-tokens`` (48) on a code prompt,
    greedy and sampling (temperature 0.8, top-p 0.95: speculative sampling on the device, one read a round).
-5. ``profile``: where the time goes (``gpu_profile.py``, beside this script): ``torch.profiler`` over the
-   target's forwards at 1 and γ + 1 tokens and the draft model's at 1 (wall against device busy time,
-   device activities, graph and kernel launches, host syncs, per call; the costliest kernels of the
-   target's one-token forward), and over one warm generation of the first code prompt per method of
-   ``autoregressive``, ``draft``, ``prompt-lookup`` and ``hf-generate-static`` in ``--methods`` (the same per
-   round, and the prefill, the rounds and the rest apart, and Python's garbage collections in it, with what a
-   full collection costs); ``cProfile`` over ``autoregressive``'s (the host's Python). ``--profile-dir`` (e.g. ``$OUT/traces``) keeps each profile's Chrome trace, gzipped. It answers
-   the H200 run's open questions: a 1.5B forward of 2.60 ms against 0.65 ms of weight traffic, and about
-   95 ms a prompt outside ``autoregressive``'s rounds.
-6. ``batched``: total tok/s at B = 1, 8, 32 for autoregressive, draft and prompt-lookup on up to 32
+5. ``batched``: total tok/s at B = 1, 8, 32 for autoregressive, draft and prompt-lookup on up to 32
    code prompts (``--batch-groups`` groups of B each), with ``SpeculativeGenerator.batch_decoder``;
    ``compile=True`` is passed on CUDA when ``batch_decoder`` takes it (printed either way). With overlapped
    rounds on (CUDA), ``autoregressive``'s groups run again on the same engine with them off: the A/B table.
+6. ``profile``: where the time goes (``gpu_profile.py``, beside this script): ``torch.profiler`` over the
+   target's forwards at 1 and γ + 1 tokens and the draft model's at 1 (wall against device busy time, device
+   activities, graph and kernel launches, host syncs, per call; the costliest kernels of the target's
+   one-token forward), and over one warm generation of the first code prompt per method of ``autoregressive``,
+   ``draft``, ``prompt-lookup`` and ``hf-generate-static`` in ``--methods`` (the same per round, and the
+   prefill, the rounds and the rest apart, and Python's garbage collections in it, with what a full collection
+   costs); ``cProfile`` over ``autoregressive``'s (the host's Python). ``--profile-dir`` (e.g.
+   ``$OUT/traces``) keeps each profile's Chrome trace, gzipped. It runs after ``batched``, so that a crash in
+   the profiler cannot cost the batched figures. It answers the H200 run's open questions: a 1.5B forward of
+   2.60 ms against 0.65 ms of weight traffic, and about 95 ms a prompt outside ``autoregressive``'s rounds.
 7. ``baselines``: the slow rows on ``--slow-prompts`` (2) prompts per set: transformers ``generate``
    (eager ``DynamicCache``), ``hf-assisted`` and our eager ``autoregressive``; then the whole
    single-sequence table again.
@@ -140,6 +142,7 @@ import inspect
 import itertools
 import logging
 import math
+import os
 import platform
 import subprocess
 import sys
@@ -161,7 +164,8 @@ import specdecode  # noqa: E402
 from specdecode import DraftControl, GenerationConfig, SpeculativeDecoder, SpeculativeGenerator  # noqa: E402
 from specdecode.engine.fast_path import ModelRunner  # noqa: E402
 
-SECTIONS = ("forwards", "single", "rounds", "syncs", "profile", "batched", "baselines")
+# profile after batched: a crash in the profiler (CUPTI) cannot cost the batched figures
+SECTIONS = ("forwards", "single", "rounds", "syncs", "batched", "profile", "baselines")
 # name, kind ("ours" | "hf"), base method, adaptive exit (True: per-step, the default; or a DraftControl.exit_mode),
 # fast path, slow baseline
 METHODS = (
@@ -498,7 +502,7 @@ class Run:
                     self._captured = ModelRunner(made.target, compile=True, graphs="captured", name="target model")
                 made = SpeculativeDecoder(made.target, made.drafter, eos_token_ids=made.eos_token_ids,
                                           tokenizer=made.tokenizer, draft_control=made.draft_control,
-                                          runner=self._captured)
+                                          runner=self._captured, overlap_rounds=made.overlap_rounds)
             self.decoders[key] = made
             if base in CAPTURED_BASES and made.runner.compile:  # sized as the other rows' (``engine``)
                 self.engine(base, adaptive)
@@ -657,6 +661,7 @@ def method_runner(run: Run, kind: str, base: str, adaptive: bool, fast: bool) ->
                     drafted=s.num_drafted_tokens, accepted=s.num_accepted_tokens, target_forwards=s.num_target_forwards,
                     tokens_from_forwards=s.num_tokens_from_forwards, draft_forwards=s.num_draft_forwards,
                     decode_s=s.decode_time_s, prefill_s=s.prefill_time_s, drafted_by_position=list(s.drafted_by_position),
+                    overlap=getattr(dec._engine, "overlap_rounds", None),
                     calls=list(run.log.calls))
 
     return generate_ours
@@ -707,7 +712,7 @@ def run_methods(run: Run, slow: bool) -> None:
             if base == "hf-generate-static":  # transformers keeps its compiled forward on the model
                 compiled = getattr(run.gen.target.model, "_compiled_call", None) is not None
                 say(f"  hf-generate-static: transformers compiled the forward: {compiled}")
-            last = 0.0
+            last, overlap = 0.0, None
             for set_name in SETS:
                 tally = run.tallies.setdefault(name, {}).setdefault(set_name, Tally())
                 for i, ids in enumerate(run.encoded(set_name)[:count]):
@@ -715,10 +720,11 @@ def run_methods(run: Run, slow: bool) -> None:
                     if run.over_budget(f"single: {name} {set_name} prompt {i}", last):
                         continue
                     out = generate(ids, args.max_new_tokens)
-                    last = out["seconds"]
+                    last, overlap = out["seconds"], out.get("overlap")
                     add_outcome(tally, out, i)
             say(f"  {name}: warm-up {run.warmups[name]:.1f} s, " + ", ".join(
-                f"{s} {fmt(run.tallies[name][s].tok_s)} tok/s" for s in SETS))
+                f"{s} {fmt(run.tallies[name][s].tok_s)} tok/s" for s in SETS)
+                + (f", overlapped rounds {overlap}" if overlap is not None else ""))
         except Exception:
             say(f"FAILED: single-sequence method {name}")
             traceback.print_exc(file=sys.stdout)
@@ -815,7 +821,8 @@ def section_rounds(run: Run) -> None:
            "rest outside the rounds, ms a prompt", "forwards from"], rows)
 
 
-SYNC_METHODS = ("autoregressive", "autoregressive-serial", "draft", "draft-fused", "draft+adaptive", "draft+adaptive-previous-round",
+SYNC_METHODS = ("autoregressive", "autoregressive-serial", "draft", "draft-fused", "draft+adaptive",
+                "draft+adaptive-previous-round",
                 "draft+adaptive-masked", "cascade+adaptive", "prompt-lookup", *CAPTURED_BASES)
 
 
@@ -876,6 +883,13 @@ def section_profile(run: Run) -> None:
     import gpu_profile
 
     args, device = run.args, run.device
+    if device.type == "cuda":
+        cuda = torch.version.cuda or "?"
+        say(f"CUDA {cuda}, torch {torch.__version__}")
+        if gpu_profile.old_cuda(cuda):  # torch's CUPTI workaround for graphs, set only under inductor's global flag
+            os.environ.setdefault("DISABLE_CUPTI_LAZY_REINIT", "1")
+            os.environ.setdefault("TEARDOWN_CUPTI", "0")
+            say("CUDA < 12.6: DISABLE_CUPTI_LAZY_REINIT=1, TEARDOWN_CUPTI=0 (profiling with CUDA graphs alive)")
     runners, rows = run.runners(), []
     for name, width in (("target", 1), ("target", args.gamma + 1), ("draft", 1)):
         runner = runners.get(name)
@@ -939,7 +953,8 @@ def section_profile(run: Run) -> None:
         if saved:
             say(f"trace: {saved}")
     say(f"\nOne generation under torch.profiler, first code prompt, {args.max_new_tokens} new tokens (ms; "
-        "prefill and rounds from the stats, the rest is neither; per round: per target forward):\n")
+        "prefill and rounds from the stats, the rest is neither; per round: per target forward, the prefill's "
+        "eager kernels and this script's few synchronizations around the call included):\n")
     table(["method", "tokens", "rounds", "wall ms, profiled", "device busy ms", "busy", "prefill ms", "rounds ms",
            "rest ms", "device activities per round", "graph launches per round", "kernel launches per round",
            "host syncs per round", "GC collections (full)", "GC ms"], rows)
@@ -1028,7 +1043,13 @@ def section_batched(run: Run) -> None:
                 f"shared prefill {getattr(engine, 'shared_prefill', 'n/a')}, overlapped rounds "
                 f"{getattr(engine, 'overlap_rounds', 'n/a')}")
             if getattr(engine, "overlap_rounds", False) and method == "autoregressive":  # the A/B, same engine
-                serial_groups(run, engine, groups, config, b)
+                try:  # a failure here must not take the reference row with it
+                    serial_groups(run, engine, groups, config, b)
+                except Exception:
+                    say(f"FAILED: batched autoregressive-serial at B={b}")
+                    traceback.print_exc(file=sys.stdout)
+                    results[("autoregressive-serial", b)] = {"failed": True}
+                    run.failures.append(f"batched: autoregressive-serial B={b}")
             del engine
         except Exception:
             say(f"FAILED: batched {method} at B={b}")
@@ -1060,7 +1081,8 @@ def section_batched(run: Run) -> None:
     table(["B"] + [f"{m}, total tok/s" for m in args.batch_methods]
           + [f"α, τ ({' / '.join(m for m in args.batch_methods if m != 'autoregressive')})",
              f"ms per round ({names})", f"prompts ({names})", f"warm-up s ({names})"], rows)
-    serial = [[b, fmt(results.get(("autoregressive", b), {}).get("tok_s")), fmt(r.get("tok_s")),
+    serial = [[b, fmt(results.get(("autoregressive", b), {}).get("tok_s")),
+               "FAILED" if r.get("failed") else fmt(r.get("tok_s")),
                fmt(results.get(("autoregressive", b), {}).get("round_ms"), 2), fmt(r.get("round_ms"), 2)]
               for b in args.batch_sizes if (r := results.get(("autoregressive-serial", b)))]
     if serial:
@@ -1188,7 +1210,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="batched engine's rows buckets: 1, 2, 4, .. and B (the default), or B alone (fewer "
                         "compilations on a cold machine: a batch with fewer live rows runs padded to B)")
     p.add_argument("--overlap-rounds", default="auto", choices=tuple(OVERLAP),
-                   help="our engines' overlap_rounds (engine.overlap): auto (the device default: on for CUDA), on, off; "
+                   help="our engines' overlap_rounds (engine.overlap): auto (the device default: on for CUDA), on, "
+                        "off; "
                         "the -serial rows and the batched A/B turn it off whatever this says")
     p.add_argument("--profile-dir", default=None,
                    help="folder for the profile section's Chrome traces (gzipped), e.g. $OUT/traces; none by default")

@@ -6,8 +6,10 @@ one token took 2.60 ms where its weights need about 0.65 ms of memory bandwidth,
 spent about 95 ms a prompt outside its rounds. This module turns a profiled block into the figures that
 tell why, per call (a forward, a round):
 
-- **device busy, ms**: the sum of the device's kernel and copy durations (CUPTI; kernels inside CUDA
-  graphs are reported one by one). Wall time well above it means the device waited on the host.
+- **device busy, ms**: the union of the device's kernel and copy intervals (CUPTI; kernels inside CUDA
+  graphs are reported one by one; ``record_function`` ranges such as torch.compile's, which CUPTI also
+  reports on the device, left out as torch's own tables leave them). Wall time well above it means the
+  device waited on the host.
 - **kernels**: device activities (kernels, memcpy, memset).
 - **graph launches / kernel launches**: the host's ``cudaGraphLaunch`` and ``cudaLaunchKernel`` (or
   ``cuLaunchKernel``) calls: one graph a compiled call on the fast path; eager kernels otherwise.
@@ -44,6 +46,15 @@ KERNEL_LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", 
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
+def old_cuda(version: str) -> bool:
+    """Whether a CUDA version string ("12.4", "13.0") is older than 12.6, where profiling with CUDA graphs alive
+    has crashed unless CUPTI is left initialized (pytorch PRs 112507, 151124)."""
+    try:
+        return tuple(int(p) for p in version.split(".")[:2]) < (12, 6)
+    except ValueError:
+        return False
+
+
 def activities(device: torch.device) -> list:
     """The profiler activities for ``device``: CPU, and CUDA on a CUDA device."""
     return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -60,15 +71,17 @@ def summary(prof, calls: int) -> dict:
     """Per call (``calls`` >= 1 profiled calls): device busy ms, device activities, graph and kernel launches,
     host syncs (CUDA API synchronizations) and device-to-host copies. Device figures are None without CUDA
     activity (a CPU run)."""
-    busy_us, kernels, names = 0.0, 0, Counter()
+    spans, names = [], Counter()
     d2h = 0
     for e in prof.events():
         if e.device_type == DeviceType.CUDA:
-            kernels += 1
-            busy_us += e.time_range.elapsed_us()
+            if getattr(e, "is_user_annotation", False):  # a record_function range (torch.compile's), not work
+                continue
+            spans.append((e.time_range.start, e.time_range.end))
             d2h += "DtoH" in e.name or "Device -> Host" in e.name
         else:
             names[e.name] += 1
+    kernels, busy_us = len(spans), busy(spans)
     calls = max(1, calls)
     device = kernels > 0
     return {"device_ms": busy_us / 1000 / calls if device else None,
@@ -77,6 +90,17 @@ def summary(prof, calls: int) -> dict:
             "kernel_launches": sum(names[n] for n in KERNEL_LAUNCHES) / calls,
             "syncs": sum(names[n] for n in SYNCS) / calls,
             "d2h_copies": d2h / calls if device else None}
+
+
+def busy(spans: list[tuple[float, float]]) -> float:
+    """The length of the union of (start, end) intervals (µs): time the device was busy, overlapping kernels
+    of several streams counted once."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
 
 
 def top_table(prof, device: bool, rows: int = 15) -> str:

@@ -153,7 +153,7 @@ def test_the_compile_shim_drops_what_torch_compile_lacks(script, monkeypatch):
 def test_bad_options_name_the_allowed_values(script, capsys):
     with pytest.raises(SystemExit):
         script.parse_args(["--sections", "forwards,nope"])
-    assert ("--sections: unknown ['nope']; allowed: forwards, single, rounds, syncs, profile, batched, "
+    assert ("--sections: unknown ['nope']; allowed: forwards, single, rounds, syncs, batched, profile, "
             "baselines") in capsys.readouterr().err
     with pytest.raises(SystemExit):
         script.parse_args(["--prompts", "9"])
@@ -271,7 +271,11 @@ def test_overlapped_rounds_get_their_serial_a_b_in_single_and_batched(script, ge
     out = capsys.readouterr().out
     assert code == 0, out
     assert "| autoregressive-serial | code |" in out and "| autoregressive |" in out
-    assert "overlapped rounds True" in out and "autoregressive-serial B=2:" in out
+    assert "autoregressive-serial B=2:" in out
+    assert "  autoregressive: warm-up" in out.split("overlapped rounds True")[0]  # single: on, as asked
+    assert [line for line in out.splitlines() if line.startswith("  autoregressive-serial: warm-up")][0].endswith(
+        "overlapped rounds False")
+    assert "overlapped rounds True" in out.split("## batched")[1]
     rows = [line for line in out.splitlines() if line.startswith("| 2 |")]
     assert len(rows) == 2 and "–" not in rows[1], rows  # the batched table, then the A/B with both tok/s
 
@@ -289,3 +293,25 @@ def test_gc_pauses_time_each_collection_and_the_summary_counts_no_device_work_on
         torch.ones(8).sum()
     s = gpu_profile.summary(prof, 2)
     assert s["device_ms"] is None and s["kernels"] is None and s["graph_launches"] == 0 and s["syncs"] == 0
+
+
+def test_device_busy_is_the_union_of_kernel_intervals_without_user_annotations(script):
+    from types import SimpleNamespace
+
+    import gpu_profile
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import Interval
+
+    def event(name, start, end, device=DeviceType.CUDA, annotation=False):
+        return SimpleNamespace(name=name, device_type=device, is_user_annotation=annotation,
+                               time_range=Interval(start, end))
+
+    events = [event("gemv", 0, 100), event("rmsnorm", 100, 150), event("side stream", 120, 160),
+              event("Torch-Compiled Region: 0/0", 0, 160, annotation=True),  # covers the kernels: not work
+              event("Memcpy DtoH (Device -> Pinned)", 200, 210),
+              event("cudaGraphLaunch", 0, 5, DeviceType.CPU), event("cudaEventSynchronize", 6, 210, DeviceType.CPU)]
+    s = gpu_profile.summary(SimpleNamespace(events=lambda: events), 2)
+    assert s["device_ms"] == pytest.approx((160 + 10) / 1000 / 2) and s["kernels"] == 2.0
+    assert s["graph_launches"] == 0.5 and s["syncs"] == 0.5 and s["d2h_copies"] == 0.5
+    assert gpu_profile.busy([]) == 0 and gpu_profile.busy([(0, 10), (5, 8), (20, 30)]) == 20
+    assert gpu_profile.old_cuda("12.4") and not gpu_profile.old_cuda("13.0") and not gpu_profile.old_cuda("?")

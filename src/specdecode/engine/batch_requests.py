@@ -221,7 +221,8 @@ class BatchRequests:
             last = len(rows) - 1
             if i != last:
                 valid = len(rows[last].tokens) - 1
-                self.cache.move(last, i, valid)
+                # and the pending token's position, which a forward run ahead may have written (``engine.overlap``)
+                self.cache.move(last, i, min(valid + 1, self.cache.capacity))
                 if self.drafter is not None:
                     self.drafter.move(last, i, valid)
                 rows[i] = rows[last]

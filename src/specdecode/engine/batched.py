@@ -54,8 +54,8 @@ from specdecode.engine.batch_rows import BatchEvent, trimmed_blocks
 from specdecode.engine.batch_runner import BatchRunner, check_row_buckets, default_batch_compile
 from specdecode.engine.cost_model import check_count
 from specdecode.engine.draft_exit import exit_points, observe_exits
-from specdecode.engine.overlap import (HostReader, RoundAhead, can_run_ahead, engine_overlap_rounds, fed_tokens,
-                                       run_ahead, taken)
+from specdecode.engine.overlap import (HostReader, RoundAhead, can_run_ahead, engine_overlap_rounds, kept, run_ahead,
+                                       taken)
 from specdecode.engine.processors import process_rows
 from specdecode.engine.protocol import BATCH_EXIT_RULES, Draft, Drafter, DraftPolicy
 from specdecode.engine.runner_target import is_runner_target, runner_target_parts, torch_threads
@@ -296,6 +296,7 @@ class BatchedSpeculativeDecoder(BatchRequests):
             if self._rows and decode:
                 self._round(events)
                 self._retire()
+                self._ahead = kept(self._ahead, self._rows, self.stats)  # [overlap] none left to use it
         return list(events.values())
 
     def _admit(self, events: dict) -> None:
@@ -448,7 +449,7 @@ class BatchedSpeculativeDecoder(BatchRequests):
         starts = [len(s) - 1 for s in sequences]
         ahead, self._ahead = taken(self._ahead, rows, K, self.stats), None  # [overlap] the last round's forward
         if ahead is not None:
-            ids, logits = ahead.ids, ahead.logits
+            ids, logits = ahead
         elif trees is None:
             pending = to_device([[s[-1]] for s in sequences], device)
             ids = torch.cat([pending, tokens[:, :K]], dim=1) if K else pending
@@ -473,7 +474,7 @@ class BatchedSpeculativeDecoder(BatchRequests):
             if points is None else {}
         verdicts = [v for v in sampled.values() if isinstance(v, torch.Tensor)]
         host = torch.cat([*parts, *verdicts, logits.argmax(-1).flatten(), finite.long(), draft_finite.long()])
-        if self.overlap_rounds and self.drafter is None and not self._waiting \
+        if self.overlap_rounds and self.drafter is None and (not self._waiting or n == self.max_batch_size) \
                 and can_run_ahead(rows, sampled, self.cache.capacity):  # [overlap] the next forward first
             self._ahead, host = run_ahead(self.runner, self._reader, host, logits, sampled, rows, starts)
         else:
@@ -484,8 +485,6 @@ class BatchedSpeculativeDecoder(BatchRequests):
         read = iter(host[n * K : n * K + 2 * len(verdicts)])
         sampled = {b: v if isinstance(v, str) else (next(read), next(read)) for b, v in sampled.items()}
         del host[n * K : n * K + 2 * len(verdicts)]
-        if self._ahead is not None:
-            self._ahead.fed = fed_tokens(host[n * K : n * K + n * (K + 1)], K + 1, sampled)
         if not host[-1]:
             if self.drafter is not None:  # the rows did not move: keep the drafter in step with them
                 self.drafter.rollback([len(row.tokens) - 1 for row in rows])

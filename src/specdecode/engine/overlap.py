@@ -9,15 +9,18 @@ two (``HostReader``), so the read waits for round n alone. While the host emits 
 runs round n + 1; the next round finds its logits ready. vLLM's asynchronous scheduling overlaps its
 host work the same way; gpt-fast's decode loop keeps the next token on the device for the same reason.
 
-The forward run ahead is exactly the next round's when the rows are what it assumed: the same requests
-in the same slots, each one token longer, ending in the token that was fed (checked by ``matches``).
-Otherwise (a row finished at EOS or a stop string, failed, was cancelled, or a request joined) the
-next round drops it and runs its own forward, and ``SpecDecodingStats.num_discarded_forwards`` counts
-it. Its cache writes are those of the token it fed at the row's next position, which the next forward
-writes again (``batch_cache``'s padding invariant: nothing past a row's length is read before it is
-written). ``can_run_ahead`` launches only where no row can need another input: no drafter, no banned
-words (whose rollback changes the sequence), no logits processors, no row at its last token, no
-request waiting to join.
+The forward run ahead serves the next round's rows that are in it: the same request, one token longer,
+ending in the token that was fed (``RoundAhead.order``; the fed tokens are read back with the round). Rows
+that left (EOS, a stop string, a failure, a cancel) are simply not taken; a row that moved into a freed
+slot is taken from its old index, and ``BatchRequests._retire`` moves the position the forward wrote with
+it. A row that is not in it (a request joined, a sequence changed) makes the next round drop it and run its
+own forward, and ``SpecDecodingStats.num_discarded_forwards`` counts it, as it counts one that no row is left
+to use. A dropped forward's cache writes are those of the token it fed at each row's next position, which
+the next forward writes again (``batch_cache``'s padding invariant: nothing past a row's length is read
+before it is written). ``can_run_ahead`` launches only where no row can need another input: no drafter, no
+banned words (whose rollback changes the sequence), no logits processors, no row at its last token; and the
+engine launches only where no request can join at the next step (none waits, or every slot is taken, so
+that one joins only where a row leaves).
 
 On a CPU the forward runs in the calling thread, so nothing overlaps: ``BatchedSpeculativeDecoder``
 turns it on by default on CUDA only (``overlap_rounds``).
@@ -60,70 +63,101 @@ class RoundAhead:
     Attributes:
         logits: (n, 1, V) its logits (the runner's, safe to keep).
         ids: (n, 1) long, the tokens it fed, on the device.
-        key: Per row, (request id, position the token was written at).
-        fed: The fed tokens as Python ints, once the previous round's read has them.
+        key: Per row, (request id, position the token was written at, the token), the token read back with
+            the previous round's read.
     """
 
     logits: torch.Tensor
     ids: torch.Tensor
-    key: list[tuple[int, int]]
-    fed: list[int] | None = None
+    key: list[tuple[int, int, int]]
 
-    def matches(self, rows) -> bool:
-        """Whether this forward is the round's own for ``rows`` (``batch_rows.BatchRow``): the same requests
-        in the same slots, each ending in the token fed, at the position it was written."""
-        if self.fed is None or len(rows) != len(self.key):
-            return False
-        return all((row.request_id, len(row.tokens) - 1) == key and row.tokens[-1] == token
-                   for row, key, token in zip(rows, self.key, self.fed))
-
-
-def can_run_ahead(rows, sampled: dict, capacity: int) -> bool:
-    """Whether the next round's forward can be enqueued before this round's read (the engine checks that it has
-    no drafter and no waiting request): every row greedy or sampled on the device (``sampled``: row index ->
-    its (2,) verdict, or an error message), none with banned words or logits processors, none at its last
-    token, and room for one more position in each slot (``capacity`` positions)."""
-    return all(row.banned is None and row.sampler.processors is None and row.remaining > 1
-               and len(row.tokens) < capacity for row in rows) \
-        and all(isinstance(v, torch.Tensor) for v in sampled.values())
+    def order(self, rows) -> list[int] | None:
+        """For each of ``rows`` (``batch_rows.BatchRow``), the index of its row in this forward, or None if one
+        of them is not there: a row is there when its request, its pending position (its length - 1) and its
+        pending token are those fed. Rows that left are simply not asked for; a row that moved slot is found
+        at its old index (``BatchRequests._retire`` moves the position this forward wrote with it)."""
+        where = {key: j for j, key in enumerate(self.key)}
+        out = [where.get((row.request_id, len(row.tokens) - 1, row.tokens[-1])) for row in rows]
+        return None if None in out else out
 
 
-def taken(ahead: RoundAhead | None, rows, width: int, stats) -> RoundAhead | None:
-    """``ahead`` if it is this round's forward (no draft: ``width`` K = 0; ``RoundAhead.matches`` the rows), else
-    None; an ``ahead`` not taken counts in ``stats.num_discarded_forwards``."""
-    if ahead is not None and not (width == 0 and ahead.matches(rows)):
+def taken(ahead: RoundAhead | None, rows, width: int, stats) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The round's (ids (n, 1), logits (n, 1, V)) from the forward run ahead, rows in ``rows``' order, or None:
+    none was run, or the round drafts (``width`` K > 0), or a row is not in it (``RoundAhead.order``: it
+    joined, or its sequence changed), in which case it counts in ``stats.num_discarded_forwards``."""
+    if ahead is None:
+        return None
+    order = ahead.order(rows) if width == 0 else None
+    if order is None:
+        stats.num_discarded_forwards += 1
+        return None
+    if order == list(range(len(ahead.key))):
+        return ahead.ids, ahead.logits
+    index = to_device(order, ahead.logits.device)
+    return ahead.ids.index_select(0, index), ahead.logits.index_select(0, index)
+
+
+def kept(ahead: RoundAhead | None, rows, stats) -> RoundAhead | None:
+    """``ahead`` while rows are left to use it; with none left it is dropped and counted
+    (``stats.num_discarded_forwards``)."""
+    if ahead is not None and not rows:
         stats.num_discarded_forwards += 1
         return None
     return ahead
 
 
+def can_run_ahead(rows, sampled: dict, capacity: int) -> bool:
+    """Whether the next round's forward can be enqueued before this round's read (the engine also checks that it
+    has no drafter and that no request can join at the next step).
+
+    Args:
+        rows: The round's rows (``batch_rows.BatchRow``): each must be greedy or sampled on the device, with no
+            banned words (a rollback changes the sequence) or logits processors, not at its last token, and
+            with a position left in its slot.
+        sampled: Row index -> (2,) verdict of the rows sampled on the device (``verification.sample_rows``), or
+            the message of a sampling that raised (that row fails: nothing runs ahead).
+        capacity: Positions per slot.
+    """
+    return all(row.banned is None and row.sampler.processors is None and row.remaining > 1
+               and len(row.tokens) < capacity for row in rows) \
+        and all(isinstance(v, torch.Tensor) for v in sampled.values())
+
+
 def run_ahead(runner, reader: HostReader, host: torch.Tensor, logits: torch.Tensor, sampled: dict, rows,
               starts: Sequence[int]) -> tuple[RoundAhead, list[int]]:
-    """Stage the round's read (``host``, (m,) long on the device), enqueue the next round's forward on the rows'
-    next tokens (``next_tokens``) at ``starts`` + 1, then read: (the forward run ahead, the values read).
+    """Enqueue the next round's forward on the rows' next tokens, then read this round back.
+
+    The next tokens (``next_tokens``) are read with the round, so the host knows what was fed.
 
     Args:
         runner: The target's round runner (``batch_runner.BatchRunner``: ``runner(ids, starts, 1)``).
         reader: The engine's ``HostReader``.
+        host: (m,) long on the device, what the round reads back.
         logits: (n, 1, V) the round's logits, as its verification sees them.
         sampled: Row index -> (2,) verdict of the rows sampled on the device.
         rows: The round's rows (``batch_rows.BatchRow``).
         starts: (n,) each row's position this round wrote (its length - 1).
+
+    Returns:
+        (the forward run ahead, the m values of ``host`` as Python ints).
     """
-    reader.stage(host)
     ids = next_tokens(logits, sampled)
-    ahead = RoundAhead(runner(ids, [s + 1 for s in starts], 1), ids,
-                       [(row.request_id, s + 1) for row, s in zip(rows, starts)])
-    return ahead, reader.read()
+    reader.stage(torch.cat([host, ids.flatten()]))
+    out = runner(ids, [s + 1 for s in starts], 1)
+    values = reader.read()
+    n = len(rows)
+    key = [(row.request_id, s + 1, token) for row, s, token in zip(rows, starts, values[-n:])]
+    return RoundAhead(out, ids, key), values[:-n]
 
 
 def next_tokens(logits: torch.Tensor, sampled: dict) -> torch.Tensor:
     """(n, 1) long on the device: each row's next token, the argmax of its last logits or, for a sampling row,
-    its verdict's token (``verification.sample_rows``: row index -> (2,) (accepted, token)).
+    its verdict's token.
 
     Args:
         logits: (n, w, V) the round's logits, as the rows' verification sees them.
-        sampled: Row index -> (2,) long verdict, for the rows sampled on the device.
+        sampled: Row index -> (2,) long verdict (accepted, token), for the rows sampled on the device
+            (``verification.sample_rows``).
     """
     out = logits[:, -1].argmax(-1)
     if sampled:
@@ -134,11 +168,12 @@ def next_tokens(logits: torch.Tensor, sampled: dict) -> torch.Tensor:
 
 class HostReader:
     """Reads a round's values back to the host after work enqueued behind them: on CUDA a non-blocking copy
-    into a pinned buffer (kept, grown when a round needs more) and an event recorded after it, so ``read``
-    waits for what was enqueued before ``stage`` alone; elsewhere ``tolist()`` at ``read``.
+    into a pinned buffer (kept, grown when a round needs more) and an event recorded after it on the stream
+    of the values' device, so ``read`` waits for what was enqueued before ``stage`` alone; elsewhere
+    ``tolist()`` at ``read``.
 
     Args:
-        device: The device the values live on.
+        device: The device the values live on (the target's).
     """
 
     def __init__(self, device: torch.device | str) -> None:
@@ -150,35 +185,24 @@ class HostReader:
         self._size = 0
 
     def stage(self, values: torch.Tensor) -> None:
-        """Enqueue the copy of ``values``, a (m,) long tensor on ``device``, to the host."""
-        if not self._cuda:
+        """Enqueue the copy of ``values``, a (m,) long tensor, to the host."""
+        if values.device.type != "cuda":
             self._staged = values
             return
         m = int(values.numel())
         if self._buffer is None or self._buffer.numel() < m:
             self._buffer = torch.empty(max(m, 2 * self._buffer.numel() if self._buffer is not None else 64),
                                        dtype=torch.long, pin_memory=True)
-            self._event = torch.cuda.Event()
         self._buffer[:m].copy_(values, non_blocking=True)
-        self._event.record(torch.cuda.current_stream(self.device))
-        self._size = m
+        if self._event is None:  # made once; it lives on the device of the stream it is first recorded on
+            self._event = torch.cuda.Event()
+        self._event.record(torch.cuda.current_stream(values.device))
+        self._staged, self._size = None, m
 
     def read(self) -> list[int]:
-        """The staged values as Python ints (waits for the copy on CUDA: the round's one host sync)."""
-        if not self._cuda:
+        """The staged values as Python ints (on CUDA it waits for the copy: the round's one host sync)."""
+        if self._staged is not None:
             values, self._staged = self._staged, None
             return values.tolist()
         self._event.synchronize()
         return self._buffer[: self._size].tolist()
-
-
-def fed_tokens(argmax: Sequence[int], width: int, sampled: dict) -> list[int]:
-    """The tokens ``next_tokens`` fed, as the round's read gives them: row b's argmax at its last position
-    (``argmax``: n * ``width`` values) or its sampled token (``sampled``: row index -> (accepted, token) or an
-    error message, whose row fails)."""
-    n = len(argmax) // width
-    out = []
-    for b in range(n):
-        v = sampled.get(b)
-        out.append(v[1] if isinstance(v, tuple) else -1 if isinstance(v, str) else argmax[(b + 1) * width - 1])
-    return out

@@ -50,8 +50,7 @@ class SpecDecodingStats:
             equals ``num_target_forwards`` for one sequence.
         num_prefills: Rows prefilled (1 for one generation once it started).
         num_discarded_forwards: Target forwards run ahead of a round's read (``engine.overlap``) and
-            dropped because the rows had changed by the next round (a row finished, failed or was
-            cancelled, or a request joined); the engine's stats only.
+            dropped: a request joined, or no row was left to use it; the engine's stats only.
         max_rows: The most rows one round decoded (1 for one sequence).
     """
 
