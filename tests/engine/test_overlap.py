@@ -44,6 +44,16 @@ def _engine(target, overlap: bool, fast: bool = False, **kw) -> BatchedSpeculati
                                      **fast_path, **kw)
 
 
+def _drain(dec: BatchedSpeculativeDecoder) -> dict[int, list[int]]:
+    """Step ``dec`` until it is idle: request id -> its tokens."""
+    out = {}
+    while dec.has_work:
+        for event in dec.step():
+            if event.result is not None:
+                out[event.request_id] = event.result.token_ids
+    return out
+
+
 def _eos_of(target) -> int:
     """A token the serial greedy outputs hit mid-way, so rows finish at EOS in different rounds."""
     out = [r.token_ids for r in _engine(target, False).generate(PROMPTS[:3], [GenerationConfig(max_new_tokens=m)
@@ -140,17 +150,13 @@ def test_a_request_joining_drops_the_forward_run_ahead_and_one_leaving_keeps_it_
     dec.cancel(second)  # the third row moves into its slot: the forward run ahead serves the rows left
     dec.step()
     assert dec.stats.num_discarded_forwards == 1 and staged.count == 1
-    out = {}
-    while dec.has_work:
-        for event in dec.step():
-            if event.result is not None:
-                out[event.request_id] = event.result.token_ids
+    out = _drain(dec)
     assert out[first] == expected[0] and out[third] == expected[2]
 
 
 @pytest.mark.usefixtures("one_thread")
 def test_a_row_swapped_for_another_between_steps_drops_the_forward_run_ahead():
-    """As many rows as before, but not the same: the forward run ahead is not theirs (``RoundAhead.matches``)."""
+    """As many rows as before, but not the same: the forward run ahead is not theirs (``RoundAhead.order``)."""
     target = make_tiny_model("qwen2")
     config = GenerationConfig(max_new_tokens=10)
     alone = SpeculativeDecoder(target, overlap_rounds=False)
@@ -161,11 +167,7 @@ def test_a_row_swapped_for_another_between_steps_drops_the_forward_run_ahead():
         dec.step()
     dec.cancel(second)
     third = dec.add(PROMPTS[2], config)
-    out = {}
-    while dec.has_work:
-        for event in dec.step():
-            if event.result is not None:
-                out[event.request_id] = event.result.token_ids
+    out = _drain(dec)
     assert dec.stats.num_discarded_forwards == 1
     assert out[first] == expected[0] and out[third] == expected[2]
 
@@ -181,11 +183,7 @@ def test_a_full_batch_runs_ahead_while_requests_wait():
     ids = [dec.add(p, config) for p in PROMPTS[:4]]
     dec.step()
     assert dec.num_waiting == 2 and dec._ahead is not None
-    out = {}
-    while dec.has_work:
-        for event in dec.step():
-            if event.result is not None:
-                out[event.request_id] = event.result.token_ids
+    out = _drain(dec)
     assert [out[i] for i in ids] == expected
 
 
