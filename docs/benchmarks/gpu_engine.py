@@ -415,6 +415,7 @@ class Tally:
     decode_calls: dict = dataclasses.field(default_factory=dict)  # (runner, priced width) -> forwards
     counted_target: int = 0
     per_prompt: list = dataclasses.field(default_factory=list)  # (prompt index, tokens, seconds)
+    outputs: dict = dataclasses.field(default_factory=dict)  # prompt index -> its token ids
 
     @property
     def tok_s(self) -> float | None:
@@ -657,7 +658,8 @@ def method_runner(run: Run, kind: str, base: str, adaptive: bool, fast: bool) ->
             r = dec.generate(ids, dataclasses.replace(config, max_new_tokens=max_new_tokens))
         sync(device)
         s = r.stats
-        return dict(tokens=len(r.token_ids), seconds=time.perf_counter() - t0 - s.warmup_s, warmup_s=s.warmup_s,
+        return dict(tokens=len(r.token_ids), token_ids=list(r.token_ids),
+                    seconds=time.perf_counter() - t0 - s.warmup_s, warmup_s=s.warmup_s,
                     drafted=s.num_drafted_tokens, accepted=s.num_accepted_tokens, target_forwards=s.num_target_forwards,
                     tokens_from_forwards=s.num_tokens_from_forwards, draft_forwards=s.num_draft_forwards,
                     decode_s=s.decode_time_s, prefill_s=s.prefill_time_s, drafted_by_position=list(s.drafted_by_position),
@@ -670,6 +672,8 @@ def method_runner(run: Run, kind: str, base: str, adaptive: bool, fast: bool) ->
 def add_outcome(t: Tally, out: dict, index: int) -> None:
     t.prompts += 1
     t.per_prompt.append((index, out["tokens"], out["seconds"]))
+    if "token_ids" in out:
+        t.outputs[index] = out["token_ids"]
     for key in ("tokens", "seconds", "drafted", "accepted", "target_forwards", "tokens_from_forwards",
                 "warmup_s"):
         setattr(t, key, getattr(t, key) + out[key])
@@ -761,9 +765,26 @@ def single_table(run: Run) -> None:
            "prompts code/prose", "warm-up s"], rows)
 
 
+#: Rows that must give their base row's tokens (the same compiled forwards, greedy): a check of the GPU-only paths.
+SAME_TOKENS = {**SERIAL_BASES, **CAPTURED_BASES, "autoregressive-after-hf": "autoregressive", "draft-after-hf": "draft"}
+
+
+def same_tokens(run: Run) -> None:
+    """Say, for each row of ``SAME_TOKENS`` that ran with its base, on how many prompts their tokens are equal."""
+    for name, base in SAME_TOKENS.items():
+        pairs = [(run.tallies.get(name, {}).get(s), run.tallies.get(base, {}).get(s)) for s in SETS]
+        pairs = [(a, b) for a, b in pairs if isinstance(a, Tally) and isinstance(b, Tally)]
+        both = [(a.outputs[i], b.outputs[i]) for a, b in pairs for i in a.outputs if i in b.outputs]
+        if both:
+            same = sum(x == y for x, y in both)
+            say(f"{name} against {base}: the same tokens on {same} of {len(both)} prompts"
+                + ("" if same == len(both) else " (DIFFERENT: greedy decoding on the same forwards should agree)"))
+
+
 def section_single(run: Run) -> None:
     run_methods(run, slow=False)
     single_table(run)
+    same_tokens(run)
 
 
 def section_baselines(run: Run) -> None:

@@ -272,6 +272,7 @@ def test_overlapped_rounds_get_their_serial_a_b_in_single_and_batched(script, ge
     assert code == 0, out
     assert "| autoregressive-serial | code |" in out and "| autoregressive |" in out
     assert "autoregressive-serial B=2:" in out
+    assert "autoregressive-serial against autoregressive: the same tokens on 2 of 2 prompts" in out
     assert "  autoregressive: warm-up" in out.split("overlapped rounds True")[0]  # single: on, as asked
     assert [line for line in out.splitlines() if line.startswith("  autoregressive-serial: warm-up")][0].endswith(
         "overlapped rounds False")
