@@ -147,7 +147,10 @@ def test_a_request_joining_drops_the_forward_run_ahead_and_one_leaving_keeps_it_
     for _ in range(3):
         dec.step()
     staged = Staged(dec)
-    dec.cancel(second)  # the third row moves into its slot: the forward run ahead serves the rows left
+    pending = len(dec.request(third).tokens) - 1  # written by the forward run ahead, in slot 2
+    keys = [layer.keys[2, :, pending].clone() for layer in dec.cache.layers]
+    dec.cancel(second)  # the third row moves into slot 1: the forward run ahead serves the rows left
+    assert all(torch.equal(layer.keys[1, :, pending], k) for layer, k in zip(dec.cache.layers, keys))
     dec.step()
     assert dec.stats.num_discarded_forwards == 1 and staged.count == 1
     out = _drain(dec)
@@ -203,6 +206,11 @@ def test_rows_that_need_the_host_first_do_not_run_ahead():
     dec = _engine(target, True)
     staged = Staged(dec)
     dec.generate(prompts, GenerationConfig(max_new_tokens=10))
+    assert staged.count == 8 and dec.stats.num_rounds == 9 and dec.stats.num_discarded_forwards == 0
+    # rows ending at different lengths: a row at its last token does not stop the others running ahead
+    dec = _engine(target, True)
+    staged = Staged(dec)
+    dec.generate(prompts, [GenerationConfig(max_new_tokens=5), GenerationConfig(max_new_tokens=10)])
     assert staged.count == 8 and dec.stats.num_rounds == 9 and dec.stats.num_discarded_forwards == 0
     # a drafter: never (its next round needs the host's draft)
     spec = BatchedSpeculativeDecoder(target, PromptLookupDrafter(), max_batch_size=2, max_length=96,
@@ -298,3 +306,8 @@ def test_can_run_ahead_needs_rows_without_host_work_and_with_room():
     rows[0].banned = None
     rows[0].output.extend([1, 1, 1])  # one token left: nothing after it
     assert not can_run_ahead(rows, {}, 96)
+    dec.add([7, 3], GenerationConfig(max_new_tokens=4))
+    dec.step(decode=False)
+    rows = list(dec._rows)
+    assert can_run_ahead(rows, {}, 96)  # the other row goes on
+    assert not can_run_ahead(rows, {}, 96, joinable=True)  # the row that ends would let a request join

@@ -350,7 +350,8 @@ class BatchKVCache(Cache):
 
         Args:
             src, dst: Slots in 0 .. num_slots - 1 (``src`` keeps its data; it is free afterwards).
-            num_positions: Positions of ``src`` that hold confirmed tokens.
+            num_positions: Positions of ``src`` to copy: its confirmed tokens (and, from ``_retire``, the pending
+                token's position, which a forward run ahead may have written: ``engine.overlap``).
         """
         if src == dst or num_positions <= 0:
             return

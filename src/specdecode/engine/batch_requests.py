@@ -25,6 +25,7 @@ from transformers import DynamicCache
 from specdecode.config import GenerationConfig
 from specdecode.engine import kv_cache
 from specdecode.engine.batch_rows import BatchEvent, BatchRow, check_prompt_cache, request_prompt
+from specdecode.engine.overlap import RoundAhead, kept
 from specdecode.engine.results import GenerationResult
 from specdecode.errors import InvalidArgumentError
 
@@ -46,6 +47,7 @@ class BatchRequests:
         self._waiting: deque[BatchRow] = deque()
         self._finished: OrderedDict[int, str] = OrderedDict()
         self._next_id = 0
+        self._ahead: RoundAhead | None = None  # [overlap] a forward enqueued before the last round's read
 
     @property
     def num_running(self) -> int:
@@ -212,7 +214,8 @@ class BatchRequests:
             event.result = row.result(self.tokenizer)
 
     def _retire(self) -> None:
-        """Finished rows leave; the last row moves into each freed slot, so slots stay 0 .. n - 1."""
+        """Finished rows leave; the last row moves into each freed slot, so slots stay 0 .. n - 1 (with the
+        position a forward run ahead wrote, ``engine.overlap``, which is dropped once no row is left)."""
         rows = self._rows
         for i in range(len(rows) - 1, -1, -1):
             if rows[i].finish_reason is None:
@@ -221,12 +224,12 @@ class BatchRequests:
             last = len(rows) - 1
             if i != last:
                 valid = len(rows[last].tokens) - 1
-                # and the pending token's position, which a forward run ahead may have written (``engine.overlap``)
-                self.cache.move(last, i, min(valid + 1, self.cache.capacity))
+                self.cache.move(last, i, valid + 1)  # and the pending position, which a forward run ahead writes
                 if self.drafter is not None:
                     self.drafter.move(last, i, valid)
                 rows[i] = rows[last]
             rows.pop()
+        self._ahead = kept(self._ahead, rows, self.stats)
 
     def _fail(self, events: dict, row: BatchRow, message: str) -> None:
         """End ``row`` with ``finish_reason="error"`` (it leaves at the next ``_retire``); logged."""

@@ -54,8 +54,7 @@ from specdecode.engine.batch_rows import BatchEvent, trimmed_blocks
 from specdecode.engine.batch_runner import BatchRunner, check_row_buckets, default_batch_compile
 from specdecode.engine.cost_model import check_count
 from specdecode.engine.draft_exit import exit_points, observe_exits
-from specdecode.engine.overlap import (HostReader, RoundAhead, can_run_ahead, engine_overlap_rounds, kept, run_ahead,
-                                       taken)
+from specdecode.engine.overlap import HostReader, can_run_ahead, engine_overlap_rounds, run_ahead, taken
 from specdecode.engine.processors import process_rows
 from specdecode.engine.protocol import BATCH_EXIT_RULES, Draft, Drafter, DraftPolicy
 from specdecode.engine.runner_target import is_runner_target, runner_target_parts, torch_threads
@@ -234,7 +233,6 @@ class BatchedSpeculativeDecoder(BatchRequests):
         #: Whether the draft policy was calibrated (``DraftPolicy.calibrate``, before the first round).
         self._calibrated = False
         self._measured_s = 0.0  # seconds of ``_measure_forwards`` in the latest calibration
-        self._ahead: RoundAhead | None = None  # [overlap] a forward enqueued before the last round's read
         self._reader = HostReader(target.device)
         self._init_requests()
 
@@ -296,7 +294,6 @@ class BatchedSpeculativeDecoder(BatchRequests):
             if self._rows and decode:
                 self._round(events)
                 self._retire()
-                self._ahead = kept(self._ahead, self._rows, self.stats)  # [overlap] none left to use it
         return list(events.values())
 
     def _admit(self, events: dict) -> None:
@@ -474,8 +471,9 @@ class BatchedSpeculativeDecoder(BatchRequests):
             if points is None else {}
         verdicts = [v for v in sampled.values() if isinstance(v, torch.Tensor)]
         host = torch.cat([*parts, *verdicts, logits.argmax(-1).flatten(), finite.long(), draft_finite.long()])
-        if self.overlap_rounds and self.drafter is None and (not self._waiting or n == self.max_batch_size) \
-                and can_run_ahead(rows, sampled, self.cache.capacity):  # [overlap] the next forward first
+        joinable = bool(self._waiting)  # [overlap] run the next forward first where no request can join (a full
+        if self.overlap_rounds and self.drafter is None and (not joinable or n == self.max_batch_size) \
+                and can_run_ahead(rows, sampled, self.cache.capacity, joinable):  # batch: where a row leaves)
             self._ahead, host = run_ahead(self.runner, self._reader, host, logits, sampled, rows, starts)
         else:
             host = host.tolist()

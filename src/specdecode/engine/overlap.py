@@ -1,13 +1,13 @@
 """Overlapped rounds: the next autoregressive forward runs while the host reads and emits this round's.
 
-Issue 28 item 3 lets the host's work for round n (the read, emit, stop strings, streaming) overlap round
-n + 1's kernels. Without a drafter that can be done exactly: a round of plain decoding feeds each row the
-token the last round chose, which is on the device before the host reads it. So once round n's forward
-and its token choice are enqueued, the engine enqueues round n + 1's forward on those tokens
-(``RoundAhead``), then reads round n back through a pinned buffer and a CUDA event recorded between the
-two (``HostReader``), so the read waits for round n alone. While the host emits round n, the device
-runs round n + 1; the next round finds its logits ready. vLLM's asynchronous scheduling overlaps its
-host work the same way; gpt-fast's decode loop keeps the next token on the device for the same reason.
+Issue 28 item 3 lets the host's work for round n (the read, emit, stop strings, streaming) overlap round n + 1's
+kernels. Without a drafter that can be done without changing what is decoded: a round of plain decoding feeds
+each row the token the last round chose, which is on the device before the host reads it. So once round n's
+forward and its token choice are enqueued, the engine enqueues round n + 1's forward on those tokens
+(``RoundAhead``), then reads round n back through a pinned buffer and a CUDA event recorded between the two
+(``HostReader``), so the read waits for round n alone. While the host emits round n, the device runs round
+n + 1; the next round finds its logits ready. vLLM's asynchronous scheduling overlaps its host work the same
+way; gpt-fast's decode loop keeps the next token on the device for the same reason.
 
 The forward run ahead serves the next round's rows that are in it: the same request, one token longer,
 ending in the token that was fed (``RoundAhead.order``; the fed tokens are read back with the round). Rows
@@ -18,9 +18,14 @@ own forward, and ``SpecDecodingStats.num_discarded_forwards`` counts it, as it c
 to use. A dropped forward's cache writes are those of the token it fed at each row's next position, which
 the next forward writes again (``batch_cache``'s padding invariant: nothing past a row's length is read
 before it is written). ``can_run_ahead`` launches only where no row can need another input: no drafter, no
-banned words (whose rollback changes the sequence), no logits processors, no row at its last token; and the
-engine launches only where no request can join at the next step (none waits, or every slot is taken, so
-that one joins only where a row leaves).
+banned words (whose rollback changes the sequence), no logits processors, some row with more than its last
+token to go; and the engine launches only where no waiting request can join at the next step (none waits, or
+every slot is taken and no row is at its last token). A request added between steps joins, and the forward
+is dropped.
+
+A row's logits after others left come from a forward over the rows as they were (another row count, maybe
+another rows bucket): the same values in float32, and in bf16 within the batch-shape dependence that
+batching has anyway (a greedy tie may break the other way).
 
 On a CPU the forward runs in the calling thread, so nothing overlaps: ``BatchedSpeculativeDecoder``
 turns it on by default on CUDA only (``overlap_rounds``).
@@ -91,8 +96,8 @@ def taken(ahead: RoundAhead | None, rows, width: int, stats) -> tuple[torch.Tens
     if order is None:
         stats.num_discarded_forwards += 1
         return None
-    if order == list(range(len(ahead.key))):
-        return ahead.ids, ahead.logits
+    if order == list(range(len(order))):  # the same rows, or the first ones: views
+        return ahead.ids[: len(order)], ahead.logits[: len(order)]
     index = to_device(order, ahead.logits.device)
     return ahead.ids.index_select(0, index), ahead.logits.index_select(0, index)
 
@@ -106,20 +111,24 @@ def kept(ahead: RoundAhead | None, rows, stats) -> RoundAhead | None:
     return ahead
 
 
-def can_run_ahead(rows, sampled: dict, capacity: int) -> bool:
+def can_run_ahead(rows, sampled: dict, capacity: int, joinable: bool = False) -> bool:
     """Whether the next round's forward can be enqueued before this round's read (the engine also checks that it
-    has no drafter and that no request can join at the next step).
+    has no drafter, and that no request can join at the next step but where a row leaves).
 
     Args:
         rows: The round's rows (``batch_rows.BatchRow``): each must be greedy or sampled on the device, with no
-            banned words (a rollback changes the sequence) or logits processors, not at its last token, and
-            with a position left in its slot.
+            banned words (a rollback changes the sequence) or logits processors, and with a position left in its
+            slot; and some row must have more than its last token to go (one at its last token leaves, and
+            the others use the forward).
         sampled: Row index -> (2,) verdict of the rows sampled on the device (``verification.sample_rows``), or
             the message of a sampling that raised (that row fails: nothing runs ahead).
         capacity: Positions per slot.
+        joinable: Requests wait for a slot: then no row may be at its last token, since a row that leaves lets
+            one join, which drops the forward.
     """
-    return all(row.banned is None and row.sampler.processors is None and row.remaining > 1
-               and len(row.tokens) < capacity for row in rows) \
+    ends = [row.remaining <= 1 for row in rows]
+    return all(row.banned is None and row.sampler.processors is None and len(row.tokens) < capacity for row in rows) \
+        and (not any(ends) if joinable else not all(ends)) \
         and all(isinstance(v, torch.Tensor) for v in sampled.values())
 
 

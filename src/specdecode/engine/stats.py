@@ -50,7 +50,8 @@ class SpecDecodingStats:
             equals ``num_target_forwards`` for one sequence.
         num_prefills: Rows prefilled (1 for one generation once it started).
         num_discarded_forwards: Target forwards run ahead of a round's read (``engine.overlap``) and
-            dropped: a request joined, or no row was left to use it; the engine's stats only.
+            dropped: a row was not in it (a request joined, a sequence changed), or no row was left to
+            use it; the engine's stats only.
         max_rows: The most rows one round decoded (1 for one sequence).
     """
 
