@@ -54,6 +54,20 @@ def _drain(dec: BatchedSpeculativeDecoder) -> dict[int, list[int]]:
     return out
 
 
+def _two_rows_stepped(arch: str, max_new_tokens: int, steps: int):
+    """(config, each of the first 3 prompts decoded alone, an overlapping engine running the first two for
+    ``steps`` steps, their request ids)."""
+    target = make_tiny_model(arch)
+    config = GenerationConfig(max_new_tokens=max_new_tokens)
+    alone = SpeculativeDecoder(target, overlap_rounds=False)
+    expected = [alone.generate(p, config).token_ids for p in PROMPTS[:3]]
+    dec = _engine(target, True)
+    first, second = dec.add(PROMPTS[0], config), dec.add(PROMPTS[1], config)
+    for _ in range(steps):
+        dec.step()
+    return config, expected, dec, first, second
+
+
 def _eos_of(target) -> int:
     """A token the serial greedy outputs hit mid-way, so rows finish at EOS in different rounds."""
     out = [r.token_ids for r in _engine(target, False).generate(PROMPTS[:3], [GenerationConfig(max_new_tokens=m)
@@ -132,14 +146,7 @@ def test_overlapped_sampling_draws_the_same_tokens_with_the_same_seeds():
 
 @pytest.mark.usefixtures("one_thread")
 def test_a_request_joining_drops_the_forward_run_ahead_and_one_leaving_keeps_it_for_the_others():
-    target = make_tiny_model("mistral")
-    config = GenerationConfig(max_new_tokens=12)
-    alone = SpeculativeDecoder(target, overlap_rounds=False)
-    expected = [alone.generate(p, config).token_ids for p in PROMPTS[:3]]
-    dec = _engine(target, True)
-    first, second = dec.add(PROMPTS[0], config), dec.add(PROMPTS[1], config)
-    for _ in range(4):
-        dec.step()
+    config, expected, dec, first, second = _two_rows_stepped("mistral", 12, 4)
     assert dec._ahead is not None  # a forward is in flight for the two rows
     third = dec.add(PROMPTS[2], config)  # joins at the next step: the rows change
     dec.step()
@@ -160,14 +167,7 @@ def test_a_request_joining_drops_the_forward_run_ahead_and_one_leaving_keeps_it_
 @pytest.mark.usefixtures("one_thread")
 def test_a_row_swapped_for_another_between_steps_drops_the_forward_run_ahead():
     """As many rows as before, but not the same: the forward run ahead is not theirs (``RoundAhead.order``)."""
-    target = make_tiny_model("qwen2")
-    config = GenerationConfig(max_new_tokens=10)
-    alone = SpeculativeDecoder(target, overlap_rounds=False)
-    expected = [alone.generate(p, config).token_ids for p in PROMPTS[:3]]
-    dec = _engine(target, True)
-    first, second = dec.add(PROMPTS[0], config), dec.add(PROMPTS[1], config)
-    for _ in range(3):
-        dec.step()
+    config, expected, dec, first, second = _two_rows_stepped("qwen2", 10, 3)
     dec.cancel(second)
     third = dec.add(PROMPTS[2], config)
     out = _drain(dec)
