@@ -251,8 +251,8 @@ def test_the_default_is_cuda_only_and_bad_values_are_refused():
 def test_next_tokens_take_the_argmax_or_the_sampled_token_and_the_read_gives_them_back():
     logits = torch.tensor([[[0.1, 3.0, 0.2]], [[5.0, 0.0, 1.0]], [[0.0, 0.0, 9.0]]])
     sampled = {1: torch.tensor([0, 2])}
-    assert next_tokens(logits, sampled).tolist() == [[1], [2], [2]]
-    assert next_tokens(logits, {}).tolist() == [[1], [0], [2]]
+    assert next_tokens(logits.argmax(-1), sampled).tolist() == [[1], [2], [2]]
+    assert next_tokens(logits.argmax(-1), {}).tolist() == [[1], [0], [2]]
     reader = HostReader("cpu")
     reader.stage(torch.tensor([4, 5, 6]))
     assert reader.read() == [4, 5, 6]
@@ -272,7 +272,8 @@ def test_run_ahead_reads_the_tokens_it_fed_and_taken_finds_each_row_by_request_p
         return ids.float().view(-1, 1, 1) * 10
 
     rows = [_Row(7, [4, 4, 4]), _Row(9, [5, 5])]
-    ahead, values = run_ahead(runner, HostReader("cpu"), torch.tensor([11, 12]), logits, {}, rows, [2, 1])
+    ahead, values = run_ahead(runner, HostReader("cpu"), torch.tensor([11, 12]), logits.argmax(-1), {}, rows,
+                              [2, 1])
     assert values == [11, 12] and calls == [([[1], [0]], [3, 2], 1)]
     assert ahead.key == [(7, 3, 1), (9, 2, 0)]
     stats = SpecDecodingStats()

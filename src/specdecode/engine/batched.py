@@ -470,11 +470,14 @@ class BatchedSpeculativeDecoder(BatchRequests):
         sampled = sample_rows(rows, logits, finite.view(n, K + 1), ids, k, trees, probs, self.contain_errors) \
             if points is None else {}
         verdicts = [v for v in sampled.values() if isinstance(v, torch.Tensor)]
-        host = torch.cat([*parts, *verdicts, logits.argmax(-1).flatten(), finite.long(), draft_finite.long()])
-        joinable = bool(self._waiting)  # [overlap] run the next forward first where no request can join (a full
+        choice = logits.argmax(-1)  # (n, K + 1): the target's greedy choices
+        host = torch.cat([*parts, *verdicts, choice.flatten(), finite.long(), draft_finite.long()])
+        # [overlap] the next forward first, where no request can join (or the batch is full: one joins only
+        # where a row leaves)
+        joinable = bool(self._waiting)
         if self.overlap_rounds and self.drafter is None and (not joinable or n == self.max_batch_size) \
-                and can_run_ahead(rows, sampled, self.cache.capacity, joinable):  # batch: where a row leaves)
-            self._ahead, host = run_ahead(self.runner, self._reader, host, logits, sampled, rows, starts)
+                and can_run_ahead(rows, sampled, self.cache.capacity, joinable):
+            self._ahead, host = run_ahead(self.runner, self._reader, host, choice, sampled, rows, starts)
         else:
             host = host.tolist()
         exit_at = host[n * K : n * K + n] if points is not None else None

@@ -132,7 +132,7 @@ def can_run_ahead(rows, sampled: dict, capacity: int, joinable: bool = False) ->
         and all(isinstance(v, torch.Tensor) for v in sampled.values())
 
 
-def run_ahead(runner, reader: HostReader, host: torch.Tensor, logits: torch.Tensor, sampled: dict, rows,
+def run_ahead(runner, reader: HostReader, host: torch.Tensor, choice: torch.Tensor, sampled: dict, rows,
               starts: Sequence[int]) -> tuple[RoundAhead, list[int]]:
     """Enqueue the next round's forward on the rows' next tokens, then read this round back.
 
@@ -142,7 +142,7 @@ def run_ahead(runner, reader: HostReader, host: torch.Tensor, logits: torch.Tens
         runner: The target's round runner (``batch_runner.BatchRunner``: ``runner(ids, starts, 1)``).
         reader: The engine's ``HostReader``.
         host: (m,) long on the device, what the round reads back.
-        logits: (n, 1, V) the round's logits, as its verification sees them.
+        choice: (n, 1) long, the argmax of the round's logits as its verification sees them.
         sampled: Row index -> (2,) verdict of the rows sampled on the device.
         rows: The round's rows (``batch_rows.BatchRow``).
         starts: (n,) each row's position this round wrote (its length - 1).
@@ -150,7 +150,7 @@ def run_ahead(runner, reader: HostReader, host: torch.Tensor, logits: torch.Tens
     Returns:
         (the forward run ahead, the m values of ``host`` as Python ints).
     """
-    ids = next_tokens(logits, sampled)
+    ids = next_tokens(choice, sampled)
     reader.stage(torch.cat([host, ids.flatten()]))
     out = runner(ids, [s + 1 for s in starts], 1)
     values = reader.read()
@@ -159,20 +159,20 @@ def run_ahead(runner, reader: HostReader, host: torch.Tensor, logits: torch.Tens
     return RoundAhead(out, ids, key), values[:-n]
 
 
-def next_tokens(logits: torch.Tensor, sampled: dict) -> torch.Tensor:
+def next_tokens(choice: torch.Tensor, sampled: dict) -> torch.Tensor:
     """(n, 1) long on the device: each row's next token, the argmax of its last logits or, for a sampling row,
     its verdict's token.
 
     Args:
-        logits: (n, w, V) the round's logits, as the rows' verification sees them.
+        choice: (n, w) long, the argmax of the round's logits as the rows' verification sees them.
         sampled: Row index -> (2,) long verdict (accepted, token), for the rows sampled on the device
             (``verification.sample_rows``).
     """
-    out = logits[:, -1].argmax(-1)
+    out = choice[:, -1]
     if sampled:
-        index = to_device(list(sampled), logits.device)
+        index = to_device(list(sampled), choice.device)
         out = out.index_copy(0, index, torch.stack(list(sampled.values()))[:, 1])
-    return out.view(-1, 1)
+    return out.reshape(-1, 1)
 
 
 class HostReader:
