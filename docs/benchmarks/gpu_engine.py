@@ -1038,22 +1038,7 @@ def section_batched(run: Run) -> None:
             engine.generate(groups[0], dataclasses.replace(config, max_new_tokens=warm_tokens))
             sync(device)
             warm = time.perf_counter() - t0
-            before = counters(engine.stats)
-            tokens, seconds, last, done = 0, 0.0, 0.0, 0
-            for g, group in enumerate(groups):
-                if run.over_budget(f"batched: {method} B={b} group {g}", last):
-                    continue
-                sync(device)
-                t0 = time.perf_counter()
-                out = engine.generate(group, config)
-                sync(device)
-                last = time.perf_counter() - t0
-                seconds += last
-                tokens += sum(len(r.token_ids) for r in out)
-                done += len(group)
-            after = counters(engine.stats)
-            d = {k: after[k] - before.get(k, 0) for k in after}
-            seconds -= d.get("warmup_s", 0.0)
+            tokens, seconds, done, d = timed_groups(run, engine, groups, config, f"{method} B={b}")
             results[(method, b)] = dict(
                 tok_s=tokens / seconds if seconds > 0 else None, warm=warm, prompts=done,
                 alpha=d["num_accepted_tokens"] / d["num_drafted_tokens"] if d.get("num_drafted_tokens") else None,
@@ -1113,25 +1098,34 @@ def section_batched(run: Run) -> None:
                "serial, ms per round"], serial)
 
 
+def timed_groups(run: Run, engine, groups, config, label: str) -> tuple[int, float, int, dict]:
+    """Generate each of ``groups`` on ``engine`` between device syncs, skipping what the budget cuts: (new tokens,
+    seconds less the engine's warm-up, prompts run, the engine's counters' change)."""
+    before = counters(engine.stats)
+    tokens, seconds, last, done = 0, 0.0, 0.0, 0
+    for g, group in enumerate(groups):
+        if run.over_budget(f"batched: {label} group {g}", last):
+            continue
+        sync(run.device)
+        t0 = time.perf_counter()
+        out = engine.generate(group, config)
+        sync(run.device)
+        last = time.perf_counter() - t0
+        seconds += last
+        tokens += sum(len(r.token_ids) for r in out)
+        done += len(group)
+    d = {k: v - before.get(k, 0) for k, v in counters(engine.stats).items()}
+    return tokens, seconds - d.get("warmup_s", 0.0), done, d
+
+
 def serial_groups(run: Run, engine, groups, config, b: int) -> None:
     """Time ``groups`` again on ``engine`` with ``overlap_rounds`` off (results as ("autoregressive-serial", B)),
     then turn it back on."""
-    before = counters(engine.stats)
-    tokens, seconds = 0, 0.0
     engine.overlap_rounds = False
     try:
-        for g, group in enumerate(groups):
-            if run.over_budget(f"batched: autoregressive-serial B={b} group {g}"):
-                continue
-            sync(run.device)
-            t0 = time.perf_counter()
-            tokens += sum(len(r.token_ids) for r in engine.generate(group, config))
-            sync(run.device)
-            seconds += time.perf_counter() - t0
+        tokens, seconds, _, d = timed_groups(run, engine, groups, config, f"autoregressive-serial B={b}")
     finally:
         engine.overlap_rounds = True
-    d = {k: v - before.get(k, 0) for k, v in counters(engine.stats).items()}
-    seconds -= d.get("warmup_s", 0.0)
     run.batched[("autoregressive-serial", b)] = dict(
         tok_s=tokens / seconds if seconds > 0 and tokens else None,
         round_ms=1000 * d["decode_time_s"] / d["num_rounds"] if d.get("num_rounds") else None)
