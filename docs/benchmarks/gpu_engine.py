@@ -30,7 +30,8 @@ builds both models on the machine from the ``config.json`` in each folder (the t
 files; copy them from ``~/.cache/specdecode/dense/<model>-bfloat16/``) with random weights that make each model
 repeat the last token: the real shapes' forward and round costs, with full acceptance
 (``docs/benchmarks/2026-11-27-gpu-h200.md`` has the command). ``--row-buckets batch`` compiles one rows bucket
-per batch size (each bucket compiles in 25-40 s on a cold machine).
+per batch size (each bucket compiles in 25-40 s on a cold machine); ``--row-buckets dynamic`` compiles one
+function per width for all rows buckets above 1 (``dynamic_rows``; not yet run on a GPU).
 
 What it prints (each as a Markdown table; warm-up and compilation seconds apart from timed runs):
 
@@ -996,7 +997,7 @@ def batch_options(args: argparse.Namespace, gen: SpeculativeGenerator, device: t
                   b: int) -> dict:
     """``batch_decoder``'s options at batch size ``b``: ``compile=True`` on CUDA with our fast path on
     (``compiled``), else False (none where it takes no ``compile``); with ``--row-buckets batch`` and compiling,
-    ``row_buckets=(b,)`` (where it takes them)."""
+    ``row_buckets=(b,)``, with ``--row-buckets dynamic`` ``dynamic_rows=True`` (where it takes them)."""
     takes = inspect.signature(gen.batch_decoder).parameters
     overlap = OVERLAP[args.overlap_rounds]
     out = {"overlap_rounds": overlap} if overlap is not None and "overlap_rounds" in takes else {}
@@ -1005,7 +1006,8 @@ def batch_options(args: argparse.Namespace, gen: SpeculativeGenerator, device: t
     if not (device.type == "cuda" and compiled):
         return out | {"compile": False}
     return out | {"compile": True} | (
-        {"row_buckets": (b,)} if args.row_buckets == "batch" and "row_buckets" in takes else {})
+        {"row_buckets": (b,)} if args.row_buckets == "batch" and "row_buckets" in takes else {}) | (
+        {"dynamic_rows": True} if args.row_buckets == "dynamic" and "dynamic_rows" in takes else {})
 
 
 def section_batched(run: Run) -> None:
@@ -1016,6 +1018,9 @@ def section_batched(run: Run) -> None:
         else "eager (batch_decoder takes no compile option)"
     if args.row_buckets == "batch" and options.get("compile"):
         mode += ", rows buckets B alone (--row-buckets batch)"
+    elif args.row_buckets == "dynamic" and options.get("compile"):
+        mode += (", rows buckets 1, 2, 4, .. B, those above 1 one compiled function per width (--row-buckets dynamic)"
+                 if "dynamic_rows" in options else ", batch_decoder takes no dynamic_rows: rows buckets 1, 2, 4, .. B")
     say(f"batched engine: {mode}")
     prompts = run.encoded("batch")
     longest = max(int(p.shape[1]) for p in prompts)
@@ -1221,9 +1226,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--random-weights", default=None, choices=RANDOM_WEIGHTS,
                    help="--target and --draft are folders with a config.json (the target's with its tokenizer): "
                         "models of those shapes with random weights, no GGUF to copy (random_weights_pair)")
-    p.add_argument("--row-buckets", default="powers", choices=("powers", "batch"),
+    p.add_argument("--row-buckets", default="powers", choices=("powers", "batch", "dynamic"),
                    help="batched engine's rows buckets: 1, 2, 4, .. and B (the default), or B alone (fewer "
-                        "compilations on a cold machine: a batch with fewer live rows runs padded to B)")
+                        "compilations on a cold machine: a batch with fewer live rows runs padded to B), or "
+                        "dynamic: 1, 2, 4, .. and B with those above 1 sharing one compiled function per width "
+                        "(dynamic_rows=True: one compilation per width for every B, a CUDA graph per bucket)")
     p.add_argument("--overlap-rounds", default="auto", choices=tuple(OVERLAP),
                    help="our engines' overlap_rounds (engine.overlap): auto (the device default: on for CUDA), on, "
                         "off; "

@@ -211,13 +211,17 @@ def test_random_weights_pairs_are_built_from_config_folders(script, tmp_path, mo
 
 
 def test_batched_options_compile_on_cuda_only_and_one_rows_bucket_with_row_buckets_batch(script, generator):
-    """``--row-buckets batch`` gives ``row_buckets=(B,)`` where the batched engine compiles (CUDA), nothing else."""
+    """``--row-buckets batch`` gives ``row_buckets=(B,)`` where the batched engine compiles (CUDA), nothing else;
+    ``--row-buckets dynamic`` gives ``dynamic_rows=True`` there."""
     args = script.parse_args(["--row-buckets", "batch"])
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert script.batch_options(args, generator, cuda, True, 8) == {"compile": True, "row_buckets": (8,)}
     assert script.batch_options(args, generator, cpu, True, 8) == {"compile": False}
     assert script.batch_options(args, generator, cuda, False, 8) == {"compile": False}
     assert script.batch_options(script.parse_args([]), generator, cuda, True, 8) == {"compile": True}
+    dynamic = script.parse_args(["--row-buckets", "dynamic"])  # rows buckets 1, 2, 4, .. B, those above 1 shared
+    assert script.batch_options(dynamic, generator, cuda, True, 8) == {"compile": True, "dynamic_rows": True}
+    assert script.batch_options(dynamic, generator, cpu, True, 8) == {"compile": False}
 
 
 def test_captured_rows_get_a_target_runner_of_their_own_with_captured_graphs(script, generator, monkeypatch):

@@ -87,6 +87,9 @@ def test_options_detection_drops_exactly_the_unsupported_options(monkeypatch, ca
     assert "torch.compile has no isolate_recompiles option" in caplog.text
     with pytest.raises(InvalidArgumentError, match="recompile_limit must be an integer >= 1, got 0"):
         compat.compile_kwargs("cpu", recompile_limit=0)
+    assert compat.compile_kwargs("cpu", dynamic=None)["dynamic"] is None  # [dynamic rows] marked dims symbolic
+    with pytest.raises(InvalidArgumentError, match="dynamic must be False or None, got True"):
+        compat.compile_kwargs("cpu", dynamic=True)
     with pytest.raises(InvalidArgumentError, match="needs a Python function, got Linear"):
         compat.compile_function(torch.nn.Linear(2, 2), "cpu")
 

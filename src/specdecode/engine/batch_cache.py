@@ -70,15 +70,25 @@ class FastPath:
             with top probabilities) pairs; each engine on them adds its longest block less one, with top
             probabilities where its adaptive exit reads them with the round's sync, so engines that share
             a cache (one row at a time, ``SpeculativeDecoder``) each fuse their own full rounds.
+        dynamic_rows: Whether the rows buckets above 1 share one compiled function per width, compiled once with
+            a symbolic rows dimension (vLLM's way: its CUDA graphs are still one per rows bucket, recorded at
+            each bucket's first calls); False compiles each (rows, width) bucket apart.
     """
 
     rows: tuple[int, ...]
     max_width: int
     graphs: bool | str = True
+    dynamic_rows: bool = False
     draft_steps: set[tuple[int, bool]] = field(default_factory=set, compare=False)
 
     def __post_init__(self) -> None:
         check_graphs(self.graphs)
+        if not isinstance(self.dynamic_rows, bool):
+            raise InvalidArgumentError(f"dynamic_rows must be True or False, got {self.dynamic_rows!r}")
+
+    def compiles_like(self, other: FastPath) -> bool:
+        """Whether ``other`` has the same rows buckets, ``graphs`` and ``dynamic_rows`` (its widths may differ)."""
+        return (self.rows, self.graphs, self.dynamic_rows) == (other.rows, other.graphs, other.dynamic_rows)
 
 
 #: ``FastPath.graphs``' values.

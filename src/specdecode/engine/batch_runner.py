@@ -23,6 +23,13 @@ whose rows each continue at their own position (``batch_cache.BatchKVCache``):
   ``torch.compiler.cudagraph_mark_step_begin()`` and its logits are cloned before the next
   graph reuses their memory. The first calls of a bucket (compilation, graph capture) are
   timed apart, in ``compile_time_s``, and logged at INFO.
+* **Dynamic rows** (``FastPath.dynamic_rows``, off by default): the rows buckets above 1 share one
+  compiled function per width, traced with a symbolic rows dimension (``torch._dynamo.mark_dynamic``
+  on the buckets' buffers, ``dynamic=None``; 1 stays apart, as dynamo specializes sizes 0 and 1), as
+  vLLM compiles its decode graph once for every batch size and captures a CUDA graph per size. Its
+  range is 2 .. the cache's slots (the graph guards on them). Measured on a 2-core Xeon (torch 2.13,
+  Qwen2.5-Coder 0.5B bf16; ``docs/benchmarks/2026-11-27-dynamic-rows.md``): rows buckets 2, 4, 8 at
+  widths 1 and 6 compiled in 113 s against 262 s, forwards no slower. Not yet run on a GPU.
 * **Inputs** are copied into the bucket's persistent buffers: token ids device to device,
   write positions from host ints through pinned memory without blocking (``to_device``).
   Nothing reads back.
@@ -149,6 +156,8 @@ class BatchRunner:
         self._buckets: dict[tuple[int, int, bool], _Bucket] = {}
         #: [fused draft steps] by (rows, steps, vocab, head size or None)
         self._steps_buckets: dict[tuple[int, int, int, int | None, bool], _Bucket] = {}
+        #: [dynamic rows] the forward every rows bucket above 1 shares, by (width, tree)
+        self._dynamic: dict[tuple[int, bool], Callable] = {}
 
     takes_trees = True  # tree forwards (``engine.tree``): on the fast path, buckets of their own
 
@@ -427,16 +436,27 @@ class _Bucket:
         compiled = (bool(graphs), cuda, cuda and graphs is True)  # compile; CUDA; torch.compile's graphs
         if steps is None:
             self.inputs = (self.ids,)
-            self.forward = _forward_function(runner.model, f"r{rows}w{width}{'t' if tree else ''}", *compiled)
+            tag = f"w{width}{'t' if tree else ''}"
+            if graphs and rows > 1 and runner.fast.dynamic_rows:  # [dynamic rows] one compiled function
+                for buffer in (self.ids, self.index, self.depth, self.ancestors):
+                    if buffer is not None:
+                        torch._dynamo.mark_dynamic(buffer, 0, min=2, max=max(runner.rows))
+                key = (width, tree)
+                if key not in runner._dynamic:
+                    runner._dynamic[key] = _forward_function(runner.model, f"rN{tag}", *compiled, dynamic=None)
+                self.forward = runner._dynamic[key]
+            else:
+                self.forward = _forward_function(runner.model, f"r{rows}{tag}", *compiled)
         else:
             self.inputs = (self.ids, self.index, self.head)
             tag = f"r{rows}s{self.steps}{'p' if steps[3] else ''}"
             self.forward = _steps_function(runner.model, tag, self.steps, steps[1], steps[3], *compiled)
 
 
-def _forward_function(model: PreTrainedModel, tag: str, graphs: bool, cuda: bool, cuda_graphs: bool) -> Callable:
+def _forward_function(model: PreTrainedModel, tag: str, graphs: bool, cuda: bool, cuda_graphs: bool,
+                      dynamic: bool | None = False) -> Callable:
     """``forward(ids (R, W), cache) -> (R, W, V)`` logits on the static path; compiled on a code
-    object of its own when ``graphs`` (the module docstring)."""
+    object of its own when ``graphs`` (the module docstring), ``dynamic`` as ``compat.compile_kwargs``."""
 
     def forward(ids: torch.Tensor, cache: BatchKVCache) -> torch.Tensor:
         positions, mask = cache.static_inputs(model.dtype)
@@ -444,7 +464,7 @@ def _forward_function(model: PreTrainedModel, tag: str, graphs: bool, cuda: bool
             input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=cache, use_cache=True
         ).logits
 
-    return _own_compiled(forward, tag, graphs, cuda, cuda_graphs)
+    return _own_compiled(forward, tag, graphs, cuda, cuda_graphs, dynamic)
 
 
 def _steps_function(model: PreTrainedModel, tag: str, num_steps: int, vocab: int, with_tops: bool, graphs: bool,
@@ -475,7 +495,8 @@ def _steps_function(model: PreTrainedModel, tag: str, num_steps: int, vocab: int
     return _own_compiled(steps, tag, graphs, cuda, cuda_graphs)
 
 
-def _own_compiled(fn: types.FunctionType, tag: str, graphs: bool, cuda: bool, cuda_graphs: bool) -> Callable:
+def _own_compiled(fn: types.FunctionType, tag: str, graphs: bool, cuda: bool, cuda_graphs: bool,
+                  dynamic: bool | None = False) -> Callable:
     """``fn`` itself, or with ``graphs`` compiled on a code object of its own named by ``tag`` (the
     module docstring: one compiled function per bucket), with torch.compile's CUDA graphs where
     ``cuda_graphs``."""
@@ -485,7 +506,7 @@ def _own_compiled(fn: types.FunctionType, tag: str, graphs: bool, cuda: bool, cu
     own = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
     # compat.compile_function: the options this torch has (CUDA graphs on CUDA), the compile cache
     # in specdecode's folder (a second process reuses the graphs).
-    return compile_function(own, "cuda" if cuda else "cpu", cuda_graphs=cuda_graphs)
+    return compile_function(own, "cuda" if cuda else "cpu", cuda_graphs=cuda_graphs, dynamic=dynamic)
 
 
 def _copy_from_host(dst: torch.Tensor, values: list) -> None:

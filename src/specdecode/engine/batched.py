@@ -106,9 +106,9 @@ class BatchedSpeculativeDecoder(BatchRequests):
         graphs: With ``compile``, False runs the fast path's static-shape forwards without
             ``torch.compile`` (tests, debugging); "captured": CUDA graphs of specdecode's own
             (``batch_cache.FastPath``; CUDA only, elsewhere as True).
-        row_buckets: With ``compile``, the rows buckets (integers in 1 .. ``max_batch_size``);
-            None: 1, 2, 4, .. and ``max_batch_size`` (``batch_runner.row_buckets``). Fewer
-            buckets compile faster and pad more rows.
+        row_buckets, dynamic_rows: With ``compile``, the rows buckets (integers in 1 .. ``max_batch_size``;
+            None: 1, 2, 4, .. and it, ``batch_runner.row_buckets``; fewer compile faster, padding more rows),
+            and whether those above 1 share one compiled function per width (``batch_cache.FastPath``).
         shared_prefill: Requests admitted in one step share 2 prefill forwards (``shared_prefill``;
             plus the leading chunks of prompts longer than ``prefill_chunk_tokens``, alone) rather
             than one each: True, False, or None for the device's default (CUDA only; never with a
@@ -154,6 +154,7 @@ class BatchedSpeculativeDecoder(BatchRequests):
         compile: bool | None = None,
         graphs: bool | str = True,
         row_buckets: Sequence[int] | None = None,
+        dynamic_rows: bool = False,
         shared_with: BatchedSpeculativeDecoder | None = None,
         shared_prefill: bool | None = None,
         overlap_rounds: bool | None = None,
@@ -193,14 +194,14 @@ class BatchedSpeculativeDecoder(BatchRequests):
         self.overlap_rounds = engine_overlap_rounds(overlap_rounds, target)
         # The widest bucket: a verification (max_block + 1) or a draft model's first feed (2).
         rows = check_row_buckets(row_buckets, max_batch_size)
-        fast = FastPath(rows, max(self.max_block + 1, 2), graphs) if self.compile else None
+        fast = FastPath(rows, max(self.max_block + 1, 2), graphs, dynamic_rows) if self.compile else None
         previous = shared_with
         if is_runner_target(target):  # its own memory, one sequence: refuses max_batch_size > 1 and compile
             self.cache, self.runner = runner_target_parts(target, max_batch_size, max_length, self.compile, previous,
                                                           prefill_chunk_tokens, prefill_pad_multiple)
         elif previous is not None and previous.target is target and previous.cache.num_slots == max_batch_size \
                 and previous.cache.capacity >= max_length and previous.compile == self.compile \
-                and (fast is None or (previous.cache.fast.rows, previous.cache.fast.graphs) == (fast.rows, fast.graphs)) \
+                and (fast is None or fast.compiles_like(previous.cache.fast)) \
                 and previous.runner.widths[-1] >= self.max_block + 1 \
                 and (previous.cache.prefill_chunk_tokens, previous.cache.prefill_pad_multiple) == (
                     prefill_chunk_tokens, prefill_pad_multiple):

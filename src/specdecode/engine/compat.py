@@ -76,10 +76,12 @@ def _log_dropped(dropped: tuple[str, ...], version: str) -> None:
                 "; ".join(replacements[name] for name in dropped))
 
 
-def compile_kwargs(device_type: str, *, recompile_limit: int = RECOMPILE_LIMIT, cuda_graphs: bool = True) -> dict:
+def compile_kwargs(device_type: str, *, recompile_limit: int = RECOMPILE_LIMIT, cuda_graphs: bool = True,
+                   dynamic: bool | None = False) -> dict:
     """The keyword arguments of specdecode's ``torch.compile`` calls, for this torch.
 
-    Always ``dynamic=False`` (one graph per shape: the fast path's fixed widths) and
+    ``dynamic=False`` by default (one graph per shape: the fast path's fixed widths; None lets the
+    dimensions the caller marks with ``torch._dynamo.mark_dynamic`` stay symbolic) and always
     ``fullgraph=True`` (a graph break or an exhausted recompile budget raises, never a silent
     eager fallback); ``mode="reduce-overhead"`` (CUDA graphs) when ``device_type`` is
     ``"cuda"`` and ``cuda_graphs`` (False: the caller captures graphs itself); and
@@ -91,15 +93,19 @@ def compile_kwargs(device_type: str, *, recompile_limit: int = RECOMPILE_LIMIT, 
         device_type: ``torch.device(...).type`` of the model, e.g. "cuda" or "cpu".
         recompile_limit: Graph variants the compiled function may build (>= 1).
         cuda_graphs: On CUDA, whether torch.compile makes CUDA graphs (its graph trees).
+        dynamic: ``torch.compile``'s ``dynamic``: False, or None (marked dimensions symbolic).
 
     Returns:
         A new dict of keyword arguments for ``torch.compile``.
 
     Raises:
-        InvalidArgumentError: If ``recompile_limit`` is not an integer >= 1.
+        InvalidArgumentError: If ``recompile_limit`` is not an integer >= 1, or ``dynamic`` is neither
+            False nor None.
     """
     _check_limit(recompile_limit)
-    kwargs: dict = {"dynamic": False, "fullgraph": True}
+    if dynamic not in (False, None):
+        raise InvalidArgumentError(f"dynamic must be False or None, got {dynamic!r}")
+    kwargs: dict = {"dynamic": dynamic, "fullgraph": True}
     if device_type == "cuda" and cuda_graphs:
         kwargs["mode"] = "reduce-overhead"
     wanted = {"isolate_recompiles": True, "recompile_limit": recompile_limit}
@@ -112,8 +118,8 @@ def compile_kwargs(device_type: str, *, recompile_limit: int = RECOMPILE_LIMIT, 
 
 
 def compile_function(fn: Callable, device_type: str, *, recompile_limit: int = RECOMPILE_LIMIT,
-                     cuda_graphs: bool = True) -> Callable:
-    """``torch.compile(fn, **compile_kwargs(device_type, cuda_graphs=...))``, the same on older torch.
+                     cuda_graphs: bool = True, dynamic: bool | None = False) -> Callable:
+    """``torch.compile(fn, **compile_kwargs(device_type, cuda_graphs=..., dynamic=...))``, the same on older torch.
 
     Before compiling, torch's compile caches are pointed at specdecode's cache folder
     (``compile_cache.use_compile_cache``), so a later process reuses the compiled graphs.
@@ -126,7 +132,7 @@ def compile_function(fn: Callable, device_type: str, *, recompile_limit: int = R
         fn: A plain Python function (not a bound method or module), e.g. a closure over a model.
         device_type: ``torch.device(...).type`` of the model, e.g. "cuda" or "cpu".
         recompile_limit: Graph variants ``fn`` may build before a call raises (>= 1).
-        cuda_graphs: As ``compile_kwargs``.
+        cuda_graphs, dynamic: As ``compile_kwargs``.
 
     Returns:
         The compiled callable, with ``fn``'s signature.
@@ -139,7 +145,7 @@ def compile_function(fn: Callable, device_type: str, *, recompile_limit: int = R
     """
     if not isinstance(fn, types.FunctionType):
         raise InvalidArgumentError(f"compile_function needs a Python function, got {type(fn).__name__}")
-    kwargs = compile_kwargs(device_type, recompile_limit=recompile_limit, cuda_graphs=cuda_graphs)
+    kwargs = compile_kwargs(device_type, recompile_limit=recompile_limit, cuda_graphs=cuda_graphs, dynamic=dynamic)
     compile_cache.use_compile_cache()
     if "isolate_recompiles" not in kwargs:
         fn = _private_copy(fn)
