@@ -6,13 +6,13 @@ Usage (CPU; wrap timing runs in ``flock /tmp/specdecode-bench.lock``):
 
     PYTHONPATH=src python docs/benchmarks/batched_fast_path_cost.py [--rows 1,4,8] [--widths 1,6]
         [--context 300] [--capacity 2048] [--repeats 5] [--threads 2] [--device cpu]
-        [--model qwen2.5-coder-1.5b-instruct] [--dynamic-rows]
+        [--model qwen2.5-coder-1.5b-instruct] [--dynamic-shapes]
 
 Prints one line per (rows, width): eager ms, fast-path ms (static shapes, no torch.compile, with
 ``--no-graphs``), and the seconds the bucket took to compile. The cache holds ``--capacity``
-positions per row, as ``BatchedSpeculativeDecoder(max_length=...)`` would allocate. ``--dynamic-rows``: the rows
-buckets above 1 share one compiled function per width (``FastPath.dynamic_rows``), so only a width's first
-such bucket compiles.
+positions per row, as ``BatchedSpeculativeDecoder(max_length=...)`` would allocate. ``--dynamic-shapes``: rows and
+widths above 1 symbolic (``FastPath.dynamic_shapes``), so only the first bucket of each class (rows 1 or more,
+width 1 or more) compiles.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--no-graphs", action="store_true", help="the fast path's static shapes without torch.compile")
-    p.add_argument("--dynamic-rows", action="store_true", help="rows buckets above 1 share a compiled function")
+    p.add_argument("--dynamic-shapes", action="store_true", help="FastPath.dynamic_shapes: rows and widths above 1 symbolic")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]
@@ -61,7 +61,7 @@ def main() -> None:
     model = load_model(args.model, dtype=args.dtype, device=args.device).model
     device = model.device
     prompt = torch.randint(100, 20000, (1, args.context), generator=torch.Generator().manual_seed(0)).to(device)
-    fast = FastPath(tuple(rows), max(widths), graphs=not args.no_graphs, dynamic_rows=args.dynamic_rows)
+    fast = FastPath(tuple(rows), max(widths), graphs=not args.no_graphs, dynamic_shapes=args.dynamic_shapes)
     caches = {
         "eager": BatchKVCache(model, max(rows), args.capacity),
         "fast": BatchKVCache(model, max(rows), args.capacity, fast=fast),
@@ -72,7 +72,7 @@ def main() -> None:
             for slot in range(max(rows)):
                 batch_prefill(model, cache, prompt, slot)
     print(f"{args.model} {args.dtype} on {device}, {args.threads} threads, capacity {args.capacity}, "
-          f"context {args.context}, torch {torch.__version__}, dynamic rows {args.dynamic_rows}", flush=True)
+          f"context {args.context}, torch {torch.__version__}, dynamic shapes {args.dynamic_shapes}", flush=True)
     for r in rows:
         for w in widths:
             ids = prompt[:, :w].expand(r, w).contiguous()

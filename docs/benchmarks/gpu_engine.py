@@ -30,8 +30,9 @@ builds both models on the machine from the ``config.json`` in each folder (the t
 files; copy them from ``~/.cache/specdecode/dense/<model>-bfloat16/``) with random weights that make each model
 repeat the last token: the real shapes' forward and round costs, with full acceptance
 (``docs/benchmarks/2026-11-27-gpu-h200.md`` has the command). ``--row-buckets batch`` compiles one rows bucket
-per batch size (each bucket compiles in 25-40 s on a cold machine); ``--row-buckets dynamic`` compiles one
-function per width for all rows buckets above 1 (``dynamic_rows``; not yet run on a GPU).
+per batch size (each bucket compiles in 25-40 s on a cold machine). ``--dynamic-shapes`` compiles each runner's
+buckets as at most four functions, rows and widths above 1 symbolic (``FastPath.dynamic_shapes``; on a CPU 6
+rows buckets compiled in 113 s against 262 s, ``2026-11-27-dynamic-shapes.md``; not yet run on a GPU).
 
 What it prints (each as a Markdown table; warm-up and compilation seconds apart from timed runs):
 
@@ -460,6 +461,18 @@ class Run:
     def compile(self) -> bool:
         return not self.args.no_compile
 
+    def use_dynamic_shapes(self) -> str:
+        """[--dynamic-shapes] Turn on ``dynamic_shapes`` for the fast path's target runner (so each decoder's
+        one-row engine, and its draft model's runner, compile one function per width class); says what it did."""
+        if not self.compile():
+            return "off (no fast path: --no-compile)"
+        runner = self.gen.runner(True)
+        if not hasattr(runner, "dynamic_shapes"):
+            return "off (this specdecode has no dynamic_shapes)"
+        runner.dynamic_shapes = True
+        return ("on: rows and widths above 1 symbolic, at most four compiled functions per runner, a CUDA graph per "
+                "bucket (the -captured rows and the batched engines too)")
+
     def captures(self) -> bool:
         """Whether the ``-captured`` rows capture anything: the fast path on, on CUDA."""
         return self.compile() and self.device.type == "cuda"
@@ -502,6 +515,7 @@ class Run:
             if base in CAPTURED_BASES and made.runner.compile:  # a runner of their own: buckets of their own
                 if self._captured is None:
                     self._captured = ModelRunner(made.target, compile=True, graphs="captured", name="target model")
+                    self._captured.dynamic_shapes = self.gen.runner(True).dynamic_shapes
                 made = SpeculativeDecoder(made.target, made.drafter, eos_token_ids=made.eos_token_ids,
                                           tokenizer=made.tokenizer, draft_control=made.draft_control,
                                           runner=self._captured, overlap_rounds=made.overlap_rounds)
@@ -997,7 +1011,7 @@ def batch_options(args: argparse.Namespace, gen: SpeculativeGenerator, device: t
                   b: int) -> dict:
     """``batch_decoder``'s options at batch size ``b``: ``compile=True`` on CUDA with our fast path on
     (``compiled``), else False (none where it takes no ``compile``); with ``--row-buckets batch`` and compiling,
-    ``row_buckets=(b,)``, with ``--row-buckets dynamic`` ``dynamic_rows=True`` (where it takes them)."""
+    ``row_buckets=(b,)``, with ``--dynamic-shapes`` ``dynamic_shapes=True`` (where it takes them)."""
     takes = inspect.signature(gen.batch_decoder).parameters
     overlap = OVERLAP[args.overlap_rounds]
     out = {"overlap_rounds": overlap} if overlap is not None and "overlap_rounds" in takes else {}
@@ -1007,7 +1021,7 @@ def batch_options(args: argparse.Namespace, gen: SpeculativeGenerator, device: t
         return out | {"compile": False}
     return out | {"compile": True} | (
         {"row_buckets": (b,)} if args.row_buckets == "batch" and "row_buckets" in takes else {}) | (
-        {"dynamic_rows": True} if args.row_buckets == "dynamic" and "dynamic_rows" in takes else {})
+        {"dynamic_shapes": True} if args.dynamic_shapes and "dynamic_shapes" in takes else {})
 
 
 def section_batched(run: Run) -> None:
@@ -1018,9 +1032,8 @@ def section_batched(run: Run) -> None:
         else "eager (batch_decoder takes no compile option)"
     if args.row_buckets == "batch" and options.get("compile"):
         mode += ", rows buckets B alone (--row-buckets batch)"
-    elif args.row_buckets == "dynamic" and options.get("compile"):
-        mode += (", rows buckets 1, 2, 4, .. B, those above 1 one compiled function per width (--row-buckets dynamic)"
-                 if "dynamic_rows" in options else ", batch_decoder takes no dynamic_rows: rows buckets 1, 2, 4, .. B")
+    if options.get("dynamic_shapes"):
+        mode += ", dynamic shapes (--dynamic-shapes)"
     say(f"batched engine: {mode}")
     prompts = run.encoded("batch")
     longest = max(int(p.shape[1]) for p in prompts)
@@ -1226,11 +1239,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--random-weights", default=None, choices=RANDOM_WEIGHTS,
                    help="--target and --draft are folders with a config.json (the target's with its tokenizer): "
                         "models of those shapes with random weights, no GGUF to copy (random_weights_pair)")
-    p.add_argument("--row-buckets", default="powers", choices=("powers", "batch", "dynamic"),
+    p.add_argument("--row-buckets", default="powers", choices=("powers", "batch"),
                    help="batched engine's rows buckets: 1, 2, 4, .. and B (the default), or B alone (fewer "
-                        "compilations on a cold machine: a batch with fewer live rows runs padded to B), or "
-                        "dynamic: 1, 2, 4, .. and B with those above 1 sharing one compiled function per width "
-                        "(dynamic_rows=True: one compilation per width for every B, a CUDA graph per bucket)")
+                        "compilations on a cold machine: a batch with fewer live rows runs padded to B)")
+    p.add_argument("--dynamic-shapes", action="store_true",
+                   help="our fast path's dynamic_shapes: rows and widths above 1 symbolic, so each runner compiles "
+                        "at most four functions (with --row-buckets powers, B = 8 and 32 compile no more than B = 2)")
     p.add_argument("--overlap-rounds", default="auto", choices=tuple(OVERLAP),
                    help="our engines' overlap_rounds (engine.overlap): auto (the device default: on for CUDA), on, "
                         "off; "
@@ -1331,6 +1345,8 @@ def main(argv: list[str] | None = None, generator: SpeculativeGenerator | None =
             f"{args.max_new_tokens} new tokens, prompts {args.prompts} per set (slow baselines "
             f"{args.slow_prompts}), budget {args.budget_s:.0f} s")
         run = Run(args, generator, start)
+        if args.dynamic_shapes:
+            say(f"- dynamic shapes (--dynamic-shapes): {run.use_dynamic_shapes()}")
         status = {}
         for name in SECTIONS:
             if name not in args.sections:

@@ -212,15 +212,15 @@ def test_random_weights_pairs_are_built_from_config_folders(script, tmp_path, mo
 
 def test_batched_options_compile_on_cuda_only_and_one_rows_bucket_with_row_buckets_batch(script, generator):
     """``--row-buckets batch`` gives ``row_buckets=(B,)`` where the batched engine compiles (CUDA), nothing else;
-    ``--row-buckets dynamic`` gives ``dynamic_rows=True`` there."""
+    ``--dynamic-shapes`` gives ``dynamic_shapes=True`` there."""
     args = script.parse_args(["--row-buckets", "batch"])
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert script.batch_options(args, generator, cuda, True, 8) == {"compile": True, "row_buckets": (8,)}
     assert script.batch_options(args, generator, cpu, True, 8) == {"compile": False}
     assert script.batch_options(args, generator, cuda, False, 8) == {"compile": False}
     assert script.batch_options(script.parse_args([]), generator, cuda, True, 8) == {"compile": True}
-    dynamic = script.parse_args(["--row-buckets", "dynamic"])  # rows buckets 1, 2, 4, .. B, those above 1 shared
-    assert script.batch_options(dynamic, generator, cuda, True, 8) == {"compile": True, "dynamic_rows": True}
+    dynamic = script.parse_args(["--dynamic-shapes"])
+    assert script.batch_options(dynamic, generator, cuda, True, 8) == {"compile": True, "dynamic_shapes": True}
     assert script.batch_options(dynamic, generator, cpu, True, 8) == {"compile": False}
 
 

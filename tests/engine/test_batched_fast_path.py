@@ -214,8 +214,8 @@ def test_compile_option_and_row_buckets_are_checked():
         BatchedSpeculativeDecoder(target, compile="yes")
     with pytest.raises(InvalidArgumentError, match=r"row_buckets must be integers in 1..4 \(max_batch_size\), got \(0,\)"):
         BatchedSpeculativeDecoder(target, max_batch_size=4, compile=True, row_buckets=(0,))
-    with pytest.raises(InvalidArgumentError, match="dynamic_rows must be True or False, got 'yes'"):
-        BatchedSpeculativeDecoder(target, max_batch_size=4, compile=True, dynamic_rows="yes")
+    with pytest.raises(InvalidArgumentError, match="dynamic_shapes must be True or False, got 'yes'"):
+        BatchedSpeculativeDecoder(target, max_batch_size=4, compile=True, dynamic_shapes="yes")
     assert row_buckets(1) == (1,) and row_buckets(8) == (1, 2, 4, 8) and row_buckets(12) == (1, 2, 4, 8, 12)
     assert check_row_buckets((4, 1), 6) == (1, 4, 6)
 
@@ -271,8 +271,8 @@ def test_compiled_prompt_lookup_equals_autoregressive(fresh_dynamo):
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_dynamic_rows_compile_one_function_per_width(fresh_dynamo):
-    """``dynamic_rows``: the rows buckets above 1 (here 2 and 4) share one compiled forward per width, so
+def test_dynamic_shapes_compile_one_function_per_width(fresh_dynamo):
+    """``dynamic_shapes``: the rows buckets above 1 (here 2 and 4) share one compiled forward per width, so
     warm-up compiles 2 graphs (widths 1 and γ + 1) where a graph per bucket makes 4; decoding then gives
     the eager tokens with 1 to 4 rows (rows joining and leaving, a lone row in the 2-row bucket) and
     compiles nothing more. Gemma 3: the sliding-window and global masks, both over a symbolic rows count."""
@@ -280,7 +280,7 @@ def test_dynamic_rows_compile_one_function_per_width(fresh_dynamo):
     configs = _configs()
     expected = _alone(target, PROMPTS, configs)
     dec = BatchedSpeculativeDecoder(target, PromptLookupDrafter(), max_batch_size=4, max_length=96,
-                                    num_speculative_tokens=3, compile=True, row_buckets=(2,), dynamic_rows=True)
+                                    num_speculative_tokens=3, compile=True, row_buckets=(2,), dynamic_shapes=True)
     assert dec.cache.fast.rows == (2, 4) and dec.runner.widths == (1, 4)
     graphs = counters["stats"]["unique_graphs"]
     dec.warm_up()

@@ -300,3 +300,32 @@ def test_captured_graphs_option_is_checked_and_on_a_cpu_compiles_as_true(fresh_d
     engine = runner.one_row_engine
     assert engine.cache.fast.graphs == "captured" and engine.runner.compile_time_s > 0
     assert all(not b.capture and b.graph is None for b in engine.runner._buckets.values())
+
+
+def test_dynamic_shapes_compile_one_function_per_width_class(fresh_dynamo):
+    """``ModelRunner(dynamic_shapes=True)``: the one-row engine's buckets share compiled functions, widths above 1
+    symbolic. The cascade's draft model runs widths 1, 2 and 4 (its n-gram check feeds several tokens, up
+    to the widest bucket, γ + 1) and the target 1 and γ + 1: 4 graphs, where a graph per bucket makes 5. The tokens are the eager
+    autoregressive ones; a second prompt compiles nothing; a bad value is refused by name."""
+    target = make_tiny_model("qwen2", num_layers=2)
+    draft = perturbed_copy(target, noise=0.3, seed=1)
+    with pytest.raises(InvalidArgumentError, match=r"dynamic_shapes must be True or False, True only with the fast "
+                                                   r"path \(compile\), got 1 with compile=True"):
+        ModelRunner(target, compile=True, dynamic_shapes=1)
+    with pytest.raises(InvalidArgumentError, match=r"got True with compile=False"):
+        ModelRunner(target, compile=False, dynamic_shapes=True)
+    runner = ModelRunner(target, compile=True, name="target model", dynamic_shapes=True)
+    config = GenerationConfig(max_new_tokens=20, num_speculative_tokens=3, stop_on_eos=False)
+    dec = SpeculativeDecoder(target, CascadeDrafter(draft), runner=runner)
+    graphs = counters["stats"]["unique_graphs"]
+    for seed, length in PROMPTS[1:3]:
+        prompt = _prompt(length, seed)
+        expected = SpeculativeDecoder(target, compile=False).generate(prompt, config).token_ids
+        assert dec.generate(prompt, config).token_ids == expected
+        engine = runner.one_row_engine
+        engine.drafter.warm_up(1, engine.max_block)  # every width of the draft runner, as a server's warm-up
+        assert counters["stats"]["unique_graphs"] - graphs == 4, sorted(engine.runner._buckets)
+    draft_runner = engine.drafter.runner
+    assert engine.cache.fast.dynamic_shapes and draft_runner.widths == (1, 2, 4)
+    assert sorted(map(str, draft_runner._forwards)) == ["(1, 'N', False)", "(1, 1, False)"]
+    assert engine.runner.num_eager_forwards == 0 and draft_runner.num_eager_forwards == 0

@@ -345,6 +345,31 @@ def test_the_draft_block_known_before_loading_is_the_engine_s(tiny_folders, flag
     assert longest_draft_block(args, plan) == build_decoder(gen, args, plan).max_block
 
 
+def test_dynamic_shapes_reach_the_engine_and_need_the_fast_path(tiny_folders):
+    """``serve --dynamic-shapes`` gives the engine ``dynamic_shapes``; without the fast path (a CPU's default) it is
+    refused by name rather than ignored."""
+    import torch
+
+    from specdecode.cli import build_parser
+    from specdecode.errors import InvalidArgumentError
+    from specdecode.pipeline import SpeculativeGenerator
+    from specdecode.serve.command import build_decoder, check_llama_cpp_backend, resolve_defaults
+
+    def engine(*flags):
+        args = build_parser().parse_args(serve_args(tiny_folders, "--method", "draft", "--max-length", 256, *flags))
+        check_llama_cpp_backend(args)
+        return build_decoder(gen, args, resolve_defaults(args, torch.device("cpu")))
+
+    target, draft = tiny_folders
+    gen = SpeculativeGenerator.from_pretrained(str(target), str(draft), dtype="float32", device="cpu")
+    made = engine("--compile", "--dynamic-shapes")
+    assert made.cache.fast.dynamic_shapes and made.drafter.cache.fast.dynamic_shapes
+    assert not engine("--compile").cache.fast.dynamic_shapes
+    with pytest.raises(InvalidArgumentError, match=r"dynamic_shapes=True shapes the fast path's compiled forwards, "
+                                                   r"but compile is off"):
+        engine("--dynamic-shapes")
+
+
 # --- a draft model's context length, and --max-length checked before the models load ----------------------------
 
 

@@ -70,25 +70,40 @@ class FastPath:
             with top probabilities) pairs; each engine on them adds its longest block less one, with top
             probabilities where its adaptive exit reads them with the round's sync, so engines that share
             a cache (one row at a time, ``SpeculativeDecoder``) each fuse their own full rounds.
-        dynamic_rows: Whether the rows buckets above 1 share one compiled function per width, compiled once with
-            a symbolic rows dimension (vLLM's way: its CUDA graphs are still one per rows bucket, recorded at
-            each bucket's first calls); False compiles each (rows, width) bucket apart.
+        dynamic_shapes: Whether the buckets share compiled functions, traced with symbolic rows and widths
+            above 1: at most four per runner (rows 1 or more, width 1 or more), as vLLM compiles once for every
+            batch size; CUDA graphs are still one per bucket, recorded at its first calls. False compiles each
+            (rows, width) bucket apart.
     """
 
     rows: tuple[int, ...]
     max_width: int
     graphs: bool | str = True
-    dynamic_rows: bool = False
+    dynamic_shapes: bool = False
     draft_steps: set[tuple[int, bool]] = field(default_factory=set, compare=False)
 
     def __post_init__(self) -> None:
         check_graphs(self.graphs)
-        if not isinstance(self.dynamic_rows, bool):
-            raise InvalidArgumentError(f"dynamic_rows must be True or False, got {self.dynamic_rows!r}")
+        if not isinstance(self.dynamic_shapes, bool):
+            raise InvalidArgumentError(f"dynamic_shapes must be True or False, got {self.dynamic_shapes!r}")
 
     def compiles_like(self, other: FastPath) -> bool:
-        """Whether ``other`` has the same rows buckets, ``graphs`` and ``dynamic_rows`` (its widths may differ)."""
-        return (self.rows, self.graphs, self.dynamic_rows) == (other.rows, other.graphs, other.dynamic_rows)
+        """Whether ``other`` has the same rows buckets, ``graphs`` and ``dynamic_shapes`` (its widths may differ)."""
+        return (self.rows, self.graphs, self.dynamic_shapes) == (other.rows, other.graphs, other.dynamic_shapes)
+
+
+def engine_fast_path(compile: bool, rows: tuple[int, ...], max_width: int, graphs: bool | str = True,
+                     dynamic_shapes: bool = False) -> FastPath | None:
+    """An engine's ``FastPath`` with ``compile``, else None.
+
+    Raises:
+        InvalidArgumentError: ``dynamic_shapes`` other than False without ``compile`` (it shapes the compiled
+            forwards); ``FastPath``'s.
+    """
+    if dynamic_shapes is not False and not compile:
+        raise InvalidArgumentError(f"dynamic_shapes={dynamic_shapes!r} shapes the fast path's compiled forwards, but "
+                                   "compile is off (compile=False, or None on a CPU): pass compile=True or leave it out")
+    return FastPath(rows, max_width, graphs, dynamic_shapes) if compile else None
 
 
 #: ``FastPath.graphs``' values.

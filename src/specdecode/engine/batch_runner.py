@@ -23,12 +23,13 @@ whose rows each continue at their own position (``batch_cache.BatchKVCache``):
   ``torch.compiler.cudagraph_mark_step_begin()`` and its logits are cloned before the next
   graph reuses their memory. The first calls of a bucket (compilation, graph capture) are
   timed apart, in ``compile_time_s``, and logged at INFO.
-* **Dynamic rows** (``FastPath.dynamic_rows``, off by default): the rows buckets above 1 share one
-  compiled function per width, traced with a symbolic rows dimension (``torch._dynamo.mark_dynamic``
-  on the buckets' buffers, ``dynamic=None``; 1 stays apart, as dynamo specializes sizes 0 and 1), as
-  vLLM compiles its decode graph once for every batch size and captures a CUDA graph per size. Its
-  range is 2 .. the cache's slots (the graph guards on them). Measured on a 2-core Xeon (torch 2.13,
-  Qwen2.5-Coder 0.5B bf16; ``docs/benchmarks/2026-11-27-dynamic-rows.md``): rows buckets 2, 4, 8 at
+* **Dynamic shapes** (``FastPath.dynamic_shapes``, off by default): rows and widths above 1 are
+  symbolic (``torch._dynamo.mark_dynamic`` on the buckets' buffers, ``dynamic=None``; size 1 stays
+  apart, as dynamo specializes sizes 0 and 1), so a runner compiles at most four functions (rows 1 or
+  more, width 1 or more; trees apart), as vLLM compiles its decode graph once for every batch size and
+  captures a CUDA graph per size. Ranges: rows 2 .. the cache's slots (the graph guards on them),
+  widths 2 .. ``FastPath.max_width``. Measured on a 2-core Xeon (torch 2.13,
+  Qwen2.5-Coder 0.5B bf16; ``docs/benchmarks/2026-11-27-dynamic-shapes.md``): rows buckets 2, 4, 8 at
   widths 1 and 6 compiled in 113 s against 262 s, forwards no slower. Not yet run on a GPU.
 * **Inputs** are copied into the bucket's persistent buffers: token ids device to device,
   write positions from host ints through pinned memory without blocking (``to_device``).
@@ -156,8 +157,8 @@ class BatchRunner:
         self._buckets: dict[tuple[int, int, bool], _Bucket] = {}
         #: [fused draft steps] by (rows, steps, vocab, head size or None)
         self._steps_buckets: dict[tuple[int, int, int, int | None, bool], _Bucket] = {}
-        #: [dynamic rows] the forward every rows bucket above 1 shares, by (width, tree)
-        self._dynamic: dict[tuple[int, bool], Callable] = {}
+        #: Compiled forwards by (rows or "N", width or "N", tree): "N" a symbolic size (``FastPath.dynamic_shapes``)
+        self._forwards: dict[tuple, Callable] = {}
 
     takes_trees = True  # tree forwards (``engine.tree``): on the fast path, buckets of their own
 
@@ -436,17 +437,24 @@ class _Bucket:
         compiled = (bool(graphs), cuda, cuda and graphs is True)  # compile; CUDA; torch.compile's graphs
         if steps is None:
             self.inputs = (self.ids,)
-            tag = f"w{width}{'t' if tree else ''}"
-            if graphs and rows > 1 and runner.fast.dynamic_rows:  # [dynamic rows] one compiled function
+            # [dynamic shapes] rows and widths above 1 symbolic: one compiled function for the buckets that share
+            # which of the two are above 1 (and the tree flag)
+            dyn_rows, dyn_width = (bool(graphs) and runner.fast.dynamic_shapes and n > 1 for n in (rows, width))
+            if dyn_rows:
                 for buffer in (self.ids, self.index, self.depth, self.ancestors):
                     if buffer is not None:
                         torch._dynamo.mark_dynamic(buffer, 0, min=2, max=max(runner.rows))
-                key = (width, tree)
-                if key not in runner._dynamic:
-                    runner._dynamic[key] = _forward_function(runner.model, f"rN{tag}", *compiled, dynamic=None)
-                self.forward = runner._dynamic[key]
-            else:
-                self.forward = _forward_function(runner.model, f"r{rows}{tag}", *compiled)
+            if dyn_width:
+                top = runner.fast.max_width
+                for buffer, dims in ((self.ids, (1,)), (self.index, (2,)), (self.depth, (1,)), (self.ancestors, (1, 2))):
+                    for dim in dims if buffer is not None else ():
+                        torch._dynamo.mark_dynamic(buffer, dim, min=2, max=top)
+            key = ("N" if dyn_rows else rows, "N" if dyn_width else width, tree)
+            if key not in runner._forwards:
+                tag = f"r{key[0]}w{key[1]}{'t' if tree else ''}"
+                runner._forwards[key] = _forward_function(runner.model, tag, *compiled,
+                                                          dynamic=None if dyn_rows or dyn_width else False)
+            self.forward = runner._forwards[key]
         else:
             self.inputs = (self.ids, self.index, self.head)
             tag = f"r{rows}s{self.steps}{'p' if steps[3] else ''}"

@@ -47,8 +47,8 @@ from transformers import PreTrainedModel
 
 from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS, check_num_speculative_tokens
 from specdecode.engine.banned_rows import mask_batch
-from specdecode.engine.batch_cache import (PREFILL_CHUNK_TOKENS, PREFILL_PAD_MULTIPLE, BatchKVCache, FastPath,
-                                           check_graphs, to_device, warm_up_widths)
+from specdecode.engine.batch_cache import (PREFILL_CHUNK_TOKENS, PREFILL_PAD_MULTIPLE, BatchKVCache, check_graphs,
+                                           engine_fast_path, to_device, warm_up_widths)
 from specdecode.engine.batch_requests import BatchRequests
 from specdecode.engine.batch_rows import BatchEvent, trimmed_blocks
 from specdecode.engine.batch_runner import BatchRunner, check_row_buckets, default_batch_compile
@@ -106,9 +106,9 @@ class BatchedSpeculativeDecoder(BatchRequests):
         graphs: With ``compile``, False runs the fast path's static-shape forwards without
             ``torch.compile`` (tests, debugging); "captured": CUDA graphs of specdecode's own
             (``batch_cache.FastPath``; CUDA only, elsewhere as True).
-        row_buckets, dynamic_rows: With ``compile``, the rows buckets (integers in 1 .. ``max_batch_size``;
+        row_buckets, dynamic_shapes: With ``compile``, the rows buckets (integers in 1 .. ``max_batch_size``;
             None: 1, 2, 4, .. and it, ``batch_runner.row_buckets``; fewer compile faster, padding more rows),
-            and whether those above 1 share one compiled function per width (``batch_cache.FastPath``).
+            and whether buckets share compiled functions with symbolic sizes (``batch_cache.FastPath``).
         shared_prefill: Requests admitted in one step share 2 prefill forwards (``shared_prefill``;
             plus the leading chunks of prompts longer than ``prefill_chunk_tokens``, alone) rather
             than one each: True, False, or None for the device's default (CUDA only; never with a
@@ -154,7 +154,7 @@ class BatchedSpeculativeDecoder(BatchRequests):
         compile: bool | None = None,
         graphs: bool | str = True,
         row_buckets: Sequence[int] | None = None,
-        dynamic_rows: bool = False,
+        dynamic_shapes: bool = False,
         shared_with: BatchedSpeculativeDecoder | None = None,
         shared_prefill: bool | None = None,
         overlap_rounds: bool | None = None,
@@ -194,7 +194,7 @@ class BatchedSpeculativeDecoder(BatchRequests):
         self.overlap_rounds = engine_overlap_rounds(overlap_rounds, target)
         # The widest bucket: a verification (max_block + 1) or a draft model's first feed (2).
         rows = check_row_buckets(row_buckets, max_batch_size)
-        fast = FastPath(rows, max(self.max_block + 1, 2), graphs, dynamic_rows) if self.compile else None
+        fast = engine_fast_path(self.compile, rows, max(self.max_block + 1, 2), graphs, dynamic_shapes)
         previous = shared_with
         if is_runner_target(target):  # its own memory, one sequence: refuses max_batch_size > 1 and compile
             self.cache, self.runner = runner_target_parts(target, max_batch_size, max_length, self.compile, previous,

@@ -258,6 +258,7 @@ class SpeculativeDecoder:
             draft_control=control,
             compile=compile,
             graphs=getattr(self.runner, "graphs", True),
+            dynamic_shapes=getattr(self.runner, "dynamic_shapes", False),
             prefill_pad_multiple=1,  # one prompt at a time: its own width, as transformers' generate
             shared_with=engine,
             overlap_rounds=self.overlap_rounds,

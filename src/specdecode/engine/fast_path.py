@@ -88,23 +88,30 @@ class ModelRunner:
         graphs: False keeps every forward eager even with ``compile`` (the fast path's cache
             logic without its compile time, for tests and debugging); "captured": specdecode's own
             CUDA graphs rather than torch.compile's (``batch_cache.FastPath``; CUDA only).
+        dynamic_shapes: Compile each model's forwards once for every width above 1 (and, batched, every rows
+            count above 1), with CUDA graphs still one per bucket (``batch_cache.FastPath``).
 
     Attributes:
-        model, name, compile, graphs: As given (``compile`` resolved).
+        model, name, compile, graphs, dynamic_shapes: As given (``compile`` resolved); ``dynamic_shapes`` is
+            read by each decoder's next one-row engine.
         one_row_engine: The latest one-row ``BatchedSpeculativeDecoder`` made with these settings
             (set by ``SpeculativeDecoder``), or None.
 
     Raises:
-        InvalidArgumentError: A bad ``compile`` or ``graphs``; compiling a model it cannot compile
-            (``check_compilable``).
+        InvalidArgumentError: A bad ``compile``, ``graphs`` or ``dynamic_shapes``; compiling a model it cannot
+            compile (``check_compilable``).
     """
 
     def __init__(self, model: PreTrainedModel, *, compile: bool | None = None, name: str = "model",
-                 graphs: bool | str = True) -> None:
+                 graphs: bool | str = True, dynamic_shapes: bool = False) -> None:
         check_graphs(graphs)
         self.model = model
         self.name = name
         self.compile = resolve_compile(compile, model.device)
+        if dynamic_shapes is not False and (not isinstance(dynamic_shapes, bool) or not self.compile):
+            raise InvalidArgumentError(f"dynamic_shapes must be True or False, True only with the fast path (compile), "
+                                       f"got {dynamic_shapes!r} with compile={self.compile}")
+        self.dynamic_shapes = dynamic_shapes
         if self.compile and graphs:
             check_compilable(model, name)
         self.graphs = graphs

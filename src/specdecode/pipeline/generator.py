@@ -325,7 +325,7 @@ class SpeculativeGenerator(ModelPair):
         row_buckets: Sequence[int] | None = None,
         shared_prefill: bool | None = None,
         overlap_rounds: bool | None = None,
-        dynamic_rows: bool = False,
+        dynamic_shapes: bool = False,
     ) -> BatchedSpeculativeDecoder:
         """A ``BatchedSpeculativeDecoder`` (many rows at once, continuous batching) for ``method``.
 
@@ -348,7 +348,7 @@ class SpeculativeGenerator(ModelPair):
             row_buckets: With ``compile``, the rows buckets compiled; None: 1, 2, 4, .. and
                 ``max_batch_size`` (``BatchedSpeculativeDecoder``). ``(max_batch_size,)`` compiles one
                 rows bucket per width, fewer rows running padded.
-            dynamic_rows: With ``compile``, the rows buckets above 1 share one compiled function per width
+            dynamic_shapes: With ``compile``, the buckets with rows or widths above 1 share compiled functions
                 (``BatchedSpeculativeDecoder``): fewer compilations, CUDA graphs still one per bucket.
             shared_prefill: Requests admitted together share their prefill forwards (``engine.shared_prefill``):
                 True, False, or None for the device's default (CUDA only).
@@ -387,7 +387,7 @@ class SpeculativeGenerator(ModelPair):
             max_verify_tokens=max_verify_tokens,
             compile=compile,
             row_buckets=row_buckets,
-            dynamic_rows=dynamic_rows,
+            dynamic_shapes=dynamic_shapes,
             shared_prefill=shared_prefill,
             overlap_rounds=overlap_rounds,
         )

@@ -183,6 +183,9 @@ def add_arguments(p: argparse.ArgumentParser, *, default_target: str, default_dr
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="the batched fast path: decode-time forwards compiled at a few (rows, width) buckets, "
                         "CUDA graphs on CUDA, compiled in the warm-up; default: on for CUDA, off for a CPU")
+    p.add_argument("--dynamic-shapes", action="store_true",
+                   help="with the fast path, compile each model's buckets as at most four functions (rows and widths "
+                        "above 1 symbolic, a CUDA graph still per bucket): a shorter warm-up; not yet measured on a GPU")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the start-up forwards at every width the engine uses (without them, a CPU "
                         "server's memory grows while new matmul shapes turn up)")
@@ -405,7 +408,7 @@ def build_decoder(gen, args, plan: ServePlan, *, max_length: int | None = None, 
         num_speculative_tokens=plan.num_speculative_tokens, draft_control=plan.draft_control,
         exit_rule=args.exit_rule, max_verify_tokens=max_verify_tokens, skip_layers=args.skip_layers,
         skip_config=args.skip_config, exit_layer=args.exit_layer, prompt_lookup_max_ngram=args.prompt_lookup_max_ngram,
-        prompt_lookup_min_ngram=args.prompt_lookup_min_ngram, compile=args.compile,
+        prompt_lookup_min_ngram=args.prompt_lookup_min_ngram, compile=args.compile, dynamic_shapes=args.dynamic_shapes,
         ngram_check=args.ngram_check, max_model_prompt_tokens=plan.max_model_prompt_tokens,
         draft_context_window=args.draft_context_window, draft_vocab_size=args.draft_vocab_size,
         prompt_lookup_branches=args.prompt_lookup_branches, draft_tree_depth=args.draft_tree_depth,
