@@ -32,7 +32,7 @@ repeat the last token: the real shapes' forward and round costs, with full accep
 (``docs/benchmarks/2026-11-27-gpu-h200.md`` has the command). ``--row-buckets batch`` compiles one rows bucket
 per batch size (each bucket compiles in 25-40 s on a cold machine). ``--dynamic-shapes`` compiles each runner's
 buckets as at most four functions, rows and widths above 1 symbolic (``FastPath.dynamic_shapes``; on a CPU 6
-rows buckets compiled in 113 s against 262 s, ``2026-11-27-dynamic-shapes.md``; not yet run on a GPU).
+rows buckets compiled in 141 s against 262 s, ``2026-11-27-dynamic-shapes.md``; not yet run on a GPU).
 
 What it prints (each as a Markdown table; warm-up and compilation seconds apart from timed runs):
 

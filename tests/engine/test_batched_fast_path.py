@@ -214,8 +214,10 @@ def test_compile_option_and_row_buckets_are_checked():
         BatchedSpeculativeDecoder(target, compile="yes")
     with pytest.raises(InvalidArgumentError, match=r"row_buckets must be integers in 1..4 \(max_batch_size\), got \(0,\)"):
         BatchedSpeculativeDecoder(target, max_batch_size=4, compile=True, row_buckets=(0,))
-    with pytest.raises(InvalidArgumentError, match="dynamic_shapes must be True or False, got 'yes'"):
+    with pytest.raises(InvalidArgumentError, match="dynamic_shapes must be True or False, .*got 'yes' with compile=True"):
         BatchedSpeculativeDecoder(target, max_batch_size=4, compile=True, dynamic_shapes="yes")
+    with pytest.raises(InvalidArgumentError, match="got True with compile=False, graphs=True"):  # the CPU default
+        BatchedSpeculativeDecoder(target, max_batch_size=4, dynamic_shapes=True)
     assert row_buckets(1) == (1,) and row_buckets(8) == (1, 2, 4, 8) and row_buckets(12) == (1, 2, 4, 8, 12)
     assert check_row_buckets((4, 1), 6) == (1, 4, 6)
 
@@ -272,7 +274,7 @@ def test_compiled_prompt_lookup_equals_autoregressive(fresh_dynamo):
 
 @pytest.mark.usefixtures("one_thread")
 def test_dynamic_shapes_compile_one_function_per_width(fresh_dynamo):
-    """``dynamic_shapes``: the rows buckets above 1 (here 2 and 4) share one compiled forward per width, so
+    """``dynamic_shapes``: the rows buckets above 1 (here 2 and 4) share one compiled forward per width class, so
     warm-up compiles 2 graphs (widths 1 and γ + 1) where a graph per bucket makes 4; decoding then gives
     the eager tokens with 1 to 4 rows (rows joining and leaving, a lone row in the 2-row bucket) and
     compiles nothing more. Gemma 3: the sliding-window and global masks, both over a symbolic rows count."""
@@ -288,6 +290,28 @@ def test_dynamic_shapes_compile_one_function_per_width(fresh_dynamo):
     assert _continuous(dec, PROMPTS, configs) == expected
     assert counters["stats"]["unique_graphs"] - graphs == 2
     assert dec.runner.num_eager_forwards == 0
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_dynamic_shapes_with_token_trees_and_ranges_of_one_size(fresh_dynamo):
+    """``dynamic_shapes`` with a draft model growing EAGLE-2 token trees: the tree forwards' depth and ancestor
+    buffers take symbolic rows and widths too, and rows joining and leaving give the eager tokens. An engine of 2
+    slots has a rows range of one size (2 .. 2), which dynamo would refuse as a symbol: it stays static."""
+    target = make_tiny_model("llama", num_layers=2)
+    draft = perturbed_copy(target, noise=0.3, seed=1)
+    configs = _configs()
+    expected = _alone(target, PROMPTS, configs)
+    drafter = DraftModelDrafter(draft, tree_depth=3, tree_expand=2)
+    dec = BatchedSpeculativeDecoder(target, drafter, max_batch_size=4, max_length=96, num_speculative_tokens=4,
+                                    compile=True, row_buckets=(2,), dynamic_shapes=True)
+    assert _continuous(dec, PROMPTS, configs) == expected
+    assert ("N", "N", True) in dec.runner._forwards  # the target's tree verification, rows and width symbolic
+    assert {key[0] for key in [*dec.runner._forwards, *drafter.runner._forwards]} == {"N"}
+    assert 0 < dec.stats.num_accepted_tokens < dec.stats.num_drafted_tokens
+    two = BatchedSpeculativeDecoder(target, PromptLookupDrafter(), max_batch_size=2, max_length=96,
+                                    num_speculative_tokens=3, compile=True, dynamic_shapes=True)
+    assert [r.token_ids for r in two.generate(PROMPTS[:2], configs[:2])] == expected[:2]
+    assert {key[0] for key in two.runner._forwards} <= {1, 2} and (2, "N", False) in two.runner._forwards
 
 
 _SYNC_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")

@@ -309,11 +309,12 @@ def test_dynamic_shapes_compile_one_function_per_width_class(fresh_dynamo):
     autoregressive ones; a second prompt compiles nothing; a bad value is refused by name."""
     target = make_tiny_model("qwen2", num_layers=2)
     draft = perturbed_copy(target, noise=0.3, seed=1)
-    with pytest.raises(InvalidArgumentError, match=r"dynamic_shapes must be True or False, True only with the fast "
-                                                   r"path \(compile\), got 1 with compile=True"):
+    with pytest.raises(InvalidArgumentError, match=r"dynamic_shapes must be True or False, .*got 1 with compile=True"):
         ModelRunner(target, compile=True, dynamic_shapes=1)
-    with pytest.raises(InvalidArgumentError, match=r"got True with compile=False"):
+    with pytest.raises(InvalidArgumentError, match=r"True only where forwards compile .*got True with compile=False"):
         ModelRunner(target, compile=False, dynamic_shapes=True)
+    with pytest.raises(InvalidArgumentError, match=r"got True with compile=True, graphs=False"):  # nothing compiles
+        ModelRunner(target, compile=True, graphs=False, dynamic_shapes=True)
     runner = ModelRunner(target, compile=True, name="target model", dynamic_shapes=True)
     config = GenerationConfig(max_new_tokens=20, num_speculative_tokens=3, stop_on_eos=False)
     dec = SpeculativeDecoder(target, CascadeDrafter(draft), runner=runner)
@@ -329,3 +330,19 @@ def test_dynamic_shapes_compile_one_function_per_width_class(fresh_dynamo):
     assert engine.cache.fast.dynamic_shapes and draft_runner.widths == (1, 2, 4)
     assert sorted(map(str, draft_runner._forwards)) == ["(1, 'N', False)", "(1, 1, False)"]
     assert engine.runner.num_eager_forwards == 0 and draft_runner.num_eager_forwards == 0
+
+
+def test_a_changed_dynamic_shapes_is_not_ignored_by_the_kept_engine():
+    """The one-row engine is kept while the runner's settings hold; after ``runner.dynamic_shapes`` changes, the
+    next generation makes a new engine, which checks the value (here refused: nothing compiles with graphs=False)."""
+    target = make_tiny_model("llama", num_layers=2)
+    runner = ModelRunner(target, compile=True, graphs=False)
+    dec = SpeculativeDecoder(target, runner=runner)
+    config = GenerationConfig(max_new_tokens=4, stop_on_eos=False)
+    dec.generate(_prompt(5, 0), config)
+    first = runner.one_row_engine
+    dec.generate(_prompt(5, 1), config)
+    assert runner.one_row_engine is first
+    runner.dynamic_shapes = True
+    with pytest.raises(InvalidArgumentError, match=r"got True with compile=True, graphs=False"):
+        dec.generate(_prompt(5, 2), config)

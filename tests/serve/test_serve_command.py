@@ -365,8 +365,9 @@ def test_dynamic_shapes_reach_the_engine_and_need_the_fast_path(tiny_folders):
     made = engine("--compile", "--dynamic-shapes")
     assert made.cache.fast.dynamic_shapes and made.drafter.cache.fast.dynamic_shapes
     assert not engine("--compile").cache.fast.dynamic_shapes
-    with pytest.raises(InvalidArgumentError, match=r"dynamic_shapes=True shapes the fast path's compiled forwards, "
-                                                   r"but compile is off"):
+    with pytest.raises(InvalidArgumentError, match=r"dynamic_shapes must be True or False, and True only where "
+                                                   r"forwards compile \(compile=True, --compile; .*got True with "
+                                                   r"compile=False, graphs=True"):
         engine("--dynamic-shapes")
 
 

@@ -56,7 +56,8 @@ _EMBEDDING_ROWS_PER_LOOKUP = 8192
 
 @dataclass(frozen=True)
 class FastPath:
-    """The batched fast path's settings (``engine.batch_runner``), shared by the engine's caches.
+    """The batched fast path's settings (``engine.batch_runner``), shared by the engine's caches. Two compare
+    equal when their compiled buckets can serve each other's engines (``max_width`` and ``draft_steps`` aside).
 
     Attributes:
         rows: Rows buckets, ascending, the last one the cache's ``num_slots``.
@@ -70,40 +71,41 @@ class FastPath:
             with top probabilities) pairs; each engine on them adds its longest block less one, with top
             probabilities where its adaptive exit reads them with the round's sync, so engines that share
             a cache (one row at a time, ``SpeculativeDecoder``) each fuse their own full rounds.
-        dynamic_shapes: Whether the buckets share compiled functions, traced with symbolic rows and widths
-            above 1: at most four per runner (rows 1 or more, width 1 or more), as vLLM compiles once for every
-            batch size; CUDA graphs are still one per bucket, recorded at its first calls. False compiles each
-            (rows, width) bucket apart.
+        dynamic_shapes: Buckets share compiled functions traced with symbolic rows and widths above 1: at most
+            four per runner (tree forwards up to four more), as vLLM compiles once for every batch size; CUDA
+            graphs stay one per bucket. False compiles each (rows, width) bucket apart.
     """
 
     rows: tuple[int, ...]
-    max_width: int
+    max_width: int = field(compare=False)
     graphs: bool | str = True
     dynamic_shapes: bool = False
     draft_steps: set[tuple[int, bool]] = field(default_factory=set, compare=False)
 
     def __post_init__(self) -> None:
         check_graphs(self.graphs)
-        if not isinstance(self.dynamic_shapes, bool):
-            raise InvalidArgumentError(f"dynamic_shapes must be True or False, got {self.dynamic_shapes!r}")
-
-    def compiles_like(self, other: FastPath) -> bool:
-        """Whether ``other`` has the same rows buckets, ``graphs`` and ``dynamic_shapes`` (its widths may differ)."""
-        return (self.rows, self.graphs, self.dynamic_shapes) == (other.rows, other.graphs, other.dynamic_shapes)
+        check_dynamic_shapes(self.dynamic_shapes, True, self.graphs)
 
 
 def engine_fast_path(compile: bool, rows: tuple[int, ...], max_width: int, graphs: bool | str = True,
                      dynamic_shapes: bool = False) -> FastPath | None:
-    """An engine's ``FastPath`` with ``compile``, else None.
+    """An engine's ``FastPath`` with ``compile``, else None (``InvalidArgumentError``: ``check_dynamic_shapes``'
+    and ``FastPath``'s)."""
+    check_dynamic_shapes(dynamic_shapes, compile, graphs)
+    return FastPath(rows, max_width, graphs, dynamic_shapes) if compile else None
+
+
+def check_dynamic_shapes(dynamic_shapes, compile: bool, graphs) -> None:
+    """Refuse a ``dynamic_shapes`` that is not a bool, or True where nothing compiles (``compile`` off, or
+    ``graphs=False``): it shapes compiled forwards only, so it is never silently ignored.
 
     Raises:
-        InvalidArgumentError: ``dynamic_shapes`` other than False without ``compile`` (it shapes the compiled
-            forwards); ``FastPath``'s.
+        InvalidArgumentError: Naming the value, ``compile`` and ``graphs``.
     """
-    if dynamic_shapes is not False and not compile:
-        raise InvalidArgumentError(f"dynamic_shapes={dynamic_shapes!r} shapes the fast path's compiled forwards, but "
-                                   "compile is off (compile=False, or None on a CPU): pass compile=True or leave it out")
-    return FastPath(rows, max_width, graphs, dynamic_shapes) if compile else None
+    if dynamic_shapes is not False and (dynamic_shapes is not True or not compile or graphs is False):
+        raise InvalidArgumentError(
+            f"dynamic_shapes must be True or False, and True only where forwards compile (compile=True, --compile; "
+            f"graphs True or 'captured'): got {dynamic_shapes!r} with compile={compile}, graphs={graphs!r}")
 
 
 #: ``FastPath.graphs``' values.

@@ -26,11 +26,12 @@ whose rows each continue at their own position (``batch_cache.BatchKVCache``):
 * **Dynamic shapes** (``FastPath.dynamic_shapes``, off by default): rows and widths above 1 are
   symbolic (``torch._dynamo.mark_dynamic`` on the buckets' buffers, ``dynamic=None``; size 1 stays
   apart, as dynamo specializes sizes 0 and 1), so a runner compiles at most four functions (rows 1 or
-  more, width 1 or more; trees apart), as vLLM compiles its decode graph once for every batch size and
-  captures a CUDA graph per size. Ranges: rows 2 .. the cache's slots (the graph guards on them),
-  widths 2 .. ``FastPath.max_width``. Measured on a 2-core Xeon (torch 2.13,
+  more, width 1 or more; tree forwards up to four more; fused draft steps still one per rows bucket),
+  as vLLM compiles its decode graph once for every batch size and captures a CUDA graph per size.
+  Ranges: rows 2 .. the cache's slots (the graph guards on them), widths 2 .. ``FastPath.max_width``;
+  a range of one size stays static. Measured on a 2-core Xeon (torch 2.13,
   Qwen2.5-Coder 0.5B bf16; ``docs/benchmarks/2026-11-27-dynamic-shapes.md``): rows buckets 2, 4, 8 at
-  widths 1 and 6 compiled in 113 s against 262 s, forwards no slower. Not yet run on a GPU.
+  widths 1 and 6 compiled in 141 s against 262 s, forwards no slower. Not yet run on a GPU.
 * **Inputs** are copied into the bucket's persistent buffers: token ids device to device,
   write positions from host ints through pinned memory without blocking (``to_device``).
   Nothing reads back.
@@ -404,7 +405,8 @@ class BatchRunner:
 
 
 class _Bucket:
-    """One (rows, width) bucket: persistent input buffers and its own compiled forward.
+    """One (rows, width) bucket: persistent input buffers and its compiled forward (its own, or with
+    ``FastPath.dynamic_shapes`` the one its size class shares: ``BatchRunner._forwards``).
 
     ``steps=(S, V, K, tops)``: [fused draft steps] a width-1 bucket whose function runs S greedy steps
     (``_steps_function``; V the vocabulary, K a truncated head's size or None, ``tops``: whether it
@@ -428,7 +430,7 @@ class _Bucket:
                 self.head = torch.zeros(steps[2], dtype=torch.long, device=device)
         for buffer in (self.ids, self.index, self.depth, self.ancestors, self.head):
             if buffer is not None:
-                torch._dynamo.mark_static_address(buffer)
+                torch._dynamo.mark_static_address(buffer, guard=False)  # no id guard: buckets share functions
         graphs, cuda = runner.fast.graphs, runner._cuda
         #: [captured graphs] compiled without torch's CUDA graphs, recorded by ``BatchRunner._capture``
         self.capture = cuda and graphs == "captured"
@@ -439,7 +441,9 @@ class _Bucket:
             self.inputs = (self.ids,)
             # [dynamic shapes] rows and widths above 1 symbolic: one compiled function for the buckets that share
             # which of the two are above 1 (and the tree flag)
-            dyn_rows, dyn_width = (bool(graphs) and runner.fast.dynamic_shapes and n > 1 for n in (rows, width))
+            # (a range of one size, 2 .. 2, stays static: dynamo refuses a fully constrained symbol)
+            dyn_rows, dyn_width = (bool(graphs) and runner.fast.dynamic_shapes and 1 < n and 2 < top
+                                   for n, top in ((rows, max(runner.rows)), (width, runner.fast.max_width)))
             if dyn_rows:
                 for buffer in (self.ids, self.index, self.depth, self.ancestors):
                     if buffer is not None:
@@ -506,8 +510,8 @@ def _steps_function(model: PreTrainedModel, tag: str, num_steps: int, vocab: int
 def _own_compiled(fn: types.FunctionType, tag: str, graphs: bool, cuda: bool, cuda_graphs: bool,
                   dynamic: bool | None = False) -> Callable:
     """``fn`` itself, or with ``graphs`` compiled on a code object of its own named by ``tag`` (the
-    module docstring: one compiled function per bucket), with torch.compile's CUDA graphs where
-    ``cuda_graphs``."""
+    module docstring: one compiled function per bucket, or per size class with dynamic shapes), with
+    torch.compile's CUDA graphs where ``cuda_graphs``."""
     if not graphs:
         return fn
     code = fn.__code__.replace(co_name=f"{fn.__name__}_{tag}", co_qualname=f"batch_{fn.__name__}_{tag}")

@@ -201,7 +201,7 @@ class BatchedSpeculativeDecoder(BatchRequests):
                                                           prefill_chunk_tokens, prefill_pad_multiple)
         elif previous is not None and previous.target is target and previous.cache.num_slots == max_batch_size \
                 and previous.cache.capacity >= max_length and previous.compile == self.compile \
-                and (fast is None or fast.compiles_like(previous.cache.fast)) \
+                and (fast is None or fast == previous.cache.fast) \
                 and previous.runner.widths[-1] >= self.max_block + 1 \
                 and (previous.cache.prefill_chunk_tokens, previous.cache.prefill_pad_multiple) == (
                     prefill_chunk_tokens, prefill_pad_multiple):

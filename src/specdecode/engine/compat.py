@@ -103,7 +103,7 @@ def compile_kwargs(device_type: str, *, recompile_limit: int = RECOMPILE_LIMIT, 
             False nor None.
     """
     _check_limit(recompile_limit)
-    if dynamic not in (False, None):
+    if dynamic is not False and dynamic is not None:
         raise InvalidArgumentError(f"dynamic must be False or None, got {dynamic!r}")
     kwargs: dict = {"dynamic": dynamic, "fullgraph": True}
     if device_type == "cuda" and cuda_graphs:

@@ -163,8 +163,8 @@ class SpeculativeDecoder:
             device default (``batch_runner.default_batch_compile``: on for CUDA, off for CPU).
             Ignored when ``runner`` is given. A drafter with a model of its own runs it with
             the same setting (its cache follows the target's).
-        runner: A target ``fast_path.ModelRunner`` whose settings (``compile``, ``graphs``) the round
-            takes, and whose one-row engine decoders sharing it share (``SpeculativeGenerator``
+        runner: A target ``fast_path.ModelRunner`` whose settings (``compile``, ``graphs``, ``dynamic_shapes``)
+            the round takes, and whose one-row engine decoders sharing it share (``SpeculativeGenerator``
             keeps one per model); None makes one from ``compile``.
         overlap_rounds: Without a drafter, each round's successor forward runs while the host reads and
             emits the round (``engine.overlap``): True, False, or None for the device's default (CUDA
@@ -243,7 +243,8 @@ class SpeculativeDecoder:
             block = control.controller(gamma).max_tokens
         margin = DRAFT_BUCKETS[-1] if compile else 0  # a drafter's static cache pads its forwards
         need = num_prompt_tokens + config.max_new_tokens + block + 1 + margin
-        if engine is self._engine and engine is not None and engine.gamma == gamma and engine.max_length >= need:
+        if engine is self._engine and engine is not None and engine.gamma == gamma and engine.max_length >= need \
+                and getattr(engine.cache.fast, "dynamic_shapes", False) == getattr(self.runner, "dynamic_shapes", False):
             engine.overlap_rounds = engine_overlap_rounds(self.overlap_rounds, self.target)
             return engine
         length = -(-need // CACHE_STEP) * CACHE_STEP

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from specdecode.engine.batch_cache import check_graphs
+from specdecode.engine.batch_cache import check_dynamic_shapes, check_graphs
 from specdecode.engine.compat import RECOMPILE_LIMIT  # noqa: F401 (the fast path's limit, defined with the options)
 from specdecode.errors import InvalidArgumentError
 
@@ -89,11 +89,12 @@ class ModelRunner:
             logic without its compile time, for tests and debugging); "captured": specdecode's own
             CUDA graphs rather than torch.compile's (``batch_cache.FastPath``; CUDA only).
         dynamic_shapes: Compile each model's forwards once for every width above 1 (and, batched, every rows
-            count above 1), with CUDA graphs still one per bucket (``batch_cache.FastPath``).
+            count above 1), with CUDA graphs still one per bucket (``batch_cache.FastPath``); True needs compiled
+            forwards (``batch_cache.check_dynamic_shapes``).
 
     Attributes:
-        model, name, compile, graphs, dynamic_shapes: As given (``compile`` resolved); ``dynamic_shapes`` is
-            read by each decoder's next one-row engine.
+        model, name, compile, graphs, dynamic_shapes: As given (``compile`` resolved); ``dynamic_shapes`` may be
+            changed between generations: a decoder's next generation then makes a new one-row engine.
         one_row_engine: The latest one-row ``BatchedSpeculativeDecoder`` made with these settings
             (set by ``SpeculativeDecoder``), or None.
 
@@ -108,9 +109,7 @@ class ModelRunner:
         self.model = model
         self.name = name
         self.compile = resolve_compile(compile, model.device)
-        if dynamic_shapes is not False and (not isinstance(dynamic_shapes, bool) or not self.compile):
-            raise InvalidArgumentError(f"dynamic_shapes must be True or False, True only with the fast path (compile), "
-                                       f"got {dynamic_shapes!r} with compile={self.compile}")
+        check_dynamic_shapes(dynamic_shapes, self.compile, graphs)
         self.dynamic_shapes = dynamic_shapes
         if self.compile and graphs:
             check_compilable(model, name)

@@ -184,8 +184,9 @@ def add_arguments(p: argparse.ArgumentParser, *, default_target: str, default_dr
                    help="the batched fast path: decode-time forwards compiled at a few (rows, width) buckets, "
                         "CUDA graphs on CUDA, compiled in the warm-up; default: on for CUDA, off for a CPU")
     p.add_argument("--dynamic-shapes", action="store_true",
-                   help="with the fast path, compile each model's buckets as at most four functions (rows and widths "
-                        "above 1 symbolic, a CUDA graph still per bucket): a shorter warm-up; not yet measured on a GPU")
+                   help="with --compile (the CUDA default), compile each model's buckets as at most four functions "
+                        "(rows and widths above 1 symbolic; token trees up to four more; a CUDA graph still per "
+                        "bucket): a shorter warm-up; not yet measured on a GPU")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the start-up forwards at every width the engine uses (without them, a CPU "
                         "server's memory grows while new matmul shapes turn up)")
