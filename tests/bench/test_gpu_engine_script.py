@@ -224,6 +224,21 @@ def test_batched_options_compile_on_cuda_only_and_one_rows_bucket_with_row_bucke
     assert script.batch_options(dynamic, generator, cpu, True, 8) == {"compile": False}
 
 
+def test_dynamic_shapes_reach_the_fast_path_runner_and_its_engines(script, generator):
+    """``--dynamic-shapes``: the generator's fast-path target runner gets ``dynamic_shapes``, so each method's one-row
+    engine and its draft model's cache share compiled functions (made, not run); without the fast path it says off."""
+    off = script.Run(script.parse_args(["--device", "cpu", "--no-compile", "--dynamic-shapes"]), generator, 0.0)
+    assert off.use_dynamic_shapes() == "off (no fast path: --no-compile)"
+    runner = generator.runner(True)
+    try:
+        run = script.Run(script.parse_args(["--device", "cpu", "--dynamic-shapes"]), generator, 0.0)
+        assert run.use_dynamic_shapes().startswith("on: ") and runner.dynamic_shapes
+        engine = run.engine("draft", False)
+        assert engine.cache.fast.dynamic_shapes and engine.drafter.cache.fast.dynamic_shapes
+    finally:
+        runner.dynamic_shapes = False  # the generator is the module's
+
+
 def test_captured_rows_get_a_target_runner_of_their_own_with_captured_graphs(script, generator, monkeypatch):
     """``-captured`` rows: on the fast path, the method's drafter behind a ``ModelRunner(graphs="captured")`` of
     their own (so their buckets are not the other rows'); made, not run (compiling takes long on a CPU)."""
