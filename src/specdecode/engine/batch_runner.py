@@ -439,9 +439,9 @@ class _Bucket:
         compiled = (bool(graphs), cuda, cuda and graphs is True)  # compile; CUDA; torch.compile's graphs
         if steps is None:
             self.inputs = (self.ids,)
-            # [dynamic shapes] rows and widths above 1 symbolic: one compiled function for the buckets that share
-            # which of the two are above 1 (and the tree flag)
-            # (a range of one size, 2 .. 2, stays static: dynamo refuses a fully constrained symbol)
+            # [dynamic shapes] rows and widths above 1 are symbolic: the buckets of a size class (rows 1 or more,
+            # width 1 or more, tree or not) share one compiled function; a range of one size (2 .. 2) stays
+            # static, as dynamo refuses a fully constrained symbol
             dyn_rows, dyn_width = (bool(graphs) and runner.fast.dynamic_shapes and 1 < n and 2 < top
                                    for n, top in ((rows, max(runner.rows)), (width, runner.fast.max_width)))
             if dyn_rows:
