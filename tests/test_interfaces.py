@@ -12,7 +12,8 @@ from conftest import make_tiny_model
 from specdecode.engine import kv_cache
 from specdecode.engine.batch_cache import BatchKVCache
 from specdecode.engine.batch_runner import BatchRunner
-from specdecode.engine.protocol import BatchRunnerProtocol, TargetRunnerProtocol
+from specdecode.engine.protocol import BatchRunnerProtocol, RoundRunnerProtocol, TargetRunnerProtocol
+from specdecode.engine.runner_target import RunnerTargetForwards
 from specdecode.errors import InvalidArgumentError
 from specdecode.models.llama_cpp_target import LlamaCppTargetRunner
 
@@ -36,11 +37,18 @@ def test_both_runners_have_the_declared_call(runner_class):
     assert list(inspect.signature(runner_class.__call__).parameters) == declared
 
 
+@pytest.mark.parametrize("runner_class", [BatchRunner, RunnerTargetForwards])
+def test_both_round_runners_have_the_declared_verification_forward(runner_class):
+    assert _protocol_methods(RoundRunnerProtocol) == ["forward_greedy"]
+    declared = list(inspect.signature(RoundRunnerProtocol.forward_greedy).parameters)
+    assert list(inspect.signature(runner_class.forward_greedy).parameters) == declared
+
+
 def test_the_torch_runner_implements_the_protocol_on_a_static_cache():
     model = make_tiny_model("llama", num_layers=2)
     cache = BatchKVCache(model, 2, 32)
     runner = BatchRunner(model, cache, (1,), "target model")
-    assert isinstance(runner, BatchRunnerProtocol) and not isinstance(runner, TargetRunnerProtocol)
+    assert isinstance(runner, RoundRunnerProtocol) and not isinstance(runner, TargetRunnerProtocol)
     assert kv_cache.is_static(cache) is True
     assert kv_cache.is_static(DynamicCache()) is False
 

@@ -15,6 +15,8 @@ target and a perturbed copy of it as the draft model (vocabulary 256, 2 layers, 
 - ``ops/round``: aten operations dispatched in the rounds (``BatchedSpeculativeDecoder._round``; a
   request's admission is not counted) outside those forwards (``TorchDispatchMode``); on CUDA each
   one that computes is a kernel launch;
+- ``kernels/round``: those of the ops that compute (not views or aliases, ``OpOverload.is_view``, nor
+  ``lift_fresh``/``detach_``, which only wrap a host tensor): on CUDA each is a kernel launch or a copy;
 - ``syncs/round``: host reads (``item``, ``tolist``, ``cpu``, ``numpy``, tensor truth and number
   conversions) in the rounds, outside them;
 - ``prefill fwd``: the other eager forwards in the rounds, over all of them: a draft model's deferred prompt
@@ -62,6 +64,7 @@ NOISE = 0.03  # the draft's weights: the target's plus this much noise, relative
 SYNCS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
 METHODS = ("autoregressive", "draft", "draft+adaptive", "prompt-lookup", "cascade", "cascade+adaptive", "layer-skip",
            "autoregressive:sampling", "draft:sampling", "prompt-lookup:sampling")
+NO_KERNEL = (torch.ops.aten.lift_fresh, torch.ops.aten.detach_)  # wrap a host tensor: no kernel, no copy
 TEMPERATURE = 0.8  # ":sampling" methods: every request samples (its own seed), top-p 0.95
 
 
@@ -114,12 +117,14 @@ class Counting(TorchDispatchMode):
     def __init__(self, probe) -> None:
         super().__init__()
         self.ops = 0
+        self.kernels = 0
         self.depth = 0
         self._probe = probe
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.depth == 0 and self._probe._rounds:
             self.ops += 1
+            self.kernels += not (func.is_view or func.overloadpacket in NO_KERNEL)
         return func(*args, **(kwargs or {}))
 
 
@@ -243,7 +248,7 @@ def measure(method: str, batch: int, args, target, draft, device) -> list:
     before = (engine.stats.num_rounds, engine.stats.num_drafted_tokens, engine.stats.num_accepted_tokens)
     with Probe(device).active(count=True) as probe:
         decode(engine, requests, args.max_new_tokens, sampling)
-        ops = probe.counting.ops
+        ops, kernels = probe.counting.ops, probe.counting.kernels
     eager = engine.runner.num_eager_forwards + getattr(getattr(engine.drafter, "runner", None),
                                                       "num_eager_forwards", 0) - eager
     prefills = probe.eager_in_rounds - eager
@@ -251,7 +256,7 @@ def measure(method: str, batch: int, args, target, draft, device) -> list:
     drafted = engine.stats.num_drafted_tokens - before[1]
     accepted = engine.stats.num_accepted_tokens - before[2]
     alpha = f"{accepted / drafted:.0%}" if drafted else "-"
-    return [method, batch, rounds, alpha, f"{1000 * best:.3f}", f"{ops / rounds:.1f}", f"{probe.syncs / rounds:.2f}",
+    return [method, batch, rounds, alpha, f"{1000 * best:.3f}", f"{ops / rounds:.1f}", f"{kernels / rounds:.1f}", f"{probe.syncs / rounds:.2f}",
             prefills, eager]
 
 
@@ -279,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
             for method in args.methods.split(","):
                 rows.append(measure(method, batch, args, target, draft, device))
                 print("  " + " | ".join(map(str, rows[-1])), file=sys.stderr)
-    headers = ["method", "B", "rounds", "α", "host ms/round", "ops/round", "syncs/round", "prefill fwd",
+    headers = ["method", "B", "rounds", "α", "host ms/round", "ops/round", "kernels/round", "syncs/round", "prefill fwd",
                "eager fwd"]
     print("| " + " | ".join(headers) + " |")
     print("|" + "|".join("---" for _ in headers) + "|")

@@ -73,9 +73,9 @@ class _Recording(BatchRunner):
 
     shapes: list
 
-    def __call__(self, ids, starts, logits_to_keep):
+    def _forward(self, ids, starts, logits_to_keep, trees):  # every forward: __call__, forward_greedy, greedy_steps
         self.shapes.append(tuple(ids.shape))
-        return super().__call__(ids, starts, logits_to_keep)
+        return super()._forward(ids, starts, logits_to_keep, trees)
 
 
 def _recording(runner: BatchRunner) -> list:

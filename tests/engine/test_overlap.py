@@ -17,6 +17,7 @@ from specdecode.engine.batched import BatchedSpeculativeDecoder
 from specdecode.engine.overlap import (HostReader, RoundAhead, can_run_ahead, engine_overlap_rounds, next_tokens,
                                        run_ahead, taken)
 from specdecode.engine.stats import SpecDecodingStats
+from specdecode.engine.verification import greedy_epilogue
 from specdecode.models.llama_cpp_target import LlamaCppTargetRunner
 from specdecode.errors import InvalidArgumentError
 
@@ -119,9 +120,9 @@ def test_every_forward_run_ahead_is_used_or_counted_as_dropped():
         def __getattr__(self, name):
             return getattr(runner, name)
 
-        def __call__(self, ids, starts, keep, trees=None):
+        def forward_greedy(self, ids, starts, keep, trees=None):
             calls.append(list(starts))
-            return runner(ids, starts, keep, trees)
+            return runner.forward_greedy(ids, starts, keep, trees)
 
     dec.runner = Spy()
     staged = Staged(dec)
@@ -267,9 +268,14 @@ def test_run_ahead_reads_the_tokens_it_fed_and_taken_finds_each_row_by_request_p
     logits = torch.tensor([[[0.1, 3.0, 0.2]], [[5.0, 0.0, 1.0]]])
     calls = []
 
-    def runner(ids, starts, keep):
-        calls.append((ids.tolist(), starts, keep))
-        return ids.float().view(-1, 1, 1) * 10
+    class Runner:
+        @staticmethod
+        def forward_greedy(ids, starts, keep):
+            calls.append((ids.tolist(), starts, keep))
+            out = ids.float().view(-1, 1, 1) * 10
+            return out, greedy_epilogue(out)
+
+    runner = Runner()
 
     rows = [_Row(7, [4, 4, 4]), _Row(9, [5, 5])]
     ahead, values = run_ahead(runner, HostReader("cpu"), torch.tensor([11, 12]), logits.argmax(-1), {}, rows,
@@ -278,16 +284,16 @@ def test_run_ahead_reads_the_tokens_it_fed_and_taken_finds_each_row_by_request_p
     assert ahead.key == [(7, 3, 1), (9, 2, 0)]
     stats = SpecDecodingStats()
     after = [_Row(7, [4, 4, 4, 1]), _Row(9, [5, 5, 0])]
-    ids, out = taken(ahead, after, 0, stats)
+    ids, out, _ = taken(ahead, after, 0, stats)
     assert ids.tolist() == [[1], [0]] and out.flatten().tolist() == [10.0, 0.0]
-    ids, out = taken(ahead, after[::-1], 0, stats)  # a row moved: found at its old index
+    ids, out, _ = taken(ahead, after[::-1], 0, stats)  # a row moved: found at its old index
     assert ids.tolist() == [[0], [1]] and out.flatten().tolist() == [0.0, 10.0]
     assert taken(ahead, after[1:], 0, stats)[0].tolist() == [[0]]  # a row left
     assert stats.num_discarded_forwards == 0
     for wrong in (_Row(8, [4, 4, 4, 1]),  # another request
                   _Row(7, [4, 4, 4, 2]),  # another token
                   _Row(7, [4, 4, 4, 4, 1])):  # another position
-        assert RoundAhead(ahead.logits, ahead.ids, ahead.key).order([wrong, after[1]]) is None
+        assert RoundAhead(ahead.logits, ahead.ids, ahead.greedy, ahead.key).order([wrong, after[1]]) is None
         assert taken(ahead, [wrong, after[1]], 0, stats) is None
     assert taken(ahead, after, 2, stats) is None  # a round that drafts
     assert stats.num_discarded_forwards == 4 and taken(None, after, 0, stats) is None

@@ -10,12 +10,13 @@ wide as the longest row either way, so the extra tokens cost the target nothing.
 nothing between steps (``ExitPolicy.mode`` "previous-round" or "masked") end no block here: every row
 drafts its ``max_tokens`` and the draft carries each step's top probability (``Draft.top_probs``).
 
-**Fused steps.** A round of greedy rows with no per-step exits, processors or tree runs its steps after
-the first as one compiled function of the drafter's runner (``BatchRunner.draft_steps``; one CUDA graph
-on CUDA) where that runner can (the fast path, at its ``BatchRunner.fused_steps``): the same tokens,
-counts, finiteness flag, top probabilities and steps as the loop (bit for bit on the uncompiled static
-path; a compiled graph may round the last bits differently), with no host work between the steps.
-Any other round, or a drafter that passes no runner (``fused_draft_steps=False``, the default), runs the loop.
+**Greedy steps in the runner.** On the fast path a round of greedy rows with no per-step exits, processors
+or tree runs its steps after the first in the drafter's runner, with no host read and no host-side argmax
+or finiteness check between them: ``BatchRunner.greedy_steps`` (one graph a step, each giving its argmax
+and finiteness; the default) or, with ``fused_draft_steps``, ``BatchRunner.draft_steps`` (all steps one
+compiled function, at the runner's ``fused_steps``). Both give the same tokens, counts, finiteness flag,
+top probabilities and steps as the loop (bit for bit on the uncompiled static path; a compiled graph may
+round the last bits differently). Any other round, and an eager or llama.cpp runner, runs the loop.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ def draft_batch(
     processings: list[DraftProcessing | None] | None = None,
     tree_tops=None,
     runner=None,
+    fuse: bool = False,
 ) -> tuple[Draft, int]:
     """The batched draft loop shared by the model drafters.
 
@@ -66,10 +68,12 @@ def draft_batch(
             (``Sampler.drafting``), or None (full heads only); None altogether: raw logits.
         tree_tops: A ``draft_tree.TopK`` that each step's logits (those the greedy token is taken from)
             are added to, on the device (draft trees); None: nothing kept.
-        runner: The ``BatchRunner`` that ``forward`` runs on: a greedy round with no exits, processors
-            or ``tree_tops`` runs its steps after the first as ``runner.draft_steps`` where
-            ``runner.fuses_draft_steps(n, K - 1, with top probabilities)`` (module docstring); None: the
-            loop, step by step.
+        runner: The ``BatchRunner`` that ``forward`` runs on: a greedy round with no per-step exits,
+            processors or ``tree_tops`` runs its steps after the first in the runner (module docstring):
+            ``runner.draft_steps`` with ``fuse`` where ``runner.fuses_draft_steps(n, K - 1, with top
+            probabilities)``, else ``runner.greedy_steps`` where ``runner.steps_in_buckets(n)`` and the
+            logits are the vocabulary's (or a truncated head's); None (an eager or llama.cpp runner): the loop.
+        fuse: Fuse the steps into one compiled function where the runner can (``fused_draft_steps``).
 
     Returns:
         The draft, and S, the steps run (S - 1 drafted tokens were fed back).
@@ -86,10 +90,14 @@ def draft_batch(
     kept_tops: list[torch.Tensor] | None = [] if exits is not None and not per_step else None
     deferred = not per_step  # finiteness read with the round's sync (sampling rows draw from ``safe_logits``)
     truncated = head is not None and head.ids is not None
-    if greedy and deferred and K > 1 and processings is None and tree_tops is None and runner is not None \
-            and runner.fuses_draft_steps(n, K - 1, kept_tops is not None):
-        return _fused(runner, first_logits, next_starts, max_tokens, samplers[0].vocab_size, who,
-                      head.ids if truncated else None, kept_tops is not None)
+    if greedy and deferred and K > 1 and processings is None and tree_tops is None and runner is not None:
+        with_tops, vocab, head_ids = kept_tops is not None, samplers[0].vocab_size, head.ids if truncated else None
+        if fuse and runner.fuses_draft_steps(n, K - 1, with_tops):
+            steps = lambda token: runner.draft_steps(token, next_starts, K - 1, head_ids, vocab, with_tops)  # noqa: E731
+            return _greedy(steps, first_logits, max_tokens, vocab, who, head_ids, with_tops)
+        if runner.steps_in_buckets(n) and (truncated or first_logits.shape[-1] == vocab):
+            steps = lambda token: runner.greedy_steps(token, next_starts, K - 1, head_ids, with_tops)  # noqa: E731
+            return _greedy(steps, first_logits, max_tokens, vocab, who, head_ids, with_tops)
     active = [c > 0 for c in max_tokens]
     sampled = [b for b, s in enumerate(samplers) if not s.greedy]  # warped every step, active or not, so the
     sampled_index = to_device(sampled, first_logits.device) if 0 < len(sampled) < n else None  # index is built once
@@ -167,15 +175,16 @@ def reads_per_step(exits: list[ExitPolicy | None] | None) -> bool:
     return exits is not None and any(e is not None and e.mode == "per-step" for e in exits)
 
 
-def _fused(runner, first_logits: torch.Tensor, next_starts: list[int], max_tokens: list[int], vocab: int,
-           who: str, head_ids: torch.Tensor | None, with_tops: bool) -> tuple[Draft, int]:
+def _greedy(steps: Callable, first_logits: torch.Tensor, max_tokens: list[int], vocab: int, who: str,
+            head_ids: torch.Tensor | None, with_tops: bool) -> tuple[Draft, int]:
     """``draft_batch``'s greedy round with no per-step exits, processors or tree, its K - 1 steps after the
-    first token in one ``runner.draft_steps`` call: every row drafts K = max(max_tokens) tokens and keeps
-    its own ``max_tokens[b]``, as the loop does; the finiteness flag stays on the device, and so do the
-    steps' top probabilities (``with_tops``: exits that read them with the round's sync)."""
+    first token run by the runner (``steps(first token (n,))``: ``BatchRunner.draft_steps``, one call, or
+    ``BatchRunner.greedy_steps``): every row drafts K = max(max_tokens) tokens and keeps its own
+    ``max_tokens[b]``, as the loop does; the finiteness flag stays on the device, and so do the steps' top
+    probabilities (``with_tops``: exits that read them with the round's sync)."""
     n, K = len(max_tokens), max(max_tokens)
     token = head_ids[first_logits.argmax(-1)] if head_ids is not None else first_logits[:, :vocab].argmax(-1)
-    rest, finite, tops = runner.draft_steps(token, next_starts, K - 1, head_ids, vocab, with_tops)
+    rest, finite, tops = steps(token)
     tokens = torch.cat([token.view(n, 1), rest], dim=1)
     top_probs = None
     if with_tops:  # as the loop: the softmax over every column of each step's logits

@@ -311,7 +311,7 @@ class CascadeDrafter(DraftModelDrafter):
             tops = TopK(TREE_TOP_K, self.head.ids) if any(tree_rows) else None
             caps = [min(c, self.tree_depth) if t else c for c, t in zip(model_tokens, tree_rows)]
             model, steps = draft_batch(self._step, first, at, caps, samplers, exits, exit_rule, self.who,
-                                       self.head, views, tops, self._steps_runner())
+                                       self.head, views, tops, self._steps_runner(), self.fused_draft_steps)
             self.num_forwards += steps - 1
         num = [len(blk) + (model.num_tokens[b] if model is not None else 0) for b, blk in enumerate(blocks)]
         for b in range(n):

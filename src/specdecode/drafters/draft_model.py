@@ -316,7 +316,7 @@ class DraftModelDrafter(Drafter):
             tops = TopK(TREE_TOP_K, self.head.ids) if any(tree_rows) else None
             caps = [min(c, self.tree_depth) if t else c for c, t in zip(max_tokens, tree_rows)]
             draft, steps = draft_batch(self._step, first, at, caps, self._samplers[:n], exits, exit_rule,
-                                       self.who, self.head, views, tops, self._steps_runner())
+                                       self.who, self.head, views, tops, self._steps_runner(), self.fused_draft_steps)
         self.num_forwards += steps
         for b in range(n):
             self._num_cached[b] = lengths[b] + min(draft.num_tokens[b], steps - 1)
@@ -374,8 +374,9 @@ class DraftModelDrafter(Drafter):
         return self.runner(token, at, 1)[:, -1]
 
     def _steps_runner(self) -> BatchRunner | None:
-        """The runner ``draft_batch`` may fuse the round's steps on (module docstring), or None."""
-        return self.runner if self.fused_draft_steps and isinstance(self.runner, BatchRunner) else None
+        """The runner ``draft_batch`` may run the round's greedy steps in (``base``'s docstring), or None
+        (a llama.cpp draft)."""
+        return self.runner if isinstance(self.runner, BatchRunner) else None
 
     def rollback(self, num_valid: list[int]) -> None:
         for b, valid in enumerate(num_valid):

@@ -376,7 +376,7 @@ class LayerSkipDrafter(Drafter):
             first = self._step(pending, starts)
             draft, steps = draft_batch(
                 self._step, first, [s + 1 for s in starts], max_tokens, self._samplers[:n], exits, exit_rule, self.who,
-                runner=self.runner if self.fused_draft_steps else None,
+                runner=self.runner, fuse=self.fused_draft_steps,
             )
         self.num_forwards += steps
         return draft

@@ -32,9 +32,14 @@ whose rows each continue at their own position (``batch_cache.BatchKVCache``):
   a range of one size stays static. Measured on a 2-core Xeon (torch 2.13,
   Qwen2.5-Coder 0.5B bf16; ``docs/benchmarks/2026-11-27-dynamic-shapes.md``): rows buckets 2, 4, 8 at
   widths 1 and 6 compiled in 141 s against 262 s, forwards no slower. Not yet run on a GPU.
-* **Inputs** are copied into the bucket's persistent buffers: token ids device to device,
-  write positions from host ints through pinned memory without blocking (``to_device``).
-  Nothing reads back.
+* **Inputs** are copied into the bucket's persistent buffers: token ids device to device; write
+  positions advanced in place on the device where every row moved by the same count since the bucket's
+  last call (each draft step; every call at B = 1), else from host ints through pinned memory without
+  blocking (``_write_positions``). Nothing reads back.
+* **Greedy epilogue.** Each bucket's function also returns every position's argmax and finiteness
+  (``verification.greedy_epilogue``), computed in its graph: the verification reads them
+  (``forward_greedy``) and a greedy round's draft steps feed them back (``greedy_steps``), so neither
+  launches an argmax or a finiteness check of its own (on CUDA, ``isfinite`` alone is four kernels).
 
 **Fused draft steps** (``BatchRunner.draft_steps``): a greedy draft round's one-token steps after
 its first forward, S of them, run as ONE compiled function (one CUDA graph on CUDA), as gpt-fast
@@ -68,16 +73,16 @@ from __future__ import annotations
 
 import logging
 import time
-import types
 from collections.abc import Callable, Sequence
 
 import torch
 from transformers import PreTrainedModel
 
 from specdecode.engine.batch_cache import BatchKVCache, batch_forward
-from specdecode.engine.compat import compile_function
+from specdecode.engine.bucket_functions import forward_function, steps_function
 from specdecode.engine.fast_path import check_compilable
 from specdecode.engine.tree import TokenTree, tree_inputs
+from specdecode.engine.verification import greedy_epilogue
 from specdecode.errors import InvalidArgumentError
 
 logger = logging.getLogger(__name__)
@@ -202,12 +207,47 @@ class BatchRunner:
         Raises:
             InvalidArgumentError: As ``BatchKVCache.prepare`` (a row past the capacity).
         """
+        logits, _, owned = self._forward(ids, starts, logits_to_keep, trees)
+        return logits.clone() if owned else logits
+
+    @torch.inference_mode()
+    def forward_greedy(self, ids: torch.Tensor, starts: Sequence[int], logits_to_keep: int,
+                       trees: Sequence | None = None, with_logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """``__call__``'s forward, with each kept position's greedy token and finiteness.
+
+        On the fast path both come out of the bucket's graph (``bucket_functions.forward_function``), so the caller
+        launches no argmax or finiteness kernels of its own; eagerly they are computed after the forward.
+
+        Args:
+            ids, starts, logits_to_keep, trees: As ``__call__``.
+            with_logits: Also return the logits (a copy on CUDA); False: None in their place.
+
+        Returns:
+            ``(logits, greedy)``: logits as ``__call__``'s, or None; greedy (n, logits_to_keep, 2) long,
+            safe to keep: ``[..., 0]`` the argmax over all V columns, ``[..., 1]`` 1 where every logit of
+            the position is finite, else 0.
+
+        Raises:
+            InvalidArgumentError: As ``__call__``.
+        """
+        logits, greedy, owned = self._forward(ids, starts, logits_to_keep, trees)
+        if greedy is None:  # eager: the same epilogue, after the forward
+            greedy = greedy_epilogue(logits)
+        elif owned:  # the graph's outputs are overwritten by its next run
+            greedy = greedy.clone()
+        return (logits.clone() if owned else logits) if with_logits else None, greedy
+
+    def _forward(self, ids: torch.Tensor, starts: Sequence[int], logits_to_keep: int,
+                 trees: Sequence | None) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+        """``(logits, greedy or None, owned)``: the forward's kept logits and, from a bucket, its greedy
+        epilogue (``forward_greedy``), both views of the graph's outputs where ``owned`` (CUDA: the next
+        run overwrites them); eagerly (no bucket) greedy is None."""
         n, w = ids.shape
         rows = next((r for r in self.rows if r >= n), None)
         width = next((b for b in self.widths if b >= w), None)
         if rows is None or width is None or not self.cache.layers[0].is_initialized:
             self.num_eager_forwards += 1
-            return batch_forward(self.model, self.cache, ids, 0, starts, logits_to_keep, trees)
+            return batch_forward(self.model, self.cache, ids, 0, starts, logits_to_keep, trees), None, False
         end = max(starts) + w
         if end > self.cache.capacity:
             raise InvalidArgumentError(
@@ -217,16 +257,15 @@ class BatchRunner:
         bucket.ids[:n, :w].copy_(ids)
         if width > w:
             bucket.ids[:n, w:].copy_(ids[:, -1:].expand(n, width - w))
-        index = [[s + t for t in range(width)] for s in starts] + [list(range(width))] * (rows - n)
-        _copy_from_host(bucket.index.view(rows, width), index)
+        self._write_positions(bucket, starts)
         if trees is not None:  # [trees] each node's depth and ancestors; free rows: a chain
             chains = [TokenTree.chain(width - 1)] * (rows - n)
             positions, ancestors = tree_inputs([*trees, *chains], [*starts, *[0] * (rows - n)], width, "cpu")
             _copy_from_host(bucket.depth, (positions - positions[:, :1]).tolist())
             bucket.ancestors.copy_(ancestors.to(bucket.ancestors.device, non_blocking=self._cuda))
-        logits = self._run(bucket)
-        out = logits[:n, w - logits_to_keep : w]
-        return out.clone() if self._cuda else out
+        logits, greedy = self._run(bucket)
+        kept = slice(w - logits_to_keep, w)
+        return logits[:n, kept], greedy[:n, kept], self._cuda
 
     def warm_up(self) -> None:
         """Run every bucket once (twice on CUDA: capture), so that a server compiles before its
@@ -239,8 +278,29 @@ class BatchRunner:
             with torch.inference_mode():
                 bucket.ids.zero_()
                 _copy_from_host(bucket.index.view(rows, width), [list(range(width))] * rows)
+                bucket.starts = None
                 for _ in range(self._warm_calls):
                     self._run(bucket)
+
+    def _write_positions(self, bucket: _Bucket, starts: Sequence[int]) -> None:
+        """Set ``bucket``'s write positions: row i at ``starts[i] ..``, free rows n .. R - 1 at 0 .. W - 1.
+
+        Where the bucket's last call had the same n rows and every row moved by the same d since (each
+        draft step, and every call at B = 1), the positions advance on the device (``index[:n] += d``):
+        one kernel and no host-to-device copy. Otherwise they are copied from the host (``_copy_from_host``).
+        Only this method (and ``warm_up``, which forgets them) writes a linear bucket's positions, so
+        ``bucket.starts`` is what the buffer holds."""
+        last, n, width = bucket.starts, len(starts), bucket.width
+        if last is not None and len(last) == n:
+            delta = starts[0] - last[0]
+            if all(s - l == delta for s, l in zip(starts, last)):
+                if delta:
+                    bucket.index.view(bucket.rows, width)[:n].add_(delta)
+                bucket.starts = list(starts)
+                return
+        index = [[s + t for t in range(width)] for s in starts] + [list(range(width))] * (bucket.rows - n)
+        _copy_from_host(bucket.index.view(bucket.rows, width), index)
+        bucket.starts = list(starts)
 
     @property
     def fused_steps(self) -> tuple[tuple[int, bool], ...]:
@@ -250,14 +310,57 @@ class BatchRunner:
         of a request."""
         return tuple(sorted(self.fast.draft_steps)) if self.fast is not None else ()
 
-    def fuses_draft_steps(self, n: int, num_steps: int | None = None, with_tops: bool = False) -> bool:
-        """Whether ``draft_steps`` can run ``n`` rows: the fast path on, its cache allocated, a rows bucket
-        for n rows and a width-1 bucket (the steps are this runner's one-token forwards); with
-        ``num_steps``, also whether a round of that many steps (``with_tops``: and top probabilities) fuses
-        (one of ``fused_steps``)."""
+    def steps_in_buckets(self, n: int) -> bool:
+        """Whether ``n`` rows' one-token forwards run in a bucket (``greedy_steps``, ``draft_steps``): the fast
+        path on, its cache allocated, a rows bucket for n rows and a width-1 bucket."""
         return self.fast is not None and 1 in self.widths and self.cache.layers[0].is_initialized \
-            and any(r >= n for r in self.rows) \
-            and (num_steps is None or (num_steps, with_tops) in self.fast.draft_steps)
+            and any(r >= n for r in self.rows)
+
+    def fuses_draft_steps(self, n: int, num_steps: int | None = None, with_tops: bool = False) -> bool:
+        """Whether ``draft_steps`` can run ``n`` rows (``steps_in_buckets``); with ``num_steps``, also whether a
+        round of that many steps (``with_tops``: and top probabilities) fuses (one of ``fused_steps``)."""
+        return self.steps_in_buckets(n) and (num_steps is None or (num_steps, with_tops) in self.fast.draft_steps)
+
+    @torch.inference_mode()
+    def greedy_steps(self, tokens: torch.Tensor, starts: Sequence[int], num_steps: int, head_ids: torch.Tensor | None,
+                     with_tops: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``draft_steps``' greedy steps, one call of the width-1 bucket each (one graph each on CUDA): step i
+        feeds step i - 1's argmax, taken from the bucket's greedy epilogue (``forward_greedy``). Per step the
+        host copies the token in (device to device), advances the write positions on the device
+        (``_write_positions``) and copies the epilogue out: no argmax, finiteness check or logits copy of
+        its own, and nothing read back. What ``base.draft_batch`` runs where the steps are not fused
+        (``fused_draft_steps``, off by default).
+
+        Args:
+            tokens, starts, num_steps, with_tops: As ``draft_steps``.
+            head_ids: As ``draft_steps``; None: the logits' columns are the tokens (the caller checks that
+                their width is the vocabulary).
+
+        Returns:
+            As ``draft_steps``: (n, S) long tokens, a 0-dim bool (every step's logits finite), (n, S) float32
+            top probabilities or None.
+
+        Raises:
+            InvalidArgumentError: ``num_steps`` not an integer >= 1; ``steps_in_buckets(n)`` false; a row
+                that would write past the cache's capacity.
+        """
+        n = int(tokens.shape[0])
+        if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
+            raise InvalidArgumentError(f"{self.name}: greedy_steps' num_steps must be an integer >= 1, got {num_steps!r}")
+        if not self.steps_in_buckets(n):
+            raise InvalidArgumentError(
+                f"{self.name}: greedy steps need the fast path, an allocated cache, width 1 and a rows bucket "
+                f"for {n} rows (rows buckets {list(self.rows)}, widths {list(self.widths)})")
+        out = torch.empty((n, num_steps, 2), dtype=torch.long, device=tokens.device)  # (token or column, finite)
+        ids, tops = tokens.view(n, 1), []
+        for i in range(num_steps):
+            logits, greedy, _ = self._forward(ids, [s + i for s in starts], 1, None)  # a bucket's: steps_in_buckets
+            if with_tops:  # as the loop: the softmax over every column of the step's logits
+                tops.append(torch.softmax(logits[:, -1].float(), -1).amax(-1))
+            out[:, i].copy_(greedy[:, -1])
+            ids = out[:, i, :1] if head_ids is None else head_ids[out[:, i, :1]]
+        chosen = out[..., 0] if head_ids is None else head_ids[out[..., 0]]
+        return chosen, out[..., 1].all(), torch.stack(tops, dim=1) if with_tops else None
 
     @torch.inference_mode()
     def draft_steps(self, tokens: torch.Tensor, starts: Sequence[int], num_steps: int, head_ids: torch.Tensor | None,
@@ -347,8 +450,8 @@ class BatchRunner:
         return bucket
 
     def _run(self, bucket: _Bucket) -> torch.Tensor | tuple:
-        """Call ``bucket``'s function on its buffers: (R, W, V) logits, or a steps bucket's (tokens, finite,
-        tops or None)."""
+        """Call ``bucket``'s function on its buffers: ((R, W, V) logits, (R, W, 2) greedy epilogue), or a steps
+        bucket's (tokens, finite, tops or None)."""
         window = self.cache._window
         window.static, window.index = True, bucket.index
         window.tree = (bucket.depth, bucket.ancestors) if bucket.tree else None
@@ -409,7 +512,7 @@ class _Bucket:
     ``FastPath.dynamic_shapes`` the one its size class shares: ``BatchRunner._forwards``).
 
     ``steps=(S, V, K, tops)``: [fused draft steps] a width-1 bucket whose function runs S greedy steps
-    (``_steps_function``; V the vocabulary, K a truncated head's size or None, ``tops``: whether it
+    (``bucket_functions.steps_function``; V the vocabulary, K a truncated head's size or None, ``tops``: whether it
     returns each step's top probability; ``head``: its (K,) token ids, copied from ``head_source``).
     [captured graphs] ``capture``: whether its second call captures a CUDA graph; ``graph``, ``outputs``:
     that graph and its output tensors, once captured."""
@@ -420,6 +523,8 @@ class _Bucket:
         self.rows, self.width, self.calls, self.tree = rows, width, 0, tree
         self.steps = steps[0] if steps is not None else 0
         self.depth = self.ancestors = self.head = self.head_source = None
+        #: per row, the start its write positions hold (``BatchRunner._write_positions``); None: unknown
+        self.starts: list[int] | None = None
         with torch.inference_mode():
             self.ids = torch.zeros((rows, width), dtype=torch.long, device=device)
             self.index = torch.zeros((rows, 1, width, 1), dtype=torch.long, device=device)
@@ -456,69 +561,13 @@ class _Bucket:
             key = ("N" if dyn_rows else rows, "N" if dyn_width else width, tree)
             if key not in runner._forwards:
                 tag = f"r{key[0]}w{key[1]}{'t' if tree else ''}"
-                runner._forwards[key] = _forward_function(runner.model, tag, *compiled,
+                runner._forwards[key] = forward_function(runner.model, tag, *compiled,
                                                           dynamic=None if dyn_rows or dyn_width else False)
             self.forward = runner._forwards[key]
         else:
             self.inputs = (self.ids, self.index, self.head)
             tag = f"r{rows}s{self.steps}{'p' if steps[3] else ''}"
-            self.forward = _steps_function(runner.model, tag, self.steps, steps[1], steps[3], *compiled)
-
-
-def _forward_function(model: PreTrainedModel, tag: str, graphs: bool, cuda: bool, cuda_graphs: bool,
-                      dynamic: bool | None = False) -> Callable:
-    """``forward(ids (R, W), cache) -> (R, W, V)`` logits on the static path; compiled on a code
-    object of its own when ``graphs`` (the module docstring), ``dynamic`` as ``compat.compile_kwargs``."""
-
-    def forward(ids: torch.Tensor, cache: BatchKVCache) -> torch.Tensor:
-        positions, mask = cache.static_inputs(model.dtype)
-        return model(
-            input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=cache, use_cache=True
-        ).logits
-
-    return _own_compiled(forward, tag, graphs, cuda, cuda_graphs, dynamic)
-
-
-def _steps_function(model: PreTrainedModel, tag: str, num_steps: int, vocab: int, with_tops: bool, graphs: bool,
-                    cuda: bool, cuda_graphs: bool) -> Callable:
-    """[fused draft steps] ``steps(ids (R, 1), index (R, 1, 1, 1), head (K,) or None, cache) -> (tokens
-    (R, S) long, finite (R,) bool, tops (R, S) float32 or None)``: S one-token forwards on the static path,
-    each fed the previous one's greedy token (``head[argmax]`` of a truncated head's K logits, else the argmax of the first
-    ``vocab``), ``index`` (the window's write positions) advanced by one in place after each; compiled
-    on a code object of its own when ``graphs`` (the module docstring)."""
-
-    def steps(ids: torch.Tensor, index: torch.Tensor, head: torch.Tensor | None,
-              cache: BatchKVCache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        tokens, tops, finite = [], [], None
-        for _ in range(num_steps):
-            positions, mask = cache.static_inputs(model.dtype)  # from ``index``, the window's buffer
-            logits = model(
-                input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=cache, use_cache=True
-            ).logits[:, -1]
-            ok = torch.isfinite(logits).all(-1)
-            finite = ok if finite is None else finite & ok
-            if with_tops:  # an adaptive exit's confidence
-                tops.append(torch.softmax(logits.float(), -1).amax(-1))
-            ids = (head[logits.argmax(-1)] if head is not None else logits[:, :vocab].argmax(-1)).view(-1, 1)
-            tokens.append(ids)
-            index.add_(1)
-        return torch.cat(tokens, dim=1), finite, torch.stack(tops, dim=1) if with_tops else None
-
-    return _own_compiled(steps, tag, graphs, cuda, cuda_graphs)
-
-
-def _own_compiled(fn: types.FunctionType, tag: str, graphs: bool, cuda: bool, cuda_graphs: bool,
-                  dynamic: bool | None = False) -> Callable:
-    """``fn`` itself, or with ``graphs`` compiled on a code object of its own named by ``tag`` (the
-    module docstring: one compiled function per bucket, or per size class with dynamic shapes), with
-    torch.compile's CUDA graphs where ``cuda_graphs``."""
-    if not graphs:
-        return fn
-    code = fn.__code__.replace(co_name=f"{fn.__name__}_{tag}", co_qualname=f"batch_{fn.__name__}_{tag}")
-    own = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
-    # compat.compile_function: the options this torch has (CUDA graphs on CUDA), the compile cache
-    # in specdecode's folder (a second process reuses the graphs).
-    return compile_function(own, "cuda" if cuda else "cpu", cuda_graphs=cuda_graphs, dynamic=dynamic)
+            self.forward = steps_function(runner.model, tag, self.steps, steps[1], steps[3], *compiled)
 
 
 def _copy_from_host(dst: torch.Tensor, values: list) -> None:

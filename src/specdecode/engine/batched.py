@@ -62,7 +62,7 @@ from specdecode.engine.sampling import check_finite, logits_width, raise_non_fin
 from specdecode.engine.shared_prefill import admit_shared, engine_shared_prefill, load_prompt_cache
 from specdecode.engine.stats import SpecDecodingStats
 from specdecode.engine.tree import TokenTree, draft_q, greedy_tree_verify, round_trees, tree_rejection_sample
-from specdecode.engine.verification import greedy_verify, sample_block, sample_rows
+from specdecode.engine.verification import greedy_epilogue, greedy_verify, sample_block, sample_rows
 from specdecode.errors import InvalidArgumentError
 
 logger = logging.getLogger(__name__)
@@ -447,18 +447,19 @@ class BatchedSpeculativeDecoder(BatchRequests):
         starts = [len(s) - 1 for s in sequences]
         ahead, self._ahead = taken(self._ahead, rows, K, self.stats), None  # [overlap] the last round's forward
         if ahead is not None:
-            ids, logits = ahead
-        elif trees is None:
+            ids, logits, greedy = ahead
+        else:
             pending = to_device([[s[-1]] for s in sequences], device)
             ids = torch.cat([pending, tokens[:, :K]], dim=1) if K else pending
-            logits = self.runner(ids, starts, K + 1)
-        else:  # [trees] rows without a tree verify their block as a chain
-            ids = torch.cat([to_device([[s[-1]] for s in sequences], device), tokens[:, :K]], dim=1)
-            logits = self.runner(ids, starts, K + 1, trees=[t or TokenTree.chain(k[b]) for b, t in enumerate(trees)])
-        logits = logits[..., : self.vocab_size] if logits.shape[-1] > self.vocab_size else logits
+            logits, greedy = self.runner.forward_greedy(  # [trees] rows without a tree verify their block as a chain
+                ids, starts, K + 1, trees=None if trees is None else [t or TokenTree.chain(k[b]) for b, t in enumerate(trees)])
+        if logits.shape[-1] > self.vocab_size:
+            logits = logits[..., : self.vocab_size]
+            greedy = greedy_epilogue(logits)
         target_logits = logits
-        # The round's one host sync: drafts, the target's argmax, finiteness flags (per position).
-        finite = torch.isfinite(logits).all(-1).flatten()  # before the banned-word masks add -inf
+        # The round's one host sync: drafts, the target's argmax, finiteness flags (per position), the last two
+        # from the forward (its graph on the fast path), before processors or banned-word masks change the logits
+        finite = greedy[..., 1]  # (n, K + 1) long, 1 where finite
         logits = process_rows(logits, [row.sampler.processors for row in rows], ids)  # [processors]
         if any(row.banned is not None for row in rows):  # row b's [b, i] predicts position len_b + i
             mask_batch(logits, [row.banned for row in rows], [len(s) for s in sequences])
@@ -468,11 +469,12 @@ class BatchedSpeculativeDecoder(BatchRequests):
         if points is not None:  # [exits read with the sync] each row's first unsure position
             parts = [*parts, points]
         # [sampling] rows whose block is known before the read sample on the device: (accepted, next token)
-        sampled = sample_rows(rows, logits, finite.view(n, K + 1), ids, k, trees, probs, self.contain_errors) \
+        sampled = sample_rows(rows, logits, finite, ids, k, trees, probs, self.contain_errors) \
             if points is None else {}
         verdicts = [v for v in sampled.values() if isinstance(v, torch.Tensor)]
-        choice = logits.argmax(-1)  # (n, K + 1): the target's greedy choices
-        host = torch.cat([*parts, *verdicts, choice.flatten(), finite.long(), draft_finite.long()])
+        processed = logits is not target_logits or any(row.banned is not None for row in rows)
+        choice = logits.argmax(-1) if processed else greedy[..., 0]  # (n, K + 1): the target's greedy choices
+        host = torch.cat([*parts, *verdicts, choice.flatten(), finite.flatten(), draft_finite.long()])
         # [overlap] the next forward first, where no request can join (or the batch is full: one joins only
         # where a row leaves)
         joinable = bool(self._waiting)

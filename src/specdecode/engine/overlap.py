@@ -68,12 +68,14 @@ class RoundAhead:
     Attributes:
         logits: (n, 1, V) its logits (the runner's, safe to keep).
         ids: (n, 1) long, the tokens it fed, on the device.
+        greedy: (n, 1, 2) long, its greedy epilogue (``verification.greedy_epilogue``).
         key: Per row, (request id, position the token was written at, the token), the token read back with
             the previous round's read.
     """
 
     logits: torch.Tensor
     ids: torch.Tensor
+    greedy: torch.Tensor
     key: list[tuple[int, int, int]]
 
     def order(self, rows) -> list[int] | None:
@@ -86,8 +88,9 @@ class RoundAhead:
         return None if None in out else out
 
 
-def taken(ahead: RoundAhead | None, rows, width: int, stats) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The round's (ids (n, 1), logits (n, 1, V)) from the forward run ahead, rows in ``rows``' order, or None:
+def taken(ahead: RoundAhead | None, rows, width: int, stats) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The round's (ids (n, 1), logits (n, 1, V), greedy (n, 1, 2)) from the forward run ahead, rows in ``rows``'
+    order, or None:
     none was run, or the round drafts (``width`` K > 0), or a row is not in it (``RoundAhead.order``: it
     joined, or its sequence changed), in which case it counts in ``stats.num_discarded_forwards``."""
     if ahead is None:
@@ -97,9 +100,9 @@ def taken(ahead: RoundAhead | None, rows, width: int, stats) -> tuple[torch.Tens
         stats.num_discarded_forwards += 1
         return None
     if order == list(range(len(order))):  # the same rows, or the first ones: views
-        return ahead.ids[: len(order)], ahead.logits[: len(order)]
+        return ahead.ids[: len(order)], ahead.logits[: len(order)], ahead.greedy[: len(order)]
     index = to_device(order, ahead.logits.device)
-    return ahead.ids.index_select(0, index), ahead.logits.index_select(0, index)
+    return tuple(x.index_select(0, index) for x in (ahead.ids, ahead.logits, ahead.greedy))
 
 
 def kept(ahead: RoundAhead | None, rows, stats) -> RoundAhead | None:
@@ -139,7 +142,7 @@ def run_ahead(runner, reader: HostReader, host: torch.Tensor, choice: torch.Tens
     The next tokens (``next_tokens``) are read with the round, so the host knows what was fed.
 
     Args:
-        runner: The target's round runner (``batch_runner.BatchRunner``: ``runner(ids, starts, 1)``).
+        runner: The target's round runner (``batch_runner.BatchRunner``: ``runner.forward_greedy(ids, starts, 1)``).
         reader: The engine's ``HostReader``.
         host: (m,) long on the device, what the round reads back.
         choice: (n, 1) long, the argmax of the round's logits as its verification sees them.
@@ -152,11 +155,11 @@ def run_ahead(runner, reader: HostReader, host: torch.Tensor, choice: torch.Tens
     """
     ids = next_tokens(choice, sampled)
     reader.stage(torch.cat([host, ids.flatten()]))
-    out = runner(ids, [s + 1 for s in starts], 1)
+    out, greedy = runner.forward_greedy(ids, [s + 1 for s in starts], 1)
     values = reader.read()
     n = len(rows)
     key = [(row.request_id, s + 1, token) for row, s, token in zip(rows, starts, values[-n:])]
-    return RoundAhead(out, ids, key), values[:-n]
+    return RoundAhead(out, ids, greedy, key), values[:-n]
 
 
 def next_tokens(choice: torch.Tensor, sampled: dict) -> torch.Tensor:

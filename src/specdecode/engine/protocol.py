@@ -6,8 +6,9 @@ logits. ``batch_runner.BatchRunner`` implements it on a ``batch_cache.BatchKVCac
 or the fast path), and ``models.llama_cpp_target.LlamaCppTargetRunner`` at one row (a GGUF
 model in llama.cpp, target or draft); tests/test_interfaces.py checks both. Every cache of
 the round is static: a row's write position is its start, so a rollback is the next
-forward's start, decided by the caller, never by cropping. ``TargetRunnerProtocol`` is
-what a target run outside torch adds (prefill, rollback, measured costs).
+forward's start, decided by the caller, never by cropping. ``RoundRunnerProtocol`` is the
+target's runner in the round: the call and the verification's ``forward_greedy``.
+``TargetRunnerProtocol`` is what a target run outside torch adds (prefill, rollback, measured costs).
 
 **Drafting.** One protocol, batch-native (``Drafter``): every drafter drafts for the active
 rows of the round at once, B >= 1; ``SpeculativeDecoder`` runs the same round with one row.
@@ -50,6 +51,19 @@ class BatchRunnerProtocol(Protocol):
         """(n, w) ids, row b written at positions ``starts[b] ..`` of its slot (what a row held from
         ``starts[b]`` on is overwritten): (n, logits_to_keep, V) logits, the last rows. ``trees``: a
         tree forward (``engine.tree``), only where ``takes_trees``."""
+
+
+@runtime_checkable
+class RoundRunnerProtocol(BatchRunnerProtocol, Protocol):
+    """The target's runner in the round: ``BatchRunnerProtocol``'s call, and the verification's forward, which
+    also gives what a greedy verification reads (``batch_runner.BatchRunner``, where the fast path computes it
+    in the forward's graph; ``runner_target.RunnerTargetForwards`` for a target run in llama.cpp)."""
+
+    def forward_greedy(self, ids: torch.Tensor, starts: Sequence[int], logits_to_keep: int,
+                       trees: Sequence[TokenTree] | None = None,
+                       with_logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """``__call__``'s forward: (its logits, or None without ``with_logits``; (n, logits_to_keep, 2) long, each
+        position's argmax and finiteness, ``verification.greedy_epilogue``), both safe to keep."""
 
 
 @runtime_checkable

@@ -37,6 +37,7 @@ import torch
 from specdecode.engine.cost_model import DRAFT_MODEL_PRIOR, MEASURED_WIDTHS, PROMPT_LOOKUP_PRIOR, ForwardCosts
 from specdecode.engine.protocol import TargetRunnerProtocol
 from specdecode.engine.speculation_cost import SpeculationCostPolicy
+from specdecode.engine.verification import greedy_epilogue
 from specdecode.errors import InvalidArgumentError
 
 logger = logging.getLogger(__name__)
@@ -169,6 +170,13 @@ class RunnerTargetForwards:
         """(1, w) ids at ``starts[0]``: (1, logits_to_keep, V) float32 logits (the target's ``__call__``;
         ``trees`` refused there: ``takes_trees`` is False)."""
         return self.target(ids, starts, logits_to_keep, trees)
+
+    def forward_greedy(self, ids: torch.Tensor, starts: Sequence[int], logits_to_keep: int, trees=None,
+                       with_logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """``__call__``'s logits (or None) and their greedy epilogue (``verification.greedy_epilogue``), computed
+        after the forward (``RoundRunnerProtocol.forward_greedy``)."""
+        logits = self(ids, starts, logits_to_keep, trees)
+        return logits if with_logits else None, greedy_epilogue(logits)
 
     def warm_up(self) -> None:
         """Nothing: llama.cpp keeps no per-shape kernels (its forward costs are measured by the pipeline)."""

@@ -37,6 +37,13 @@ class VerificationResult:
     next_token: int
 
 
+
+def greedy_epilogue(logits: torch.Tensor) -> torch.Tensor:
+    """What a greedy verification reads of each position: (..., 2) long, ``[..., 0]`` the argmax over the last
+    dimension (V), ``[..., 1]`` 1 where all V logits are finite, else 0. The fast path computes it inside the
+    forward's graph (``batch_runner.BatchRunner.forward_greedy``); other runners after their forward."""
+    return torch.stack([logits.argmax(-1), torch.isfinite(logits).all(-1).long()], dim=-1)
+
 def greedy_verify(draft_tokens: list[int], target_argmax: list[int]) -> VerificationResult:
     """Accept the longest draft prefix that matches the target's argmax.
 
@@ -164,7 +171,7 @@ def sample_rows(rows, logits: torch.Tensor, finite: torch.Tensor, ids: torch.Ten
     Args:
         rows: The round's rows (``engine.batch_rows.BatchRow``: ``sampler``, ``banned``, ``request_id``).
         logits: (n, K + 1, V') the target's logits, processed as the rows' verification sees them.
-        finite: (n, K + 1) bool, whether each position's raw logits were all finite: a row with non-finite
+        finite: (n, K + 1) bool, or long with 1 for True: whether each position's raw logits were all finite: a row with non-finite
             ones draws safely (``safe_logits``) and fails once the round reads the flags.
         ids: (n, K + 1) the verification's input: each row's pending token, then its draft.
         num_tokens: Per row, k_b, its drafted tokens.
@@ -182,7 +189,7 @@ def sample_rows(rows, logits: torch.Tensor, finite: torch.Tensor, ids: torch.Ten
     if not live:
         return out
     width = max(num_tokens[b] for b in live) + 1
-    live_logits, live_finite = logits[:, :width], finite[:, :width]
+    live_logits, live_finite = logits[:, :width], finite[:, :width].bool()
     if len(live) < len(rows):
         index = to_device(live, logits.device)  # pinned, non-blocking: no wait for the device
         live_logits, live_finite = live_logits.index_select(0, index), live_finite.index_select(0, index)

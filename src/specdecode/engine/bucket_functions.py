@@ -1,0 +1,72 @@
+"""The functions a ``batch_runner`` bucket runs: a forward on the static path with its greedy epilogue, and the
+fused draft steps, each compiled on a code object of its own (``batch_runner``'s module docstring)."""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+
+import torch
+from transformers import PreTrainedModel
+
+from specdecode.engine.batch_cache import BatchKVCache
+from specdecode.engine.compat import compile_function
+from specdecode.engine.verification import greedy_epilogue
+
+
+def forward_function(model: PreTrainedModel, tag: str, graphs: bool, cuda: bool, cuda_graphs: bool,
+                     dynamic: bool | None = False) -> Callable:
+    """``forward(ids (R, W), cache) -> ((R, W, V) logits, (R, W, 2) greedy epilogue)`` on the static path
+    (``BatchRunner.forward_greedy``: each position's argmax and finiteness, computed in the graph); compiled on a code
+    object of its own when ``graphs`` (``batch_runner``'s module docstring), ``dynamic`` as ``compat.compile_kwargs``."""
+
+    def forward(ids: torch.Tensor, cache: BatchKVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        positions, mask = cache.static_inputs(model.dtype)
+        logits = model(
+            input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=cache, use_cache=True
+        ).logits
+        return logits, greedy_epilogue(logits)
+
+    return own_compiled(forward, tag, graphs, cuda, cuda_graphs, dynamic)
+
+
+def steps_function(model: PreTrainedModel, tag: str, num_steps: int, vocab: int, with_tops: bool, graphs: bool,
+                   cuda: bool, cuda_graphs: bool) -> Callable:
+    """[fused draft steps] ``steps(ids (R, 1), index (R, 1, 1, 1), head (K,) or None, cache) -> (tokens
+    (R, S) long, finite (R,) bool, tops (R, S) float32 or None)``: S one-token forwards on the static path,
+    each fed the previous one's greedy token (``head[argmax]`` of a truncated head's K logits, else the argmax of the first
+    ``vocab``), ``index`` (the window's write positions) advanced by one in place after each; compiled
+    on a code object of its own when ``graphs`` (``batch_runner``'s module docstring)."""
+
+    def steps(ids: torch.Tensor, index: torch.Tensor, head: torch.Tensor | None,
+              cache: BatchKVCache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        tokens, tops, finite = [], [], None
+        for _ in range(num_steps):
+            positions, mask = cache.static_inputs(model.dtype)  # from ``index``, the window's buffer
+            logits = model(
+                input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=cache, use_cache=True
+            ).logits[:, -1]
+            ok = torch.isfinite(logits).all(-1)
+            finite = ok if finite is None else finite & ok
+            if with_tops:  # an adaptive exit's confidence
+                tops.append(torch.softmax(logits.float(), -1).amax(-1))
+            ids = (head[logits.argmax(-1)] if head is not None else logits[:, :vocab].argmax(-1)).view(-1, 1)
+            tokens.append(ids)
+            index.add_(1)
+        return torch.cat(tokens, dim=1), finite, torch.stack(tops, dim=1) if with_tops else None
+
+    return own_compiled(steps, tag, graphs, cuda, cuda_graphs)
+
+
+def own_compiled(fn: types.FunctionType, tag: str, graphs: bool, cuda: bool, cuda_graphs: bool,
+                 dynamic: bool | None = False) -> Callable:
+    """``fn`` itself, or with ``graphs`` compiled on a code object of its own named by ``tag`` (``batch_runner``'s
+    module docstring: one compiled function per bucket, or per size class with dynamic shapes), with
+    torch.compile's CUDA graphs where ``cuda_graphs``."""
+    if not graphs:
+        return fn
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{tag}", co_qualname=f"batch_{fn.__name__}_{tag}")
+    own = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+    # compat.compile_function: the options this torch has (CUDA graphs on CUDA), the compile cache
+    # in specdecode's folder (a second process reuses the graphs).
+    return compile_function(own, "cuda" if cuda else "cpu", cuda_graphs=cuda_graphs, dynamic=dynamic)

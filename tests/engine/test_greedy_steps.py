@@ -1,0 +1,218 @@
+"""Greedy steps in the runner (``BatchRunner.greedy_steps``, ``forward_greedy``, the write positions advanced on
+the device): what the fast path runs by default for a greedy round's draft steps and its verification.
+
+* ``greedy_steps`` gives the tokens, finiteness flag and top probabilities of as many one-token calls (and of
+  ``draft_steps``), through a truncated head too, and checks its arguments.
+* Run in lockstep against the step-by-step loop (the same drafter with its runner's buckets hidden), the
+  drafts, the draft cache, the stats and the output are the same, for the draft model, the cascade, layer
+  skip and a truncated head; one host read per round and none inside the steps.
+* ``forward_greedy`` gives ``__call__``'s logits and their argmax and finiteness, eagerly and from a bucket.
+* A bucket's write positions, advanced on the device where every row moved by the same count, always equal
+  the ones the host would have copied.
+
+The static path (``graphs=False``, no torch.compile) runs the buckets' functions as compiled code would.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_tiny_model
+from helpers import perturbed_copy
+from selfspec_helpers import one_thread  # noqa: F401 (a fixture)
+from specdecode import GenerationConfig
+from specdecode.drafters import DraftModelDrafter
+from specdecode.engine.batch_cache import BatchKVCache, FastPath
+from specdecode.engine.batch_runner import BatchRunner
+from specdecode.engine.verification import greedy_epilogue
+from specdecode.errors import InvalidArgumentError
+from test_batched_fast_path import PROMPTS, _configs, round_syncs, sync_counter  # noqa: F401 (a fixture)
+from test_fused_draft_steps import _cache_rows, _drafters, _drafts, _engine
+
+
+@pytest.fixture
+def greedy_calls(monkeypatch) -> list:
+    """Each ``BatchRunner.greedy_steps`` call: (the runner, rows, steps)."""
+    calls: list = []
+    original = BatchRunner.greedy_steps
+
+    def counted(self, tokens, starts, num_steps, *args, **kwargs):
+        calls.append((self, int(tokens.shape[0]), num_steps))
+        return original(self, tokens, starts, num_steps, *args, **kwargs)
+
+    monkeypatch.setattr(BatchRunner, "greedy_steps", counted)
+    return calls
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("name", ["draft", "cascade", "layer-skip", "draft-truncated"])
+def test_greedy_steps_and_the_loop_give_the_same_drafts_cache_stats_and_output(name, greedy_calls):
+    """Two engines in lockstep, B = 3 with rows joining and finishing at different lengths: one runs its draft
+    steps in the runner (the default), the other's runner hides its buckets from the drafter, so it loops."""
+    target = make_tiny_model("llama", num_layers=3)
+    make = _drafters(target, perturbed_copy(target, noise=0.3, seed=1))[name]
+    steps, loop = _engine(target, make(), 3, False), _engine(target, make(), 3, False)
+    loop.drafter.runner.steps_in_buckets = lambda n: False  # this instance only: the drafter loops
+    drafts_steps, drafts_loop = _drafts(steps), _drafts(loop)
+    for dec in (steps, loop):
+        for prompt, config in zip(PROMPTS[:3], _configs()):
+            dec.add(prompt, config)
+    outputs: dict = {}
+    while steps.has_work or loop.has_work:
+        for key, dec in (("steps", steps), ("loop", loop)):
+            for event in dec.step():
+                outputs.setdefault((key, event.request_id), []).extend(event.token_ids)
+        assert drafts_steps == drafts_loop
+        got, want = _cache_rows(steps.drafter), _cache_rows(loop.drafter)
+        assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+    assert {r for r, _, _ in greedy_calls} == {steps.drafter.runner}, "only the first engine ran greedy_steps"
+    rows = {n for _, n, _ in greedy_calls}
+    assert 3 in rows and len(rows) > 1 and len(drafts_steps) > 5  # rows finished at different lengths
+    assert {k[1]: v for k, v in outputs.items() if k[0] == "steps"} == \
+        {k[1]: v for k, v in outputs.items() if k[0] == "loop"}
+    for stat in ("num_drafted_tokens", "num_accepted_tokens", "num_draft_forwards", "num_rounds"):
+        assert getattr(steps.stats, stat) == getattr(loop.stats, stat), stat
+    assert 0 < steps.stats.num_accepted_tokens < steps.stats.num_drafted_tokens
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("name", ["draft", "layer-skip"])
+def test_one_host_sync_per_round_and_none_inside_the_greedy_steps(name, sync_counter, monkeypatch):
+    target = make_tiny_model("qwen2", num_layers=3)
+    dec = _engine(target, _drafters(target, perturbed_copy(target, noise=0.3, seed=1))[name](), 3, False)
+    inside: list[list] = []
+    original = BatchRunner.greedy_steps
+
+    def watched(self, *args, **kwargs):
+        before = len(sync_counter)
+        out = original(self, *args, **kwargs)
+        inside.append(sync_counter[before:])
+        return out
+
+    monkeypatch.setattr(BatchRunner, "greedy_steps", watched)
+    for prompt, config in zip(PROMPTS[:3], _configs()):
+        dec.add(prompt, config)
+    per_round = [[(m, f) for m, _, f in calls] for calls in round_syncs(dec, sync_counter)]
+    assert len(per_round) == dec.stats.num_rounds > 5
+    assert all(c == [("tolist", "_round")] for c in per_round), per_round
+    assert len(inside) > 5 and not any(inside), inside
+
+
+def _allocated(batch: int = 2) -> tuple:
+    target = make_tiny_model("llama", num_layers=2)
+    dec = _engine(target, DraftModelDrafter(perturbed_copy(target, noise=0.3, seed=1)), batch, False)
+    dec.generate([[5, 9, 12, 4, 8]] * batch, [GenerationConfig(max_new_tokens=3)] * batch)  # allocates the caches
+    return dec, dec.drafter.runner
+
+
+@torch.inference_mode()
+def test_greedy_steps_equal_one_token_calls_and_draft_steps_and_flag_non_finite_logits():
+    dec, runner = _allocated()
+    vocab = runner.model.get_output_embeddings().weight.shape[0]
+    tokens, finite, tops = runner.greedy_steps(torch.tensor([7, 11]), [4, 6], 3, None, with_tops=True)
+    token, expected, expected_tops = torch.tensor([[7], [11]]), [], []
+    for i in range(3):
+        logits = runner(token, [4 + i, 6 + i], 1)[:, -1]
+        expected_tops.append(torch.softmax(logits.float(), -1).amax(-1))
+        token = logits.argmax(-1, keepdim=True)
+        expected.append(token)
+    assert torch.equal(tokens, torch.cat(expected, dim=1)) and tokens.shape == (2, 3)
+    assert torch.equal(tops, torch.stack(expected_tops, dim=1))  # the same logits: bit for bit
+    assert finite.dim() == 0 and bool(finite)
+    assert runner.greedy_steps(torch.tensor([7, 11]), [4, 6], 3, None)[2] is None  # no tops asked
+    fused = runner.draft_steps(torch.tensor([7, 11]), [4, 6], 3, None, vocab)
+    assert torch.equal(fused[0], tokens) and bool(fused[1])
+    head = runner.model.get_output_embeddings().weight
+    saved = head[3].clone()
+    head[3] = float("nan")
+    try:
+        assert not bool(runner.greedy_steps(torch.tensor([7]), [4], 2, None)[1])
+    finally:
+        head[3] = saved
+
+
+@torch.inference_mode()
+def test_greedy_steps_map_a_truncated_heads_columns_to_token_ids():
+    """With head ids, each step's argmax is a column: the token fed to the next step and returned is its id."""
+    dec, runner = _allocated(1)
+    columns = runner.model.get_output_embeddings().weight.shape[0]
+    head_ids = torch.arange(columns).flip(0)  # column j is token columns - 1 - j
+    tokens, finite, _ = runner.greedy_steps(torch.tensor([7]), [4], 3, head_ids)
+    token, expected = torch.tensor([[7]]), []
+    for i in range(3):
+        token = head_ids[runner(token, [4 + i], 1)[:, -1].argmax(-1, keepdim=True)]
+        expected.append(token)
+    assert torch.equal(tokens, torch.cat(expected, dim=1)) and bool(finite)
+    unmapped = runner.greedy_steps(torch.tensor([7]), [4], 3, None)[0]
+    assert not torch.equal(tokens, unmapped)  # the mapping changed what was fed
+
+
+def test_greedy_steps_check_their_arguments():
+    dec, runner = _allocated(2)
+    tokens = torch.tensor([5])
+    with pytest.raises(InvalidArgumentError, match=r"greedy_steps' num_steps must be an integer >= 1, got 0"):
+        runner.greedy_steps(tokens, [3], 0, None)
+    with pytest.raises(InvalidArgumentError, match=r"greedy steps need .* a rows bucket for 3 rows \(rows buckets \[1, 2\]"):
+        runner.greedy_steps(torch.tensor([5, 6, 7]), [3, 3, 3], 2, None)
+    with pytest.raises(InvalidArgumentError, match=r"past the batch cache's capacity of 96"):
+        runner.greedy_steps(tokens, [94], 3, None)
+    eager = BatchRunner(dec.drafter.model, BatchKVCache(dec.drafter.model, 1, 32), (1,), "draft model")
+    assert not eager.steps_in_buckets(1)  # no fast path: the drafters run the loop
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("fast", [False, True])
+def test_forward_greedy_gives_the_logits_of_a_call_and_their_argmax_and_finiteness(fast):
+    model = make_tiny_model("qwen2", num_layers=2)
+    cache = BatchKVCache(model, 2, 32, fast=FastPath((1, 2), 4, graphs=False) if fast else None)
+    runner = BatchRunner(model, cache, (1, 4), "target model")
+    ids = torch.tensor([[5, 9, 12], [4, 8, 3]])
+    runner(ids, [0, 0], 3)  # allocates the cache (eagerly)
+    step = torch.tensor([[7, 2], [6, 1]])
+    expected = runner(step, [3, 3], 2)
+    eager_before = runner.num_eager_forwards
+    logits, greedy = runner.forward_greedy(step, [3, 3], 2)
+    assert runner.num_eager_forwards == eager_before + (not fast)  # a bucket of width 4 on the fast path
+    assert torch.equal(logits, expected) and greedy.shape == (2, 2, 2) and greedy.dtype == torch.long
+    assert torch.equal(greedy, greedy_epilogue(expected))
+    assert greedy[..., 1].all() and torch.equal(greedy[..., 0], expected.argmax(-1))
+    assert runner.forward_greedy(step, [3, 3], 2, with_logits=False)[0] is None
+    head = model.get_output_embeddings().weight
+    saved = head[3].clone()
+    head[3] = float("nan")
+    try:
+        assert not runner.forward_greedy(step, [3, 3], 2)[1][..., 1].any()
+    finally:
+        head[3] = saved
+
+
+@torch.inference_mode()
+def test_write_positions_advanced_on_the_device_equal_the_hosts():
+    """Calls whose rows all moved by one count advance the bucket's positions in place; others (another count
+    per row, another row count, after a warm-up) copy them: either way the buffer holds each row's start + t,
+    and the free rows 0 .. W - 1."""
+    model = make_tiny_model("llama", num_layers=2)
+    cache = BatchKVCache(model, 4, 64, fast=FastPath((1, 2, 4), 3, graphs=False))
+    runner = BatchRunner(model, cache, (1, 3), "target model")
+    runner(torch.tensor([[5, 9, 12, 4]] * 4), [0] * 4, 1)  # allocates the cache
+    copies = []
+
+    def expected(starts, rows, width):
+        return [[s + t for t in range(width)] for s in starts] + [list(range(width))] * (rows - len(starts))
+
+    calls = [[4, 9], [5, 10], [8, 13], [9, 15], [10, 16], [10, 16], [3], [4], [6, 7, 8], [9, 10, 11]]
+    for starts in calls:
+        bucket = runner._bucket(next(r for r in runner.rows if r >= len(starts)), 3)
+        before = bucket.starts
+        runner(torch.tensor([[1, 2, 3]] * len(starts)), starts, 1)
+        moved = before is not None and len(before) == len(starts) and \
+            len({s - b for s, b in zip(starts, before)}) == 1
+        copies.append(not moved)
+        assert bucket.index.view(bucket.rows, 3).tolist() == expected(starts, bucket.rows, 3), starts
+    assert copies == [True, False, False, True, False, False, True, False, True, False]
+    runner.warm_up()
+    bucket = runner._bucket(2, 3)
+    assert bucket.starts is None and bucket.index.view(2, 3).tolist() == expected([], 2, 3)
+    runner(torch.tensor([[1, 2, 3]] * 2), [11, 17], 1)
+    assert bucket.index.view(2, 3).tolist() == expected([11, 17], 2, 3)
