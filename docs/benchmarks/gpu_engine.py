@@ -83,7 +83,7 @@ What it prints (each as a Markdown table; warm-up and compilation seconds apart 
 3. ``rounds``: per method, ms per round (decode time / target forwards) and its overhead: the round
    minus the cost of the forwards it ran, each priced at the cost measured as in 1. on the runner that
    ran it, for its width (its compiled bucket). The forwards are counted by wrapping
-   ``BatchRunner.__call__`` during the timed runs (restored after; about 1 µs a call; prefills do not go
+   ``BatchRunner._forward`` during the timed runs (restored after; about 1 µs a call; prefills do not go
    through it), and ``BatchRunner.draft_steps``, whose call of S fused steps counts as S draft forwards
    of width 1 (priced as such: the ``forwards`` row of the fused steps shows what one call costs); if
    that count disagrees with the stats, it falls back to the stats (target forwards priced by block
@@ -346,7 +346,8 @@ def compile_shim(enabled: bool):
 
 class ForwardLog:
     """Every decode-time forward of the round while ``recording``: (runner, tokens). Wraps
-    ``BatchRunner.__call__`` (the target's and a draft model's runners; prefills bypass it) and
+    ``BatchRunner._forward`` (each forward of the target's and a draft model's runners: their calls, the
+    verification's ``forward_greedy`` and ``greedy_steps``' steps; prefills bypass it) and
     ``BatchRunner.draft_steps`` (S fused draft steps: S forwards of 1 token), and restores them in ``finally``."""
 
     def __init__(self) -> None:
@@ -362,7 +363,7 @@ class ForwardLog:
         if self.runner_class is None:
             yield
             return
-        original, calls = self.runner_class.__call__, self.calls
+        original, calls = self.runner_class._forward, self.calls  # every forward: calls, forward_greedy, greedy_steps
         original_steps = getattr(self.runner_class, "draft_steps", None)
 
         def call(runner, ids, *args, **kwargs):
@@ -373,13 +374,13 @@ class ForwardLog:
             calls.extend([(runner, 1)] * num_steps)
             return original_steps(runner, tokens, starts, num_steps, *args, **kwargs)
 
-        self.runner_class.__call__ = call
+        self.runner_class._forward = call
         if original_steps is not None:
             self.runner_class.draft_steps = steps
         try:
             yield
         finally:
-            self.runner_class.__call__ = original
+            self.runner_class._forward = original
             if original_steps is not None:
                 self.runner_class.draft_steps = original_steps
 
