@@ -16,7 +16,8 @@ target and a perturbed copy of it as the draft model (vocabulary 256, 2 layers, 
   request's admission is not counted) outside those forwards (``TorchDispatchMode``); on CUDA each
   one that computes is a kernel launch;
 - ``kernels/round``: those of the ops that compute (not views or aliases, ``OpOverload.is_view``, nor
-  ``lift_fresh``/``detach_``, which only wrap a host tensor): on CUDA each is a kernel launch or a copy;
+  ``lift_fresh``/``detach_``, which only wrap a host tensor, nor ``empty*``, which only allocate): on CUDA
+  each is a kernel launch or a copy (a host-to-device copy is not counted on a CPU, where it is none);
 - ``syncs/round``: host reads (``item``, ``tolist``, ``cpu``, ``numpy``, tensor truth and number
   conversions) in the rounds, outside them;
 - ``prefill fwd``: the other eager forwards in the rounds, over all of them: a draft model's deferred prompt
@@ -64,7 +65,9 @@ NOISE = 0.03  # the draft's weights: the target's plus this much noise, relative
 SYNCS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
 METHODS = ("autoregressive", "draft", "draft+adaptive", "prompt-lookup", "cascade", "cascade+adaptive", "layer-skip",
            "autoregressive:sampling", "draft:sampling", "prompt-lookup:sampling")
-NO_KERNEL = (torch.ops.aten.lift_fresh, torch.ops.aten.detach_)  # wrap a host tensor: no kernel, no copy
+#: wrap a host tensor, or only allocate: no kernel, no copy
+NO_KERNEL = (torch.ops.aten.lift_fresh, torch.ops.aten.detach_, torch.ops.aten.empty, torch.ops.aten.empty_strided,
+             torch.ops.aten.empty_like)
 TEMPERATURE = 0.8  # ":sampling" methods: every request samples (its own seed), top-p 0.95
 
 

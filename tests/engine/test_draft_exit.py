@@ -192,7 +192,7 @@ def test_an_unknown_mode_is_refused_with_the_allowed_ones():
 @pytest.mark.parametrize("mode", ["previous-round", "masked"])
 def test_read_free_modes_run_their_steps_fused_with_the_loops_blocks(mode, monkeypatch):
     """On the fast path a read-free exit's draft steps run as one ``BatchRunner.draft_steps`` call, whose
-    top probabilities give the same blocks, thresholds and output as the step-by-step loop (B = 2)."""
+    top probabilities give the same blocks, thresholds and output as the unfused steps (``greedy_steps``, B = 2)."""
     target = make_tiny_model("llama", num_layers=3, seed=4)
     draft = perturbed_copy(target, noise=0.4, seed=5)
     calls = []

@@ -115,9 +115,10 @@ def _cache_rows(drafter) -> list[torch.Tensor]:
 
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("name", ["draft", "cascade", "layer-skip", "draft-truncated"])
-def test_switch_off_runs_step_by_step_with_the_same_drafts_stats_and_cache(name, fused_calls):
-    """``fused_draft_steps=False`` never fuses; on and off, run in lockstep, give the same drafts round by
-    round, the same draft cache after every step (rollback included) and the same stats."""
+def test_switch_off_runs_unfused_with_the_same_drafts_stats_and_cache(name, fused_calls):
+    """``fused_draft_steps=False`` never fuses (its steps run one graph each, ``greedy_steps``); on and off, run in
+    lockstep, give the same drafts round by round, the same draft cache after every step (rollback included) and
+    the same stats."""
     target = make_tiny_model("llama", num_layers=3)
     draft = perturbed_copy(target, noise=0.3, seed=1)
     make = _drafters(target, draft)[name]

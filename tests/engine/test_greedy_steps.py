@@ -23,6 +23,8 @@ from helpers import perturbed_copy
 from selfspec_helpers import one_thread  # noqa: F401 (a fixture)
 from specdecode import GenerationConfig
 from specdecode.drafters import DraftModelDrafter
+from specdecode.drafters.control import DraftControl
+from specdecode.engine import batch_runner
 from specdecode.engine.batch_cache import BatchKVCache, FastPath
 from specdecode.engine.batch_runner import BatchRunner
 from specdecode.engine.verification import greedy_epilogue
@@ -31,28 +33,39 @@ from test_batched_fast_path import PROMPTS, _configs, round_syncs, sync_counter 
 from test_fused_draft_steps import _cache_rows, _drafters, _drafts, _engine
 
 
+class _Calls(list):
+    def __init__(self) -> None:
+        super().__init__()
+        self.with_tops: list[bool] = []
+
+
 @pytest.fixture
 def greedy_calls(monkeypatch) -> list:
     """Each ``BatchRunner.greedy_steps`` call: (the runner, rows, steps)."""
-    calls: list = []
+    calls = _Calls()
     original = BatchRunner.greedy_steps
 
-    def counted(self, tokens, starts, num_steps, *args, **kwargs):
+    def counted(self, tokens, starts, num_steps, head_ids, with_tops=False):
         calls.append((self, int(tokens.shape[0]), num_steps))
-        return original(self, tokens, starts, num_steps, *args, **kwargs)
+        calls.with_tops.append(with_tops)
+        return original(self, tokens, starts, num_steps, head_ids, with_tops)
 
     monkeypatch.setattr(BatchRunner, "greedy_steps", counted)
     return calls
 
 
 @pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("name", ["draft", "cascade", "layer-skip", "draft-truncated"])
-def test_greedy_steps_and_the_loop_give_the_same_drafts_cache_stats_and_output(name, greedy_calls):
+@pytest.mark.parametrize("name, exit_mode", [("draft", None), ("cascade", None), ("layer-skip", None),
+                                             ("draft-truncated", None), ("draft", "masked"),
+                                             ("cascade", "previous-round"), ("layer-skip", "masked")])
+def test_greedy_steps_and_the_loop_give_the_same_drafts_cache_stats_and_output(name, exit_mode, greedy_calls):
     """Two engines in lockstep, B = 3 with rows joining and finishing at different lengths: one runs its draft
-    steps in the runner (the default), the other's runner hides its buckets from the drafter, so it loops."""
+    steps in the runner (the default), the other's runner hides its buckets from the drafter, so it loops. With
+    an adaptive exit that reads nothing between steps, the steps' top probabilities decide each row's block."""
     target = make_tiny_model("llama", num_layers=3)
     make = _drafters(target, perturbed_copy(target, noise=0.3, seed=1))[name]
-    steps, loop = _engine(target, make(), 3, False), _engine(target, make(), 3, False)
+    control = {"draft_control": DraftControl(adaptive_exit=True, exit_mode=exit_mode)} if exit_mode else {}
+    steps, loop = _engine(target, make(), 3, False, **control), _engine(target, make(), 3, False, **control)
     loop.drafter.runner.steps_in_buckets = lambda n: False  # this instance only: the drafter loops
     drafts_steps, drafts_loop = _drafts(steps), _drafts(loop)
     for dec in (steps, loop):
@@ -67,8 +80,9 @@ def test_greedy_steps_and_the_loop_give_the_same_drafts_cache_stats_and_output(n
         got, want = _cache_rows(steps.drafter), _cache_rows(loop.drafter)
         assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
     assert {r for r, _, _ in greedy_calls} == {steps.drafter.runner}, "only the first engine ran greedy_steps"
+    assert all(with_tops == bool(exit_mode) for with_tops in greedy_calls.with_tops)
     rows = {n for _, n, _ in greedy_calls}
-    assert 3 in rows and len(rows) > 1 and len(drafts_steps) > 5  # rows finished at different lengths
+    assert 3 in rows and len(greedy_calls) >= 3 and len(drafts_steps) > 5
     assert {k[1]: v for k, v in outputs.items() if k[0] == "steps"} == \
         {k[1]: v for k, v in outputs.items() if k[0] == "loop"}
     for stat in ("num_drafted_tokens", "num_accepted_tokens", "num_draft_forwards", "num_rounds"):
@@ -123,13 +137,18 @@ def test_greedy_steps_equal_one_token_calls_and_draft_steps_and_flag_non_finite_
     assert runner.greedy_steps(torch.tensor([7, 11]), [4, 6], 3, None)[2] is None  # no tops asked
     fused = runner.draft_steps(torch.tensor([7, 11]), [4, 6], 3, None, vocab)
     assert torch.equal(fused[0], tokens) and bool(fused[1])
-    head = runner.model.get_output_embeddings().weight
-    saved = head[3].clone()
-    head[3] = float("nan")
+    # Only the last step non-finite: the token it is fed has a NaN embedding (the first steps are finite).
+    chosen = runner.greedy_steps(torch.tensor([7]), [4], 3, None)[0]
+    embeddings = runner.model.get_input_embeddings().weight
+    last_input = int(chosen[0, 1])
+    assert last_input not in (7, int(chosen[0, 0]))  # else an earlier step would read it too
+    saved = embeddings[last_input].clone()
+    embeddings[last_input] = float("nan")
     try:
-        assert not bool(runner.greedy_steps(torch.tensor([7]), [4], 2, None)[1])
+        assert bool(runner.greedy_steps(torch.tensor([7]), [4], 2, None)[1])  # the first two steps alone: finite
+        assert not bool(runner.greedy_steps(torch.tensor([7]), [4], 3, None)[1])
     finally:
-        head[3] = saved
+        embeddings[last_input] = saved
 
 
 @torch.inference_mode()
@@ -157,6 +176,11 @@ def test_greedy_steps_check_their_arguments():
         runner.greedy_steps(torch.tensor([5, 6, 7]), [3, 3, 3], 2, None)
     with pytest.raises(InvalidArgumentError, match=r"past the batch cache's capacity of 96"):
         runner.greedy_steps(tokens, [94], 3, None)
+    with pytest.raises(InvalidArgumentError, match=r"greedy_steps needs one start \(an int >= 0\) per row of its 1 "
+                                                   r"tokens, got \[3, 4\]"):
+        runner.greedy_steps(tokens, [3, 4], 2, None)
+    with pytest.raises(InvalidArgumentError, match=r"got \[-1\]"):
+        runner.greedy_steps(tokens, [-1], 2, None)
     eager = BatchRunner(dec.drafter.model, BatchKVCache(dec.drafter.model, 1, 32), (1,), "draft model")
     assert not eager.steps_in_buckets(1)  # no fast path: the drafters run the loop
 
@@ -188,7 +212,7 @@ def test_forward_greedy_gives_the_logits_of_a_call_and_their_argmax_and_finitene
 
 
 @torch.inference_mode()
-def test_write_positions_advanced_on_the_device_equal_the_hosts():
+def test_write_positions_advanced_on_the_device_equal_the_hosts(monkeypatch):
     """Calls whose rows all moved by one count advance the bucket's positions in place; others (another count
     per row, another row count, after a warm-up) copy them: either way the buffer holds each row's start + t,
     and the free rows 0 .. W - 1."""
@@ -196,7 +220,10 @@ def test_write_positions_advanced_on_the_device_equal_the_hosts():
     cache = BatchKVCache(model, 4, 64, fast=FastPath((1, 2, 4), 3, graphs=False))
     runner = BatchRunner(model, cache, (1, 3), "target model")
     runner(torch.tensor([[5, 9, 12, 4]] * 4), [0] * 4, 1)  # allocates the cache
-    copies = []
+    copies, copied = [], []
+    original = batch_runner._copy_from_host
+    monkeypatch.setattr(batch_runner, "_copy_from_host", lambda dst, values: (copied.append(values),
+                                                                               original(dst, values)))
 
     def expected(starts, rows, width):
         return [[s + t for t in range(width)] for s in starts] + [list(range(width))] * (rows - len(starts))
@@ -204,13 +231,13 @@ def test_write_positions_advanced_on_the_device_equal_the_hosts():
     calls = [[4, 9], [5, 10], [8, 13], [9, 15], [10, 16], [10, 16], [3], [4], [6, 7, 8], [9, 10, 11]]
     for starts in calls:
         bucket = runner._bucket(next(r for r in runner.rows if r >= len(starts)), 3)
-        before = bucket.starts
+        before = len(copied)
         runner(torch.tensor([[1, 2, 3]] * len(starts)), starts, 1)
-        moved = before is not None and len(before) == len(starts) and \
-            len({s - b for s, b in zip(starts, before)}) == 1
-        copies.append(not moved)
+        copies.append(len(copied) - before)
         assert bucket.index.view(bucket.rows, 3).tolist() == expected(starts, bucket.rows, 3), starts
-    assert copies == [True, False, False, True, False, False, True, False, True, False]
+    # copied from the host: each bucket's first call, [9, 15] (rows moved by 1 and 2), [3] and [6, 7, 8] (another
+    # rows bucket's first calls); the others (one move for all rows, or none) advanced on the device
+    assert copies == [1, 0, 0, 1, 0, 0, 1, 0, 1, 0]
     runner.warm_up()
     bucket = runner._bucket(2, 3)
     assert bucket.starts is None and bucket.index.view(2, 3).tolist() == expected([], 2, 3)

@@ -17,7 +17,6 @@ from specdecode.engine.batched import BatchedSpeculativeDecoder
 from specdecode.engine.overlap import (HostReader, RoundAhead, can_run_ahead, engine_overlap_rounds, next_tokens,
                                        run_ahead, taken)
 from specdecode.engine.stats import SpecDecodingStats
-from specdecode.engine.verification import greedy_epilogue
 from specdecode.models.llama_cpp_target import LlamaCppTargetRunner
 from specdecode.errors import InvalidArgumentError
 
@@ -272,8 +271,7 @@ def test_run_ahead_reads_the_tokens_it_fed_and_taken_finds_each_row_by_request_p
         @staticmethod
         def forward_greedy(ids, starts, keep):
             calls.append((ids.tolist(), starts, keep))
-            out = ids.float().view(-1, 1, 1) * 10
-            return out, greedy_epilogue(out)
+            return ids.float().view(-1, 1, 1) * 10, torch.stack([ids, ids + 100], dim=-1)  # a greedy per row
 
     runner = Runner()
 
@@ -284,10 +282,12 @@ def test_run_ahead_reads_the_tokens_it_fed_and_taken_finds_each_row_by_request_p
     assert ahead.key == [(7, 3, 1), (9, 2, 0)]
     stats = SpecDecodingStats()
     after = [_Row(7, [4, 4, 4, 1]), _Row(9, [5, 5, 0])]
-    ids, out, _ = taken(ahead, after, 0, stats)
+    ids, out, greedy = taken(ahead, after, 0, stats)
     assert ids.tolist() == [[1], [0]] and out.flatten().tolist() == [10.0, 0.0]
-    ids, out, _ = taken(ahead, after[::-1], 0, stats)  # a row moved: found at its old index
+    assert greedy.tolist() == [[[1, 101]], [[0, 100]]]
+    ids, out, greedy = taken(ahead, after[::-1], 0, stats)  # a row moved: found at its old index
     assert ids.tolist() == [[0], [1]] and out.flatten().tolist() == [0.0, 10.0]
+    assert greedy.tolist() == [[[0, 100]], [[1, 101]]]  # its epilogue moved with it
     assert taken(ahead, after[1:], 0, stats)[0].tolist() == [[0]]  # a row left
     assert stats.num_discarded_forwards == 0
     for wrong in (_Row(8, [4, 4, 4, 1]),  # another request

@@ -71,8 +71,9 @@ def draft_batch(
         runner: The ``BatchRunner`` that ``forward`` runs on: a greedy round with no per-step exits,
             processors or ``tree_tops`` runs its steps after the first in the runner (module docstring):
             ``runner.draft_steps`` with ``fuse`` where ``runner.fuses_draft_steps(n, K - 1, with top
-            probabilities)``, else ``runner.greedy_steps`` where ``runner.steps_in_buckets(n)`` and the
-            logits are the vocabulary's (or a truncated head's); None (an eager or llama.cpp runner): the loop.
+            probabilities)``, else ``runner.greedy_steps`` where ``runner.steps_in_buckets(n)`` and no
+            logit column lies past the vocabulary (or the head is truncated); a runner without buckets
+            (eager), or None (a llama.cpp draft): the loop.
         fuse: Fuse the steps into one compiled function where the runner can (``fused_draft_steps``).
 
     Returns:
@@ -95,7 +96,7 @@ def draft_batch(
         if fuse and runner.fuses_draft_steps(n, K - 1, with_tops):
             steps = lambda token: runner.draft_steps(token, next_starts, K - 1, head_ids, vocab, with_tops)  # noqa: E731
             return _greedy(steps, first_logits, max_tokens, vocab, who, head_ids, with_tops)
-        if runner.steps_in_buckets(n) and (truncated or first_logits.shape[-1] == vocab):
+        if runner.steps_in_buckets(n) and (truncated or first_logits.shape[-1] <= vocab):  # no column past it
             steps = lambda token: runner.greedy_steps(token, next_starts, K - 1, head_ids, with_tops)  # noqa: E731
             return _greedy(steps, first_logits, max_tokens, vocab, who, head_ids, with_tops)
     active = [c > 0 for c in max_tokens]

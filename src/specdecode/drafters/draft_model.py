@@ -35,6 +35,10 @@ forward of the draft model (prefills and warm-up included, so that the fast path
 traced with it) computes the K rows of its LM head only; the draft proposes among those K
 tokens, and its q is zero outside them (exact under sampling).
 
+**Draft steps in the runner.** On the fast path a greedy round with no per-step exit, processors or tree runs
+its draft steps after the first forward in the runner, one graph a step, each feeding its graph's argmax to
+the next with no host read (``base.draft_batch``, ``BatchRunner.greedy_steps``).
+
 **Fused steps** (``fused_draft_steps``, off by default): on the fast path a greedy round with no per-step
 exit, processors or tree that drafts the engine's longest block runs its draft steps after the first
 forward as one compiled function (``base.draft_batch``, ``BatchRunner.draft_steps`` at its
@@ -123,7 +127,7 @@ class DraftModelDrafter(Drafter):
     supports_exit_policy = True
     who = "draft model"
     #: True: greedy rounds run their draft steps as one compiled function on the fast path (module docstring);
-    #: False (the default, measured faster on an H200): step by step.
+    #: False (the default, measured faster on an H200): one graph a step (``BatchRunner.greedy_steps``).
     fused_draft_steps = False
     #: Rows joining together share their deferred prompt prefill's forwards (``engine.shared_prefill``): True,
     #: False, or None for the device's default (CUDA only); the engine that binds the drafter sets it to its own.

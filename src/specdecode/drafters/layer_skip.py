@@ -332,7 +332,7 @@ class LayerSkipDrafter(Drafter):
     who = "layer-skip draft"
     #: True: greedy rounds run their draft steps as one compiled function on the fast path (``base.draft_batch``,
     #: ``BatchRunner.draft_steps`` at its ``fused_steps``, warmed up); False (the default, as the draft model's,
-    #: ``drafters.draft_model``): step by step.
+    #: ``drafters.draft_model``): one graph a step (``BatchRunner.greedy_steps``).
     fused_draft_steps = False
 
     def __init__(self, model: PreTrainedModel, skip_set: SkipSet) -> None:

@@ -3,7 +3,7 @@
 - ``decoder``: ``SpeculativeDecoder``, ``GenerationStream``, ``GenerationResult``
   (the four-step round: draft, verify, accept, emit);
 - ``protocol``: what the engine asks of a drafter (``Drafter``, ``Draft``, ``ExitPolicy``:
-  one batch-native protocol), of a runner (``BatchRunnerProtocol``, ``TargetRunnerProtocol``)
+  one batch-native protocol), of a runner (``BatchRunnerProtocol``, ``RoundRunnerProtocol``, ``TargetRunnerProtocol``)
   and of a draft-length policy (``DraftPolicy``); drafters live in ``specdecode.drafters``
   and reach the engine only through these;
 - ``verification``: greedy verification and speculative sampling's rejection step;
@@ -18,7 +18,8 @@
 - ``batch_rows``: a batched request's state (``BatchRow``) and ``BatchEvent``;
 - ``batched``: ``BatchedSpeculativeDecoder``, many rows at once with continuous batching,
   on ``batch_cache.BatchKVCache`` (per-row positions and masks); ``batch_runner``: its fast path (``BatchRunner``, forwards
-  compiled at (rows, width) buckets, CUDA graphs on CUDA; a greedy round's draft steps as one graph);
+  compiled at (rows, width) buckets, CUDA graphs on CUDA, each giving its argmax and finiteness; a greedy
+  round's draft steps fed back in the runner, one graph each or, fused, one in all);
 - ``draft_exit``: an adaptive draft exit read with the round's one sync (``DraftControl.exit_mode``
   "masked" and "previous-round");
 - ``compat``: ``torch.compile`` options feature-detected for the torch installed (2.11 and later);

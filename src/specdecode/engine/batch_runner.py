@@ -20,8 +20,8 @@ whose rows each continue at their own position (``batch_cache.BatchKVCache``):
   variants and their recompile budget per code object, so no bucket can exhaust another's
   (torch 2.11's ``torch.compile`` has no ``isolate_recompiles``). ``dynamic=False,
   fullgraph=True``; on CUDA ``mode="reduce-overhead"`` (CUDA graphs): each call starts with
-  ``torch.compiler.cudagraph_mark_step_begin()`` and its logits are cloned before the next
-  graph reuses their memory. The first calls of a bucket (compilation, graph capture) are
+  ``torch.compiler.cudagraph_mark_step_begin()`` and its outputs (logits, greedy epilogue) are
+  cloned, or used up (``greedy_steps``), before the next graph reuses their memory. The first calls of a bucket (compilation, graph capture) are
   timed apart, in ``compile_time_s``, and logged at INFO.
 * **Dynamic shapes** (``FastPath.dynamic_shapes``, off by default): rows and widths above 1 are
   symbolic (``torch._dynamo.mark_dynamic`` on the buckets' buffers, ``dynamic=None``; size 1 stays
@@ -321,6 +321,26 @@ class BatchRunner:
         round of that many steps (``with_tops``: and top probabilities) fuses (one of ``fused_steps``)."""
         return self.steps_in_buckets(n) and (num_steps is None or (num_steps, with_tops) in self.fast.draft_steps)
 
+    def _check_steps(self, what: str, steps: str, n: int, starts: Sequence[int], **counts: int) -> None:
+        """``draft_steps``' and ``greedy_steps``' arguments (``what``, for messages; ``steps``, what needs the
+        buckets): one start (an int >= 0) per row, each of ``counts`` an integer >= 1, a bucket for the rows
+        (``steps_in_buckets``), the last step within the cache's capacity. Raises ``InvalidArgumentError``."""
+        if len(starts) != n or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in starts):
+            raise InvalidArgumentError(f"{self.name}: {what} needs one start (an int >= 0) per row of its "
+                                       f"{n} tokens, got {list(starts)!r}")
+        for name, value in counts.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgumentError(f"{self.name}: {what}' {name} must be an integer >= 1, got {value!r}")
+        if not self.steps_in_buckets(n):
+            raise InvalidArgumentError(
+                f"{self.name}: {steps} need the fast path, an allocated cache, width 1 and a rows bucket "
+                f"for {n} rows (rows buckets {list(self.rows)}, widths {list(self.widths)})")
+        end = max(starts) + counts["num_steps"]
+        if end > self.cache.capacity:
+            raise InvalidArgumentError(
+                f"a forward would write position {end - 1}, past the batch cache's capacity of {self.cache.capacity}"
+            )
+
     @torch.inference_mode()
     def greedy_steps(self, tokens: torch.Tensor, starts: Sequence[int], num_steps: int, head_ids: torch.Tensor | None,
                      with_tops: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -341,16 +361,11 @@ class BatchRunner:
             top probabilities or None.
 
         Raises:
-            InvalidArgumentError: ``num_steps`` not an integer >= 1; ``steps_in_buckets(n)`` false; a row
-                that would write past the cache's capacity.
+            InvalidArgumentError: As ``draft_steps`` (``steps_in_buckets(n)`` false in place of
+                ``fuses_draft_steps``).
         """
         n = int(tokens.shape[0])
-        if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
-            raise InvalidArgumentError(f"{self.name}: greedy_steps' num_steps must be an integer >= 1, got {num_steps!r}")
-        if not self.steps_in_buckets(n):
-            raise InvalidArgumentError(
-                f"{self.name}: greedy steps need the fast path, an allocated cache, width 1 and a rows bucket "
-                f"for {n} rows (rows buckets {list(self.rows)}, widths {list(self.widths)})")
+        self._check_steps("greedy_steps", "greedy steps", n, starts, num_steps=num_steps)
         out = torch.empty((n, num_steps, 2), dtype=torch.long, device=tokens.device)  # (token or column, finite)
         ids, tops = tokens.view(n, 1), []
         for i in range(num_steps):
@@ -391,21 +406,7 @@ class BatchRunner:
                 capacity.
         """
         n = int(tokens.shape[0])
-        if len(starts) != n or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in starts):
-            raise InvalidArgumentError(f"{self.name}: draft_steps needs one start (an int >= 0) per row of its "
-                                       f"{n} tokens, got {list(starts)!r}")
-        for name, value in (("num_steps", num_steps), ("vocab", vocab)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidArgumentError(f"{self.name}: draft_steps' {name} must be an integer >= 1, got {value!r}")
-        if not self.fuses_draft_steps(n):
-            raise InvalidArgumentError(
-                f"{self.name}: fused draft steps need the fast path, an allocated cache, width 1 and a rows bucket "
-                f"for {n} rows (rows buckets {list(self.rows)}, widths {list(self.widths)})")
-        end = max(starts) + num_steps
-        if end > self.cache.capacity:
-            raise InvalidArgumentError(
-                f"a forward would write position {end - 1}, past the batch cache's capacity of {self.cache.capacity}"
-            )
+        self._check_steps("draft_steps", "fused draft steps", n, starts, num_steps=num_steps, vocab=vocab)
         rows = next(r for r in self.rows if r >= n)
         bucket = self._steps_bucket(rows, num_steps, head_ids, vocab, with_tops)
         bucket.ids[:n].copy_(tokens.view(n, 1))

@@ -449,17 +449,15 @@ class BatchedSpeculativeDecoder(BatchRequests):
         if ahead is not None:
             ids, logits, greedy = ahead
         else:
-            pending = to_device([[s[-1]] for s in sequences], device)
-            ids = torch.cat([pending, tokens[:, :K]], dim=1) if K else pending
+            ids = to_device([[s[-1]] for s in sequences], device)  # each row's pending token, then its draft
+            ids = torch.cat([ids, tokens[:, :K]], dim=1) if K else ids
             logits, greedy = self.runner.forward_greedy(  # [trees] rows without a tree verify their block as a chain
                 ids, starts, K + 1, trees=None if trees is None else [t or TokenTree.chain(k[b]) for b, t in enumerate(trees)])
         if logits.shape[-1] > self.vocab_size:
-            logits = logits[..., : self.vocab_size]
-            greedy = greedy_epilogue(logits)
+            logits, greedy = logits[..., : self.vocab_size], greedy_epilogue(logits[..., : self.vocab_size])
         target_logits = logits
-        # The round's one host sync: drafts, the target's argmax, finiteness flags (per position), the last two
-        # from the forward (its graph on the fast path), before processors or banned-word masks change the logits
-        finite = greedy[..., 1]  # (n, K + 1) long, 1 where finite
+        # The round's one host sync: drafts, the target's argmax, finiteness flags (per position, raw: ``greedy``)
+        finite = greedy[..., 1]  # (n, K + 1) long, 1 where finite, from the forward (its graph on the fast path)
         logits = process_rows(logits, [row.sampler.processors for row in rows], ids)  # [processors]
         if any(row.banned is not None for row in rows):  # row b's [b, i] predicts position len_b + i
             mask_batch(logits, [row.banned for row in rows], [len(s) for s in sequences])

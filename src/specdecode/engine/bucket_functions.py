@@ -18,7 +18,13 @@ def forward_function(model: PreTrainedModel, tag: str, graphs: bool, cuda: bool,
                      dynamic: bool | None = False) -> Callable:
     """``forward(ids (R, W), cache) -> ((R, W, V) logits, (R, W, 2) greedy epilogue)`` on the static path
     (``BatchRunner.forward_greedy``: each position's argmax and finiteness, computed in the graph); compiled on a code
-    object of its own when ``graphs`` (``batch_runner``'s module docstring), ``dynamic`` as ``compat.compile_kwargs``."""
+    object of its own when ``graphs`` (``batch_runner``'s module docstring), ``dynamic`` as ``compat.compile_kwargs``.
+
+    Compiled, the argmax reads the logits as the graph computes them: where a pointwise step follows the LM head
+    (a final-logit softcap, a scale), inductor may fuse it and take the argmax of values not yet rounded to the
+    returned dtype, so on a bf16 near-tie it may differ from the returned logits' argmax (as a compiled graph
+    may round the last bits differently from eager anyway). The packaged models (Qwen2.5-Coder; Gemma 3, whose
+    ``final_logit_softcapping`` is None) end in a plain LM head. Not yet checked on a GPU."""
 
     def forward(ids: torch.Tensor, cache: BatchKVCache) -> tuple[torch.Tensor, torch.Tensor]:
         positions, mask = cache.static_inputs(model.dtype)

@@ -37,12 +37,12 @@ class VerificationResult:
     next_token: int
 
 
-
 def greedy_epilogue(logits: torch.Tensor) -> torch.Tensor:
     """What a greedy verification reads of each position: (..., 2) long, ``[..., 0]`` the argmax over the last
     dimension (V), ``[..., 1]`` 1 where all V logits are finite, else 0. The fast path computes it inside the
     forward's graph (``batch_runner.BatchRunner.forward_greedy``); other runners after their forward."""
     return torch.stack([logits.argmax(-1), torch.isfinite(logits).all(-1).long()], dim=-1)
+
 
 def greedy_verify(draft_tokens: list[int], target_argmax: list[int]) -> VerificationResult:
     """Accept the longest draft prefix that matches the target's argmax.
