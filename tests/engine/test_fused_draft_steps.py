@@ -150,22 +150,23 @@ def test_switch_off_runs_unfused_with_the_same_drafts_stats_and_cache(name, fuse
 
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("name", ["draft", "layer-skip"])
-def test_one_host_sync_per_fused_round_and_none_between_steps(name, sync_counter, monkeypatch):
-    """A fused greedy round reads the device back once (the round's ``tolist``); nothing inside
-    ``draft_steps`` (its forwards included: the static path has no host reads) syncs."""
+@pytest.mark.parametrize("entry, fused", [("draft_steps", True), ("greedy_steps", False)])
+def test_one_host_sync_per_greedy_round_and_none_between_steps(name, entry, fused, sync_counter, monkeypatch):
+    """A greedy round, its steps fused or not (``greedy_steps``), reads the device back once (the round's
+    ``tolist``); nothing inside the steps (their forwards included: the static path has no host reads) syncs."""
     target = make_tiny_model("qwen2", num_layers=3)
     draft = perturbed_copy(target, noise=0.3, seed=1)
-    dec = _engine(target, _drafters(target, draft)[name](), 3)
+    dec = _engine(target, _drafters(target, draft)[name](), 3, fused)
     inside: list[list] = []
-    steps = BatchRunner.draft_steps
+    steps = getattr(BatchRunner, entry)
 
-    def fused(self, *args, **kwargs):
+    def watched(self, *args, **kwargs):
         before = len(sync_counter)
         out = steps(self, *args, **kwargs)
         inside.append(sync_counter[before:])
         return out
 
-    monkeypatch.setattr(BatchRunner, "draft_steps", fused)
+    monkeypatch.setattr(BatchRunner, entry, watched)
     for prompt, config in zip(PROMPTS[:3], _configs()):
         dec.add(prompt, config)
     per_round = [[(m, f) for m, _, f in calls] for calls in round_syncs(dec, sync_counter)]

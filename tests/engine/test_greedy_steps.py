@@ -5,7 +5,7 @@ the device): what the fast path runs by default for a greedy round's draft steps
   ``draft_steps``), through a truncated head too, and checks its arguments.
 * Run in lockstep against the step-by-step loop (the same drafter with its runner's buckets hidden), the
   drafts, the draft cache, the stats and the output are the same, for the draft model, the cascade, layer
-  skip and a truncated head; one host read per round and none inside the steps.
+  skip and a truncated head (one host read per round and none inside the steps: ``test_fused_draft_steps``).
 * ``forward_greedy`` gives ``__call__``'s logits and their argmax and finiteness, eagerly and from a bucket.
 * A bucket's write positions, advanced on the device where every row moved by the same count, always equal
   the ones the host would have copied.
@@ -29,7 +29,7 @@ from specdecode.engine.batch_cache import BatchKVCache, FastPath
 from specdecode.engine.batch_runner import BatchRunner
 from specdecode.engine.verification import greedy_epilogue
 from specdecode.errors import InvalidArgumentError
-from test_batched_fast_path import PROMPTS, _configs, round_syncs, sync_counter  # noqa: F401 (a fixture)
+from test_batched_fast_path import PROMPTS, _configs
 from test_fused_draft_steps import _cache_rows, _drafters, _drafts, _engine
 
 
@@ -88,29 +88,6 @@ def test_greedy_steps_and_the_loop_give_the_same_drafts_cache_stats_and_output(n
     for stat in ("num_drafted_tokens", "num_accepted_tokens", "num_draft_forwards", "num_rounds"):
         assert getattr(steps.stats, stat) == getattr(loop.stats, stat), stat
     assert 0 < steps.stats.num_accepted_tokens < steps.stats.num_drafted_tokens
-
-
-@pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("name", ["draft", "layer-skip"])
-def test_one_host_sync_per_round_and_none_inside_the_greedy_steps(name, sync_counter, monkeypatch):
-    target = make_tiny_model("qwen2", num_layers=3)
-    dec = _engine(target, _drafters(target, perturbed_copy(target, noise=0.3, seed=1))[name](), 3, False)
-    inside: list[list] = []
-    original = BatchRunner.greedy_steps
-
-    def watched(self, *args, **kwargs):
-        before = len(sync_counter)
-        out = original(self, *args, **kwargs)
-        inside.append(sync_counter[before:])
-        return out
-
-    monkeypatch.setattr(BatchRunner, "greedy_steps", watched)
-    for prompt, config in zip(PROMPTS[:3], _configs()):
-        dec.add(prompt, config)
-    per_round = [[(m, f) for m, _, f in calls] for calls in round_syncs(dec, sync_counter)]
-    assert len(per_round) == dec.stats.num_rounds > 5
-    assert all(c == [("tolist", "_round")] for c in per_round), per_round
-    assert len(inside) > 5 and not any(inside), inside
 
 
 def _allocated(batch: int = 2) -> tuple:
