@@ -21,8 +21,9 @@ whose rows each continue at their own position (``batch_cache.BatchKVCache``):
   (torch 2.11's ``torch.compile`` has no ``isolate_recompiles``). ``dynamic=False,
   fullgraph=True``; on CUDA ``mode="reduce-overhead"`` (CUDA graphs): each call starts with
   ``torch.compiler.cudagraph_mark_step_begin()`` and its outputs (logits, greedy epilogue) are
-  cloned, or used up (``greedy_steps``), before the next graph reuses their memory. The first calls of a bucket (compilation, graph capture) are
-  timed apart, in ``compile_time_s``, and logged at INFO.
+  cloned, or used up (``greedy_steps``), before the next graph reuses their memory. The first
+  calls of a bucket (compilation, graph capture) are timed apart, in ``compile_time_s``, and
+  logged at INFO.
 * **Dynamic shapes** (``FastPath.dynamic_shapes``, off by default): rows and widths above 1 are
   symbolic (``torch._dynamo.mark_dynamic`` on the buckets' buffers, ``dynamic=None``; size 1 stays
   apart, as dynamo specializes sizes 0 and 1), so a runner compiles at most four functions (rows 1 or
@@ -211,8 +212,8 @@ class BatchRunner:
         return logits.clone() if owned else logits
 
     @torch.inference_mode()
-    def forward_greedy(self, ids: torch.Tensor, starts: Sequence[int], logits_to_keep: int,
-                       trees: Sequence | None = None, with_logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def forward_greedy(self, ids: torch.Tensor, starts: Sequence[int], logits_to_keep: int, trees: Sequence | None = None,
+                       with_logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
         """``__call__``'s forward, with each kept position's greedy token and finiteness.
 
         On the fast path both come out of the bucket's graph (``bucket_functions.forward_function``), so the caller

@@ -451,8 +451,8 @@ class BatchedSpeculativeDecoder(BatchRequests):
         else:
             ids = to_device([[s[-1]] for s in sequences], device)  # each row's pending token, then its draft
             ids = torch.cat([ids, tokens[:, :K]], dim=1) if K else ids
-            logits, greedy = self.runner.forward_greedy(  # [trees] rows without a tree verify their block as a chain
-                ids, starts, K + 1, trees=None if trees is None else [t or TokenTree.chain(k[b]) for b, t in enumerate(trees)])
+            chains = None if trees is None else [t or TokenTree.chain(k[b]) for b, t in enumerate(trees)]  # [trees]
+            logits, greedy = self.runner.forward_greedy(ids, starts, K + 1, trees=chains)  # rows without a tree: a chain
         if logits.shape[-1] > self.vocab_size:
             logits, greedy = logits[..., : self.vocab_size], greedy_epilogue(logits[..., : self.vocab_size])
         target_logits = logits

@@ -40,8 +40,8 @@ def steps_function(model: PreTrainedModel, tag: str, num_steps: int, vocab: int,
                    cuda: bool, cuda_graphs: bool) -> Callable:
     """[fused draft steps] ``steps(ids (R, 1), index (R, 1, 1, 1), head (K,) or None, cache) -> (tokens
     (R, S) long, finite (R,) bool, tops (R, S) float32 or None)``: S one-token forwards on the static path,
-    each fed the previous one's greedy token (``head[argmax]`` of a truncated head's K logits, else the argmax of the first
-    ``vocab``), ``index`` (the window's write positions) advanced by one in place after each; compiled
+    each fed the previous one's greedy token (``head[argmax]`` of a truncated head's K logits, else the argmax of
+    the first ``vocab``), ``index`` (the window's write positions) advanced by one in place after each; compiled
     on a code object of its own when ``graphs`` (``batch_runner``'s module docstring)."""
 
     def steps(ids: torch.Tensor, index: torch.Tensor, head: torch.Tensor | None,

@@ -171,7 +171,7 @@ def sample_rows(rows, logits: torch.Tensor, finite: torch.Tensor, ids: torch.Ten
     Args:
         rows: The round's rows (``engine.batch_rows.BatchRow``: ``sampler``, ``banned``, ``request_id``).
         logits: (n, K + 1, V') the target's logits, processed as the rows' verification sees them.
-        finite: (n, K + 1) bool, or long with 1 for True: whether each position's raw logits were all finite: a row with non-finite
+        finite: (n, K + 1) bool (or long, 1 for True), whether each position's raw logits were all finite: a row with non-finite
             ones draws safely (``safe_logits``) and fails once the round reads the flags.
         ids: (n, K + 1) the verification's input: each row's pending token, then its draft.
         num_tokens: Per row, k_b, its drafted tokens.
