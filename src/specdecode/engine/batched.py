@@ -459,7 +459,8 @@ class BatchedSpeculativeDecoder(BatchRequests):
         # The round's one host sync: drafts, the target's argmax, finiteness flags (per position, raw: ``greedy``)
         finite = greedy[..., 1]  # (n, K + 1) long, 1 where finite, from the forward (its graph on the fast path)
         logits = process_rows(logits, [row.sampler.processors for row in rows], ids)  # [processors]
-        if any(row.banned is not None for row in rows):  # row b's [b, i] predicts position len_b + i
+        masked = any(row.banned is not None for row in rows)  # [banned words]
+        if masked:  # row b's [b, i] predicts position len_b + i
             mask_batch(logits, [row.banned for row in rows], [len(s) for s in sequences])
         draft_finite = draft.finite.view(1) if draft is not None and draft.finite is not None else finite.new_ones(1)
         parts = [ids[:, 1:].flatten()] if K else []
@@ -467,10 +468,9 @@ class BatchedSpeculativeDecoder(BatchRequests):
         if points is not None:  # [exits read with the sync] each row's first unsure position
             parts = [*parts, points]
         # [sampling] rows whose block is known before the read sample on the device: (accepted, next token)
-        sampled = sample_rows(rows, logits, finite, ids, k, trees, probs, self.contain_errors) \
-            if points is None else {}
+        sampled = sample_rows(rows, logits, finite, ids, k, trees, probs, self.contain_errors) if points is None else {}
         verdicts = [v for v in sampled.values() if isinstance(v, torch.Tensor)]
-        processed = logits is not target_logits or any(row.banned is not None for row in rows)
+        processed = logits is not target_logits or masked
         choice = logits.argmax(-1) if processed else greedy[..., 0]  # (n, K + 1): the target's greedy choices
         host = torch.cat([*parts, *verdicts, choice.flatten(), finite.flatten(), draft_finite.long()])
         # [overlap] the next forward first, where no request can join (or the batch is full: one joins only
