@@ -255,9 +255,13 @@ class BatchRunner:
                 f"a forward would write position {end - 1}, past the batch cache's capacity of {self.cache.capacity}"
             )
         bucket = self._bucket(rows, width, trees is not None)
-        bucket.ids[:n, :w].copy_(ids)
-        if width > w:
-            bucket.ids[:n, w:].copy_(ids[:, -1:].expand(n, width - w))
+        exact = n == rows and w == width  # the bucket's shape (each draft step at B = 1): no slicing, no padding
+        if exact:
+            bucket.ids.copy_(ids)
+        else:
+            bucket.ids[:n, :w].copy_(ids)
+            if width > w:
+                bucket.ids[:n, w:].copy_(ids[:, -1:].expand(n, width - w))
         self._write_positions(bucket, starts)
         if trees is not None:  # [trees] each node's depth and ancestors; free rows: a chain
             chains = [TokenTree.chain(width - 1)] * (rows - n)
@@ -265,6 +269,8 @@ class BatchRunner:
             _copy_from_host(bucket.depth, (positions - positions[:, :1]).tolist())
             bucket.ancestors.copy_(ancestors.to(bucket.ancestors.device, non_blocking=self._cuda))
         logits, greedy = self._run(bucket)
+        if exact and logits_to_keep == w:
+            return logits, greedy, self._cuda
         kept = slice(w - logits_to_keep, w)
         return logits[:n, kept], greedy[:n, kept], self._cuda
 
@@ -278,7 +284,7 @@ class BatchRunner:
             bucket = self._bucket(rows, width)
             with torch.inference_mode():
                 bucket.ids.zero_()
-                _copy_from_host(bucket.index.view(rows, width), [list(range(width))] * rows)
+                _copy_from_host(bucket.positions, [list(range(width))] * rows)
                 bucket.starts = None
                 for _ in range(self._warm_calls):
                     self._run(bucket)
@@ -295,12 +301,12 @@ class BatchRunner:
         if last is not None and len(last) == n:
             delta = starts[0] - last[0]
             if all(s - l == delta for s, l in zip(starts, last)):
-                if delta:
-                    bucket.index.view(bucket.rows, width)[:n].add_(delta)
+                if delta:  # every row of the bucket: one in-place add on the buffer itself
+                    (bucket.index if n == bucket.rows else bucket.positions[:n]).add_(delta)
                 bucket.starts = list(starts)
                 return
         index = [[s + t for t in range(width)] for s in starts] + [list(range(width))] * (bucket.rows - n)
-        _copy_from_host(bucket.index.view(bucket.rows, width), index)
+        _copy_from_host(bucket.positions, index)
         bucket.starts = list(starts)
 
     @property
@@ -367,16 +373,20 @@ class BatchRunner:
         """
         n = int(tokens.shape[0])
         self._check_steps("greedy_steps", "greedy steps", n, starts, num_steps=num_steps)
-        out = torch.empty((n, num_steps, 2), dtype=torch.long, device=tokens.device)  # (token or column, finite)
+        # step i's epilogue, (token or column, finite), lands in out[i]: (n, 1, 2) as the width-1 forward gives it,
+        # so a step copies it whole; its (n, 1) token column, the next step's input, is a view made here once
+        out = torch.empty((num_steps, n, 1, 2), dtype=torch.long, device=tokens.device)
+        steps, columns = out.unbind(0), out[..., 0].unbind(0)
         ids, tops = tokens.view(n, 1), []
         for i in range(num_steps):
             logits, greedy, _ = self._forward(ids, [s + i for s in starts], 1, None)  # a bucket's: steps_in_buckets
             if with_tops:  # as the loop: the softmax over every column of the step's logits
                 tops.append(torch.softmax(logits[:, -1].float(), -1).amax(-1))
-            out[:, i].copy_(greedy[:, -1])
-            ids = out[:, i, :1] if head_ids is None else head_ids[out[:, i, :1]]
-        chosen = out[..., 0] if head_ids is None else head_ids[out[..., 0]]
-        return chosen, out[..., 1].all(), torch.stack(tops, dim=1) if with_tops else None
+            steps[i].copy_(greedy)
+            ids = columns[i] if head_ids is None else head_ids[columns[i]]
+        chosen = out[..., 0, 0].t()  # (n, S)
+        return chosen if head_ids is None else head_ids[chosen], out[..., 1].all(), \
+            torch.stack(tops, dim=1) if with_tops else None
 
     @torch.inference_mode()
     def draft_steps(self, tokens: torch.Tensor, starts: Sequence[int], num_steps: int, head_ids: torch.Tensor | None,
@@ -411,7 +421,7 @@ class BatchRunner:
         rows = next(r for r in self.rows if r >= n)
         bucket = self._steps_bucket(rows, num_steps, head_ids, vocab, with_tops)
         bucket.ids[:n].copy_(tokens.view(n, 1))
-        _copy_from_host(bucket.index.view(rows, 1), [[s] for s in starts] + [[0]] * (rows - n))
+        _copy_from_host(bucket.positions, [[s] for s in starts] + [[0]] * (rows - n))
         out, finite, tops = self._run(bucket)
         out, tops = out[:n], tops[:n] if tops is not None else None
         if self._cuda:  # the graph's outputs are overwritten by its next replay
@@ -530,6 +540,7 @@ class _Bucket:
         with torch.inference_mode():
             self.ids = torch.zeros((rows, width), dtype=torch.long, device=device)
             self.index = torch.zeros((rows, 1, width, 1), dtype=torch.long, device=device)
+            self.positions = self.index.view(rows, width)  # the write positions as (R, W), made once
             if tree:  # [trees] node depths and ancestor masks (``BatchKVCache.static_inputs``)
                 self.depth = torch.zeros((rows, width), dtype=torch.long, device=device)
                 self.ancestors = torch.zeros((rows, width, width), dtype=torch.bool, device=device)
