@@ -144,6 +144,26 @@ def test_greedy_steps_map_a_truncated_heads_columns_to_token_ids():
     assert not torch.equal(tokens, unmapped)  # the mapping changed what was fed
 
 
+@torch.inference_mode()
+def test_greedy_steps_in_a_larger_rows_bucket_with_head_ids_and_tops_equal_one_token_calls():
+    """Three rows in the rows bucket of four (the free row padded), a truncated head's ids and the top
+    probabilities: the same tokens and tops as one-token calls, returned as (n, S)."""
+    dec, runner = _allocated(4)
+    assert 3 not in runner.rows and 4 in runner.rows  # the rows bucket is larger than the call
+    columns = runner.model.get_output_embeddings().weight.shape[0]
+    head_ids = torch.arange(columns).flip(0)
+    starts = [4, 6, 5]
+    tokens, finite, tops = runner.greedy_steps(torch.tensor([7, 11, 3]), starts, 3, head_ids, with_tops=True)
+    token, expected, expected_tops = torch.tensor([[7], [11], [3]]), [], []
+    for i in range(3):
+        logits = runner(token, [s + i for s in starts], 1)[:, -1]
+        expected_tops.append(torch.softmax(logits.float(), -1).amax(-1))
+        token = head_ids[logits.argmax(-1, keepdim=True)]
+        expected.append(token)
+    assert tokens.shape == (3, 3) and torch.equal(tokens, torch.cat(expected, dim=1))
+    assert torch.equal(tops, torch.stack(expected_tops, dim=1)) and bool(finite)
+
+
 def test_greedy_steps_check_their_arguments():
     dec, runner = _allocated(2)
     tokens = torch.tensor([5])

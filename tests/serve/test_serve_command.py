@@ -361,7 +361,9 @@ def test_dynamic_shapes_reach_the_engine_and_need_the_fast_path(tiny_folders):
         return build_decoder(gen, args, resolve_defaults(args, torch.device("cpu")))
 
     target, draft = tiny_folders
-    gen = SpeculativeGenerator.from_pretrained(str(target), str(draft), dtype="float32", device="cpu")
+    # stock linears: where float32 CPU layers are prepacked by default (an AVX2-only CPU), the fast path refuses them
+    gen = SpeculativeGenerator.from_pretrained(str(target), str(draft), dtype="float32", device="cpu",
+                                               prepack_linears=False)
     made = engine("--compile", "--dynamic-shapes")
     assert made.cache.fast.dynamic_shapes and made.drafter.cache.fast.dynamic_shapes
     assert not engine("--compile").cache.fast.dynamic_shapes

@@ -241,8 +241,8 @@ class BatchRunner:
     def _forward(self, ids: torch.Tensor, starts: Sequence[int], logits_to_keep: int,
                  trees: Sequence | None) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
         """``(logits, greedy or None, owned)``: the forward's kept logits and, from a bucket, its greedy
-        epilogue (``forward_greedy``), both views of the graph's outputs where ``owned`` (CUDA: the next
-        run overwrites them); eagerly (no bucket) greedy is None."""
+        epilogue (``forward_greedy``), both the graph's outputs (or views of them) where ``owned`` (CUDA: the
+        next run overwrites them); eagerly (no bucket) greedy is None."""
         n, w = ids.shape
         rows = next((r for r in self.rows if r >= n), None)
         width = next((b for b in self.widths if b >= w), None)
@@ -293,7 +293,8 @@ class BatchRunner:
         """Set ``bucket``'s write positions: row i at ``starts[i] ..``, free rows n .. R - 1 at 0 .. W - 1.
 
         Where the bucket's last call had the same n rows and every row moved by the same d since (each
-        draft step, and every call at B = 1), the positions advance on the device (``index[:n] += d``):
+        draft step, and every call at B = 1), the positions advance on the device (``index[:n] += d``;
+        ``index += d`` where n is the bucket's R):
         one kernel and no host-to-device copy. Otherwise they are copied from the host (``_copy_from_host``).
         Only this method (and ``warm_up``, which forgets them) writes a linear bucket's positions, so
         ``bucket.starts`` is what the buffer holds."""
@@ -364,8 +365,9 @@ class BatchRunner:
                 their width is the vocabulary).
 
         Returns:
-            As ``draft_steps``: (n, S) long tokens, a 0-dim bool (every step's logits finite), (n, S) float32
-            top probabilities or None.
+            As ``draft_steps``: (n, S) long tokens (without head ids a transposed view, not contiguous: use
+            ``reshape``, not ``view``), a 0-dim bool (every step's logits finite), (n, S) float32 top
+            probabilities or None.
 
         Raises:
             InvalidArgumentError: As ``draft_steps`` (``steps_in_buckets(n)`` false in place of
