@@ -28,7 +28,8 @@ from specdecode.drafters import (
     PromptLookupDrafter,
 )
 from specdecode.drafters.layer_skip import SkipSet
-from specdecode.engine.batch_runner import BatchRunner, check_row_buckets, row_buckets
+from specdecode.engine.batch_runner import BatchRunner
+from specdecode.engine.bucket_functions import check_row_buckets, row_buckets
 from specdecode.engine.batched import BatchedSpeculativeDecoder
 from specdecode.errors import InvalidArgumentError
 

@@ -37,6 +37,7 @@ class _Calls(list):
     def __init__(self) -> None:
         super().__init__()
         self.with_tops: list[bool] = []
+        self.pending: list[bool] = []
 
 
 @pytest.fixture
@@ -45,25 +46,30 @@ def greedy_calls(monkeypatch) -> list:
     calls = _Calls()
     original = BatchRunner.greedy_steps
 
-    def counted(self, tokens, starts, num_steps, head_ids, with_tops=False):
-        calls.append((self, int(tokens.shape[0]), num_steps))
+    def counted(self, first, starts, num_steps, head_ids, with_tops=False, pending=None):
+        calls.append((self, int(first.shape[0]), num_steps))
         calls.with_tops.append(with_tops)
-        return original(self, tokens, starts, num_steps, head_ids, with_tops)
+        calls.pending.append(pending is not None)
+        return original(self, first, starts, num_steps, head_ids, with_tops, pending)
 
     monkeypatch.setattr(BatchRunner, "greedy_steps", counted)
     return calls
 
 
 @pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("name, exit_mode", [("draft", None), ("cascade", None), ("layer-skip", None),
+@pytest.mark.parametrize("name, exit_mode", [("draft", None), ("draft-close", None), ("cascade", None), ("layer-skip", None),
                                              ("draft-truncated", None), ("draft", "masked"),
                                              ("cascade", "previous-round"), ("layer-skip", "masked")])
 def test_greedy_steps_and_the_loop_give_the_same_drafts_cache_stats_and_output(name, exit_mode, greedy_calls):
     """Two engines in lockstep, B = 3 with rows joining and finishing at different lengths: one runs its draft
     steps in the runner (the default), the other's runner hides its buckets from the drafter, so it loops. With
-    an adaptive exit that reads nothing between steps, the steps' top probabilities decide each row's block."""
+    an adaptive exit that reads nothing between steps, the steps' top probabilities decide each row's block.
+    "draft-close": a draft model close to the target, so that blocks are accepted whole and rounds start with
+    first forwards of width 2, every row's or only some rows' (the greedy steps start from a feed's last
+    position)."""
     target = make_tiny_model("llama", num_layers=3)
-    make = _drafters(target, perturbed_copy(target, noise=0.3, seed=1))[name]
+    close = name == "draft-close"
+    make = _drafters(target, perturbed_copy(target, noise=0.05 if close else 0.3, seed=1))["draft" if close else name]
     control = {"draft_control": DraftControl(adaptive_exit=True, exit_mode=exit_mode)} if exit_mode else {}
     steps, loop = _engine(target, make(), 3, False, **control), _engine(target, make(), 3, False, **control)
     loop.drafter.runner.steps_in_buckets = lambda n: False  # this instance only: the drafter loops
@@ -81,6 +87,9 @@ def test_greedy_steps_and_the_loop_give_the_same_drafts_cache_stats_and_output(n
         assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
     assert {r for r, _, _ in greedy_calls} == {steps.drafter.runner}, "only the first engine ran greedy_steps"
     assert all(with_tops == bool(exit_mode) for with_tops in greedy_calls.with_tops)
+    # the draft model and layer skip hand over the verification's input (``Draft.block_ids``); a cascade's block
+    # starts with n-gram tokens, a truncated head's columns are mapped after the steps: neither does
+    assert set(greedy_calls.pending) == {name in ("draft", "draft-close", "layer-skip")}
     rows = {n for _, n, _ in greedy_calls}
     assert 3 in rows and len(greedy_calls) >= 3 and len(drafts_steps) > 5
     assert {k[1]: v for k, v in outputs.items() if k[0] == "steps"} == \
@@ -88,6 +97,11 @@ def test_greedy_steps_and_the_loop_give_the_same_drafts_cache_stats_and_output(n
     for stat in ("num_drafted_tokens", "num_accepted_tokens", "num_draft_forwards", "num_rounds"):
         assert getattr(steps.stats, stat) == getattr(loop.stats, stat), stat
     assert 0 < steps.stats.num_accepted_tokens < steps.stats.num_drafted_tokens
+
+
+def _first(tokens: list[int], finite: bool = True) -> torch.Tensor:
+    """(n, 2) greedy epilogue of the logits that give each row's first draft token: the token (or column), finite."""
+    return torch.tensor([[t, int(finite)] for t in tokens])
 
 
 def _allocated(batch: int = 2) -> tuple:
@@ -101,31 +115,50 @@ def _allocated(batch: int = 2) -> tuple:
 def test_greedy_steps_equal_one_token_calls_and_draft_steps_and_flag_non_finite_logits():
     dec, runner = _allocated()
     vocab = runner.model.get_output_embeddings().weight.shape[0]
-    tokens, finite, tops = runner.greedy_steps(torch.tensor([7, 11]), [4, 6], 3, None, with_tops=True)
-    token, expected, expected_tops = torch.tensor([[7], [11]]), [], []
+    tokens, finite, tops = runner.greedy_steps(_first([7, 11]), [4, 6], 3, None, with_tops=True)
+    token, expected_tops = torch.tensor([[7], [11]]), []
+    expected = [token]
     for i in range(3):
         logits = runner(token, [4 + i, 6 + i], 1)[:, -1]
         expected_tops.append(torch.softmax(logits.float(), -1).amax(-1))
         token = logits.argmax(-1, keepdim=True)
         expected.append(token)
-    assert torch.equal(tokens, torch.cat(expected, dim=1)) and tokens.shape == (2, 3)
+    assert torch.equal(tokens, torch.cat(expected, dim=1)) and tokens.shape == (2, 4)  # the first token, then 3
     assert torch.equal(tops, torch.stack(expected_tops, dim=1))  # the same logits: bit for bit
     assert finite.dim() == 0 and bool(finite)
-    assert runner.greedy_steps(torch.tensor([7, 11]), [4, 6], 3, None)[2] is None  # no tops asked
+    assert runner.greedy_steps(_first([7, 11]), [4, 6], 3, None)[2] is None  # no tops asked
     fused = runner.draft_steps(torch.tensor([7, 11]), [4, 6], 3, None, vocab)
-    assert torch.equal(fused[0], tokens) and bool(fused[1])
+    assert torch.equal(fused[0], tokens[:, 1:]) and bool(fused[1])
+    assert not bool(runner.greedy_steps(_first([7, 11], finite=False), [4, 6], 3, None)[1])  # the first's flag counts
     # Only the last step non-finite: the token it is fed has a NaN embedding (the first steps are finite).
-    chosen = runner.greedy_steps(torch.tensor([7]), [4], 3, None)[0]
+    chosen = runner.greedy_steps(_first([7]), [4], 3, None)[0]
     embeddings = runner.model.get_input_embeddings().weight
-    last_input = int(chosen[0, 1])
-    assert last_input not in (7, int(chosen[0, 0]))  # else an earlier step would read it too
+    last_input = int(chosen[0, 2])
+    assert last_input not in (7, int(chosen[0, 1]))  # else an earlier step would read it too
     saved = embeddings[last_input].clone()
     embeddings[last_input] = float("nan")
     try:
-        assert bool(runner.greedy_steps(torch.tensor([7]), [4], 2, None)[1])  # the first two steps alone: finite
-        assert not bool(runner.greedy_steps(torch.tensor([7]), [4], 3, None)[1])
+        assert bool(runner.greedy_steps(_first([7]), [4], 2, None)[1])  # the first two steps alone: finite
+        assert not bool(runner.greedy_steps(_first([7]), [4], 3, None)[1])
     finally:
         embeddings[last_input] = saved
+
+
+@torch.inference_mode()
+def test_greedy_steps_place_the_pending_tokens_before_the_block():
+    """With ``pending``, the block comes back as the verification's input: each row's pending token, its first
+    token, then the steps'; the pending slot's (unwritten) flag is not read, the first token's is."""
+    dec, runner = _allocated()
+    plain, finite, _ = runner.greedy_steps(_first([7, 11]), [4, 6], 3, None)
+    block, block_finite, _ = runner.greedy_steps(_first([7, 11]), [4, 6], 3, None, pending=torch.tensor([40, 41]))
+    assert block.shape == (2, 5) and block[:, 0].tolist() == [40, 41] and torch.equal(block[:, 1:], plain)
+    assert bool(finite) and bool(block_finite)
+    for _ in range(3):  # whatever the buffer held before: the pending slot's flag is never part of the result
+        assert not bool(runner.greedy_steps(_first([7, 11], finite=False), [4, 6], 2, None,
+                                            pending=torch.tensor([40, 41]))[1])
+    head_ids = torch.arange(runner.model.get_output_embeddings().weight.shape[0])
+    with pytest.raises(InvalidArgumentError, match=r"places the pending token only without head ids"):
+        runner.greedy_steps(_first([7, 11]), [4, 6], 3, head_ids, pending=torch.tensor([40, 41]))
 
 
 @torch.inference_mode()
@@ -134,43 +167,48 @@ def test_greedy_steps_map_a_truncated_heads_columns_to_token_ids():
     dec, runner = _allocated(1)
     columns = runner.model.get_output_embeddings().weight.shape[0]
     head_ids = torch.arange(columns).flip(0)  # column j is token columns - 1 - j
-    tokens, finite, _ = runner.greedy_steps(torch.tensor([7]), [4], 3, head_ids)
-    token, expected = torch.tensor([[7]]), []
+    tokens, finite, _ = runner.greedy_steps(_first([columns - 1 - 7]), [4], 3, head_ids)  # the column of token 7
+    token = torch.tensor([[7]])
+    expected = [token]
     for i in range(3):
         token = head_ids[runner(token, [4 + i], 1)[:, -1].argmax(-1, keepdim=True)]
         expected.append(token)
     assert torch.equal(tokens, torch.cat(expected, dim=1)) and bool(finite)
-    unmapped = runner.greedy_steps(torch.tensor([7]), [4], 3, None)[0]
-    assert not torch.equal(tokens, unmapped)  # the mapping changed what was fed
+    unmapped = runner.greedy_steps(_first([7]), [4], 3, None)[0]
+    assert not torch.equal(tokens[:, 1:], unmapped[:, 1:])  # the mapping changed what was fed
 
 
 @torch.inference_mode()
 def test_greedy_steps_in_a_larger_rows_bucket_with_head_ids_and_tops_equal_one_token_calls():
     """Three rows in the rows bucket of four (the free row padded), a truncated head's ids and the top
-    probabilities: the same tokens and tops as one-token calls, returned as (n, S)."""
+    probabilities: the same tokens and tops as one-token calls, returned as (n, 1 + S)."""
     dec, runner = _allocated(4)
     assert 3 not in runner.rows and 4 in runner.rows  # the rows bucket is larger than the call
     columns = runner.model.get_output_embeddings().weight.shape[0]
     head_ids = torch.arange(columns).flip(0)
     starts = [4, 6, 5]
-    tokens, finite, tops = runner.greedy_steps(torch.tensor([7, 11, 3]), starts, 3, head_ids, with_tops=True)
-    token, expected, expected_tops = torch.tensor([[7], [11], [3]]), [], []
+    first = _first([columns - 1 - t for t in (7, 11, 3)])
+    tokens, finite, tops = runner.greedy_steps(first, starts, 3, head_ids, with_tops=True)
+    token, expected_tops = torch.tensor([[7], [11], [3]]), []
+    expected = [token]
     for i in range(3):
         logits = runner(token, [s + i for s in starts], 1)[:, -1]
         expected_tops.append(torch.softmax(logits.float(), -1).amax(-1))
         token = head_ids[logits.argmax(-1, keepdim=True)]
         expected.append(token)
-    assert tokens.shape == (3, 3) and torch.equal(tokens, torch.cat(expected, dim=1))
+    assert tokens.shape == (3, 4) and torch.equal(tokens, torch.cat(expected, dim=1))
     assert torch.equal(tops, torch.stack(expected_tops, dim=1)) and bool(finite)
 
 
 def test_greedy_steps_check_their_arguments():
     dec, runner = _allocated(2)
-    tokens = torch.tensor([5])
+    tokens = _first([5])
     with pytest.raises(InvalidArgumentError, match=r"greedy_steps' num_steps must be an integer >= 1, got 0"):
         runner.greedy_steps(tokens, [3], 0, None)
     with pytest.raises(InvalidArgumentError, match=r"greedy steps need .* a rows bucket for 3 rows \(rows buckets \[1, 2\]"):
-        runner.greedy_steps(torch.tensor([5, 6, 7]), [3, 3, 3], 2, None)
+        runner.greedy_steps(_first([5, 6, 7]), [3, 3, 3], 2, None)
+    with pytest.raises(InvalidArgumentError, match=r"greedy_steps' first must be \(rows, 2\), got \(1,\)"):
+        runner.greedy_steps(torch.tensor([5]), [3], 2, None)
     with pytest.raises(InvalidArgumentError, match=r"past the batch cache's capacity of 96"):
         runner.greedy_steps(tokens, [94], 3, None)
     with pytest.raises(InvalidArgumentError, match=r"greedy_steps needs one start \(an int >= 0\) per row of its 1 "

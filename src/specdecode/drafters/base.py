@@ -16,7 +16,9 @@ or finiteness check between them: ``BatchRunner.greedy_steps`` (one graph a step
 and finiteness; the default) or, with ``fused_draft_steps``, ``BatchRunner.draft_steps`` (all steps one
 compiled function, at the runner's ``fused_steps``). Both give the same tokens, counts, finiteness flag,
 top probabilities and steps as the loop (bit for bit on the uncompiled static path; a compiled graph may
-round the last bits differently). Any other round, and an eager or llama.cpp runner, runs the loop.
+round the last bits differently). The greedy steps start from the first forward's greedy epilogue
+(``first_greedy``, out of its graph) and, given each row's pending token, return the verification's input whole
+(``Draft.block_ids``). Any other round, and an eager or llama.cpp runner, runs the loop.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from specdecode.engine.processors import DraftProcessing, process_draft_rows
 from specdecode.engine.batch_cache import to_device
 from specdecode.engine.protocol import Draft, Drafter, ExitPolicy
 from specdecode.engine.sampling import Sampler, check_finite, safe_logits, warped_probs
+from specdecode.engine.verification import greedy_epilogue
 from specdecode.errors import InvalidArgumentError
 
 __all__ = ["Draft", "Drafter", "ExitPolicy", "draft_batch", "draft_views", "reads_per_step"]
@@ -49,6 +52,8 @@ def draft_batch(
     tree_tops=None,
     runner=None,
     fuse: bool = False,
+    first_greedy: torch.Tensor | None = None,
+    pending: torch.Tensor | None = None,
 ) -> tuple[Draft, int]:
     """The batched draft loop shared by the model drafters.
 
@@ -75,6 +80,12 @@ def draft_batch(
             logit column lies past the vocabulary (or the head is truncated); a runner without buckets
             (eager), or None (a llama.cpp draft): the loop.
         fuse: Fuse the steps into one compiled function where the runner can (``fused_draft_steps``).
+        first_greedy: (n, 2) long, the greedy epilogue of ``first_logits`` from the first forward's graph
+            (``BatchRunner.forward_greedy``), which the greedy steps start from in place of an argmax and
+            finiteness check of their own; None: computed here where needed.
+        pending: (n,) long on the device, each row's pending token (fed by the first forward): with the greedy
+            steps and a full head, the draft's ``block_ids`` carry it before the tokens, so that the
+            verification feeds them as they are (no host-to-device copy, no ``cat``); None: no ``block_ids``.
 
     Returns:
         The draft, and S, the steps run (S - 1 drafted tokens were fed back).
@@ -94,11 +105,15 @@ def draft_batch(
     if greedy and deferred and K > 1 and processings is None and tree_tops is None and runner is not None:
         with_tops, vocab, head_ids = kept_tops is not None, samplers[0].vocab_size, head.ids if truncated else None
         if fuse and runner.fuses_draft_steps(n, K - 1, with_tops):
-            steps = lambda token: runner.draft_steps(token, next_starts, K - 1, head_ids, vocab, with_tops)  # noqa: E731
-            return _greedy(steps, first_logits, max_tokens, vocab, who, head_ids, with_tops)
+            return _fused(runner, first_logits, next_starts, max_tokens, vocab, who, head_ids, with_tops), K
         if runner.steps_in_buckets(n) and (truncated or first_logits.shape[-1] <= vocab):  # no column past it
-            steps = lambda token: runner.greedy_steps(token, next_starts, K - 1, head_ids, with_tops)  # noqa: E731
-            return _greedy(steps, first_logits, max_tokens, vocab, who, head_ids, with_tops)
+            if first_greedy is None:  # the argmax over every column: here the vocabulary's (or the head's)
+                first_greedy = greedy_epilogue(first_logits)
+            pending = pending if head_ids is None else None
+            tokens, finite, tops = runner.greedy_steps(first_greedy, next_starts, K - 1, head_ids, with_tops, pending)
+            return Draft(tokens if pending is None else tokens[:, 1:], list(max_tokens), None, finite, who,
+                         top_probs=_top_probs(first_logits, tops) if with_tops else None,
+                         block_ids=tokens if pending is not None else None), K
     active = [c > 0 for c in max_tokens]
     sampled = [b for b, s in enumerate(samplers) if not s.greedy]  # warped every step, active or not, so the
     sampled_index = to_device(sampled, first_logits.device) if 0 < len(sampled) < n else None  # index is built once
@@ -176,22 +191,25 @@ def reads_per_step(exits: list[ExitPolicy | None] | None) -> bool:
     return exits is not None and any(e is not None and e.mode == "per-step" for e in exits)
 
 
-def _greedy(steps: Callable, first_logits: torch.Tensor, max_tokens: list[int], vocab: int, who: str,
-            head_ids: torch.Tensor | None, with_tops: bool) -> tuple[Draft, int]:
+def _fused(runner, first_logits: torch.Tensor, next_starts: list[int], max_tokens: list[int], vocab: int, who: str,
+           head_ids: torch.Tensor | None, with_tops: bool) -> Draft:
     """``draft_batch``'s greedy round with no per-step exits, processors or tree, its K - 1 steps after the
-    first token run by the runner (``steps(first token (n,))``: ``BatchRunner.draft_steps``, one call, or
-    ``BatchRunner.greedy_steps``): every row drafts K = max(max_tokens) tokens and keeps its own
-    ``max_tokens[b]``, as the loop does; the finiteness flag stays on the device, and so do the steps' top
-    probabilities (``with_tops``: exits that read them with the round's sync)."""
+    first token fused into one call (``BatchRunner.draft_steps``): every row drafts K = max(max_tokens) tokens
+    and keeps its own ``max_tokens[b]``, as the loop does; the finiteness flag stays on the device, and so do
+    the steps' top probabilities (``with_tops``: exits that read them with the round's sync)."""
     n, K = len(max_tokens), max(max_tokens)
     token = head_ids[first_logits.argmax(-1)] if head_ids is not None else first_logits[:, :vocab].argmax(-1)
-    rest, finite, tops = steps(token)
+    rest, finite, tops = runner.draft_steps(token, next_starts, K - 1, head_ids, vocab, with_tops)
     tokens = torch.cat([token.view(n, 1), rest], dim=1)
-    top_probs = None
-    if with_tops:  # as the loop: the softmax over every column of each step's logits
-        top_probs = torch.cat([torch.softmax(first_logits.float(), -1).amax(-1).view(n, 1), tops], dim=1)
     finite = torch.isfinite(first_logits).all() & finite
-    return Draft(tokens, list(max_tokens), None, finite, who, top_probs=top_probs), K
+    return Draft(tokens, list(max_tokens), None, finite, who, top_probs=_top_probs(first_logits, tops) if with_tops
+                 else None)
+
+
+def _top_probs(first_logits: torch.Tensor, tops: torch.Tensor) -> torch.Tensor:
+    """(n, K) float32: each row's top probability of its first token, from ``first_logits`` (n, V'), then the
+    steps' ``tops`` (n, K - 1); as the loop, the softmax over every column of each step's logits."""
+    return torch.cat([torch.softmax(first_logits.float(), -1).amax(-1).view(-1, 1), tops], dim=1)
 
 
 def draft_views(samplers: list[Sampler], sequences: list[list[int]], head: BoundDraftHead) -> list | None:

@@ -300,13 +300,11 @@ class DraftModelDrafter(Drafter):
             starts = [max(length - width, offset) for length, offset in zip(lengths, offsets)]
             feeds = [s[start:] for s, start in zip(sequences, starts)]
             ids = to_device([f + f[-1:] * (width - len(f)) for f in feeds], self._device)
-            logits = self.runner(ids, [s - o for s, o in zip(starts, offsets)], width)
+            logits, greedy = self._first_forward(ids, [s - o for s, o in zip(starts, offsets)], width, n)
             self.head.check_logits(logits)
-            if all(len(f) == width for f in feeds):
-                first = logits[:, -1]
-            else:
-                last = to_device([len(f) - 1 for f in feeds], logits.device)
-                first = logits[torch.arange(n, device=logits.device), last]
+            last = (slice(None), -1) if all(len(f) == width for f in feeds) else \
+                (torch.arange(n, device=logits.device), to_device([len(f) - 1 for f in feeds], logits.device))
+            first, first_greedy = logits[last], greedy[last] if greedy is not None else None  # each feed's last
             at = [length - o for length, o in zip(lengths, offsets)]
             views = draft_views(self._samplers[:n], sequences, self.head)  # [processors]
             tree_rows = self._tree_rows(n, exits, views)
@@ -320,7 +318,8 @@ class DraftModelDrafter(Drafter):
             tops = TopK(TREE_TOP_K, self.head.ids) if any(tree_rows) else None
             caps = [min(c, self.tree_depth) if t else c for c, t in zip(max_tokens, tree_rows)]
             draft, steps = draft_batch(self._step, first, at, caps, self._samplers[:n], exits, exit_rule,
-                                       self.who, self.head, views, tops, self._steps_runner(), self.fused_draft_steps)
+                                       self.who, self.head, views, tops, self._steps_runner(), self.fused_draft_steps,
+                                       first_greedy, ids[:, -1])  # each row's pending token: its feed's last
         self.num_forwards += steps
         for b in range(n):
             self._num_cached[b] = lengths[b] + min(draft.num_tokens[b], steps - 1)
@@ -372,6 +371,15 @@ class DraftModelDrafter(Drafter):
                 same += 1
             self._num_cached[b] = min(self._num_cached[b], start + same)
             self._chains[b] = None
+
+    def _first_forward(self, ids: torch.Tensor, starts: list[int], width: int, n: int) -> tuple:
+        """A round's first forward, (n, width) ids at draft-cache positions ``starts``: ``(logits (n, width, V'),
+        greedy (n, width, 2) or None)``, greedy the epilogue of a bucket's graph (``BatchRunner.forward_greedy``)
+        where every row is greedy, which the greedy steps start from (``base.draft_batch``); None eagerly."""
+        if isinstance(self.runner, BatchRunner) and self.runner.in_bucket(n, width) \
+                and all(s.greedy for s in self._samplers[:n]):
+            return self.runner.forward_greedy(ids, starts, width)
+        return self.runner(ids, starts, width), None
 
     def _step(self, token: torch.Tensor, at: list[int]) -> torch.Tensor:
         """One more token per row: (n, 1) ids at draft-cache positions ``at``; (n, V') logits."""

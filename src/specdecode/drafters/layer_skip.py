@@ -373,10 +373,15 @@ class LayerSkipDrafter(Drafter):
         starts = [len(s) - 1 for s in sequences]  # the target cache holds len - 1 positions of each row
 
         with draft_mode(self.model, self.skip_set):
-            first = self._step(pending, starts)
+            first_greedy = None
+            if self.runner.in_bucket(n, 1) and all(s.greedy for s in self._samplers[:n]):  # the greedy steps'
+                first, first_greedy = self.runner.forward_greedy(pending, starts, 1)  # start, from a bucket's graph
+                first, first_greedy = first[:, -1], first_greedy[:, -1]
+            else:
+                first = self._step(pending, starts)
             draft, steps = draft_batch(
                 self._step, first, [s + 1 for s in starts], max_tokens, self._samplers[:n], exits, exit_rule, self.who,
-                runner=self.runner, fuse=self.fused_draft_steps,
+                runner=self.runner, fuse=self.fused_draft_steps, first_greedy=first_greedy, pending=pending.view(n),
             )
         self.num_forwards += steps
         return draft

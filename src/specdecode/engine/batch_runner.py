@@ -5,7 +5,7 @@ whose rows each continue at their own position (``batch_cache.BatchKVCache``):
 
 * **Buckets.** A forward over n rows of w tokens runs the graph of the smallest rows bucket
   R >= n (powers of two up to the engine's ``max_batch_size``, and that size itself;
-  ``row_buckets``) and the smallest width bucket W >= w of its runner (the target: 1 and the
+  ``bucket_functions.row_buckets``) and the smallest width bucket W >= w of its runner (the target: 1 and the
   longest verification, ``max_block + 1``; a draft model: 1 and 2; a layer-skip draft: 1).
   Its input is padded: tokens on the right with copies of each row's last token, which land
   past the row's length where the next forward overwrites them (the cache's ``margin`` holds
@@ -39,8 +39,9 @@ whose rows each continue at their own position (``batch_cache.BatchKVCache``):
   blocking (``_write_positions``). Nothing reads back.
 * **Greedy epilogue.** Each bucket's function also returns every position's argmax and finiteness
   (``verification.greedy_epilogue``), computed in its graph: the verification reads them
-  (``forward_greedy``) and a greedy round's draft steps feed them back (``greedy_steps``), so neither
-  launches an argmax or a finiteness check of its own (on CUDA, ``isfinite`` alone is four kernels).
+  (``forward_greedy``), a greedy round's draft steps feed them back (``greedy_steps``) and start from the
+  drafter's first forward's, so none launches an argmax or a finiteness check of its own (on CUDA,
+  ``isfinite`` alone is four kernels).
 
 **Fused draft steps** (``BatchRunner.draft_steps``): a greedy draft round's one-token steps after
 its first forward, S of them, run as ONE compiled function (one CUDA graph on CUDA), as gpt-fast
@@ -87,46 +88,6 @@ from specdecode.engine.verification import greedy_epilogue
 from specdecode.errors import InvalidArgumentError
 
 logger = logging.getLogger(__name__)
-
-
-def default_batch_compile(device: torch.device | str) -> bool:
-    """The batched fast path's default: on for CUDA; off for a CPU, where eager measured faster.
-
-    Measured (``docs/benchmarks/batched_fast_path_cost.py``, 2026-11-25): Qwen2.5-Coder 1.5B,
-    bf16, 2-core AMD EPYC with AVX512-BF16 (no AMX), torch 2.13, 2 threads, rows of 300
-    positions in a 2048-position cache, ms per forward eager / compiled: rows 1 width 1
-    240 / 549; rows 1 width 6 1562 / 1060; rows 4 width 1 1010 / 613; rows 4 width 6 428 / 785;
-    rows 8 width 1 314 / 1301; rows 8 width 6 721 / 2645 (45-62 s to compile each bucket).
-    The machine was shared (load 3-7 on 2 cores), so single cells are noisy, but the compiled
-    forwards attend over every allocated position and lost in 4 of 6 cells, by 2-4x at 8 rows.
-    A quieter rerun (8 repeats, inductor's cache warm: 6-9 s a bucket): rows 1 width 1 280 / 335,
-    width 6 255 / 279; rows 8 width 1 326 / 1419, width 6 797 / 1294: eager in every cell.
-    """
-    return torch.device(device).type == "cuda"
-
-
-def row_buckets(max_rows: int) -> tuple[int, ...]:
-    """Rows buckets for an engine of ``max_rows`` slots: 1, 2, 4, .. below it, and ``max_rows``."""
-    out, r = [], 1
-    while r < max_rows:
-        out.append(r)
-        r *= 2
-    return (*out, max_rows)
-
-
-def check_row_buckets(buckets: Sequence[int] | None, max_rows: int) -> tuple[int, ...]:
-    """``buckets`` sorted, with ``max_rows`` added (every batch needs a bucket), or ``row_buckets(max_rows)`` for None.
-
-    Raises:
-        InvalidArgumentError: A bucket that is not an integer in 1 .. ``max_rows``.
-    """
-    if buckets is None:
-        return row_buckets(max_rows)
-    if isinstance(buckets, (str, bytes)) or not all(
-        isinstance(r, int) and not isinstance(r, bool) and 1 <= r <= max_rows for r in buckets
-    ):
-        raise InvalidArgumentError(f"row_buckets must be integers in 1..{max_rows} (max_batch_size), got {buckets!r}")
-    return tuple(sorted({*buckets, max_rows}))
 
 
 class BatchRunner:
@@ -244,9 +205,8 @@ class BatchRunner:
         epilogue (``forward_greedy``), both the graph's outputs (or views of them) where ``owned`` (CUDA: the
         next run overwrites them); eagerly (no bucket) greedy is None."""
         n, w = ids.shape
-        rows = next((r for r in self.rows if r >= n), None)
-        width = next((b for b in self.widths if b >= w), None)
-        if rows is None or width is None or not self.cache.layers[0].is_initialized:
+        rows, width = self._shape(n, w)
+        if rows is None:
             self.num_eager_forwards += 1
             return batch_forward(self.model, self.cache, ids, 0, starts, logits_to_keep, trees), None, False
         end = max(starts) + w
@@ -273,6 +233,20 @@ class BatchRunner:
             return logits, greedy, self._cuda
         kept = slice(w - logits_to_keep, w)
         return logits[:n, kept], greedy[:n, kept], self._cuda
+
+    def _shape(self, n: int, w: int) -> tuple[int, int] | tuple[None, None]:
+        """The (rows, width) bucket a forward of ``n`` rows of ``w`` tokens runs in, or (None, None): eagerly (no
+        such bucket, or the cache not allocated yet)."""
+        rows = next((r for r in self.rows if r >= n), None)
+        width = next((b for b in self.widths if b >= w), None)
+        if rows is None or width is None or not self.cache.layers[0].is_initialized:
+            return None, None
+        return rows, width
+
+    def in_bucket(self, n: int, w: int) -> bool:
+        """Whether a forward of ``n`` rows of ``w`` tokens runs in a bucket (whose graph gives ``forward_greedy``'s
+        epilogue at no cost), not eagerly."""
+        return self._shape(n, w)[0] is not None
 
     def warm_up(self) -> None:
         """Run every bucket once (twice on CUDA: capture), so that a server compiles before its
@@ -350,9 +324,11 @@ class BatchRunner:
             )
 
     @torch.inference_mode()
-    def greedy_steps(self, tokens: torch.Tensor, starts: Sequence[int], num_steps: int, head_ids: torch.Tensor | None,
-                     with_tops: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """``draft_steps``' greedy steps, one call of the width-1 bucket each (one graph each on CUDA): step i
+    def greedy_steps(self, first: torch.Tensor, starts: Sequence[int], num_steps: int, head_ids: torch.Tensor | None,
+                     with_tops: bool = False, pending: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """A greedy draft block: the round's first token, from its first forward's greedy epilogue, then
+        ``draft_steps``' greedy steps, one call of the width-1 bucket each (one graph each on CUDA): step i
         feeds step i - 1's argmax, taken from the bucket's greedy epilogue (``forward_greedy``). Per step the
         host copies the token in (device to device), advances the write positions on the device
         (``_write_positions``) and copies the epilogue out: no argmax, finiteness check or logits copy of
@@ -360,34 +336,53 @@ class BatchRunner:
         (``fused_draft_steps``, off by default).
 
         Args:
-            tokens, starts, num_steps, with_tops: As ``draft_steps``.
+            first: (n, 2) long on the model's device, the greedy epilogue (``verification.greedy_epilogue``:
+                argmax column, 1 if finite) of the logits that give each row's first draft token, which step 0
+                feeds at ``starts[b]``.
+            starts, num_steps, with_tops: As ``draft_steps``.
             head_ids: As ``draft_steps``; None: the logits' columns are the tokens (the caller checks that
                 their width is the vocabulary).
+            pending: (n,) long on the device, each row's pending token (the last of its sequence), placed
+                before the block, so that the verification feeds the returned tokens as they are; None:
+                not placed. Only without ``head_ids``.
 
         Returns:
-            As ``draft_steps``: (n, S) long tokens (without head ids a transposed view, not contiguous: use
-            ``reshape``, not ``view``), a 0-dim bool (every step's logits finite), (n, S) float32 top
-            probabilities or None.
+            ``(tokens, finite, tops)``: (n, 1 + S) long, the first token then the steps' (with ``pending``,
+            (n, 2 + S), the pending token first); without head ids a transposed view, not contiguous (use
+            ``reshape``, not ``view``); a 0-dim bool, whether the first token's logits and every step's were
+            finite; (n, S) float32 top probabilities of the steps or None (``draft_steps``'). Nothing is
+            read back.
 
         Raises:
             InvalidArgumentError: As ``draft_steps`` (``steps_in_buckets(n)`` false in place of
-                ``fuses_draft_steps``).
+                ``fuses_draft_steps``); ``first`` not (n, 2); ``pending`` with ``head_ids``.
         """
-        n = int(tokens.shape[0])
+        n = int(first.shape[0])
         self._check_steps("greedy_steps", "greedy steps", n, starts, num_steps=num_steps)
-        # step i's epilogue, (token or column, finite), lands in out[i]: (n, 1, 2) as the width-1 forward gives it,
-        # so a step copies it whole; its (n, 1) token column, the next step's input, is a view made here once
-        out = torch.empty((num_steps, n, 1, 2), dtype=torch.long, device=tokens.device)
-        steps, columns = out.unbind(0), out[..., 0].unbind(0)
-        ids, tops = tokens.view(n, 1), []
+        if first.shape != (n, 2):
+            raise InvalidArgumentError(f"{self.name}: greedy_steps' first must be (rows, 2), got {tuple(first.shape)}")
+        if pending is not None and head_ids is not None:
+            raise InvalidArgumentError(f"{self.name}: greedy_steps places the pending token only without head ids "
+                                       "(a truncated head's columns are mapped to tokens after the steps)")
+        lead = 1 if pending is None else 2  # the first token's slot, after the pending token's
+        # slot j holds an epilogue, (token or column, finite): (n, 1, 2) as the width-1 forward gives it, so a step
+        # copies it whole; its (n, 1) token column, the next step's input, is a view made here once
+        out = torch.empty((lead + num_steps, n, 1, 2), dtype=torch.long, device=first.device)
+        slots, columns = out.unbind(0), out[..., 0].unbind(0)
+        if pending is not None:
+            columns[0][:, 0].copy_(pending)
+        slots[lead - 1][:, 0].copy_(first)
+        ids, tops = columns[lead - 1], []
         for i in range(num_steps):
-            logits, greedy, _ = self._forward(ids, [s + i for s in starts], 1, None)  # a bucket's: steps_in_buckets
+            logits, greedy, _ = self._forward(ids if head_ids is None else head_ids[ids], [s + i for s in starts], 1,
+                                              None)  # a bucket's: steps_in_buckets
             if with_tops:  # as the loop: the softmax over every column of the step's logits
                 tops.append(torch.softmax(logits[:, -1].float(), -1).amax(-1))
-            steps[i].copy_(greedy)
-            ids = columns[i] if head_ids is None else head_ids[columns[i]]
-        chosen = out[..., 0, 0].t()  # (n, S)
-        return chosen if head_ids is None else head_ids[chosen], out[..., 1].all(), \
+            slots[lead + i].copy_(greedy)
+            ids = columns[lead + i]
+        chosen = out[..., 0, 0].t()  # (n, lead + S)
+        finite = out[..., 1] if pending is None else out[1:, :, :, 1]  # the pending slot's flag is not written
+        return chosen if head_ids is None else head_ids[chosen], finite.all(), \
             torch.stack(tops, dim=1) if with_tops else None
 
     @torch.inference_mode()

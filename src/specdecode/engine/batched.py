@@ -51,9 +51,11 @@ from specdecode.engine.batch_cache import (PREFILL_CHUNK_TOKENS, PREFILL_PAD_MUL
                                            engine_fast_path, to_device, warm_up_widths)
 from specdecode.engine.batch_requests import BatchRequests
 from specdecode.engine.batch_rows import BatchEvent, trimmed_blocks
-from specdecode.engine.batch_runner import BatchRunner, check_row_buckets, default_batch_compile
+from specdecode.engine.batch_runner import BatchRunner
+from specdecode.engine.bucket_functions import check_row_buckets
 from specdecode.engine.cost_model import check_count
 from specdecode.engine.draft_exit import exit_points, observe_exits
+from specdecode.engine.fast_path import default_compile
 from specdecode.engine.overlap import HostReader, can_run_ahead, engine_overlap_rounds, run_ahead, taken
 from specdecode.engine.processors import process_rows
 from specdecode.engine.protocol import BATCH_EXIT_RULES, Draft, Drafter, DraftPolicy
@@ -102,12 +104,12 @@ class BatchedSpeculativeDecoder(BatchRequests):
             of ``prefill_pad_multiple`` (``batch_cache.batch_prefill``): a stream of prompt lengths
             gives a few forward shapes, so oneDNN's per-shape kernels stop piling up on a CPU.
         compile: The fast path (``batch_runner``) for the target's and the drafter's decode-time
-            forwards: True, False, or None for the device's default (``default_batch_compile``).
+            forwards: True, False, or None for the device's default (``fast_path.default_compile``).
         graphs: With ``compile``, False runs the fast path's static-shape forwards without
             ``torch.compile`` (tests, debugging); "captured": CUDA graphs of specdecode's own
             (``batch_cache.FastPath``; CUDA only, elsewhere as True).
         row_buckets, dynamic_shapes: With ``compile``, the rows buckets (integers in 1 .. ``max_batch_size``;
-            None: 1, 2, 4, .. and it, ``batch_runner.row_buckets``; fewer compile faster, padding more rows),
+            None: 1, 2, 4, .. and it, ``bucket_functions.row_buckets``; fewer compile faster, padding more rows),
             and whether buckets share compiled functions with symbolic sizes (``batch_cache.FastPath``).
         shared_prefill: Requests admitted in one step share 2 prefill forwards (``shared_prefill``;
             plus the leading chunks of prompts longer than ``prefill_chunk_tokens``, alone) rather
@@ -189,7 +191,7 @@ class BatchedSpeculativeDecoder(BatchRequests):
         probe = draft_control.controller(self.gamma) if self.adaptive else None
         #: The longest block a round drafts (the verification is at most this + 1 wide).
         self.max_block = probe.max_tokens if probe is not None else self.gamma
-        self.compile = default_batch_compile(target.device) if compile is None else compile
+        self.compile = default_compile(target.device) if compile is None else compile
         self.shared_prefill = engine_shared_prefill(shared_prefill, target, drafter)
         self.overlap_rounds = engine_overlap_rounds(overlap_rounds, target)
         # The widest bucket: a verification (max_block + 1) or a draft model's first feed (2).
@@ -210,14 +212,8 @@ class BatchedSpeculativeDecoder(BatchRequests):
             self.cache, self.runner = previous.cache, previous.runner
             max_length = self.cache.capacity
         else:
-            self.cache = BatchKVCache(
-                target,
-                max_batch_size,
-                max_length,
-                prefill_chunk_tokens=prefill_chunk_tokens,
-                prefill_pad_multiple=prefill_pad_multiple,
-                fast=fast,
-            )
+            self.cache = BatchKVCache(target, max_batch_size, max_length, prefill_chunk_tokens=prefill_chunk_tokens,
+                                      prefill_pad_multiple=prefill_pad_multiple, fast=fast)
             self.runner = BatchRunner(target, self.cache, (1, self.max_block + 1), "target model")
         self.max_length = max_length
         if self.cache.fast is not None and drafter is not None and self.max_block > 1:  # what a draft runner fuses
@@ -449,8 +445,9 @@ class BatchedSpeculativeDecoder(BatchRequests):
         if ahead is not None:
             ids, logits, greedy = ahead
         else:
-            ids = to_device([[s[-1]] for s in sequences], device)  # each row's pending token, then its draft
-            ids = torch.cat([ids, tokens[:, :K]], dim=1) if K else ids
+            block = draft.block_ids if draft is not None and trees is None else None  # the draft's, on the device
+            ids = block[:, : K + 1] if block is not None else to_device([[s[-1]] for s in sequences], device)
+            ids = torch.cat([ids, tokens[:, :K]], dim=1) if K and block is None else ids  # pending token, then draft
             chains = None if trees is None else [t or TokenTree.chain(k[b]) for b, t in enumerate(trees)]  # [trees]
             logits, greedy = self.runner.forward_greedy(ids, starts, K + 1, trees=chains)  # rows without a tree: a chain
         if logits.shape[-1] > self.vocab_size:

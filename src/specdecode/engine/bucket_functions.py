@@ -1,10 +1,11 @@
-"""The functions a ``batch_runner`` bucket runs: a forward on the static path with its greedy epilogue, and the
-fused draft steps, each compiled on a code object of its own (``batch_runner``'s module docstring)."""
+"""A ``batch_runner``'s buckets: its rows buckets, and the functions a bucket runs (a forward on the static path
+with its greedy epilogue, and the fused draft steps), each compiled on a code object of its own
+(``batch_runner``'s module docstring)."""
 
 from __future__ import annotations
 
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from transformers import PreTrainedModel
@@ -12,6 +13,7 @@ from transformers import PreTrainedModel
 from specdecode.engine.batch_cache import BatchKVCache
 from specdecode.engine.compat import compile_function
 from specdecode.engine.verification import greedy_epilogue
+from specdecode.errors import InvalidArgumentError
 
 
 def forward_function(model: PreTrainedModel, tag: str, graphs: bool, cuda: bool, cuda_graphs: bool,
@@ -76,3 +78,27 @@ def own_compiled(fn: types.FunctionType, tag: str, graphs: bool, cuda: bool, cud
     # compat.compile_function: the options this torch has (CUDA graphs on CUDA), the compile cache
     # in specdecode's folder (a second process reuses the graphs).
     return compile_function(own, "cuda" if cuda else "cpu", cuda_graphs=cuda_graphs, dynamic=dynamic)
+
+
+def row_buckets(max_rows: int) -> tuple[int, ...]:
+    """Rows buckets for an engine of ``max_rows`` slots: 1, 2, 4, .. below it, and ``max_rows``."""
+    out, r = [], 1
+    while r < max_rows:
+        out.append(r)
+        r *= 2
+    return (*out, max_rows)
+
+
+def check_row_buckets(buckets: Sequence[int] | None, max_rows: int) -> tuple[int, ...]:
+    """``buckets`` sorted, with ``max_rows`` added (every batch needs a bucket), or ``row_buckets(max_rows)`` for None.
+
+    Raises:
+        InvalidArgumentError: A bucket that is not an integer in 1 .. ``max_rows``.
+    """
+    if buckets is None:
+        return row_buckets(max_rows)
+    if isinstance(buckets, (str, bytes)) or not all(
+        isinstance(r, int) and not isinstance(r, bool) and 1 <= r <= max_rows for r in buckets
+    ):
+        raise InvalidArgumentError(f"row_buckets must be integers in 1..{max_rows} (max_batch_size), got {buckets!r}")
+    return tuple(sorted({*buckets, max_rows}))

@@ -160,7 +160,7 @@ class SpeculativeDecoder:
             Ignored without a drafter.
         compile: The fast path for the round's forwards (``engine.batch_runner``: a static
             batch cache, forwards compiled at fixed widths, CUDA graphs on CUDA); None: the
-            device default (``batch_runner.default_batch_compile``: on for CUDA, off for CPU).
+            device default (``fast_path.default_compile``: on for CUDA, off for CPU).
             Ignored when ``runner`` is given. A drafter with a model of its own runs it with
             the same setting (its cache follows the target's).
         runner: A target ``fast_path.ModelRunner`` whose settings (``compile``, ``graphs``, ``dynamic_shapes``)

@@ -33,7 +33,18 @@ DRAFT_BUCKETS = (1, 2, 4, 8)
 
 
 def default_compile(device: torch.device | str) -> bool:
-    """The fast path's default: on for CUDA, off for CPU (where eager measured faster)."""
+    """The fast path's default, for one row and for many: on for CUDA, off for CPU (where eager measured faster).
+
+    One row: the module docstring. Many rows (``batch_runner.BatchRunner``), measured
+    (``docs/benchmarks/batched_fast_path_cost.py``, 2026-11-25): Qwen2.5-Coder 1.5B, bf16, 2-core AMD EPYC with
+    AVX512-BF16 (no AMX), torch 2.13, 2 threads, rows of 300 positions in a 2048-position cache, ms per forward
+    eager / compiled: rows 1 width 1 240 / 549; rows 1 width 6 1562 / 1060; rows 4 width 1 1010 / 613; rows 4
+    width 6 428 / 785; rows 8 width 1 314 / 1301; rows 8 width 6 721 / 2645 (45-62 s to compile each bucket).
+    The machine was shared (load 3-7 on 2 cores), so single cells are noisy, but the compiled forwards attend
+    over every allocated position and lost in 4 of 6 cells, by 2-4x at 8 rows. A quieter rerun (8 repeats,
+    inductor's cache warm: 6-9 s a bucket): rows 1 width 1 280 / 335, width 6 255 / 279; rows 8 width 1
+    326 / 1419, width 6 797 / 1294: eager in every cell.
+    """
     return torch.device(device).type == "cuda"
 
 

@@ -274,6 +274,10 @@ class Draft:
             passed to ``propose`` read nothing between steps (``ExitPolicy.mode`` not "per-step"); the
             engine compares them with each row's threshold and reads the result with the round's sync.
             None otherwise.
+        block_ids: (n, 1 + K) long on the device, each row's pending token (the last of its sequence) then
+            ``tokens``: the verification's input, given whole where the drafter has it on the device (a greedy
+            round's steps in the runner, ``base.draft_batch``), so the engine copies no pending token from the
+            host; None otherwise. Its ``[:, 1:]`` is ``tokens``.
     """
 
     tokens: torch.Tensor
@@ -286,6 +290,7 @@ class Draft:
     ngram_sizes: list[int] | None = None
     match_sources: list[str] | None = None
     top_probs: torch.Tensor | None = None
+    block_ids: torch.Tensor | None = None
 
 
 class Drafter(abc.ABC):
