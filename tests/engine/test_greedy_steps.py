@@ -57,16 +57,17 @@ def greedy_calls(monkeypatch) -> list:
 
 
 @pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("name, exit_mode", [("draft", None), ("draft-close", None), ("cascade", None), ("layer-skip", None),
-                                             ("draft-truncated", None), ("draft", "masked"),
+@pytest.mark.parametrize("name, exit_mode", [("draft", None), ("draft-close", None), ("cascade", None),
+                                             ("layer-skip", None), ("draft-truncated", None), ("draft", "masked"),
                                              ("cascade", "previous-round"), ("layer-skip", "masked")])
 def test_greedy_steps_and_the_loop_give_the_same_drafts_cache_stats_and_output(name, exit_mode, greedy_calls):
     """Two engines in lockstep, B = 3 with rows joining and finishing at different lengths: one runs its draft
     steps in the runner (the default), the other's runner hides its buckets from the drafter, so it loops. With
     an adaptive exit that reads nothing between steps, the steps' top probabilities decide each row's block.
     "draft-close": a draft model close to the target, so that blocks are accepted whole and rounds start with
-    first forwards of width 2, every row's or only some rows' (the greedy steps start from a feed's last
-    position)."""
+    first forwards of width 2 (the greedy steps start from a feed's last position). Every row's feed there is
+    as wide (the draft has no context window), so the drafter's branch for feeds of uneven widths is not run
+    here."""
     target = make_tiny_model("llama", num_layers=3)
     close = name == "draft-close"
     make = _drafters(target, perturbed_copy(target, noise=0.05 if close else 0.3, seed=1))["draft" if close else name]
@@ -145,10 +146,13 @@ def test_greedy_steps_equal_one_token_calls_and_draft_steps_and_flag_non_finite_
 
 
 @torch.inference_mode()
-def test_greedy_steps_place_the_pending_tokens_before_the_block():
+def test_greedy_steps_place_the_pending_tokens_before_the_block(monkeypatch):
     """With ``pending``, the block comes back as the verification's input: each row's pending token, its first
     token, then the steps'; the pending slot's (unwritten) flag is not read, the first token's is."""
     dec, runner = _allocated()
+    with monkeypatch.context() as patch:  # a zeroed buffer: a pending slot's flag read as part of the result is 0
+        patch.setattr(torch, "empty", torch.zeros)
+        assert bool(runner.greedy_steps(_first([7, 11]), [4, 6], 3, None, pending=torch.tensor([40, 41]))[1])
     plain, finite, _ = runner.greedy_steps(_first([7, 11]), [4, 6], 3, None)
     block, block_finite, _ = runner.greedy_steps(_first([7, 11]), [4, 6], 3, None, pending=torch.tensor([40, 41]))
     assert block.shape == (2, 5) and block[:, 0].tolist() == [40, 41] and torch.equal(block[:, 1:], plain)
@@ -159,6 +163,8 @@ def test_greedy_steps_place_the_pending_tokens_before_the_block():
     head_ids = torch.arange(runner.model.get_output_embeddings().weight.shape[0])
     with pytest.raises(InvalidArgumentError, match=r"places the pending token only without head ids"):
         runner.greedy_steps(_first([7, 11]), [4, 6], 3, head_ids, pending=torch.tensor([40, 41]))
+    with pytest.raises(InvalidArgumentError, match=r"greedy_steps' pending must be \(rows,\) = \(2,\), got \(2, 1\)"):
+        runner.greedy_steps(_first([7, 11]), [4, 6], 3, None, pending=torch.tensor([[40], [41]]))
 
 
 @torch.inference_mode()

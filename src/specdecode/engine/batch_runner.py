@@ -355,7 +355,7 @@ class BatchRunner:
 
         Raises:
             InvalidArgumentError: As ``draft_steps`` (``steps_in_buckets(n)`` false in place of
-                ``fuses_draft_steps``); ``first`` not (n, 2); ``pending`` with ``head_ids``.
+                ``fuses_draft_steps``); ``first`` not (n, 2); ``pending`` not (n,), or with ``head_ids``.
         """
         n = int(first.shape[0])
         self._check_steps("greedy_steps", "greedy steps", n, starts, num_steps=num_steps)
@@ -364,6 +364,9 @@ class BatchRunner:
         if pending is not None and head_ids is not None:
             raise InvalidArgumentError(f"{self.name}: greedy_steps places the pending token only without head ids "
                                        "(a truncated head's columns are mapped to tokens after the steps)")
+        if pending is not None and pending.shape != (n,):
+            raise InvalidArgumentError(f"{self.name}: greedy_steps' pending must be (rows,) = ({n},), "
+                                       f"got {tuple(pending.shape)}")
         lead = 1 if pending is None else 2  # the first token's slot, after the pending token's
         # slot j holds an epilogue, (token or column, finite): (n, 1, 2) as the width-1 forward gives it, so a step
         # copies it whole; its (n, 1) token column, the next step's input, is a view made here once

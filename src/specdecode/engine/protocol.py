@@ -244,7 +244,7 @@ class Draft:
 
     Attributes:
         tokens: (n, K) long on the model's device; row b's draft is ``tokens[b, :num_tokens[b]]``,
-            the rest is padding.
+            the rest is padding. It may be a view that is not contiguous (``block_ids[:, 1:]``).
         num_tokens: (n,) Python ints, k_b <= the row's ``max_tokens``.
         probs: Per row, the (k_b, V) float32 draft distributions (sampling rows), or None
             (greedy rows, deterministic drafters); None altogether when no row has any.
@@ -277,7 +277,8 @@ class Draft:
         block_ids: (n, 1 + K) long on the device, each row's pending token (the last of its sequence) then
             ``tokens``: the verification's input, given whole where the drafter has it on the device (a greedy
             round's steps in the runner, ``base.draft_batch``), so the engine copies no pending token from the
-            host; None otherwise. Its ``[:, 1:]`` is ``tokens``.
+            host; None otherwise. Its ``[:, 1:]`` is ``tokens``: the engine feeds ``block_ids`` as it is and
+            does not check it against the sequences, so a drafter that sets it owns its first column.
     """
 
     tokens: torch.Tensor
