@@ -100,6 +100,43 @@ def test_greedy_steps_and_the_loop_give_the_same_drafts_cache_stats_and_output(n
     assert 0 < steps.stats.num_accepted_tokens < steps.stats.num_drafted_tokens
 
 
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("name", ["draft", "layer-skip"])
+def test_the_first_forward_gives_its_epilogue_only_where_the_greedy_steps_start_from_it(name, monkeypatch,
+                                                                                      greedy_calls):
+    """The drafter's first forward is ``forward_greedy`` where the greedy steps follow it, once per greedy steps
+    call; with a per-step exit, fused steps or the loop, its epilogue would go unread, so it is a plain call
+    (fused steps: except in rounds whose step count has no fused function, which run the greedy steps). The
+    output is the same."""
+    target = make_tiny_model("llama", num_layers=3)
+    make = _drafters(target, perturbed_copy(target, noise=0.3, seed=1))[name]
+    calls: list = []
+    original = BatchRunner.forward_greedy
+
+    def counted(self, ids, starts, logits_to_keep, *args, **kwargs):
+        calls.append(self)
+        return original(self, ids, starts, logits_to_keep, *args, **kwargs)
+
+    monkeypatch.setattr(BatchRunner, "forward_greedy", counted)
+    per_step = {"draft_control": DraftControl(adaptive_exit=True)}  # the default exit mode: "per-step"
+    outputs, counts = {}, {}
+    for case, fused, kwargs in (("steps", False, {}), ("per-step", False, per_step), ("fused", True, {}),
+                                ("loop", False, {})):
+        dec = _engine(target, make(), 2, fused, **kwargs)
+        if case == "loop":
+            dec.drafter.runner.steps_in_buckets = lambda n: False  # this instance only: the drafter loops
+        calls.clear()
+        greedy_calls.clear()
+        outputs[case] = [r.token_ids for r in dec.generate(PROMPTS[:2], _configs()[:2])]
+        drafting = [r for r in calls if r is dec.drafter.runner]
+        assert len(drafting) == len(greedy_calls), (case, len(drafting), len(greedy_calls))
+        assert case == "fused" or (len(drafting) > 0) == (case == "steps"), (case, len(drafting))
+        assert any(r is not dec.drafter.runner for r in calls)  # the target's greedy verification: unchanged
+        counts[case] = len(drafting)
+    assert counts["fused"] < counts["steps"], counts  # most fused rounds' first forwards are plain calls
+    assert all(out == outputs["steps"] for out in outputs.values())
+
+
 def _first(tokens: list[int], finite: bool = True) -> torch.Tensor:
     """(n, 2) greedy epilogue of the logits that give each row's first draft token: the token (or column), finite."""
     return torch.tensor([[t, int(finite)] for t in tokens])

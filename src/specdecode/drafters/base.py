@@ -35,7 +35,7 @@ from specdecode.engine.sampling import Sampler, check_finite, safe_logits, warpe
 from specdecode.engine.verification import greedy_epilogue
 from specdecode.errors import InvalidArgumentError
 
-__all__ = ["Draft", "Drafter", "ExitPolicy", "draft_batch", "draft_views", "reads_per_step"]
+__all__ = ["Draft", "Drafter", "ExitPolicy", "draft_batch", "draft_views", "first_forward_greedy", "reads_per_step"]
 
 
 def draft_batch(
@@ -184,6 +184,21 @@ def draft_batch(
     top_probs = torch.stack(kept_tops, dim=1).float() if kept_tops is not None else None
     return Draft(torch.stack(tokens, dim=1), num, row_probs if any(p is not None for p in row_probs) else None,
                  finite, who, top_probs=top_probs), len(tokens)
+
+
+def first_forward_greedy(runner, n: int, width: int, samplers: list[Sampler], max_tokens: list[int],
+                         exits: list[ExitPolicy | None] | None, fuse: bool) -> bool:
+    """Whether a round's first forward, n rows of ``width`` tokens on ``runner`` (a ``BatchRunner``), should be
+    ``runner.forward_greedy``: it runs in a bucket, and ``draft_batch`` may start the greedy steps from its
+    epilogue (every row greedy, more than one token to draft, no per-step exit, the steps in the runner's
+    buckets and not fused). Where the loop or the fused steps follow, the epilogue would go unread (an argmax
+    over every column per position)."""
+    K = max(max_tokens, default=0)
+    if K < 2 or reads_per_step(exits) or not all(s.greedy for s in samplers[:n]) \
+            or not runner.in_bucket(n, width) or not runner.steps_in_buckets(n):
+        return False
+    with_tops = exits is not None  # per-step exits are excluded above
+    return not (fuse and runner.fuses_draft_steps(n, K - 1, with_tops))
 
 
 def reads_per_step(exits: list[ExitPolicy | None] | None) -> bool:

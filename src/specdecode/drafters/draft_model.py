@@ -67,7 +67,7 @@ import time
 
 import torch
 
-from specdecode.drafters.base import Drafter, draft_batch, draft_views
+from specdecode.drafters.base import Drafter, draft_batch, draft_views, first_forward_greedy
 from specdecode.drafters.control import check_optional_count
 from specdecode.drafters.draft_head import DraftHead
 from specdecode.drafters.draft_tree import (
@@ -300,7 +300,8 @@ class DraftModelDrafter(Drafter):
             starts = [max(length - width, offset) for length, offset in zip(lengths, offsets)]
             feeds = [s[start:] for s, start in zip(sequences, starts)]
             ids = to_device([f + f[-1:] * (width - len(f)) for f in feeds], self._device)
-            logits, greedy = self._first_forward(ids, [s - o for s, o in zip(starts, offsets)], width, n)
+            logits, greedy = self._first_forward(ids, [s - o for s, o in zip(starts, offsets)], width,
+                                                 max_tokens, exits)
             self.head.check_logits(logits)
             last = (slice(None), -1) if all(len(f) == width for f in feeds) else \
                 (torch.arange(n, device=logits.device), to_device([len(f) - 1 for f in feeds], logits.device))
@@ -372,12 +373,13 @@ class DraftModelDrafter(Drafter):
             self._num_cached[b] = min(self._num_cached[b], start + same)
             self._chains[b] = None
 
-    def _first_forward(self, ids: torch.Tensor, starts: list[int], width: int, n: int) -> tuple:
+    def _first_forward(self, ids: torch.Tensor, starts: list[int], width: int, max_tokens: list[int],
+                       exits: list | None) -> tuple:
         """A round's first forward, (n, width) ids at draft-cache positions ``starts``: ``(logits (n, width, V'),
         greedy (n, width, 2) or None)``, greedy the epilogue of a bucket's graph (``BatchRunner.forward_greedy``)
-        where every row is greedy, which the greedy steps start from (``base.draft_batch``); None eagerly."""
-        if isinstance(self.runner, BatchRunner) and self.runner.in_bucket(n, width) \
-                and all(s.greedy for s in self._samplers[:n]):
+        where the greedy steps may start from it (``base.first_forward_greedy``); None otherwise."""
+        if isinstance(self.runner, BatchRunner) and first_forward_greedy(
+                self.runner, len(max_tokens), width, self._samplers, max_tokens, exits, self.fused_draft_steps):
             return self.runner.forward_greedy(ids, starts, width)
         return self.runner(ids, starts, width), None
 

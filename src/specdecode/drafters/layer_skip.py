@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from specdecode.drafters.base import Draft, Drafter, draft_batch
+from specdecode.drafters.base import Draft, Drafter, draft_batch, first_forward_greedy
 from specdecode.engine import kv_cache
 from specdecode.engine.batch_cache import BatchKVCache, to_device
 from specdecode.engine.batch_runner import BatchRunner
@@ -374,8 +374,8 @@ class LayerSkipDrafter(Drafter):
 
         with draft_mode(self.model, self.skip_set):
             first_greedy = None
-            if self.runner.in_bucket(n, 1) and all(s.greedy for s in self._samplers[:n]):  # the greedy steps'
-                first, first_greedy = self.runner.forward_greedy(pending, starts, 1)  # start, from a bucket's graph
+            if first_forward_greedy(self.runner, n, 1, self._samplers, max_tokens, exits, self.fused_draft_steps):
+                first, first_greedy = self.runner.forward_greedy(pending, starts, 1)  # where the greedy steps start
                 first, first_greedy = first[:, -1], first_greedy[:, -1]
             else:
                 first = self._step(pending, starts)
