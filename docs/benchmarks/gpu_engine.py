@@ -1202,6 +1202,11 @@ def environment(run_device: torch.device, shim: list[str]) -> list[str]:
     if shim:
         lines.append(f"torch.compile here lacks {', '.join(shim)}: dropped from specdecode's calls, dynamo's "
                      "recompile limit raised to 64 (as for the issue's GPU figures)")
+    from specdecode.engine import compat
+
+    lines.append("compiled calls: dynamo's guards on the models' modules "
+                 + ("dropped (torch.compiler.skip_guard_on_all_nn_modules_unsafe; 2026-11-28-guard-cost.md)"
+                    if compat.module_guard_filter() is not None else "kept (this torch lacks the filter)"))
     return lines
 
 

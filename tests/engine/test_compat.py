@@ -39,7 +39,7 @@ def _torch_2_11_compile(calls: list):
                 disable=False):
         kwargs = dict(fullgraph=fullgraph, dynamic=dynamic, backend=backend, mode=mode, options=options,
                       disable=disable)
-        calls.append(kwargs)
+        calls.append({**kwargs, "options": dict(options) if options is not None else None})  # torch pops from it
         return REAL_COMPILE(model, **kwargs)
 
     return compile
@@ -66,24 +66,36 @@ def test_the_emulated_signature_is_torch_2_11s(torch_2_11):
 def test_options_detection_drops_exactly_the_unsupported_options(monkeypatch, caplog):
     caplog.set_level(logging.INFO, logger="specdecode.engine.compat")
     compat._log_dropped.cache_clear()  # logged once per process: this test reads the log
+    compat._log_module_guards_kept.cache_clear()
     newest = dict(dynamic=False, fullgraph=True, isolate_recompiles=True, recompile_limit=compat.RECOMPILE_LIMIT)
+    unguarded = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}  # torch >= 2.9
+    cuda_graphs = {"triton.cudagraphs": True, **unguarded}  # what mode="reduce-overhead" sets, and the filter
     if set(compat.NEWER_COMPILE_OPTIONS) <= set(inspect.signature(REAL_COMPILE).parameters):  # torch 2.13
-        assert compat.compile_kwargs("cpu") == newest
-        assert compat.compile_kwargs("cuda", recompile_limit=5) == {**newest, "mode": "reduce-overhead",
+        assert compat.compile_kwargs("cpu") == {**newest, "options": unguarded}
+        assert compat.compile_kwargs("cuda", recompile_limit=5) == {**newest, "options": cuda_graphs,
                                                                    "recompile_limit": 5}
+        assert compat.compile_kwargs("cuda", module_guards=True) == {**newest, "mode": "reduce-overhead"}
         assert "no isolate_recompiles" not in caplog.text
 
     monkeypatch.setattr(torch, "compile", _torch_2_11_compile([]))
+    assert compat.compile_kwargs("cpu") == dict(dynamic=False, fullgraph=True, options=unguarded)
+    assert compat.compile_kwargs("cuda") == dict(dynamic=False, fullgraph=True, options=cuda_graphs)
+    assert compat.compile_kwargs("cuda", cuda_graphs=False) == dict(dynamic=False, fullgraph=True, options=unguarded)
+    assert "torch.compile has no isolate_recompiles or recompile_limit option" in caplog.text
+    assert "no skip_guard_on_all_nn_modules_unsafe" not in caplog.text
+    monkeypatch.delattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe")  # a torch before 2.9
     assert compat.compile_kwargs("cpu") == dict(dynamic=False, fullgraph=True)
     assert compat.compile_kwargs("cuda") == dict(dynamic=False, fullgraph=True, mode="reduce-overhead")
-    assert "torch.compile has no isolate_recompiles or recompile_limit option" in caplog.text
+    assert "torch.compiler has no skip_guard_on_all_nn_modules_unsafe; compiled calls keep dynamo's guards on " \
+           "the models' modules" in caplog.text
 
     def only_limit(model=None, *, fullgraph=False, dynamic=None, backend="inductor", mode=None, options=None,
                    disable=False, recompile_limit=None):
         raise AssertionError("not called")
 
     monkeypatch.setattr(torch, "compile", only_limit)
-    assert compat.compile_kwargs("cpu", recompile_limit=7) == dict(dynamic=False, fullgraph=True, recompile_limit=7)
+    assert compat.compile_kwargs("cpu", recompile_limit=7, module_guards=True) == dict(dynamic=False, fullgraph=True,
+                                                                                       recompile_limit=7)
     assert "torch.compile has no isolate_recompiles option" in caplog.text
     with pytest.raises(InvalidArgumentError, match="recompile_limit must be an integer >= 1, got 0"):
         compat.compile_kwargs("cpu", recompile_limit=0)
@@ -112,7 +124,8 @@ def test_fast_path_greedy_equals_autoregressive_on_torch_2_11(torch_2_11):
     # The target compiles in the one-row engine's BatchRunner (its buckets), the draft in its own.
     assert drafter.compile_time_s > 0 and dec.compile_time_s() > drafter.compile_time_s
     assert len(torch_2_11) >= 2
-    assert all(kwargs == dict(fullgraph=True, dynamic=False, backend="inductor", mode=None, options=None,
+    unguarded = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}  # torch 2.11 has it
+    assert all(kwargs == dict(fullgraph=True, dynamic=False, backend="inductor", mode=None, options=unguarded,
                               disable=False) for kwargs in torch_2_11)
 
 
@@ -139,3 +152,35 @@ def test_each_function_keeps_its_own_recompile_budget_on_torch_2_11(torch_2_11):
         with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
             second(torch.zeros(4))
         assert torch.equal(first(torch.zeros(2)), torch.ones(2))  # compiled variants still run
+
+
+class _Scale(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.k = 2.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.k
+
+
+def _scaled(module: torch.nn.Module):
+    def scaled(x: torch.Tensor) -> torch.Tensor:
+        return module(x)
+
+    return scaled
+
+
+def test_compiled_functions_do_not_guard_the_modules_they_trace(torch_2_11):
+    """What ``compile_function`` assumes (``compat``'s docstring): a module's attribute changed after the first
+    call is not seen, as dynamo's guards on modules are dropped; with ``module_guards`` they are kept, and the
+    change compiles a new graph. A new input shape still compiles anew either way. (Under torch 2.11's
+    signature: the filter goes through ``options``, which 2.11 has.)"""
+    unguarded, guarded = _Scale(), _Scale()
+    fast = compat.compile_function(_scaled(unguarded), "cpu")
+    safe = compat.compile_function(_scaled(guarded), "cpu", module_guards=True)
+    x = torch.ones(3)
+    assert torch.equal(fast(x), 2 * x) and torch.equal(safe(x), 2 * x)
+    unguarded.k = guarded.k = 5.0
+    assert torch.equal(fast(x), 2 * x)  # the graph traced with k = 2, unchecked
+    assert torch.equal(safe(x), 5 * x)
+    assert torch.equal(fast(torch.ones(4)), 5 * torch.ones(4))  # a new shape: traced again, with k = 5

@@ -290,7 +290,8 @@ def test_captured_graphs_option_is_checked_and_on_a_cpu_compiles_as_true(fresh_d
     with pytest.raises(InvalidArgumentError, match=r"graphs must be True, False or 'captured', got 1"):
         FastPath((1,), 2, 1)
     assert "mode" not in compile_kwargs("cuda", cuda_graphs=False) and "mode" not in compile_kwargs("cpu")
-    assert compile_kwargs("cuda")["mode"] == "reduce-overhead"
+    assert compile_kwargs("cuda")["options"]["triton.cudagraphs"] is True  # mode="reduce-overhead"'s option
+    assert "options" not in compile_kwargs("cuda", cuda_graphs=False, module_guards=True)
     config = GenerationConfig(max_new_tokens=12, num_speculative_tokens=3, stop_on_eos=False)
     prompt = _prompt(9, 3)
     expected = SpeculativeDecoder(target, compile=False).generate(prompt, config).token_ids

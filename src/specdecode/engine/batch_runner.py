@@ -19,7 +19,8 @@ whose rows each continue at their own position (``batch_cache.BatchKVCache``):
 * **One compiled function per bucket**, each on its own code object: torch keeps compiled
   variants and their recompile budget per code object, so no bucket can exhaust another's
   (torch 2.11's ``torch.compile`` has no ``isolate_recompiles``). ``dynamic=False,
-  fullgraph=True``; on CUDA ``mode="reduce-overhead"`` (CUDA graphs): each call starts with
+  fullgraph=True``, no guards on the model's modules (``compat``); on CUDA torch.compile's CUDA graphs
+  (``mode="reduce-overhead"``'s): each call starts with
   ``torch.compiler.cudagraph_mark_step_begin()`` and its outputs (logits, greedy epilogue) are
   cloned, or used up (``greedy_steps``), before the next graph reuses their memory. The first
   calls of a bucket (compilation, graph capture) are timed apart, in ``compile_time_s``, and

@@ -24,6 +24,21 @@ Where ``torch.compile`` lacks them (detected from its signature, not its version
 
 Each dropped option is logged once (INFO), naming the torch version and the replacement.
 
+**No guards on the models' modules.** Each call of a compiled function first runs dynamo's guards,
+which check that what the graph was traced from still holds; for a transformers model most of them
+are on its modules (each parameter's tensor properties, each module's attributes and ``training``
+flag). Their cost is paid per call, on the host, whatever the device: on a 2-core AMD EPYC (AVX2),
+dynamo's cache lookup took 1.2-1.4 ms a call for a 28-layer Qwen2-shaped model (the packaged 1.5B
+target's depth), 0.3 ms with the guards on modules dropped (``docs/benchmarks/guard_cost.py``). A
+draft round calls several compiled functions, so ``compile_kwargs`` passes
+``torch.compiler.skip_guard_on_all_nn_modules_unsafe`` as ``options["guard_filter_fn"]`` where this
+torch has it (2.9 and later; older ones keep every guard, logged once). The guards on the inputs
+(shapes, dtypes, devices), on the caches and on globals stay, so a new shape still compiles anew.
+What this assumes, as CUDA graphs do anyway: an engine's models are not modified while it holds
+them (no parameter, attribute or ``forward`` replaced, no hook added). specdecode's own module swaps
+(layer skip's draft mode, a truncated draft head) happen around every call of the runner that traced
+them, warm-up included, and each such runner compiles functions of its own.
+
 Source followed: torch 2.11.0's ``torch/__init__.py`` (``compile``'s signature:
 ``model, *, fullgraph, dynamic, backend, mode, options, disable``),
 ``torch/_dynamo/convert_frame.py`` and ``torch/_dynamo/cache_size.py`` (the recompile
@@ -52,6 +67,9 @@ RECOMPILE_LIMIT = 32
 #: ``torch.compile`` options newer than torch 2.11 that specdecode passes where they exist.
 NEWER_COMPILE_OPTIONS = ("isolate_recompiles", "recompile_limit")
 
+#: The ``torch.compiler`` guard filter passed as ``options["guard_filter_fn"]`` (module docstring).
+MODULE_GUARD_FILTER = "skip_guard_on_all_nn_modules_unsafe"
+
 
 @functools.lru_cache(maxsize=8)
 def _parameters_of(compile_fn: Callable) -> frozenset[str]:
@@ -76,15 +94,29 @@ def _log_dropped(dropped: tuple[str, ...], version: str) -> None:
                 "; ".join(replacements[name] for name in dropped))
 
 
+def module_guard_filter() -> Callable | None:
+    """This torch's ``torch.compiler.skip_guard_on_all_nn_modules_unsafe`` (torch 2.9 and later), or None."""
+    return getattr(torch.compiler, MODULE_GUARD_FILTER, None)
+
+
+@functools.lru_cache(maxsize=4)
+def _log_module_guards_kept(version: str) -> None:
+    logger.info("torch %s: torch.compiler has no %s; compiled calls keep dynamo's guards on the models' modules "
+                "(more host time per call)", version, MODULE_GUARD_FILTER)
+
+
 def compile_kwargs(device_type: str, *, recompile_limit: int = RECOMPILE_LIMIT, cuda_graphs: bool = True,
-                   dynamic: bool | None = False) -> dict:
+                   dynamic: bool | None = False, module_guards: bool = False) -> dict:
     """The keyword arguments of specdecode's ``torch.compile`` calls, for this torch.
 
     ``dynamic=False`` by default (one graph per shape: the fast path's fixed widths; None lets the
     dimensions the caller marks with ``torch._dynamo.mark_dynamic`` stay symbolic) and always
     ``fullgraph=True`` (a graph break or an exhausted recompile budget raises, never a silent
-    eager fallback); ``mode="reduce-overhead"`` (CUDA graphs) when ``device_type`` is
-    ``"cuda"`` and ``cuda_graphs`` (False: the caller captures graphs itself); and
+    eager fallback); CUDA graphs when ``device_type`` is ``"cuda"`` and ``cuda_graphs`` (False: the
+    caller captures graphs itself): ``mode="reduce-overhead"``, or where the guard filter is passed
+    (``options`` and ``mode`` exclude each other) that mode's options
+    (``torch._inductor.list_mode_options``); ``options["guard_filter_fn"]``, the module guard filter
+    (module docstring), unless ``module_guards`` or this torch lacks it; and
     ``isolate_recompiles=True`` and ``recompile_limit`` only where ``torch.compile``'s signature
     has them (torch 2.13 does, 2.11 does not; each one dropped is logged once). Use
     ``compile_function`` to compile: it also makes up for dropped options.
@@ -94,9 +126,11 @@ def compile_kwargs(device_type: str, *, recompile_limit: int = RECOMPILE_LIMIT, 
         recompile_limit: Graph variants the compiled function may build (>= 1).
         cuda_graphs: On CUDA, whether torch.compile makes CUDA graphs (its graph trees).
         dynamic: ``torch.compile``'s ``dynamic``: False, or None (marked dimensions symbolic).
+        module_guards: Keep dynamo's guards on the models' modules (for measuring what dropping them saves).
 
     Returns:
-        A new dict of keyword arguments for ``torch.compile``.
+        A new dict of keyword arguments for ``torch.compile`` (``options`` a new dict too: ``torch.compile``
+        pops ``guard_filter_fn`` from it).
 
     Raises:
         InvalidArgumentError: If ``recompile_limit`` is not an integer >= 1, or ``dynamic`` is neither
@@ -106,7 +140,16 @@ def compile_kwargs(device_type: str, *, recompile_limit: int = RECOMPILE_LIMIT, 
     if dynamic is not False and dynamic is not None:
         raise InvalidArgumentError(f"dynamic must be False or None, got {dynamic!r}")
     kwargs: dict = {"dynamic": dynamic, "fullgraph": True}
-    if device_type == "cuda" and cuda_graphs:
+    cuda = device_type == "cuda" and cuda_graphs
+    guard_filter = None if module_guards else module_guard_filter()
+    if guard_filter is None and not module_guards:
+        _log_module_guards_kept(torch.__version__)
+    if guard_filter is not None:
+        from torch._inductor import list_mode_options  # named in torch.compile's docstring
+
+        kwargs["options"] = {**(list_mode_options("reduce-overhead", dynamic) if cuda else {}),
+                             "guard_filter_fn": guard_filter}
+    elif cuda:
         kwargs["mode"] = "reduce-overhead"
     wanted = {"isolate_recompiles": True, "recompile_limit": recompile_limit}
     supported = compile_parameters()
@@ -118,7 +161,7 @@ def compile_kwargs(device_type: str, *, recompile_limit: int = RECOMPILE_LIMIT, 
 
 
 def compile_function(fn: Callable, device_type: str, *, recompile_limit: int = RECOMPILE_LIMIT,
-                     cuda_graphs: bool = True, dynamic: bool | None = False) -> Callable:
+                     cuda_graphs: bool = True, dynamic: bool | None = False, module_guards: bool = False) -> Callable:
     """``torch.compile(fn, **compile_kwargs(device_type, cuda_graphs=..., dynamic=...))``, the same on older torch.
 
     Before compiling, torch's compile caches are pointed at specdecode's cache folder
@@ -132,7 +175,7 @@ def compile_function(fn: Callable, device_type: str, *, recompile_limit: int = R
         fn: A plain Python function (not a bound method or module), e.g. a closure over a model.
         device_type: ``torch.device(...).type`` of the model, e.g. "cuda" or "cpu".
         recompile_limit: Graph variants ``fn`` may build before a call raises (>= 1).
-        cuda_graphs, dynamic: As ``compile_kwargs``.
+        cuda_graphs, dynamic, module_guards: As ``compile_kwargs``.
 
     Returns:
         The compiled callable, with ``fn``'s signature.
@@ -145,7 +188,8 @@ def compile_function(fn: Callable, device_type: str, *, recompile_limit: int = R
     """
     if not isinstance(fn, types.FunctionType):
         raise InvalidArgumentError(f"compile_function needs a Python function, got {type(fn).__name__}")
-    kwargs = compile_kwargs(device_type, recompile_limit=recompile_limit, cuda_graphs=cuda_graphs, dynamic=dynamic)
+    kwargs = compile_kwargs(device_type, recompile_limit=recompile_limit, cuda_graphs=cuda_graphs, dynamic=dynamic,
+                            module_guards=module_guards)
     compile_cache.use_compile_cache()
     if "isolate_recompiles" not in kwargs:
         fn = _private_copy(fn)
