@@ -23,6 +23,7 @@ from helpers import perturbed_copy
 from selfspec_helpers import one_thread  # noqa: F401 (a fixture)
 from specdecode import GenerationConfig
 from specdecode.drafters import DraftModelDrafter
+from specdecode.drafters import base
 from specdecode.drafters.control import DraftControl
 from specdecode.engine import batch_runner
 from specdecode.engine.batch_cache import BatchKVCache, FastPath
@@ -106,8 +107,8 @@ def test_the_first_forward_gives_its_epilogue_only_where_the_greedy_steps_start_
                                                                                       greedy_calls):
     """The drafter's first forward is ``forward_greedy`` where the greedy steps follow it, once per greedy steps
     call; with a per-step exit, fused steps or the loop, its epilogue would go unread, so it is a plain call
-    (fused steps: except in rounds whose step count has no fused function, which run the greedy steps). The
-    output is the same."""
+    (fused steps: except in rounds whose step count has no fused function, which run the greedy steps), and
+    ``draft_batch`` never computes an epilogue of its own. The output is the same."""
     target = make_tiny_model("llama", num_layers=3)
     make = _drafters(target, perturbed_copy(target, noise=0.3, seed=1))[name]
     calls: list = []
@@ -118,6 +119,8 @@ def test_the_first_forward_gives_its_epilogue_only_where_the_greedy_steps_start_
         return original(self, ids, starts, logits_to_keep, *args, **kwargs)
 
     monkeypatch.setattr(BatchRunner, "forward_greedy", counted)
+    recomputed: list = []  # epilogues draft_batch computes itself, for want of the first forward's
+    monkeypatch.setattr(base, "greedy_epilogue", lambda logits: recomputed.append(1) or greedy_epilogue(logits))
     per_step = {"draft_control": DraftControl(adaptive_exit=True)}  # the default exit mode: "per-step"
     outputs, counts = {}, {}
     for case, fused, kwargs in (("steps", False, {}), ("per-step", False, per_step), ("fused", True, {}),
@@ -127,9 +130,10 @@ def test_the_first_forward_gives_its_epilogue_only_where_the_greedy_steps_start_
             dec.drafter.runner.steps_in_buckets = lambda n: False  # this instance only: the drafter loops
         calls.clear()
         greedy_calls.clear()
+        recomputed.clear()
         outputs[case] = [r.token_ids for r in dec.generate(PROMPTS[:2], _configs()[:2])]
         drafting = [r for r in calls if r is dec.drafter.runner]
-        assert len(drafting) == len(greedy_calls), (case, len(drafting), len(greedy_calls))
+        assert len(drafting) == len(greedy_calls) and not recomputed, (case, len(drafting), len(greedy_calls))
         assert case == "fused" or (len(drafting) > 0) == (case == "steps"), (case, len(drafting))
         assert any(r is not dec.drafter.runner for r in calls)  # the target's greedy verification: unchanged
         counts[case] = len(drafting)

@@ -181,7 +181,9 @@ class BoundDraftHead:
         """A context in which ``model(...)`` returns logits over the K ids only: (…, K), column j = ``ids[j]``.
 
         The output-embedding module's ``forward`` is swapped on the instance and restored
-        on exit, also on an exception; nesting is fine. A no-op for the full head.
+        on exit, also on an exception; nesting is fine. A no-op for the full head. A compiled
+        function does not see the swap (its graphs do not guard the modules, ``engine.compat``):
+        call one always inside this context, or always outside, as the draft runner is.
         """
         return nullcontext() if self.ids is None else self._swapped()
 

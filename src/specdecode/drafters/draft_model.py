@@ -185,7 +185,9 @@ class DraftModelDrafter(Drafter):
             self.runner = self._sequence_runner
         else:
             # Drafters of this model (and head) on one target cache share the draft cache and its
-            # compiled buckets: decoders that alternate on a generator's cache compile once.
+            # compiled buckets: decoders that alternate on a generator's cache compile once. The entry holds
+            # the head's ids, so that their id is not reused by another head's while it lives: the compiled
+            # graphs do not guard the head's swapped ``forward`` (``engine.compat``).
             key = ("draft model", id(self.model), None if self.head.ids is None else id(self.head.ids))
             shared = target_cache.shared.get(key)
             widths = self._runner_widths(target_cache.fast.max_width) if target_cache.fast is not None else (1, 2)
@@ -200,8 +202,9 @@ class DraftModelDrafter(Drafter):
                     prefill_pad_multiple=target_cache.prefill_pad_multiple,
                     fast=target_cache.fast,
                 )
-                shared = target_cache.shared[key] = (cache, BatchRunner(self.model, cache, widths, self.who))
-            self.cache, self.runner = shared
+                shared = target_cache.shared[key] = (cache, BatchRunner(self.model, cache, widths, self.who),
+                                                     self.head.ids)
+            self.cache, self.runner = shared[:2]
         self._device = target_cache.device
         self._target = target_cache.owner  # its vocabulary: the fused steps' argmax (``warm_up``)
         self._num_cached = [0] * target_cache.num_slots

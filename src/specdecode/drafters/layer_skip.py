@@ -271,7 +271,9 @@ def draft_mode(model: PreTrainedModel, skip_set: SkipSet) -> Iterator[None]:
 
     It swaps ``forward`` attributes on the model's module instances, so another
     thread running the same model meanwhile would run in draft mode too; nesting
-    is fine (each level restores what it found).
+    is fine (each level restores what it found). A compiled function does not see
+    the swap (its graphs do not guard the modules, ``engine.compat``): call one
+    always inside the same draft mode, or always outside, as the engine's runners do.
 
     Args:
         model: A transformers causal LM (see ``decoder_layers``).

@@ -28,16 +28,17 @@ Each dropped option is logged once (INFO), naming the torch version and the repl
 which check that what the graph was traced from still holds; for a transformers model most of them
 are on its modules (each parameter's tensor properties, each module's attributes and ``training``
 flag). Their cost is paid per call, on the host, whatever the device: on a 2-core AMD EPYC (AVX2),
-dynamo's cache lookup took 1.2-1.4 ms a call for a 28-layer Qwen2-shaped model (the packaged 1.5B
-target's depth), 0.3 ms with the guards on modules dropped (``docs/benchmarks/guard_cost.py``). A
-draft round calls several compiled functions, so ``compile_kwargs`` passes
+dynamo's cache lookup took a median 1.36 ms a call for a 28-layer Qwen2-shaped model (the packaged
+1.5B target's depth), 0.32 ms with the guards on modules dropped (``docs/benchmarks/guard_cost.py``).
+A draft round calls several compiled functions, so ``compile_kwargs`` passes
 ``torch.compiler.skip_guard_on_all_nn_modules_unsafe`` as ``options["guard_filter_fn"]`` where this
-torch has it (2.9 and later; older ones keep every guard, logged once). The guards on the inputs
-(shapes, dtypes, devices), on the caches and on globals stay, so a new shape still compiles anew.
-What this assumes, as CUDA graphs do anyway: an engine's models are not modified while it holds
-them (no parameter, attribute or ``forward`` replaced, no hook added). specdecode's own module swaps
-(layer skip's draft mode, a truncated draft head) happen around every call of the runner that traced
-them, warm-up included, and each such runner compiles functions of its own.
+torch has it (looked up by name; torch 2.13 has it, and so did 2.9's API; without it every guard is
+kept, logged once). The guards on the inputs (shapes, dtypes, devices), on the caches and on globals
+stay, so a new shape still compiles anew. What this assumes (as ``graphs="captured"``, whose replays
+check nothing, does anyway): an engine's models are not modified while it holds them (no parameter,
+attribute or ``forward`` replaced, no hook added). specdecode's own module swaps (layer skip's draft
+mode, a truncated draft head) happen around every call of the runner that traced them, warm-up
+included, and each such runner compiles functions of its own (one per skip set, one per head).
 
 Source followed: torch 2.11.0's ``torch/__init__.py`` (``compile``'s signature:
 ``model, *, fullgraph, dynamic, backend, mode, options, disable``),
