@@ -100,18 +100,44 @@ def test_sampling_preserves_target_distribution():
     assert 0 < sum(r.num_accepted_tokens for r in runs) < drafted
 
 
-def test_host_matching_equals_tensor_matching():
-    """The decoder's host copy (a numpy array) gives the same continuation as the tensor."""
+def _brute_match(seq: list[int], max_tokens: int, max_ngram: int, min_ngram: int) -> tuple[list[int], int]:
+    """The definition, window by window: n from the longest down, the latest start j < L - n whose n tokens
+    equal the last n decides; its continuation and n, or ([], 0)."""
+    length = len(seq)
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        for j in range(length - n - 1, -1, -1):
+            if seq[j : j + n] == seq[length - n :]:
+                return seq[j + n : j + n + max_tokens], n
+    return [], 0
+
+
+def test_host_matching_equals_tensor_matching_and_the_definition():
+    """The decoder's host copy (a numpy array) gives the same continuation as the tensor, and both, with the
+    n that decided, are the definition's (``_brute_match``): short and long sequences, small alphabets (many
+    overlapping matches) and larger ones, every (max_ngram, min_ngram) pair up to 4."""
     import numpy as np
 
+    from specdecode.drafters.prompt_lookup import match_continuation
+
     g = torch.Generator().manual_seed(3)
-    for trial in range(200):
-        length = int(torch.randint(1, 40, (1,), generator=g))
-        seq = torch.randint(0, 4, (length,), generator=g)
-        for max_ngram, min_ngram in ((3, 1), (2, 2), (4, 2)):
-            want = find_continuation(seq, 5, max_ngram, min_ngram).tolist()
-            got = find_continuation(seq.numpy().astype(np.int64), 5, max_ngram, min_ngram)
+    pairs = [(hi, lo) for hi in range(1, 5) for lo in range(1, hi + 1)]
+    sizes = {n: 0 for n in range(5)}
+    for trial in range(300):
+        length = int(torch.randint(1, 40 if trial < 200 else 300, (1,), generator=g))
+        vocab = (2, 4, 30)[trial % 3]
+        seq = torch.randint(0, vocab, (length,), generator=g)
+        for max_ngram, min_ngram in pairs:
+            want, want_n = _brute_match(seq.tolist(), 5, max_ngram, min_ngram)
+            assert find_continuation(seq, 5, max_ngram, min_ngram).tolist() == want, (trial, seq.tolist(), max_ngram)
+            host = seq.numpy().astype(np.int64)
+            got = find_continuation(host, 5, max_ngram, min_ngram)
             assert isinstance(got, np.ndarray) and got.tolist() == want, (trial, seq.tolist(), max_ngram)
+            got, n = match_continuation(host, 5, max_ngram, min_ngram)
+            assert (got.tolist(), n) == (want, want_n), (trial, seq.tolist(), max_ngram, min_ngram)
+            got[:] = -1  # a copy: the sequence is untouched
+            assert host.tolist() == seq.tolist()
+            sizes[n] += 1
+    assert all(sizes.values()), sizes  # every outcome, no match included, was checked
 
 
 def test_several_matches_make_a_trie():

@@ -72,13 +72,24 @@ def match_continuation(sequence: np.ndarray, max_tokens: int, max_ngram: int, mi
         when no n-gram matches.
     """
     length = sequence.shape[0]
-    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
-        windows = sliding_window_view(sequence[: length - 1], n)
-        hits = np.flatnonzero((windows == sequence[length - n :]).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return sequence[start : start + max_tokens].copy(), n
-    return sequence[:0].copy(), 0
+    top = min(max_ngram, length - 1)
+    if top < min_ngram:
+        return sequence[:0].copy(), 0
+    # Where an earlier window of n tokens ends (e in n - 1 .. L - 2, so a token follows it) and equals the last n:
+    # the ends that match the last token, then kept while the token n before them matches too. Matches are
+    # nested, so the longest n with an end left decides, and its largest end is the most recent match. Each
+    # step compares only the ends still in play (one pass over the sequence in all), not every window per n.
+    ends, n, found = (sequence[: length - 1] == sequence[length - 1]).nonzero()[0], 0, None
+    while ends.size and n < top:
+        found, n = ends, n + 1
+        if n < top:
+            if ends[0] < n:  # ascending: drop the ends too early for n + 1 tokens
+                ends = ends[ends >= n]
+            ends = ends[sequence[ends - n] == sequence[length - 1 - n]]
+    if n < min_ngram:
+        return sequence[:0].copy(), 0
+    start = int(found[-1]) + 1
+    return sequence[start : start + max_tokens].copy(), n
 
 
 def find_continuations(sequence: np.ndarray, max_tokens: int, max_ngram: int, min_ngram: int,
