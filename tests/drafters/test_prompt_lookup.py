@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -115,7 +116,7 @@ def test_host_matching_equals_tensor_matching_and_the_definition():
     """The decoder's host copy (a numpy array) gives the same continuation as the tensor, and both, with the
     n that decided, are the definition's (``_brute_match``): short and long sequences, small alphabets (many
     overlapping matches) and larger ones, every (max_ngram, min_ngram) pair up to 4."""
-    import numpy as np
+
 
     from specdecode.drafters.prompt_lookup import match_continuation
 
@@ -141,7 +142,7 @@ def test_host_matching_equals_tensor_matching_and_the_definition():
 
 
 def test_several_matches_make_a_trie():
-    import numpy as np
+
 
     from specdecode.drafters.prompt_lookup import continuation_tree, find_continuations
 
@@ -171,3 +172,47 @@ def test_multi_match_trees_give_target_only_tokens(arch, rows):
     results = dec.generate(prompts, config)
     assert [r.token_ids for r in results] == expected
     assert sum(r.stats.num_drafted_tokens for r in results) > 0
+
+
+def test_host_sequences_copy_only_what_is_new_and_follow_rollbacks_joins_and_moves():
+    """``HostSequences``: each ``arrays`` equals the rows' lists; what a ``rollback`` drops is taken anew
+    even where the row grew back past it with other tokens; a list cut from its end needs no rollback;
+    ``join`` forgets a slot; ``move`` carries a row's tokens to its new slot; buffers grow."""
+    from specdecode.drafters.prompt_lookup import HostSequences
+
+    host = HostSequences()
+
+    def check(sequences):
+        out = host.arrays(sequences)
+        assert [a.tolist() for a in out] == sequences
+        return out
+
+    a, b = list(range(10)), list(range(100, 105))
+    check([a, b])
+    a += [10, 11]
+    check([a, b])
+    a[0] = -100  # changed with no rollback (the engine never does): not read again, only tokens 12.. are
+    assert host.arrays([a + [12], b])[0].tolist() == list(range(13))
+    a[0] = 0
+    a += [12]
+    host.rollback([8, 5])  # a rewind: tokens 8.. of row 0 are replaced, and it grows past 12 again
+    a = a[:8] + [-1, -2, -3, -4, -5]
+    check([a, b])
+    b = b[:3]  # cut from its end, no rollback
+    check([a, b])
+    b += [7, 7]
+    check([a, b])
+    host.join(1)  # a new row in slot 1, as long as the old one
+    b = [-9, -8, -7, -6, -5]
+    check([a, b])
+    c = list(range(300))  # slot 2 grows past its first buffer
+    check([a, b, c])
+    c += list(range(300, 700))
+    check([a, b, c])
+    host.move(2, 0, 700)  # row 2 moves into slot 0; slot 2 is free
+    host.join(1)
+    b = [1, 2, 3]
+    out = check([c, b])
+    assert out[0].dtype == np.int64 and len(out[0]) == 700
+    host.join(2)
+    check([c, b, list(range(40))])

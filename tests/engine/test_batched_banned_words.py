@@ -20,7 +20,8 @@ from conftest import make_tiny_model, make_tiny_tokenizer
 from helpers import perturbed_copy
 from selfspec_helpers import REPETITIVE, one_thread  # noqa: F401 (a fixture)
 from specdecode import DraftModelDrafter, GenerationConfig, PromptLookupDrafter, SpeculativeDecoder
-from specdecode.drafters import DraftModelDrafter, PromptLookupDrafter
+from specdecode.drafters import CascadeDrafter
+from specdecode.drafters.prompt_lookup import HostSequences
 from specdecode.engine.batched import BatchedSpeculativeDecoder
 
 TOK = make_tiny_tokenizer()
@@ -38,6 +39,7 @@ def _methods(target, draft):
         "autoregressive": (lambda: None, lambda: None),
         "draft": (lambda: DraftModelDrafter(draft), lambda: DraftModelDrafter(draft)),
         "prompt-lookup": (PromptLookupDrafter, PromptLookupDrafter),
+        "cascade": (lambda: CascadeDrafter(draft), lambda: CascadeDrafter(draft)),
     }
 
 
@@ -139,6 +141,32 @@ def _check_rows_equal_the_single_decoder(arch, method, max_batch_size, **engine)
     assert results[4].token_ids == plain[0] != results[0].token_ids  # same prompt, with and without words
     assert dec.stats.num_banned_word_rollbacks == sum(r.stats.num_banned_word_rollbacks for r in results)
     assert dec.stats.num_new_tokens == N * len(PROMPTS)
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("method", ["prompt-lookup", "cascade"])
+@pytest.mark.parametrize("max_batch_size", [1, 3])
+def test_the_n_gram_match_sees_each_rows_sequence_through_rewinds_joins_and_moves(monkeypatch, method,
+                                                                                  max_batch_size):
+    """The drafters' host copies (``HostSequences``: each round copies only the tokens after the last
+    rollback's count) equal the rows' sequences at every ``propose``, as banned words rewind rows, rows
+    join mid-flight and move into freed slots; and the rows' output is the single decoder's."""
+    arrays, moves = HostSequences.arrays, []
+
+    def checked(self, sequences):
+        out = arrays(self, sequences)
+        assert [a.tolist() for a in out] == [list(s) for s in sequences]
+        return out
+
+    def move(self, src, dst, num_valid):
+        moves.append((src, dst))
+        move_(self, src, dst, num_valid)
+
+    move_ = HostSequences.move
+    monkeypatch.setattr(HostSequences, "arrays", checked)
+    monkeypatch.setattr(HostSequences, "move", move)
+    _check_rows_equal_the_single_decoder("llama", method, max_batch_size)
+    assert (max_batch_size == 1) == (not moves)  # rows finish out of order at B = 3: some move
 
 
 @pytest.mark.usefixtures("one_thread")

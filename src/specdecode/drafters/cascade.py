@@ -35,8 +35,8 @@ adaptive exit's 12 tokens were 5% slower than its 5 (more rejected tokens to ver
 row gets placeholder tokens at positions 0 .. of its own draft slot, which no real row reads;
 its logits are ignored.
 
-**The round, for every row at once.** 1. **n-gram match**: ``prompt_lookup.find_continuation`` on a numpy copy of the row's tokens
-   (no torch op, so no host sync), up to the row's ``max_tokens``.
+**The round, for every row at once.** 1. **n-gram match**: ``prompt_lookup.find_continuation`` on the row's
+   host copy (``prompt_lookup.HostSequences``; no torch op, so no host sync), up to the row's ``max_tokens``.
 2. **check** (``ngram_check=True``): one draft-model forward over the batch feeds each row's
    tokens not yet in the draft cache, then its n-gram candidates, aligned on the right as in
    ``DraftModelDrafter.propose`` (a row with fewer new tokens re-feeds some it already
@@ -77,7 +77,6 @@ any token).
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from transformers import PreTrainedModel
 
@@ -87,7 +86,7 @@ from specdecode.drafters.control import check_optional_count
 from specdecode.drafters.draft_head import DraftHead
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.draft_tree import TREE_TOP_K, TopK, grow_trees, tree_draft
-from specdecode.drafters.prompt_lookup import check_ngram_sizes, find_continuation
+from specdecode.drafters.prompt_lookup import HostSequences, check_ngram_sizes, find_continuation
 from specdecode.engine.batch_cache import to_device
 from specdecode.engine.protocol import Draft
 from specdecode.engine.sampling import Sampler, check_finite
@@ -158,6 +157,7 @@ class CascadeDrafter(DraftModelDrafter):
         )
         self._model_rows: list[bool] = []  # per slot: whether the draft model drafts for the row
         self._last: list[tuple[int, int]] | None = None  # per row of the last block: (length, n-gram tokens)
+        self._host = HostSequences()  # each row's tokens for the match
         self.num_ngram_tokens = 0
         self.num_ngram_accepted = 0
 
@@ -165,6 +165,7 @@ class CascadeDrafter(DraftModelDrafter):
         super().bind(target_cache)
         self._model_rows = [False] * target_cache.num_slots
         self._last = None
+        self._host = HostSequences()
         self.num_ngram_tokens = self.num_ngram_accepted = 0
 
     def check_context(self, num_prompt_tokens: int, max_new_tokens: int) -> None:
@@ -178,6 +179,7 @@ class CascadeDrafter(DraftModelDrafter):
         """Take the row: the draft model's prefill waits for the row's first round that uses the model
         (``DraftModelDrafter._catch_up``); a prompt longer than ``max_model_prompt_tokens`` never uses it."""
         limit = self.max_model_prompt_tokens
+        self._host.join(slot)
         self._model_rows[slot] = limit is None or prompt_ids.shape[1] <= limit
         if self._model_rows[slot]:
             super().join(slot, prompt_ids, sampler)
@@ -208,11 +210,9 @@ class CascadeDrafter(DraftModelDrafter):
         lengths = [len(s) for s in sequences]
         uses_model = self._model_rows[:n]
         ngrams = []
-        for s, cap, own in zip(sequences, max_tokens, uses_model):
+        for s, cap, own in zip(self._host.arrays(sequences), max_tokens, uses_model):
             limit = cap if own else min(cap, LONG_PROMPT_BLOCK)
-            found = find_continuation(np.asarray(s, dtype=np.int64), limit, self.max_ngram, self.min_ngram) \
-                if limit > 0 else []
-            ngrams.append(list(map(int, found)))
+            ngrams.append(find_continuation(s, limit, self.max_ngram, self.min_ngram).tolist() if limit > 0 else [])
         # The n-gram tokens fed to the draft model: all of them to check them, or unchecked as the
         # context of a model part that follows them.
         fed = [
@@ -371,9 +371,11 @@ class CascadeDrafter(DraftModelDrafter):
             for (length, m), valid in zip(self._last, num_valid):
                 self.num_ngram_accepted += max(0, min(m, valid - length))
             self._last = None
+        self._host.rollback(num_valid)
         super().rollback(num_valid)
 
     def move(self, src: int, dst: int, num_valid: int) -> None:
         super().move(src, dst, num_valid)
+        self._host.move(src, dst, num_valid)
         self._model_rows[dst] = self._model_rows[src]
         self._model_rows[src] = False

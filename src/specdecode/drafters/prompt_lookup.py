@@ -167,6 +167,65 @@ def check_ngram_sizes(max_ngram: int, min_ngram: int) -> None:
         )
 
 
+class HostSequences:
+    """Each row's tokens as an int64 numpy array, for matching on the host: a round copies only new tokens.
+
+    ``Drafter.propose`` gets each row's sequence as a Python list; ``np.asarray`` of the whole list costs
+    O(L) every round (9 us at 400 tokens, 33 us at 1,500 on a 2-core AMD EPYC, where the match itself takes
+    9-15 us: ``docs/benchmarks/ngram_match_cost.py``). The engine calls the drafter's ``rollback`` with each row's
+    confirmed count after every round, and after any rewind of a row's tokens (a banned word's) before the
+    next ``propose`` (``protocol.Drafter.rollback``), so the first ``num_valid`` tokens held for a slot are
+    still its row's at the next ``arrays``; ``join`` starts a slot anew and ``move`` moves one, as the
+    drafter's own. A row whose tokens were only cut from the end needs no ``rollback``: what is held still
+    starts with them.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: list[np.ndarray] = []  # per slot, room for its tokens
+        self._valid: list[int] = []  # per slot, how many of the held tokens are its row's
+
+    def arrays(self, sequences) -> list[np.ndarray]:
+        """Per row b (slot b), an (L_b,) int64 view of ``sequences[b]``, valid until the next call.
+
+        Args:
+            sequences: Per row, its tokens (a list of ints, as ``propose`` gets them).
+        """
+        out = []
+        for b, tokens in enumerate(sequences):
+            self._slot(b)
+            length, buffer, valid = len(tokens), self._buffers[b], self._valid[b]
+            if buffer.shape[0] < length:  # room for twice as many: a row's buffer grows a few times at most
+                grown = np.empty(max(2 * length, 256), dtype=np.int64)
+                grown[:valid] = buffer[:valid]
+                buffer = self._buffers[b] = grown
+            if valid < length:
+                buffer[valid:length] = tokens[valid:]
+            self._valid[b] = length
+            out.append(buffer[:length])
+        return out
+
+    def join(self, slot: int) -> None:
+        """A new row in ``slot``: nothing held is its."""
+        self._slot(slot)
+        self._valid[slot] = 0
+
+    def rollback(self, num_valid: list[int]) -> None:
+        """Keep at most the first ``num_valid[b]`` tokens held for slot b."""
+        for b, valid in enumerate(num_valid[: len(self._valid)]):
+            self._valid[b] = min(self._valid[b], valid)
+
+    def move(self, src: int, dst: int, num_valid: int) -> None:
+        """Slot ``src``'s row moves to ``dst`` with ``num_valid`` confirmed tokens; ``src`` holds nothing."""
+        self._slot(max(src, dst))
+        self._buffers[src], self._buffers[dst] = self._buffers[dst], self._buffers[src]
+        self._valid[dst], self._valid[src] = min(self._valid[src], num_valid), 0
+
+    def _slot(self, slot: int) -> None:
+        while len(self._valid) <= slot:
+            self._buffers.append(np.empty(0, dtype=np.int64))
+            self._valid.append(0)
+
+
 #: Shortest match, in tokens, of the sequence that is drafted before the datastore is asked; a shorter one is
 #: drafted only where the datastore has nothing.
 SEQUENCE_FIRST_NGRAM = 2
@@ -219,20 +278,23 @@ class PromptLookupDrafter(Drafter):
         self.datastore = datastore
         self.reports_ngram_sizes = branches == 1  # a tree's nodes continue several matches
         self._device = None
+        self._host = HostSequences()
 
     def bind(self, target_cache) -> None:
         self._device = target_cache.device
         self.num_forwards = 0
+        self._host = HostSequences()
 
     def join(self, slot: int, prompt_ids: torch.Tensor, sampler: Sampler) -> None:
-        """Nothing to keep: the sequence is passed to every ``propose``."""
+        """The row's host copy starts anew (``HostSequences``): its sequence comes with every ``propose``."""
+        self._host.join(slot)
 
     def propose(self, sequences, max_tokens, exits=None, exit_rule="row") -> Draft:
         if self.branches > 1:
             return self._propose_trees(sequences, max_tokens)
         found, sizes, sources = [], [], []
-        for s, cap in zip(sequences, max_tokens):
-            tokens, n, source = self._match(np.asarray(s, dtype=np.int64), cap) if cap > 0 else ([], 0, "sequence")
+        for s, cap in zip(self._host.arrays(sequences), max_tokens):
+            tokens, n, source = self._match(s, cap) if cap > 0 else ([], 0, "sequence")
             found.append(tokens)
             sizes.append(n if tokens else 0)
             sources.append(source)
@@ -251,8 +313,8 @@ class PromptLookupDrafter(Drafter):
 
     def _propose_trees(self, sequences, max_tokens) -> Draft:
         rows, trees = [], []
-        for s, cap in zip(sequences, max_tokens):
-            found = find_continuations(np.asarray(s, dtype=np.int64), cap, self.max_ngram, self.min_ngram,
+        for s, cap in zip(self._host.arrays(sequences), max_tokens):
+            found = find_continuations(s, cap, self.max_ngram, self.min_ngram,
                                        self.branches) if cap > 0 else []
             tokens, parents = continuation_tree(found, cap)
             rows.append(tokens)
@@ -262,7 +324,9 @@ class PromptLookupDrafter(Drafter):
         return Draft(ids, [len(r) for r in rows], None, None, self.who, trees=trees)
 
     def rollback(self, num_valid: list[int]) -> None:
-        """Nothing to do: no state."""
+        """The host copies keep at most each row's first ``num_valid[b]`` tokens."""
+        self._host.rollback(num_valid)
 
     def move(self, src: int, dst: int, num_valid: int) -> None:
-        """Nothing to do: no state."""
+        """The row's host copy moves with it."""
+        self._host.move(src, dst, num_valid)

@@ -363,7 +363,12 @@ class Drafter(abc.ABC):
 
     @abc.abstractmethod
     def rollback(self, num_valid: list[int]) -> None:
-        """Forget each row's state past its first ``num_valid[b]`` tokens."""
+        """Forget each row's state past its first ``num_valid[b]`` tokens.
+
+        The engine calls it after every round, and after any rewind of a row's tokens (a banned word's)
+        before the next ``propose``, so a drafter may keep a copy of each row's first ``num_valid[b]``
+        tokens and take only the rest from the next ``propose``'s sequences
+        (``drafters.prompt_lookup.HostSequences``)."""
 
     @abc.abstractmethod
     def move(self, src: int, dst: int, num_valid: int) -> None:
