@@ -171,8 +171,8 @@ class HostSequences:
     """Each row's tokens as an int64 numpy array, for matching on the host: a round copies only new tokens.
 
     ``Drafter.propose`` gets each row's sequence as a Python list; ``np.asarray`` of the whole list costs
-    O(L) every round (9 us at 400 tokens, 33 us at 1,500 on a 2-core AMD EPYC, where the match itself takes
-    9-15 us: ``docs/benchmarks/ngram_match_cost.py``). The engine calls the drafter's ``rollback`` with each row's
+    O(L) every round (10-17 us at 400 tokens, 39-60 us at 1,500 on a 2-core AMD EPYC, where the match itself
+    takes 9-14 us: ``docs/benchmarks/2026-11-28-ngram-match.md``). The engine calls the drafter's ``rollback`` with each row's
     confirmed count after every round, and after any rewind of a row's tokens (a banned word's) before the
     next ``propose`` (``protocol.Drafter.rollback``), so the first ``num_valid`` tokens held for a slot are
     still its row's at the next ``arrays``; ``join`` starts a slot anew and ``move`` moves one, as the
