@@ -112,13 +112,28 @@ def _brute_match(seq: list[int], max_tokens: int, max_ngram: int, min_ngram: int
     return [], 0
 
 
+def _brute_continuations(seq: list[int], max_tokens: int, max_ngram: int, min_ngram: int, branches: int):
+    """``find_continuations``' definition, window by window: n from the longest down, the latest start first;
+    a continuation that is a prefix of one found (itself included) adds nothing."""
+    length, found = len(seq), []
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        for j in range(length - n - 1, -1, -1):
+            cont = seq[j + n : j + n + max_tokens]
+            if seq[j : j + n] == seq[length - n :] and cont and not any(f[: len(cont)] == cont for f in found):
+                found.append(cont)
+                if len(found) == branches:
+                    return found
+    return found
+
+
 def test_host_matching_equals_tensor_matching_and_the_definition():
     """The decoder's host copy (a numpy array) gives the same continuation as the tensor, and both, with the
-    n that decided, are the definition's (``_brute_match``): short and long sequences, small alphabets (many
-    overlapping matches) and larger ones, every (max_ngram, min_ngram) pair up to 4."""
+    n that decided, are the definition's (``_brute_match``), as are a tree's several continuations
+    (``_brute_continuations``): short and long sequences, small alphabets (many overlapping matches) and larger
+    ones, every (max_ngram, min_ngram) pair up to 4."""
 
 
-    from specdecode.drafters.prompt_lookup import match_continuation
+    from specdecode.drafters.prompt_lookup import find_continuations, match_continuation
 
     g = torch.Generator().manual_seed(3)
     pairs = [(hi, lo) for hi in range(1, 5) for lo in range(1, hi + 1)]
@@ -137,6 +152,9 @@ def test_host_matching_equals_tensor_matching_and_the_definition():
             assert (got.tolist(), n) == (want, want_n), (trial, seq.tolist(), max_ngram, min_ngram)
             got[:] = -1  # a copy: the sequence is untouched
             assert host.tolist() == seq.tolist()
+            for branches in (1, 3):  # [trees] several matches' continuations
+                assert find_continuations(host, 3, max_ngram, min_ngram, branches) == \
+                    _brute_continuations(seq.tolist(), 3, max_ngram, min_ngram, branches), (trial, branches)
             sizes[n] += 1
     assert all(sizes.values()), sizes  # every outcome, no match included, was checked
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from numpy.lib.stride_tricks import sliding_window_view
 
 from specdecode.drafters.datastore import NgramDatastore
 from specdecode.engine.batch_cache import to_device
@@ -71,25 +70,37 @@ def match_continuation(sequence: np.ndarray, max_tokens: int, max_ngram: int, mi
         matched n-gram (``Draft.ngram_sizes``: a longer match is accepted more often); ``(empty, 0)``
         when no n-gram matches.
     """
+    levels = _match_ends(sequence, max_ngram, min_ngram)
+    n = len(levels)
+    if n < min_ngram:
+        return sequence[:0].copy(), 0
+    start = int(levels[-1][-1]) + 1
+    return sequence[start : start + max_tokens].copy(), n
+
+
+def _match_ends(sequence: np.ndarray, max_ngram: int, min_ngram: int) -> list[np.ndarray]:
+    """Where earlier windows end that equal the sequence's last n tokens: entry n - 1 holds, ascending, the ends
+    e in n - 1 .. L - 2 (so a token follows) of the windows ``sequence[e - n + 1 : e + 1]`` equal to the last n,
+    for n = 1 up to the longest n <= min(max_ngram, L - 1) that has one (callers ignore n < ``min_ngram``); []
+    where ``min(max_ngram, L - 1) < min_ngram`` or the last token did not occur before.
+
+    The ends that match the last token, then those kept while the token n before them matches too: matches are
+    nested, so each step compares only the ends still in play (one pass over the sequence in all), not every
+    window for every n.
+    """
     length = sequence.shape[0]
     top = min(max_ngram, length - 1)
     if top < min_ngram:
-        return sequence[:0].copy(), 0
-    # Where an earlier window of n tokens ends (e in n - 1 .. L - 2, so a token follows it) and equals the last n:
-    # the ends that match the last token, then kept while the token n before them matches too. Matches are
-    # nested, so the longest n with an end left decides, and its largest end is the most recent match. Each
-    # step compares only the ends still in play (one pass over the sequence in all), not every window per n.
-    ends, n, found = (sequence[: length - 1] == sequence[length - 1]).nonzero()[0], 0, None
-    while ends.size and n < top:
-        found, n = ends, n + 1
+        return []
+    ends, levels = (sequence[: length - 1] == sequence[length - 1]).nonzero()[0], []
+    while ends.size and len(levels) < top:
+        levels.append(ends)
+        n = len(levels)
         if n < top:
             if ends[0] < n:  # ascending: drop the ends too early for n + 1 tokens
                 ends = ends[ends >= n]
             ends = ends[sequence[ends - n] == sequence[length - 1 - n]]
-    if n < min_ngram:
-        return sequence[:0].copy(), 0
-    start = int(found[-1]) + 1
-    return sequence[start : start + max_tokens].copy(), n
+    return levels
 
 
 def find_continuations(sequence: np.ndarray, max_tokens: int, max_ngram: int, min_ngram: int,
@@ -108,12 +119,10 @@ def find_continuations(sequence: np.ndarray, max_tokens: int, max_ngram: int, mi
     Returns:
         Lists of 1 .. ``max_tokens`` ids, best first.
     """
-    length, found = sequence.shape[0], []
-    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
-        windows = sliding_window_view(sequence[: length - 1], n)
-        for hit in np.flatnonzero((windows == sequence[length - n :]).all(axis=1))[::-1]:
-            start = int(hit) + n
-            cont = sequence[start : start + max_tokens].tolist()
+    levels, found = _match_ends(sequence, max_ngram, min_ngram), []
+    for n in range(len(levels), min_ngram - 1, -1):
+        for end in levels[n - 1][::-1].tolist():
+            cont = sequence[end + 1 : end + 1 + max_tokens].tolist()
             if cont and not any(f[: len(cont)] == cont for f in found):
                 found.append(cont)
                 if len(found) == max_branches:
