@@ -6,12 +6,13 @@ This times one match, and the ``np.asarray`` of the row's token list that once p
 random sequences of L tokens from a vocabulary of V (the last 3 tokens copied from the middle, so a 3-gram
 matches); then ``PromptLookupDrafter.propose`` itself for B rows of L tokens, round after round as the engine
 runs it (each row then takes 3 tokens, and the drafter's ``rollback`` gets each row's confirmed count), per
-round and per row. With whichever ``specdecode`` is importable (``PYTHONPATH=<tree>/src`` picks a tree)::
+round and per row; and a token tree's several continuations (``find_continuations``, ``branches`` > 1). With
+whichever ``specdecode`` is importable (``PYTHONPATH=<tree>/src`` picks a tree)::
 
     flock /tmp/specdecode-bench.lock env PYTHONPATH=$PWD/src OMP_NUM_THREADS=1 \\
         python docs/benchmarks/ngram_match_cost.py
 
-A few seconds. Prints microseconds per call, the best of ``--repeats`` timings of ``--number`` calls.
+About a minute. Prints microseconds per call, the best of ``--repeats`` timings of ``--number`` calls.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import numpy as np
 if importlib.util.find_spec("specdecode") is None:  # not installed, no PYTHONPATH: this tree's src
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
-from specdecode.drafters.prompt_lookup import PromptLookupDrafter, match_continuation  # noqa: E402
+from specdecode.drafters.prompt_lookup import PromptLookupDrafter, find_continuations, match_continuation  # noqa: E402
 
 
 class _Cache:
@@ -67,33 +68,52 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--rows", default="1,8,32", help="B for the propose table")
     p.add_argument("--rounds", type=int, default=100, help="propose calls a run")
+    p.add_argument("--tables", default="match,propose,trees",
+                   help="which tables: match (one match), propose (B rows a round), trees (find_continuations)")
     args = p.parse_args()
     flags = [f for f in ("avx512_bf16", "amx_bf16", "avx512f", "avx2") if f in Path("/proc/cpuinfo").read_text()] \
         if Path("/proc/cpuinfo").exists() else []
     print(f"numpy {np.__version__}, {platform.machine()} ({', '.join(flags) or 'flags unknown'}), "
           f"specdecode from {Path(sys.modules['specdecode'].__file__).parents[1]}")
-    print("| V | L | np.asarray of the list, us | match_continuation(γ=6, n 3..1), us | n matched |")
-    print("|---:|---:|---:|---:|---:|")
+    tables = set(args.tables.split(","))
     rng = random.Random(0)
-    for vocab in (int(v) for v in args.vocabs.split(",")):
-        for length in (int(x) for x in args.lengths.split(",")):
-            tokens = [rng.randrange(vocab) for _ in range(length)]
-            tokens[-3:] = tokens[length // 2 : length // 2 + 3]
-            host = np.asarray(tokens, dtype=np.int64)
 
-            def best(fn) -> float:
-                return min(timeit.repeat(fn, number=args.number, repeat=args.repeats)) / args.number * 1e6
+    def planted(vocab: int, length: int) -> list[int]:
+        tokens = [rng.randrange(vocab) for _ in range(length)]
+        tokens[-3:] = tokens[length // 2 : length // 2 + 3]  # a 3-gram that matches
+        return tokens
 
-            as_us = best(lambda: np.asarray(tokens, dtype=np.int64))
-            match_us = best(lambda: match_continuation(host, 6, 3, 1))
-            print(f"| {vocab} | {length} | {as_us:.1f} | {match_us:.1f} | {match_continuation(host, 6, 3, 1)[1]} |")
-    print("\n| V | L at the start | B | propose, us a round | us a row |")
-    print("|---:|---:|---:|---:|---:|")
-    for vocab in (int(v) for v in args.vocabs.split(",")):
-        for length in (int(x) for x in args.lengths.split(",")):
-            for rows in (int(r) for r in args.rows.split(",")):
-                us = propose_us(rows, length, vocab, args.rounds, args.repeats, rng)
-                print(f"| {vocab} | {length} | {rows} | {us:.1f} | {us / rows:.1f} |")
+    def best(fn) -> float:
+        return min(timeit.repeat(fn, number=args.number, repeat=args.repeats)) / args.number * 1e6
+
+    vocabs = [int(v) for v in args.vocabs.split(",")]
+    lengths = [int(x) for x in args.lengths.split(",")]
+    if "match" in tables:
+        print("| V | L | np.asarray of the list, us | match_continuation(γ=6, n 3..1), us | n matched |")
+        print("|---:|---:|---:|---:|---:|")
+        for vocab in vocabs:
+            for length in lengths:
+                tokens = planted(vocab, length)
+                host = np.asarray(tokens, dtype=np.int64)
+                as_us = best(lambda: np.asarray(tokens, dtype=np.int64))
+                match_us = best(lambda: match_continuation(host, 6, 3, 1))
+                print(f"| {vocab} | {length} | {as_us:.1f} | {match_us:.1f} | {match_continuation(host, 6, 3, 1)[1]} |")
+    if "propose" in tables:
+        print("\n| V | L at the start | B | propose, us a round | us a row |")
+        print("|---:|---:|---:|---:|---:|")
+        for vocab in vocabs:
+            for length in lengths:
+                for rows in (int(r) for r in args.rows.split(",")):
+                    us = propose_us(rows, length, vocab, args.rounds, args.repeats, rng)
+                    print(f"| {vocab} | {length} | {rows} | {us:.1f} | {us / rows:.1f} |")
+    if "trees" in tables:
+        print("\n| V | L | find_continuations(5 tokens, n 3..1, 3 branches), us | branches found |")
+        print("|---:|---:|---:|---:|")
+        for vocab in vocabs:
+            for length in lengths:
+                host = np.asarray(planted(vocab, length), dtype=np.int64)
+                us = best(lambda: find_continuations(host, 5, 3, 1, 3))
+                print(f"| {vocab} | {length} | {us:.1f} | {len(find_continuations(host, 5, 3, 1, 3))} |")
 
 
 if __name__ == "__main__":
