@@ -18,7 +18,9 @@ from selfspec_helpers import (  # noqa: F401  (one_thread is a fixture)
 )
 from specdecode.engine.batch_cache import BatchKVCache
 from specdecode import GenerationConfig, InvalidArgumentError, SpeculativeDecoder
-from specdecode.drafters.prompt_lookup import PromptLookupDrafter, find_continuation
+from specdecode.drafters.prompt_lookup import (HostSequences, PromptLookupDrafter, continuation_tree, find_continuation,
+                                                find_continuations, match_continuation)
+from specdecode.engine.batched import BatchedSpeculativeDecoder
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -62,6 +64,11 @@ def test_ngram_validation():
         with pytest.raises(InvalidArgumentError) as e:
             PromptLookupDrafter(**kwargs)
         assert message in str(e.value)
+    host = np.array([4, 1, 2, 9, 2], dtype=np.int64)
+    for match in (lambda: find_continuation(torch.from_numpy(host), 3, 3, 0), lambda: find_continuation(host, 3, 3, 0),
+                  lambda: match_continuation(host, 3, 3, 0), lambda: find_continuations(host, 3, 3, 0, 2)):
+        with pytest.raises(InvalidArgumentError, match=r"min_ngram must be an integer >= 1, got 0"):
+            match()  # the empty n-gram would match everywhere
 
 
 def test_drafter_proposes_without_a_model():
@@ -131,10 +138,6 @@ def test_host_matching_equals_tensor_matching_and_the_definition():
     n that decided, are the definition's (``_brute_match``), as are a tree's several continuations
     (``_brute_continuations``): short and long sequences, small alphabets (many overlapping matches) and larger
     ones, every (max_ngram, min_ngram) pair up to 4."""
-
-
-    from specdecode.drafters.prompt_lookup import find_continuations, match_continuation
-
     g = torch.Generator().manual_seed(3)
     pairs = [(hi, lo) for hi in range(1, 5) for lo in range(1, hi + 1)]
     sizes = {n: 0 for n in range(5)}
@@ -160,10 +163,6 @@ def test_host_matching_equals_tensor_matching_and_the_definition():
 
 
 def test_several_matches_make_a_trie():
-
-
-    from specdecode.drafters.prompt_lookup import continuation_tree, find_continuations
-
     seq = np.array([1, 2, 3, 4, 1, 2, 3, 9, 8, 1, 2, 5, 1, 2], dtype=np.int64)
     # (1, 2) occurred at 9, 4 and 0: continuations 5.., 3 9.., 3 4.. (most recent first).
     found = find_continuations(seq, 3, max_ngram=2, min_ngram=2, max_branches=3)
@@ -179,8 +178,6 @@ def test_several_matches_make_a_trie():
 
 @pytest.mark.parametrize("rows", [1, 2])
 def test_multi_match_trees_give_target_only_tokens(arch, rows):
-    from specdecode.engine.batched import BatchedSpeculativeDecoder
-
     model = make_tiny_model(arch, num_layers=2)
     prompts = [[5, 9, 12, 7, 5, 9, 13, 7, 5, 9, 12, 8, 5, 9], [4, 6, 4, 7, 4, 6, 8, 4]]
     config = GenerationConfig(max_new_tokens=30, stop_on_eos=False)
@@ -196,8 +193,6 @@ def test_host_sequences_copy_only_what_is_new_and_follow_rollbacks_joins_and_mov
     """``HostSequences``: each ``arrays`` equals the rows' lists; what a ``rollback`` drops is taken anew
     even where the row grew back past it with other tokens; a list cut from its end needs no rollback;
     ``join`` forgets a slot; ``move`` carries a row's tokens to its new slot; buffers grow."""
-    from specdecode.drafters.prompt_lookup import HostSequences
-
     host = HostSequences()
 
     def check(sequences):
@@ -234,3 +229,6 @@ def test_host_sequences_copy_only_what_is_new_and_follow_rollbacks_joins_and_mov
     assert out[0].dtype == np.int64 and len(out[0]) == 700
     host.join(2)
     check([c, b, list(range(40))])
+    host.move(0, 2, 650)  # fewer confirmed tokens than held: what follows them is taken anew
+    c = c[:650] + [-1]
+    check([[5], b, c])  # and slot 0 holds nothing (it is not joined)

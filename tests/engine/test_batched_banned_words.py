@@ -150,7 +150,10 @@ def test_the_n_gram_match_sees_each_rows_sequence_through_rewinds_joins_and_move
                                                                                   max_batch_size):
     """The drafters' host copies (``HostSequences``: each round copies only the tokens after the last
     rollback's count) equal the rows' sequences at every ``propose``, as banned words rewind rows, rows
-    join mid-flight and move into freed slots; and the rows' output is the single decoder's."""
+    join mid-flight and move into freed slots; and the rows' output is the single decoder's. Between two
+    proposes here a row only grows or is cut from its end, which the copies follow even without a rollback;
+    a rewind that regrows past the held count with other tokens is the unit test's
+    (``test_host_sequences_copy_only_what_is_new_and_follow_rollbacks_joins_and_moves``)."""
     arrays, moves = HostSequences.arrays, []
 
     def checked(self, sequences):

@@ -41,15 +41,19 @@ def find_continuation(sequence, max_tokens: int, max_ngram: int, min_ngram: int)
             copy, matched with numpy: no torch op, so no host sync whatever the device).
         max_tokens: Most tokens to return (>= 1).
         max_ngram, min_ngram: n is tried from ``max_ngram`` down to ``min_ngram``
-            (n < L); the first n with a match decides.
+            (n < L); the first n with a match decides. ``min_ngram`` >= 1.
 
     Returns:
         (k,) long, 0 <= k <= max_tokens: ``sequence[j + n : j + n + k]`` for the largest
         start j < L - n whose n tokens equal the last n, or empty when none matches; of the
         input's kind (a new tensor or array, never a view of the input).
+
+    Raises:
+        InvalidArgumentError: ``min_ngram`` < 1 (the drafters check both sizes once: ``check_ngram_sizes``).
     """
     if isinstance(sequence, np.ndarray):
         return match_continuation(sequence, max_tokens, max_ngram, min_ngram)[0]
+    _check_min_ngram(min_ngram)
     length = sequence.shape[0]
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
         # Windows starting at 0 .. L-n-1: each has at least one token after it,
@@ -69,6 +73,9 @@ def match_continuation(sequence: np.ndarray, max_tokens: int, max_ngram: int, mi
         ``(continuation, n)``: the (k,) int64 continuation (a new array), and the length n of the
         matched n-gram (``Draft.ngram_sizes``: a longer match is accepted more often); ``(empty, 0)``
         when no n-gram matches.
+
+    Raises:
+        InvalidArgumentError: ``min_ngram`` < 1.
     """
     levels = _match_ends(sequence, max_ngram, min_ngram)
     n = len(levels)
@@ -88,6 +95,7 @@ def _match_ends(sequence: np.ndarray, max_ngram: int, min_ngram: int) -> list[np
     nested, so each step compares only the ends still in play (one pass over the sequence in all), not every
     window for every n.
     """
+    _check_min_ngram(min_ngram)
     length = sequence.shape[0]
     top = min(max_ngram, length - 1)
     if top < min_ngram:
@@ -118,6 +126,9 @@ def find_continuations(sequence: np.ndarray, max_tokens: int, max_ngram: int, mi
 
     Returns:
         Lists of 1 .. ``max_tokens`` ids, best first.
+
+    Raises:
+        InvalidArgumentError: ``min_ngram`` < 1.
     """
     levels, found = _match_ends(sequence, max_ngram, min_ngram), []
     for n in range(len(levels), min_ngram - 1, -1):
@@ -160,6 +171,12 @@ def continuation_tree(continuations: list[list[int]], max_nodes: int) -> tuple[l
     return tokens, parents
 
 
+def _check_min_ngram(min_ngram: int) -> None:
+    """The matches' own check (one comparison a call): n = 0 would match the empty n-gram everywhere."""
+    if min_ngram < 1:
+        raise InvalidArgumentError(f"prompt lookup min_ngram must be an integer >= 1, got {min_ngram!r}")
+
+
 def check_ngram_sizes(max_ngram: int, min_ngram: int) -> None:
     """Raise unless 1 <= min_ngram <= max_ngram (integers).
 
@@ -181,10 +198,10 @@ class HostSequences:
 
     ``Drafter.propose`` gets each row's sequence as a Python list; ``np.asarray`` of the whole list costs
     O(L) every round (10-17 us at 400 tokens, 39-60 us at 1,500 on a 2-core AMD EPYC, where the match itself
-    takes 9-14 us: ``docs/benchmarks/2026-11-28-ngram-match.md``). The engine calls the drafter's ``rollback`` with each row's
-    confirmed count after every round, and after any rewind of a row's tokens (a banned word's) before the
-    next ``propose`` (``protocol.Drafter.rollback``), so the first ``num_valid`` tokens held for a slot are
-    still its row's at the next ``arrays``; ``join`` starts a slot anew and ``move`` moves one, as the
+    takes 9-14 us: ``docs/benchmarks/2026-11-28-ngram-match.md``). The engine calls the drafter's ``rollback``
+    with each row's confirmed count after every round, and after any rewind of a row's tokens (a banned word's)
+    before the next ``propose`` (``protocol.Drafter.rollback``), so the first ``num_valid`` tokens held for a
+    slot are still its row's at the next ``arrays``; ``join`` starts a slot anew and ``move`` moves one, as the
     drafter's own. A row whose tokens were only cut from the end needs no ``rollback``: what is held still
     starts with them.
     """
@@ -214,17 +231,27 @@ class HostSequences:
         return out
 
     def join(self, slot: int) -> None:
-        """A new row in ``slot``: nothing held is its."""
+        """A new row in ``slot`` (a slot index, as the drafter's ``join``): nothing held is its."""
         self._slot(slot)
         self._valid[slot] = 0
 
     def rollback(self, num_valid: list[int]) -> None:
-        """Keep at most the first ``num_valid[b]`` tokens held for slot b."""
+        """Keep at most the first ``num_valid[b]`` tokens held for slot b.
+
+        Args:
+            num_valid: Per slot b (rows 0 .. n - 1), how many leading tokens of its row are confirmed (a token
+                count, as the drafter's ``rollback``); slots past the list keep theirs.
+        """
         for b, valid in enumerate(num_valid[: len(self._valid)]):
             self._valid[b] = min(self._valid[b], valid)
 
     def move(self, src: int, dst: int, num_valid: int) -> None:
-        """Slot ``src``'s row moves to ``dst`` with ``num_valid`` confirmed tokens; ``src`` holds nothing."""
+        """Slot ``src``'s row moves to ``dst`` with ``num_valid`` confirmed tokens; ``src`` holds nothing.
+
+        Args:
+            src, dst: Slot indices, as the drafter's ``move``.
+            num_valid: The row's confirmed tokens (a count): at most these of what is held stay its.
+        """
         self._slot(max(src, dst))
         self._buffers[src], self._buffers[dst] = self._buffers[dst], self._buffers[src]
         self._valid[dst], self._valid[src] = min(self._valid[src], num_valid), 0
@@ -257,6 +284,9 @@ class PromptLookupDrafter(Drafter):
 
     With a ``datastore``, where the sequence has no match of ``SEQUENCE_FIRST_NGRAM`` tokens or more, a
     linear draft asks it (``NgramDatastore.lookup``), then takes the sequence's shorter match.
+
+    It keeps each row's tokens between rounds (``HostSequences``), so one instance serves one engine at a
+    time (``Drafter.bind``), as every drafter.
 
     Args:
         max_ngram: Longest n-gram to match (>= min_ngram).
