@@ -22,16 +22,17 @@ from conftest import make_tiny_model
 from helpers import perturbed_copy
 from selfspec_helpers import one_thread  # noqa: F401 (a fixture)
 from specdecode import GenerationConfig
-from specdecode.drafters import DraftModelDrafter
+from specdecode.drafters import CascadeDrafter, DraftModelDrafter
 from specdecode.drafters import base
 from specdecode.drafters.control import DraftControl
+from specdecode.drafters.draft_head import DraftHead
 from specdecode.engine import batch_runner
 from specdecode.engine.batch_cache import BatchKVCache, FastPath
 from specdecode.engine.batch_runner import BatchRunner
 from specdecode.engine.verification import greedy_epilogue
-from specdecode.errors import InvalidArgumentError
+from specdecode.errors import InvalidArgumentError, NonFiniteLogitsError
 from test_batched_fast_path import PROMPTS, _configs
-from test_fused_draft_steps import _cache_rows, _drafters, _drafts, _engine
+from test_fused_draft_steps import HEAD_IDS, _cache_rows, _drafters, _drafts, _engine
 
 
 class _Calls(list):
@@ -139,6 +140,86 @@ def test_the_first_forward_gives_its_epilogue_only_where_the_greedy_steps_start_
         counts[case] = len(drafting)
     assert counts["fused"] < counts["steps"], counts  # most fused rounds' first forwards are plain calls
     assert all(out == outputs["steps"] for out in outputs.values())
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("case", ["checked", "truncated", "unchecked", "per-step", "sampling"])
+def test_the_cascades_check_reads_its_first_forwards_epilogue_with_the_same_drafts(case, monkeypatch):
+    """The cascade's first forward is ``forward_greedy`` wherever its check reads every position's argmax (or the
+    greedy steps start from it): the check's choice, the finiteness flag and the greedy steps' start come from the
+    bucket's epilogue, with no argmax or finiteness kernel of the cascade's own. Run in lockstep, B = 3 with rows
+    joining and finishing at different lengths, against the same cascade whose first forward is a plain call
+    (the argmax and finiteness computed from the logits): the same drafts every round, the same draft cache,
+    stats and output. "truncated": a truncated head, whose argmax is a column mapped to its token; "unchecked":
+    ``ngram_check=False`` (the epilogue only where the greedy steps follow); "per-step": an exit that reads each
+    step (the finiteness read on the host); "sampling": every row samples (the check's choice stays greedy)."""
+    target = make_tiny_model("llama", num_layers=3)
+    draft = perturbed_copy(target, noise=0.3, seed=1)
+    head = DraftHead.truncated(HEAD_IDS) if case == "truncated" else None
+    control = {"draft_control": DraftControl(adaptive_exit=True)} if case == "per-step" else {}
+    configs = [GenerationConfig(max_new_tokens=c.max_new_tokens, temperature=0.8, seed=i) if case == "sampling"
+               else c for i, c in enumerate(_configs()[:3])]
+
+    def make():
+        return CascadeDrafter(draft, head=head, ngram_check=case != "unchecked")
+
+    epilogue, host = _engine(target, make(), 3, False, **control), _engine(target, make(), 3, False, **control)
+    plain = host.drafter
+
+    def plain_first_forward(ids, starts, keep, max_tokens, exits, checks=False):
+        return plain.runner(ids, starts, keep), None
+
+    plain._first_forward = plain_first_forward  # this instance only: the host computes the argmax and finiteness
+    calls: list = []
+    original = BatchRunner.forward_greedy
+    monkeypatch.setattr(BatchRunner, "forward_greedy",
+                        lambda self, *args, **kwargs: calls.append(self) or original(self, *args, **kwargs))
+    recomputed: list = []  # epilogues draft_batch computes itself, for want of the first forward's
+    monkeypatch.setattr(base, "greedy_epilogue", lambda logits: recomputed.append(1) or greedy_epilogue(logits))
+    drafts_epilogue, drafts_host = _drafts(epilogue), _drafts(host)
+    for dec in (epilogue, host):
+        for prompt, config in zip(PROMPTS[:3], configs):
+            dec.add(prompt, config)
+    outputs: dict = {}
+    recomputed_by = {"epilogue": 0, "host": 0}
+    while epilogue.has_work or host.has_work:
+        for key, dec in (("epilogue", epilogue), ("host", host)):
+            recomputed.clear()
+            for event in dec.step():
+                outputs.setdefault((key, event.request_id), []).extend(event.token_ids)
+            recomputed_by[key] += len(recomputed)
+        assert drafts_epilogue == drafts_host
+        got, want = _cache_rows(epilogue.drafter), _cache_rows(plain)
+        assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+    assert {k[1]: v for k, v in outputs.items() if k[0] == "epilogue"} == \
+        {k[1]: v for k, v in outputs.items() if k[0] == "host"}
+    for stat in ("num_drafted_tokens", "num_accepted_tokens", "num_draft_forwards", "num_rounds"):
+        assert getattr(epilogue.stats, stat) == getattr(host.stats, stat), stat
+    assert epilogue.drafter.num_ngram_tokens == plain.num_ngram_tokens > 0
+    assert epilogue.drafter.num_ngram_accepted == plain.num_ngram_accepted
+    assert 0 < epilogue.stats.num_accepted_tokens < epilogue.stats.num_drafted_tokens
+    drafter_calls = sum(r is epilogue.drafter.runner for r in calls)
+    assert drafter_calls > 0 and not any(r is plain.runner for r in calls), drafter_calls
+    # the greedy steps start from the first forward's epilogue: draft_batch computes none of its own
+    greedy_steps_run = case in ("checked", "truncated", "unchecked")
+    assert recomputed_by["epilogue"] == 0 and (recomputed_by["host"] > 0) == greedy_steps_run, recomputed_by
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_cascade_from_its_epilogue_still_names_the_draft_model_for_non_finite_logits():
+    """A NaN in the draft model's head reaches the round's one read through the epilogue's finiteness flag (the
+    same flag for sampling rows), and raises naming the draft model. The NaN is in token 7's column, so every
+    argmax is 7 (NaN ranks highest) and the prompt [11, 7, 7, ...], after which the target says 11, has its
+    n-gram candidates (7s) all kept: the check's forward is the round's only draft forward, and its flag the only
+    one."""
+    target = make_tiny_model("llama", num_layers=2)
+    draft = perturbed_copy(target, noise=0.3, seed=1)
+    with torch.no_grad():
+        draft.get_output_embeddings().weight[7, 0] = float("nan")
+    dec = _engine(target, CascadeDrafter(draft), 1, False)
+    with pytest.raises(NonFiniteLogitsError, match="the draft model produced non-finite logits"):
+        dec.generate([[11] + [7] * 11], [GenerationConfig(max_new_tokens=8)])
+    assert dec.drafter.num_forwards == 1 and dec.drafter.num_ngram_tokens > 0
 
 
 def _first(tokens: list[int], finite: bool = True) -> torch.Tensor:

@@ -45,7 +45,11 @@ its logits are ignored.
    all candidates in one forward, where the single-sequence check feeds 4 per forward and stops
    at the first disagreement). The logits after the kept candidates give the first token of the
    row's model part, with no forward of its own. Reading the kept counts is one host sync, in
-   rounds where some row has candidates. On the fast path this forward runs the draft runner's
+   rounds where some row has candidates. Where the forward runs in a bucket, its graph also gives every
+   position's argmax and finiteness (``BatchRunner.forward_greedy``): the check compares those, the round's
+   finiteness flag is theirs, and the greedy steps start from them (``base.draft_batch``'s ``first_greedy``),
+   so the drafter launches no argmax or finiteness kernel over the logits; the forward's ids and the check's
+   candidates and indices go to the device in one copy. On the fast path this forward runs the draft runner's
    widest bucket (the cache's ``max_width``, the engine's longest block + 1); a row whose uncached
    tokens and candidates would not fit keeps the leading candidates that do (``_fit``), so the
    check runs compiled. On the fast path the blocks can therefore differ from the eager path's:
@@ -277,28 +281,50 @@ class CascadeDrafter(DraftModelDrafter):
             feeds.append(feed + feed[-1:] * (width - len(feed)))
         keep = width - min(at_fed)
         at_fed = [o - (width - keep) for o in at_fed]  # into the kept logits
-        logits = self.runner(to_device(feeds, device), starts, keep)  # (n, keep, V), or K columns (FR-Spec)
-        self.head.check_logits(logits)
+        longest = max(len(f) for f in fed)
+        checks = self.ngram_check and longest > 0
+        # One host-to-device copy for the forward and the check. Per row: its feed; with the check, its candidates
+        # (-1 pads: matches nothing) and the kept logits' index of each; the kept logits' index after its fed
+        # tokens (with the check, after none: the kept count is added on the device); its row index.
+        host = []
+        for b, (feed, f, o) in enumerate(zip(feeds, fed, at_fed)):
+            check = f + [-1] * (longest - len(f)) + [o + min(j, max(len(f) - 1, 0)) for j in range(longest)] \
+                if checks else []
+            host.append(feed + check + [o if checks else o + len(f), b])
+        packed = to_device(host, device)
+        ids, after_fed, rows = packed[:, :width], packed[:, -2], packed[:, -1]
+        model_caps = [cap - (0 if checks else len(ng)) if own else 0
+                      for cap, ng, own in zip(max_tokens, ngrams, uses_model)]  # at most (the check may keep fewer)
+        logits, greedy = self._first_forward(ids, starts, keep, model_caps, exits, checks)  # (n, keep, V), or K
+        self.head.check_logits(logits)  # columns (FR-Spec); greedy: (n, keep, 2) from the forward's graph, or None
         self.num_forwards += 1
+        truncated = self.head.ids is not None
+        if greedy is not None and not truncated and logits.shape[-1] > samplers[0].vocab_size:
+            greedy = None  # its argmax may fall past the vocabulary: not the check's choice
         deferred = not reads_per_step(exits)  # as ``draft_batch``'s
-        finite = torch.isfinite(logits).all() if deferred else None
+        finite = None
         if not deferred:
             check_finite(logits, self.who)
-        longest = max(len(f) for f in fed)
-        if self.ngram_check and longest:
+        elif greedy is not None:
+            finite = greedy[..., 1].all()
+        else:
+            finite = torch.isfinite(logits).all()
+        if checks:
             # (n, keep): the draft's greedy token after each fed token (a truncated head's: among its K)
-            choice = self.head.ids[logits.argmax(-1)] if self.head.ids is not None else \
-                logits[..., : samplers[0].vocab_size].argmax(-1)
-            index = [[o + min(j, max(len(f) - 1, 0)) for j in range(longest)] for o, f in zip(at_fed, fed)]
-            candidates = to_device([f + [-1] * (longest - len(f)) for f in fed], device)  # -1 matches nothing
-            agree = choice.gather(1, to_device(index, device)) == candidates
-            kept_t = agree.long().cumprod(1).sum(1)  # (n,) leading agreeing candidates
-            first = logits[torch.arange(n, device=device), to_device(at_fed, device) + kept_t]
+            if greedy is not None:
+                choice = greedy[..., 0]
+            else:
+                choice = logits.argmax(-1) if truncated else logits[..., : samplers[0].vocab_size].argmax(-1)
+            if truncated:
+                choice = self.head.ids[choice]
+            candidates, index = packed[:, width:width + longest], packed[:, width + longest:-2]
+            kept_t = (choice.gather(1, index) == candidates).long().cumprod(1).sum(1)  # (n,) leading agreeing ones
+            at = after_fed + kept_t
             kept = kept_t.tolist()  # the check's one host sync
         else:
-            kept = [len(f) for f in fed]
-            at = [o + k for o, k in zip(at_fed, kept)]
-            first = logits[torch.arange(n, device=device), to_device(at, device)]
+            kept, at = [len(f) for f in fed], after_fed
+        first = logits[rows, at]  # (n, V'): each row's logits after its kept candidates
+        first_greedy = greedy[rows, at] if greedy is not None else None
         blocks = [ng[:k] if f else ng for ng, f, k in zip(ngrams, fed, kept)]  # the n-gram tokens proposed
         valid = [length + k if own else 0 for length, k, own in zip(lengths, kept, uses_model)]
         model_tokens = [cap - len(blk) if own else 0 for cap, blk, own in zip(max_tokens, blocks, uses_model)]
@@ -311,7 +337,8 @@ class CascadeDrafter(DraftModelDrafter):
             tops = TopK(TREE_TOP_K, self.head.ids) if any(tree_rows) else None
             caps = [min(c, self.tree_depth) if t else c for c, t in zip(model_tokens, tree_rows)]
             model, steps = draft_batch(self._step, first, at, caps, samplers, exits, exit_rule, self.who,
-                                       self.head, views, tops, self._steps_runner(), self.fused_draft_steps)
+                                       self.head, views, tops, self._steps_runner(), self.fused_draft_steps,
+                                       first_greedy)
             self.num_forwards += steps - 1
         num = [len(blk) + (model.num_tokens[b] if model is not None else 0) for b, blk in enumerate(blocks)]
         for b in range(n):
@@ -338,17 +365,19 @@ class CascadeDrafter(DraftModelDrafter):
         positions), both gathered by one index."""
         device, n = self._device, len(blocks)
         longest = max(len(blk) for blk in blocks)
-        ngram = to_device([blk + [0] * (longest - len(blk)) for blk in blocks], device) if longest else None
+        padded = [blk + [0] * (longest - len(blk)) for blk in blocks]
         sure = torch.ones((n, longest), dtype=torch.float32, device=device) if with_tops and longest else None
         if model is None:
-            if ngram is None:
-                ngram, sure = torch.zeros((n, 1), dtype=torch.long, device=device), torch.ones((n, 1), device=device)
-            return ngram, sure if with_tops else None
-        if ngram is None:
+            if not longest:
+                return torch.zeros((n, 1), dtype=torch.long, device=device), \
+                    torch.ones((n, 1), device=device) if with_tops else None
+            return to_device(padded, device), sure
+        if not longest:
             return model.tokens, model.top_probs if with_tops else None
         last, total = longest + model.tokens.shape[1] - 1, max(1, max(num))
-        index = to_device([[j if j < len(blk) else min(longest + j - len(blk), last) for j in range(total)]
-                           for blk in blocks], device)
+        packed = to_device([row + [j if j < len(blk) else min(longest + j - len(blk), last) for j in range(total)]
+                            for row, blk in zip(padded, blocks)], device)  # one copy: the n-gram tokens, the index
+        ngram, index = packed[:, :longest], packed[:, longest:]
         tokens = torch.cat([ngram, model.tokens], dim=1).gather(1, index)  # (n, A + S) -> (n, total)
         return tokens, torch.cat([sure, model.top_probs], dim=1).gather(1, index) if with_tops else None
 

@@ -376,15 +376,18 @@ class DraftModelDrafter(Drafter):
             self._num_cached[b] = min(self._num_cached[b], start + same)
             self._chains[b] = None
 
-    def _first_forward(self, ids: torch.Tensor, starts: list[int], width: int, max_tokens: list[int],
-                       exits: list | None) -> tuple:
-        """A round's first forward, (n, width) ids at draft-cache positions ``starts``: ``(logits (n, width, V'),
-        greedy (n, width, 2) or None)``, greedy the epilogue of a bucket's graph (``BatchRunner.forward_greedy``)
-        where the greedy steps may start from it (``base.first_forward_greedy``); None otherwise."""
-        if isinstance(self.runner, BatchRunner) and first_forward_greedy(
-                self.runner, len(max_tokens), width, self._samplers, max_tokens, exits, self.fused_draft_steps):
-            return self.runner.forward_greedy(ids, starts, width)
-        return self.runner(ids, starts, width), None
+    def _first_forward(self, ids: torch.Tensor, starts: list[int], keep: int, max_tokens: list[int],
+                       exits: list | None, checks: bool = False) -> tuple:
+        """A round's first forward, (n, width) ids at draft-cache positions ``starts``, its last ``keep`` positions'
+        logits kept: ``(logits (n, keep, V'), greedy (n, keep, 2) or None)``, greedy the epilogue of a bucket's
+        graph (``BatchRunner.forward_greedy``) where the greedy steps may start from it
+        (``base.first_forward_greedy``, for ``max_tokens``) or, with ``checks``, where the cascade's check reads
+        every position's argmax; None otherwise."""
+        runner, (n, width) = self.runner, ids.shape
+        if isinstance(runner, BatchRunner) and ((checks and runner.in_bucket(n, width)) or first_forward_greedy(
+                runner, n, width, self._samplers, max_tokens, exits, self.fused_draft_steps)):
+            return runner.forward_greedy(ids, starts, keep)
+        return runner(ids, starts, keep), None
 
     def _step(self, token: torch.Tensor, at: list[int]) -> torch.Tensor:
         """One more token per row: (n, 1) ids at draft-cache positions ``at``; (n, V') logits."""
