@@ -69,6 +69,8 @@ def test_ngram_validation():
                   lambda: match_continuation(host, 3, 3, 0), lambda: find_continuations(host, 3, 3, 0, 2)):
         with pytest.raises(InvalidArgumentError, match=r"min_ngram must be an integer >= 1, got 0"):
             match()  # the empty n-gram would match everywhere
+    with pytest.raises(InvalidArgumentError, match=r"min_ngram must be an integer >= 1, got 1.5"):
+        match_continuation(host, 3, 3, 1.5)
 
 
 def test_drafter_proposes_without_a_model():

@@ -143,7 +143,7 @@ def test_the_first_forward_gives_its_epilogue_only_where_the_greedy_steps_start_
 
 
 @pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("case", ["checked", "truncated", "unchecked", "per-step", "sampling"])
+@pytest.mark.parametrize("case", ["checked", "truncated", "padded", "unchecked", "per-step", "sampling"])
 def test_the_cascades_check_reads_its_first_forwards_epilogue_with_the_same_drafts(case, monkeypatch):
     """The cascade's first forward is ``forward_greedy`` wherever its check reads every position's argmax (or the
     greedy steps start from it): the check's choice, the finiteness flag and the greedy steps' start come from the
@@ -152,9 +152,19 @@ def test_the_cascades_check_reads_its_first_forwards_epilogue_with_the_same_draf
     (the argmax and finiteness computed from the logits): the same drafts every round, the same draft cache,
     stats and output. "truncated": a truncated head, whose argmax is a column mapped to its token; "unchecked":
     ``ngram_check=False`` (the epilogue only where the greedy steps follow); "per-step": an exit that reads each
-    step (the finiteness read on the host); "sampling": every row samples (the check's choice stays greedy)."""
+    step (the finiteness read on the host); "sampling": every row samples (the check's choice stays greedy);
+    "padded": the draft's head has 16 columns past the vocabulary, one of which often wins the argmax, so the
+    epilogue is not the check's choice. Both engines share the device-side packing of the check's indices, so
+    each row's drafts are also checked against the row run alone (B = 1): their totals agree."""
     target = make_tiny_model("llama", num_layers=3)
     draft = perturbed_copy(target, noise=0.3, seed=1)
+    if case == "padded":
+        vocab = draft.get_output_embeddings().weight.shape[0]
+        draft.resize_token_embeddings(vocab + 16)
+        with torch.no_grad():
+            weight = draft.get_output_embeddings().weight
+            weight[vocab:] = 0
+            weight[vocab + 2] = 1.5 * weight[12]  # past the vocabulary: beats token 12 wherever its logit is > 0
     head = DraftHead.truncated(HEAD_IDS) if case == "truncated" else None
     control = {"draft_control": DraftControl(adaptive_exit=True)} if case == "per-step" else {}
     configs = [GenerationConfig(max_new_tokens=c.max_new_tokens, temperature=0.8, seed=i) if case == "sampling"
@@ -203,6 +213,15 @@ def test_the_cascades_check_reads_its_first_forwards_epilogue_with_the_same_draf
     # the greedy steps start from the first forward's epilogue: draft_batch computes none of its own
     greedy_steps_run = case in ("checked", "truncated", "unchecked")
     assert recomputed_by["epilogue"] == 0 and (recomputed_by["host"] > 0) == greedy_steps_run, recomputed_by
+    totals = [0, 0, 0]  # each row alone: a row reading another's logits or indices would draft otherwise
+    for prompt, config in zip(PROMPTS[:3], configs):
+        alone = _engine(target, make(), 1, False, **control)
+        alone.generate([prompt], [config])
+        for i, value in enumerate((alone.stats.num_drafted_tokens, alone.stats.num_accepted_tokens,
+                                   alone.drafter.num_ngram_tokens)):
+            totals[i] += value
+    assert totals == [epilogue.stats.num_drafted_tokens, epilogue.stats.num_accepted_tokens,
+                      epilogue.drafter.num_ngram_tokens], totals
 
 
 @pytest.mark.usefixtures("one_thread")

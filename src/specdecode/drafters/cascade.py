@@ -48,8 +48,9 @@ its logits are ignored.
    rounds where some row has candidates. Where the forward runs in a bucket, its graph also gives every
    position's argmax and finiteness (``BatchRunner.forward_greedy``): the check compares those, the round's
    finiteness flag is theirs, and the greedy steps start from them (``base.draft_batch``'s ``first_greedy``),
-   so the drafter launches no argmax or finiteness kernel over the logits; the forward's ids and the check's
-   candidates and indices go to the device in one copy. On the fast path this forward runs the draft runner's
+   so the drafter launches no argmax or finiteness kernel over the logits (except where the head has columns
+   past the vocabulary, whose epilogue is not the check's choice, and with per-step exits, whose finiteness is
+   checked on the host); the forward's ids and the check's candidates and indices go to the device in one copy. On the fast path this forward runs the draft runner's
    widest bucket (the cache's ``max_width``, the engine's longest block + 1); a row whose uncached
    tokens and candidates would not fit keeps the leading candidates that do (``_fit``), so the
    check runs compiled. On the fast path the blocks can therefore differ from the eager path's:
@@ -295,8 +296,9 @@ class CascadeDrafter(DraftModelDrafter):
         ids, after_fed, rows = packed[:, :width], packed[:, -2], packed[:, -1]
         model_caps = [cap - (0 if checks else len(ng)) if own else 0
                       for cap, ng, own in zip(max_tokens, ngrams, uses_model)]  # at most (the check may keep fewer)
-        logits, greedy = self._first_forward(ids, starts, keep, model_caps, exits, checks)  # (n, keep, V), or K
-        self.head.check_logits(logits)  # columns (FR-Spec); greedy: (n, keep, 2) from the forward's graph, or None
+        # logits (n, keep, V), or K columns (FR-Spec); greedy (n, keep, 2) from the forward's graph, or None
+        logits, greedy = self._first_forward(ids, starts, keep, model_caps, exits, checks)
+        self.head.check_logits(logits)
         self.num_forwards += 1
         truncated = self.head.ids is not None
         if greedy is not None and not truncated and logits.shape[-1] > samplers[0].vocab_size:

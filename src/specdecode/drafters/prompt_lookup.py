@@ -172,8 +172,8 @@ def continuation_tree(continuations: list[list[int]], max_nodes: int) -> tuple[l
 
 
 def _check_min_ngram(min_ngram: int) -> None:
-    """The matches' own check (one comparison a call): n = 0 would match the empty n-gram everywhere."""
-    if min_ngram < 1:
+    """The matches' own check (a few comparisons a call): n = 0 would match the empty n-gram everywhere."""
+    if isinstance(min_ngram, bool) or not isinstance(min_ngram, int) or min_ngram < 1:
         raise InvalidArgumentError(f"prompt lookup min_ngram must be an integer >= 1, got {min_ngram!r}")
 
 
