@@ -50,11 +50,11 @@ its logits are ignored.
    finiteness flag is theirs, and the greedy steps start from them (``base.draft_batch``'s ``first_greedy``),
    so the drafter launches no argmax or finiteness kernel over the logits (except where the head has columns
    past the vocabulary, whose epilogue is not the check's choice, and with per-step exits, whose finiteness is
-   checked on the host); the forward's ids and the check's candidates and indices go to the device in one copy. On the fast path this forward runs the draft runner's
-   widest bucket (the cache's ``max_width``, the engine's longest block + 1); a row whose uncached
-   tokens and candidates would not fit keeps the leading candidates that do (``_fit``), so the
-   check runs compiled. On the fast path the blocks can therefore differ from the eager path's:
-   greedy output is the same (the target verifies every token), and sampling follows the same law,
+   checked on the host); the forward's ids and the check's candidates and indices go to the device in one copy.
+   On the fast path this forward runs the draft runner's widest bucket (the cache's ``max_width``, the engine's
+   longest block + 1); a row whose uncached tokens and candidates would not fit keeps the leading candidates
+   that do (``_fit``), so the check runs compiled. On the fast path the blocks can therefore differ from the
+   eager path's: greedy output is the same (the target verifies every token), and sampling follows the same law,
    but a seed's sampled tokens may differ between the two. With ``ngram_check=False`` every n-gram
    token is kept unchecked; the first forward feeds them (as context for the model part) only to
    rows whose block the match leaves unfilled.

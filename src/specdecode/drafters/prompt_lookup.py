@@ -53,7 +53,7 @@ def find_continuation(sequence, max_tokens: int, max_ngram: int, min_ngram: int)
     """
     if isinstance(sequence, np.ndarray):
         return match_continuation(sequence, max_tokens, max_ngram, min_ngram)[0]
-    _check_min_ngram(min_ngram)
+    _check_ngram_size("min_ngram", min_ngram)
     length = sequence.shape[0]
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
         # Windows starting at 0 .. L-n-1: each has at least one token after it,
@@ -95,7 +95,7 @@ def _match_ends(sequence: np.ndarray, max_ngram: int, min_ngram: int) -> list[np
     nested, so each step compares only the ends still in play (one pass over the sequence in all), not every
     window for every n.
     """
-    _check_min_ngram(min_ngram)
+    _check_ngram_size("min_ngram", min_ngram)
     length = sequence.shape[0]
     top = min(max_ngram, length - 1)
     if top < min_ngram:
@@ -171,10 +171,11 @@ def continuation_tree(continuations: list[list[int]], max_nodes: int) -> tuple[l
     return tokens, parents
 
 
-def _check_min_ngram(min_ngram: int) -> None:
-    """The matches' own check (a few comparisons a call): n = 0 would match the empty n-gram everywhere."""
-    if isinstance(min_ngram, bool) or not isinstance(min_ngram, int) or min_ngram < 1:
-        raise InvalidArgumentError(f"prompt lookup min_ngram must be an integer >= 1, got {min_ngram!r}")
+def _check_ngram_size(name: str, value: int) -> None:
+    """One n-gram size, an integer >= 1 (``check_ngram_sizes``; the matches check ``min_ngram`` themselves, a few
+    comparisons a call: n = 0 would match the empty n-gram everywhere)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidArgumentError(f"prompt lookup {name} must be an integer >= 1, got {value!r}")
 
 
 def check_ngram_sizes(max_ngram: int, min_ngram: int) -> None:
@@ -183,9 +184,8 @@ def check_ngram_sizes(max_ngram: int, min_ngram: int) -> None:
     Raises:
         InvalidArgumentError: Naming the bad value and the allowed range.
     """
-    for name, v in (("min_ngram", min_ngram), ("max_ngram", max_ngram)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise InvalidArgumentError(f"prompt lookup {name} must be an integer >= 1, got {v!r}")
+    _check_ngram_size("min_ngram", min_ngram)
+    _check_ngram_size("max_ngram", max_ngram)
     if min_ngram > max_ngram:
         raise InvalidArgumentError(
             f"prompt lookup min_ngram ({min_ngram}) must be <= max_ngram ({max_ngram}); "
