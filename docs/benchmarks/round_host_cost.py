@@ -64,7 +64,7 @@ VOCAB = 256
 NOISE = 0.03  # the draft's weights: the target's plus this much noise, relative to their mean size
 SYNCS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
 METHODS = ("autoregressive", "draft", "draft+adaptive", "prompt-lookup", "cascade", "cascade+adaptive", "layer-skip",
-           "autoregressive:sampling", "draft:sampling", "prompt-lookup:sampling")
+           "autoregressive:sampling", "draft:sampling", "prompt-lookup:sampling", "draft+masked:sampling")
 #: wrap a host tensor, or only allocate: no kernel, no copy
 NO_KERNEL = (torch.ops.aten.lift_fresh, torch.ops.aten.detach_, torch.ops.aten.empty, torch.ops.aten.empty_strided,
              torch.ops.aten.empty_like)
@@ -229,7 +229,8 @@ def decode(engine: BatchedSpeculativeDecoder, requests: list[list[int]], max_new
 
 
 def measure(method: str, batch: int, args, target, draft, device) -> list:
-    control = DraftControl(adaptive_exit=True) if method.split(":")[0].endswith("+adaptive") else None
+    control = DraftControl(adaptive_exit=True) if method.split(":")[0].endswith("+adaptive") else \
+        DraftControl(adaptive_exit=True, exit_mode="masked") if method.split(":")[0].endswith("+masked") else None
     sampling = method.endswith(":sampling")
     engine = BatchedSpeculativeDecoder(target, drafter(method, target, draft), max_batch_size=batch, max_length=512,
                                        num_speculative_tokens=args.gamma, draft_control=control, compile=True,

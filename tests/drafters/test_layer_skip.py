@@ -291,11 +291,11 @@ def test_sampling_check_catches_sampling_from_the_draft(small_model, monkeypatch
     config = GenerationConfig(max_new_tokens=4, num_speculative_tokens=3, stop_on_eos=False, temperature=1.0)
     exact = exact_marginals(small_model, PROMPT, config, V_SMALL)
 
-    def accept_all(draft_tokens, draft_probs, target_probs, sampler):
-        k = draft_tokens.shape[0]
-        return torch.cat([torch.tensor([k]), sampler.sample(target_probs[k : k + 1])])
+    def accept_all(samplers, probs, drafted, num_tokens, draft_probs, contain_errors=False):
+        tokens = [s.sample(probs[j, k : k + 1]) for j, (s, k) in enumerate(zip(samplers, num_tokens))]
+        return torch.stack([torch.tensor(num_tokens), torch.cat(tokens)], dim=1), {}
 
-    monkeypatch.setattr("specdecode.engine.verification.rejection_sample_device", accept_all)  # in sample_rows
+    monkeypatch.setattr("specdecode.engine.verification.rejection_sample_rows", accept_all)  # in sample_rows
     dec = SpeculativeDecoder(small_model, LayerSkipDrafter(small_model, skip))
     freq = sample_counts(dec, PROMPT, config, N_SAMPLES, V_SMALL)
     bad = violations(exact, freq, N_SAMPLES)

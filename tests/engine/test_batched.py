@@ -13,6 +13,7 @@ from helpers import perturbed_copy
 from selfspec_helpers import REPETITIVE, exact_marginals, one_thread, spread_pair, violations  # noqa: F401 (a fixture)
 from specdecode import GenerationConfig, SpeculativeDecoder
 from specdecode.drafters import (
+    CascadeDrafter,
     DraftModelDrafter,
     EarlyExitDrafter,
     LayerSkipDrafter,
@@ -394,3 +395,28 @@ def test_max_verify_tokens_shrinks_blocks_as_the_batch_grows():
     for bad in (0, -3, 2.5, True):
         with pytest.raises(InvalidArgumentError, match="max_verify_tokens must be an integer >= 1 or None"):
             BatchedSpeculativeDecoder(target, max_verify_tokens=bad)
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("method", ["draft", "draft+masked-exit", "cascade", "prompt-lookup"])
+def test_a_seeded_sampling_row_draws_the_same_tokens_in_a_batch_as_alone(method):
+    """Each sampling row draws from its own generator, in a batch as alone: a greedy row first (so the sampling
+    rows are not the batch's first rows), sampling rows with different settings, more requests than slots. The
+    draft steps' draws and the verification's rejection sampling are batched over the rows
+    (``drafters.base``, ``verification.rejection_sample_rows``); a row taking another's draw or q fails this."""
+    target = make_tiny_model("llama")
+    draft = perturbed_copy(target, noise=0.3, seed=1)
+    make = {"draft": lambda: DraftModelDrafter(draft), "draft+masked-exit": lambda: DraftModelDrafter(draft),
+            "cascade": lambda: CascadeDrafter(draft),
+            "prompt-lookup": lambda: PromptLookupDrafter()}[method]
+    control = DraftControl(adaptive_exit=True, exit_mode="masked") if method.endswith("masked-exit") else None
+    settings = [dict(), dict(temperature=0.9, top_p=0.9), dict(temperature=1.0), dict(temperature=0.7, top_k=10),
+                dict(temperature=1.0)]
+    configs = [GenerationConfig(max_new_tokens=m, stop_on_eos=False, seed=40 + i, **kw)
+               for i, (m, kw) in enumerate(zip(LENGTHS, settings))]
+    batched = BatchedSpeculativeDecoder(target, make(), max_batch_size=3, draft_control=control)
+    together = [r.token_ids for r in batched.generate(PROMPTS, configs)]
+    assert batched.stats.num_drafted_tokens > 0 and batched.stats.num_accepted_tokens > 0
+    alone = [BatchedSpeculativeDecoder(target, make(), max_batch_size=1, draft_control=control).generate([p], [c])[0]
+             .token_ids for p, c in zip(PROMPTS, configs)]
+    assert together == alone

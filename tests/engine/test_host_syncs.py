@@ -14,6 +14,9 @@ The bounds, greedy decoding, no adaptive exit:
   (``engine.overlap``: the next forward enqueued before the read) too;
 - cascade: one more in a round whose n-gram match the draft model checks (how many of the
   n-gram tokens it agrees with decides what it drafts next, a host decision).
+
+Sampling rows (the batched engine, B = 4): one sync per round; two where some blocks are known only after the
+first (an exit read with it, banned words' cut), whose rows are then sampled together.
 """
 
 from __future__ import annotations
@@ -23,11 +26,13 @@ import contextlib
 import pytest
 import torch
 
-from conftest import VOCAB, make_tiny_model
+from conftest import VOCAB, make_tiny_model, make_tiny_tokenizer
 from helpers import perturbed_copy
 from specdecode import DraftModelDrafter, GenerationConfig, PromptLookupDrafter, SpeculativeDecoder
 from specdecode.drafters.cascade import CascadeDrafter
 from specdecode.drafters import cascade as cascade_module
+from specdecode.drafters.control import DraftControl
+from specdecode.engine.batched import BatchedSpeculativeDecoder
 from specdecode.engine.fast_path import ModelRunner
 from specdecode.engine.overlap import HostReader
 
@@ -135,3 +140,40 @@ def test_one_host_sync_per_round_on_the_fast_path(method, monkeypatch):
         assert not checks
     if overlap:
         assert len(staged) >= num_rounds - 2  # every round but the last ones ran its successor ahead
+
+
+@pytest.mark.parametrize("case", ["sampling", "sampling+masked-exit", "sampling+banned-words"])
+def test_sampling_rounds_read_back_once_and_once_more_for_blocks_known_after_the_read(case, monkeypatch):
+    """Batched rounds with three sampling rows (each its own settings and seed) and a greedy one: their speculative
+    sampling is decided on the device and read with the round's one sync; where blocks are known only after it (an
+    exit read with the sync, ``exit_mode="masked"``, or banned words' cut), every such row is sampled together and
+    read with one more sync, not one per row."""
+    target = make_tiny_model("llama", num_layers=3)
+    draft = perturbed_copy(target, noise=0.3, seed=1)
+    control = DraftControl(adaptive_exit=True, exit_mode="masked") if case.endswith("masked-exit") else None
+    banned = ("w5", "w9", "w17", "w30 w31") if case.endswith("banned-words") else ()
+    engine = BatchedSpeculativeDecoder(target, DraftModelDrafter(draft), max_batch_size=4, num_speculative_tokens=4,
+                                       draft_control=control, compile=True, graphs=False,
+                                       tokenizer=make_tiny_tokenizer() if banned else None)
+    settings = [dict(temperature=0.8, top_p=0.9), dict(temperature=1.0), dict(temperature=0.6, top_k=8), {}]
+    configs = [GenerationConfig(max_new_tokens=24, stop_on_eos=False, seed=i, banned_words=banned, **kw)
+               for i, kw in enumerate(settings)]
+    counter, rounds = SyncCounter([target, draft]), []
+    original = BatchedSpeculativeDecoder._round
+
+    def counted_round(self, events):
+        counter.active = True
+        try:
+            return original(self, events)
+        finally:
+            counter.active = False
+            rounds.append(len(self._rows))
+
+    monkeypatch.setattr(BatchedSpeculativeDecoder, "_round", counted_round)
+    prompts = [_prompt()[0].tolist()[: 10 + 3 * i] for i in range(4)]
+    with counter.counting():
+        results = engine.generate(prompts, configs)
+    assert all(r.finish_reason == "length" and len(r.token_ids) == 24 for r in results)
+    assert len(rounds) > 5 and max(rounds) == 4 and engine.stats.num_drafted_tokens > 0
+    per_round = 1 if case == "sampling" else 2
+    assert counter.count <= per_round * len(rounds), f"{counter.count} host syncs in {len(rounds)} rounds"

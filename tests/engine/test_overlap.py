@@ -17,6 +17,7 @@ from specdecode.engine.batched import BatchedSpeculativeDecoder
 from specdecode.engine.overlap import (HostReader, RoundAhead, can_run_ahead, engine_overlap_rounds, next_tokens,
                                        run_ahead, taken)
 from specdecode.engine.stats import SpecDecodingStats
+from specdecode.engine.verification import SampledRows
 from specdecode.models.llama_cpp_target import LlamaCppTargetRunner
 from specdecode.errors import InvalidArgumentError
 
@@ -250,9 +251,10 @@ def test_the_default_is_cuda_only_and_bad_values_are_refused():
 
 def test_next_tokens_take_the_argmax_or_the_sampled_token_and_the_read_gives_them_back():
     logits = torch.tensor([[[0.1, 3.0, 0.2]], [[5.0, 0.0, 1.0]], [[0.0, 0.0, 9.0]]])
-    sampled = {1: torch.tensor([0, 2])}
+    sampled = SampledRows([1], torch.tensor([[0, 2]]))
     assert next_tokens(logits.argmax(-1), sampled).tolist() == [[1], [2], [2]]
-    assert next_tokens(logits.argmax(-1), {}).tolist() == [[1], [0], [2]]
+    assert next_tokens(logits.argmax(-1), SampledRows()).tolist() == [[1], [0], [2]]
+    assert next_tokens(logits.argmax(-1), None).tolist() == [[1], [0], [2]]
     reader = HostReader("cpu")
     reader.stage(torch.tensor([4, 5, 6]))
     assert reader.read() == [4, 5, 6]
@@ -276,7 +278,7 @@ def test_run_ahead_reads_the_tokens_it_fed_and_taken_finds_each_row_by_request_p
     runner = Runner()
 
     rows = [_Row(7, [4, 4, 4]), _Row(9, [5, 5])]
-    ahead, values = run_ahead(runner, HostReader("cpu"), torch.tensor([11, 12]), logits.argmax(-1), {}, rows,
+    ahead, values = run_ahead(runner, HostReader("cpu"), torch.tensor([11, 12]), logits.argmax(-1), SampledRows(), rows,
                               [2, 1])
     assert values == [11, 12] and calls == [([[1], [0]], [3, 2], 1)]
     assert ahead.key == [(7, 3, 1), (9, 2, 0)]
@@ -305,16 +307,16 @@ def test_can_run_ahead_needs_rows_without_host_work_and_with_room():
     dec.add([5, 9, 12], GenerationConfig(max_new_tokens=4))
     dec.step(decode=False)
     rows = list(dec._rows)
-    assert can_run_ahead(rows, {}, 96)
-    assert not can_run_ahead(rows, {0: "sampling failed"}, 96)
-    assert not can_run_ahead(rows, {}, len(rows[0].tokens))  # no room for one more position
+    assert can_run_ahead(rows, SampledRows(), 96)
+    assert not can_run_ahead(rows, SampledRows(errors={0: "sampling failed"}), 96)
+    assert not can_run_ahead(rows, SampledRows(), len(rows[0].tokens))  # no room for one more position
     rows[0].banned = object()  # banned words: a rollback may change the sequence
-    assert not can_run_ahead(rows, {}, 96)
+    assert not can_run_ahead(rows, SampledRows(), 96)
     rows[0].banned = None
     rows[0].output.extend([1, 1, 1])  # one token left: nothing after it
-    assert not can_run_ahead(rows, {}, 96)
+    assert not can_run_ahead(rows, SampledRows(), 96)
     dec.add([7, 3], GenerationConfig(max_new_tokens=4))
     dec.step(decode=False)
     rows = list(dec._rows)
-    assert can_run_ahead(rows, {}, 96)  # the other row goes on
-    assert not can_run_ahead(rows, {}, 96, joinable=True)  # the row that ends would let a request join
+    assert can_run_ahead(rows, SampledRows(), 96)  # the other row goes on
+    assert not can_run_ahead(rows, SampledRows(), 96, joinable=True)  # the row that ends would let a request join

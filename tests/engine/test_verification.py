@@ -9,7 +9,6 @@ control that the same tolerance rejects, so the test can fail.
 from __future__ import annotations
 
 import itertools
-import math
 
 import pytest
 import torch
@@ -18,7 +17,9 @@ from conftest import make_tiny_model
 from helpers import perturbed_copy
 from specdecode import DraftModelDrafter, GenerationConfig, SpeculativeDecoder
 from specdecode.engine.sampling import Sampler, safe_logits, warped_probs
-from specdecode.engine.verification import VerificationResult as R, greedy_verify, rejection_sample
+from specdecode.engine.verification import (VerificationResult as R, greedy_verify, rejection_sample,
+                                            rejection_sample_rows, sample_block_device)
+from specdecode.errors import InvalidArgumentError
 
 Z = 4.5
 
@@ -171,3 +172,96 @@ def test_safe_logits_zeroes_only_positions_that_were_not_finite():
     assert torch.equal(out[0, 0], processed[0, 0])
     assert torch.equal(out[0, 1], torch.zeros(3))
     assert torch.equal(safe_logits(processed[0], finite[0]), out[0])  # (T, V) with (T,) flags
+
+
+def _row_case(generator: torch.Generator, m: int, gamma: int, vocab: int):
+    """Random target distributions (m, γ + 1, V), drafted tokens, block lengths 0..γ, and per row a q (k_j, V),
+    None (one-hot), or q equal to p (every token accepted; the residual's p == q fallback is exercised)."""
+    probs = torch.softmax(torch.randn(m, gamma + 1, vocab, generator=generator) * 2.0, -1)
+    ks = torch.randint(0, gamma + 1, (m,), generator=generator).tolist()
+    drafted = torch.randint(0, vocab, (m, gamma), generator=generator)
+    qs = []
+    for j, k in enumerate(ks):
+        kind = int(torch.randint(0, 3, (1,), generator=generator))
+        q = torch.softmax(torch.randn(k, vocab, generator=generator) * 2.0, -1)
+        qs.append(None if kind == 0 else q if kind == 1 else probs[j, :k].clone())
+    return probs, ks, drafted, qs
+
+
+@pytest.mark.parametrize("layout", ["rows", "block"])
+def test_rejection_sample_rows_draws_what_each_row_draws_alone(layout):
+    """The batched rejection sampler gives every row, bit for bit, the verdict ``sample_block_device`` gives it alone
+    with the same seed, and leaves each generator where that leaves it (the same draws, in the same order): a
+    seed's tokens do not depend on the batch. Rows of every kind: block lengths 0..γ, a draft's q, a one-hot q
+    (prompt lookup; "rows" only) and q = p; the q's given per row or as one block (``Draft.probs_block``) whose
+    positions past k_j hold other distributions (never read)."""
+    generator = torch.Generator().manual_seed(5)
+    vocab, outcomes = 12, set()
+    for trial in range(150):
+        m = int(torch.randint(1, 6, (1,), generator=generator))
+        gamma = int(torch.randint(0, 5, (1,), generator=generator))
+        probs, ks, drafted, qs = _row_case(generator, m, gamma, vocab)
+        config = [GenerationConfig(temperature=1.0, seed=1000 * trial + j) for j in range(m)]
+        batched = [Sampler(c, vocab, "cpu") for c in config]
+        alone = [Sampler(c, vocab, "cpu") for c in config]
+        given = qs
+        if layout == "block":
+            given = torch.softmax(torch.randn(m, gamma + 1, vocab, generator=generator), -1)  # one more: unread
+            qs = [given[j, : ks[j]] if q is None else q for j, q in enumerate(qs)]
+            for j, q in enumerate(qs):
+                given[j, : ks[j]] = q
+        verdicts, failed = rejection_sample_rows(batched, probs, drafted, ks, given)
+        assert not failed and verdicts.shape == (m, 2)
+        for j in range(m):
+            expected = sample_block_device(alone[j], probs[j, : ks[j] + 1], drafted[j, : ks[j]], qs[j])
+            assert verdicts[j].tolist() == expected.tolist(), (trial, j, ks[j])
+            assert torch.equal(batched[j].generator.get_state(), alone[j].generator.get_state()), (trial, j)
+            outcomes.add((qs[j] is None, min(int(expected[0]), 1), int(expected[0]) == ks[j]))
+    # one-hot ("rows" only) and q rows; rejected at once, later, and fully accepted
+    assert len(outcomes) == (8 if layout == "rows" else 4), outcomes
+
+
+def test_rejection_sample_rows_first_token_law_and_refusals():
+    """Statistical: in one batch, a row with a draft's q and a one-hot row each emit first tokens distributed as
+    their own p (negative control: the drafted tokens follow q). Bad block lengths are refused by name."""
+    V, N = 6, 20000
+    p = torch.tensor([[[0.05, 0.40, 0.05, 0.30, 0.10, 0.10], [0.2, 0.2, 0.2, 0.2, 0.1, 0.1]],
+                      [[0.30, 0.05, 0.25, 0.10, 0.20, 0.10], [0.1, 0.1, 0.1, 0.1, 0.3, 0.3]]])
+    q = torch.tensor([[0.30, 0.10, 0.30, 0.10, 0.10, 0.10]])
+    samplers = [Sampler(GenerationConfig(temperature=1.0, seed=s), V, "cpu") for s in (3, 4)]
+    counts, drafted_counts = torch.zeros(2, V), torch.zeros(V)
+    for _ in range(N):
+        d = samplers[0].sample(q)
+        drafted_counts[d] += 1
+        drafted = torch.stack([d, torch.tensor([2])])  # row 1: a deterministic drafter proposing token 2
+        verdicts, _ = rejection_sample_rows(samplers, p, drafted, [1, 1], [q, None])
+        for j, (accepted, token) in enumerate(verdicts.tolist()):
+            counts[j, drafted[j, 0] if accepted else token] += 1
+    assert _within(counts[0] / N, p[0, 0], N) and _within(counts[1] / N, p[1, 0], N)
+    assert not _within(drafted_counts / N, p[0, 0], N)
+    with pytest.raises(InvalidArgumentError, match=r"block lengths \[1, 2\] must lie in 0..1"):
+        rejection_sample_rows(samplers, p, torch.zeros((2, 1), dtype=torch.long), [1, 2], None)
+    with pytest.raises(InvalidArgumentError, match=r"1 samplers, 2 block lengths and drafted \(2, 1\)"):
+        rejection_sample_rows(samplers[:1], p, torch.zeros((2, 1), dtype=torch.long), [1, 1], None)
+
+
+def test_rejection_sample_rows_fails_only_the_row_whose_draw_raises():
+    """A row whose draw raises is left out and reported (``contain_errors``); the others get what they get alone.
+    Without ``contain_errors`` the error propagates."""
+    generator = torch.Generator().manual_seed(9)
+    probs, _, drafted, _ = _row_case(generator, 3, 2, 8)
+    ks = [2, 1, 2]
+    samplers = [Sampler(GenerationConfig(temperature=1.0, seed=s), 8, "cpu") for s in range(3)]
+    alone = [Sampler(GenerationConfig(temperature=1.0, seed=s), 8, "cpu") for s in range(3)]
+
+    def broken(probs):
+        raise RuntimeError("draw failed")
+
+    samplers[1].sample = broken
+    verdicts, failed = rejection_sample_rows(samplers, probs, drafted, ks, None, contain_errors=True)
+    assert list(failed) == [1] and str(failed[1]) == "draw failed"
+    expected = [sample_block_device(alone[j], probs[j, : ks[j] + 1], drafted[j, : ks[j]], None).tolist()
+                for j in (0, 2)]
+    assert verdicts.tolist() == expected
+    with pytest.raises(RuntimeError, match="draw failed"):
+        rejection_sample_rows(samplers, probs, drafted, ks, None)

@@ -120,6 +120,7 @@ def draft_batch(
     unsure = [False] * n
     num = [0] * n
     probs: list[list[torch.Tensor]] = [[] for _ in range(n)]
+    q_steps: list[torch.Tensor] = []  # every row samples: each step's (n, V) q's
     tokens: list[torch.Tensor] = []
     finite = None
     logits = first_logits
@@ -139,23 +140,11 @@ def draft_batch(
         if tree_tops is not None:  # [trees] the step's top-k, kept on the device
             tree_tops.add(logits if truncated else logits[:, :vocab])
         tops = None
-        if not greedy:
-            token, tops = token.clone(), []
-            warped = warped_probs([samplers[b] for b in sampled],  # (len(sampled), V)
-                                  logits if sampled_index is None else logits.index_select(0, sampled_index),
-                                  head.ids if truncated else None)
-            q_of = {b: warped[j : j + 1] for j, b in enumerate(sampled) if active[b]}
-            for b, sampler in enumerate(samplers):
-                if b not in q_of:
-                    if exits is not None:
-                        tops.append(torch.softmax(logits[b].float(), -1).amax())
-                    continue
-                q = q_of[b]
-                token[b] = sampler.sample(q)[0]
-                probs[b].append(q)
-                if exits is not None:
-                    tops.append(q.amax())
-            tops = torch.stack(tops) if exits is not None else None
+        if not greedy:  # [sampling] each active sampling row draws from its q with its own generator
+            token, tops, warped = _sampled_step(logits, token, samplers, sampled, sampled_index, active, probs,
+                                                head.ids if truncated else None, exits is not None)
+            if sampled_index is None:  # every row samples: the steps' q's are kept whole
+                q_steps.append(warped)
         elif exits is not None:
             tops = torch.softmax(logits.float(), -1).amax(-1)
         tokens.append(token)
@@ -180,10 +169,58 @@ def draft_batch(
             break
         if i + 1 < K:
             logits = forward(token.view(n, 1), [s + i for s in next_starts])
-    row_probs = [torch.cat(p) if p else None for p in probs]
+    block = torch.stack(q_steps, dim=1) if q_steps else None  # (n, S, V): each row's q's, then padding
+    row_probs = [block[b, : num[b]] if num[b] else None for b in range(n)] if block is not None else \
+        [torch.cat(p) if p else None for p in probs]
     top_probs = torch.stack(kept_tops, dim=1).float() if kept_tops is not None else None
     return Draft(torch.stack(tokens, dim=1), num, row_probs if any(p is not None for p in row_probs) else None,
-                 finite, who, top_probs=top_probs), len(tokens)
+                 finite, who, top_probs=top_probs, probs_block=block), len(tokens)
+
+
+def _sampled_step(logits: torch.Tensor, token: torch.Tensor, samplers: list[Sampler], sampled: list[int],
+                  sampled_index: torch.Tensor | None, active: list[bool], probs: list[list[torch.Tensor]],
+                  head_ids: torch.Tensor | None,
+                  with_tops: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """One draft step's tokens in a round with sampling rows: the sampling rows' q warped together
+    (``warped_probs``), then each active one's token drawn from its q by its own generator (the only per-row
+    operation), written over the greedy rows' argmax ``token`` in one copy; each drawn row's (1, V) q is
+    appended to ``probs[b]``. With ``with_tops``, each row's top probability: its q's where it drew, else the
+    softmax of its logits. A row's draws, their order and their values are those of drawing row by row.
+
+    Args:
+        logits: (n, V') the step's logits (finite, or made safe); token: (n,) long, their argmax (greedy rows').
+        samplers, sampled, sampled_index: Per row its sampler; the sampling rows; their index on the device, or
+            None when every row samples.
+        active: Per row, whether it drafts this step.
+        probs: Per row, the q of its drawn tokens so far (appended to).
+        head_ids: A truncated head's (K,) token ids, or None.
+        with_tops: Whether to return the top probabilities.
+
+    Returns:
+        (n,) long, the step's tokens; (n,) float32 top probabilities or None; the sampling rows' (len(sampled), V)
+        float32 q's.
+    """
+    warped = warped_probs([samplers[b] for b in sampled],  # (len(sampled), V)
+                          logits if sampled_index is None else logits.index_select(0, sampled_index), head_ids)
+    views = warped.split(1)
+    drawing = [j for j, b in enumerate(sampled) if active[b]]
+    drawn = []
+    for j in drawing:
+        drawn.append(samplers[sampled[j]].sample(views[j]))
+        probs[sampled[j]].append(views[j])
+    everyone = len(drawing) == len(sampled) == token.shape[0]
+    index = to_device([*(sampled[j] for j in drawing), *drawing], token.device) if drawing and not everyone else None
+    if drawing:
+        token = torch.cat(drawn) if everyone else token.index_copy(0, index[: len(drawing)], torch.cat(drawn))
+    if not with_tops:
+        return token, None, warped
+    tops = warped.amax(-1)
+    if not everyone:  # rows that drew nothing: the softmax of their logits
+        drawn_tops = tops.index_select(0, index[len(drawing) :]) if drawing else None
+        tops = torch.softmax(logits.float(), -1).amax(-1)
+        if drawn_tops is not None:
+            tops = tops.index_copy(0, index[: len(drawing)], drawn_tops)
+    return token, tops, warped
 
 
 def first_forward_greedy(runner, n: int, width: int, samplers: list[Sampler], max_tokens: list[int],

@@ -358,7 +358,9 @@ class CascadeDrafter(DraftModelDrafter):
             return tree_draft(tokens, num, self._probs(blocks, model, samplers), finite, self.who, trees, sampled)
         with_tops = exits is not None and not reads_per_step(exits)  # the n-gram tokens count as sure
         tokens, tops = self._join(blocks, num, model, with_tops)
-        return Draft(tokens, num, self._probs(blocks, model, samplers), finite, self.who, top_probs=tops)
+        block = model.probs_block if model is not None and not any(blocks) else None  # no n-gram part: aligned
+        return Draft(tokens, num, self._probs(blocks, model, samplers), finite, self.who, top_probs=tops,
+                     probs_block=block)
 
     def _join(self, blocks: list[list[int]], num: list[int], model: Draft | None,
               with_tops: bool) -> tuple[torch.Tensor, torch.Tensor | None]:

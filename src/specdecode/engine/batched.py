@@ -64,7 +64,7 @@ from specdecode.engine.sampling import check_finite, logits_width, raise_non_fin
 from specdecode.engine.shared_prefill import admit_shared, engine_shared_prefill, load_prompt_cache
 from specdecode.engine.stats import SpecDecodingStats
 from specdecode.engine.tree import TokenTree, draft_q, greedy_tree_verify, round_trees, tree_rejection_sample
-from specdecode.engine.verification import greedy_epilogue, greedy_verify, sample_block, sample_rows
+from specdecode.engine.verification import SampledRows, greedy_epilogue, greedy_verify, sample_rows
 from specdecode.errors import InvalidArgumentError
 
 logger = logging.getLogger(__name__)
@@ -465,8 +465,10 @@ class BatchedSpeculativeDecoder(BatchRequests):
         if points is not None:  # [exits read with the sync] each row's first unsure position
             parts = [*parts, points]
         # [sampling] rows whose block is known before the read sample on the device: (accepted, next token)
-        sampled = sample_rows(rows, logits, finite, ids, k, trees, probs, self.contain_errors) if points is None else {}
-        verdicts = [v for v in sampled.values() if isinstance(v, torch.Tensor)]
+        block = draft.probs_block if draft is not None and probs is draft.probs else None  # the q's as one tensor
+        sampled = sample_rows(rows, logits, finite, ids, k, trees, probs, self.contain_errors, probs_block=block) \
+            if points is None else SampledRows()
+        verdicts = [sampled.verdicts.flatten()] if sampled.verdicts is not None else []
         processed = logits is not target_logits or masked
         choice = logits.argmax(-1) if processed else greedy[..., 0]  # (n, K + 1): the target's greedy choices
         host = torch.cat([*parts, *verdicts, choice.flatten(), finite.flatten(), draft_finite.long()])
@@ -481,9 +483,9 @@ class BatchedSpeculativeDecoder(BatchRequests):
         exit_at = host[n * K : n * K + n] if points is not None else None
         if exit_at is not None:
             del host[n * K : n * K + n]
-        read = iter(host[n * K : n * K + 2 * len(verdicts)])
-        sampled = {b: v if isinstance(v, str) else (next(read), next(read)) for b, v in sampled.items()}
-        del host[n * K : n * K + 2 * len(verdicts)]
+        read = iter(host[n * K : n * K + 2 * len(sampled.rows)])
+        decided = {b: (next(read), next(read)) for b in sampled.rows}
+        del host[n * K : n * K + 2 * len(sampled.rows)]
         if not host[-1]:
             if self.drafter is not None:  # the rows did not move: keep the drafter in step with them
                 self.drafter.rollback([len(row.tokens) - 1 for row in rows])
@@ -493,11 +495,20 @@ class BatchedSpeculativeDecoder(BatchRequests):
         drafted = [host[b * K : (b + 1) * K] for b in range(n)]
         argmax = host[n * K : n * K + n * (K + 1)]
         flags = host[n * (2 * K + 1) : n * (3 * K + 2)]
+        # [banned words] verify no token of a banned word: the rest of the block is ignored
+        blocks = [row.banned.cut_draft(drafted[b][:kb], len(row.tokens)) if kb and row.banned is not None else kb
+                  for b, (row, kb) in enumerate(zip(rows, k))]
+        late = [b for b, row in enumerate(rows) if not row.sampler.greedy and b not in decided
+                and b not in sampled.errors and (trees is None or trees[b] is None)]
+        if late:  # [sampling] blocks known only after the read (a banned word's cut, a read-free exit's)
+            more = sample_rows(rows, logits, finite, ids, blocks, trees, probs, self.contain_errors, live=late,
+                               probs_block=block)
+            if more.rows:  # the round's second host sync, for all of them
+                decided.update(zip(more.rows, (tuple(v) for v in more.verdicts.tolist())))
+            sampled.errors.update(more.errors)
         gate_rows = []
         for b, row in enumerate(rows):
-            kb = k[b]
-            if kb and row.banned is not None:  # verify no token of a banned word: the rest is ignored
-                kb = row.banned.cut_draft(drafted[b][:kb], len(row.tokens))
+            kb = blocks[b]
             if not all(flags[b * (K + 1) : b * (K + 1) + kb + 1]):  # the row's own positions, not padding
                 if not self.contain_errors:
                     if self.drafter is not None:
@@ -526,22 +537,12 @@ class BatchedSpeculativeDecoder(BatchRequests):
                 verdict = greedy_verify(drafted[b][:kb], argmax[b * (K + 1) : (b + 1) * (K + 1)])
                 a = node = verdict.num_accepted
                 new = drafted[b][:a] + [verdict.next_token]
-            elif b in sampled:  # [sampling] decided on the device, read with the round's sync
-                if isinstance(sampled[b], str):
-                    self._fail(events, row, sampled[b])
-                    continue
-                a = node = sampled[b][0]
-                new = drafted[b][:a] + [sampled[b][1]]
-            else:  # a banned word's cut or a read-free exit's: known only after the read
-                try:
-                    q = probs[b] if probs is not None else None
-                    a, new = sample_block(row.sampler, logits[b, : kb + 1], ids[b, 1 : kb + 1], q, drafted[b])
-                    node = a
-                except Exception as exc:  # noqa: BLE001 -- this row ends ("error", logged); the others go on
-                    if not self.contain_errors:
-                        raise
-                    self._fail(events, row, f"request {row.request_id} failed in its sampling: {type(exc).__name__}: {exc}")
-                    continue
+            elif b in sampled.errors:  # [sampling] its sampling raised: this row ends, the others go on
+                self._fail(events, row, sampled.errors[b])
+                continue
+            else:  # [sampling] decided on the device, read with the round's sync (or the late rows' one)
+                a = node = decided[b][0]
+                new = drafted[b][:a] + [decided[b][1]]
             if row.sampler.processors is not None:  # [processors] logprobs of the new tokens, when asked
                 row.sampler.processors.record(len(row.tokens) - row.num_prompt_tokens, logits[b], new)
             depth = max(tree.depths) if tree is not None else None  # [trees] acceptance by depth

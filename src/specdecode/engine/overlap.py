@@ -40,6 +40,7 @@ import torch
 
 from specdecode.engine.batch_cache import to_device
 from specdecode.engine.runner_target import is_runner_target
+from specdecode.engine.verification import SampledRows
 from specdecode.errors import InvalidArgumentError
 
 
@@ -114,7 +115,7 @@ def kept(ahead: RoundAhead | None, rows, stats) -> RoundAhead | None:
     return ahead
 
 
-def can_run_ahead(rows, sampled: dict, capacity: int, joinable: bool = False) -> bool:
+def can_run_ahead(rows, sampled: SampledRows, capacity: int, joinable: bool = False) -> bool:
     """Whether the next round's forward can be enqueued before this round's read (the engine also checks that it
     has no drafter, and that no request can join at the next step but where a row leaves).
 
@@ -123,8 +124,8 @@ def can_run_ahead(rows, sampled: dict, capacity: int, joinable: bool = False) ->
             banned words (a rollback changes the sequence) or logits processors, and with a position left in its
             slot; and some row must have more than its last token to go (one at its last token leaves, and
             the others use the forward).
-        sampled: Row index -> (2,) verdict of the rows sampled on the device (``verification.sample_rows``), or
-            the message of a sampling that raised (that row fails: nothing runs ahead).
+        sampled: The rows sampled on the device (``verification.SampledRows``); where a row's sampling raised,
+            that row fails: nothing runs ahead.
         capacity: Positions per slot.
         joinable: Requests wait for a slot: then no row may be at its last token, since a row that leaves lets
             one join, which drops the forward.
@@ -132,10 +133,10 @@ def can_run_ahead(rows, sampled: dict, capacity: int, joinable: bool = False) ->
     ends = [row.remaining <= 1 for row in rows]
     return all(row.banned is None and row.sampler.processors is None and len(row.tokens) < capacity for row in rows) \
         and (not any(ends) if joinable else not all(ends)) \
-        and all(isinstance(v, torch.Tensor) for v in sampled.values())
+        and not sampled.errors
 
 
-def run_ahead(runner, reader: HostReader, host: torch.Tensor, choice: torch.Tensor, sampled: dict, rows,
+def run_ahead(runner, reader: HostReader, host: torch.Tensor, choice: torch.Tensor, sampled: SampledRows, rows,
               starts: Sequence[int]) -> tuple[RoundAhead, list[int]]:
     """Enqueue the next round's forward on the rows' next tokens, then read this round back.
 
@@ -146,7 +147,7 @@ def run_ahead(runner, reader: HostReader, host: torch.Tensor, choice: torch.Tens
         reader: The engine's ``HostReader``.
         host: (m,) long on the device, what the round reads back.
         choice: (n, 1) long, the argmax of the round's logits as its verification sees them.
-        sampled: Row index -> (2,) verdict of the rows sampled on the device.
+        sampled: The rows sampled on the device and their verdicts (``verification.SampledRows``).
         rows: The round's rows (``batch_rows.BatchRow``).
         starts: (n,) each row's position this round wrote (its length - 1).
 
@@ -162,19 +163,18 @@ def run_ahead(runner, reader: HostReader, host: torch.Tensor, choice: torch.Tens
     return RoundAhead(out, ids, greedy, key), values[:-n]
 
 
-def next_tokens(choice: torch.Tensor, sampled: dict) -> torch.Tensor:
+def next_tokens(choice: torch.Tensor, sampled: SampledRows | None) -> torch.Tensor:
     """(n, 1) long on the device: each row's next token, the argmax of its last logits or, for a sampling row,
     its verdict's token.
 
     Args:
         choice: (n, w) long, the argmax of the round's logits as the rows' verification sees them.
-        sampled: Row index -> (2,) long verdict (accepted, token), for the rows sampled on the device
-            (``verification.sample_rows``).
+        sampled: The rows sampled on the device and their verdicts (accepted, token), or None
+            (``verification.SampledRows``).
     """
     out = choice[:, -1]
-    if sampled:
-        index = to_device(list(sampled), choice.device)
-        out = out.index_copy(0, index, torch.stack(list(sampled.values()))[:, 1])
+    if sampled is not None and sampled.rows:
+        out = out.index_copy(0, to_device(sampled.rows, choice.device), sampled.tokens())
     return out.reshape(-1, 1)
 
 

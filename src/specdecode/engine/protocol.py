@@ -279,6 +279,10 @@ class Draft:
             round's steps in the runner, ``base.draft_batch``), so the engine copies no pending token from the
             host; None otherwise. Its ``[:, 1:]`` is ``tokens``: the engine feeds ``block_ids`` as it is and
             does not check it against the sequences, so a drafter that sets it owns its first column.
+        probs_block: (n, S, V) float32 on the device, ``probs`` as one tensor where the drafter has them so (every
+            row sampled from the draft model, no deterministic tokens before): row b's q is ``[b, :num_tokens[b]]``,
+            the rest is padding. The engine's speculative sampling reads it in place of the rows' list
+            (``verification.rejection_sample_rows``); None otherwise.
     """
 
     tokens: torch.Tensor
@@ -292,6 +296,7 @@ class Draft:
     match_sources: list[str] | None = None
     top_probs: torch.Tensor | None = None
     block_ids: torch.Tensor | None = None
+    probs_block: torch.Tensor | None = None
 
 
 class Drafter(abc.ABC):

@@ -15,12 +15,14 @@ rejection sampler.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from specdecode.engine.batch_cache import to_device
 from specdecode.engine.sampling import Sampler, safe_logits, warped_probs
+from specdecode.errors import InvalidArgumentError
 
 
 @dataclass(frozen=True)
@@ -130,43 +132,167 @@ def rejection_sample_device(
     return torch.cat([at, sampler.sample(p)])
 
 
-def sample_block(
-    sampler: Sampler, logits: torch.Tensor, proposed: torch.Tensor, draft_probs: torch.Tensor | None,
-    drafted: list[int],
-) -> tuple[int, list[int]]:
-    """Speculative sampling of one row's block from the target's logits (``rejection_sample``).
+def sample_block_device(sampler: Sampler, probs: torch.Tensor, proposed: torch.Tensor,
+                        draft_probs: torch.Tensor | None) -> torch.Tensor:
+    """Speculative sampling of one row's block with nothing read back (``rejection_sample_device``).
 
     Args:
         sampler: The row's sampler (its warpers and ``torch.Generator``).
-        logits: (k + 1, V') the target's logits at the k drafted tokens and after them.
-        proposed: (k,) long, the drafted tokens (k may be 0: one token sampled from row 0).
-        draft_probs: (k, V) the draft's q, or None for a deterministic drafter (one-hot q).
-        drafted: ``proposed`` as a list.
+        probs: (k + 1, V) float32, the target's warped distributions (``Sampler.probs``) at the k drafted tokens
+            and after them.
+        proposed: (k,) long, the drafted tokens (k may be 0: one token sampled from ``probs[0]``).
+        draft_probs: (>= k, V) the draft's q, or None for a deterministic drafter (one-hot q).
 
     Returns:
-        (accepted draft tokens, the new tokens: the accepted ones and the replacement or bonus).
+        (2,) long on ``probs``' device: the accepted draft tokens and the next token.
     """
-    num_accepted, next_token = sample_block_device(sampler, sampler.probs(logits), proposed, draft_probs).tolist()
-    return num_accepted, drafted[:num_accepted] + [next_token]
-
-
-def sample_block_device(sampler: Sampler, probs: torch.Tensor, proposed: torch.Tensor,
-                        draft_probs: torch.Tensor | None) -> torch.Tensor:
-    """``sample_block`` with nothing read back (``rejection_sample_device``), from the target's (k + 1, V)
-    warped ``probs`` (``Sampler.probs``): (2,) long on their device, the accepted draft tokens and the next
-    token. Other arguments as ``sample_block``."""
     if not proposed.shape[0]:
         return torch.cat([torch.zeros(1, dtype=torch.long, device=probs.device), sampler.sample(probs[:1])])
     return rejection_sample_device(proposed, draft_probs, probs, sampler)
 
 
+@dataclass
+class SampledRows:
+    """The rows of a round whose speculative sampling was decided on the device (``sample_rows``).
+
+    Attributes:
+        rows: The row indices decided, in order.
+        verdicts: (len(rows), 2) long on the device, row ``rows[j]``'s accepted draft tokens and next token at
+            ``[j]``; None when ``rows`` is empty. Nothing is read back: the round reads them with its one sync.
+        errors: Row index -> the message of its sampling, which raised (that row fails alone).
+    """
+
+    rows: list[int] = field(default_factory=list)
+    verdicts: torch.Tensor | None = None
+    errors: dict[int, str] = field(default_factory=dict)
+
+    def tokens(self) -> torch.Tensor:
+        """(len(rows),) long on the device: each decided row's next token."""
+        return self.verdicts[:, 1]
+
+
+def rejection_sample_rows(samplers: Sequence[Sampler], probs: torch.Tensor, drafted: torch.Tensor,
+                          num_tokens: Sequence[int], draft_probs: torch.Tensor | Sequence[torch.Tensor | None] | None,
+                          contain_errors: bool = False) -> tuple[torch.Tensor, dict[int, Exception]]:
+    """``rejection_sample_device`` for m rows at once, each with its own block length k_j and generator
+    (Leviathan et al. 2022, Algorithm 1; the batch layout of vLLM's rejection sampler). The acceptance test,
+    the accepted counts, the residual ``norm(max(0, p_n - q_n))`` and the bonus law are computed for every row
+    in one set of operations; only what a row's own ``torch.Generator`` must draw is per row: its k_j uniforms,
+    then its one token. Each generator draws what ``rejection_sample_device`` draws, in the same order, from
+    distributions equal to its, so a seed gives the same tokens (on CPU; on CUDA a batched reduction may round
+    a last bit differently, so a draw could rarely differ, the law never). Nothing is read back.
+
+    Args:
+        samplers: Per row, its sampler (its generator draws the row's uniforms and token).
+        probs: (m, W, V) float32, the target's warped distributions (``Sampler.probs``) at each row's drafted
+            positions and after them; W = max(k_j) + 1, a row's positions past k_j are padding.
+        drafted: (m, W - 1) long on ``probs``' device, each row's drafted tokens (past k_j: padding, any id).
+        num_tokens: Per row, k_j >= 0, its drafted tokens (k_j = 0: one token drawn from ``probs[j, 0]``).
+        draft_probs: The draft distributions q the tokens were drawn from: (m, >= W - 1, V) float32, row j's at
+            ``[j, :k_j]`` (``Draft.probs_block``); or per row a (>= k_j, V) tensor, or None for a deterministic
+            drafter's row (a one-hot q), padded into that layout here; None altogether: every row's is one-hot.
+        contain_errors: True: a row whose draw raises is left out and reported; False: the error propagates.
+
+    Returns:
+        ((m', 2) long on the device, per row in order the accepted draft tokens and the next token, for the m'
+        rows whose draw did not raise; row j -> the exception of each row left out).
+
+    Raises:
+        InvalidArgumentError: If a k_j is outside 0..W - 1 or the shapes disagree.
+    """
+    m, width, vocab = probs.shape
+    gamma, device = width - 1, probs.device
+    if len(samplers) != m or len(num_tokens) != m or tuple(drafted.shape) != (m, gamma):
+        raise InvalidArgumentError(f"rejection_sample_rows: {len(samplers)} samplers, {len(num_tokens)} block "
+                                   f"lengths and drafted {tuple(drafted.shape)} for probs {tuple(probs.shape)}")
+    if any(not 0 <= k <= gamma for k in num_tokens):
+        raise InvalidArgumentError(f"rejection_sample_rows: block lengths {list(num_tokens)} must lie in 0..{gamma}")
+    block = isinstance(draft_probs, torch.Tensor)
+    if block and (draft_probs.dim() != 3 or draft_probs.shape[0] != m or draft_probs.shape[1] < gamma):
+        raise InvalidArgumentError(f"rejection_sample_rows: draft_probs {tuple(draft_probs.shape)} for {m} rows of "
+                                   f"up to {gamma} drafted tokens")
+    if m == 1:  # one row: the single-row sampler, the same draws in fewer operations
+        k, q = num_tokens[0], draft_probs[0] if draft_probs is not None else None
+        try:
+            return sample_block_device(samplers[0], probs[0, : k + 1], drafted[0, :k], q).view(1, 2), {}
+        except Exception as exc:  # noqa: BLE001 -- reported: the caller fails this row alone
+            if not contain_errors:
+                raise
+            return torch.empty((0, 2), dtype=torch.long, device=device), {0: exc}
+    if not gamma:
+        num_accepted = torch.zeros(m, dtype=torch.long, device=device)
+        p = probs[:, 0]
+    else:
+        deterministic = [] if block else [j for j in range(m) if draft_probs is None or draft_probs[j] is None]
+        q_block = draft_probs[:, :gamma] if block else _padded(draft_probs, num_tokens, gamma, probs)
+        # one copy: each row's k_j, then where its uniforms go in the (m, γ) layout, then its q's one-hot rows
+        flat = [j * gamma + i for j in range(m) for i in range(num_tokens[j])]
+        packed = to_device([*num_tokens, *flat, *deterministic], device)
+        k, flat_index, one_hot = packed[:m], packed[m : m + len(flat)], packed[m + len(flat) :]
+        uniforms = torch.ones((m, gamma), device=device)
+        drawn = [samplers[j].uniform(num_tokens[j], device) for j in range(m) if num_tokens[j]]
+        if drawn:
+            uniforms.view(-1).index_copy_(0, flat_index, torch.cat(drawn))
+        column = drafted.unsqueeze(-1)  # (m, γ, 1)
+        p_drafted = probs[:, :gamma].gather(2, column).squeeze(-1)  # (m, γ)
+        q_drafted = q_block.gather(2, column).squeeze(-1) if q_block is not None else torch.ones_like(p_drafted)
+        if deterministic and q_block is not None:
+            q_drafted.index_fill_(0, one_hot, 1.0)  # a one-hot q: 1 at its token
+        positions = torch.arange(gamma, device=device)
+        # u < p/q  <=>  u * q < p, with no division by a tiny q; nothing past k_j is accepted
+        accepted = (uniforms * q_drafted < p_drafted) & (positions < k.view(m, 1))
+        num_accepted = accepted.cumprod(1).sum(1)  # (m,) long
+        before = torch.minimum(num_accepted, (k - 1).clamp_min(0)).view(m, 1)  # the first rejected token's position
+        at = num_accepted.view(m, 1, 1).expand(m, 1, vocab)
+        p = probs.gather(1, at).squeeze(1)  # (m, V): p_n, or p_γ (the bonus token's law)
+        residual = p
+        if q_block is not None:  # each row's q there; a one-hot q's row is 0 (padded), its 1 is zeroed below
+            residual = p - q_block.gather(1, before.view(m, 1, 1).expand(m, 1, vocab)).squeeze(1)
+        # max(0, p - q) and 0 at the rejected token: a one-hot q's residual; a draft's q has 0 there already,
+        # since a token is rejected only where q > p
+        residual = residual.clamp_min(0.0).scatter_(1, drafted.gather(1, before), 0.0)
+        total = residual.sum(-1, keepdim=True)
+        # total <= 0 only through rounding when p == q; then p itself is the exact residual law.
+        residual = torch.where(total > 0.0, residual / total, p / p.sum(-1, keepdim=True))
+        p = torch.where((num_accepted == k).view(m, 1), p, residual)
+    tokens, failed = [], {}
+    for j, row in enumerate(p.split(1)):
+        try:
+            tokens.append(samplers[j].sample(row))
+        except Exception as exc:  # noqa: BLE001 -- reported: the caller fails this row alone
+            if not contain_errors:
+                raise
+            failed[j] = exc
+    if not failed:
+        return torch.stack([num_accepted, torch.cat(tokens)], dim=1), failed
+    kept = [j for j in range(m) if j not in failed]
+    if not kept:
+        return torch.empty((0, 2), dtype=torch.long, device=device), failed
+    return torch.stack([num_accepted.index_select(0, to_device(kept, device)), torch.cat(tokens)], dim=1), failed
+
+
+def _padded(rows: Sequence[torch.Tensor | None] | None, num_tokens: Sequence[int], gamma: int,
+            probs: torch.Tensor) -> torch.Tensor | None:
+    """Per-row draft distributions ((>= k_j, V) or None) as one (m, γ, V) float32 block, zero where a row has
+    none (a one-hot q, set by the caller) and past k_j; None when no row has any."""
+    if rows is None or all(q is None or not k for q, k in zip(rows, num_tokens)):
+        return None
+    out = probs.new_zeros((len(num_tokens), gamma, probs.shape[-1]))
+    for j, (q, k) in enumerate(zip(rows, num_tokens)):
+        if q is not None and k:
+            out[j, :k] = q[:k]
+    return out
+
+
 def sample_rows(rows, logits: torch.Tensor, finite: torch.Tensor, ids: torch.Tensor, num_tokens: list[int], trees,
-                draft_probs, contain_errors: bool) -> dict[int, torch.Tensor | str]:
-    """The batched round's speculative sampling on the device (``sample_block_device``), for each sampling row
-    whose block is final before the round's read: no token tree, no banned words (whose cut needs the draft
-    on the host). Rows that share their warpers' settings are warped in one call (``warped_probs``; if that
-    raises, each row alone, so only a row whose warping fails ends).
-    Nothing is read back; the round reads the verdicts with its one host sync.
+                draft_probs, contain_errors: bool, live: Sequence[int] | None = None,
+                probs_block: torch.Tensor | None = None) -> SampledRows:
+    """The batched round's speculative sampling on the device (``rejection_sample_rows``), by default for each
+    sampling row whose block is final before the round's read: no token tree, no banned words (whose cut needs
+    the draft on the host). Rows that share their warpers' settings are warped in one call (``warped_probs``; if
+    that raises, each row alone, so only a row whose warping fails ends).
+    Nothing is read back: the round reads the verdicts with its one host sync (the rows whose blocks are known
+    only after it, ``live``, with one more).
 
     Args:
         rows: The round's rows (``engine.batch_rows.BatchRow``: ``sampler``, ``banned``, ``request_id``).
@@ -178,34 +304,61 @@ def sample_rows(rows, logits: torch.Tensor, finite: torch.Tensor, ids: torch.Ten
         trees: Per row, a ``TokenTree`` or None, or None altogether.
         draft_probs: Per row, the (k_b, V) draft distributions q or None, or None altogether.
         contain_errors: False: a sampling that raises propagates.
+        live: The rows to sample (sampling rows without a tree, ``num_tokens`` their final blocks), or None: every
+            row whose block is final before the read.
+        probs_block: ``draft_probs`` as one (n, S, V) tensor (``Draft.probs_block``), read in their place; or None.
 
     Returns:
-        Row index -> its (2,) long verdict (accepted draft tokens, next token), or the message of a sampling
-        that raised (the row fails alone).
+        The rows decided and their verdicts (accepted draft tokens, next token), and the message of each row
+        whose sampling raised (it fails alone).
     """
-    out: dict[int, torch.Tensor | str] = {}
-    live = [b for b, row in enumerate(rows) if not row.sampler.greedy and row.banned is None
-            and (trees is None or trees[b] is None)]
+    out = SampledRows()
+    if live is None:
+        live = [b for b, row in enumerate(rows) if not row.sampler.greedy and row.banned is None
+                and (trees is None or trees[b] is None)]
+    live = list(live)
     if not live:
         return out
     width = max(num_tokens[b] for b in live) + 1
-    live_logits, live_finite = logits[:, :width], finite[:, :width].bool()
+    live_logits, live_finite, live_ids = logits[:, :width], finite[:, :width].bool(), ids[:, 1:width]
+    q = probs_block
     if len(live) < len(rows):
         index = to_device(live, logits.device)  # pinned, non-blocking: no wait for the device
         live_logits, live_finite = live_logits.index_select(0, index), live_finite.index_select(0, index)
+        live_ids = live_ids.index_select(0, index)
+        q = q.index_select(0, index) if q is not None else None
     safe = safe_logits(live_logits, live_finite)
-    try:  # rows sharing their warpers' settings are warped in one call
-        probs = warped_probs([rows[b].sampler for b in live], safe)
-    except Exception:  # noqa: BLE001 -- each row is warped alone below, so only a row that fails ends
-        probs = None
-    for j, b in enumerate(live):
-        try:
-            k, q = num_tokens[b], draft_probs[b] if draft_probs is not None else None
-            p = probs[j, : k + 1] if probs is not None else rows[b].sampler.probs(safe[j, : k + 1])
-            out[b] = sample_block_device(rows[b].sampler, p, ids[b, 1 : k + 1], q)
-        except Exception as exc:  # noqa: BLE001 -- this row ends ("error", logged); the others go on
-            if not contain_errors:
-                raise
-            out[b] = f"request {rows[b].request_id} failed in its sampling: {type(exc).__name__}: {exc}"
-    return out
+    samplers = [rows[b].sampler for b in live]
 
+    def failure(b: int, exc: Exception) -> str:
+        return f"request {rows[b].request_id} failed in its sampling: {type(exc).__name__}: {exc}"
+
+    try:  # rows sharing their warpers' settings are warped in one call
+        probs = warped_probs(samplers, safe)
+    except Exception:  # noqa: BLE001 -- each row is warped alone below, so only a row that fails ends
+        warped = []
+        for j, b in enumerate(live):
+            try:
+                warped.append(samplers[j].probs(safe[j]))
+            except Exception as exc:  # noqa: BLE001 -- this row ends ("error", logged); the others go on
+                if not contain_errors:
+                    raise
+                out.errors[b] = failure(b, exc)
+        if out.errors:
+            kept = [j for j, b in enumerate(live) if b not in out.errors]
+            if not kept:
+                return out
+            live, samplers = [live[j] for j in kept], [samplers[j] for j in kept]
+            kept_index = to_device(kept, logits.device)
+            live_ids = live_ids.index_select(0, kept_index)
+            q = q.index_select(0, kept_index) if q is not None else None
+        probs = torch.stack(warped)
+    ks = [num_tokens[b] for b in live]
+    if q is None and draft_probs is not None:
+        q = [draft_probs[b] for b in live]
+    verdicts, failed = rejection_sample_rows(samplers, probs, live_ids, ks, q, contain_errors)
+    for j, exc in failed.items():
+        out.errors[live[j]] = failure(live[j], exc)
+    out.rows = [b for j, b in enumerate(live) if j not in failed]
+    out.verdicts = verdicts if out.rows else None
+    return out
