@@ -265,3 +265,24 @@ def test_rejection_sample_rows_fails_only_the_row_whose_draw_raises():
     assert verdicts.tolist() == expected
     with pytest.raises(RuntimeError, match="draw failed"):
         rejection_sample_rows(samplers, probs, drafted, ks, None)
+
+
+def test_rejection_sample_rows_fails_only_the_row_whose_uniforms_raise():
+    """As a raising draw: a row whose generator cannot draw its uniforms fails alone (``contain_errors``)."""
+    generator = torch.Generator().manual_seed(11)
+    probs, _, drafted, _ = _row_case(generator, 3, 2, 8)
+    ks = [2, 2, 1]
+    samplers = [Sampler(GenerationConfig(temperature=1.0, seed=s), 8, "cpu") for s in range(3)]
+    alone = [Sampler(GenerationConfig(temperature=1.0, seed=s), 8, "cpu") for s in range(3)]
+
+    def broken(n, device):
+        raise RuntimeError("uniforms failed")
+
+    samplers[0].uniform = broken
+    verdicts, failed = rejection_sample_rows(samplers, probs, drafted, ks, None, contain_errors=True)
+    assert list(failed) == [0] and str(failed[0]) == "uniforms failed"
+    expected = [sample_block_device(alone[j], probs[j, : ks[j] + 1], drafted[j, : ks[j]], None).tolist()
+                for j in (1, 2)]
+    assert verdicts.tolist() == expected
+    with pytest.raises(RuntimeError, match="uniforms failed"):
+        rejection_sample_rows(samplers, probs, drafted, ks, None)

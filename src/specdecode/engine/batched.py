@@ -11,7 +11,8 @@ Each round (Medusa's four steps, for every active row at once):
    its logits are those it would get alone. Greedy rows accept the longest prefix
    equal to the target's argmax; sampling rows run speculative sampling with their
    own temperature, top-k, top-p and ``torch.Generator`` (Leviathan et al. 2022), on the
-   device (``verification.sample_rows``), read back with the round's one host sync;
+   device (``verification.sample_rows``), read back with the round's one host sync (rows whose
+   blocks are known only after it, a read-free exit's or a banned word's cut: together, with one more);
 3. **accept**: each row's length grows by its own n_b + 1; rejected and padded
    positions stay in the cache past the row's length and are overwritten by the next
    round (never copied);
@@ -499,7 +500,8 @@ class BatchedSpeculativeDecoder(BatchRequests):
         blocks = [row.banned.cut_draft(drafted[b][:kb], len(row.tokens)) if kb and row.banned is not None else kb
                   for b, (row, kb) in enumerate(zip(rows, k))]
         late = [b for b, row in enumerate(rows) if not row.sampler.greedy and b not in decided
-                and b not in sampled.errors and (trees is None or trees[b] is None)]
+                and b not in sampled.errors and (trees is None or trees[b] is None)
+                and all(flags[b * (K + 1) : b * (K + 1) + blocks[b] + 1])]  # a row with non-finite logits fails below
         if late:  # [sampling] blocks known only after the read (a banned word's cut, a read-free exit's)
             more = sample_rows(rows, logits, finite, ids, blocks, trees, probs, self.contain_errors, live=late,
                                probs_block=block)

@@ -186,12 +186,14 @@ def rejection_sample_rows(samplers: Sequence[Sampler], probs: torch.Tensor, draf
         samplers: Per row, its sampler (its generator draws the row's uniforms and token).
         probs: (m, W, V) float32, the target's warped distributions (``Sampler.probs``) at each row's drafted
             positions and after them; W = max(k_j) + 1, a row's positions past k_j are padding.
-        drafted: (m, W - 1) long on ``probs``' device, each row's drafted tokens (past k_j: padding, any id).
+        drafted: (m, W - 1) long on ``probs``' device, each row's drafted tokens (past k_j: padding, any id in
+            0..V - 1: it is gathered, never used).
         num_tokens: Per row, k_j >= 0, its drafted tokens (k_j = 0: one token drawn from ``probs[j, 0]``).
         draft_probs: The draft distributions q the tokens were drawn from: (m, >= W - 1, V) float32, row j's at
             ``[j, :k_j]`` (``Draft.probs_block``); or per row a (>= k_j, V) tensor, or None for a deterministic
             drafter's row (a one-hot q), padded into that layout here; None altogether: every row's is one-hot.
-        contain_errors: True: a row whose draw raises is left out and reported; False: the error propagates.
+        contain_errors: True: a row whose draws (its uniforms or its token) raise is left out and reported; False:
+            the error propagates.
 
     Returns:
         ((m', 2) long on the device, per row in order the accepted draft tokens and the next token, for the m'
@@ -219,6 +221,7 @@ def rejection_sample_rows(samplers: Sequence[Sampler], probs: torch.Tensor, draf
             if not contain_errors:
                 raise
             return torch.empty((0, 2), dtype=torch.long, device=device), {0: exc}
+    failed: dict[int, Exception] = {}
     if not gamma:
         num_accepted = torch.zeros(m, dtype=torch.long, device=device)
         p = probs[:, 0]
@@ -230,7 +233,15 @@ def rejection_sample_rows(samplers: Sequence[Sampler], probs: torch.Tensor, draf
         packed = to_device([*num_tokens, *flat, *deterministic], device)
         k, flat_index, one_hot = packed[:m], packed[m : m + len(flat)], packed[m + len(flat) :]
         uniforms = torch.ones((m, gamma), device=device)
-        drawn = [samplers[j].uniform(num_tokens[j], device) for j in range(m) if num_tokens[j]]
+        drawn = []
+        for j in (j for j in range(m) if num_tokens[j]):
+            try:
+                drawn.append(samplers[j].uniform(num_tokens[j], device))
+            except Exception as exc:  # noqa: BLE001 -- reported: the caller fails this row alone
+                if not contain_errors:
+                    raise
+                failed[j] = exc
+                drawn.append(torch.ones(num_tokens[j], device=device))  # its verdict is dropped
         if drawn:
             uniforms.view(-1).index_copy_(0, flat_index, torch.cat(drawn))
         column = drafted.unsqueeze(-1)  # (m, γ, 1)
@@ -255,8 +266,10 @@ def rejection_sample_rows(samplers: Sequence[Sampler], probs: torch.Tensor, draf
         # total <= 0 only through rounding when p == q; then p itself is the exact residual law.
         residual = torch.where(total > 0.0, residual / total, p / p.sum(-1, keepdim=True))
         p = torch.where((num_accepted == k).view(m, 1), p, residual)
-    tokens, failed = [], {}
+    tokens = []
     for j, row in enumerate(p.split(1)):
+        if j in failed:
+            continue
         try:
             tokens.append(samplers[j].sample(row))
         except Exception as exc:  # noqa: BLE001 -- reported: the caller fails this row alone
