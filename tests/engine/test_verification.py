@@ -245,44 +245,24 @@ def test_rejection_sample_rows_first_token_law_and_refusals():
         rejection_sample_rows(samplers[:1], p, torch.zeros((2, 1), dtype=torch.long), [1, 1], None)
 
 
-def test_rejection_sample_rows_fails_only_the_row_whose_draw_raises():
-    """A row whose draw raises is left out and reported (``contain_errors``); the others get what they get alone.
-    Without ``contain_errors`` the error propagates."""
-    generator = torch.Generator().manual_seed(9)
+@pytest.mark.parametrize("method, broken_row, seed, ks", [("sample", 1, 9, [2, 1, 2]), ("uniform", 0, 11, [2, 2, 1])])
+def test_rejection_sample_rows_fails_only_the_row_whose_draws_raise(method, broken_row, seed, ks):
+    """A row whose draw of its token (``sample``) or of its uniforms (``uniform``) raises is left out and reported
+    (``contain_errors``); the others get what they get alone. Without ``contain_errors`` the error propagates."""
+    generator = torch.Generator().manual_seed(seed)
     probs, _, drafted, _ = _row_case(generator, 3, 2, 8)
-    ks = [2, 1, 2]
     samplers = [Sampler(GenerationConfig(temperature=1.0, seed=s), 8, "cpu") for s in range(3)]
     alone = [Sampler(GenerationConfig(temperature=1.0, seed=s), 8, "cpu") for s in range(3)]
 
-    def broken(probs):
-        raise RuntimeError("draw failed")
+    def broken(*args):
+        raise RuntimeError(f"{method} failed")
 
-    samplers[1].sample = broken
+    setattr(samplers[broken_row], method, broken)
     verdicts, failed = rejection_sample_rows(samplers, probs, drafted, ks, None, contain_errors=True)
-    assert list(failed) == [1] and str(failed[1]) == "draw failed"
+    assert list(failed) == [broken_row] and str(failed[broken_row]) == f"{method} failed"
+    others = [j for j in range(3) if j != broken_row]
     expected = [sample_block_device(alone[j], probs[j, : ks[j] + 1], drafted[j, : ks[j]], None).tolist()
-                for j in (0, 2)]
+                for j in others]
     assert verdicts.tolist() == expected
-    with pytest.raises(RuntimeError, match="draw failed"):
-        rejection_sample_rows(samplers, probs, drafted, ks, None)
-
-
-def test_rejection_sample_rows_fails_only_the_row_whose_uniforms_raise():
-    """As a raising draw: a row whose generator cannot draw its uniforms fails alone (``contain_errors``)."""
-    generator = torch.Generator().manual_seed(11)
-    probs, _, drafted, _ = _row_case(generator, 3, 2, 8)
-    ks = [2, 2, 1]
-    samplers = [Sampler(GenerationConfig(temperature=1.0, seed=s), 8, "cpu") for s in range(3)]
-    alone = [Sampler(GenerationConfig(temperature=1.0, seed=s), 8, "cpu") for s in range(3)]
-
-    def broken(n, device):
-        raise RuntimeError("uniforms failed")
-
-    samplers[0].uniform = broken
-    verdicts, failed = rejection_sample_rows(samplers, probs, drafted, ks, None, contain_errors=True)
-    assert list(failed) == [0] and str(failed[0]) == "uniforms failed"
-    expected = [sample_block_device(alone[j], probs[j, : ks[j] + 1], drafted[j, : ks[j]], None).tolist()
-                for j in (1, 2)]
-    assert verdicts.tolist() == expected
-    with pytest.raises(RuntimeError, match="uniforms failed"):
+    with pytest.raises(RuntimeError, match=f"{method} failed"):
         rejection_sample_rows(samplers, probs, drafted, ks, None)
