@@ -18,6 +18,10 @@ target and a perturbed copy of it as the draft model (vocabulary 256, 2 layers, 
 - ``kernels/round``: those of the ops that compute (not views or aliases, ``OpOverload.is_view``, nor
   ``lift_fresh``/``detach_``, which only wrap a host tensor, nor ``empty*``, which only allocate): on CUDA
   each is a kernel launch or a copy (a host-to-device copy is not counted on a CPU, where it is none);
+- ``draws/round``: calls of the requests' ``torch.Generator``s (``multinomial``, ``rand``): per row with a seed
+  of its own, one for all the rows without one (``sampling.draw_tokens``). Each ``torch.multinomial`` is one op
+  and one kernel above, but runs its own checks, an ``exponential_``, a division and an ``argmax`` below the
+  dispatcher: on CUDA about 13 kernels (torch 2.13's ops, listed by ``torch.profiler`` on a CPU);
 - ``syncs/round``: host reads (``item``, ``tolist``, ``cpu``, ``numpy``, tensor truth and number
   conversions) in the rounds, outside them;
 - ``prefill fwd``: the other eager forwards in the rounds, over all of them: a draft model's deferred prompt
@@ -64,11 +68,14 @@ VOCAB = 256
 NOISE = 0.03  # the draft's weights: the target's plus this much noise, relative to their mean size
 SYNCS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
 METHODS = ("autoregressive", "draft", "draft+adaptive", "prompt-lookup", "cascade", "cascade+adaptive", "layer-skip",
-           "autoregressive:sampling", "draft:sampling", "prompt-lookup:sampling", "draft+masked:sampling")
+           "autoregressive:sampling", "draft:sampling", "prompt-lookup:sampling", "draft+masked:sampling",
+           "draft:sampling-unseeded", "draft+masked:sampling-unseeded")
 #: wrap a host tensor, or only allocate: no kernel, no copy
 NO_KERNEL = (torch.ops.aten.lift_fresh, torch.ops.aten.detach_, torch.ops.aten.empty, torch.ops.aten.empty_strided,
              torch.ops.aten.empty_like)
-TEMPERATURE = 0.8  # ":sampling" methods: every request samples (its own seed), top-p 0.95
+TEMPERATURE = 0.8  # ":sampling" methods: every request samples (its own seed; "-unseeded": none), top-p 0.95
+#: a generator's draws: each a call of a request's ``torch.Generator`` (``torch.multinomial`` counts once here)
+DRAWS = (torch.ops.aten.multinomial, torch.ops.aten.rand, torch.ops.aten.uniform_, torch.ops.aten.exponential_)
 
 
 def tiny_models(device: torch.device) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -121,6 +128,7 @@ class Counting(TorchDispatchMode):
         super().__init__()
         self.ops = 0
         self.kernels = 0
+        self.draws = 0
         self.depth = 0
         self._probe = probe
 
@@ -128,6 +136,7 @@ class Counting(TorchDispatchMode):
         if self.depth == 0 and self._probe._rounds:
             self.ops += 1
             self.kernels += not (func.is_view or func.overloadpacket in NO_KERNEL)
+            self.draws += func.overloadpacket in DRAWS
         return func(*args, **(kwargs or {}))
 
 
@@ -218,11 +227,12 @@ class Probe:
             self.counting = None
 
 
-def decode(engine: BatchedSpeculativeDecoder, requests: list[list[int]], max_new_tokens: int, sampling: bool) -> None:
+def decode(engine: BatchedSpeculativeDecoder, requests: list[list[int]], max_new_tokens: int, sampling: bool,
+           seeded: bool = True) -> None:
     for i, p in enumerate(requests):
         config = GenerationConfig(max_new_tokens=max_new_tokens, stop_on_eos=False,
                                   temperature=TEMPERATURE if sampling else 0.0, top_p=0.95 if sampling else 1.0,
-                                  seed=i if sampling else None)
+                                  seed=i if sampling and seeded else None)
         engine.add(p, config)
     while engine.has_work:
         engine.step()
@@ -231,18 +241,18 @@ def decode(engine: BatchedSpeculativeDecoder, requests: list[list[int]], max_new
 def measure(method: str, batch: int, args, target, draft, device) -> list:
     control = DraftControl(adaptive_exit=True) if method.split(":")[0].endswith("+adaptive") else \
         DraftControl(adaptive_exit=True, exit_mode="masked") if method.split(":")[0].endswith("+masked") else None
-    sampling = method.endswith(":sampling")
+    sampling, seeded = ":sampling" in method, not method.endswith("-unseeded")
     engine = BatchedSpeculativeDecoder(target, drafter(method, target, draft), max_batch_size=batch, max_length=512,
                                        num_speculative_tokens=args.gamma, draft_control=control, compile=True,
                                        graphs=False)
     engine.warm_up()
     requests = prompts(max(batch, args.prompts))
-    decode(engine, requests, args.max_new_tokens, sampling)  # the first rounds: calibration, first calls
+    decode(engine, requests, args.max_new_tokens, sampling, seeded)  # the first rounds: calibration, first calls
     best = None
     for _ in range(args.repeats):
         before = (engine.stats.decode_time_s, engine.stats.num_rounds)
         with Probe(device).active(count=False) as probe:
-            decode(engine, requests, args.max_new_tokens, sampling)
+            decode(engine, requests, args.max_new_tokens, sampling, seeded)
         seconds = engine.stats.decode_time_s - before[0]
         rounds = engine.stats.num_rounds - before[1]
         host = (seconds - probe.inside_s) / rounds
@@ -251,8 +261,8 @@ def measure(method: str, batch: int, args, target, draft, device) -> list:
                                                       "num_eager_forwards", 0)
     before = (engine.stats.num_rounds, engine.stats.num_drafted_tokens, engine.stats.num_accepted_tokens)
     with Probe(device).active(count=True) as probe:
-        decode(engine, requests, args.max_new_tokens, sampling)
-        ops, kernels = probe.counting.ops, probe.counting.kernels
+        decode(engine, requests, args.max_new_tokens, sampling, seeded)
+        ops, kernels, draws = probe.counting.ops, probe.counting.kernels, probe.counting.draws
     eager = engine.runner.num_eager_forwards + getattr(getattr(engine.drafter, "runner", None),
                                                       "num_eager_forwards", 0) - eager
     prefills = probe.eager_in_rounds - eager
@@ -260,7 +270,8 @@ def measure(method: str, batch: int, args, target, draft, device) -> list:
     drafted = engine.stats.num_drafted_tokens - before[1]
     accepted = engine.stats.num_accepted_tokens - before[2]
     alpha = f"{accepted / drafted:.0%}" if drafted else "-"
-    return [method, batch, rounds, alpha, f"{1000 * best:.3f}", f"{ops / rounds:.1f}", f"{kernels / rounds:.1f}", f"{probe.syncs / rounds:.2f}",
+    return [method, batch, rounds, alpha, f"{1000 * best:.3f}", f"{ops / rounds:.1f}", f"{kernels / rounds:.1f}",
+            f"{draws / rounds:.1f}", f"{probe.syncs / rounds:.2f}",
             prefills, eager]
 
 
@@ -288,8 +299,8 @@ def main(argv: list[str] | None = None) -> None:
             for method in args.methods.split(","):
                 rows.append(measure(method, batch, args, target, draft, device))
                 print("  " + " | ".join(map(str, rows[-1])), file=sys.stderr)
-    headers = ["method", "B", "rounds", "α", "host ms/round", "ops/round", "kernels/round", "syncs/round", "prefill fwd",
-               "eager fwd"]
+    headers = ["method", "B", "rounds", "α", "host ms/round", "ops/round", "kernels/round", "draws/round",
+               "syncs/round", "prefill fwd", "eager fwd"]
     print("| " + " | ".join(headers) + " |")
     print("|" + "|".join("---" for _ in headers) + "|")
     for row in rows:

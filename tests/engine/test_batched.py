@@ -151,21 +151,25 @@ def test_stats_per_row_add_up_to_the_batch():
     assert all(r.stats.decode_time_s > 0 and r.stats.prefill_time_s > 0 for r in results)
 
 
-def test_sampling_rows_with_different_temperatures_keep_the_target_law():
+@pytest.mark.parametrize("seeded", [True, False])
+def test_sampling_rows_with_different_temperatures_keep_the_target_law(seeded):
     """Two rows of one batch, temperatures 0.5 and 1.5: each row's first three tokens follow the
-    target's law at its own temperature (draft model with rejections)."""
+    target's law at its own temperature (draft model with rejections); seeded, or without a seed, the two rows
+    drawing together from the engine's generator."""
     vocab, n = 8, 500
     model, draft, prompts = spread_pair(vocab)
     base = GenerationConfig(max_new_tokens=3, stop_on_eos=False)
     temps = (0.5, 1.5)
     dec = BatchedSpeculativeDecoder(model, DraftModelDrafter(draft), max_batch_size=2, max_length=32,
                                     num_speculative_tokens=3)
+    dec.generator.manual_seed(11)
     firsts = [torch.zeros((n, 3), dtype=torch.long) for _ in temps]
     prev = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         for i in range(n):
-            configs = [dataclasses.replace(base, temperature=t, seed=1000 * r + i) for r, t in enumerate(temps)]
+            configs = [dataclasses.replace(base, temperature=t, seed=1000 * r + i if seeded else None)
+                       for r, t in enumerate(temps)]
             for r, res in enumerate(dec.generate(prompts, configs)):
                 firsts[r][i] = torch.tensor(res.token_ids)
     finally:
@@ -400,10 +404,11 @@ def test_max_verify_tokens_shrinks_blocks_as_the_batch_grows():
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("method", ["draft", "draft+masked-exit", "cascade", "prompt-lookup"])
 def test_a_seeded_sampling_row_draws_the_same_tokens_in_a_batch_as_alone(method):
-    """Each sampling row draws from its own generator, in a batch as alone: a greedy row first (so the sampling
-    rows are not the batch's first rows), sampling rows with different settings, more requests than slots. The
-    draft steps' draws and the verification's rejection sampling are batched over the rows
-    (``drafters.base``, ``verification.rejection_sample_rows``); a row taking another's draw or q fails this."""
+    """Each seeded sampling row draws from its own generator, in a batch as alone: a greedy row first (so the
+    sampling rows are not the batch's first rows), sampling rows with different settings, requests without a seed
+    between them (drawn together from the engine's generator), more requests than slots. The draft steps' draws
+    and the verification's rejection sampling are batched over the rows (``drafters.base``,
+    ``verification.rejection_sample_rows``); a row taking another's draw or q fails this."""
     target = make_tiny_model("llama")
     draft = perturbed_copy(target, noise=0.3, seed=1)
     make = {"draft": lambda: DraftModelDrafter(draft), "draft+masked-exit": lambda: DraftModelDrafter(draft),
@@ -414,9 +419,14 @@ def test_a_seeded_sampling_row_draws_the_same_tokens_in_a_batch_as_alone(method)
                 dict(temperature=1.0)]
     configs = [GenerationConfig(max_new_tokens=m, stop_on_eos=False, seed=40 + i, **kw)
                for i, (m, kw) in enumerate(zip(LENGTHS, settings))]
-    batched = BatchedSpeculativeDecoder(target, make(), max_batch_size=3, draft_control=control)
-    together = [r.token_ids for r in batched.generate(PROMPTS, configs)]
+    unseeded = [GenerationConfig(max_new_tokens=12, stop_on_eos=False, temperature=t) for t in (1.0, 0.8)]
+    batched = BatchedSpeculativeDecoder(target, make(), max_batch_size=4, draft_control=control)
+    requests = [*zip(PROMPTS, configs)]
+    requests[1:1], requests[4:4] = [(PROMPTS[2], unseeded[0])], [(PROMPTS[0], unseeded[1])]
+    out = batched.generate([p for p, _ in requests], [c for _, c in requests])
+    together = [r.token_ids for r, (_, c) in zip(out, requests) if c.seed is not None]
     assert batched.stats.num_drafted_tokens > 0 and batched.stats.num_accepted_tokens > 0
+    assert all(len(r.token_ids) == 12 for r, (_, c) in zip(out, requests) if c.seed is None)
     alone = [BatchedSpeculativeDecoder(target, make(), max_batch_size=1, draft_control=control).generate([p], [c])[0]
              .token_ids for p, c in zip(PROMPTS, configs)]
     assert together == alone

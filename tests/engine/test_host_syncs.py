@@ -35,6 +35,7 @@ from specdecode.drafters.control import DraftControl
 from specdecode.engine.batched import BatchedSpeculativeDecoder
 from specdecode.engine.fast_path import ModelRunner
 from specdecode.engine.overlap import HostReader
+from specdecode.engine.sampling import Sampler
 
 SYNCS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
 
@@ -142,9 +143,10 @@ def test_one_host_sync_per_round_on_the_fast_path(method, monkeypatch):
         assert len(staged) >= num_rounds - 2  # every round but the last ones ran its successor ahead
 
 
-@pytest.mark.parametrize("case", ["sampling", "sampling+masked-exit", "sampling+banned-words"])
+@pytest.mark.parametrize("case", ["sampling", "sampling+unseeded", "sampling+masked-exit", "sampling+banned-words"])
 def test_sampling_rounds_read_back_once_and_once_more_for_blocks_known_after_the_read(case, monkeypatch):
-    """Batched rounds with three sampling rows (each its own settings and seed) and a greedy one: their speculative
+    """Batched rounds with three sampling rows (each its own settings and seed, or rows 0 and 2 without a seed,
+    drawing together) and a greedy one: their speculative
     sampling is decided on the device and read with the round's one sync; where blocks are known only after it (an
     exit read with the sync, ``exit_mode="masked"``, or banned words' cut), every such row is sampled together and
     read with one more sync, not one per row."""
@@ -156,7 +158,8 @@ def test_sampling_rounds_read_back_once_and_once_more_for_blocks_known_after_the
                                        draft_control=control, compile=True, graphs=False,
                                        tokenizer=make_tiny_tokenizer() if banned else None)
     settings = [dict(temperature=0.8, top_p=0.9), dict(temperature=1.0), dict(temperature=0.6, top_k=8), {}]
-    configs = [GenerationConfig(max_new_tokens=24, stop_on_eos=False, seed=i, banned_words=banned, **kw)
+    configs = [GenerationConfig(max_new_tokens=24, stop_on_eos=False, banned_words=banned, **kw,
+                                seed=None if case.endswith("unseeded") and i in (0, 2) else i)
                for i, kw in enumerate(settings)]
     counter, rounds = SyncCounter([target, draft]), []
     original = BatchedSpeculativeDecoder._round
@@ -170,10 +173,13 @@ def test_sampling_rounds_read_back_once_and_once_more_for_blocks_known_after_the
             rounds.append(len(self._rows))
 
     monkeypatch.setattr(BatchedSpeculativeDecoder, "_round", counted_round)
+    drawn_together, sample = [], Sampler.sample
+    monkeypatch.setattr(Sampler, "sample", lambda self, p: drawn_together.append(p.shape[0]) or sample(self, p))
     prompts = [_prompt()[0].tolist()[: 10 + 3 * i] for i in range(4)]
     with counter.counting():
         results = engine.generate(prompts, configs)
     assert all(r.finish_reason == "length" and len(r.token_ids) == 24 for r in results)
+    assert max(drawn_together) == (2 if case.endswith("unseeded") else 1)  # the rows without a seed: one draw
     assert len(rounds) > 5 and max(rounds) == 4 and engine.stats.num_drafted_tokens > 0
-    per_round = 1 if case == "sampling" else 2
+    per_round = 1 if case in ("sampling", "sampling+unseeded") else 2
     assert counter.count <= per_round * len(rounds), f"{counter.count} host syncs in {len(rounds)} rounds"

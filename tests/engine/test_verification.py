@@ -16,7 +16,7 @@ import torch
 from conftest import make_tiny_model
 from helpers import perturbed_copy
 from specdecode import DraftModelDrafter, GenerationConfig, SpeculativeDecoder
-from specdecode.engine.sampling import Sampler, safe_logits, warped_probs
+from specdecode.engine.sampling import Sampler, draw_tokens, safe_logits, warped_probs
 from specdecode.engine.verification import (VerificationResult as R, greedy_verify, rejection_sample,
                                             rejection_sample_rows, sample_block_device)
 from specdecode.errors import InvalidArgumentError
@@ -266,3 +266,85 @@ def test_rejection_sample_rows_fails_only_the_row_whose_draws_raise(method, brok
     assert verdicts.tolist() == expected
     with pytest.raises(RuntimeError, match=f"{method} failed"):
         rejection_sample_rows(samplers, probs, drafted, ks, None)
+
+
+def test_rows_sharing_a_generator_are_drawn_together_and_keep_their_laws():
+    """Statistical: rows whose samplers share a generator (requests without a seed) draw their uniforms in one
+    call and their tokens in one call, and each still emits first tokens distributed as its own p, with a seeded
+    row between them (so the shared draws are placed back row by row). Negative control: a row's counts against
+    another row's p."""
+    V, N = 6, 20000
+    p = torch.tensor([[[0.05, 0.40, 0.05, 0.30, 0.10, 0.10], [0.2, 0.2, 0.2, 0.2, 0.1, 0.1]],
+                      [[0.30, 0.05, 0.25, 0.10, 0.20, 0.10], [0.1, 0.1, 0.1, 0.1, 0.3, 0.3]],
+                      [[0.10, 0.10, 0.10, 0.50, 0.10, 0.10], [0.3, 0.1, 0.1, 0.1, 0.1, 0.3]]])
+    q = torch.tensor([[0.30, 0.10, 0.30, 0.10, 0.10, 0.10]])
+    shared = torch.Generator().manual_seed(8)
+    samplers = [Sampler(GenerationConfig(temperature=1.0, seed=s), V, "cpu", generator=shared) for s in (None, 4, None)]
+    assert samplers[0].generator is samplers[2].generator is shared and samplers[1].generator is not shared
+    calls = []
+    for s in samplers:
+        for name in ("sample", "uniform"):
+            method = getattr(s, name)
+            setattr(s, name, lambda *a, _m=method, _n=name: calls.append((_n, a[0].shape[0] if _n == "sample"
+                                                                         else a[0])) or _m(*a))
+    counts = torch.zeros(3, V)
+    for i in range(N):
+        d = torch.multinomial(q, 1, generator=shared)[0]
+        drafted = torch.stack([d, torch.tensor([2]), torch.tensor([3])])  # rows 1 and 2: one-hot q's
+        calls.clear()
+        verdicts, _ = rejection_sample_rows(samplers, p, drafted, [1, 1, 1], [q, None, None])
+        if i == 0:  # shared: 2 uniforms, 2 tokens; seeded: 1 uniform, 1 token
+            assert sorted(calls) == [("sample", 1), ("sample", 2), ("uniform", 1), ("uniform", 2)], calls
+        for j, (accepted, token) in enumerate(verdicts.tolist()):
+            counts[j, drafted[j, 0] if accepted else token] += 1
+    for j in range(3):
+        assert _within(counts[j] / N, p[j, 0], N), j
+    assert not _within(counts[0] / N, p[2, 0], N) and not _within(counts[2] / N, p[0, 0], N)
+
+
+def test_draw_tokens_places_each_rows_token_and_fails_only_a_row_whose_draw_raises():
+    """``draw_tokens`` over rows in any order, a shared generator's rows in one call: each row gets the token of
+    its own distribution (one-hot here, so the token is known). A shared draw that raises (one NaN row) is
+    retried row by row, and only that row is reported; without ``failed`` the error propagates."""
+    V = 7
+    shared = torch.Generator().manual_seed(0)
+    samplers = [Sampler(GenerationConfig(temperature=1.0, seed=s), V, "cpu", generator=shared)
+                for s in (None, 3, None, None)]
+    probs = torch.eye(V)[[4, 1, 6, 2, 5]]  # row r is one-hot at probs[r].argmax()
+    rows = [3, 0, 4, 1]
+    assert draw_tokens(samplers, probs, rows).tolist() == [2, 4, 5, 1]
+    assert draw_tokens(samplers[:1], probs[3:4]).tolist() == [2]
+    probs[4] = float("nan")
+    failed: dict[int, Exception] = {}
+    tokens = draw_tokens(samplers, probs, rows, failed)
+    assert list(failed) == [2] and "probability tensor contains" in str(failed[2])
+    assert [t for i, t in enumerate(tokens.tolist()) if i != 2] == [2, 4, 1]
+    with pytest.raises(RuntimeError, match="probability tensor contains"):
+        draw_tokens(samplers, probs, rows)
+
+
+@pytest.mark.parametrize("broken", [[0], [0, 1, 2, 3]])
+def test_a_shared_uniform_draw_that_raises_is_retried_row_by_row(broken):
+    """Rows 0, 2 and 3 share a generator, row 1 is seeded; the shared uniforms are drawn by row 0's sampler. When
+    that draw raises it is retried row by row: only the rows whose own draw raises are reported, and the others'
+    verdicts stay on their rows (one-hot p's: every drafted token accepted, a known bonus token). When every row
+    fails, no verdict is left (``contain_errors``)."""
+    V, ks = 6, [2, 1, 2, 1]
+    drafted = torch.tensor([[1, 4], [2, 0], [5, 3], [0, 0]])
+    bonus = [3, 1, 0, 4]
+    probs = torch.zeros(4, 3, V)
+    for j, k in enumerate(ks):
+        probs[j, torch.arange(k), drafted[j, :k]] = 1.0
+        probs[j, k:, bonus[j]] = 1.0
+    shared = torch.Generator().manual_seed(2)
+    samplers = [Sampler(GenerationConfig(temperature=1.0, seed=s), V, "cpu", generator=shared)
+                for s in (None, 5, None, None)]
+
+    def raising(*args):
+        raise RuntimeError("uniform failed")
+
+    for j in broken:
+        samplers[j].uniform = raising
+    verdicts, failed = rejection_sample_rows(samplers, probs, drafted, ks, None, contain_errors=True)
+    assert sorted(failed) == broken and all(str(e) == "uniform failed" for e in failed.values())
+    assert verdicts.tolist() == [[ks[j], bonus[j]] for j in range(4) if j not in broken]

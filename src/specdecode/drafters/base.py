@@ -31,7 +31,7 @@ from specdecode.drafters.draft_head import BoundDraftHead
 from specdecode.engine.processors import DraftProcessing, process_draft_rows
 from specdecode.engine.batch_cache import to_device
 from specdecode.engine.protocol import Draft, Drafter, ExitPolicy
-from specdecode.engine.sampling import Sampler, check_finite, safe_logits, warped_probs
+from specdecode.engine.sampling import Sampler, check_finite, draw_tokens, safe_logits, warped_probs
 from specdecode.engine.verification import greedy_epilogue
 from specdecode.errors import InvalidArgumentError
 
@@ -140,7 +140,7 @@ def draft_batch(
         if tree_tops is not None:  # [trees] the step's top-k, kept on the device
             tree_tops.add(logits if truncated else logits[:, :vocab])
         tops = None
-        if not greedy:  # [sampling] each active sampling row draws from its q with its own generator
+        if not greedy:  # [sampling] each active sampling row draws from its q by its generator (draw_tokens)
             token, tops, warped = _sampled_step(logits, token, samplers, sampled, sampled_index, active, probs,
                                                 head.ids if truncated else None, exits is not None)
             if sampled_index is None:  # every row samples: the steps' q's are kept whole
@@ -182,10 +182,11 @@ def _sampled_step(logits: torch.Tensor, token: torch.Tensor, samplers: list[Samp
                   head_ids: torch.Tensor | None,
                   with_tops: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """One draft step's tokens in a round with sampling rows: the sampling rows' q warped together
-    (``warped_probs``), then each active one's token drawn from its q by its own generator (the only per-row
-    operation), written over the greedy rows' argmax ``token`` in one copy; each drawn row's (1, V) q is
-    appended to ``probs[b]``. With ``with_tops``, each row's top probability: its q's where it drew, else the
-    softmax of its logits. A row's draws, their order and their values are those of drawing row by row.
+    (``warped_probs``), then each active one's token drawn from its q by its generator (``draw_tokens``: rows
+    sharing one in one call, a seeded row alone), written over the greedy rows' argmax ``token`` in one copy;
+    where not every row samples, each drawn row's (1, V) q is appended to ``probs[b]`` (else the caller keeps
+    the returned q's whole). With ``with_tops``, each row's top probability: its q's where it drew, else the
+    softmax of its logits. A seeded row's draws, their order and their values are those of drawing row by row.
 
     Args:
         logits: (n, V') the step's logits (finite, or made safe); token: (n,) long, their argmax (greedy rows').
@@ -202,16 +203,16 @@ def _sampled_step(logits: torch.Tensor, token: torch.Tensor, samplers: list[Samp
     """
     warped = warped_probs([samplers[b] for b in sampled],  # (len(sampled), V)
                           logits if sampled_index is None else logits.index_select(0, sampled_index), head_ids)
-    views = warped.split(1)
     drawing = [j for j, b in enumerate(sampled) if active[b]]
-    drawn = []
-    for j in drawing:
-        drawn.append(samplers[sampled[j]].sample(views[j]))
-        probs[sampled[j]].append(views[j])
+    if sampled_index is not None:  # not every row samples: each row's q's are kept as views
+        views = warped.split(1)
+        for j in drawing:
+            probs[sampled[j]].append(views[j])
+    drawn = draw_tokens([samplers[sampled[j]] for j in drawing], warped, drawing) if drawing else None
     everyone = len(drawing) == len(sampled) == token.shape[0]
     index = to_device([*(sampled[j] for j in drawing), *drawing], token.device) if drawing and not everyone else None
     if drawing:
-        token = torch.cat(drawn) if everyone else token.index_copy(0, index[: len(drawing)], torch.cat(drawn))
+        token = drawn if everyone else token.index_copy(0, index[: len(drawing)], drawn)
     if not with_tops:
         return token, None, warped
     tops = warped.amax(-1)

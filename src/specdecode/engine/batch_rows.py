@@ -55,7 +55,7 @@ class BatchRow:
         self.tokens = list(prompt)  # the last one, once generated, is in no cache yet
         self.num_prompt_tokens = len(prompt)
         self.output: list[int] = []
-        self.sampler = Sampler(config, dec.vocab_size, dec.target.device)
+        self.sampler = Sampler(config, dec.vocab_size, dec.target.device, dec.generator)
         self.sampler.start(prompt)  # [processors] penalties, logit_bias, logprobs (engine.processors)
         self.controller = dec.draft_control.controller(dec.gamma) if dec.adaptive else None
         self.stop = StopStrings(dec.tokenizer, config.stop_strings)

@@ -131,6 +131,7 @@ class BatchedSpeculativeDecoder(BatchRequests):
         shared_prefill: Whether requests admitted together share their prefill forwards (the drafter's
             deferred prompt prefills too: the engine sets a draft model drafter's ``shared_prefill``).
         runner: The target's ``BatchRunner``.
+        generator: What requests without a ``seed`` draw from, together (``sampling.draw_tokens``).
 
     Raises:
         InvalidArgumentError: On a value outside its range (named in the message), or adaptive
@@ -222,6 +223,8 @@ class BatchedSpeculativeDecoder(BatchRequests):
         if drafter is not None:
             drafter.bind(self.cache)
         self.stats = SpecDecodingStats()
+        self.generator = torch.Generator(device=target.device)
+        self.generator.seed()
         #: True: a request that fails (its prefill raises, its target logits are not finite, its
         #: sampling raises) ends alone with ``finish_reason="error"``; False: the error propagates
         #: from ``step`` (``SpeculativeDecoder``, one sequence, raises as it always did).

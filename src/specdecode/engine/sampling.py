@@ -78,6 +78,73 @@ def warped_probs(samplers: Sequence[Sampler], logits: torch.Tensor, ids: torch.T
     return out.view(*shape[:-1], -1)
 
 
+def generator_groups(samplers: Sequence[Sampler]) -> list[list[int]]:
+    """The indices of ``samplers`` grouped by the ``torch.Generator`` they draw from, in order of first
+    appearance: the rows of an engine's requests without a seed share its generator (``Sampler``), a seeded
+    request's row has its own."""
+    groups: dict[int, list[int]] = {}
+    for j, sampler in enumerate(samplers):
+        groups.setdefault(id(sampler.generator), []).append(j)
+    return list(groups.values())
+
+
+def draw_tokens(samplers: Sequence[Sampler], probs: torch.Tensor, rows: Sequence[int] | None = None,
+                failed: dict[int, Exception] | None = None) -> torch.Tensor:
+    """One token per row, drawn from ``probs`` by each row's sampler (``Sampler.sample``); rows whose samplers
+    share a generator are drawn in one ``torch.multinomial`` call, as vLLM's sampler draws the requests
+    without a seed together. A row with a generator of its own draws alone, the values it drew before, so a
+    seed gives the same tokens. Nothing is read back.
+
+    Args:
+        samplers: Per drawn row, its sampler (m >= 0 rows).
+        probs: (n, V) float32, rows summing to 1.
+        rows: The rows of ``probs`` to draw from, ``samplers[i]`` drawing from ``probs[rows[i]]``; None: all
+            (m = n).
+        failed: None: a draw that raises propagates. A dict: the index i of each row whose draw raised is
+            recorded with its exception (a shared draw that raises is retried row by row, so only a row whose
+            own draw fails is recorded) and its token is 0.
+
+    Returns:
+        (m,) long on ``probs``' device.
+    """
+    if not samplers:
+        return torch.empty(0, dtype=torch.long, device=probs.device)
+    rows = list(range(probs.shape[0])) if rows is None else list(rows)
+    order: list[int] = []
+    parts: list[torch.Tensor] = []
+    views = None  # each row's (1, V) view, split once for the rows drawing alone
+    for group in generator_groups(samplers):
+        at = [rows[i] for i in group]
+        if at == list(range(probs.shape[0])):
+            one = probs
+        elif len(at) == 1:
+            views = probs.split(1) if views is None else views
+            one = views[at[0]]
+        else:
+            one = probs.index_select(0, to_device(at, probs.device))
+        try:
+            parts.append(samplers[group[0]].sample(one))
+        except Exception as exc:  # noqa: BLE001 -- recorded: the caller fails that row alone
+            if failed is None:
+                raise
+            if len(group) == 1:
+                failed[group[0]] = exc
+                parts.append(torch.zeros(1, dtype=torch.long, device=probs.device))
+            else:  # a shared draw: each row alone, to find the ones that fail
+                drawn = []
+                for i in group:
+                    alone: dict[int, Exception] = {}
+                    drawn.append(draw_tokens([samplers[i]], probs, [rows[i]], alone))
+                    if alone:
+                        failed[i] = alone[0]
+                parts.append(torch.cat(drawn))
+        order.extend(group)
+    tokens = parts[0] if len(parts) == 1 else torch.cat(parts)
+    if order == list(range(len(order))):
+        return tokens
+    return torch.empty_like(tokens).index_copy_(0, to_device(order, probs.device), tokens)
+
+
 def safe_logits(logits: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
     """``logits`` with every position whose raw logits were not all finite set to zeros: a draw from them
     (a uniform one) cannot fail (``torch.multinomial`` raises on NaN, or fails the device on CUDA) before
@@ -135,16 +202,23 @@ class Sampler:
             with more padding rows) are cut to V; narrower ones are padded with
             zero probability, so draft and target distributions share one support.
         device: Device of the ``torch.Generator``.
+        generator: Without a ``config.seed``, the generator to draw from, shared with other samplers (an engine's
+            requests without a seed: ``draw_tokens`` draws their rows in one call); None, or with a seed: a
+            generator of its own, seeded with ``config.seed`` or from the system's entropy. On ``device``.
     """
 
-    def __init__(self, config: GenerationConfig, vocab_size: int, device: torch.device | str) -> None:
+    def __init__(self, config: GenerationConfig, vocab_size: int, device: torch.device | str,
+                 generator: torch.Generator | None = None) -> None:
         self.greedy = config.greedy
         self.vocab_size = vocab_size
-        self.generator = torch.Generator(device=device)
-        if config.seed is None:
-            self.generator.seed()
+        if config.seed is None and generator is not None:
+            self.generator = generator
         else:
-            self.generator.manual_seed(config.seed)
+            self.generator = torch.Generator(device=device)
+            if config.seed is None:
+                self.generator.seed()
+            else:
+                self.generator.manual_seed(config.seed)
         warpers = LogitsProcessorList()
         if not self.greedy:
             if config.temperature != 1.0:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdecode.engine.batch_cache import to_device
-from specdecode.engine.sampling import Sampler, safe_logits, warped_probs
+from specdecode.engine.sampling import Sampler, draw_tokens, generator_groups, safe_logits, warped_probs
 from specdecode.errors import InvalidArgumentError
 
 
@@ -174,13 +174,14 @@ class SampledRows:
 def rejection_sample_rows(samplers: Sequence[Sampler], probs: torch.Tensor, drafted: torch.Tensor,
                           num_tokens: Sequence[int], draft_probs: torch.Tensor | Sequence[torch.Tensor | None] | None,
                           contain_errors: bool = False) -> tuple[torch.Tensor, dict[int, Exception]]:
-    """``rejection_sample_device`` for m rows at once, each with its own block length k_j and generator
+    """``rejection_sample_device`` for m rows at once, each with its own block length k_j and sampler
     (Leviathan et al. 2022, Algorithm 1; the batch layout of vLLM's rejection sampler). The acceptance test,
     the accepted counts, the residual ``norm(max(0, p_n - q_n))`` and the bonus law are computed for every row
-    in one set of operations; only what a row's own ``torch.Generator`` must draw is per row: its k_j uniforms,
-    then its one token. Each generator draws what ``rejection_sample_device`` draws, in the same order, from
-    distributions equal to its, so a seed gives the same tokens (on CPU; on CUDA a batched reduction may round
-    a last bit differently, so a draw could rarely differ, the law never). Nothing is read back.
+    in one set of operations; so are the draws of rows whose samplers share a generator (an engine's requests
+    without a seed, ``Sampler``): γ uniforms each in one call, then their tokens in one call. A row with a
+    ``torch.Generator`` of its own (a seed) draws alone what ``rejection_sample_device`` draws, in the same order,
+    from distributions equal to its, so a seed gives the same tokens (on CPU; on CUDA a batched reduction may
+    round a last bit differently, so a draw could rarely differ, the law never). Nothing is read back.
 
     Args:
         samplers: Per row, its sampler (its generator draws the row's uniforms and token).
@@ -228,20 +229,17 @@ def rejection_sample_rows(samplers: Sequence[Sampler], probs: torch.Tensor, draf
     else:
         deterministic = [] if block else [j for j in range(m) if draft_probs is None or draft_probs[j] is None]
         q_block = draft_probs[:, :gamma] if block else _padded(draft_probs, num_tokens, gamma, probs)
-        # one copy: each row's k_j, then where its uniforms go in the (m, γ) layout, then its q's one-hot rows
-        flat = [j * gamma + i for j in range(m) for i in range(num_tokens[j])]
+        # Each generator's draw: a row with its own draws its k_j uniforms; rows sharing one, γ each in one call.
+        drawing = [j for j in range(m) if num_tokens[j]]
+        draws = [[drawing[i] for i in group] for group in generator_groups([samplers[j] for j in drawing])]
+        flat = [j * gamma + i for rows in draws for j in rows
+                for i in range(num_tokens[j] if len(rows) == 1 else gamma)]
+        # one copy: each row's k_j, then where the uniforms go in the (m, γ) layout, then the one-hot q's rows
         packed = to_device([*num_tokens, *flat, *deterministic], device)
         k, flat_index, one_hot = packed[:m], packed[m : m + len(flat)], packed[m + len(flat) :]
         uniforms = torch.ones((m, gamma), device=device)
-        drawn = []
-        for j in (j for j in range(m) if num_tokens[j]):
-            try:
-                drawn.append(samplers[j].uniform(num_tokens[j], device))
-            except Exception as exc:  # noqa: BLE001 -- reported: the caller fails this row alone
-                if not contain_errors:
-                    raise
-                failed[j] = exc
-                drawn.append(torch.ones(num_tokens[j], device=device))  # its verdict is dropped
+        drawn = [_uniforms(samplers, rows, num_tokens[rows[0]] if len(rows) == 1 else gamma, device,
+                           failed if contain_errors else None) for rows in draws]
         if drawn:
             uniforms.view(-1).index_copy_(0, flat_index, torch.cat(drawn))
         column = drafted.unsqueeze(-1)  # (m, γ, 1)
@@ -266,22 +264,34 @@ def rejection_sample_rows(samplers: Sequence[Sampler], probs: torch.Tensor, draf
         # total <= 0 only through rounding when p == q; then p itself is the exact residual law.
         residual = torch.where(total > 0.0, residual / total, p / p.sum(-1, keepdim=True))
         p = torch.where((num_accepted == k).view(m, 1), p, residual)
-    tokens = []
-    for j, row in enumerate(p.split(1)):
-        if j in failed:
-            continue
-        try:
-            tokens.append(samplers[j].sample(row))
-        except Exception as exc:  # noqa: BLE001 -- reported: the caller fails this row alone
-            if not contain_errors:
-                raise
-            failed[j] = exc
+    drawing = [j for j in range(m) if j not in failed]
+    drew: dict[int, Exception] = {}
+    tokens = draw_tokens([samplers[j] for j in drawing], p, drawing, drew if contain_errors else None)
+    failed.update({drawing[i]: exc for i, exc in drew.items()})
     if not failed:
-        return torch.stack([num_accepted, torch.cat(tokens)], dim=1), failed
+        return torch.stack([num_accepted, tokens], dim=1), failed
     kept = [j for j in range(m) if j not in failed]
     if not kept:
         return torch.empty((0, 2), dtype=torch.long, device=device), failed
-    return torch.stack([num_accepted.index_select(0, to_device(kept, device)), torch.cat(tokens)], dim=1), failed
+    if len(drawing) > len(kept):  # rows whose token draw failed
+        tokens = tokens.index_select(0, to_device([i for i, j in enumerate(drawing) if j not in failed], device))
+    return torch.stack([num_accepted.index_select(0, to_device(kept, device)), tokens], dim=1), failed
+
+
+def _uniforms(samplers: Sequence[Sampler], rows: list[int], count: int, device: torch.device,
+              failed: dict[int, Exception] | None) -> torch.Tensor:
+    """``count`` uniforms for each of ``rows`` (whose samplers share one generator) in one draw, (len(rows) *
+    count,) float32. With ``failed`` a dict, a draw that raises is retried row by row and each row whose own
+    draw raises is recorded there (its uniforms are ones: its verdict is dropped); None: the error propagates."""
+    try:
+        return samplers[rows[0]].uniform(len(rows) * count, device)
+    except Exception as exc:  # noqa: BLE001 -- reported: the caller fails this row alone
+        if failed is None:
+            raise
+        if len(rows) == 1:
+            failed[rows[0]] = exc
+            return torch.ones(count, device=device)
+        return torch.cat([_uniforms(samplers, [j], count, device, failed) for j in rows])
 
 
 def _padded(rows: Sequence[torch.Tensor | None] | None, num_tokens: Sequence[int], gamma: int,
