@@ -16,6 +16,7 @@ import torch
 from conftest import make_tiny_model
 from helpers import perturbed_copy
 from specdecode import DraftModelDrafter, GenerationConfig, SpeculativeDecoder
+from specdecode.engine import sampling
 from specdecode.engine.sampling import Sampler, draw_tokens, safe_logits, warped_probs
 from specdecode.engine.verification import (VerificationResult as R, greedy_verify, rejection_sample,
                                             rejection_sample_rows, sample_block_device)
@@ -102,9 +103,24 @@ def _verified_cells(exact: dict) -> tuple[list, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    "temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.85)], ids=["t1", "t0.7-topk5", "t1.3-topp"]
+    "temperature,top_k,top_p,draft_top", [(1.0, 0, 1.0, None), (0.7, 5, 1.0, None), (1.3, 0, 0.85, None),
+                                          (1.3, 0, 0.85, 3)],
+    ids=["t1", "t0.7-topk5", "t1.3-topp", "t1.3-topp-draft-top3"]
 )
-def test_speculative_sampling_matches_target_distribution(temperature, top_k, top_p):
+def test_speculative_sampling_matches_target_distribution(temperature, top_k, top_p, draft_top, monkeypatch):
+    """Tokens 2 and 3 (verified) follow the target's exact law; "draft-top3": the draft's q under top-p is warped
+    over its 3 most likely tokens only (``Sampler.draft_probs``), the target's law still holds."""
+    truncated = []
+    if draft_top is not None:
+        monkeypatch.setattr(sampling, "DRAFT_TOP_TOKENS", draft_top)
+        draft_probs = Sampler.draft_probs
+
+        def spied(self, logits):
+            q = draft_probs(self, logits)
+            truncated.append(int((q > 0).sum(-1).max()))
+            return q
+
+        monkeypatch.setattr(Sampler, "draft_probs", spied)
     V, N, steps = 8, 2000, 3
     target = make_tiny_model("llama", num_layers=1, vocab_size=V, hidden_size=16, intermediate_size=32)
     with torch.no_grad():
@@ -136,6 +152,8 @@ def test_speculative_sampling_matches_target_distribution(temperature, top_k, to
     assert 0.05 < mean_rate < 0.95, "the draft must be rejected often for this test to mean anything"
     assert _within(counts / N, want, N)
     assert not _within(draft_law, want, N)
+    if draft_top is not None:  # every draft step's q was the truncated one
+        assert truncated and max(truncated) <= draft_top
 
 
 def test_warped_probs_gives_each_row_its_own_distribution():
@@ -348,3 +366,28 @@ def test_a_shared_uniform_draw_that_raises_is_retried_row_by_row(broken):
     verdicts, failed = rejection_sample_rows(samplers, probs, drafted, ks, None, contain_errors=True)
     assert sorted(failed) == broken and all(str(e) == "uniform failed" for e in failed.values())
     assert verdicts.tolist() == [[ks[j], bonus[j]] for j in range(4) if j not in broken]
+
+
+def test_a_draft_q_under_top_p_is_warped_over_its_most_likely_tokens(monkeypatch):
+    """``Sampler.draft_probs``: under top-p, the warpers over each row's ``DRAFT_TOP_TOKENS`` most likely logits,
+    zero elsewhere; without top-p, or with fewer logits than that, ``probs`` itself. With a top-k within those
+    tokens, the same distribution as ``probs``."""
+    monkeypatch.setattr(sampling, "DRAFT_TOP_TOKENS", 4)
+    V = 10
+    logits = torch.tensor([[0.1, 2.0, -1.0, 1.5, 0.3, 1.9, -0.5, 1.0, 0.0, 0.8],
+                           [3.0, 0.2, 0.1, 0.0, -0.1, 0.3, 0.25, 0.15, 0.05, 0.12]])
+    top_p = Sampler(GenerationConfig(temperature=0.9, top_p=0.9), V, "cpu")
+    q = top_p.draft_probs(logits)
+    ids = logits.topk(4, dim=-1).indices
+    kept = torch.zeros_like(q, dtype=torch.bool).scatter_(1, ids, True)
+    assert torch.allclose(q.sum(-1), torch.ones(2)) and not q[~kept].any()
+    # a top-k of 4 before the same top-p: what a sampler with top_k=4 gives over the whole vocabulary
+    assert torch.allclose(q, Sampler(GenerationConfig(temperature=0.9, top_k=4, top_p=0.9), V, "cpu").probs(logits))
+    full = top_p.probs(logits)
+    assert not torch.allclose(q, full)  # row 0's nucleus reaches past its 4 most likely tokens
+    plain = Sampler(GenerationConfig(temperature=0.9), V, "cpu")
+    assert torch.equal(plain.draft_probs(logits), plain.probs(logits))
+    top_k = Sampler(GenerationConfig(temperature=0.9, top_k=3, top_p=0.95), V, "cpu")
+    assert torch.allclose(top_k.draft_probs(logits), top_k.probs(logits), atol=1e-6)
+    monkeypatch.setattr(sampling, "DRAFT_TOP_TOKENS", V)
+    assert torch.equal(top_p.draft_probs(logits), top_p.probs(logits))

@@ -81,7 +81,7 @@ def rejection_sample(
             sampled from, or ``None`` for a deterministic drafter (prompt lookup),
             which is treated as a one-hot q.
         target_probs: (γ + 1, V) float32, the target distributions p_i after the
-            same temperature / top-k / top-p shaping.
+            temperature / top-k / top-p shaping (``Sampler.probs``).
         sampler: Supplies the ``torch.Generator`` for the uniforms and the draws.
 
     Returns:
