@@ -18,10 +18,13 @@ target and a perturbed copy of it as the draft model (vocabulary 256, 2 layers, 
 - ``kernels/round``: those of the ops that compute (not views or aliases, ``OpOverload.is_view``, nor
   ``lift_fresh``/``detach_``, which only wrap a host tensor, nor ``empty*``, which only allocate): on CUDA
   each is a kernel launch or a copy (a host-to-device copy is not counted on a CPU, where it is none);
-- ``draws/round``: calls of the requests' ``torch.Generator``s (``multinomial``, ``rand``): per row with a seed
-  of its own, one for all the rows without one (``sampling.draw_tokens``). Each ``torch.multinomial`` is one op
-  and one kernel above, but runs its own checks, an ``exponential_``, a division and an ``argmax`` below the
-  dispatcher: on CUDA about 13 kernels (torch 2.13's ops, listed by ``torch.profiler`` on a CPU);
+- ``draws/round``: calls of the requests' ``torch.Generator``s (``exponential_`` for tokens, ``rand``; before
+  2026-11-29 ``multinomial``): per row with a seed of its own, one for all the rows without one
+  (``sampling.draw_tokens``). A ``torch.multinomial`` was one op and one kernel above, but ran 20 computing ops
+  below the dispatcher (its input checks, ``exponential_``, a division, ``argmax``: torch 2.13, listed by
+  ``torch.profiler`` on a CPU). ``sampling.race`` runs the ``exponential_`` per generator, then the division and
+  ``argmax`` once for all the rows, and in the verification a gather, a comparison and a ``where`` (its check):
+  counted here, so ops and kernels per draw went up while the hidden ones went;
 - ``syncs/round``: host reads (``item``, ``tolist``, ``cpu``, ``numpy``, tensor truth and number
   conversions) in the rounds, outside them;
 - ``prefill fwd``: the other eager forwards in the rounds, over all of them: a draft model's deferred prompt

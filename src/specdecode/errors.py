@@ -32,7 +32,13 @@ class VocabularyMismatchError(SpecDecodeError, ValueError):
 
 
 class NonFiniteLogitsError(SpecDecodeError, RuntimeError):
-    """A model produced NaN or infinite logits (often a float16 overflow)."""
+    """A model produced NaN or infinite logits (often a float16 overflow), or finite ones whose sampling
+    distribution came out NaN or without mass (``INVALID_DISTRIBUTION``)."""
+
+
+#: The message of a ``NonFiniteLogitsError`` for a sampling distribution that is not one.
+INVALID_DISTRIBUTION = ("the target model's sampling distribution was NaN or had no probability mass after "
+                        "temperature / top-k / top-p / min-p (warped logits overflowed); try a higher temperature")
 
 
 class DatasetError(SpecDecodeError, ValueError):

@@ -15,7 +15,8 @@ from specdecode import GenerationConfig, SpeculativeDecoder
 from specdecode.drafters import DraftModelDrafter, PromptLookupDrafter
 from specdecode.engine.batch_cache import BatchKVCache
 from specdecode.engine.batched import BatchedSpeculativeDecoder
-from specdecode.errors import InvalidArgumentError
+from specdecode.engine.sampling import Sampler
+from specdecode.errors import INVALID_DISTRIBUTION, InvalidArgumentError, NonFiniteLogitsError
 
 # Lengths 1 .. 23: single chunks, exact multiples of the chunk, and tails; the longer ones cross
 # the sliding window (6) of the Mistral and Gemma test models.
@@ -137,6 +138,58 @@ def test_a_sampling_failure_ends_only_its_row():
     assert ended[ids[1]].finish_reason == ended[ids[2]].finish_reason == "length"
     assert out[ids[1]] == expected[1] and out[ids[2]] == expected[2]
     assert out[ids[0]] == expected[0][: len(out[ids[0]])] and len(out[ids[0]]) < len(expected[0])
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_distribution_that_is_not_one_ends_only_its_row():
+    """A sampled row whose warped target distribution comes out NaN in a round (finite logits whose warping
+    overflowed; ``sampling.race`` gives -1 on the device) ends with "error" at the round's read, and the other
+    rows finish as they would have. One sequence (``SpeculativeDecoder``, errors not contained): the round
+    raises ``NonFiniteLogitsError``; so does a NaN first token after the prefill."""
+    target = make_tiny_model("qwen2", num_layers=2)
+    draft = perturbed_copy(target, noise=0.3, seed=1)
+    prompts = PROMPTS[1:4]
+    base = GenerationConfig(max_new_tokens=10, stop_on_eos=False)
+    configs = [dataclasses.replace(base, temperature=0.7 if r == 0 else 0.8, seed=7 + r) for r in range(3)]
+    reference = BatchedSpeculativeDecoder(target, DraftModelDrafter(draft), max_batch_size=3, max_length=48)
+    expected = [r.token_ids for r in reference.generate(prompts, configs)]
+
+    dec = BatchedSpeculativeDecoder(target, DraftModelDrafter(draft), max_batch_size=3, max_length=48)
+    ids = [dec.add(p, c) for p, c in zip(prompts, configs)]
+    out = {i: [] for i in ids}
+    ended = {}
+    for ev in dec.step():  # the prefills and a first round
+        out[ev.request_id].extend(ev.token_ids)
+    broken = next(row for row in dec._rows if row.request_id == ids[0])
+    broken.sampler.probs = lambda logits: torch.full((logits.shape[0], dec.vocab_size), float("nan"))
+    while dec.has_work:
+        for ev in dec.step():
+            out[ev.request_id].extend(ev.token_ids)
+            if ev.finish_reason:
+                ended[ev.request_id] = ev
+    assert ended[ids[0]].finish_reason == "error"
+    assert ended[ids[0]].error == f"request {ids[0]} failed in its sampling: {INVALID_DISTRIBUTION}"
+    assert ended[ids[1]].finish_reason == ended[ids[2]].finish_reason == "length"
+    assert out[ids[1]] == expected[1] and out[ids[2]] == expected[2]
+    assert out[ids[0]] == expected[0][: len(out[ids[0]])] and len(out[ids[0]]) < len(expected[0])
+
+    probs, calls = Sampler.probs, []
+
+    def nan_after(first: int):
+        def warp(self, logits):
+            calls.append(1)
+            q = probs(self, logits)
+            return q if len(calls) <= first else torch.full_like(q, float("nan"))
+        return warp
+
+    for first, when in ((1, "a round"), (0, "the first token")):
+        calls.clear()
+        one = SpeculativeDecoder(target, DraftModelDrafter(draft))
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(Sampler, "probs", nan_after(first))
+            with pytest.raises(NonFiniteLogitsError, match="sampling distribution was NaN"):
+                one.generate(torch.tensor([prompts[0]]), configs[1])
+        assert len(calls) > first, when
 
 
 @pytest.mark.usefixtures("one_thread")

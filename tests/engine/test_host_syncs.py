@@ -173,8 +173,9 @@ def test_sampling_rounds_read_back_once_and_once_more_for_blocks_known_after_the
             rounds.append(len(self._rows))
 
     monkeypatch.setattr(BatchedSpeculativeDecoder, "_round", counted_round)
-    drawn_together, sample = [], Sampler.sample
-    monkeypatch.setattr(Sampler, "sample", lambda self, p: drawn_together.append(p.shape[0]) or sample(self, p))
+    drawn_together, exponential = [], Sampler.exponential  # the rows of each noise draw
+    monkeypatch.setattr(Sampler, "exponential", lambda self, out: drawn_together.append(
+        1 if out.dim() == 1 else out.shape[0]) or exponential(self, out))
     prompts = [_prompt()[0].tolist()[: 10 + 3 * i] for i in range(4)]
     with counter.counting():
         results = engine.generate(prompts, configs)

@@ -263,9 +263,10 @@ def test_rejection_sample_rows_first_token_law_and_refusals():
         rejection_sample_rows(samplers[:1], p, torch.zeros((2, 1), dtype=torch.long), [1, 1], None)
 
 
-@pytest.mark.parametrize("method, broken_row, seed, ks", [("sample", 1, 9, [2, 1, 2]), ("uniform", 0, 11, [2, 2, 1])])
+@pytest.mark.parametrize("method, broken_row, seed, ks", [("exponential", 1, 9, [2, 1, 2]),
+                                                         ("uniform", 0, 11, [2, 2, 1])])
 def test_rejection_sample_rows_fails_only_the_row_whose_draws_raise(method, broken_row, seed, ks):
-    """A row whose draw of its token (``sample``) or of its uniforms (``uniform``) raises is left out and reported
+    """A row whose draw of its token (``exponential``) or of its uniforms (``uniform``) raises is left out and reported
     (``contain_errors``); the others get what they get alone. Without ``contain_errors`` the error propagates."""
     generator = torch.Generator().manual_seed(seed)
     probs, _, drafted, _ = _row_case(generator, 3, 2, 8)
@@ -301,10 +302,10 @@ def test_rows_sharing_a_generator_are_drawn_together_and_keep_their_laws():
     assert samplers[0].generator is samplers[2].generator is shared and samplers[1].generator is not shared
     calls = []
     for s in samplers:
-        for name in ("sample", "uniform"):
+        for name in ("exponential", "uniform"):  # the rows of a noise draw; the count of uniforms
             method = getattr(s, name)
-            setattr(s, name, lambda *a, _m=method, _n=name: calls.append((_n, a[0].shape[0] if _n == "sample"
-                                                                         else a[0])) or _m(*a))
+            setattr(s, name, lambda *a, _m=method, _n=name: calls.append(
+                (_n, (1 if a[0].dim() == 1 else a[0].shape[0]) if _n == "exponential" else a[0])) or _m(*a))
     counts = torch.zeros(3, V)
     for i in range(N):
         d = torch.multinomial(q, 1, generator=shared)[0]
@@ -312,7 +313,7 @@ def test_rows_sharing_a_generator_are_drawn_together_and_keep_their_laws():
         calls.clear()
         verdicts, _ = rejection_sample_rows(samplers, p, drafted, [1, 1, 1], [q, None, None])
         if i == 0:  # shared: 2 uniforms, 2 tokens; seeded: 1 uniform, 1 token
-            assert sorted(calls) == [("sample", 1), ("sample", 2), ("uniform", 1), ("uniform", 2)], calls
+            assert sorted(calls) == [("exponential", 1), ("exponential", 2), ("uniform", 1), ("uniform", 2)], calls
         for j, (accepted, token) in enumerate(verdicts.tolist()):
             counts[j, drafted[j, 0] if accepted else token] += 1
     for j in range(3):
@@ -322,8 +323,9 @@ def test_rows_sharing_a_generator_are_drawn_together_and_keep_their_laws():
 
 def test_draw_tokens_places_each_rows_token_and_fails_only_a_row_whose_draw_raises():
     """``draw_tokens`` over rows in any order, a shared generator's rows in one call: each row gets the token of
-    its own distribution (one-hot here, so the token is known). A shared draw that raises (one NaN row) is
-    retried row by row, and only that row is reported; without ``failed`` the error propagates."""
+    its own distribution (one-hot here, so the token is known), and a row that is not a distribution (NaN, or no
+    mass) gets -1. A shared draw that raises is retried row by row, and only the row whose own draw raises is
+    reported; without ``failed`` the error propagates."""
     V = 7
     shared = torch.Generator().manual_seed(0)
     samplers = [Sampler(GenerationConfig(temperature=1.0, seed=s), V, "cpu", generator=shared)
@@ -332,13 +334,22 @@ def test_draw_tokens_places_each_rows_token_and_fails_only_a_row_whose_draw_rais
     rows = [3, 0, 4, 1]
     assert draw_tokens(samplers, probs, rows).tolist() == [2, 4, 5, 1]
     assert draw_tokens(samplers[:1], probs[3:4]).tolist() == [2]
-    probs[4] = float("nan")
+    invalid = probs.clone()
+    invalid[4], invalid[0] = float("nan"), 0.0
+    assert draw_tokens(samplers, invalid, rows).tolist() == [2, -1, -1, 1]
+    shared_draw = samplers[0].exponential
+
+    def breaks(out):  # every call: the shared one (rows 0, 2, 3), then row 0's own retry
+        raise RuntimeError("exponential failed")
+
+    samplers[0].exponential = breaks
     failed: dict[int, Exception] = {}
     tokens = draw_tokens(samplers, probs, rows, failed)
-    assert list(failed) == [2] and "probability tensor contains" in str(failed[2])
-    assert [t for i, t in enumerate(tokens.tolist()) if i != 2] == [2, 4, 1]
-    with pytest.raises(RuntimeError, match="probability tensor contains"):
+    assert list(failed) == [0] and str(failed[0]) == "exponential failed"
+    assert [t for i, t in enumerate(tokens.tolist()) if i != 0] == [4, 5, 1]
+    with pytest.raises(RuntimeError, match="exponential failed"):
         draw_tokens(samplers, probs, rows)
+    samplers[0].exponential = shared_draw
 
 
 @pytest.mark.parametrize("broken", [[0], [0, 1, 2, 3]])
@@ -391,3 +402,48 @@ def test_a_draft_q_under_top_p_is_warped_over_its_most_likely_tokens(monkeypatch
     assert torch.allclose(top_k.draft_probs(logits), top_k.probs(logits), atol=1e-6)
     monkeypatch.setattr(sampling, "DRAFT_TOP_TOKENS", V)
     assert torch.equal(top_p.draft_probs(logits), top_p.probs(logits))
+
+
+def test_draw_tokens_draws_what_torch_multinomial_draws():
+    """A seeded row draws the token ``torch.multinomial`` draws with its generator, and rows sharing a generator
+    the tokens one ``torch.multinomial`` call over them draws, generator states included (on CPU): the
+    exponential race is multinomial's own method, so seeds keep their tokens."""
+    for trial in range(40):
+        V = (7, 256, 151_936)[trial % 3]
+        probs = torch.softmax(torch.randn(5, V, generator=torch.Generator().manual_seed(trial)) * 3, -1)
+        shared, alone_shared = (torch.Generator().manual_seed(1000 + trial) for _ in range(2))
+        seeds = (None, 3 + trial, None, 7 + trial, None)
+        samplers = [Sampler(GenerationConfig(temperature=1.0, seed=s), V, "cpu", generator=shared) for s in seeds]
+        rows = [4, 0, 2, 1, 3]
+        tokens = draw_tokens(samplers, probs, rows).tolist()
+        seeded = [i for i, s in enumerate(seeds) if s is not None]
+        for i in seeded:
+            g = torch.Generator().manual_seed(seeds[i])
+            assert tokens[i] == int(torch.multinomial(probs[rows[i] : rows[i] + 1], 1, generator=g)), (trial, i)
+            assert torch.equal(g.get_state(), samplers[i].generator.get_state())
+        together = [i for i, s in enumerate(seeds) if s is None]
+        want = torch.multinomial(probs[[rows[i] for i in together]], 1, generator=alone_shared).squeeze(-1)
+        assert [tokens[i] for i in together] == want.tolist(), trial
+        assert torch.equal(alone_shared.get_state(), shared.get_state())
+
+
+def test_a_draft_q_that_is_not_a_distribution_only_loses_its_tokens(monkeypatch):
+    """A draft q that is NaN on some tokens and 0 on the rest (a truncated q whose warping overflowed) draws a
+    token where it is NaN (unchecked ``race``), and verification rejects it (u * NaN < p is false), then draws
+    from the target: every drafted token is rejected, no error, every requested token comes out."""
+    V = 8
+    target = make_tiny_model("llama", num_layers=1, vocab_size=V, hidden_size=16, intermediate_size=32)
+    draft = perturbed_copy(target, noise=0.3, seed=3)
+
+    def nan_q(self, logits):
+        q = torch.zeros(logits.shape[0], V)
+        q[:, 5:] = float("nan")
+        return q
+
+    monkeypatch.setattr(Sampler, "draft_probs", nan_q)
+    dec = SpeculativeDecoder(target, DraftModelDrafter(draft))
+    for seed in range(5):
+        res = dec.generate(torch.tensor([[3, 5, 4]]), GenerationConfig(temperature=1.3, seed=seed, max_new_tokens=8,
+                                                                         stop_on_eos=False, num_speculative_tokens=3))
+        assert len(res.token_ids) == 8 and res.finish_reason == "length"
+        assert res.stats.num_drafted_tokens > 0 and res.stats.num_accepted_tokens == 0

@@ -61,12 +61,12 @@ from specdecode.engine.overlap import HostReader, can_run_ahead, engine_overlap_
 from specdecode.engine.processors import process_rows
 from specdecode.engine.protocol import BATCH_EXIT_RULES, Draft, Drafter, DraftPolicy
 from specdecode.engine.runner_target import is_runner_target, runner_target_parts, torch_threads
-from specdecode.engine.sampling import check_finite, logits_width, raise_non_finite
+from specdecode.engine.sampling import check_finite, logits_width, raise_invalid_distribution, raise_non_finite
 from specdecode.engine.shared_prefill import admit_shared, engine_shared_prefill, load_prompt_cache
 from specdecode.engine.stats import SpecDecodingStats
 from specdecode.engine.tree import TokenTree, draft_q, greedy_tree_verify, round_trees, tree_rejection_sample
 from specdecode.engine.verification import SampledRows, greedy_epilogue, greedy_verify, sample_rows
-from specdecode.errors import InvalidArgumentError
+from specdecode.errors import INVALID_DISTRIBUTION, InvalidArgumentError
 
 logger = logging.getLogger(__name__)
 
@@ -225,9 +225,9 @@ class BatchedSpeculativeDecoder(BatchRequests):
         self.stats = SpecDecodingStats()
         self.generator = torch.Generator(device=target.device)
         self.generator.seed()
-        #: True: a request that fails (its prefill raises, its target logits are not finite, its
-        #: sampling raises) ends alone with ``finish_reason="error"``; False: the error propagates
-        #: from ``step`` (``SpeculativeDecoder``, one sequence, raises as it always did).
+        #: True: a request that fails (its prefill raises, its target logits are not finite, its sampling
+        #: raises or draws from a law that is not one) ends alone with ``finish_reason="error"``; False: the
+        #: error propagates from ``step`` (``SpeculativeDecoder``, one sequence, raises as it always did).
         self.contain_errors = True
         #: Whether ``warm_up`` ran (a bench warms a compiling engine up once).
         self.warmed_up = False
@@ -511,6 +511,12 @@ class BatchedSpeculativeDecoder(BatchRequests):
             if more.rows:  # the round's second host sync, for all of them
                 decided.update(zip(more.rows, (tuple(v) for v in more.verdicts.tolist())))
             sampled.errors.update(more.errors)
+        for b in (b for b, verdict in decided.items() if verdict[1] < 0):  # not a distribution (``sampling.race``)
+            if not self.contain_errors:
+                if self.drafter is not None:  # the rows did not move: keep the drafter in step with them
+                    self.drafter.rollback([len(r.tokens) - 1 for r in rows])
+                raise_invalid_distribution()
+            sampled.errors[b] = f"request {rows[b].request_id} failed in its sampling: {INVALID_DISTRIBUTION}"
         gate_rows = []
         for b, row in enumerate(rows):
             kb = blocks[b]

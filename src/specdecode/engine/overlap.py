@@ -174,7 +174,8 @@ def next_tokens(choice: torch.Tensor, sampled: SampledRows | None) -> torch.Tens
     """
     out = choice[:, -1]
     if sampled is not None and sampled.rows:
-        out = out.index_copy(0, to_device(sampled.rows, choice.device), sampled.tokens())
+        # -1: a row whose distribution was not one (``sampling.race``); it fails at the read, its run ahead is dropped
+        out = out.index_copy(0, to_device(sampled.rows, choice.device), sampled.tokens().clamp_min(0))
     return out.reshape(-1, 1)
 
 

@@ -24,7 +24,7 @@ from transformers.generation.logits_process import (
 from specdecode.config import GenerationConfig
 from specdecode.engine.batch_cache import to_device
 from specdecode.engine.processors import DraftProcessing, LogitsProcessing, fit_width
-from specdecode.errors import NonFiniteLogitsError
+from specdecode.errors import INVALID_DISTRIBUTION, NonFiniteLogitsError
 
 
 #: Under top-p, a draft's q is warped over each row's this many most likely tokens (``Sampler.draft_probs``).
@@ -101,11 +101,13 @@ def generator_groups(samplers: Sequence[Sampler]) -> list[list[int]]:
 
 
 def draw_tokens(samplers: Sequence[Sampler], probs: torch.Tensor, rows: Sequence[int] | None = None,
-                failed: dict[int, Exception] | None = None) -> torch.Tensor:
-    """One token per row, drawn from ``probs`` by each row's sampler (``Sampler.sample``); rows whose samplers
-    share a generator are drawn in one ``torch.multinomial`` call, as vLLM's sampler draws the requests
-    without a seed together. A row with a generator of its own draws alone, the values it drew before, so a
-    seed gives the same tokens. Nothing is read back.
+                failed: dict[int, Exception] | None = None, check: bool = True) -> torch.Tensor:
+    """One token per row, drawn from ``probs`` by each row's generator with ``torch.multinomial``'s own method
+    (``race``: an exponential draw per entry, then one division and one ``argmax`` for all the rows). Rows
+    whose samplers share a generator draw their noise in one call, as vLLM's sampler draws its requests
+    without a seed together; a row with a generator of its own draws alone, on its row of the one noise
+    tensor, as vLLM's does for a seeded request. A row draws the values ``torch.multinomial`` draws for it
+    (checked on CPU), so a seed gives the same tokens as before. Nothing is read back.
 
     Args:
         samplers: Per drawn row, its sampler (m >= 0 rows).
@@ -114,53 +116,68 @@ def draw_tokens(samplers: Sequence[Sampler], probs: torch.Tensor, rows: Sequence
             (m = n).
         failed: None: a draw that raises propagates. A dict: the index i of each row whose draw raised is
             recorded with its exception (a shared draw that raises is retried row by row, so only a row whose
-            own draw fails is recorded) and its token is 0.
+            own draw fails is recorded); its token is any id.
+        check: ``race``'s check (a draft's q need not pass it: a NaN q's token is rejected).
 
     Returns:
-        (m,) long on ``probs``' device.
+        (m,) long on ``probs``' device; with ``check``, -1 for a row that is not a distribution (``race``).
     """
     if not samplers:
         return torch.empty(0, dtype=torch.long, device=probs.device)
-    rows = list(range(probs.shape[0])) if rows is None else list(rows)
-    order: list[int] = []
-    parts: list[torch.Tensor] = []
-    views = None  # each row's (1, V) view, split once for the rows drawing alone
+    m = len(samplers)
+    rows = None if rows is None else list(rows)
+    everyone = rows is None or rows == list(range(probs.shape[0]))
+    chosen = probs if everyone else probs.index_select(0, to_device(rows, probs.device))
+    noise = torch.empty_like(chosen)
     for group in generator_groups(samplers):
-        at = [rows[i] for i in group]
-        if at == list(range(probs.shape[0])):
-            one = probs
-        elif len(at) == 1:
-            views = probs.split(1) if views is None else views
-            one = views[at[0]]
-        else:
-            one = probs.index_select(0, to_device(at, probs.device))
         try:
-            parts.append(samplers[group[0]].sample(one))
+            if len(group) == m:
+                samplers[group[0]].exponential(noise)
+            elif len(group) == 1:
+                samplers[group[0]].exponential(noise[group[0]])  # its row of the noise, in place
+            else:
+                block = samplers[group[0]].exponential(noise.new_empty((len(group), noise.shape[-1])))
+                noise.index_copy_(0, to_device(group, noise.device), block)
         except Exception as exc:  # noqa: BLE001 -- recorded: the caller fails that row alone
             if failed is None:
                 raise
-            if len(group) == 1:
-                failed[group[0]] = exc
-                parts.append(torch.zeros(1, dtype=torch.long, device=probs.device))
-            else:  # a shared draw: each row alone, to find the ones that fail
-                drawn = []
-                for i in group:
-                    alone: dict[int, Exception] = {}
-                    drawn.append(draw_tokens([samplers[i]], probs, [rows[i]], alone))
-                    if alone:
-                        failed[i] = alone[0]
-                parts.append(torch.cat(drawn))
-        order.extend(group)
-    tokens = parts[0] if len(parts) == 1 else torch.cat(parts)
-    if order == list(range(len(order))):
+            for i in group:  # a shared draw: each row alone, to find the ones that fail
+                try:
+                    if len(group) == 1:
+                        raise exc
+                    samplers[i].exponential(noise[i])
+                except Exception as row_exc:  # noqa: BLE001 -- recorded, as above
+                    failed[i] = row_exc
+                    noise[i] = 1.0  # any positive noise: its token is dropped
+    return race(chosen, noise, check)
+
+
+def race(probs: torch.Tensor, noise: torch.Tensor, check: bool = True) -> torch.Tensor:
+    """Tokens drawn from ``probs`` given Exp(1) ``noise``: argmax(p / E), the exponential race (the Gumbel-max
+    trick) that ``torch.multinomial`` runs for one sample (reference: pytorch/pytorch#11931; the same division
+    into the noise, so the same tokens), with its input checks replaced by one on the drawn entry (``check``):
+    a row whose score there is not > 0 (NaN, or no mass) gets -1 rather than an error (on CUDA,
+    ``torch.multinomial``'s checks are device asserts that fail the device). Without ``check``, a row with a
+    NaN draws a NaN entry (``argmax`` takes NaN as the largest).
+
+    Args:
+        probs: (m, V) float32; noise: (m, V) float32, Exp(1) draws, overwritten with the scores.
+        check: Whether to give -1 for a row that is not a distribution.
+
+    Returns:
+        (m,) long.
+    """
+    scores = torch.div(probs, noise, out=noise)
+    tokens = scores.argmax(-1)
+    if not check:
         return tokens
-    return torch.empty_like(tokens).index_copy_(0, to_device(order, probs.device), tokens)
+    return torch.where(scores.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) > 0, tokens, -1)
 
 
 def safe_logits(logits: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
     """``logits`` with every position whose raw logits were not all finite set to zeros: a draw from them
-    (a uniform one) cannot fail (``torch.multinomial`` raises on NaN, or fails the device on CUDA) before
-    the round's one host sync reads ``finite`` and drops what was drawn. Positions whose raw logits were
+    is a uniform one, not a NaN distribution (``race``'s -1), until the round's one host sync reads ``finite``
+    and drops what was drawn. Positions whose raw logits were
     finite are untouched, the -inf of a processor's mask included.
 
     Args:
@@ -173,6 +190,16 @@ def safe_logits(logits: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
     """
     mask = finite if finite.dim() == logits.dim() else finite.unsqueeze(-1)
     return torch.where(mask, logits, 0.0)
+
+
+def raise_invalid_distribution() -> None:
+    """Raise ``NonFiniteLogitsError`` for a sampling distribution that came out NaN or without mass (``race``
+    gave -1): finite logits whose warping overflowed (a tiny temperature over huge logits).
+
+    Raises:
+        NonFiniteLogitsError: Always.
+    """
+    raise NonFiniteLogitsError(INVALID_DISTRIBUTION)
 
 
 def check_finite(logits: torch.Tensor, who: str) -> None:
@@ -327,13 +354,20 @@ class Sampler:
         Its logprob is kept when asked."""
         logits = self.process(logits)
         token = int(self.argmax(logits)[0]) if self.greedy else int(self.sample(self.probs(logits))[0])
+        if token < 0:
+            raise_invalid_distribution()
         if self.processors is not None:
             self.processors.record(0, logits, [token])
         return token
 
     def sample(self, probs: torch.Tensor) -> torch.Tensor:
-        """Draw one token per row. ``probs``: (m, V) -> (m,) long, using this sampler's generator."""
-        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+        """Draw one token per row with this sampler's generator (``race``: ``torch.multinomial``'s method and
+        draws). ``probs``: (m, V) -> (m,) long, -1 for a row that is not a distribution."""
+        return race(probs, self.exponential(torch.empty_like(probs)))
+
+    def exponential(self, out: torch.Tensor) -> torch.Tensor:
+        """``out`` filled in place with Exp(1) draws from this sampler's generator; returns it."""
+        return out.exponential_(generator=self.generator)
 
     def uniform(self, n: int, device: torch.device) -> torch.Tensor:
         """``n`` draws from U[0, 1) as a (n,) float32 tensor, from this sampler's generator."""

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdecode.engine.cost_model import check_count
-from specdecode.errors import InvalidArgumentError
+from specdecode.errors import INVALID_DISTRIBUTION, InvalidArgumentError, NonFiniteLogitsError
 
 
 @dataclass(frozen=True)
@@ -212,7 +212,7 @@ def tree_rejection_sample(sampler, target_probs: torch.Tensor, tree: TokenTree, 
         children = tree.children[node]
         for child in [c for c in children if c in draft_probs] + [c for c in children if c not in draft_probs]:
             total = float(p.sum())
-            if total <= 0.0:  # rounding only: every remaining token was proposed and rejected
+            if not total > 0.0:  # rounding: every remaining token was rejected; or a NaN q's residual
                 break
             x, q = tokens[child], draft_probs.get(child)
             u = float(sampler.uniform(1, p.device)[0])
@@ -227,9 +227,12 @@ def tree_rejection_sample(sampler, target_probs: torch.Tensor, tree: TokenTree, 
             else:  # Chen et al.'s residual, against p as it stands (normalised)
                 p, owned = torch.clamp(p / total - q, min=0.0), True
         if not moved:
-            if float(p.sum()) <= 0.0:
+            if not float(p.sum()) > 0.0:  # as above: drawing from p at the node is exact
                 p = target_probs[node]
-            return path, int(sampler.sample((p / p.sum()).unsqueeze(0))[0])
+            token = int(sampler.sample((p / p.sum()).unsqueeze(0))[0])
+            if token < 0:
+                raise NonFiniteLogitsError(INVALID_DISTRIBUTION)
+            return path, token
 
 
 def round_trees(draft, k: list[int], rows: Sequence, takes_trees: bool) -> tuple:

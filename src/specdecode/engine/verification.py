@@ -22,7 +22,7 @@ import torch
 
 from specdecode.engine.batch_cache import to_device
 from specdecode.engine.sampling import Sampler, draw_tokens, generator_groups, safe_logits, warped_probs
-from specdecode.errors import InvalidArgumentError
+from specdecode.errors import INVALID_DISTRIBUTION, InvalidArgumentError, NonFiniteLogitsError
 
 
 @dataclass(frozen=True)
@@ -86,8 +86,13 @@ def rejection_sample(
 
     Returns:
         The number of accepted draft tokens and the next token.
+
+    Raises:
+        NonFiniteLogitsError: The distribution the next token is drawn from is not one (NaN, or no mass).
     """
     num_accepted, next_token = rejection_sample_device(draft_tokens, draft_probs, target_probs, sampler).tolist()
+    if next_token < 0:
+        raise NonFiniteLogitsError(INVALID_DISTRIBUTION)
     return VerificationResult(num_accepted, next_token)
 
 
@@ -108,7 +113,7 @@ def rejection_sample_device(
     Returns:
         (2,) long on the probabilities' device: the number of accepted draft tokens and the next token
         (the replacement drawn from ``norm(max(0, p_n - q_n))`` at the first rejection n, or the bonus
-        token from p_γ when all are accepted).
+        token from p_γ when all are accepted; -1 when that law is not a distribution, ``sampling.race``).
     """
     gamma, device = draft_tokens.shape[0], target_probs.device
     rows = torch.arange(gamma, device=device)
@@ -144,7 +149,7 @@ def sample_block_device(sampler: Sampler, probs: torch.Tensor, proposed: torch.T
         draft_probs: (>= k, V) the draft's q, or None for a deterministic drafter (one-hot q).
 
     Returns:
-        (2,) long on ``probs``' device: the accepted draft tokens and the next token.
+        (2,) long on ``probs``' device: the accepted draft tokens and the next token (-1: ``sampling.race``).
     """
     if not proposed.shape[0]:
         return torch.cat([torch.zeros(1, dtype=torch.long, device=probs.device), sampler.sample(probs[:1])])
@@ -158,7 +163,8 @@ class SampledRows:
     Attributes:
         rows: The row indices decided, in order.
         verdicts: (len(rows), 2) long on the device, row ``rows[j]``'s accepted draft tokens and next token at
-            ``[j]``; None when ``rows`` is empty. Nothing is read back: the round reads them with its one sync.
+            ``[j]`` (-1: its law was not a distribution, ``sampling.race``; the engine fails the row); None when
+            ``rows`` is empty. Nothing is read back: the round reads them with its one sync.
         errors: Row index -> the message of its sampling, which raised (that row fails alone).
     """
 
@@ -197,8 +203,9 @@ def rejection_sample_rows(samplers: Sequence[Sampler], probs: torch.Tensor, draf
             the error propagates.
 
     Returns:
-        ((m', 2) long on the device, per row in order the accepted draft tokens and the next token, for the m'
-        rows whose draw did not raise; row j -> the exception of each row left out).
+        ((m', 2) long on the device, per row in order the accepted draft tokens and the next token (-1 where the
+        law it is drawn from is not a distribution, ``sampling.race``), for the m' rows whose draw did not raise;
+        row j -> the exception of each row left out).
 
     Raises:
         InvalidArgumentError: If a k_j is outside 0..W - 1 or the shapes disagree.
