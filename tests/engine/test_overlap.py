@@ -146,6 +146,31 @@ def test_overlapped_sampling_draws_the_same_tokens_with_the_same_seeds():
 
 
 @pytest.mark.usefixtures("one_thread")
+def test_a_row_whose_law_is_not_one_fails_alone_while_its_round_runs_ahead():
+    """A sampling row whose law turns NaN (``sampling.race`` gives -1 on the device) in an overlapped round: the
+    forward run ahead takes a valid id in its place (``next_tokens``), the row ends with "error" at the read, and
+    the other rows' tokens are those of rounds run one after the other."""
+    target = make_tiny_model("llama")
+    configs = [GenerationConfig(max_new_tokens=12, temperature=t, seed=100 + i, stop_on_eos=False)
+               for i, t in enumerate((0.7, 0.9, 0.9))]
+    expected = [r.token_ids for r in _engine(target, False).generate(PROMPTS[:3], configs)]
+    dec = _engine(target, True)
+    staged = Staged(dec)
+    ids = [dec.add(p, c) for p, c in zip(PROMPTS[:3], configs)]
+    dec.step()  # the prefills and a first round
+    broken = next(row for row in dec._rows if row.request_id == ids[0])
+    broken.sampler.probs = lambda logits: torch.full((logits.shape[0], dec.vocab_size), float("nan"))
+    ended = {}
+    while dec.has_work:
+        for event in dec.step():
+            if event.finish_reason:
+                ended[event.request_id] = event
+    assert ended[ids[0]].finish_reason == "error" and "sampling distribution was NaN" in ended[ids[0]].error
+    assert [ended[i].result.token_ids for i in ids[1:]] == expected[1:]
+    assert staged.count > 0
+
+
+@pytest.mark.usefixtures("one_thread")
 def test_a_request_joining_drops_the_forward_run_ahead_and_one_leaving_keeps_it_for_the_others():
     config, expected, dec, first, second = _two_rows_stepped("mistral", 12, 4)
     assert dec._ahead is not None  # a forward is in flight for the two rows
