@@ -165,7 +165,8 @@ class SampledRows:
         verdicts: (len(rows), 2) long on the device, row ``rows[j]``'s accepted draft tokens and next token at
             ``[j]`` (-1: its law was not a distribution, ``sampling.race``; the engine fails the row); None when
             ``rows`` is empty. Nothing is read back: the round reads them with its one sync.
-        errors: Row index -> the message of its sampling, which raised (that row fails alone).
+        errors: Row index -> the message of its sampling, which raised (that row fails alone); the engine adds
+            the rows whose verdict is -1.
     """
 
     rows: list[int] = field(default_factory=list)
