@@ -104,6 +104,27 @@ def test_prefill_settings_are_validated():
             BatchKVCache(target, 1, 16, **kw)
 
 
+def _with_first_row_broken(make_drafter, target, prompts, configs, probs):
+    """Run ``prompts`` alone as a reference, then again with the first request's ``sampler.probs`` replaced by
+    ``probs`` after the first step (the prefills and a first round): (expected tokens, request ids, each
+    request's streamed tokens, each request's last event)."""
+    reference = BatchedSpeculativeDecoder(target, make_drafter(), max_batch_size=3, max_length=48)
+    expected = [r.token_ids for r in reference.generate(prompts, configs)]
+    dec = BatchedSpeculativeDecoder(target, make_drafter(), max_batch_size=3, max_length=48)
+    ids = [dec.add(p, c) for p, c in zip(prompts, configs)]
+    out = {i: [] for i in ids}
+    ended = {}
+    for ev in dec.step():
+        out[ev.request_id].extend(ev.token_ids)
+    next(row for row in dec._rows if row.request_id == ids[0]).sampler.probs = probs
+    while dec.has_work:
+        for ev in dec.step():
+            out[ev.request_id].extend(ev.token_ids)
+            if ev.finish_reason:
+                ended[ev.request_id] = ev
+    return expected, ids, out, ended
+
+
 @pytest.mark.usefixtures("one_thread")
 def test_a_sampling_failure_ends_only_its_row():
     """One sampled row's warper raises in a round: that request ends with "error", the others finish. The
@@ -113,26 +134,11 @@ def test_a_sampling_failure_ends_only_its_row():
     prompts = PROMPTS[1:4]
     base = GenerationConfig(max_new_tokens=10, stop_on_eos=False)
     configs = [dataclasses.replace(base, temperature=0.8, seed=7 + r) for r in range(3)]
-    reference = BatchedSpeculativeDecoder(target, PromptLookupDrafter(), max_batch_size=3, max_length=48)
-    expected = [r.token_ids for r in reference.generate(prompts, configs)]
-
-    dec = BatchedSpeculativeDecoder(target, PromptLookupDrafter(), max_batch_size=3, max_length=48)
-    ids = [dec.add(p, c) for p, c in zip(prompts, configs)]
-    out = {i: [] for i in ids}
-    ended = {}
-    for ev in dec.step():  # the prefills and a first round
-        out[ev.request_id].extend(ev.token_ids)
-    broken = next(row for row in dec._rows if row.request_id == ids[0])
 
     def fail(logits):
         raise RuntimeError("warper failed")
 
-    broken.sampler.probs = fail
-    while dec.has_work:
-        for ev in dec.step():
-            out[ev.request_id].extend(ev.token_ids)
-            if ev.finish_reason:
-                ended[ev.request_id] = ev
+    expected, ids, out, ended = _with_first_row_broken(PromptLookupDrafter, target, prompts, configs, fail)
     assert ended[ids[0]].finish_reason == "error"
     assert f"request {ids[0]} failed in its sampling: RuntimeError: warper failed" in ended[ids[0]].error
     assert ended[ids[1]].finish_reason == ended[ids[2]].finish_reason == "length"
@@ -151,22 +157,10 @@ def test_a_distribution_that_is_not_one_ends_only_its_row():
     prompts = PROMPTS[1:4]
     base = GenerationConfig(max_new_tokens=10, stop_on_eos=False)
     configs = [dataclasses.replace(base, temperature=0.7 if r == 0 else 0.8, seed=7 + r) for r in range(3)]
-    reference = BatchedSpeculativeDecoder(target, DraftModelDrafter(draft), max_batch_size=3, max_length=48)
-    expected = [r.token_ids for r in reference.generate(prompts, configs)]
-
-    dec = BatchedSpeculativeDecoder(target, DraftModelDrafter(draft), max_batch_size=3, max_length=48)
-    ids = [dec.add(p, c) for p, c in zip(prompts, configs)]
-    out = {i: [] for i in ids}
-    ended = {}
-    for ev in dec.step():  # the prefills and a first round
-        out[ev.request_id].extend(ev.token_ids)
-    broken = next(row for row in dec._rows if row.request_id == ids[0])
-    broken.sampler.probs = lambda logits: torch.full((logits.shape[0], dec.vocab_size), float("nan"))
-    while dec.has_work:
-        for ev in dec.step():
-            out[ev.request_id].extend(ev.token_ids)
-            if ev.finish_reason:
-                ended[ev.request_id] = ev
+    vocab = target.get_output_embeddings().weight.shape[0]
+    expected, ids, out, ended = _with_first_row_broken(
+        lambda: DraftModelDrafter(draft), target, prompts, configs,
+        lambda logits: torch.full((logits.shape[0], vocab), float("nan")))
     assert ended[ids[0]].finish_reason == "error"
     assert ended[ids[0]].error == f"request {ids[0]} failed in its sampling: {INVALID_DISTRIBUTION}"
     assert ended[ids[1]].finish_reason == ended[ids[2]].finish_reason == "length"
