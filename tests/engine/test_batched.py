@@ -22,6 +22,7 @@ from specdecode.drafters import (
 from specdecode.drafters.control import DraftControl
 from specdecode.drafters.layer_skip import SkipSet
 from specdecode.engine.batch_cache import BatchKVCache, batch_forward
+from specdecode.engine import sampling
 from specdecode.engine.batched import BatchedSpeculativeDecoder
 from specdecode.errors import InvalidArgumentError
 
@@ -402,16 +403,20 @@ def test_max_verify_tokens_shrinks_blocks_as_the_batch_grows():
 
 
 @pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("method", ["draft", "draft+masked-exit", "cascade", "prompt-lookup"])
-def test_a_seeded_sampling_row_draws_the_same_tokens_in_a_batch_as_alone(method):
+@pytest.mark.parametrize("method", ["draft", "draft+masked-exit", "draft+top-tokens", "cascade", "prompt-lookup"])
+def test_a_seeded_sampling_row_draws_the_same_tokens_in_a_batch_as_alone(method, monkeypatch):
     """Each seeded sampling row draws from its own generator, in a batch as alone: a greedy row first (so the
     sampling rows are not the batch's first rows), sampling rows with different settings, requests without a seed
     between them (drawn together from the engine's generator), more requests than slots. The draft steps' draws
     and the verification's rejection sampling are batched over the rows (``drafters.base``,
-    ``verification.rejection_sample_rows``); a row taking another's draw or q fails this."""
+    ``verification.rejection_sample_rows``); a row taking another's draw or q fails this. "draft+top-tokens": the
+    top-p row's draft q is warped over its 8 most likely tokens (``Sampler.draft_probs``), in a batch as alone."""
+    if method == "draft+top-tokens":
+        monkeypatch.setattr(sampling, "DRAFT_TOP_TOKENS", 8)
     target = make_tiny_model("llama")
     draft = perturbed_copy(target, noise=0.3, seed=1)
     make = {"draft": lambda: DraftModelDrafter(draft), "draft+masked-exit": lambda: DraftModelDrafter(draft),
+            "draft+top-tokens": lambda: DraftModelDrafter(draft),
             "cascade": lambda: CascadeDrafter(draft),
             "prompt-lookup": lambda: PromptLookupDrafter()}[method]
     control = DraftControl(adaptive_exit=True, exit_mode="masked") if method.endswith("masked-exit") else None
