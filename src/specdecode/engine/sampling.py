@@ -75,14 +75,12 @@ def warped_probs(samplers: Sequence[Sampler], logits: torch.Tensor, ids: torch.T
             q = sampler.probs(two)
         return q.view(rows.shape[0], rows.shape[1], -1)
 
-    groups: dict = {}
-    for i, sampler in enumerate(samplers):
-        groups.setdefault(sampler.warp_key, []).append(i)
+    groups = grouped(samplers, lambda sampler: sampler.warp_key)
     if len(groups) == 1:
         out = warp(samplers[0], flat)
     else:
         out = None
-        for members in groups.values():
+        for members in groups:
             index = to_device(members, logits.device)  # pinned, non-blocking: no wait for the device
             q = warp(samplers[members[0]], flat.index_select(0, index))
             out = q.new_empty((shape[0], *q.shape[1:])) if out is None else out
@@ -90,14 +88,18 @@ def warped_probs(samplers: Sequence[Sampler], logits: torch.Tensor, ids: torch.T
     return out.view(*shape[:-1], -1)
 
 
-def generator_groups(samplers: Sequence[Sampler]) -> list[list[int]]:
-    """The indices of ``samplers`` grouped by the ``torch.Generator`` they draw from, in order of first
-    appearance: the rows of an engine's requests without a seed share its generator (``Sampler``), a seeded
-    request's row has its own."""
-    groups: dict[int, list[int]] = {}
+def grouped(samplers: Sequence[Sampler], key) -> list[list[int]]:
+    """The indices of ``samplers`` grouped by ``key(sampler)``, groups in order of first appearance."""
+    groups: dict = {}
     for j, sampler in enumerate(samplers):
-        groups.setdefault(id(sampler.generator), []).append(j)
+        groups.setdefault(key(sampler), []).append(j)
     return list(groups.values())
+
+
+def generator_groups(samplers: Sequence[Sampler]) -> list[list[int]]:
+    """The indices of ``samplers`` grouped by the ``torch.Generator`` they draw from (``grouped``): the rows of an
+    engine's requests without a seed share its generator (``Sampler``), a seeded request's row has its own."""
+    return grouped(samplers, lambda sampler: id(sampler.generator))
 
 
 def draw_tokens(samplers: Sequence[Sampler], probs: torch.Tensor, rows: Sequence[int] | None = None,
@@ -141,14 +143,16 @@ def draw_tokens(samplers: Sequence[Sampler], probs: torch.Tensor, rows: Sequence
         except Exception as exc:  # noqa: BLE001 -- recorded: the caller fails that row alone
             if failed is None:
                 raise
-            for i in group:  # a shared draw: each row alone, to find the ones that fail
-                try:
-                    if len(group) == 1:
-                        raise exc
-                    samplers[i].exponential(noise[i])
-                except Exception as row_exc:  # noqa: BLE001 -- recorded, as above
-                    failed[i] = row_exc
-                    noise[i] = 1.0  # any positive noise: its token is dropped
+            errors = {group[0]: exc} if len(group) == 1 else {}
+            if len(group) > 1:  # a shared draw: each row alone, to find the ones that fail
+                for i in group:
+                    try:
+                        samplers[i].exponential(noise[i])
+                    except Exception as row_exc:  # noqa: BLE001 -- recorded, as above
+                        errors[i] = row_exc
+            for i, row_exc in errors.items():
+                failed[i] = row_exc
+                noise[i] = 1.0  # any positive noise: its token is dropped
     return race(chosen, noise, check)
 
 
