@@ -8,11 +8,12 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import make_tiny_model
+from conftest import make_tiny_model, make_tiny_tokenizer
 from helpers import perturbed_copy
 from selfspec_helpers import one_thread  # noqa: F401 (a fixture)
 from specdecode import GenerationConfig, SpeculativeDecoder
 from specdecode.drafters import DraftModelDrafter, PromptLookupDrafter
+from specdecode.engine import batched
 from specdecode.engine.batch_cache import BatchKVCache
 from specdecode.engine.batched import BatchedSpeculativeDecoder
 from specdecode.engine.sampling import Sampler
@@ -104,13 +105,13 @@ def test_prefill_settings_are_validated():
             BatchKVCache(target, 1, 16, **kw)
 
 
-def _with_first_row_broken(make_drafter, target, prompts, configs, probs):
+def _with_first_row_broken(make_drafter, target, prompts, configs, probs, **engine):
     """Run ``prompts`` alone as a reference, then again with the first request's ``sampler.probs`` replaced by
     ``probs`` after the first step (the prefills and a first round): (expected tokens, request ids, each
-    request's streamed tokens, each request's last event)."""
-    reference = BatchedSpeculativeDecoder(target, make_drafter(), max_batch_size=3, max_length=48)
+    request's streamed tokens, each request's last event). ``engine``: more arguments of both engines."""
+    reference = BatchedSpeculativeDecoder(target, make_drafter(), max_batch_size=3, max_length=48, **engine)
     expected = [r.token_ids for r in reference.generate(prompts, configs)]
-    dec = BatchedSpeculativeDecoder(target, make_drafter(), max_batch_size=3, max_length=48)
+    dec = BatchedSpeculativeDecoder(target, make_drafter(), max_batch_size=3, max_length=48, **engine)
     ids = [dec.add(p, c) for p, c in zip(prompts, configs)]
     out = {i: [] for i in ids}
     ended = {}
@@ -147,20 +148,36 @@ def test_a_sampling_failure_ends_only_its_row():
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_a_distribution_that_is_not_one_ends_only_its_row():
+@pytest.mark.parametrize("late", [False, True], ids=["read", "late"])
+def test_a_distribution_that_is_not_one_ends_only_its_row(late, monkeypatch):
     """A sampled row whose warped target distribution comes out NaN in a round (finite logits whose warping
     overflowed; ``sampling.race`` gives -1 on the device) ends with "error" at the round's read, and the other
-    rows finish as they would have. One sequence (``SpeculativeDecoder``, errors not contained): the round
-    raises ``NonFiniteLogitsError``; so does a NaN first token after the prefill."""
+    rows finish as they would have. "late": the row has banned words, so its block is known only after the
+    read and it samples after it (``sample_rows``' ``live``); its -1 still ends it. One sequence
+    (``SpeculativeDecoder``, errors not contained): the round raises ``NonFiniteLogitsError``; so does a NaN
+    first token after the prefill."""
     target = make_tiny_model("qwen2", num_layers=2)
     draft = perturbed_copy(target, noise=0.3, seed=1)
     prompts = PROMPTS[1:4]
     base = GenerationConfig(max_new_tokens=10, stop_on_eos=False)
     configs = [dataclasses.replace(base, temperature=0.7 if r == 0 else 0.8, seed=7 + r) for r in range(3)]
+    engine = {}
+    if late:  # a word no output holds: every round cuts nothing, but the row's block waits for the read
+        configs[0] = dataclasses.replace(configs[0], banned_words=("not-a-word",))
+        engine = dict(tokenizer=make_tiny_tokenizer())
+        lives, sample_rows = [], batched.sample_rows
+
+        def spied(*args, **kwargs):
+            lives.append(kwargs.get("live"))
+            return sample_rows(*args, **kwargs)
+
+        monkeypatch.setattr(batched, "sample_rows", spied)
     vocab = target.get_output_embeddings().weight.shape[0]
     expected, ids, out, ended = _with_first_row_broken(
         lambda: DraftModelDrafter(draft), target, prompts, configs,
-        lambda logits: torch.full((logits.shape[0], vocab), float("nan")))
+        lambda logits: torch.full((logits.shape[0], vocab), float("nan")), **engine)
+    if late:
+        assert [0] in lives  # row 0 sampled late, alone
     assert ended[ids[0]].finish_reason == "error"
     assert ended[ids[0]].error == f"request {ids[0]} failed in its sampling: {INVALID_DISTRIBUTION}"
     assert ended[ids[1]].finish_reason == ended[ids[2]].finish_reason == "length"
@@ -178,11 +195,11 @@ def test_a_distribution_that_is_not_one_ends_only_its_row():
 
     for first, when in ((1, "a round"), (0, "the first token")):
         calls.clear()
-        one = SpeculativeDecoder(target, DraftModelDrafter(draft))
+        one = SpeculativeDecoder(target, DraftModelDrafter(draft), **engine)
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(Sampler, "probs", nan_after(first))
             with pytest.raises(NonFiniteLogitsError, match="sampling distribution was NaN"):
-                one.generate(torch.tensor([prompts[0]]), configs[1])
+                one.generate(torch.tensor([prompts[0]]), configs[0])
         assert len(calls) > first, when
 
 

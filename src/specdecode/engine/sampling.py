@@ -3,7 +3,8 @@
 Temperature, top-k, top-p and min-p are applied with transformers' own logits warpers,
 so the draft and the target distributions are shaped alike before the speculative-sampling
 test compares them (under top-p, a draft's q over its ``DRAFT_TOP_TOKENS`` most likely tokens:
-``Sampler.draft_probs``; exactness holds for any q). The context-dependent processors (penalties,
+``Sampler.draft_probs``; exactness holds for any q; on a CPU, the target's nucleus found without sorting every
+logit: ``Sampler.nucleus_probs``). The context-dependent processors (penalties,
 ``logit_bias``) and logprobs are ``engine.processors``'s; a ``Sampler`` carries a generation's
 ``LogitsProcessing`` once ``start`` gave it the prompt.
 """
@@ -29,6 +30,10 @@ from specdecode.errors import INVALID_DISTRIBUTION, NonFiniteLogitsError
 
 #: Under top-p, a draft's q is warped over each row's this many most likely tokens (``Sampler.draft_probs``).
 DRAFT_TOP_TOKENS = 4096
+
+#: Under top-p on a CPU, the target's ``Sampler.probs`` looks for each row's nucleus among this many most likely
+#: tokens, then among the next count, before sorting every logit (``Sampler.nucleus_probs``); () turns it off.
+NUCLEUS_CANDIDATES = (256, 4096)
 
 
 def logits_width(model: torch.nn.Module) -> int:
@@ -273,6 +278,11 @@ class Sampler:
             if config.min_p > 0.0:
                 warpers.append(MinPLogitsWarper(min_p=config.min_p))
         self._warpers = warpers
+        # The same warpers split around top-p, for ``nucleus_probs``: temperature and top-k, then min-p.
+        split = next((i for i, w in enumerate(warpers) if isinstance(w, TopPLogitsWarper)), None)
+        self._top_p = None if split is None else config.top_p
+        self._before_top_p = LogitsProcessorList(warpers[:split])
+        self._after_top_p = LogitsProcessorList(warpers[split + 1:] if split is not None else [])
         #: Rows whose samplers share this key shape logits alike (``warped_probs`` warps them together).
         self.warp_key = None if self.greedy else (config.temperature, config.top_k, config.top_p, config.min_p)
         self._no_ids = torch.empty(0, dtype=torch.long)
@@ -311,9 +321,57 @@ class Sampler:
         return fit_width(logits, self.vocab_size).argmax(dim=-1)
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """Warped distributions. ``logits``: (m, V') any float dtype -> (m, V) float32, rows sum to 1."""
-        scores = self._warpers(self._no_ids, fit_width(logits, self.vocab_size).float())
-        return torch.softmax(scores, dim=-1)
+        """Warped distributions. ``logits``: (m, V') any float dtype -> (m, V) float32, rows sum to 1.
+
+        Under top-p on a CPU, the same law without sorting every logit where a row's nucleus lies among its
+        most likely tokens (``nucleus_probs``)."""
+        scores = fit_width(logits, self.vocab_size).float()
+        if self._top_p is not None and scores.device.type == "cpu" and NUCLEUS_CANDIDATES:
+            return self.nucleus_probs(scores)
+        return torch.softmax(self._warpers(self._no_ids, scores), dim=-1)
+
+    def nucleus_probs(self, scores: torch.Tensor) -> torch.Tensor:
+        """``probs`` under top-p, each row computed over its K most likely tokens for the first K of
+        ``NUCLEUS_CANDIDATES`` whose mass reaches top_p in that row; a row where none does (a flat
+        distribution, or NaN) is warped over every logit, as ``probs`` does without this.
+
+        transformers' ``TopPLogitsWarper`` sorts all V logits (about 5 ms a row for Qwen2.5's V = 151,936 on a
+        2-core CPU) to remove each token whose ascending cumulative probability is at most 1 - top_p: the
+        tokens the more likely ones before them already give top_p. The same rule over the K most likely tokens
+        (``topk``, about 0.1 ms a row at K = 256), with the probabilities normalized over all V, keeps the same
+        tokens whenever those K hold top_p of the mass: every token past them is removed by the rule anyway.
+        This is the law of ``probs``, not an approximation of it: the kept set is the same up to the rounding
+        of a cumulative sum taken in the other direction (a token at the boundary, in rare flat rows), and the
+        order among tied logits, which a sort leaves open too. Temperature and top-k act before, min-p after,
+        as in ``probs``. A row's result depends on that row only. Each candidate K costs one read of a (m,)
+        flag, free on a CPU; ``probs`` uses this on CPU only (a GPU sorts V logits in microseconds, and the
+        read would be a host sync).
+
+        Args:
+            scores: (m, V) float32 logits, cut to V.
+
+        Returns:
+            (m, V) float32, rows sum to 1 and are zero outside their nucleus.
+        """
+        warped = self._before_top_p(self._no_ids, scores)
+        log_norm = torch.logsumexp(warped, dim=-1, keepdim=True)
+        out = rest = None  # the rows placed so far (the others zero); the rows left to place (None: all)
+        for k in NUCLEUS_CANDIDATES:
+            if k >= scores.shape[-1]:
+                break
+            top, ids = (warped if rest is None else warped.index_select(0, rest)).topk(k, dim=-1)  # descending
+            p = torch.exp(top - (log_norm if rest is None else log_norm.index_select(0, rest)))
+            mass = p.cumsum(dim=-1)
+            kept = torch.where(mass - p < self._top_p, top, -float("inf"))  # the mass before a token: < top_p
+            q = torch.softmax(self._after_top_p(self._no_ids, kept), dim=-1)
+            done = mass[:, -1] >= self._top_p  # False for a NaN row
+            fill = q.new_zeros((q.shape[0], scores.shape[-1])).scatter_(1, ids, torch.where(done[:, None], q, 0.0))
+            out = fill if out is None else out.index_add_(0, rest, fill)
+            if bool(done.all()):
+                return out
+            rest = (torch.arange(len(q)) if rest is None else rest)[~done]
+        full = torch.softmax(self._warpers(self._no_ids, scores if rest is None else scores.index_select(0, rest)), -1)
+        return full if out is None else out.index_copy_(0, rest, full)
 
     def draft_probs(self, logits: torch.Tensor) -> torch.Tensor:
         """A draft model's q: ``probs``, but under top-p with a top-k of K = ``DRAFT_TOP_TOKENS`` before the
@@ -322,7 +380,8 @@ class Sampler:
         sorts every logit: about 5-12 ms a row for Qwen2.5's V = 151,936 on a 2-core CPU, against about 0.6 ms
         for this ``topk``, and a draft step warps every row. Speculative sampling is exact for any q the draft's
         tokens are drawn from (Leviathan et al. 2022), so only acceptance can move: with the real Qwen pair it
-        did not (``docs/benchmarks/2026-11-29-draft-top-p.md``). The target's ``probs`` are never truncated.
+        did not (``docs/benchmarks/2026-11-29-draft-top-p.md``). The target's ``probs`` are never truncated
+        (``nucleus_probs`` finds the same nucleus without a sort).
 
         Args:
             logits: (m, V') any float dtype.

@@ -1,0 +1,92 @@
+"""``engine.sampling.Sampler.probs`` under top-p on a CPU: the nucleus found among a row's most likely tokens
+(``Sampler.nucleus_probs``) is the one transformers' ``TopPLogitsWarper`` finds by sorting every logit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdecode.config import GenerationConfig
+from specdecode.engine import sampling
+from specdecode.engine.sampling import Sampler
+
+SETTINGS = [dict(temperature=0.7, top_p=0.9), dict(temperature=1.0, top_p=0.5), dict(temperature=1.3, top_p=0.95),
+            dict(temperature=1.0, top_k=40, top_p=0.8), dict(temperature=1.2, top_p=0.9, min_p=0.02)]
+
+
+def _logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    """Rows from peaked (a nucleus of a few tokens) to flat (a nucleus of most of the vocabulary)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=g) * torch.linspace(0.2, 4.0, rows).unsqueeze(1)
+    logits[:, :5] += torch.linspace(0.0, 9.0, rows).unsqueeze(1)
+    return logits
+
+
+def _whole_vocabulary(sampler: Sampler, logits: torch.Tensor, monkeypatch) -> torch.Tensor:
+    with monkeypatch.context() as m:
+        m.setattr(sampling, "NUCLEUS_CANDIDATES", ())
+        return sampler.probs(logits)
+
+
+@pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()))
+def test_the_nucleus_among_the_most_likely_tokens_is_the_whole_vocabularys(settings, monkeypatch):
+    """Same kept tokens, same probabilities (to float32 rounding) as the warpers over all V logits, for rows
+    whose nucleus fits the first candidate, the second, or neither (those are warped over all V)."""
+    monkeypatch.setattr(sampling, "NUCLEUS_CANDIDATES", (8, 64))
+    V = 500
+    logits = _logits(48, V, seed=1)
+    sampler = Sampler(GenerationConfig(seed=0, **settings), V, "cpu")
+    want = _whole_vocabulary(sampler, logits, monkeypatch)
+    nucleus = (want > 0).sum(-1)
+    got = sampler.probs(logits)
+    assert torch.equal(got > 0, want > 0)
+    assert torch.allclose(got, want, atol=1e-6, rtol=1e-5)
+    # every path ran: nuclei within 8 tokens, within 64, and past 64
+    assert (nucleus <= 8).any() and ((nucleus > 8) & (nucleus <= 64)).any()
+    if "top_k" not in settings:
+        assert (nucleus > 64).any()
+
+
+def test_a_rows_nucleus_does_not_depend_on_its_neighbours(monkeypatch):
+    """Each row gets, bit for bit, what it gets alone, whichever candidate its neighbours needed: a seeded
+    request draws the same tokens in a batch as alone."""
+    monkeypatch.setattr(sampling, "NUCLEUS_CANDIDATES", (8, 64))
+    logits = _logits(12, 500, seed=2)
+    sampler = Sampler(GenerationConfig(temperature=1.0, top_p=0.9, seed=0), 500, "cpu")
+    together = sampler.probs(logits)
+    for i in range(len(logits)):
+        assert torch.equal(together[i], sampler.probs(logits[i:i + 1])[0]), i
+
+
+def test_a_nan_row_and_a_row_of_one_token_keep_their_meaning(monkeypatch):
+    """A NaN row stays NaN (``race`` then gives -1, the invalid-distribution error), as over the whole
+    vocabulary; a row whose first token holds top_p is that token alone; its neighbours are unaffected."""
+    monkeypatch.setattr(sampling, "NUCLEUS_CANDIDATES", (4,))
+    logits = _logits(3, 50, seed=3)
+    logits[1] = float("nan")
+    logits[2, 7] = 40.0
+    sampler = Sampler(GenerationConfig(temperature=1.0, top_p=0.9, seed=0), 50, "cpu")
+    got = sampler.probs(logits)
+    want = _whole_vocabulary(sampler, logits, monkeypatch)
+    assert torch.isnan(got[1]).all() and torch.isnan(want[1]).all()
+    assert torch.equal(got[2], torch.nn.functional.one_hot(torch.tensor(7), 50).float())
+    assert torch.allclose(got[0], want[0], atol=1e-6) and torch.equal(got[0] > 0, want[0] > 0)
+    assert sampler.sample(got[1:2]).tolist() == [-1]
+
+
+def test_the_nucleus_path_is_used_under_top_p_only(monkeypatch):
+    """``probs`` takes ``nucleus_probs`` on a CPU under top-p, and not without top-p or when greedy."""
+    calls = []
+    original = Sampler.nucleus_probs
+
+    def spied(self, scores):
+        calls.append(scores.shape)
+        return original(self, scores)
+
+    monkeypatch.setattr(Sampler, "nucleus_probs", spied)
+    logits = _logits(2, 100, seed=4)
+    Sampler(GenerationConfig(temperature=0.8, top_p=0.9), 100, "cpu").probs(logits)
+    assert calls == [(2, 100)]
+    Sampler(GenerationConfig(temperature=0.8, top_k=5), 100, "cpu").probs(logits)
+    Sampler(GenerationConfig(temperature=0.0, top_p=0.9), 100, "cpu").probs(logits)
+    assert calls == [(2, 100)]
