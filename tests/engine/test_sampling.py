@@ -90,3 +90,20 @@ def test_the_nucleus_path_is_used_under_top_p_only(monkeypatch):
     Sampler(GenerationConfig(temperature=0.8, top_k=5), 100, "cpu").probs(logits)
     Sampler(GenerationConfig(temperature=0.0, top_p=0.9), 100, "cpu").probs(logits)
     assert calls == [(2, 100)]
+
+
+def test_exponential_draws_are_torchs_own_on_a_cpu():
+    """``Sampler.exponential`` fills what ``Tensor.exponential_`` gives with the same generator, bit for bit, and
+    leaves the generator where it leaves it: seeded tokens do not change with the faster method. If a torch
+    release changes its CPU method, this fails and the docstring's claim must go."""
+    for seed, shape in ((0, (3, 1000)), (1, (7,)), (2, (2, 151936))):
+        sampler = Sampler(GenerationConfig(temperature=1.0, seed=seed), 10, "cpu")
+        reference = torch.Generator().manual_seed(seed)
+        out = torch.empty(shape)
+        assert sampler.exponential(out) is out
+        assert torch.equal(out, torch.empty(shape).exponential_(generator=reference))
+        assert torch.equal(sampler.generator.get_state(), reference.get_state())
+    row = torch.zeros(3, 50)  # a row of a larger tensor, in place (``draw_tokens`` draws a seeded row so)
+    Sampler(GenerationConfig(temperature=1.0, seed=4), 10, "cpu").exponential(row[1])
+    assert torch.equal(row[1], torch.empty(50).exponential_(generator=torch.Generator().manual_seed(4)))
+    assert not row[0].any() and not row[2].any()
