@@ -1,14 +1,10 @@
 """Sampling's cost on a CPU: each change that made it cheaper, against what came before it, end to end.
 
-Three changes of 2026-11-29 and 2026-11-30 cut the host's work of sampling with V = 151,936 logits:
+Two changes of 2026-11-30 cut the host's work of sampling with V = 151,936 logits:
 
-- ``--side draft``: ``Sampler.draft_probs`` warps a draft model's q under top-p over each row's
-  ``sampling.DRAFT_TOP_TOKENS`` most likely tokens. Before: the whole-vocabulary q (``DRAFT_TOP_TOKENS`` set
-  past V), whose ``TopPLogitsWarper`` sorts every logit. Speculative sampling is exact for any q, so only
-  speed and acceptance can differ.
-- ``--side target``: ``Sampler.nucleus_probs`` finds the target's nucleus under top-p among each row's
-  ``sampling.NUCLEUS_CANDIDATES`` most likely tokens, the same law as the sort. Before: the sort
-  (``NUCLEUS_CANDIDATES = ()``).
+- ``--side nucleus``: ``Sampler.nucleus_probs`` finds a row's nucleus under top-p (the target's p and the
+  draft's q) among its ``sampling.NUCLEUS_CANDIDATES`` most likely tokens, the same law as the sort. Before:
+  transformers' ``TopPLogitsWarper`` sorting every logit (``NUCLEUS_CANDIDATES = ()``).
 - ``--side draws``: ``Sampler.exponential`` fills the race's Exp(1) noise from float64 uniforms, the values
   ``Tensor.exponential_`` gives, bit for bit. Before: ``exponential_`` itself.
 
@@ -21,7 +17,7 @@ prompts gave the same tokens in all four runs.
 Usage (from the project root, alone on the machine)::
 
     flock /tmp/specdecode-bench.lock env OMP_NUM_THREADS=2 python docs/benchmarks/sampling_cost.py \\
-        --side target --prompts 5 --top-p 0.95
+        --side nucleus --prompts 5 --top-p 0.95
 
 About 6 minutes on a 2-core EPYC. Per-run lines go to stderr; the table to stdout.
 """
@@ -52,9 +48,7 @@ def _exponential_(self, out: torch.Tensor) -> torch.Tensor:  # ``Sampler.exponen
 #: Per side: the table's column, then the object and attribute switched, and per arm (before, now) its label and
 #: value; "now" is the attribute as the tree has it.
 SIDES = {
-    "draft": ("draft q", sampling, "DRAFT_TOP_TOKENS", "whole vocabulary", 10**9,
-              f"top {sampling.DRAFT_TOP_TOKENS}"),
-    "target": ("target nucleus", sampling, "NUCLEUS_CANDIDATES", "sort of all V", (),
+    "nucleus": ("nucleus", sampling, "NUCLEUS_CANDIDATES", "sort of all V", (),
                "top " + ", then ".join(map(str, sampling.NUCLEUS_CANDIDATES))),
     "draws": ("Exp(1) noise", sampling.Sampler, "exponential", "exponential_", _exponential_,
               "float64 rand, log1p"),
@@ -63,7 +57,7 @@ SIDES = {
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--side", choices=sorted(SIDES), default="draft", help="which change to measure (see above)")
+    p.add_argument("--side", choices=sorted(SIDES), default="nucleus", help="which change to measure (see above)")
     p.add_argument("--prompts", type=int, default=5, help="prompts per set (HumanEval, Spec-Bench)")
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--temperature", type=float, default=0.8)

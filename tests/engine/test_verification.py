@@ -16,6 +16,7 @@ import torch
 from conftest import make_tiny_model
 from helpers import perturbed_copy
 from specdecode import DraftModelDrafter, GenerationConfig, SpeculativeDecoder
+from specdecode.drafters import base as drafters_base
 from specdecode.engine import sampling
 from specdecode.engine.sampling import Sampler, draw_tokens, safe_logits, warped_probs
 from specdecode.engine.verification import (VerificationResult as R, greedy_verify, rejection_sample,
@@ -103,24 +104,25 @@ def _verified_cells(exact: dict) -> tuple[list, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    "temperature,top_k,top_p,draft_top", [(1.0, 0, 1.0, None), (0.7, 5, 1.0, None), (1.3, 0, 0.85, None),
-                                          (1.3, 0, 0.85, 3)],
-    ids=["t1", "t0.7-topk5", "t1.3-topp", "t1.3-topp-draft-top3"]
+    "temperature,top_k,top_p,nucleus", [(1.0, 0, 1.0, False), (0.7, 5, 1.0, False), (1.3, 0, 0.85, False),
+                                        (1.3, 0, 0.85, True)],
+    ids=["t1", "t0.7-topk5", "t1.3-topp", "t1.3-topp-nucleus"]
 )
-def test_speculative_sampling_matches_target_distribution(temperature, top_k, top_p, draft_top, monkeypatch):
-    """Tokens 2 and 3 (verified) follow the target's exact law; "draft-top3": the draft's q under top-p is warped
-    over its 3 most likely tokens only (``Sampler.draft_probs``), the target's law still holds."""
-    truncated = []
-    if draft_top is not None:
-        monkeypatch.setattr(sampling, "DRAFT_TOP_TOKENS", draft_top)
-        draft_probs = Sampler.draft_probs
+def test_speculative_sampling_matches_target_distribution(temperature, top_k, top_p, nucleus, monkeypatch):
+    """Tokens 2 and 3 (verified) follow the target's exact law; "nucleus": the decoder's p and q under top-p come
+    from ``Sampler.nucleus_probs`` over each row's 6, then 7, most likely tokens (a spy checks that the first count
+    placed some rows and left others), while the exact law is computed with transformers' ``TopPLogitsWarper``
+    over all 8."""
+    found = []
+    monkeypatch.setattr(sampling, "NUCLEUS_CANDIDATES", (6, 7) if nucleus else ())
+    if nucleus:
+        topk = torch.Tensor.topk
 
-        def spied(self, logits):
-            q = draft_probs(self, logits)
-            truncated.append(int((q > 0).sum(-1).max()))
-            return q
+        def spied(self, k, *args, **kwargs):  # the nucleus' candidates: how many rows each count looked at
+            found.append((k, self.shape[0]))
+            return topk(self, k, *args, **kwargs)
 
-        monkeypatch.setattr(Sampler, "draft_probs", spied)
+        monkeypatch.setattr(torch.Tensor, "topk", spied)
     V, N, steps = 8, 2000, 3
     target = make_tiny_model("llama", num_layers=1, vocab_size=V, hidden_size=16, intermediate_size=32)
     with torch.no_grad():
@@ -128,7 +130,10 @@ def test_speculative_sampling_matches_target_distribution(temperature, top_k, to
     draft = perturbed_copy(target, noise=2.0, seed=3)
     prompt = torch.tensor([[3, 5, 4]])
     base = dict(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=steps, stop_on_eos=False)
-    exact = _exact_joint(target, prompt, GenerationConfig(**base), steps)
+    with monkeypatch.context() as whole:  # transformers' warpers over all V
+        whole.setattr(sampling, "NUCLEUS_CANDIDATES", ())
+        exact = _exact_joint(target, prompt, GenerationConfig(**base), steps)
+    found.clear()
     keys, want = _verified_cells(exact)
 
     dec = SpeculativeDecoder(target, DraftModelDrafter(draft))
@@ -152,8 +157,9 @@ def test_speculative_sampling_matches_target_distribution(temperature, top_k, to
     assert 0.05 < mean_rate < 0.95, "the draft must be rejected often for this test to mean anything"
     assert _within(counts / N, want, N)
     assert not _within(draft_law, want, N)
-    if draft_top is not None:  # every draft step's q was the truncated one
-        assert truncated and max(truncated) <= draft_top
+    if nucleus:  # rows whose nucleus the first count held, and rows that needed the second
+        rows = {k: sum(r for kk, r in found if kk == k) for k in (6, 7)}
+        assert rows[6] > rows[7] > 0, rows
 
 
 def test_warped_probs_gives_each_row_its_own_distribution():
@@ -379,31 +385,6 @@ def test_a_shared_uniform_draw_that_raises_is_retried_row_by_row(broken):
     assert verdicts.tolist() == [[ks[j], bonus[j]] for j in range(4) if j not in broken]
 
 
-def test_a_draft_q_under_top_p_is_warped_over_its_most_likely_tokens(monkeypatch):
-    """``Sampler.draft_probs``: under top-p, the warpers over each row's ``DRAFT_TOP_TOKENS`` most likely logits,
-    zero elsewhere; without top-p, or with fewer logits than that, ``probs`` itself. With a top-k within those
-    tokens, the same distribution as ``probs``."""
-    monkeypatch.setattr(sampling, "DRAFT_TOP_TOKENS", 4)
-    V = 10
-    logits = torch.tensor([[0.1, 2.0, -1.0, 1.5, 0.3, 1.9, -0.5, 1.0, 0.0, 0.8],
-                           [3.0, 0.2, 0.1, 0.0, -0.1, 0.3, 0.25, 0.15, 0.05, 0.12]])
-    top_p = Sampler(GenerationConfig(temperature=0.9, top_p=0.9), V, "cpu")
-    q = top_p.draft_probs(logits)
-    ids = logits.topk(4, dim=-1).indices
-    kept = torch.zeros_like(q, dtype=torch.bool).scatter_(1, ids, True)
-    assert torch.allclose(q.sum(-1), torch.ones(2)) and not q[~kept].any()
-    # a top-k of 4 before the same top-p: what a sampler with top_k=4 gives over the whole vocabulary
-    assert torch.allclose(q, Sampler(GenerationConfig(temperature=0.9, top_k=4, top_p=0.9), V, "cpu").probs(logits))
-    full = top_p.probs(logits)
-    assert not torch.allclose(q, full)  # row 0's nucleus reaches past its 4 most likely tokens
-    plain = Sampler(GenerationConfig(temperature=0.9), V, "cpu")
-    assert torch.equal(plain.draft_probs(logits), plain.probs(logits))
-    top_k = Sampler(GenerationConfig(temperature=0.9, top_k=3, top_p=0.95), V, "cpu")
-    assert torch.allclose(top_k.draft_probs(logits), top_k.probs(logits), atol=1e-6)
-    monkeypatch.setattr(sampling, "DRAFT_TOP_TOKENS", V)
-    assert torch.equal(top_p.draft_probs(logits), top_p.probs(logits))
-
-
 def test_draw_tokens_draws_what_torch_multinomial_draws():
     """A seeded row draws the token ``torch.multinomial`` draws with its generator, and rows sharing a generator
     the tokens one ``torch.multinomial`` call over them draws, generator states included (on CPU): the
@@ -428,19 +409,19 @@ def test_draw_tokens_draws_what_torch_multinomial_draws():
 
 
 def test_a_draft_q_that_is_not_a_distribution_only_loses_its_tokens(monkeypatch):
-    """A draft q that is NaN on some tokens and 0 on the rest (a truncated q whose warping overflowed) draws a
+    """A draft q that is NaN on some tokens and 0 on the rest (a q whose warping overflowed) draws a
     token where it is NaN (unchecked ``race``), and verification rejects it (u * NaN < p is false), then draws
     from the target: every drafted token is rejected, no error, every requested token comes out."""
     V = 8
     target = make_tiny_model("llama", num_layers=1, vocab_size=V, hidden_size=16, intermediate_size=32)
     draft = perturbed_copy(target, noise=0.3, seed=3)
 
-    def nan_q(self, logits):
+    def nan_q(samplers, logits, ids=None):  # the draft steps' ``warped_probs``; the target's p is untouched
         q = torch.zeros(logits.shape[0], V)
         q[:, 5:] = float("nan")
         return q
 
-    monkeypatch.setattr(Sampler, "draft_probs", nan_q)
+    monkeypatch.setattr(drafters_base, "warped_probs", nan_q)
     dec = SpeculativeDecoder(target, DraftModelDrafter(draft))
     for seed in range(5):
         res = dec.generate(torch.tensor([[3, 5, 4]]), GenerationConfig(temperature=1.3, seed=seed, max_new_tokens=8,

@@ -202,8 +202,7 @@ def _sampled_step(logits: torch.Tensor, token: torch.Tensor, samplers: list[Samp
         float32 q's.
     """
     warped = warped_probs([samplers[b] for b in sampled],  # (len(sampled), V)
-                          logits if sampled_index is None else logits.index_select(0, sampled_index), head_ids,
-                          draft=True)
+                          logits if sampled_index is None else logits.index_select(0, sampled_index), head_ids)
     drawing = [j for j, b in enumerate(sampled) if active[b]]
     if sampled_index is not None:  # not every row samples: each row's q's are kept as views
         views = warped.split(1)

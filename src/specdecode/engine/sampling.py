@@ -2,9 +2,8 @@
 
 Temperature, top-k, top-p and min-p are applied with transformers' own logits warpers,
 so the draft and the target distributions are shaped alike before the speculative-sampling
-test compares them (under top-p, a draft's q over its ``DRAFT_TOP_TOKENS`` most likely tokens:
-``Sampler.draft_probs``; exactness holds for any q; on a CPU, the target's nucleus found without sorting every
-logit: ``Sampler.nucleus_probs``). The context-dependent processors (penalties,
+test compares them (under top-p on a CPU, each row's nucleus is found without sorting every logit:
+``Sampler.nucleus_probs``). The context-dependent processors (penalties,
 ``logit_bias``) and logprobs are ``engine.processors``'s; a ``Sampler`` carries a generation's
 ``LogitsProcessing`` once ``start`` gave it the prompt.
 """
@@ -28,10 +27,7 @@ from specdecode.engine.processors import DraftProcessing, LogitsProcessing, fit_
 from specdecode.errors import INVALID_DISTRIBUTION, NonFiniteLogitsError
 
 
-#: Under top-p, a draft's q is warped over each row's this many most likely tokens (``Sampler.draft_probs``).
-DRAFT_TOP_TOKENS = 4096
-
-#: Under top-p on a CPU, the target's ``Sampler.probs`` looks for each row's nucleus among this many most likely
+#: Under top-p on a CPU, ``Sampler.probs`` looks for each row's nucleus among this many most likely
 #: tokens, then among the next count, before sorting every logit (``Sampler.nucleus_probs``); () turns it off.
 NUCLEUS_CANDIDATES = (256, 4096)
 
@@ -50,9 +46,8 @@ def logits_width(model: torch.nn.Module) -> int:
     return int(getattr(head, "out_features", None) or head.weight.shape[0])
 
 
-def warped_probs(samplers: Sequence[Sampler], logits: torch.Tensor, ids: torch.Tensor | None = None,
-                 draft: bool = False) -> torch.Tensor:
-    """Each row's ``Sampler.probs`` (with ``ids``, ``probs_over``; with ``draft``, ``draft_probs``), rows whose
+def warped_probs(samplers: Sequence[Sampler], logits: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's ``Sampler.probs`` (with ``ids``, ``probs_over``), rows whose
     samplers share a ``warp_key`` warped in one call, by the group's first sampler: the warpers act row by row,
     so each row gets the values it gets alone (checked on CPU; on CUDA a batched softmax may round a last bit
     differently, so a seed's draw could rarely differ, the law never), with a handful of operations per
@@ -62,7 +57,6 @@ def warped_probs(samplers: Sequence[Sampler], logits: torch.Tensor, ids: torch.T
         samplers: Per row, its sampler (m rows; none greedy).
         logits: (m, ..., V') float; row i is shaped by ``samplers[i]``.
         ids: A truncated head's (K,) token ids (``logits`` then has K columns), or None.
-        draft: A draft model's q (``Sampler.draft_probs``) rather than the target's ``probs``.
 
     Returns:
         (m, ..., V) float32, each distribution summing to 1.
@@ -72,12 +66,7 @@ def warped_probs(samplers: Sequence[Sampler], logits: torch.Tensor, ids: torch.T
 
     def warp(sampler: Sampler, rows: torch.Tensor) -> torch.Tensor:  # (r, T, V') -> (r, T, V)
         two = rows.reshape(-1, shape[-1])
-        if ids is not None:
-            q = sampler.probs_over(two, ids)
-        elif draft:
-            q = sampler.draft_probs(two)
-        else:
-            q = sampler.probs(two)
+        q = sampler.probs(two) if ids is None else sampler.probs_over(two, ids)
         return q.view(rows.shape[0], rows.shape[1], -1)
 
     groups = grouped(samplers, lambda sampler: sampler.warp_key)
@@ -323,8 +312,8 @@ class Sampler:
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """Warped distributions. ``logits``: (m, V') any float dtype -> (m, V) float32, rows sum to 1.
 
-        Under top-p on a CPU, the same law without sorting every logit where a row's nucleus lies among its
-        most likely tokens (``nucleus_probs``)."""
+        The target's p and a draft model's q alike. Under top-p on a CPU, the same law without sorting every
+        logit where a row's nucleus lies among its most likely tokens (``nucleus_probs``)."""
         scores = fit_width(logits, self.vocab_size).float()
         if self._top_p is not None and scores.device.type == "cpu" and NUCLEUS_CANDIDATES:
             return self.nucleus_probs(scores)
@@ -372,28 +361,6 @@ class Sampler:
             rest = (torch.arange(len(q)) if rest is None else rest)[~done]
         full = torch.softmax(self._warpers(self._no_ids, scores if rest is None else scores.index_select(0, rest)), -1)
         return full if out is None else out.index_copy_(0, rest, full)
-
-    def draft_probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """A draft model's q: ``probs``, but under top-p with a top-k of K = ``DRAFT_TOP_TOKENS`` before the
-        warpers (the order of vLLM's and llama.cpp's samplers): they act on each row's K most likely logits
-        only, and q is zero elsewhere, so its nucleus holds top_p of the K tokens' mass. ``TopPLogitsWarper``
-        sorts every logit: about 5-12 ms a row for Qwen2.5's V = 151,936 on a 2-core CPU, against about 0.6 ms
-        for this ``topk``, and a draft step warps every row. Speculative sampling is exact for any q the draft's
-        tokens are drawn from (Leviathan et al. 2022), so only acceptance can move: with the real Qwen pair it
-        did not (``docs/benchmarks/2026-11-29-draft-top-p.md``). The target's ``probs`` are never truncated
-        (``nucleus_probs`` finds the same nucleus without a sort).
-
-        Args:
-            logits: (m, V') any float dtype.
-
-        Returns:
-            (m, V) float32, rows sum to 1, at most ``DRAFT_TOP_TOKENS`` nonzero entries each under top-p.
-        """
-        if self._config.top_p >= 1.0 or min(logits.shape[-1], self.vocab_size) <= DRAFT_TOP_TOKENS:
-            return self.probs(logits)
-        top, ids = fit_width(logits, self.vocab_size).float().topk(DRAFT_TOP_TOKENS, dim=-1)
-        q = torch.softmax(self._warpers(self._no_ids, top), dim=-1)
-        return q.new_zeros((q.shape[0], self.vocab_size)).scatter_(1, ids, q)
 
     def probs_over(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Warped distributions over the tokens ``ids`` only (a truncated draft head, FR-Spec).
