@@ -403,20 +403,30 @@ def test_max_verify_tokens_shrinks_blocks_as_the_batch_grows():
 
 
 @pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("method", ["draft", "draft+masked-exit", "draft+top-tokens", "cascade", "prompt-lookup"])
+@pytest.mark.parametrize("method", ["draft", "draft+masked-exit", "draft+nucleus", "cascade", "prompt-lookup"])
 def test_a_seeded_sampling_row_draws_the_same_tokens_in_a_batch_as_alone(method, monkeypatch):
     """Each seeded sampling row draws from its own generator, in a batch as alone: a greedy row first (so the
     sampling rows are not the batch's first rows), sampling rows with different settings, requests without a seed
     between them (drawn together from the engine's generator), more requests than slots. The draft steps' draws
     and the verification's rejection sampling are batched over the rows (``drafters.base``,
-    ``verification.rejection_sample_rows``); a row taking another's draw or q fails this. "draft+top-tokens": the
-    top-p row's draft q is warped over its 8 most likely tokens (``Sampler.draft_probs``), in a batch as alone."""
-    if method == "draft+top-tokens":
-        monkeypatch.setattr(sampling, "DRAFT_TOP_TOKENS", 8)
+    ``verification.rejection_sample_rows``); a row taking another's draw or q fails this. "draft+nucleus": the
+    top-p row's nucleus (its draft q's and its target p's, 25-34 of these 48 tokens) is looked for among its 28,
+    then 32, most likely tokens (``Sampler.nucleus_probs``; a spy checks that both counts looked at rows), in a
+    batch as alone."""
+    found = []
+    if method == "draft+nucleus":
+        monkeypatch.setattr(sampling, "NUCLEUS_CANDIDATES", (28, 32))
+        topk = torch.Tensor.topk
+
+        def spied(self, k, *args, **kwargs):  # how many rows each count looked at
+            found.append((k, self.shape[0]))
+            return topk(self, k, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, "topk", spied)
     target = make_tiny_model("llama")
     draft = perturbed_copy(target, noise=0.3, seed=1)
     make = {"draft": lambda: DraftModelDrafter(draft), "draft+masked-exit": lambda: DraftModelDrafter(draft),
-            "draft+top-tokens": lambda: DraftModelDrafter(draft),
+            "draft+nucleus": lambda: DraftModelDrafter(draft),
             "cascade": lambda: CascadeDrafter(draft),
             "prompt-lookup": lambda: PromptLookupDrafter()}[method]
     control = DraftControl(adaptive_exit=True, exit_mode="masked") if method.endswith("masked-exit") else None
@@ -435,3 +445,6 @@ def test_a_seeded_sampling_row_draws_the_same_tokens_in_a_batch_as_alone(method,
     alone = [BatchedSpeculativeDecoder(target, make(), max_batch_size=1, draft_control=control).generate([p], [c])[0]
              .token_ids for p, c in zip(PROMPTS, configs)]
     assert together == alone
+    if method == "draft+nucleus":
+        rows = {k: sum(r for kk, r in found if kk == k) for k in (28, 32)}
+        assert rows[28] > rows[32] > 0, rows
