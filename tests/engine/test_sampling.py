@@ -107,3 +107,22 @@ def test_exponential_draws_are_torchs_own_on_a_cpu():
     Sampler(GenerationConfig(temperature=1.0, seed=4), 10, "cpu").exponential(row[1])
     assert torch.equal(row[1], torch.empty(50).exponential_(generator=torch.Generator().manual_seed(4)))
     assert not row[0].any() and not row[2].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_greedy_tokens_and_finite_rows_are_argmax_and_isfinite(dtype):
+    """``greedy_tokens`` and ``finite_rows`` (their CPU forms: ``max(-1).indices``, and the largest and smallest
+    logits) give what ``argmax`` and ``isfinite(...).all(-1)`` give: on ties (the first of equal values, common
+    in bfloat16), NaN (taken as the largest), +inf and -inf, in 2-d and 3-d."""
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn(4, 6, 3000, generator=g) * 4).to(dtype)
+    logits[0, :, 17] = logits[0, :, 2900] = 40.0  # tied maxima: the first one
+    logits[1, 2, 50] = float("nan")
+    logits[1, 3, 60] = float("inf")
+    logits[1, 4, 70] = -float("inf")
+    logits[2, 0, 5] = logits[2, 0, 9] = float("nan")
+    for x in (logits, logits[:, 0], logits[1]):
+        assert torch.equal(sampling.greedy_tokens(x), x.argmax(-1))
+        assert torch.equal(sampling.finite_rows(x), torch.isfinite(x).all(-1))
+    assert sampling.greedy_tokens(logits)[0].tolist() == [17] * 6
+    assert sampling.finite_rows(logits[1]).tolist() == [True, True, False, False, False, True]

@@ -31,7 +31,8 @@ from specdecode.drafters.draft_head import BoundDraftHead
 from specdecode.engine.processors import DraftProcessing, process_draft_rows
 from specdecode.engine.batch_cache import to_device
 from specdecode.engine.protocol import Draft, Drafter, ExitPolicy
-from specdecode.engine.sampling import Sampler, check_finite, draw_tokens, safe_logits, warped_probs
+from specdecode.engine.sampling import (Sampler, check_finite, draw_tokens, finite_rows, greedy_tokens, safe_logits,
+                                       warped_probs)
 from specdecode.engine.verification import greedy_epilogue
 from specdecode.errors import InvalidArgumentError
 
@@ -127,16 +128,15 @@ def draft_batch(
     vocab = samplers[0].vocab_size
     for i in range(K):
         if deferred:
-            rows_ok = torch.isfinite(logits).all(-1) if not greedy else None  # (n,): a sampling row draws safely
-            ok = rows_ok.all() if rows_ok is not None else torch.isfinite(logits).all()
-            finite = ok if finite is None else finite & ok
-            if rows_ok is not None:  # its flag is read with the round's sync
+            rows_ok = finite_rows(logits)  # (n,)
+            finite = rows_ok.all() if finite is None else finite & rows_ok.all()
+            if not greedy:  # a sampling row draws safely; its flag is read with the round's sync
                 logits = safe_logits(logits, rows_ok)
         else:
             check_finite(logits, who)
         if processings is not None and not truncated:  # [processors] each row's q on its own context
             logits = process_draft_rows(logits, processings, vocab)
-        token = head.ids[logits.argmax(-1)] if truncated else logits[:, :vocab].argmax(-1)
+        token = head.ids[greedy_tokens(logits)] if truncated else greedy_tokens(logits[:, :vocab])
         if tree_tops is not None:  # [trees] the step's top-k, kept on the device
             tree_tops.add(logits if truncated else logits[:, :vocab])
         tops = None
@@ -252,10 +252,10 @@ def _fused(runner, first_logits: torch.Tensor, next_starts: list[int], max_token
     and keeps its own ``max_tokens[b]``, as the loop does; the finiteness flag stays on the device, and so do
     the steps' top probabilities (``with_tops``: exits that read them with the round's sync)."""
     n, K = len(max_tokens), max(max_tokens)
-    token = head_ids[first_logits.argmax(-1)] if head_ids is not None else first_logits[:, :vocab].argmax(-1)
+    token = head_ids[greedy_tokens(first_logits)] if head_ids is not None else greedy_tokens(first_logits[:, :vocab])
     rest, finite, tops = runner.draft_steps(token, next_starts, K - 1, head_ids, vocab, with_tops)
     tokens = torch.cat([token.view(n, 1), rest], dim=1)
-    finite = torch.isfinite(first_logits).all() & finite
+    finite = finite_rows(first_logits).all() & finite
     return Draft(tokens, list(max_tokens), None, finite, who, top_probs=_top_probs(first_logits, tops) if with_tops
                  else None)
 

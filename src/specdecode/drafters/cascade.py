@@ -94,7 +94,7 @@ from specdecode.drafters.draft_tree import TREE_TOP_K, TopK, grow_trees, tree_dr
 from specdecode.drafters.prompt_lookup import HostSequences, check_ngram_sizes, find_continuation
 from specdecode.engine.batch_cache import to_device
 from specdecode.engine.protocol import Draft
-from specdecode.engine.sampling import Sampler, check_finite
+from specdecode.engine.sampling import Sampler, check_finite, finite_rows, greedy_tokens
 from specdecode.errors import InvalidArgumentError
 
 __all__ = ["LONG_PROMPT_BLOCK", "CascadeDrafter"]
@@ -310,13 +310,13 @@ class CascadeDrafter(DraftModelDrafter):
         elif greedy is not None:
             finite = greedy[..., 1].all()
         else:
-            finite = torch.isfinite(logits).all()
+            finite = finite_rows(logits).all()
         if checks:
             # (n, keep): the draft's greedy token after each fed token (a truncated head's: among its K)
             if greedy is not None:
                 choice = greedy[..., 0]
             else:
-                choice = logits.argmax(-1) if truncated else logits[..., : samplers[0].vocab_size].argmax(-1)
+                choice = greedy_tokens(logits if truncated else logits[..., : samplers[0].vocab_size])
             if truncated:
                 choice = self.head.ids[choice]
             candidates, index = packed[:, width:width + longest], packed[:, width + longest:-2]

@@ -61,6 +61,7 @@ import torch
 
 from specdecode.engine.batch_cache import to_device
 from specdecode.engine.protocol import Draft
+from specdecode.engine.sampling import finite_rows
 from specdecode.engine.tree import TokenTree
 from specdecode.errors import InvalidArgumentError
 
@@ -317,7 +318,7 @@ def expand_trees(forward, first_logits: torch.Tensor, pending: list[int], starts
     frontier: list[list[int]] = [[-1] for _ in range(n)]  # pool indices whose children come next (-1: node 0)
     expanded: list[list[int]] = [[] for _ in range(n)]  # pool indices, the tree forward's nodes 1 ..
     logits = (first_logits if ids is not None or vocab is None else first_logits[:, :vocab])[:, None]
-    finite, forwards = torch.isfinite(first_logits).all(), 0
+    finite, forwards = finite_rows(first_logits).all(), 0
     for d in range(1, depth + 1):
         top = torch.log_softmax(logits.float(), -1).topk(min(k, logits.shape[-1]), dim=-1)  # (n, m, k)
         tokens = ids[top.indices] if ids is not None else top.indices
@@ -347,7 +348,7 @@ def expand_trees(forward, first_logits: torch.Tensor, pending: list[int], starts
         width, wide = max(len(r) for r in rows), max(len(w) for w in where)
         out = forward(to_device([r + r[-1:] * (width - len(r)) for r in rows], device), starts, width, trees)
         forwards += 1
-        finite = finite & torch.isfinite(out).all()
+        finite = finite & finite_rows(out).all()
         index = to_device([w + w[-1:] * (wide - len(w)) for w in where], out.device)
         logits = out[torch.arange(n, device=out.device)[:, None], index]  # (n, M, V'): the frontier's
         logits = logits if ids is not None or vocab is None else logits[..., :vocab]

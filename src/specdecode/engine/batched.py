@@ -61,7 +61,8 @@ from specdecode.engine.overlap import HostReader, can_run_ahead, engine_overlap_
 from specdecode.engine.processors import process_rows
 from specdecode.engine.protocol import BATCH_EXIT_RULES, Draft, Drafter, DraftPolicy
 from specdecode.engine.runner_target import is_runner_target, runner_target_parts, torch_threads
-from specdecode.engine.sampling import check_finite, logits_width, raise_invalid_distribution, raise_non_finite
+from specdecode.engine.sampling import (check_finite, greedy_tokens, logits_width, raise_invalid_distribution,
+                                       raise_non_finite)
 from specdecode.engine.shared_prefill import admit_shared, engine_shared_prefill, load_prompt_cache
 from specdecode.engine.stats import SpecDecodingStats
 from specdecode.engine.tree import TokenTree, draft_q, greedy_tree_verify, round_trees, tree_rejection_sample
@@ -474,7 +475,7 @@ class BatchedSpeculativeDecoder(BatchRequests):
             if points is None else SampledRows()
         verdicts = [sampled.verdicts.flatten()] if sampled.verdicts is not None else []
         processed = logits is not target_logits or masked
-        choice = logits.argmax(-1) if processed else greedy[..., 0]  # (n, K + 1): the target's greedy choices
+        choice = greedy_tokens(logits) if processed else greedy[..., 0]  # (n, K + 1): the target's greedy choices
         host = torch.cat([*parts, *verdicts, choice.flatten(), finite.flatten(), draft_finite.long()])
         # [overlap] the next forward first, where no request can join (or the batch is full: one joins only
         # where a row leaves)

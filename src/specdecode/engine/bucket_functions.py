@@ -12,6 +12,7 @@ from transformers import PreTrainedModel
 
 from specdecode.engine.batch_cache import BatchKVCache
 from specdecode.engine.compat import compile_function
+from specdecode.engine.sampling import finite_rows, greedy_tokens
 from specdecode.engine.verification import greedy_epilogue
 from specdecode.errors import InvalidArgumentError
 
@@ -54,11 +55,11 @@ def steps_function(model: PreTrainedModel, tag: str, num_steps: int, vocab: int,
             logits = model(
                 input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=cache, use_cache=True
             ).logits[:, -1]
-            ok = torch.isfinite(logits).all(-1)
+            ok = finite_rows(logits)
             finite = ok if finite is None else finite & ok
             if with_tops:  # an adaptive exit's confidence
                 tops.append(torch.softmax(logits.float(), -1).amax(-1))
-            ids = (head[logits.argmax(-1)] if head is not None else logits[:, :vocab].argmax(-1)).view(-1, 1)
+            ids = (head[greedy_tokens(logits)] if head is not None else greedy_tokens(logits[:, :vocab])).view(-1, 1)
             tokens.append(ids)
             index.add_(1)
         return torch.cat(tokens, dim=1), finite, torch.stack(tops, dim=1) if with_tops else None

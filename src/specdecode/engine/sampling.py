@@ -172,6 +172,24 @@ def race(probs: torch.Tensor, noise: torch.Tensor, check: bool = True) -> torch.
     return torch.where(scores.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) > 0, tokens, -1)
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """(..., V) -> (...) long: the argmax over the last dimension, the first of equal values (a NaN counts as the
+    largest). On a CPU through ``max(-1).indices``, which documents the same choice: torch 2.13's CPU ``argmax``
+    is 5-8x slower over bfloat16 and float16 (0.50 and 0.66 ms for 151,936 logits on a 2-core EPYC, against
+    0.09 ms) and no faster over float32. Elsewhere ``argmax``."""
+    return logits.max(-1).indices if logits.device.type == "cpu" else logits.argmax(-1)
+
+
+def finite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """(..., V) -> (...) bool: whether each position's logits are all finite. On a CPU from the largest and the
+    smallest (a NaN or an inf shows in one of them): 4-12x faster there than ``isfinite(...).all(-1)``, which
+    builds a (..., V) mask (0.04 against 0.18 ms for 151,936 bfloat16 logits on a 2-core EPYC). Elsewhere that
+    mask, in fewer kernels."""
+    if logits.device.type == "cpu":
+        return torch.isfinite(logits.amax(-1)) & torch.isfinite(logits.amin(-1))
+    return torch.isfinite(logits).all(-1)
+
+
 def safe_logits(logits: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
     """``logits`` with every position whose raw logits were not all finite set to zeros: a draw from them
     is a uniform one, not a NaN distribution (``race``'s -1), until the round's one host sync reads ``finite``
@@ -210,7 +228,7 @@ def check_finite(logits: torch.Tensor, who: str) -> None:
     Raises:
         NonFiniteLogitsError: If any entry is NaN or +/-inf.
     """
-    if not bool(torch.isfinite(logits).all()):
+    if not bool(finite_rows(logits).all()):
         raise_non_finite(who, logits.dtype)
 
 
@@ -307,7 +325,7 @@ class Sampler:
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Greedy tokens. ``logits``: (m, V') -> (m,) long."""
-        return fit_width(logits, self.vocab_size).argmax(dim=-1)
+        return greedy_tokens(fit_width(logits, self.vocab_size))
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """Warped distributions. ``logits``: (m, V') any float dtype -> (m, V) float32, rows sum to 1.

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 import torch
 
 from specdecode.engine.batch_cache import to_device
-from specdecode.engine.sampling import Sampler, draw_tokens, generator_groups, safe_logits, warped_probs
+from specdecode.engine.sampling import (Sampler, draw_tokens, finite_rows, generator_groups, greedy_tokens, safe_logits,
+                                       warped_probs)
 from specdecode.errors import INVALID_DISTRIBUTION, InvalidArgumentError, NonFiniteLogitsError
 
 
@@ -43,7 +44,7 @@ def greedy_epilogue(logits: torch.Tensor) -> torch.Tensor:
     """What a greedy verification reads of each position: (..., 2) long, ``[..., 0]`` the argmax over the last
     dimension (V), ``[..., 1]`` 1 where all V logits are finite, else 0. The fast path computes it inside the
     forward's graph (``batch_runner.BatchRunner.forward_greedy``); other runners after their forward."""
-    return torch.stack([logits.argmax(-1), torch.isfinite(logits).all(-1).long()], dim=-1)
+    return torch.stack([greedy_tokens(logits), finite_rows(logits).long()], dim=-1)
 
 
 def greedy_verify(draft_tokens: list[int], target_argmax: list[int]) -> VerificationResult:
