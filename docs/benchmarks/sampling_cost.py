@@ -1,12 +1,15 @@
 """Sampling's cost on a CPU: each change that made it cheaper, against what came before it, end to end.
 
-Two changes of 2026-11-30 cut the host's work of sampling with V = 151,936 logits:
+Three changes of 2026-11-30 cut the host's work of sampling (greedy included) with V = 151,936 logits:
 
 - ``--side nucleus``: ``Sampler.nucleus_probs`` finds a row's nucleus under top-p (the target's p and the
   draft's q) among its ``sampling.NUCLEUS_CANDIDATES`` most likely tokens, the same law as the sort. Before:
   transformers' ``TopPLogitsWarper`` sorting every logit (``NUCLEUS_CANDIDATES = ()``).
 - ``--side draws``: ``Sampler.exponential`` fills the race's Exp(1) noise from float64 uniforms, the values
   ``Tensor.exponential_`` gives, bit for bit. Before: ``exponential_`` itself.
+- ``--side greedy`` (run it with ``--temperature 0``): ``sampling.greedy_tokens`` and ``sampling.finite_rows``
+  take the argmax and the finiteness flags through ``max(-1).indices`` and ``amax``/``amin`` on a CPU. Before:
+  ``argmax`` and ``isfinite(...).all(-1)``, switched in every module that imports the two.
 
 Each side changes that one thing; the others are as the tree has them. This script runs the default method
 (``cascade`` with adaptive draft exit, int4 draft, bf16 target: the CLI's CPU defaults) on HumanEval and
@@ -38,20 +41,34 @@ if importlib.util.find_spec("specdecode") is None:  # not installed, no PYTHONPA
 
 from specdecode import DraftControl, GenerationConfig, SpeculativeGenerator  # noqa: E402
 from specdecode.bench.datasets import load_prompts  # noqa: E402
-from specdecode.engine import sampling  # noqa: E402
+from specdecode.drafters import base, cascade, draft_tree  # noqa: E402
+from specdecode.engine import batched, bucket_functions, sampling, verification  # noqa: E402
 
 
 def _exponential_(self, out: torch.Tensor) -> torch.Tensor:  # ``Sampler.exponential`` before 2026-11-30
     return out.exponential_(generator=self.generator)
 
 
-#: Per side: the table's column, then the object and attribute switched, and per arm (before, now) its label and
-#: value; "now" is the attribute as the tree has it.
+def _argmax(logits: torch.Tensor) -> torch.Tensor:  # ``sampling.greedy_tokens`` before 2026-11-30
+    return logits.argmax(-1)
+
+
+def _isfinite_all(logits: torch.Tensor) -> torch.Tensor:  # ``sampling.finite_rows`` before 2026-11-30
+    return torch.isfinite(logits).all(-1)
+
+
+#: Per side: the table's column, the (object, attribute) pairs switched, and per arm (before, now) its label and
+#: the pairs' values; "now" is the attributes as the tree has them.
 SIDES = {
-    "nucleus": ("nucleus", sampling, "NUCLEUS_CANDIDATES", "sort of all V", (),
-               "top " + ", then ".join(map(str, sampling.NUCLEUS_CANDIDATES))),
-    "draws": ("Exp(1) noise", sampling.Sampler, "exponential", "exponential_", _exponential_,
+    "nucleus": ("nucleus", [(sampling, "NUCLEUS_CANDIDATES")], "sort of all V", [()],
+                "top " + ", then ".join(map(str, sampling.NUCLEUS_CANDIDATES))),
+    "draws": ("Exp(1) noise", [(sampling.Sampler, "exponential")], "exponential_", [_exponential_],
               "float64 rand, log1p"),
+    "greedy": ("greedy choice, finiteness",
+               [*((m, name) for m in (sampling, verification, bucket_functions, base, cascade)
+                  for name in ("greedy_tokens", "finite_rows")),
+                (draft_tree, "finite_rows"), (batched, "greedy_tokens")],
+               "argmax, isfinite(...).all(-1)", None, "max(-1).indices, amax/amin"),
 }
 
 
@@ -63,9 +80,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--max-new-tokens", type=int, default=96)
     args = p.parse_args(argv)
-    column, owner, attribute, before_label, before, now_label = SIDES[args.side]
-    now = owner.__dict__[attribute]
+    column, switched, before_label, before, now_label = SIDES[args.side]
+    if before is None:  # the greedy side: each module's two names, as they were
+        before = [_argmax if name == "greedy_tokens" else _isfinite_all for _, name in switched]
+    now = [owner.__dict__[attribute] for owner, attribute in switched]
     arms = {"before": (before_label, before), "now": (now_label, now)}
+
+    def switch(values: list) -> None:
+        for (owner, attribute), value in zip(switched, values):
+            setattr(owner, attribute, value)
     sets = {"humaneval": load_prompts("humaneval", limit=args.prompts),
             "spec-bench": load_prompts("spec-bench", limit_per_category=1, limit=args.prompts)}
     gen = SpeculativeGenerator.from_pretrained(dtype="bfloat16", draft_quantize="int4", draft_quantize_head="int4")
@@ -73,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     outputs: set = set()  # one prompt's token sequences over its four runs
 
     def run(prompt, seed: int, arm: str) -> dict:
-        setattr(owner, attribute, arms[arm][1])
+        switch(arms[arm][1])
         config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                   top_p=args.top_p, seed=seed, stop_on_eos=False)
         result = gen.generate(prompt.text, config, method="cascade", chat=prompt.chat, draft_control=control,
@@ -98,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
                     print(name, i, arms[arm][0], res, file=sys.stderr, flush=True)
                 same += len(outputs) == 1
     finally:
-        setattr(owner, attribute, now)
+        switch(now)
     flags = ""
     with contextlib.suppress(OSError, StopIteration):
         line = next(x for x in open("/proc/cpuinfo") if x.startswith("flags"))

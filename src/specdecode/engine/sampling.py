@@ -2,8 +2,8 @@
 
 Temperature, top-k, top-p and min-p are applied with transformers' own logits warpers,
 so the draft and the target distributions are shaped alike before the speculative-sampling
-test compares them (under top-p on a CPU, each row's nucleus is found without sorting every logit:
-``Sampler.nucleus_probs``). The context-dependent processors (penalties,
+test compares them (under top-p on a CPU, a row's nucleus that lies among its most likely tokens is found
+without sorting every logit: ``Sampler.nucleus_probs``). The context-dependent processors (penalties,
 ``logit_bias``) and logprobs are ``engine.processors``'s; a ``Sampler`` carries a generation's
 ``LogitsProcessing`` once ``start`` gave it the prompt.
 """
@@ -347,9 +347,10 @@ class Sampler:
         tokens the more likely ones before them already give top_p. The same rule over the K most likely tokens
         (``topk``, about 0.1 ms a row at K = 256), with the probabilities normalized over all V, keeps the same
         tokens whenever those K hold top_p of the mass: every token past them is removed by the rule anyway.
-        This is the law of ``probs``, not an approximation of it: the kept set is the same up to the rounding
-        of a cumulative sum taken in the other direction (a token at the boundary, in rare flat rows), and the
-        order among tied logits, which a sort leaves open too. Temperature and top-k act before, min-p after,
+        This is the law of ``probs``, not an approximation of it: the kept set is the same up to rounding (the
+        cumulative sum is taken in the other direction, normalized by a ``logsumexp`` rather than the warper's
+        softmax: a token whose cumulative mass lies within rounding of the boundary can flip), and the order
+        among tied logits, which a sort leaves open too. Temperature and top-k act before, min-p after,
         as in ``probs``. A row's result depends on that row only. Each candidate K costs one read of a (m,)
         flag, free on a CPU; ``probs`` uses this on CPU only (a GPU sorts V logits in microseconds, and the
         read would be a host sync).
@@ -358,7 +359,8 @@ class Sampler:
             scores: (m, V) float32 logits, cut to V.
 
         Returns:
-            (m, V) float32, rows sum to 1 and are zero outside their nucleus.
+            (m, V) float32, rows sum to 1 and are zero outside their nucleus (a NaN row stays NaN, as in
+            ``probs``).
         """
         warped = self._before_top_p(self._no_ids, scores)
         log_norm = torch.logsumexp(warped, dim=-1, keepdim=True)
@@ -369,14 +371,15 @@ class Sampler:
             top, ids = (warped if rest is None else warped.index_select(0, rest)).topk(k, dim=-1)  # descending
             p = torch.exp(top - (log_norm if rest is None else log_norm.index_select(0, rest)))
             mass = p.cumsum(dim=-1)
-            kept = torch.where(mass - p < self._top_p, top, -float("inf"))  # the mass before a token: < top_p
+            before = torch.cat([mass.new_zeros((len(mass), 1)), mass[:, :-1]], dim=-1)  # the mass before each token
+            kept = torch.where(before < self._top_p, top, -float("inf"))
             q = torch.softmax(self._after_top_p(self._no_ids, kept), dim=-1)
             done = mass[:, -1] >= self._top_p  # False for a NaN row
             fill = q.new_zeros((q.shape[0], scores.shape[-1])).scatter_(1, ids, torch.where(done[:, None], q, 0.0))
             out = fill if out is None else out.index_add_(0, rest, fill)
             if bool(done.all()):
                 return out
-            rest = (torch.arange(len(q)) if rest is None else rest)[~done]
+            rest = (torch.arange(len(q), device=q.device) if rest is None else rest)[~done]
         full = torch.softmax(self._warpers(self._no_ids, scores if rest is None else scores.index_select(0, rest)), -1)
         return full if out is None else out.index_copy_(0, rest, full)
 
@@ -414,14 +417,15 @@ class Sampler:
         return race(probs, self.exponential(torch.empty_like(probs)))
 
     def exponential(self, out: torch.Tensor) -> torch.Tensor:
-        """``out`` filled in place with Exp(1) draws from this sampler's generator; returns it.
+        """``out`` (any shape) filled in place with Exp(1) draws from this sampler's generator; returns it.
 
-        On a CPU, -log1p(-U) of float64 uniforms ``U``: the values ``Tensor.exponential_`` gives, bit for bit,
-        with the same generator state after (its CPU method in torch 2.13; a test holds it), at about a quarter of
-        its cost (0.6 against 2.2 ms for Qwen2.5's V = 151,936 logits on a 2-core CPU: it runs element by element,
-        while ``rand`` and ``log1p`` are vectorized). Elsewhere ``exponential_`` itself.
+        For a contiguous float32 ``out`` on a CPU (every caller's: the race's noise), -log1p(-U) of float64
+        uniforms ``U`` rounded to float32: the values ``Tensor.exponential_`` gives, bit for bit, with the same
+        generator state after (its CPU method in torch 2.13; a test holds it), at about a quarter of its cost
+        (0.6 against 2.2 ms for Qwen2.5's V = 151,936 logits on a 2-core CPU: it runs element by element, while
+        ``rand`` and ``log1p`` are vectorized). Otherwise ``exponential_`` itself.
         """
-        if out.device.type != "cpu":
+        if out.device.type != "cpu" or out.dtype != torch.float32 or not out.is_contiguous():
             return out.exponential_(generator=self.generator)
         uniform = torch.rand(out.shape, generator=self.generator, dtype=torch.float64)
         return out.copy_(uniform.neg_().log1p_().neg_())
