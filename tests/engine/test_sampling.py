@@ -1,10 +1,15 @@
-"""``engine.sampling.Sampler.probs`` under top-p on a CPU: the nucleus found among a row's most likely tokens
-(``Sampler.nucleus_probs``) is the one transformers' ``TopPLogitsWarper`` finds by sorting every logit."""
+"""``engine.sampling.Sampler.probs`` under top-p (``Sampler.nucleus_probs``): the nucleus found among a row's most
+likely tokens on a CPU, or by sorting every logit, is the one transformers' ``TopPLogitsWarper`` finds, but for a
+group of tied logits across the boundary, kept whole; and the CPU forms of the greedy choice, the finiteness
+flags and the Exp(1) draws."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+from transformers.generation.logits_process import (LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper,
+                                                    TopKLogitsWarper, TopPLogitsWarper)
 
 from specdecode.config import GenerationConfig
 from specdecode.engine import sampling
@@ -22,29 +27,52 @@ def _logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
     return logits
 
 
-def _whole_vocabulary(sampler: Sampler, logits: torch.Tensor, monkeypatch) -> torch.Tensor:
-    with monkeypatch.context() as m:
-        m.setattr(sampling, "NUCLEUS_CANDIDATES", ())
-        return sampler.probs(logits)
+def _transformers(settings: dict, logits: torch.Tensor) -> torch.Tensor:
+    """transformers' warpers over all V logits, in ``Sampler``'s order, then a softmax: (m, V) float32."""
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(settings["temperature"])])
+    if settings.get("top_k"):
+        warpers.append(TopKLogitsWarper(settings["top_k"]))
+    warpers.append(TopPLogitsWarper(settings["top_p"]))
+    if settings.get("min_p"):
+        warpers.append(MinPLogitsWarper(settings["min_p"]))
+    return torch.softmax(warpers(torch.empty(0, dtype=torch.long), logits.float()), dim=-1)
 
 
+@pytest.mark.parametrize("candidates", [(8, 64), ()], ids=["most-likely-first", "sort"])
 @pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()))
-def test_the_nucleus_among_the_most_likely_tokens_is_the_whole_vocabularys(settings, monkeypatch):
-    """Same kept tokens, same probabilities (to float32 rounding) as the warpers over all V logits, for rows
-    whose nucleus fits the first candidate, the second, or neither (those are warped over all V)."""
-    monkeypatch.setattr(sampling, "NUCLEUS_CANDIDATES", (8, 64))
+def test_the_nucleus_is_transformers_top_p_without_ties(settings, candidates, monkeypatch):
+    """Same kept tokens, same probabilities (to float32 rounding) as transformers' warpers over all V logits
+    (no ties here), for rows whose nucleus fits the first candidate, the second, or neither (those sort all V);
+    "sort": every row sorts, as on a GPU."""
+    monkeypatch.setattr(sampling, "NUCLEUS_CANDIDATES", candidates)
     V = 500
     logits = _logits(48, V, seed=1)
-    sampler = Sampler(GenerationConfig(seed=0, **settings), V, "cpu")
-    want = _whole_vocabulary(sampler, logits, monkeypatch)
+    want = _transformers(settings, logits)
     nucleus = (want > 0).sum(-1)
-    got = sampler.probs(logits)
+    got = Sampler(GenerationConfig(seed=0, **settings), V, "cpu").probs(logits)
     assert torch.equal(got > 0, want > 0)
     assert torch.allclose(got, want, atol=1e-6, rtol=1e-5)
     # every path ran: nuclei within 8 tokens, within 64, and past 64
     assert (nucleus <= 8).any() and ((nucleus > 8) & (nucleus <= 64)).any()
     if "top_k" not in settings:
         assert (nucleus > 64).any()
+
+
+@pytest.mark.parametrize("candidates", [(8, 64), (2, 4), ()], ids=["within-8", "past-4", "sort"])
+def test_tied_logits_across_the_boundary_are_kept_together(candidates, monkeypatch):
+    """Tokens 3, 7 and 11 share a logit, and the nucleus' boundary falls inside their group: all three are
+    kept, whatever the candidates (found among 8, past 4 tokens so by the sort, or sorted at once).
+    transformers' warper keeps part of the group, as ``torch.sort`` orders it; the tokens above the group
+    (before it, less than top_p) and below it are the same."""
+    monkeypatch.setattr(sampling, "NUCLEUS_CANDIDATES", candidates)
+    logits = torch.full((1, 30), -4.0)
+    logits[0, 20], logits[0, [3, 7, 11]] = 2.0, 1.0  # p: about 0.52 for token 20, 0.19 each for the group
+    settings = dict(temperature=1.0, top_p=0.6)
+    got = Sampler(GenerationConfig(**settings), 30, "cpu").probs(logits)[0]
+    assert sorted(torch.nonzero(got).flatten().tolist()) == [3, 7, 11, 20]
+    assert torch.allclose(got[[3, 7, 11]], got[3].expand(3)) and torch.allclose(got.sum(), torch.tensor(1.0))
+    warper = torch.nonzero(_transformers(settings, logits)[0]).flatten().tolist()
+    assert 20 in warper and 2 <= len(warper) < 4
 
 
 def test_a_rows_nucleus_does_not_depend_on_its_neighbours(monkeypatch):
@@ -71,7 +99,7 @@ def test_a_nan_row_and_a_row_of_one_token_keep_their_meaning(monkeypatch):
     logits[2, 7] = 40.0
     sampler = Sampler(GenerationConfig(temperature=1.0, top_p=0.9, seed=0), 50, "cpu")
     got = sampler.probs(logits)
-    want = _whole_vocabulary(sampler, logits, monkeypatch)
+    want = _transformers(dict(temperature=1.0, top_p=0.9), logits)
     assert torch.isnan(got[1]).all() and torch.isnan(want[1]).all()
     assert torch.equal(got[2], torch.nn.functional.one_hot(torch.tensor(7), 50).float())
     assert torch.allclose(got[0], want[0], atol=1e-6) and torch.equal(got[0] > 0, want[0] > 0)

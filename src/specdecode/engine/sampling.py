@@ -27,8 +27,8 @@ from specdecode.engine.processors import DraftProcessing, LogitsProcessing, fit_
 from specdecode.errors import INVALID_DISTRIBUTION, NonFiniteLogitsError
 
 
-#: Under top-p on a CPU, ``Sampler.probs`` looks for each row's nucleus among this many most likely
-#: tokens, then among the next count, before sorting every logit (``Sampler.nucleus_probs``); () turns it off.
+#: Under top-p on a CPU, ``Sampler.nucleus_probs`` looks for each row's nucleus among this many most likely
+#: tokens, then among the next count, before sorting every logit; () sorts at once.
 NUCLEUS_CANDIDATES = (256, 4096)
 
 
@@ -208,6 +208,16 @@ def safe_logits(logits: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, logits, 0.0)
 
 
+def _mass_above(top: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """For logits ``top`` sorted in descending order along the last dimension and their probabilities ``p``
+    (same shape), the mass of the tokens with a larger logit than each: the mass before its group of equal
+    logits. NaN propagates."""
+    mass = p.cumsum(dim=-1)
+    before = torch.cat([mass.new_zeros((*mass.shape[:-1], 1)), mass[..., :-1]], dim=-1)
+    starts = torch.cat([torch.ones_like(top[..., :1], dtype=torch.bool), top[..., 1:] != top[..., :-1]], dim=-1)
+    return torch.where(starts, before, 0.0).cummax(dim=-1).values
+
+
 def raise_invalid_distribution() -> None:
     """Raise ``NonFiniteLogitsError`` for a sampling distribution that came out NaN or without mass (``race``
     gave -1): finite logits whose warping overflowed (a tiny temperature over huge logits).
@@ -330,58 +340,63 @@ class Sampler:
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """Warped distributions. ``logits``: (m, V') any float dtype -> (m, V) float32, rows sum to 1.
 
-        The target's p and a draft model's q alike. Under top-p on a CPU, the same law without sorting every
-        logit where a row's nucleus lies among its most likely tokens (``nucleus_probs``)."""
+        The target's p and a draft model's q alike. Under top-p, ``nucleus_probs``."""
         scores = fit_width(logits, self.vocab_size).float()
-        if self._top_p is not None and scores.device.type == "cpu" and NUCLEUS_CANDIDATES:
+        if self._top_p is not None:
             return self.nucleus_probs(scores)
         return torch.softmax(self._warpers(self._no_ids, scores), dim=-1)
 
     def nucleus_probs(self, scores: torch.Tensor) -> torch.Tensor:
-        """``probs`` under top-p, each row computed over its K most likely tokens for the first K of
-        ``NUCLEUS_CANDIDATES`` whose mass reaches top_p in that row; a row where none does (a flat
-        distribution, or NaN) is warped over every logit, as ``probs`` does without this.
+        """``probs`` under top-p (nucleus sampling, Holtzman et al. 2020): each row keeps the smallest set of its
+        most likely tokens whose mass reaches top_p, tied logits kept or dropped together. On a CPU each row is
+        looked for among its K most likely tokens, for the first K of ``NUCLEUS_CANDIDATES`` that settles it,
+        and among all V otherwise (a flat distribution, or NaN); elsewhere among all V.
 
-        transformers' ``TopPLogitsWarper`` sorts all V logits (about 5 ms a row for Qwen2.5's V = 151,936 on a
-        2-core CPU) to remove each token whose ascending cumulative probability is at most 1 - top_p: the
-        tokens the more likely ones before them already give top_p. The same rule over the K most likely tokens
-        (``topk``, about 0.1 ms a row at K = 256), with the probabilities normalized over all V, keeps the same
-        tokens whenever those K hold top_p of the mass: every token past them is removed by the rule anyway.
-        This is the law of ``probs``, not an approximation of it: the kept set is the same up to rounding (the
-        cumulative sum is taken in the other direction, normalized by a ``logsumexp`` rather than the warper's
-        softmax: a token whose cumulative mass lies within rounding of the boundary can flip), and the order
-        among tied logits, which a sort leaves open too. Temperature and top-k act before, min-p after,
-        as in ``probs``. A row's result depends on that row only. Each candidate K costs one read of a (m,)
-        flag, free on a CPU; ``probs`` uses this on CPU only (a GPU sorts V logits in microseconds, and the
-        read would be a host sync).
+        A token is kept when the tokens more likely than it, those with a larger logit, hold less than top_p of
+        the mass (normalized over all V). That is transformers' ``TopPLogitsWarper``'s rule (remove a token whose
+        ascending cumulative probability is at most 1 - top_p), except among tied logits: the warper ranks them
+        by ``torch.sort``'s order, which is not stable on a CPU, so a tie across the boundary keeps an arbitrary
+        part of it; here the whole group stays, whatever the order, as transformers' top-k and min-p keep ties.
+        Without ties the kept set is the warper's, up to rounding (the cumulative sum runs the other way and is
+        normalized by a ``logsumexp``; a token within rounding of the boundary can flip). bfloat16 logits tie
+        often: over 663 positions of the real Qwen2.5-Coder 1.5B's logits the kept sets differed in 2-35% of rows
+        (more at higher temperature and top_p), each time by such a group (``2026-11-30-nucleus.md``).
+
+        A row's K settle it when the mass above the K-th token's logit reaches top_p: every token past them is
+        then dropped by the rule. ``topk`` of 256 costs about 0.1 ms a row against 5 ms for sorting Qwen2.5's
+        V = 151,936 on a 2-core CPU. Each K costs one read of an (m,) flag, free on a CPU; on a GPU the read would
+        be a host sync and the sort costs microseconds, so there every row sorts. Temperature and top-k act
+        before, min-p after, as in ``probs``. A row's result depends on that row only.
 
         Args:
             scores: (m, V) float32 logits, cut to V.
 
         Returns:
-            (m, V) float32, rows sum to 1 and are zero outside their nucleus (a NaN row stays NaN, as in
-            ``probs``).
+            (m, V) float32, rows sum to 1 and are zero outside their nucleus (a NaN row comes out NaN).
         """
         warped = self._before_top_p(self._no_ids, scores)
         log_norm = torch.logsumexp(warped, dim=-1, keepdim=True)
+        vocab = scores.shape[-1]
         out = rest = None  # the rows placed so far (the others zero); the rows left to place (None: all)
-        for k in NUCLEUS_CANDIDATES:
-            if k >= scores.shape[-1]:
-                break
-            top, ids = (warped if rest is None else warped.index_select(0, rest)).topk(k, dim=-1)  # descending
-            p = torch.exp(top - (log_norm if rest is None else log_norm.index_select(0, rest)))
-            mass = p.cumsum(dim=-1)
-            before = torch.cat([mass.new_zeros((len(mass), 1)), mass[:, :-1]], dim=-1)  # the mass before each token
-            kept = torch.where(before < self._top_p, top, -float("inf"))
-            q = torch.softmax(self._after_top_p(self._no_ids, kept), dim=-1)
-            done = mass[:, -1] >= self._top_p  # False for a NaN row
-            fill = q.new_zeros((q.shape[0], scores.shape[-1])).scatter_(1, ids, torch.where(done[:, None], q, 0.0))
+
+        def nucleus(k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # the rest's K most likely
+            rows = warped if rest is None else warped.index_select(0, rest)
+            top, ids = rows.topk(k, dim=-1) if k < vocab else rows.sort(dim=-1, descending=True)
+            above = _mass_above(top, torch.exp(top - (log_norm if rest is None else log_norm.index_select(0, rest))))
+            kept = torch.where(above < self._top_p, top, -float("inf"))
+            return torch.softmax(self._after_top_p(self._no_ids, kept), dim=-1), ids, above  # (r, K) each
+
+        for k in [k for k in NUCLEUS_CANDIDATES if k < vocab] if scores.device.type == "cpu" else []:
+            q, ids, above = nucleus(k)
+            done = above[:, -1] >= self._top_p  # the K-th token's group and all past it dropped; False for NaN
+            fill = q.new_zeros((q.shape[0], vocab)).scatter_(1, ids, torch.where(done[:, None], q, 0.0))
             out = fill if out is None else out.index_add_(0, rest, fill)
             if bool(done.all()):
                 return out
             rest = (torch.arange(len(q), device=q.device) if rest is None else rest)[~done]
-        full = torch.softmax(self._warpers(self._no_ids, scores if rest is None else scores.index_select(0, rest)), -1)
-        return full if out is None else out.index_copy_(0, rest, full)
+        q, ids, _ = nucleus(vocab)  # every token ranked
+        fill = q.new_zeros(q.shape).scatter_(1, ids, q)
+        return fill if out is None else out.index_copy_(0, rest, fill)
 
     def probs_over(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Warped distributions over the tokens ``ids`` only (a truncated draft head, FR-Spec).
