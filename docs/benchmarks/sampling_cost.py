@@ -3,8 +3,9 @@
 Three changes of 2026-11-30 cut the host's work of sampling (greedy included) with V = 151,936 logits:
 
 - ``--side nucleus``: ``Sampler.nucleus_probs`` finds a row's nucleus under top-p (the target's p and the
-  draft's q) among its ``sampling.NUCLEUS_CANDIDATES`` most likely tokens, the same law as the sort. Before:
-  transformers' ``TopPLogitsWarper`` sorting every logit (``NUCLEUS_CANDIDATES = ()``).
+  draft's q) among its ``sampling.NUCLEUS_CANDIDATES`` most likely tokens. Before: the same rule after sorting
+  every logit (``NUCLEUS_CANDIDATES = ()``), what a GPU runs. Until e014f5b, ``()`` meant transformers'
+  ``TopPLogitsWarper`` instead; tables taken before it compared against that.
 - ``--side draws``: ``Sampler.exponential`` fills the race's Exp(1) noise from float64 uniforms, the values
   ``Tensor.exponential_`` gives, bit for bit. Before: ``exponential_`` itself.
 - ``--side greedy`` (run it with ``--temperature 0``): ``sampling.greedy_tokens`` and ``sampling.finite_rows``

@@ -66,13 +66,13 @@ def test_tied_logits_across_the_boundary_are_kept_together(candidates, monkeypat
     (before it, less than top_p) and below it are the same."""
     monkeypatch.setattr(sampling, "NUCLEUS_CANDIDATES", candidates)
     logits = torch.full((1, 30), -4.0)
-    logits[0, 20], logits[0, [3, 7, 11]] = 2.0, 1.0  # p: about 0.52 for token 20, 0.19 each for the group
+    logits[0, 20], logits[0, [3, 7, 11]] = 2.0, 1.0  # p: about 0.46 for token 20, 0.17 each for the group
     settings = dict(temperature=1.0, top_p=0.6)
     got = Sampler(GenerationConfig(**settings), 30, "cpu").probs(logits)[0]
     assert sorted(torch.nonzero(got).flatten().tolist()) == [3, 7, 11, 20]
     assert torch.allclose(got[[3, 7, 11]], got[3].expand(3)) and torch.allclose(got.sum(), torch.tensor(1.0))
     warper = torch.nonzero(_transformers(settings, logits)[0]).flatten().tolist()
-    assert 20 in warper and 2 <= len(warper) < 4
+    assert 20 in warper and set(warper) < {3, 7, 11, 20} and len(warper) >= 2
 
 
 def test_a_rows_nucleus_does_not_depend_on_its_neighbours(monkeypatch):
@@ -97,10 +97,12 @@ def test_a_nan_row_and_a_row_of_one_token_keep_their_meaning(monkeypatch):
     logits[0, 10:13] = torch.tensor([9.0, 8.5, 8.0])
     logits[1] = float("nan")
     logits[2, 7] = 40.0
+    logits = torch.cat([logits, torch.full((1, 50), -float("inf"))])  # a row every processor masked: NaN too
     sampler = Sampler(GenerationConfig(temperature=1.0, top_p=0.9, seed=0), 50, "cpu")
     got = sampler.probs(logits)
     want = _transformers(dict(temperature=1.0, top_p=0.9), logits)
     assert torch.isnan(got[1]).all() and torch.isnan(want[1]).all()
+    assert torch.isnan(got[3]).all() and torch.isnan(want[3]).all()
     assert torch.equal(got[2], torch.nn.functional.one_hot(torch.tensor(7), 50).float())
     assert torch.allclose(got[0], want[0], atol=1e-6) and torch.equal(got[0] > 0, want[0] > 0)
     assert 2 <= int((got[0] > 0).sum()) <= 4
@@ -108,7 +110,7 @@ def test_a_nan_row_and_a_row_of_one_token_keep_their_meaning(monkeypatch):
 
 
 def test_the_nucleus_path_is_used_under_top_p_only(monkeypatch):
-    """``probs`` takes ``nucleus_probs`` on a CPU under top-p, and not without top-p or when greedy."""
+    """``probs`` takes ``nucleus_probs`` under top-p (on every device), and not without top-p or when greedy."""
     calls = []
     original = Sampler.nucleus_probs
 

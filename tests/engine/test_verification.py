@@ -112,7 +112,8 @@ def test_speculative_sampling_matches_target_distribution(temperature, top_k, to
     """Tokens 2 and 3 (verified) follow the target's exact law; "nucleus": the decoder's p and q under top-p come
     from ``Sampler.nucleus_probs`` over each row's 6, then 7, most likely tokens (a spy checks that the first count
     placed some rows and left others), while the exact law is computed with transformers' ``TopPLogitsWarper``
-    over all 8."""
+    over all 8 (float32 logits: no ties, so the two rules agree); "t1.3-topp": every row sorts all 8, as on a
+    GPU."""
     found = []
     monkeypatch.setattr(sampling, "NUCLEUS_CANDIDATES", (6, 7) if nucleus else ())
     if nucleus:

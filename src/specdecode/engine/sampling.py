@@ -1,9 +1,9 @@
 """Turning logits into next-token distributions and tokens.
 
-Temperature, top-k, top-p and min-p are applied with transformers' own logits warpers,
-so the draft and the target distributions are shaped alike before the speculative-sampling
-test compares them (under top-p on a CPU, a row's nucleus that lies among its most likely tokens is found
-without sorting every logit: ``Sampler.nucleus_probs``). The context-dependent processors (penalties,
+Temperature, top-k and min-p are applied with transformers' own logits warpers, top-p by
+``Sampler.nucleus_probs`` (transformers' rule but for tied logits, kept together; on a CPU without sorting every
+logit where the nucleus lies among a row's most likely tokens), so the draft and the target distributions are
+shaped alike before the speculative-sampling test compares them. The context-dependent processors (penalties,
 ``logit_bias``) and logprobs are ``engine.processors``'s; a ``Sampler`` carries a generation's
 ``LogitsProcessing`` once ``start`` gave it the prompt.
 """
@@ -208,14 +208,13 @@ def safe_logits(logits: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, logits, 0.0)
 
 
-def _mass_above(top: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """For logits ``top`` sorted in descending order along the last dimension and their probabilities ``p``
-    (same shape), the mass of the tokens with a larger logit than each: the mass before its group of equal
-    logits. NaN propagates."""
-    mass = p.cumsum(dim=-1)
-    before = torch.cat([mass.new_zeros((*mass.shape[:-1], 1)), mass[..., :-1]], dim=-1)
-    starts = torch.cat([torch.ones_like(top[..., :1], dtype=torch.bool), top[..., 1:] != top[..., :-1]], dim=-1)
-    return torch.where(starts, before, 0.0).cummax(dim=-1).values
+def _nucleus_floor(top: torch.Tensor, p: torch.Tensor, top_p: float) -> torch.Tensor:
+    """For logits ``top`` (..., K) sorted in descending order and their probabilities ``p``: (..., 1) the
+    smallest logit top-p keeps, that of the first token at which the cumulative mass reaches ``top_p`` (the
+    K-th when none does). Every token with a logit at least that large is kept, so a group of tied logits
+    across the boundary stays whole. A NaN row gives NaN (nothing kept)."""
+    count = (p.cumsum(dim=-1) < top_p).sum(dim=-1, keepdim=True) + 1
+    return top.gather(-1, count.clamp_(max=top.shape[-1]) - 1)
 
 
 def raise_invalid_distribution() -> None:
@@ -352,18 +351,19 @@ class Sampler:
         looked for among its K most likely tokens, for the first K of ``NUCLEUS_CANDIDATES`` that settles it,
         and among all V otherwise (a flat distribution, or NaN); elsewhere among all V.
 
-        A token is kept when the tokens more likely than it, those with a larger logit, hold less than top_p of
-        the mass (normalized over all V). That is transformers' ``TopPLogitsWarper``'s rule (remove a token whose
-        ascending cumulative probability is at most 1 - top_p), except among tied logits: the warper ranks them
+        A token is kept when its logit is at least the floor: the logit of the first token, in descending
+        order, at which the cumulative mass (normalized over all V) reaches top_p (``_nucleus_floor``). That is
+        transformers' ``TopPLogitsWarper``'s rule (remove a token whose ascending cumulative probability is at
+        most 1 - top_p), except among tied logits: the warper ranks them
         by ``torch.sort``'s order, which is not stable on a CPU, so a tie across the boundary keeps an arbitrary
         part of it; here the whole group stays, whatever the order, as transformers' top-k and min-p keep ties.
         Without ties the kept set is the warper's, up to rounding (the cumulative sum runs the other way and is
         normalized by a ``logsumexp``; a token within rounding of the boundary can flip). bfloat16 logits tie
         often: over 663 positions of the real Qwen2.5-Coder 1.5B's logits the kept sets differed in 2-35% of rows
-        (more at higher temperature and top_p), each time by such a group (``2026-11-30-nucleus.md``).
+        (more at higher temperature and top_p), all but once by such a group (``2026-11-30-nucleus.md``).
 
-        A row's K settle it when the mass above the K-th token's logit reaches top_p: every token past them is
-        then dropped by the rule. ``topk`` of 256 costs about 0.1 ms a row against 5 ms for sorting Qwen2.5's
+        A row's K settle it when its K-th token's logit lies below the floor: every token past them is then
+        dropped by the rule. ``topk`` of 256 costs about 0.1 ms a row against 5 ms for sorting Qwen2.5's
         V = 151,936 on a 2-core CPU. Each K costs one read of an (m,) flag, free on a CPU; on a GPU the read would
         be a host sync and the sort costs microseconds, so there every row sorts. Temperature and top-k act
         before, min-p after, as in ``probs``. A row's result depends on that row only.
@@ -382,13 +382,15 @@ class Sampler:
         def nucleus(k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # the rest's K most likely
             rows = warped if rest is None else warped.index_select(0, rest)
             top, ids = rows.topk(k, dim=-1) if k < vocab else rows.sort(dim=-1, descending=True)
-            above = _mass_above(top, torch.exp(top - (log_norm if rest is None else log_norm.index_select(0, rest))))
-            kept = torch.where(above < self._top_p, top, -float("inf"))
-            return torch.softmax(self._after_top_p(self._no_ids, kept), dim=-1), ids, above  # (r, K) each
+            p = torch.exp(top - (log_norm if rest is None else log_norm.index_select(0, rest)))
+            floor = _nucleus_floor(top, p, self._top_p)  # (r, 1)
+            kept = torch.where(top >= floor, top, -float("inf"))
+            # settled: the K-th token lies below the floor, so it and every token past it are dropped
+            settled = top[:, -1] < floor[:, 0]  # False for a NaN row
+            return torch.softmax(self._after_top_p(self._no_ids, kept), dim=-1), ids, settled  # (r, K), (r, K), (r,)
 
         for k in [k for k in NUCLEUS_CANDIDATES if k < vocab] if scores.device.type == "cpu" else []:
-            q, ids, above = nucleus(k)
-            done = above[:, -1] >= self._top_p  # the K-th token's group and all past it dropped; False for NaN
+            q, ids, done = nucleus(k)
             fill = q.new_zeros((q.shape[0], vocab)).scatter_(1, ids, torch.where(done[:, None], q, 0.0))
             out = fill if out is None else out.index_add_(0, rest, fill)
             if bool(done.all()):
@@ -401,7 +403,7 @@ class Sampler:
     def probs_over(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Warped distributions over the tokens ``ids`` only (a truncated draft head, FR-Spec).
 
-        The same temperature / top-k / top-p as ``probs``, applied to the K logits; the
+        The same temperature / top-k / top-p / min-p as ``probs``, applied to the K logits; the
         result is what ``probs`` gives for a full row that is -inf outside ``ids``.
 
         Args:
@@ -411,7 +413,11 @@ class Sampler:
         Returns:
             (m, V) float32, rows sum to 1, zero outside ``ids``.
         """
-        q = torch.softmax(self._warpers(self._no_ids, logits.float()), dim=-1)
+        scores = logits.float()
+        if self._top_p is not None:
+            q = self.nucleus_probs(scores)
+        else:
+            q = torch.softmax(self._warpers(self._no_ids, scores), dim=-1)
         return q.new_zeros((q.shape[0], self.vocab_size)).index_copy_(1, ids, q)
 
     def choose(self, logits: torch.Tensor) -> int:
