@@ -1,6 +1,6 @@
 """Sampling's cost on a CPU: each change that made it cheaper, against what came before it, end to end.
 
-Three changes of 2026-11-30 cut the host's work of sampling (greedy included) with V = 151,936 logits:
+Three changes of 2026-11-29 cut the host's work of sampling (greedy included) with V = 151,936 logits:
 
 - ``--side nucleus``: ``Sampler.nucleus_probs`` finds a row's nucleus under top-p (the target's p and the
   draft's q) among its ``sampling.NUCLEUS_CANDIDATES`` most likely tokens. Before: the same rule after sorting
@@ -46,15 +46,15 @@ from specdecode.drafters import base, cascade, draft_tree  # noqa: E402
 from specdecode.engine import batched, bucket_functions, sampling, verification  # noqa: E402
 
 
-def _exponential_(self, out: torch.Tensor) -> torch.Tensor:  # ``Sampler.exponential`` before 2026-11-30
+def _exponential_(self, out: torch.Tensor) -> torch.Tensor:  # ``Sampler.exponential`` before eb2fe0a
     return out.exponential_(generator=self.generator)
 
 
-def _argmax(logits: torch.Tensor) -> torch.Tensor:  # ``sampling.greedy_tokens`` before 2026-11-30
+def _argmax(logits: torch.Tensor) -> torch.Tensor:  # ``sampling.greedy_tokens`` before 1cc326e
     return logits.argmax(-1)
 
 
-def _isfinite_all(logits: torch.Tensor) -> torch.Tensor:  # ``sampling.finite_rows`` before 2026-11-30
+def _isfinite_all(logits: torch.Tensor) -> torch.Tensor:  # ``sampling.finite_rows`` before 1cc326e
     return torch.isfinite(logits).all(-1)
 
 

@@ -360,7 +360,7 @@ class Sampler:
         Without ties the kept set is the warper's, up to rounding (the cumulative sum runs the other way and is
         normalized by a ``logsumexp``; a token within rounding of the boundary can flip). bfloat16 logits tie
         often: over 663 positions of the real Qwen2.5-Coder 1.5B's logits the kept sets differed in 2-35% of rows
-        (more at higher temperature and top_p), all but once by such a group (``2026-11-30-nucleus.md``).
+        (more at higher temperature and top_p), all but once by such a group (``2026-11-29-nucleus.md``).
 
         A row's K settle it when its K-th token's logit lies below the floor: every token past them is then
         dropped by the rule. ``topk`` of 256 costs about 0.1 ms a row against 5 ms for sorting Qwen2.5's
