@@ -163,3 +163,16 @@ def test_greedy_tokens_and_finite_rows_are_argmax_and_isfinite(dtype):
         assert torch.equal(sampling.finite_rows(x), torch.isfinite(x).all(-1))
     assert sampling.greedy_tokens(logits)[0].tolist() == [17] * 6
     assert sampling.finite_rows(logits[1]).tolist() == [True, True, False, False, False, True]
+
+
+@pytest.mark.parametrize("settings", [dict(temperature=0.8, top_p=0.9), dict(temperature=0.8, top_p=0.9, top_k=20,
+                                                                              min_p=0.05)], ids=["top-p", "all"])
+def test_off_a_cpu_top_p_reads_nothing_back(settings):
+    """Off a CPU every row sorts, and nothing is read back to decide it: on ``meta`` tensors, where any read of
+    a value (``bool``, ``item``, ``tolist``) raises, ``probs`` under top-p still gives its (m, V) shape. The
+    CPU's candidates read a flag per K, so taking them off a CPU fails this."""
+    sampler = Sampler(GenerationConfig(**settings), 1000, "cpu")
+    q = sampler.probs(torch.empty(6, 1000, device="meta"))
+    assert q.shape == (6, 1000) and q.device.type == "meta" and q.dtype == torch.float32
+    with pytest.raises(Exception):  # noqa: B017 -- what a value read on meta does (the error type varies)
+        bool(torch.empty(3, device="meta").all())
