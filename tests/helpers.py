@@ -5,9 +5,25 @@ from __future__ import annotations
 import copy
 
 import torch
+from transformers.generation.logits_process import (LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper,
+                                                    TopKLogitsWarper, TopPLogitsWarper)
 
 from specdecode.drafters import Draft, Drafter, DraftModelDrafter
 from specdecode.engine.protocol import RoundController
+
+
+def transformers_probs(settings: dict, logits: torch.Tensor) -> torch.Tensor:
+    """transformers' warpers over all V logits (temperature, top-k, ``TopPLogitsWarper``, min-p: ``Sampler``'s
+    order) from ``settings`` (``GenerationConfig`` fields), then a softmax: (m, V) float32. The reference that
+    ``Sampler.nucleus_probs`` is checked against."""
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(settings.get("temperature", 1.0))])
+    if settings.get("top_k"):
+        warpers.append(TopKLogitsWarper(settings["top_k"]))
+    if settings.get("top_p", 1.0) < 1.0:
+        warpers.append(TopPLogitsWarper(settings["top_p"]))
+    if settings.get("min_p"):
+        warpers.append(MinPLogitsWarper(settings["min_p"]))
+    return torch.softmax(warpers(torch.empty(0, dtype=torch.long), logits.float()), dim=-1)
 
 
 def save_tiny_folders(root, tokenizer, target, draft):

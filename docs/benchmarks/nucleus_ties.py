@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 import torch
+from transformers.generation.logits_process import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
 if importlib.util.find_spec("specdecode") is None:  # not installed, no PYTHONPATH: this tree's src
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
@@ -50,6 +51,7 @@ def main() -> None:
     for temperature in (0.7, 1.0):
         for top_p in (0.8, 0.9, 0.95, 0.99):
             sampler = Sampler(GenerationConfig(temperature=temperature, top_p=top_p), vocab, "cpu")
+            reference = LogitsProcessorList([TemperatureLogitsWarper(temperature), TopPLogitsWarper(top_p)])
             chunks = logits.split(64)
             got = torch.cat([sampler.probs(c) for c in chunks])
             try:
@@ -57,8 +59,8 @@ def main() -> None:
                 sort = torch.cat([sampler.probs(c) for c in chunks])
             finally:
                 sampling.NUCLEUS_CANDIDATES = candidates
-            # transformers' warpers over all V (Sampler._warpers holds its TopPLogitsWarper)
-            warper = torch.cat([torch.softmax(sampler._warpers(sampler._no_ids, c.float()), -1) for c in chunks])
+            warper = torch.cat([torch.softmax(reference(torch.empty(0, dtype=torch.long), c.float()), -1)
+                                for c in chunks])  # transformers' warpers over all V
             ours, theirs = got > 0, warper > 0
             differ = (ours != theirs).any(-1)
             scaled = logits.float() / temperature

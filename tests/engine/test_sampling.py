@@ -8,9 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from transformers.generation.logits_process import (LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper,
-                                                    TopKLogitsWarper, TopPLogitsWarper)
-
+from helpers import transformers_probs
 from specdecode.config import GenerationConfig
 from specdecode.engine import sampling
 from specdecode.engine.sampling import Sampler
@@ -27,17 +25,6 @@ def _logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
     return logits
 
 
-def _transformers(settings: dict, logits: torch.Tensor) -> torch.Tensor:
-    """transformers' warpers over all V logits, in ``Sampler``'s order, then a softmax: (m, V) float32."""
-    warpers = LogitsProcessorList([TemperatureLogitsWarper(settings["temperature"])])
-    if settings.get("top_k"):
-        warpers.append(TopKLogitsWarper(settings["top_k"]))
-    warpers.append(TopPLogitsWarper(settings["top_p"]))
-    if settings.get("min_p"):
-        warpers.append(MinPLogitsWarper(settings["min_p"]))
-    return torch.softmax(warpers(torch.empty(0, dtype=torch.long), logits.float()), dim=-1)
-
-
 @pytest.mark.parametrize("candidates", [(8, 64), ()], ids=["most-likely-first", "sort"])
 @pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()))
 def test_the_nucleus_is_transformers_top_p_without_ties(settings, candidates, monkeypatch):
@@ -47,7 +34,7 @@ def test_the_nucleus_is_transformers_top_p_without_ties(settings, candidates, mo
     monkeypatch.setattr(sampling, "NUCLEUS_CANDIDATES", candidates)
     V = 500
     logits = _logits(48, V, seed=1)
-    want = _transformers(settings, logits)
+    want = transformers_probs(settings, logits)
     nucleus = (want > 0).sum(-1)
     got = Sampler(GenerationConfig(seed=0, **settings), V, "cpu").probs(logits)
     assert torch.equal(got > 0, want > 0)
@@ -71,7 +58,7 @@ def test_tied_logits_across_the_boundary_are_kept_together(candidates, monkeypat
     got = Sampler(GenerationConfig(**settings), 30, "cpu").probs(logits)[0]
     assert sorted(torch.nonzero(got).flatten().tolist()) == [3, 7, 11, 20]
     assert torch.allclose(got[[3, 7, 11]], got[3].expand(3)) and torch.allclose(got.sum(), torch.tensor(1.0))
-    warper = torch.nonzero(_transformers(settings, logits)[0]).flatten().tolist()
+    warper = torch.nonzero(transformers_probs(settings, logits)[0]).flatten().tolist()
     assert 20 in warper and set(warper) < {3, 7, 11, 20} and len(warper) >= 2
 
 
@@ -100,7 +87,7 @@ def test_a_nan_row_and_a_row_of_one_token_keep_their_meaning(monkeypatch):
     logits = torch.cat([logits, torch.full((1, 50), -float("inf"))])  # a row every processor masked: NaN too
     sampler = Sampler(GenerationConfig(temperature=1.0, top_p=0.9, seed=0), 50, "cpu")
     got = sampler.probs(logits)
-    want = _transformers(dict(temperature=1.0, top_p=0.9), logits)
+    want = transformers_probs(dict(temperature=1.0, top_p=0.9), logits)
     assert torch.isnan(got[1]).all() and torch.isnan(want[1]).all()
     assert torch.isnan(got[3]).all() and torch.isnan(want[3]).all()
     assert torch.equal(got[2], torch.nn.functional.one_hot(torch.tensor(7), 50).float())

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import make_tiny_model
-from helpers import perturbed_copy
+from helpers import perturbed_copy, transformers_probs
 from specdecode import DraftModelDrafter, GenerationConfig, SpeculativeDecoder
 from specdecode.drafters import base as drafters_base
 from specdecode.engine import sampling
@@ -131,11 +131,8 @@ def test_speculative_sampling_matches_target_distribution(temperature, top_k, to
     draft = perturbed_copy(target, noise=2.0, seed=3)
     prompt = torch.tensor([[3, 5, 4]])
     base = dict(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=steps, stop_on_eos=False)
-    def transformers_probs(self, logits):  # transformers' warpers over all V (``Sampler._warpers``: TopPLogitsWarper)
-        return torch.softmax(self._warpers(self._no_ids, logits.float()), dim=-1)
-
-    with monkeypatch.context() as whole:
-        whole.setattr(Sampler, "probs", transformers_probs)
+    with monkeypatch.context() as whole:  # transformers' warpers over all V
+        whole.setattr(Sampler, "probs", lambda self, logits: transformers_probs(base, logits))
         exact = _exact_joint(target, prompt, GenerationConfig(**base), steps)
     found.clear()
     keys, want = _verified_cells(exact)

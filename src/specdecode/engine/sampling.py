@@ -18,7 +18,6 @@ from transformers.generation.logits_process import (
     MinPLogitsWarper,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
-    TopPLogitsWarper,
 )
 
 from specdecode.config import GenerationConfig
@@ -47,11 +46,11 @@ def logits_width(model: torch.nn.Module) -> int:
 
 
 def warped_probs(samplers: Sequence[Sampler], logits: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
-    """Each row's ``Sampler.probs`` (with ``ids``, ``probs_over``), rows whose
-    samplers share a ``warp_key`` warped in one call, by the group's first sampler: the warpers act row by row,
-    so each row gets the values it gets alone (checked on CPU; on CUDA a batched softmax may round a last bit
-    differently, so a seed's draw could rarely differ, the law never), with a handful of operations per
-    distinct setting instead of per row. Nothing is read back.
+    """Each row's ``Sampler.probs`` (with ``ids``, ``probs_over``), rows whose samplers share a ``warp_key``
+    warped in one call, by the group's first sampler: the warpers act row by row, so each row gets the values
+    it gets alone (checked on CPU; on CUDA a batched softmax may round a last bit differently, so a seed's draw
+    could rarely differ, the law never), with a handful of operations per distinct setting instead of per row.
+    Nothing is read back.
 
     Args:
         samplers: Per row, its sampler (m rows; none greedy).
@@ -125,29 +124,35 @@ def draw_tokens(samplers: Sequence[Sampler], probs: torch.Tensor, rows: Sequence
     everyone = rows is None or rows == list(range(probs.shape[0]))
     chosen = probs if everyone else probs.index_select(0, to_device(rows, probs.device))
     noise = torch.empty_like(chosen)
-    for group in generator_groups(samplers):
-        try:
-            if len(group) == m:
-                samplers[group[0]].exponential(noise)
-            elif len(group) == 1:
-                samplers[group[0]].exponential(noise[group[0]])  # its row of the noise, in place
-            else:
-                block = samplers[group[0]].exponential(noise.new_empty((len(group), noise.shape[-1])))
-                noise.index_copy_(0, to_device(group, noise.device), block)
-        except Exception as exc:  # noqa: BLE001 -- recorded: the caller fails that row alone
-            if failed is None:
-                raise
-            errors = {group[0]: exc} if len(group) == 1 else {}
-            if len(group) > 1:  # a shared draw: each row alone, to find the ones that fail
-                for i in group:
-                    try:
-                        samplers[i].exponential(noise[i])
-                    except Exception as row_exc:  # noqa: BLE001 -- recorded, as above
-                        errors[i] = row_exc
-            for i, row_exc in errors.items():
-                failed[i] = row_exc
-                noise[i] = 1.0  # any positive noise: its token is dropped
+
+    def fill(group: list[int]) -> None:  # the group's rows of the noise, from their shared generator
+        if len(group) == m:
+            samplers[group[0]].exponential(noise)
+        elif len(group) == 1:
+            samplers[group[0]].exponential(noise[group[0]])  # its row of the noise, in place
+        else:
+            block = samplers[group[0]].exponential(noise.new_empty((len(group), noise.shape[-1])))
+            noise.index_copy_(0, to_device(group, noise.device), block)
+
+    for group in generator_groups(samplers):  # a failed row's noise: any positive value, its token is dropped
+        draw_or_retry(fill, group, failed, lambda i: noise[i].fill_(1.0))
     return race(chosen, noise, check)
+
+
+def draw_or_retry(draw, rows: list[int], failed: dict[int, Exception] | None, stand_in) -> list:
+    """``[draw(rows)]``, one draw for ``rows``, whose samplers share a generator. If it raises: with ``failed``
+    None, the error propagates; with a dict, each row draws alone, and each row whose own draw raises is
+    recorded in ``failed`` with its exception and gets ``stand_in(row)`` (the caller drops its result). Returns
+    the parts in the rows' order, to concatenate where ``draw`` returns tensors."""
+    try:
+        return [draw(rows)]
+    except Exception as exc:  # noqa: BLE001 -- recorded: the caller fails that row alone
+        if failed is None:
+            raise
+        if len(rows) == 1:
+            failed[rows[0]] = exc
+            return [stand_in(rows[0])]
+        return [part for j in rows for part in draw_or_retry(draw, [j], failed, stand_in)]
 
 
 def race(probs: torch.Tensor, noise: torch.Tensor, check: bool = True) -> torch.Tensor:
@@ -283,22 +288,17 @@ class Sampler:
                 self.generator.seed()
             else:
                 self.generator.manual_seed(config.seed)
-        warpers = LogitsProcessorList()
+        # transformers' warpers around top-p (``nucleus_probs``): temperature and top-k before, min-p after
+        self._before_top_p, self._after_top_p = LogitsProcessorList(), LogitsProcessorList()
         if not self.greedy:
             if config.temperature != 1.0:
-                warpers.append(TemperatureLogitsWarper(config.temperature))
+                self._before_top_p.append(TemperatureLogitsWarper(config.temperature))
             if config.top_k > 0:
-                warpers.append(TopKLogitsWarper(top_k=config.top_k))
-            if config.top_p < 1.0:
-                warpers.append(TopPLogitsWarper(top_p=config.top_p))
+                self._before_top_p.append(TopKLogitsWarper(top_k=config.top_k))
             if config.min_p > 0.0:
-                warpers.append(MinPLogitsWarper(min_p=config.min_p))
-        self._warpers = warpers
-        # The same warpers split around top-p, for ``nucleus_probs``: temperature and top-k, then min-p.
-        split = next((i for i, w in enumerate(warpers) if isinstance(w, TopPLogitsWarper)), None)
-        self._top_p = None if split is None else config.top_p
-        self._before_top_p = LogitsProcessorList(warpers[:split])
-        self._after_top_p = LogitsProcessorList(warpers[split + 1:] if split is not None else [])
+                self._after_top_p.append(MinPLogitsWarper(min_p=config.min_p))
+        self._warpers = LogitsProcessorList([*self._before_top_p, *self._after_top_p])  # without top-p
+        self._top_p = config.top_p if not self.greedy and config.top_p < 1.0 else None
         #: Rows whose samplers share this key shape logits alike (``warped_probs`` warps them together).
         self.warp_key = None if self.greedy else (config.temperature, config.top_k, config.top_p, config.min_p)
         self._no_ids = torch.empty(0, dtype=torch.long)

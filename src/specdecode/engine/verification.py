@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import torch
 
 from specdecode.engine.batch_cache import to_device
-from specdecode.engine.sampling import (Sampler, draw_tokens, finite_rows, generator_groups, greedy_tokens, safe_logits,
-                                       warped_probs)
+from specdecode.engine.sampling import (Sampler, draw_or_retry, draw_tokens, finite_rows, generator_groups,
+                                       greedy_tokens, safe_logits, warped_probs)
 from specdecode.errors import INVALID_DISTRIBUTION, InvalidArgumentError, NonFiniteLogitsError
 
 
@@ -290,17 +290,9 @@ def rejection_sample_rows(samplers: Sequence[Sampler], probs: torch.Tensor, draf
 def _uniforms(samplers: Sequence[Sampler], rows: list[int], count: int, device: torch.device,
               failed: dict[int, Exception] | None) -> torch.Tensor:
     """``count`` uniforms for each of ``rows`` (whose samplers share one generator) in one draw, (len(rows) *
-    count,) float32. With ``failed`` a dict, a draw that raises is retried row by row and each row whose own
-    draw raises is recorded there (its uniforms are ones: its verdict is dropped); None: the error propagates."""
-    try:
-        return samplers[rows[0]].uniform(len(rows) * count, device)
-    except Exception as exc:  # noqa: BLE001 -- reported: the caller fails this row alone
-        if failed is None:
-            raise
-        if len(rows) == 1:
-            failed[rows[0]] = exc
-            return torch.ones(count, device=device)
-        return torch.cat([_uniforms(samplers, [j], count, device, failed) for j in rows])
+    count,) float32; a failed row's are ones, its verdict dropped (``sampling.draw_or_retry``)."""
+    return torch.cat(draw_or_retry(lambda group: samplers[group[0]].uniform(len(group) * count, device), rows,
+                                   failed, lambda j: torch.ones(count, device=device)))
 
 
 def _padded(rows: Sequence[torch.Tensor | None] | None, num_tokens: Sequence[int], gamma: int,
