@@ -19,8 +19,7 @@ from specdecode import DraftModelDrafter, GenerationConfig, SpeculativeDecoder
 from specdecode.drafters import base as drafters_base
 from specdecode.engine import sampling
 from specdecode.engine.sampling import Sampler, draw_tokens, safe_logits, warped_probs
-from specdecode.engine.verification import (VerificationResult as R, greedy_verify, rejection_sample,
-                                            rejection_sample_rows, sample_block_device)
+from specdecode.engine.verification import VerificationResult as R, greedy_verify, rejection_sample, rejection_sample_rows
 from specdecode.errors import InvalidArgumentError
 
 Z = 4.5
@@ -199,6 +198,23 @@ def test_safe_logits_zeroes_only_positions_that_were_not_finite():
     assert torch.equal(safe_logits(processed[0], finite[0]), out[0])  # (T, V) with (T,) flags
 
 
+def _algorithm_1(sampler: Sampler, p: torch.Tensor, drafted: torch.Tensor, q: torch.Tensor | None) -> list[int]:
+    """Leviathan et al. 2022, Algorithm 1, for one row, written plainly as the reference: k uniforms from the
+    sampler's generator, the first n with u_n q_n(d_n) >= p_n(d_n) rejected, then one token drawn from
+    norm(max(0, p_n - q_n)) (a one-hot q for None; p_n itself when that has no mass) or, all accepted, from p_k.
+    Returns [accepted draft tokens, next token]."""
+    k = drafted.shape[0]
+    uniforms = sampler.uniform(k, torch.device("cpu")) if k else None
+    n = 0
+    while n < k and uniforms[n] * (1.0 if q is None else q[n, drafted[n]]) < p[n, drafted[n]]:
+        n += 1
+    law = p[n]
+    if n < k:
+        residual = (p[n] - (torch.nn.functional.one_hot(drafted[n], p.shape[-1]) if q is None else q[n])).clamp_min(0)
+        law = residual / residual.sum() if residual.sum() > 0 else p[n] / p[n].sum()
+    return [n, int(sampler.sample(law.view(1, -1))[0])]
+
+
 def _row_case(generator: torch.Generator, m: int, gamma: int, vocab: int):
     """Random target distributions (m, γ + 1, V), drafted tokens, block lengths 0..γ, and per row a q (k_j, V),
     None (one-hot), or q equal to p (every token accepted; the residual's p == q fallback is exercised)."""
@@ -215,9 +231,10 @@ def _row_case(generator: torch.Generator, m: int, gamma: int, vocab: int):
 
 @pytest.mark.parametrize("layout", ["rows", "block"])
 def test_rejection_sample_rows_draws_what_each_row_draws_alone(layout):
-    """The batched rejection sampler gives every row, bit for bit, the verdict ``sample_block_device`` gives it alone
-    with the same seed, and leaves each generator where that leaves it (the same draws, in the same order): a
-    seed's tokens do not depend on the batch. Rows of every kind: block lengths 0..γ, a draft's q, a one-hot q
+    """The batched rejection sampler gives every row, bit for bit, the verdict a plain Algorithm 1 gives it alone
+    with the same seed (``_algorithm_1``), and leaves each generator where that leaves it (the same draws, in the
+    same order): a seed's tokens do not depend on the batch, and the vectorized acceptance, residual and bonus
+    law are Algorithm 1's. Rows of every kind: block lengths 0..γ, a draft's q, a one-hot q
     (prompt lookup; "rows" only) and q = p; the q's given per row or as one block (``Draft.probs_block``) whose
     positions past k_j hold other distributions (never read)."""
     generator = torch.Generator().manual_seed(5)
@@ -238,8 +255,8 @@ def test_rejection_sample_rows_draws_what_each_row_draws_alone(layout):
         verdicts, failed = rejection_sample_rows(batched, probs, drafted, ks, given)
         assert not failed and verdicts.shape == (m, 2)
         for j in range(m):
-            expected = sample_block_device(alone[j], probs[j, : ks[j] + 1], drafted[j, : ks[j]], qs[j])
-            assert verdicts[j].tolist() == expected.tolist(), (trial, j, ks[j])
+            expected = _algorithm_1(alone[j], probs[j, : ks[j] + 1], drafted[j, : ks[j]], qs[j])
+            assert verdicts[j].tolist() == expected, (trial, j, ks[j])
             assert torch.equal(batched[j].generator.get_state(), alone[j].generator.get_state()), (trial, j)
             outcomes.add((qs[j] is None, min(int(expected[0]), 1), int(expected[0]) == ks[j]))
     # one-hot ("rows" only) and q rows; rejected at once, later, and fully accepted
@@ -287,8 +304,7 @@ def test_rejection_sample_rows_fails_only_the_row_whose_draws_raise(method, brok
     verdicts, failed = rejection_sample_rows(samplers, probs, drafted, ks, None, contain_errors=True)
     assert list(failed) == [broken_row] and str(failed[broken_row]) == f"{method} failed"
     others = [j for j in range(3) if j != broken_row]
-    expected = [sample_block_device(alone[j], probs[j, : ks[j] + 1], drafted[j, : ks[j]], None).tolist()
-                for j in others]
+    expected = [_algorithm_1(alone[j], probs[j, : ks[j] + 1], drafted[j, : ks[j]], None) for j in others]
     assert verdicts.tolist() == expected
     with pytest.raises(RuntimeError, match=f"{method} failed"):
         rejection_sample_rows(samplers, probs, drafted, ks, None)

@@ -73,12 +73,12 @@ def rejection_sample(
     target_probs: torch.Tensor,
     sampler: Sampler,
 ) -> VerificationResult:
-    """Speculative sampling of one block (Leviathan et al. 2022, Algorithm 1), read back to the host
-    (``rejection_sample_device`` and one host sync).
+    """Speculative sampling of one block (Leviathan et al. 2022, Algorithm 1), read back to the host: one row of
+    ``rejection_sample_rows`` and one host sync. The generator draws γ uniforms, then one token.
 
     Args:
         draft_tokens: (γ,) long, the drafted ids.
-        draft_probs: (γ, V) float32, the draft distributions q_i the tokens were
+        draft_probs: (>= γ, V) float32, the draft distributions q_i the tokens were
             sampled from, or ``None`` for a deterministic drafter (prompt lookup),
             which is treated as a one-hot q.
         target_probs: (γ + 1, V) float32, the target distributions p_i after the
@@ -86,75 +86,20 @@ def rejection_sample(
         sampler: Supplies the ``torch.Generator`` for the uniforms and the draws.
 
     Returns:
-        The number of accepted draft tokens and the next token.
+        The number of accepted draft tokens and the next token (the replacement drawn from
+        ``norm(max(0, p_n - q_n))`` at the first rejection n, or the bonus token from p_γ).
 
     Raises:
+        InvalidArgumentError: If the shapes disagree.
         NonFiniteLogitsError: The distribution the next token is drawn from is not one (NaN, or no mass).
     """
-    num_accepted, next_token = rejection_sample_device(draft_tokens, draft_probs, target_probs, sampler).tolist()
+    gamma = draft_tokens.shape[0]
+    q = None if draft_probs is None else draft_probs.unsqueeze(0)
+    verdicts, _ = rejection_sample_rows([sampler], target_probs.unsqueeze(0), draft_tokens.view(1, gamma), [gamma], q)
+    num_accepted, next_token = verdicts[0].tolist()
     if next_token < 0:
         raise NonFiniteLogitsError(INVALID_DISTRIBUTION)
     return VerificationResult(num_accepted, next_token)
-
-
-def rejection_sample_device(
-    draft_tokens: torch.Tensor,
-    draft_probs: torch.Tensor | None,
-    target_probs: torch.Tensor,
-    sampler: Sampler,
-) -> torch.Tensor:
-    """``rejection_sample`` with nothing read back: every choice is made on the device (the accepted count
-    indexes the distribution the next token is drawn from), so a round can read its rows' outcomes with
-    its one host sync (issue 28: speculative sampling stays on the device). The generator draws γ
-    uniforms, then one token, as ``rejection_sample`` always did, so a seed gives the same tokens.
-
-    Args:
-        As ``rejection_sample`` (γ >= 0).
-
-    Returns:
-        (2,) long on the probabilities' device: the number of accepted draft tokens and the next token
-        (the replacement drawn from ``norm(max(0, p_n - q_n))`` at the first rejection n, or the bonus
-        token from p_γ when all are accepted; -1 when that law is not a distribution, ``sampling.race``).
-    """
-    gamma, device = draft_tokens.shape[0], target_probs.device
-    rows = torch.arange(gamma, device=device)
-    p_drafted = target_probs[rows, draft_tokens]
-    q_drafted = torch.ones_like(p_drafted) if draft_probs is None else draft_probs[rows, draft_tokens]
-    uniforms = sampler.uniform(gamma, device)
-    # u < p/q  <=>  u * q < p, with no division by a tiny q.
-    num_accepted = (uniforms * q_drafted < p_drafted).cumprod(0).sum()  # 0-dim long, on the device
-    at = num_accepted.view(1)
-    p = target_probs.index_select(0, at)  # (1, V): p_n, or p_γ (the bonus token's law)
-    if gamma:
-        before = at.clamp(max=gamma - 1)  # where the rejected token was (ignored when all are accepted)
-        if draft_probs is None:  # a one-hot q: p without the rejected token
-            residual = p.scatter(1, draft_tokens.index_select(0, before).view(1, 1), 0.0)
-        else:
-            residual = (p - draft_probs.index_select(0, before)).clamp_min_(0.0)
-        total = residual.sum(-1, keepdim=True)
-        # total <= 0 only through rounding when p == q; then p itself is the exact residual law.
-        residual = torch.where(total > 0.0, residual / total, p / p.sum(-1, keepdim=True))
-        p = torch.where(num_accepted == gamma, p, residual)
-    return torch.cat([at, sampler.sample(p)])
-
-
-def sample_block_device(sampler: Sampler, probs: torch.Tensor, proposed: torch.Tensor,
-                        draft_probs: torch.Tensor | None) -> torch.Tensor:
-    """Speculative sampling of one row's block with nothing read back (``rejection_sample_device``).
-
-    Args:
-        sampler: The row's sampler (its warpers and ``torch.Generator``).
-        probs: (k + 1, V) float32, the target's warped distributions (``Sampler.probs``) at the k drafted tokens
-            and after them.
-        proposed: (k,) long, the drafted tokens (k may be 0: one token sampled from ``probs[0]``).
-        draft_probs: (>= k, V) the draft's q, or None for a deterministic drafter (one-hot q).
-
-    Returns:
-        (2,) long on ``probs``' device: the accepted draft tokens and the next token (-1: ``sampling.race``).
-    """
-    if not proposed.shape[0]:
-        return torch.cat([torch.zeros(1, dtype=torch.long, device=probs.device), sampler.sample(probs[:1])])
-    return rejection_sample_device(proposed, draft_probs, probs, sampler)
 
 
 @dataclass
@@ -182,14 +127,16 @@ class SampledRows:
 def rejection_sample_rows(samplers: Sequence[Sampler], probs: torch.Tensor, drafted: torch.Tensor,
                           num_tokens: Sequence[int], draft_probs: torch.Tensor | Sequence[torch.Tensor | None] | None,
                           contain_errors: bool = False) -> tuple[torch.Tensor, dict[int, Exception]]:
-    """``rejection_sample_device`` for m rows at once, each with its own block length k_j and sampler
+    """Speculative sampling of m rows at once, each with its own block length k_j and sampler
     (Leviathan et al. 2022, Algorithm 1; the batch layout of vLLM's rejection sampler). The acceptance test,
     the accepted counts, the residual ``norm(max(0, p_n - q_n))`` and the bonus law are computed for every row
     in one set of operations; so are the draws of rows whose samplers share a generator (an engine's requests
     without a seed, ``Sampler``): γ uniforms each in one call, then their tokens in one call. A row with a
-    ``torch.Generator`` of its own (a seed) draws alone what ``rejection_sample_device`` draws, in the same order,
-    from distributions equal to its, so a seed gives the same tokens (on CPU; on CUDA a batched reduction may
-    round a last bit differently, so a draw could rarely differ, the law never). Nothing is read back.
+    ``torch.Generator`` of its own (a seed) draws its k_j uniforms, then its token, as it would alone (m = 1), from
+    distributions equal to its, so a seed's tokens do not depend on the batch (on CPU; on CUDA a batched
+    reduction may round a last bit differently, so a draw could rarely differ, the law never). Every choice is
+    made on the device (the accepted count indexes the law the next token is drawn from): nothing is read back,
+    so a round reads its rows' verdicts with its one host sync (issue 28).
 
     Args:
         samplers: Per row, its sampler (its generator draws the row's uniforms and token).
@@ -212,7 +159,7 @@ def rejection_sample_rows(samplers: Sequence[Sampler], probs: torch.Tensor, draf
     Raises:
         InvalidArgumentError: If a k_j is outside 0..W - 1 or the shapes disagree.
     """
-    m, width, vocab = probs.shape
+    m, width = probs.shape[:2]
     gamma, device = width - 1, probs.device
     if len(samplers) != m or len(num_tokens) != m or tuple(drafted.shape) != (m, gamma):
         raise InvalidArgumentError(f"rejection_sample_rows: {len(samplers)} samplers, {len(num_tokens)} block "
@@ -223,14 +170,6 @@ def rejection_sample_rows(samplers: Sequence[Sampler], probs: torch.Tensor, draf
     if block and (draft_probs.dim() != 3 or draft_probs.shape[0] != m or draft_probs.shape[1] < gamma):
         raise InvalidArgumentError(f"rejection_sample_rows: draft_probs {tuple(draft_probs.shape)} for {m} rows of "
                                    f"up to {gamma} drafted tokens")
-    if m == 1:  # one row: the single-row sampler, the same draws in fewer operations
-        k, q = num_tokens[0], draft_probs[0] if draft_probs is not None else None
-        try:
-            return sample_block_device(samplers[0], probs[0, : k + 1], drafted[0, :k], q).view(1, 2), {}
-        except Exception as exc:  # noqa: BLE001 -- reported: the caller fails this row alone
-            if not contain_errors:
-                raise
-            return torch.empty((0, 2), dtype=torch.long, device=device), {0: exc}
     failed: dict[int, Exception] = {}
     if not gamma:
         num_accepted = torch.zeros(m, dtype=torch.long, device=device)
@@ -261,11 +200,11 @@ def rejection_sample_rows(samplers: Sequence[Sampler], probs: torch.Tensor, draf
         accepted = (uniforms * q_drafted < p_drafted) & (positions < k.view(m, 1))
         num_accepted = accepted.cumprod(1).sum(1)  # (m,) long
         before = torch.minimum(num_accepted, (k - 1).clamp_min(0)).view(m, 1)  # the first rejected token's position
-        at = num_accepted.view(m, 1, 1).expand(m, 1, vocab)
-        p = probs.gather(1, at).squeeze(1)  # (m, V): p_n, or p_γ (the bonus token's law)
+        rows = torch.arange(m, device=device)
+        p = probs[rows, num_accepted]  # (m, V): p_n, or p_γ (the bonus token's law)
         residual = p
         if q_block is not None:  # each row's q there; a one-hot q's row is 0 (padded), its 1 is zeroed below
-            residual = p - q_block.gather(1, before.view(m, 1, 1).expand(m, 1, vocab)).squeeze(1)
+            residual = p - q_block[rows, before.view(m)]
         # max(0, p - q) and 0 at the rejected token: a one-hot q's residual; a draft's q has 0 there already,
         # since a token is rejected only where q > p
         residual = residual.clamp_min(0.0).scatter_(1, drafted.gather(1, before), 0.0)
