@@ -19,7 +19,8 @@ from specdecode import DraftModelDrafter, GenerationConfig, SpeculativeDecoder
 from specdecode.drafters import base as drafters_base
 from specdecode.engine import sampling
 from specdecode.engine.sampling import Sampler, draw_tokens, safe_logits, warped_probs
-from specdecode.engine.verification import VerificationResult as R, greedy_verify, rejection_sample, rejection_sample_rows
+from specdecode.engine.verification import (VerificationResult as R, greedy_verify, rejection_sample,
+                                            rejection_sample_rows)
 from specdecode.errors import InvalidArgumentError
 
 Z = 4.5
