@@ -218,14 +218,22 @@ def _algorithm_1(sampler: Sampler, p: torch.Tensor, drafted: torch.Tensor, q: to
 
 def _row_case(generator: torch.Generator, m: int, gamma: int, vocab: int):
     """Random target distributions (m, γ + 1, V), drafted tokens, block lengths 0..γ, and per row a q (k_j, V),
-    None (one-hot), or q equal to p (every token accepted; the residual's p == q fallback is exercised)."""
+    None (one-hot; half of these rows draft p's most likely tokens, so that some are all accepted), q equal to p
+    (every token accepted), or q equal to p with p(d) = q(d) = 0 at the last drafted token d: rejected there with
+    a residual max(0, p - q) of no mass, so the token is drawn from p itself (the residual's p == q fallback
+    decides it)."""
     probs = torch.softmax(torch.randn(m, gamma + 1, vocab, generator=generator) * 2.0, -1)
     ks = torch.randint(0, gamma + 1, (m,), generator=generator).tolist()
     drafted = torch.randint(0, vocab, (m, gamma), generator=generator)
     qs = []
     for j, k in enumerate(ks):
-        kind = int(torch.randint(0, 3, (1,), generator=generator))
+        kind = int(torch.randint(0, 4, (1,), generator=generator))
         q = torch.softmax(torch.randn(k, vocab, generator=generator) * 2.0, -1)
+        if kind == 0 and int(torch.randint(0, 2, (1,), generator=generator)):  # a lookup that found p's mode
+            drafted[j, :k] = probs[j, :k].argmax(-1)
+        if kind == 3 and k:
+            probs[j, k - 1, drafted[j, k - 1]] = 0.0
+            probs[j, k - 1] /= probs[j, k - 1].sum()
         qs.append(None if kind == 0 else q if kind == 1 else probs[j, :k].clone())
     return probs, ks, drafted, qs
 
@@ -236,10 +244,11 @@ def test_rejection_sample_rows_draws_what_each_row_draws_alone(layout):
     with the same seed (``_algorithm_1``), and leaves each generator where that leaves it (the same draws, in the
     same order): a seed's tokens do not depend on the batch, and the vectorized acceptance, residual and bonus
     law are Algorithm 1's. Rows of every kind: block lengths 0..γ, a draft's q, a one-hot q
-    (prompt lookup; "rows" only) and q = p; the q's given per row or as one block (``Draft.probs_block``) whose
-    positions past k_j hold other distributions (never read)."""
+    (prompt lookup; "rows" only), q = p, and q = p rejected with a residual of no mass (p itself is drawn from);
+    the q's given per row or as one block (``Draft.probs_block``) whose positions past k_j hold other
+    distributions (never read)."""
     generator = torch.Generator().manual_seed(5)
-    vocab, outcomes = 12, set()
+    vocab, outcomes, no_mass = 12, set(), 0
     for trial in range(150):
         m = int(torch.randint(1, 6, (1,), generator=generator))
         gamma = int(torch.randint(0, 5, (1,), generator=generator))
@@ -259,14 +268,19 @@ def test_rejection_sample_rows_draws_what_each_row_draws_alone(layout):
             expected = _algorithm_1(alone[j], probs[j, : ks[j] + 1], drafted[j, : ks[j]], qs[j])
             assert verdicts[j].tolist() == expected, (trial, j, ks[j])
             assert torch.equal(batched[j].generator.get_state(), alone[j].generator.get_state()), (trial, j)
-            outcomes.add((qs[j] is None, min(int(expected[0]), 1), int(expected[0]) == ks[j]))
-    # one-hot ("rows" only) and q rows; rejected at once, later, and fully accepted
-    assert len(outcomes) == (8 if layout == "rows" else 4), outcomes
+            n = expected[0]
+            outcomes.add((qs[j] is None, min(n, 1), n == ks[j]))
+            no_mass += qs[j] is not None and n < ks[j] and not float((probs[j, n] - qs[j][n]).clamp_min(0).sum())
+    # one-hot ("rows" only) and q rows; rejected at once, later, and fully accepted; residuals of no mass
+    kinds = (False, True) if layout == "rows" else (False,)
+    assert outcomes == set(itertools.product(kinds, (0, 1), (False, True))), outcomes
+    assert no_mass >= 10, no_mass
 
 
 def test_rejection_sample_rows_first_token_law_and_refusals():
     """Statistical: in one batch, a row with a draft's q and a one-hot row each emit first tokens distributed as
-    their own p (negative control: the drafted tokens follow q). Bad block lengths are refused by name."""
+    their own p (negative control: the drafted tokens follow q). Bad block lengths, row counts and q shapes are
+    refused by name."""
     V, N = 6, 20000
     p = torch.tensor([[[0.05, 0.40, 0.05, 0.30, 0.10, 0.10], [0.2, 0.2, 0.2, 0.2, 0.1, 0.1]],
                       [[0.30, 0.05, 0.25, 0.10, 0.20, 0.10], [0.1, 0.1, 0.1, 0.1, 0.3, 0.3]]])
@@ -286,6 +300,14 @@ def test_rejection_sample_rows_first_token_law_and_refusals():
         rejection_sample_rows(samplers, p, torch.zeros((2, 1), dtype=torch.long), [1, 2], None)
     with pytest.raises(InvalidArgumentError, match=r"1 samplers, 2 block lengths and drafted \(2, 1\)"):
         rejection_sample_rows(samplers[:1], p, torch.zeros((2, 1), dtype=torch.long), [1, 1], None)
+    with pytest.raises(InvalidArgumentError, match=r"draft_probs \[\(0, 6\), None\] for block lengths \[1, 1\]"):
+        rejection_sample_rows(samplers, p, torch.zeros((2, 1), dtype=torch.long), [1, 1], [q[:0], None])
+    with pytest.raises(InvalidArgumentError, match=r"draft_probs \[None\] for block lengths \[1, 1\] over 6"):
+        rejection_sample_rows(samplers, p, torch.zeros((2, 1), dtype=torch.long), [1, 1], [None])
+    with pytest.raises(InvalidArgumentError, match=r"draft_probs \(2, 1, 5\) for 2 rows of up to 1 drafted tokens"):
+        rejection_sample_rows(samplers, p, torch.zeros((2, 1), dtype=torch.long), [1, 1], torch.ones(2, 1, 5))
+    with pytest.raises(InvalidArgumentError, match=r"draft_tokens \(1, 1\) must be \(γ,\)"):
+        rejection_sample(torch.zeros((1, 1), dtype=torch.long), None, p[0], samplers[0])
 
 
 @pytest.mark.parametrize("method, broken_row, seed, ks", [("exponential", 1, 9, [2, 1, 2]),

@@ -77,7 +77,7 @@ def rejection_sample(
     ``rejection_sample_rows`` and one host sync. The generator draws γ uniforms, then one token.
 
     Args:
-        draft_tokens: (γ,) long, the drafted ids.
+        draft_tokens: (γ,) long on ``target_probs``' device, the drafted ids.
         draft_probs: (>= γ, V) float32, the draft distributions q_i the tokens were
             sampled from, or ``None`` for a deterministic drafter (prompt lookup),
             which is treated as a one-hot q.
@@ -90,9 +90,11 @@ def rejection_sample(
         ``norm(max(0, p_n - q_n))`` at the first rejection n, or the bonus token from p_γ).
 
     Raises:
-        InvalidArgumentError: If the shapes disagree.
+        InvalidArgumentError: If draft_tokens is not 1-d or ``target_probs`` is not (γ + 1, V).
         NonFiniteLogitsError: The distribution the next token is drawn from is not one (NaN, or no mass).
     """
+    if draft_tokens.dim() != 1:
+        raise InvalidArgumentError(f"rejection_sample: draft_tokens {tuple(draft_tokens.shape)} must be (γ,)")
     gamma = draft_tokens.shape[0]
     q = None if draft_probs is None else draft_probs.unsqueeze(0)
     verdicts, _ = rejection_sample_rows([sampler], target_probs.unsqueeze(0), draft_tokens.view(1, gamma), [gamma], q)
@@ -157,7 +159,9 @@ def rejection_sample_rows(samplers: Sequence[Sampler], probs: torch.Tensor, draf
         row j -> the exception of each row left out).
 
     Raises:
-        InvalidArgumentError: If a k_j is outside 0..W - 1 or the shapes disagree.
+        InvalidArgumentError: If a k_j is outside 0..W - 1, or the shapes of ``samplers``, ``num_tokens``,
+            ``drafted`` or ``draft_probs`` (a row's q: fewer than k_j positions or another vocabulary) disagree
+            with ``probs``.
     """
     m, width = probs.shape[:2]
     gamma, device = width - 1, probs.device
@@ -167,9 +171,16 @@ def rejection_sample_rows(samplers: Sequence[Sampler], probs: torch.Tensor, draf
     if any(not 0 <= k <= gamma for k in num_tokens):
         raise InvalidArgumentError(f"rejection_sample_rows: block lengths {list(num_tokens)} must lie in 0..{gamma}")
     block = isinstance(draft_probs, torch.Tensor)
-    if block and (draft_probs.dim() != 3 or draft_probs.shape[0] != m or draft_probs.shape[1] < gamma):
+    if block and (draft_probs.dim() != 3 or draft_probs.shape[0] != m or draft_probs.shape[1] < gamma
+                  or draft_probs.shape[2] != probs.shape[-1]):
         raise InvalidArgumentError(f"rejection_sample_rows: draft_probs {tuple(draft_probs.shape)} for {m} rows of "
-                                   f"up to {gamma} drafted tokens")
+                                   f"up to {gamma} drafted tokens over {probs.shape[-1]}")
+    if not block and draft_probs is not None:
+        shapes = [None if q is None else tuple(q.shape) for q in draft_probs]
+        if len(shapes) != m or any(s is not None and (len(s) != 2 or s[0] < k or s[1] != probs.shape[-1])
+                                   for s, k in zip(shapes, num_tokens)):
+            raise InvalidArgumentError(f"rejection_sample_rows: draft_probs {shapes} for block lengths "
+                                       f"{list(num_tokens)} over {probs.shape[-1]} tokens")
     failed: dict[int, Exception] = {}
     if not gamma:
         num_accepted = torch.zeros(m, dtype=torch.long, device=device)
