@@ -9,7 +9,8 @@ this repository's history) and this tree's.
 
 Inputs: V = 151,936 (the Qwen2.5 vocabulary), γ = 5 drafted tokens a row, every row drafting γ; m = 1 with a
 draft's q and with a one-hot q (prompt lookup), and m = 8 rows with a draft's q sharing one generator (requests
-without a seed). The draws are the same in both versions (``tests/engine/test_verification.py`` checks each row
+without a seed). It also counts the aten operations of one call (``TorchDispatchMode``; views included): on
+CUDA each that computes is a kernel launch, the cost that matters there. The draws are the same in both versions (``tests/engine/test_verification.py`` checks each row
 bit for bit against a plain Algorithm 1), so only the time differs.
 
 Usage (from the project root, alone on the machine; the figures name its CPU)::
@@ -31,6 +32,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[2]
 if importlib.util.find_spec("specdecode") is None:  # not installed, no PYTHONPATH: this tree's src
@@ -80,6 +82,28 @@ def time_calls(module, probs, drafted, q, calls: int) -> float:
     return (time.perf_counter() - start) / calls * 1e3
 
 
+class OpCount(TorchDispatchMode):
+    """Counts the aten operations dispatched (views included): on CUDA, each that computes is a kernel launch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(module, probs, drafted, q) -> int:
+    """aten operations in one call of ``module.rejection_sample_rows``."""
+    m = probs.shape[0]
+    shared = torch.Generator().manual_seed(0)
+    samplers = [Sampler(GenerationConfig(temperature=0.8), VOCAB, "cpu", generator=shared) for _ in range(m)]
+    with OpCount() as counter:
+        module.rejection_sample_rows(samplers, probs, drafted, [GAMMA] * m, q)
+    return counter.ops
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--before", default="7b57634", help="the revision with the two implementations")
@@ -93,7 +117,8 @@ def main() -> None:
         flags = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in line.split())
     print(f"torch {torch.__version__}, {platform.processor() or platform.machine()} ({flags}), "
           f"{torch.get_num_threads()} threads; before = {args.before}, after = this tree")
-    print("| case | before, ms a call | after, ms a call | after ÷ before |\n|---|---:|---:|---:|")
+    print("| case | before, ms a call | after, ms a call | after ÷ before | aten ops a call, before → after |\n"
+          "|---|---:|---:|---:|---:|")
     for name, probs, drafted, q in cases(torch.Generator().manual_seed(0)):
         calls = args.calls if probs.shape[0] == 1 else max(1, args.calls // 4)
         times = {"before": [], "after": []}
@@ -101,7 +126,8 @@ def main() -> None:
             times["before"].append(time_calls(before, probs, drafted, q, calls))
             times["after"].append(time_calls(verification, probs, drafted, q, calls))
         b, a = min(times["before"]), min(times["after"])  # the fastest of the repeats
-        print(f"| {name} | {b:.3f} | {a:.3f} | {a / b:.2f} |")
+        ops = f"{count_ops(before, probs, drafted, q)} → {count_ops(verification, probs, drafted, q)}"
+        print(f"| {name} | {b:.3f} | {a:.3f} | {a / b:.2f} | {ops} |")
 
 
 if __name__ == "__main__":

@@ -216,14 +216,15 @@ def _algorithm_1(sampler: Sampler, p: torch.Tensor, drafted: torch.Tensor, q: to
     return [n, int(sampler.sample(law.view(1, -1))[0])]
 
 
-def _row_case(generator: torch.Generator, m: int, gamma: int, vocab: int):
+def _row_case(generator: torch.Generator, m: int, gamma: int, vocab: int, full: bool = False):
     """Random target distributions (m, γ + 1, V), drafted tokens, block lengths 0..γ, and per row a q (k_j, V),
     None (one-hot; half of these rows draft p's most likely tokens, so that some are all accepted), q equal to p
     (every token accepted), or q equal to p with p(d) = q(d) = 0 at the last drafted token d: rejected there with
     a residual max(0, p - q) of no mass, so the token is drawn from p itself (the residual's p == q fallback
-    decides it)."""
+    decides it). ``full``: every block length is γ."""
     probs = torch.softmax(torch.randn(m, gamma + 1, vocab, generator=generator) * 2.0, -1)
     ks = torch.randint(0, gamma + 1, (m,), generator=generator).tolist()
+    ks = [gamma] * m if full else ks
     drafted = torch.randint(0, vocab, (m, gamma), generator=generator)
     qs = []
     for j, k in enumerate(ks):
@@ -243,16 +244,16 @@ def test_rejection_sample_rows_draws_what_each_row_draws_alone(layout):
     """The batched rejection sampler gives every row, bit for bit, the verdict a plain Algorithm 1 gives it alone
     with the same seed (``_algorithm_1``), and leaves each generator where that leaves it (the same draws, in the
     same order): a seed's tokens do not depend on the batch, and the vectorized acceptance, residual and bonus
-    law are Algorithm 1's. Rows of every kind: block lengths 0..γ, a draft's q, a one-hot q
-    (prompt lookup; "rows" only), q = p, and q = p rejected with a residual of no mass (p itself is drawn from);
-    the q's given per row or as one block (``Draft.probs_block``) whose positions past k_j hold other
-    distributions (never read)."""
+    law are Algorithm 1's. Rows of every kind: block lengths 0..γ (every third batch all γ, the path without a
+    mask), a draft's q, a one-hot q (prompt lookup; "rows" only), q = p, and q = p rejected with a residual of no
+    mass (p itself is drawn from); the q's given per row or as one block (``Draft.probs_block``) whose positions
+    past k_j hold other distributions (never read)."""
     generator = torch.Generator().manual_seed(5)
     vocab, outcomes, no_mass = 12, set(), 0
     for trial in range(150):
         m = int(torch.randint(1, 6, (1,), generator=generator))
         gamma = int(torch.randint(0, 5, (1,), generator=generator))
-        probs, ks, drafted, qs = _row_case(generator, m, gamma, vocab)
+        probs, ks, drafted, qs = _row_case(generator, m, gamma, vocab, full=trial % 3 == 0)
         config = [GenerationConfig(temperature=1.0, seed=1000 * trial + j) for j in range(m)]
         batched = [Sampler(c, vocab, "cpu") for c in config]
         alone = [Sampler(c, vocab, "cpu") for c in config]

@@ -193,24 +193,35 @@ def rejection_sample_rows(samplers: Sequence[Sampler], probs: torch.Tensor, draf
         draws = [[drawing[i] for i in group] for group in generator_groups([samplers[j] for j in drawing])]
         flat = [j * gamma + i for rows in draws for j in rows
                 for i in range(num_tokens[j] if len(rows) == 1 else gamma)]
-        # one copy: each row's k_j, then where the uniforms go in the (m, γ) layout, then the one-hot q's rows
-        packed = to_device([*num_tokens, *flat, *deterministic], device)
-        k, flat_index, one_hot = packed[:m], packed[m : m + len(flat)], packed[m + len(flat) :]
-        uniforms = torch.ones((m, gamma), device=device)
+        full = all(k == gamma for k in num_tokens)  # every row drafted γ: nothing to mask, no k_j on the device
+        in_order = flat == list(range(m * gamma))  # the draws fill the (m, γ) layout as they come (m = 1, ...)
+        one_hots = deterministic if q_block is not None else []
+        # one copy of what the device needs: each row's k_j, where the uniforms go in the (m, γ) layout, the one-hot
+        # q's rows
+        host = ([] if full else list(num_tokens), [] if in_order else flat, one_hots)
+        packed = to_device([*host[0], *host[1], *host[2]], device) if any(host) else None
+        k, flat_index, one_hot = packed.split([len(h) for h in host]) if packed is not None else (None, None, None)
         drawn = [_uniforms(samplers, rows, num_tokens[rows[0]] if len(rows) == 1 else gamma, device,
                            failed if contain_errors else None) for rows in draws]
-        if drawn:
-            uniforms.view(-1).index_copy_(0, flat_index, torch.cat(drawn))
+        if in_order:
+            uniforms = (drawn[0] if len(drawn) == 1 else torch.cat(drawn)).view(m, gamma)
+        else:
+            uniforms = torch.ones((m, gamma), device=device)
+            if drawn:
+                uniforms.view(-1).index_copy_(0, flat_index, torch.cat(drawn))
         column = drafted.unsqueeze(-1)  # (m, γ, 1)
         p_drafted = probs[:, :gamma].gather(2, column).squeeze(-1)  # (m, γ)
         q_drafted = q_block.gather(2, column).squeeze(-1) if q_block is not None else torch.ones_like(p_drafted)
         if deterministic and q_block is not None:
             q_drafted.index_fill_(0, one_hot, 1.0)  # a one-hot q: 1 at its token
-        positions = torch.arange(gamma, device=device)
         # u < p/q  <=>  u * q < p, with no division by a tiny q; nothing past k_j is accepted
-        accepted = (uniforms * q_drafted < p_drafted) & (positions < k.view(m, 1))
+        accepted = uniforms * q_drafted < p_drafted
+        if not full:
+            accepted &= torch.arange(gamma, device=device) < k.view(m, 1)
         num_accepted = accepted.cumprod(1).sum(1)  # (m,) long
-        before = torch.minimum(num_accepted, (k - 1).clamp_min(0)).view(m, 1)  # the first rejected token's position
+        # the first rejected token's position (when all are accepted: any, its residual is not used)
+        last = num_accepted.clamp(max=gamma - 1) if full else torch.minimum(num_accepted, (k - 1).clamp_min(0))
+        before = last.view(m, 1)
         rows = torch.arange(m, device=device)
         p = probs[rows, num_accepted]  # (m, V): p_n, or p_γ (the bonus token's law)
         residual = p
@@ -222,7 +233,7 @@ def rejection_sample_rows(samplers: Sequence[Sampler], probs: torch.Tensor, draf
         total = residual.sum(-1, keepdim=True)
         # total <= 0 only through rounding when p == q; then p itself is the exact residual law.
         residual = torch.where(total > 0.0, residual / total, p / p.sum(-1, keepdim=True))
-        p = torch.where((num_accepted == k).view(m, 1), p, residual)
+        p = torch.where((num_accepted == (gamma if full else k)).view(m, 1), p, residual)
     drawing = [j for j in range(m) if j not in failed]
     drew: dict[int, Exception] = {}
     tokens = draw_tokens([samplers[j] for j in drawing], p, drawing, drew if contain_errors else None)
