@@ -9,9 +9,10 @@ this repository's history) and this tree's.
 
 Inputs: V = 151,936 (the Qwen2.5 vocabulary), γ = 5 drafted tokens a row, every row drafting γ; m = 1 with a
 draft's q and with a one-hot q (prompt lookup), and m = 8 rows with a draft's q sharing one generator (requests
-without a seed). It also counts the aten operations of one call (``TorchDispatchMode``; views included): on
-CUDA each that computes is a kernel launch, the cost that matters there. The draws are the same in both versions (``tests/engine/test_verification.py`` checks each row
-bit for bit against a plain Algorithm 1), so only the time differs.
+without a seed; every row drafting γ with one generator is the new code's best case). It also counts the aten
+operations of one call (``TorchDispatchMode``; views included): on CUDA each that computes is a kernel launch,
+the cost that matters there. The draws are the same in both versions (``tests/engine/test_verification.py``
+checks each row bit for bit against a plain Algorithm 1), so only the time differs.
 
 Usage (from the project root, alone on the machine; the figures name its CPU)::
 
@@ -50,19 +51,20 @@ def old_module(rev: str):
     ``specdecode``, unchanged since)."""
     source = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:src/specdecode/engine/verification.py"],
                             check=True, capture_output=True, text=True).stdout
-    path = Path(tempfile.mkdtemp()) / "verification_before.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location("verification_before", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["verification_before"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "verification_before.py"
+        path.write_text(source)
+        spec = importlib.util.spec_from_file_location("verification_before", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["verification_before"] = module  # dataclasses look their module up
+        spec.loader.exec_module(module)
     return module
 
 
 def cases(generator: torch.Generator):
     """(name, rows m, draft q or None) with the target's p (m, γ + 1, V) and the drafted tokens (m, γ)."""
     for name, m, one_hot in (("m = 1, a draft's q", 1, False), ("m = 1, one-hot q", 1, True),
-                             ("m = 8, a draft's q", 8, False)):
+                             ("m = 8, a draft's q, one shared generator", 8, False)):
         probs = torch.softmax(torch.randn(m, GAMMA + 1, VOCAB, generator=generator) * 3, -1)
         q = None if one_hot else torch.softmax(torch.randn(m, GAMMA, VOCAB, generator=generator) * 3, -1)
         drafted = torch.randint(0, VOCAB, (m, GAMMA), generator=generator)

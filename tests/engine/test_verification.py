@@ -199,20 +199,27 @@ def test_safe_logits_zeroes_only_positions_that_were_not_finite():
     assert torch.equal(safe_logits(processed[0], finite[0]), out[0])  # (T, V) with (T,) flags
 
 
-def _algorithm_1(sampler: Sampler, p: torch.Tensor, drafted: torch.Tensor, q: torch.Tensor | None) -> list[int]:
-    """Leviathan et al. 2022, Algorithm 1, for one row, written plainly as the reference: k uniforms from the
-    sampler's generator, the first n with u_n q_n(d_n) >= p_n(d_n) rejected, then one token drawn from
-    norm(max(0, p_n - q_n)) (a one-hot q for None; p_n itself when that has no mass) or, all accepted, from p_k.
-    Returns [accepted draft tokens, next token]."""
-    k = drafted.shape[0]
-    uniforms = sampler.uniform(k, torch.device("cpu")) if k else None
-    n = 0
+def _algorithm_1_law(uniforms: torch.Tensor | None, p: torch.Tensor, drafted: torch.Tensor,
+                     q: torch.Tensor | None) -> tuple[int, torch.Tensor]:
+    """Leviathan et al. 2022, Algorithm 1, for one row, written plainly as the reference, up to the last draw:
+    given its k uniforms, the first n with u_n q_n(d_n) >= p_n(d_n) is rejected, and the next token's law is
+    norm(max(0, p_n - q_n)) (a one-hot q for None; p_n itself when that has no mass) or, all accepted, p_k.
+    Returns n and that (V,) law."""
+    k, n = drafted.shape[0], 0
     while n < k and uniforms[n] * (1.0 if q is None else q[n, drafted[n]]) < p[n, drafted[n]]:
         n += 1
     law = p[n]
     if n < k:
         residual = (p[n] - (torch.nn.functional.one_hot(drafted[n], p.shape[-1]) if q is None else q[n])).clamp_min(0)
         law = residual / residual.sum() if residual.sum() > 0 else p[n] / p[n].sum()
+    return n, law
+
+
+def _algorithm_1(sampler: Sampler, p: torch.Tensor, drafted: torch.Tensor, q: torch.Tensor | None) -> list[int]:
+    """``_algorithm_1_law`` with k uniforms from the sampler's generator, then the token drawn from the law.
+    Returns [accepted draft tokens, next token]."""
+    k = drafted.shape[0]
+    n, law = _algorithm_1_law(sampler.uniform(k, torch.device("cpu")) if k else None, p, drafted, q)
     return [n, int(sampler.sample(law.view(1, -1))[0])]
 
 
@@ -276,6 +283,36 @@ def test_rejection_sample_rows_draws_what_each_row_draws_alone(layout):
     kinds = (False, True) if layout == "rows" else (False,)
     assert outcomes == set(itertools.product(kinds, (0, 1), (False, True))), outcomes
     assert no_mass >= 10, no_mass
+
+
+@pytest.mark.parametrize("layout", ["rows", "block"])
+def test_rows_sharing_one_generator_draw_what_one_draw_over_them_gives(layout):
+    """Rows whose samplers share one generator (requests without a seed) and which all drafted γ draw their m·γ
+    uniforms in one call and their m tokens in one call, the uniforms laid out row by row as drawn (the path
+    with no mask and no placing of the draws): every row's verdict equals a plain Algorithm 1 over the same
+    uniforms and the same noise, and the generator ends where one such pair of draws leaves it."""
+    generator = torch.Generator().manual_seed(6)
+    vocab, outcomes = 12, set()
+    for trial in range(60):
+        m = int(torch.randint(2, 6, (1,), generator=generator))
+        gamma = int(torch.randint(1, 5, (1,), generator=generator))
+        probs, ks, drafted, qs = _row_case(generator, m, gamma, vocab, full=True)
+        given = qs
+        if layout == "block":
+            qs = [torch.softmax(torch.randn(gamma, vocab, generator=generator), -1) if q is None else q for q in qs]
+            given = torch.stack(qs)
+        shared, alone = (torch.Generator().manual_seed(100 + trial) for _ in range(2))
+        samplers = [Sampler(GenerationConfig(temperature=1.0), vocab, "cpu", generator=shared) for _ in range(m)]
+        verdicts, failed = rejection_sample_rows(samplers, probs, drafted, ks, given)
+        reference = Sampler(GenerationConfig(temperature=1.0), vocab, "cpu", generator=alone)
+        uniforms = reference.uniform(m * gamma, torch.device("cpu")).view(m, gamma)
+        decided = [_algorithm_1_law(uniforms[j], probs[j], drafted[j], qs[j]) for j in range(m)]
+        tokens = reference.sample(torch.stack([law for _, law in decided]))
+        assert not failed
+        assert verdicts.tolist() == [[n, int(t)] for (n, _), t in zip(decided, tokens)], trial
+        assert torch.equal(shared.get_state(), alone.get_state()), trial
+        outcomes.update(min(n, 1) + (n == gamma) for n, _ in decided)
+    assert outcomes == {0, 1, 2}, outcomes  # rejected at once, later, and all accepted
 
 
 def test_rejection_sample_rows_first_token_law_and_refusals():
@@ -400,12 +437,15 @@ def test_draw_tokens_places_each_rows_token_and_fails_only_a_row_whose_draw_rais
 
 
 @pytest.mark.parametrize("broken", [[0], [0, 1, 2, 3]])
-def test_a_shared_uniform_draw_that_raises_is_retried_row_by_row(broken):
-    """Rows 0, 2 and 3 share a generator, row 1 is seeded; the shared uniforms are drawn by row 0's sampler. When
+@pytest.mark.parametrize("ks, seeds", [([2, 1, 2, 1], (None, 5, None, None)), ([2, 2, 2, 2], (None,) * 4)],
+                         ids=["mixed", "one-generator"])
+def test_a_shared_uniform_draw_that_raises_is_retried_row_by_row(broken, ks, seeds):
+    """"mixed": rows 0, 2 and 3 share a generator, row 1 is seeded; "one-generator": all four share it and drafted
+    γ (their draws fill the layout in order). The shared uniforms are drawn by row 0's sampler. When
     that draw raises it is retried row by row: only the rows whose own draw raises are reported, and the others'
     verdicts stay on their rows (one-hot p's: every drafted token accepted, a known bonus token). When every row
     fails, no verdict is left (``contain_errors``)."""
-    V, ks = 6, [2, 1, 2, 1]
+    V = 6
     drafted = torch.tensor([[1, 4], [2, 0], [5, 3], [0, 0]])
     bonus = [3, 1, 0, 4]
     probs = torch.zeros(4, 3, V)
@@ -413,8 +453,7 @@ def test_a_shared_uniform_draw_that_raises_is_retried_row_by_row(broken):
         probs[j, torch.arange(k), drafted[j, :k]] = 1.0
         probs[j, k:, bonus[j]] = 1.0
     shared = torch.Generator().manual_seed(2)
-    samplers = [Sampler(GenerationConfig(temperature=1.0, seed=s), V, "cpu", generator=shared)
-                for s in (None, 5, None, None)]
+    samplers = [Sampler(GenerationConfig(temperature=1.0, seed=s), V, "cpu", generator=shared) for s in seeds]
 
     def raising(*args):
         raise RuntimeError("uniform failed")

@@ -163,6 +163,8 @@ def rejection_sample_rows(samplers: Sequence[Sampler], probs: torch.Tensor, draf
             ``drafted`` or ``draft_probs`` (a row's q: fewer than k_j positions or another vocabulary) disagree
             with ``probs``.
     """
+    if probs.dim() != 3:
+        raise InvalidArgumentError(f"rejection_sample_rows: probs {tuple(probs.shape)} must be (m, W, V)")
     m, width = probs.shape[:2]
     gamma, device = width - 1, probs.device
     if len(samplers) != m or len(num_tokens) != m or tuple(drafted.shape) != (m, gamma):
@@ -194,7 +196,7 @@ def rejection_sample_rows(samplers: Sequence[Sampler], probs: torch.Tensor, draf
         flat = [j * gamma + i for rows in draws for j in rows
                 for i in range(num_tokens[j] if len(rows) == 1 else gamma)]
         full = all(k == gamma for k in num_tokens)  # every row drafted γ: nothing to mask, no k_j on the device
-        in_order = flat == list(range(m * gamma))  # the draws fill the (m, γ) layout as they come (m = 1, ...)
+        in_order = bool(flat) and flat == list(range(m * gamma))  # the draws fill the (m, γ) layout as they come
         one_hots = deterministic if q_block is not None else []
         # one copy of what the device needs: each row's k_j, where the uniforms go in the (m, γ) layout, the one-hot
         # q's rows
