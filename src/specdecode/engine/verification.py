@@ -198,8 +198,7 @@ def rejection_sample_rows(samplers: Sequence[Sampler], probs: torch.Tensor, draf
         full = all(k == gamma for k in num_tokens)  # every row drafted γ: nothing to mask, no k_j on the device
         in_order = bool(flat) and flat == list(range(m * gamma))  # the draws fill the (m, γ) layout as they come
         one_hots = deterministic if q_block is not None else []
-        # one copy of what the device needs: each row's k_j, where the uniforms go in the (m, γ) layout, the one-hot
-        # q's rows
+        # one copy of what the device needs: k_j per row, the uniforms' places in (m, γ), the one-hot q's rows
         host = ([] if full else list(num_tokens), [] if in_order else flat, one_hots)
         packed = to_device([*host[0], *host[1], *host[2]], device) if any(host) else None
         k, flat_index, one_hot = packed.split([len(h) for h in host]) if packed is not None else (None, None, None)
