@@ -340,7 +340,11 @@ class Sampler:
         """Warped distributions. ``logits``: (m, V') any float dtype -> (m, V) float32, rows sum to 1.
 
         The target's p and a draft model's q alike. Under top-p, ``nucleus_probs``."""
-        scores = fit_width(logits, self.vocab_size).float()
+        return self._warp(fit_width(logits, self.vocab_size).float())
+
+    def _warp(self, scores: torch.Tensor) -> torch.Tensor:
+        """(m, W) float32 logits -> (m, W) float32 distributions: ``nucleus_probs`` under top-p, else
+        transformers' warpers and a softmax (``probs`` over V, ``probs_over`` over a truncated head's K)."""
         if self._top_p is not None:
             return self.nucleus_probs(scores)
         return torch.softmax(self._warpers(self._no_ids, scores), dim=-1)
@@ -413,11 +417,7 @@ class Sampler:
         Returns:
             (m, V) float32, rows sum to 1, zero outside ``ids``.
         """
-        scores = logits.float()
-        if self._top_p is not None:
-            q = self.nucleus_probs(scores)
-        else:
-            q = torch.softmax(self._warpers(self._no_ids, scores), dim=-1)
+        q = self._warp(logits.float())
         return q.new_zeros((q.shape[0], self.vocab_size)).index_copy_(1, ids, q)
 
     def choose(self, logits: torch.Tensor) -> int:
