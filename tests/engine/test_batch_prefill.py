@@ -13,7 +13,7 @@ from helpers import perturbed_copy
 from selfspec_helpers import one_thread  # noqa: F401 (a fixture)
 from specdecode import GenerationConfig, SpeculativeDecoder
 from specdecode.drafters import DraftModelDrafter, PromptLookupDrafter
-from specdecode.engine import batched
+from specdecode.engine import batched, verification
 from specdecode.engine.batch_cache import BatchKVCache
 from specdecode.engine.batched import BatchedSpeculativeDecoder
 from specdecode.engine.sampling import Sampler
@@ -127,10 +127,12 @@ def _with_first_row_broken(make_drafter, target, prompts, configs, probs, **engi
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_a_sampling_failure_ends_only_its_row():
+@pytest.mark.parametrize("trees", [False, True], ids=["linear", "trees"])
+def test_a_sampling_failure_ends_only_its_row(trees, monkeypatch):
     """One sampled row's warper raises in a round: that request ends with "error", the others finish. The
     rows share their settings, so the round warps them in one call with the first row's sampler (the broken
-    one here): when that raises, each row is warped alone and only the broken one fails."""
+    one here): when that raises, each row is warped alone and only the broken one fails. "trees": the rows
+    verify prompt lookup's token trees (``tree_sampling.tree_rejection_sample_rows``)."""
     target = make_tiny_model("qwen2", num_layers=2)
     prompts = PROMPTS[1:4]
     base = GenerationConfig(max_new_tokens=10, stop_on_eos=False)
@@ -139,7 +141,14 @@ def test_a_sampling_failure_ends_only_its_row():
     def fail(logits):
         raise RuntimeError("warper failed")
 
-    expected, ids, out, ended = _with_first_row_broken(PromptLookupDrafter, target, prompts, configs, fail)
+    tree_rows, verify = [], verification.tree_rejection_sample_rows
+    monkeypatch.setattr(verification, "tree_rejection_sample_rows",
+                        lambda samplers, *a, **k: tree_rows.append(len(samplers)) or verify(samplers, *a, **k))
+    if trees:  # "a b" continues three ways: three branches
+        prompts = [[a, 7, 11, a, 7, 13, a, 7, 17, a, 7] for a in (3, 4, 5)]
+    expected, ids, out, ended = _with_first_row_broken(
+        (lambda: PromptLookupDrafter(branches=3)) if trees else PromptLookupDrafter, target, prompts, configs, fail)
+    assert bool(tree_rows) == trees  # trees were sampled
     assert ended[ids[0]].finish_reason == "error"
     assert f"request {ids[0]} failed in its sampling: RuntimeError: warper failed" in ended[ids[0]].error
     assert ended[ids[1]].finish_reason == ended[ids[2]].finish_reason == "length"
@@ -148,12 +157,13 @@ def test_a_sampling_failure_ends_only_its_row():
 
 
 @pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("late", [False, True], ids=["read", "late"])
+@pytest.mark.parametrize("late", [False, True, "trees"], ids=["read", "late", "trees"])
 def test_a_distribution_that_is_not_one_ends_only_its_row(late, monkeypatch):
     """A sampled row whose warped target distribution comes out NaN in a round (finite logits whose warping
     overflowed; ``sampling.race`` gives -1 on the device) ends with "error" at the round's read, and the other
     rows finish as they would have. "late": the row has banned words, so its block is known only after the
-    read and it samples after it (``sample_rows``' ``live``); its -1 still ends it. One sequence
+    read and it samples after it (``sample_rows``' ``live``); its -1 still ends it. "trees": the rows verify draft
+    trees, the broken row's walk ends at a node whose p is NaN and draws -1 from it. One sequence
     (``SpeculativeDecoder``, errors not contained): the round raises ``NonFiniteLogitsError``; so does a NaN
     first token after the prefill."""
     target = make_tiny_model("qwen2", num_layers=2)
@@ -162,7 +172,7 @@ def test_a_distribution_that_is_not_one_ends_only_its_row(late, monkeypatch):
     base = GenerationConfig(max_new_tokens=10, stop_on_eos=False)
     configs = [dataclasses.replace(base, temperature=0.7 if r == 0 else 0.8, seed=7 + r) for r in range(3)]
     engine = {}
-    if late:  # a word no output holds: every round cuts nothing, but the row's block waits for the read
+    if late is True:  # a word no output holds: every round cuts nothing, but the row's block waits for the read
         configs[0] = dataclasses.replace(configs[0], banned_words=("not-a-word",))
         engine = dict(tokenizer=make_tiny_tokenizer())
         lives, sample_rows = [], batched.sample_rows
@@ -172,12 +182,16 @@ def test_a_distribution_that_is_not_one_ends_only_its_row(late, monkeypatch):
             return sample_rows(*args, **kwargs)
 
         monkeypatch.setattr(batched, "sample_rows", spied)
+    tree_rows, verify = [], verification.tree_rejection_sample_rows
+    monkeypatch.setattr(verification, "tree_rejection_sample_rows",
+                        lambda samplers, *a, **k: tree_rows.append(len(samplers)) or verify(samplers, *a, **k))
     vocab = target.get_output_embeddings().weight.shape[0]
     expected, ids, out, ended = _with_first_row_broken(
-        lambda: DraftModelDrafter(draft), target, prompts, configs,
+        lambda: DraftModelDrafter(draft, tree_depth=2 if late == "trees" else None), target, prompts, configs,
         lambda logits: torch.full((logits.shape[0], vocab), float("nan")), **engine)
-    if late:
+    if late is True:
         assert [0] in lives  # row 0 sampled late, alone
+    assert bool(tree_rows) == (late == "trees")
     assert ended[ids[0]].finish_reason == "error"
     assert ended[ids[0]].error == f"request {ids[0]} failed in its sampling: {INVALID_DISTRIBUTION}"
     assert ended[ids[1]].finish_reason == ended[ids[2]].finish_reason == "length"

@@ -32,6 +32,7 @@ from specdecode import DraftModelDrafter, GenerationConfig, PromptLookupDrafter,
 from specdecode.drafters.cascade import CascadeDrafter
 from specdecode.drafters import cascade as cascade_module
 from specdecode.drafters.control import DraftControl
+from specdecode.engine import verification
 from specdecode.engine.batched import BatchedSpeculativeDecoder
 from specdecode.engine.fast_path import ModelRunner
 from specdecode.engine.overlap import HostReader
@@ -143,23 +144,26 @@ def test_one_host_sync_per_round_on_the_fast_path(method, monkeypatch):
         assert len(staged) >= num_rounds - 2  # every round but the last ones ran its successor ahead
 
 
-@pytest.mark.parametrize("case", ["sampling", "sampling+unseeded", "sampling+masked-exit", "sampling+banned-words"])
+@pytest.mark.parametrize("case", ["sampling", "sampling+unseeded", "sampling+masked-exit", "sampling+banned-words",
+                                  "sampling+trees", "sampling+unseeded+trees", "sampling+lookup-trees"])
 def test_sampling_rounds_read_back_once_and_once_more_for_blocks_known_after_the_read(case, monkeypatch):
     """Batched rounds with three sampling rows (each its own settings and seed, or rows 0 and 2 without a seed,
-    drawing together) and a greedy one: their speculative
-    sampling is decided on the device and read with the round's one sync; where blocks are known only after it (an
-    exit read with the sync, ``exit_mode="masked"``, or banned words' cut), every such row is sampled together and
-    read with one more sync, not one per row."""
+    drawing together) and a greedy one: their speculative sampling is decided on the device and read with the
+    round's one sync, token trees (a draft model's, with its drawn path; prompt lookup's branches, without q)
+    included; where blocks are known only after it (an exit read with the sync, ``exit_mode="masked"``, or
+    banned words' cut), every such row is sampled together and read with one more sync, not one per row."""
     target = make_tiny_model("llama", num_layers=3)
     draft = perturbed_copy(target, noise=0.3, seed=1)
     control = DraftControl(adaptive_exit=True, exit_mode="masked") if case.endswith("masked-exit") else None
     banned = ("w5", "w9", "w17", "w30 w31") if case.endswith("banned-words") else ()
-    engine = BatchedSpeculativeDecoder(target, DraftModelDrafter(draft), max_batch_size=4, num_speculative_tokens=4,
+    drafter = PromptLookupDrafter(branches=3) if case.endswith("lookup-trees") else \
+        DraftModelDrafter(draft, tree_depth=2) if case.endswith("trees") else DraftModelDrafter(draft)
+    engine = BatchedSpeculativeDecoder(target, drafter, max_batch_size=4, num_speculative_tokens=4,
                                        draft_control=control, compile=True, graphs=False,
                                        tokenizer=make_tiny_tokenizer() if banned else None)
     settings = [dict(temperature=0.8, top_p=0.9), dict(temperature=1.0), dict(temperature=0.6, top_k=8), {}]
     configs = [GenerationConfig(max_new_tokens=24, stop_on_eos=False, banned_words=banned, **kw,
-                                seed=None if case.endswith("unseeded") and i in (0, 2) else i)
+                                seed=None if "unseeded" in case and i in (0, 2) else i)
                for i, kw in enumerate(settings)]
     counter, rounds = SyncCounter([target, draft]), []
     original = BatchedSpeculativeDecoder._round
@@ -173,6 +177,9 @@ def test_sampling_rounds_read_back_once_and_once_more_for_blocks_known_after_the
             rounds.append(len(self._rows))
 
     monkeypatch.setattr(BatchedSpeculativeDecoder, "_round", counted_round)
+    verified_trees, tree_rows = [], verification.tree_rejection_sample_rows
+    monkeypatch.setattr(verification, "tree_rejection_sample_rows",
+                        lambda *a, **k: verified_trees.append(1) or tree_rows(*a, **k))
     drawn_together, exponential = [], Sampler.exponential  # the rows of each noise draw
     monkeypatch.setattr(Sampler, "exponential", lambda self, out: drawn_together.append(
         1 if out.dim() == 1 else out.shape[0]) or exponential(self, out))
@@ -180,7 +187,12 @@ def test_sampling_rounds_read_back_once_and_once_more_for_blocks_known_after_the
     with counter.counting():
         results = engine.generate(prompts, configs)
     assert all(r.finish_reason == "length" and len(r.token_ids) == 24 for r in results)
-    assert max(drawn_together) == (2 if case.endswith("unseeded") else 1)  # the rows without a seed: one draw
+    assert max(drawn_together) == (2 if "unseeded" in case else 1)  # the rows without a seed: one draw
     assert len(rounds) > 5 and max(rounds) == 4 and engine.stats.num_drafted_tokens > 0
-    per_round = 1 if case in ("sampling", "sampling+unseeded") else 2
+    if case.endswith("trees"):  # blocks deeper than a chain's: trees were verified
+        assert verified_trees, "no round verified a sampling row's tree"
+    # two: blocks known after the read; or a draft model's tree, grown on the host from its chain's values (one
+    # sync in the drafter, ``draft_tree.grow_trees``), then verified and read with the round's one
+    per_round = 2 if case.endswith(("masked-exit", "banned-words")) or case in ("sampling+trees",
+                                                                                  "sampling+unseeded+trees") else 1
     assert counter.count <= per_round * len(rounds), f"{counter.count} host syncs in {len(rounds)} rounds"

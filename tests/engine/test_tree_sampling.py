@@ -16,8 +16,10 @@ from specdecode import CascadeDrafter, DraftModelDrafter, GenerationConfig, Spec
 from specdecode.drafters.draft_tree import TREE_TOP_K, TopK, grow_trees
 from specdecode.drafters.token_recycling import TokenRecyclingDrafter
 from specdecode.engine.batched import BatchedSpeculativeDecoder
-from specdecode.engine.sampling import Sampler
-from specdecode.engine.tree import TokenTree, tree_rejection_sample
+from specdecode.engine.sampling import Sampler, race
+from specdecode.engine.tree import TokenTree
+from specdecode.engine.tree_sampling import tree_rejection_sample, tree_rejection_sample_rows
+from specdecode.errors import InvalidArgumentError
 from test_verification import _exact_joint, _verified_cells, _within
 
 # Root candidates: tokens 1, 3 and 1 again (a duplicate must never be accepted twice); node 4 (token 0)
@@ -170,7 +172,7 @@ def test_tree_rejection_sample_with_draft_q_emits_the_target_law():
 def test_draft_model_trees_sample_the_target_distribution(method, monkeypatch):
     """A sampling draft model's tree (its drawn chain and the runners-up of each step) emits the target's
     law, and its runners-up are accepted: the tree is verified as a tree, not as its chain."""
-    import specdecode.engine.batched as batched
+    import specdecode.engine.verification as verification
 
     V, N, steps = 8, 1500, 3
     target = make_tiny_model("llama", num_layers=1, vocab_size=V, hidden_size=16, intermediate_size=32)
@@ -185,16 +187,18 @@ def test_draft_model_trees_sample_the_target_distribution(method, monkeypatch):
     keys, want = _verified_cells(exact)
     index = {k: i for i, k in enumerate(keys)}
     paths = {"drawn": 0, "runner-up": 0}
-    verify = batched.tree_rejection_sample
+    verify = verification.tree_rejection_sample_rows
 
-    def counting(sampler, probs, tree, tokens, draft_probs=None):
-        assert draft_probs is not None, "a sampling tree row must name its drawn nodes (none: all runners-up)"
-        path, token = verify(sampler, probs, tree, tokens, draft_probs)
-        for node in path[1:]:
-            paths["drawn" if node in draft_probs else "runner-up"] += 1
-        return path, token
+    def counting(samplers, probs, trees, drafted, draft_probs, contain_errors=False):
+        assert draft_probs is not None and all(q is not None for q in draft_probs), \
+            "a sampling tree row must name its drawn nodes (none: all runners-up)"
+        verdicts, failed = verify(samplers, probs, trees, drafted, draft_probs, contain_errors)
+        for (accepted, _, *path), q in zip(verdicts.tolist(), draft_probs):
+            for node in path[:accepted]:
+                paths["drawn" if node in q else "runner-up"] += 1
+        return verdicts, failed
 
-    monkeypatch.setattr(batched, "tree_rejection_sample", counting)
+    monkeypatch.setattr(verification, "tree_rejection_sample_rows", counting)
     drafter = (DraftModelDrafter(draft, tree_depth=2) if method == "draft"
                else CascadeDrafter(draft, tree_depth=2, max_ngram=1))
     dec = SpeculativeDecoder(target, drafter)
@@ -267,3 +271,161 @@ def test_a_drawn_token_is_verified_whatever_its_q():
     dropped[:4] = q[:4] / q[:4].sum() * 0.91
     dropped[4:] = q[4:] / q[4:].sum() * 0.09
     assert not _within(dropped, q, N)
+
+
+def _walk(probs: torch.Tensor, tree: TokenTree, tokens: list[int], q_of: dict, uniforms: list[float],
+          noise: torch.Tensor) -> tuple[list[int], int]:
+    """The multi-candidate speculative sampling of one tree written plainly, one candidate at a time (SpecInfer,
+    Algorithm 2): candidate i of node t, in the order examined (its drawn child first), uses uniform
+    ``uniforms[sum of earlier nodes' children + i]``; the next token races ``noise`` over what is left at the
+    last node (p itself where nothing is). Float32 throughout, as the device's."""
+    offsets = [sum(len(c) for c in tree.children[:t]) for t in range(tree.num_nodes)]
+    node, path = 0, [0]
+    while True:
+        p, moved, total = probs[node].clone(), False, torch.tensor(1.0)  # p sums to 1
+        kids = tree.children[node]
+        for i, child in enumerate([c for c in kids if c in q_of] + [c for c in kids if c not in q_of]):
+            if not float(total) > 0.0:
+                break
+            x, q, u = tokens[child], q_of.get(child), torch.tensor(uniforms[offsets[node] + i])
+            if bool(u * total < p[x]) if q is None else bool(u * q[x] < p[x]):
+                node, moved = child, True
+                path.append(child)
+                break
+            if q is None:
+                p[x] = 0.0
+            else:
+                p = torch.clamp(p - q, min=0.0)
+            total = p.sum()
+        if not moved:
+            if not float(p.sum()) > 0.0:
+                p = probs[node]
+            return path, int(race(p.view(1, -1), noise.clone().view(1, -1))[0])
+
+
+def _tree_case(generator: torch.Generator, vocab: int) -> tuple[TokenTree, list[int], torch.Tensor, dict, int]:
+    """A random tree of 1..9 nodes (tokens from a small vocabulary, so siblings repeat tokens), its target p, q's
+    along a path from node 0 (kinds 1-4 of 0-4), and the kind: a draft's q; p's own (always accepted); one-hot at
+    a token p lacks; and p's own with p(x) = q(x) = 0 at the drawn token x, p of exact binary fractions summing to
+    exactly 1, so the residual max(0, p - q) is exactly 0 and p itself is drawn from."""
+    num = int(torch.randint(1, 10, (1,), generator=generator))
+    tree = TokenTree((-1, *(int(torch.randint(0, t, (1,), generator=generator)) for t in range(1, num))))
+    tokens = torch.randint(0, vocab, (num,), generator=generator).tolist()
+    probs = torch.softmax(torch.randn(num, vocab, generator=generator) * 2.5, -1)
+    q_of, kind, node = {}, int(torch.randint(0, 5, (1,), generator=generator)), 0
+    while kind and tree.children[node]:
+        node = tree.children[node][int(torch.randint(0, len(tree.children[node]), (1,), generator=generator))]
+        parent, x = tree.parents[node], tokens[node]
+        if kind == 3:  # p(x) = 0
+            probs[parent, x] = 0.0
+            probs[parent] /= probs[parent].sum()
+        if kind == 4:  # exact binary fractions, summing to exactly 1, on the other tokens in a random order
+            others = torch.tensor([t for t in range(vocab) if t != x])[torch.randperm(vocab - 1, generator=generator)]
+            probs[parent] = torch.zeros(vocab).index_copy(0, others, torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.0625]))
+        q_of[node] = torch.softmax(torch.randn(vocab, generator=generator) * 2.5, -1) if kind == 1 else \
+            torch.nn.functional.one_hot(torch.tensor(x), vocab).float() if kind == 3 else probs[parent].clone()
+    return tree, tokens, probs, q_of, kind
+
+
+def test_tree_rows_draw_what_a_plain_walk_draws_with_the_same_draws():
+    """``tree_rejection_sample_rows`` gives every row, bit for bit, the path and token of a plain one-candidate-at-
+    a-time walk (``_walk``) fed the draws the row makes (one uniform per candidate, then the noise of its token),
+    and leaves each generator where those draws leave it. Batches of 1..4 rows with seeds of their own or sharing
+    one generator, padded to a common width; trees with repeated tokens among siblings, drawn paths with a draft's
+    q, with q = p (a residual of no mass) and with a one-hot q at a token p lacks."""
+    generator = torch.Generator().manual_seed(7)
+    vocab, accepted, fallbacks, drawn_accepted = 6, 0, 0, 0  # vocab: 5 fractions of kind 4, and x
+    for trial in range(200):
+        m = int(torch.randint(1, 5, (1,), generator=generator))
+        cases = [_tree_case(generator, vocab) for _ in range(m)]
+        width = max(tree.num_nodes for tree, *_ in cases) + int(torch.randint(0, 3, (1,), generator=generator))
+        probs = torch.softmax(torch.randn(m, width, vocab, generator=generator), -1)  # padding: other values
+        drafted = torch.randint(0, vocab, (m, width - 1), generator=generator)
+        for j, (tree, tokens, p, *_) in enumerate(cases):
+            probs[j, : tree.num_nodes] = p
+            drafted[j, : tree.num_nodes - 1] = torch.tensor(tokens[1:], dtype=torch.long)
+        shared = trial % 2 == 1
+        one = torch.Generator().manual_seed(trial)
+        samplers = [Sampler(GenerationConfig(temperature=1.0, seed=None if shared else 100 * trial + j), vocab,
+                            "cpu", generator=one if shared else None) for j in range(m)]
+        verdicts, failed = tree_rejection_sample_rows(samplers, probs, [c[0] for c in cases], drafted,
+                                                      [c[3] or None for c in cases])
+        assert not failed and verdicts.shape == (m, 2 + max(max(c[0].depths) for c in cases))
+        # the same draws, made plainly: uniforms first (rows sharing a generator: W - 1 each in one call; a row
+        # alone: one a candidate), then the noise
+        if shared:
+            again, count = torch.Generator().manual_seed(trial), width - 1 if m > 1 else cases[0][0].num_nodes - 1
+            uniforms = torch.rand(m * count, generator=again).view(m, count).tolist()
+            reference = Sampler(GenerationConfig(temperature=1.0), vocab, "cpu", generator=again)
+            noise = reference.exponential(torch.empty(m, vocab))
+            assert torch.equal(again.get_state(), one.get_state())
+        else:
+            alone = [Sampler(GenerationConfig(temperature=1.0, seed=100 * trial + j), vocab, "cpu") for j in range(m)]
+            uniforms = [s.uniform(c[0].num_nodes - 1, torch.device("cpu")).tolist() for s, c in zip(alone, cases)]
+            noise = torch.stack([s.exponential(torch.empty(vocab)) for s in alone])
+            for a, s in zip(alone, samplers):
+                assert torch.equal(a.generator.get_state(), s.generator.get_state())
+        for j, (tree, tokens, p, q_of, kind) in enumerate(cases):
+            path, token = _walk(p, tree, tokens, q_of, uniforms[j], noise[j])
+            a, got_token, *got_path = verdicts[j].tolist()
+            assert ([0, *got_path[:a]], got_token) == (path, token), (trial, j)
+            assert all(n == -1 for n in got_path[a:])
+            accepted += len(path) > 1
+            drawn_accepted += any(n in q_of for n in path[1:])
+            fallbacks += kind == 4 and any(tree.parents[n] == path[-1] for n in q_of)  # p itself drawn from
+    assert accepted > 100 and drawn_accepted > 20 and fallbacks > 10, (accepted, drawn_accepted, fallbacks)
+
+
+def test_tree_rejection_sample_rows_refuses_bad_input():
+    sampler = Sampler(GenerationConfig(temperature=1.0, seed=0), 5, "cpu")
+    probs = torch.full((1, 3, 5), 0.2)
+    chain, fork = TokenTree((-1, 0, 1)), TokenTree((-1, 0, 0))
+    drafted = torch.tensor([[1, 2]])
+    q = torch.full((5,), 0.2)
+    with pytest.raises(InvalidArgumentError, match=r"must be \(m, W, V\)"):
+        tree_rejection_sample_rows([sampler], probs[0], [chain], drafted, None)
+    with pytest.raises(InvalidArgumentError, match=r"1 samplers, 2 trees and drafted \(1, 2\)"):
+        tree_rejection_sample_rows([sampler], probs, [chain, chain], drafted, None)
+    with pytest.raises(InvalidArgumentError, match="tree of 4 nodes"):
+        tree_rejection_sample_rows([sampler], probs, [TokenTree((-1, 0, 1, 2))], drafted, None)
+    with pytest.raises(InvalidArgumentError, match=r"q at nodes \[0\]"):
+        tree_rejection_sample_rows([sampler], probs, [chain], drafted, [{0: q}])
+    with pytest.raises(InvalidArgumentError, match=r"shapes \[\(4,\)\]"):
+        tree_rejection_sample_rows([sampler], probs, [chain], drafted, [{1: q[:4]}])
+    with pytest.raises(InvalidArgumentError, match=r"node 0 has 2 drawn children \[1, 2\]; at most one"):
+        tree_rejection_sample_rows([sampler], probs, [fork], drafted, [{1: q, 2: q}])
+    with pytest.raises(InvalidArgumentError, match="2 tokens and target_probs"):
+        tree_rejection_sample(sampler, probs[0], chain, [0, 1])
+
+
+@pytest.mark.parametrize("method, broken_row", [("exponential", 1), ("uniform", 0)])
+def test_tree_rows_fail_only_the_row_whose_draws_raise(method, broken_row):
+    """A row whose draw of its token (``exponential``) or of its uniforms (``uniform``) raises is left out and
+    reported (``contain_errors``); the others get the walk their own draws give (``_walk``). Without
+    ``contain_errors`` the error propagates."""
+    generator = torch.Generator().manual_seed(3)
+    cases = [_tree_case(generator, 6) for _ in range(3)]
+    while any(c[0].num_nodes < 2 for c in cases):  # candidates in every row
+        cases = [_tree_case(generator, 6) for _ in range(3)]
+    width = max(c[0].num_nodes for c in cases)
+    probs, drafted = torch.full((3, width, 6), 1 / 6), torch.zeros((3, width - 1), dtype=torch.long)
+    for j, (tree, tokens, p, *_) in enumerate(cases):
+        probs[j, : tree.num_nodes], drafted[j, : tree.num_nodes - 1] = p, torch.tensor(tokens[1:])
+    samplers = [Sampler(GenerationConfig(temperature=1.0, seed=s), 6, "cpu") for s in range(3)]
+    alone = [Sampler(GenerationConfig(temperature=1.0, seed=s), 6, "cpu") for s in range(3)]
+
+    def broken(*args):
+        raise RuntimeError(f"{method} failed")
+
+    setattr(samplers[broken_row], method, broken)
+    trees, qs = [c[0] for c in cases], [c[3] or None for c in cases]
+    verdicts, failed = tree_rejection_sample_rows(samplers, probs, trees, drafted, qs, contain_errors=True)
+    assert list(failed) == [broken_row] and str(failed[broken_row]) == f"{method} failed"
+    others = [j for j in range(3) if j != broken_row]
+    for row, j in zip(verdicts.tolist(), others):
+        tree, tokens, p, q_of, _ = cases[j]
+        uniforms = alone[j].uniform(tree.num_nodes - 1, torch.device("cpu")).tolist()
+        path, token = _walk(p, tree, tokens, q_of, uniforms, alone[j].exponential(torch.empty(6)))
+        assert ([0, *row[2 : 2 + row[0]]], row[1]) == (path, token)
+    with pytest.raises(RuntimeError, match=f"{method} failed"):
+        tree_rejection_sample_rows(samplers, probs, trees, drafted, qs)

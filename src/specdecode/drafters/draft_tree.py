@@ -36,7 +36,7 @@ linearly, as without the option. A greedy row's chain is the draft's argmax. A s
 chain is drawn from the draft's q, as a linear draft's; its candidates are the top-k of each
 step's q beside the drawn token, ranked with the drawn token's own q (siblings outside the
 sampler's support are left out), and ``Draft.prob_nodes`` names the drawn nodes: the engine verifies
-the tree by multi-candidate speculative sampling (``engine.tree.tree_rejection_sample``), a drawn
+the tree by multi-candidate speculative sampling (``engine.tree_sampling.tree_rejection_sample_rows``), a drawn
 node by Chen et al.'s ratio test against its q, a runner-up as a candidate without q. The drawn
 chain is kept whole and the runners-up fill the rest of the budget by value: whether a drawn node
 is verified must not depend on the token drawn, or the tokens the target tests would not follow q

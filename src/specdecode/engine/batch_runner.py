@@ -226,8 +226,8 @@ class BatchRunner:
         self._write_positions(bucket, starts)
         if trees is not None:  # [trees] each node's depth and ancestors; free rows: a chain
             chains = [TokenTree.chain(width - 1)] * (rows - n)
-            positions, ancestors = tree_inputs([*trees, *chains], [*starts, *[0] * (rows - n)], width, "cpu")
-            _copy_from_host(bucket.depth, (positions - positions[:, :1]).tolist())
+            depths, ancestors = tree_inputs([*trees, *chains], [0] * rows, width, "cpu")  # start 0: the depth
+            bucket.depth.copy_(depths.to(bucket.depth.device, non_blocking=self._cuda))
             bucket.ancestors.copy_(ancestors.to(bucket.ancestors.device, non_blocking=self._cuda))
         logits, greedy = self._run(bucket)
         if exact and logits_to_keep == w:

@@ -65,7 +65,7 @@ from specdecode.engine.sampling import (check_finite, greedy_tokens, logits_widt
                                        raise_non_finite)
 from specdecode.engine.shared_prefill import admit_shared, engine_shared_prefill, load_prompt_cache
 from specdecode.engine.stats import SpecDecodingStats
-from specdecode.engine.tree import TokenTree, draft_q, greedy_tree_verify, round_trees, tree_rejection_sample
+from specdecode.engine.tree import TokenTree, greedy_tree_verify, round_trees
 from specdecode.engine.verification import SampledRows, greedy_epilogue, greedy_verify, sample_rows
 from specdecode.errors import INVALID_DISTRIBUTION, InvalidArgumentError
 
@@ -471,9 +471,10 @@ class BatchedSpeculativeDecoder(BatchRequests):
             parts = [*parts, points]
         # [sampling] rows whose block is known before the read sample on the device: (accepted, next token)
         block = draft.probs_block if draft is not None and probs is draft.probs else None  # the q's as one tensor
-        sampled = sample_rows(rows, logits, finite, ids, k, trees, probs, self.contain_errors, probs_block=block) \
-            if points is None else SampledRows()
-        verdicts = [sampled.verdicts.flatten()] if sampled.verdicts is not None else []
+        prob_nodes = draft.prob_nodes if draft is not None else None
+        sampled = sample_rows(rows, logits, finite, ids, k, trees, probs, self.contain_errors, probs_block=block,
+                              prob_nodes=prob_nodes) if points is None else SampledRows()
+        verdicts = sampled.to_read()
         processed = logits is not target_logits or masked
         choice = greedy_tokens(logits) if processed else greedy[..., 0]  # (n, K + 1): the target's greedy choices
         host = torch.cat([*parts, *verdicts, choice.flatten(), finite.flatten(), draft_finite.long()])
@@ -488,9 +489,8 @@ class BatchedSpeculativeDecoder(BatchRequests):
         exit_at = host[n * K : n * K + n] if points is not None else None
         if exit_at is not None:
             del host[n * K : n * K + n]
-        read = iter(host[n * K : n * K + 2 * len(sampled.rows)])
-        decided = {b: (next(read), next(read)) for b in sampled.rows}
-        del host[n * K : n * K + 2 * len(sampled.rows)]
+        decided, paths, size = sampled.read(host[n * K :])
+        del host[n * K : n * K + size]
         if not host[-1]:
             if self.drafter is not None:  # the rows did not move: keep the drafter in step with them
                 self.drafter.rollback([len(row.tokens) - 1 for row in rows])
@@ -504,13 +504,15 @@ class BatchedSpeculativeDecoder(BatchRequests):
         blocks = [row.banned.cut_draft(drafted[b][:kb], len(row.tokens)) if kb and row.banned is not None else kb
                   for b, (row, kb) in enumerate(zip(rows, k))]
         late = [b for b, row in enumerate(rows) if not row.sampler.greedy and b not in decided
-                and b not in sampled.errors and (trees is None or trees[b] is None)
+                and b not in sampled.errors
                 and all(flags[b * (K + 1) : b * (K + 1) + blocks[b] + 1])]  # a row with non-finite logits fails below
         if late:  # [sampling] blocks known only after the read (a banned word's cut, a read-free exit's)
             more = sample_rows(rows, logits, finite, ids, blocks, trees, probs, self.contain_errors, live=late,
-                               probs_block=block)
+                               probs_block=block, prob_nodes=prob_nodes)
             if more.rows:  # the round's second host sync, for all of them
-                decided.update(zip(more.rows, (tuple(v) for v in more.verdicts.tolist())))
+                more_decided, more_paths, _ = more.read(torch.cat(more.to_read()).tolist())
+                decided.update(more_decided)
+                paths.update(more_paths)
             sampled.errors.update(more.errors)
         for b in (b for b, verdict in decided.items() if verdict[1] < 0):  # not a distribution (``sampling.race``)
             if not self.contain_errors:
@@ -530,18 +532,15 @@ class BatchedSpeculativeDecoder(BatchRequests):
                            f"{logits.dtype} forward for request {row.request_id}")
                 continue
             tree = trees[b] if trees is not None else None
+            if b in sampled.errors:  # [sampling] its sampling raised: this row ends, the others go on
+                self._fail(events, row, sampled.errors[b])
+                continue
             if tree is not None:  # [trees] the accepted path's keys and values move into place
-                nodes = [sequences[b][-1], *drafted[b][:kb]]
-                try:
-                    path, token = greedy_tree_verify(tree, nodes, argmax[b * (K + 1) : (b + 1) * (K + 1)]) \
-                        if row.sampler.greedy else \
-                        tree_rejection_sample(row.sampler, row.sampler.probs(logits[b, : kb + 1]), tree, nodes,
-                                              draft_q(draft, probs, b))
-                except Exception as exc:  # noqa: BLE001 -- this row ends ("error", logged); the others go on
-                    if not self.contain_errors:
-                        raise
-                    self._fail(events, row, f"request {row.request_id} failed in its sampling: {type(exc).__name__}: {exc}")
-                    continue
+                if row.sampler.greedy:
+                    path, token = greedy_tree_verify(tree, [sequences[b][-1], *drafted[b][:kb]],
+                                                     argmax[b * (K + 1) : (b + 1) * (K + 1)])
+                else:  # [sampling] decided on the device, read with the round's sync
+                    path, token = paths[b], decided[b][1]
                 self.cache.keep_path(b, len(row.tokens) - 1, path)
                 a, node = len(path) - 1, path[-1]
                 new = [drafted[b][n - 1] for n in path[1:]] + [token]
@@ -549,9 +548,6 @@ class BatchedSpeculativeDecoder(BatchRequests):
                 verdict = greedy_verify(drafted[b][:kb], argmax[b * (K + 1) : (b + 1) * (K + 1)])
                 a = node = verdict.num_accepted
                 new = drafted[b][:a] + [verdict.next_token]
-            elif b in sampled.errors:  # [sampling] its sampling raised: this row ends, the others go on
-                self._fail(events, row, sampled.errors[b])
-                continue
             else:  # [sampling] decided on the device, read with the round's sync (or the late rows' one)
                 a = node = decided[b][0]
                 new = drafted[b][:a] + [decided[b][1]]

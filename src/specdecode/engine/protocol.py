@@ -254,7 +254,7 @@ class Draft:
         trees: Per row, the ``engine.tree.TokenTree`` of its block (node 0 the pending token,
             nodes 1 .. k_b the tokens ``tokens[b, :k_b]``), or None for a linear block; None
             altogether for linear drafts. The engine verifies a row's tree in one forward (greedy,
-            or multi-candidate speculative sampling, ``engine.tree.tree_rejection_sample``) and keeps
+            or multi-candidate speculative sampling, ``engine.tree_sampling.tree_rejection_sample_rows``) and keeps
             the accepted path; a row it cannot verify as a tree (logits processors, banned words, a
             target outside torch) gets the tree's first chain (``first_chain``), or its
             ``prob_nodes`` where it has them.

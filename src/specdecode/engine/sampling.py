@@ -155,6 +155,14 @@ def draw_or_retry(draw, rows: list[int], failed: dict[int, Exception] | None, st
         return [part for j in rows for part in draw_or_retry(draw, [j], failed, stand_in)]
 
 
+def draw_uniforms(samplers: Sequence[Sampler], rows: list[int], count: int, device: torch.device,
+                  failed: dict[int, Exception] | None) -> torch.Tensor:
+    """``count`` uniforms for each of ``rows`` (whose samplers share one generator) in one draw, (len(rows) *
+    count,) float32, row by row; a failed row's are ones, its result dropped by the caller (``draw_or_retry``)."""
+    return torch.cat(draw_or_retry(lambda group: samplers[group[0]].uniform(len(group) * count, device), rows,
+                                   failed, lambda j: torch.ones(count, device=device)))
+
+
 def race(probs: torch.Tensor, noise: torch.Tensor, check: bool = True) -> torch.Tensor:
     """Tokens drawn from ``probs`` given Exp(1) ``noise``: argmax(p / E), the exponential race (the Gumbel-max
     trick) that ``torch.multinomial`` runs for one sample (reference: pytorch/pytorch#11931; the same division

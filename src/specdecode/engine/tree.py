@@ -22,13 +22,13 @@ target-only greedy decoding.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from specdecode.engine.cost_model import check_count
-from specdecode.errors import INVALID_DISTRIBUTION, InvalidArgumentError, NonFiniteLogitsError
+from specdecode.errors import InvalidArgumentError
 
 
 @dataclass(frozen=True)
@@ -167,74 +167,6 @@ def greedy_tree_verify(tree: TokenTree, tokens: Sequence[int], target_argmax: Se
         path.append(child)
 
 
-def tree_rejection_sample(sampler, target_probs: torch.Tensor, tree: TokenTree, tokens: Sequence[int],
-                          draft_probs: Mapping[int, torch.Tensor] | None = None) -> tuple[list[int], int]:
-    """Speculative sampling of one row's token tree: the accepted path and the next token.
-
-    Multi-candidate speculative sampling (SpecInfer, Miao et al. 2024, Algorithm 2, "multi-step
-    speculative sampling"; Chen et al. 2023's rejection step for a node drawn from a draft q). At
-    node t with target distribution p (renormalised as mass is removed), its children are examined
-    drawn ones first, then the others in order:
-
-    * a child in ``draft_probs`` (its token x_c was drawn from the draft's q = ``draft_probs[c]``,
-      independently of the target) is accepted with probability min(1, p(x_c) / q(x_c)); on
-      rejection p <- norm(max(0, p - q));
-    * any other child (a candidate chosen without the target: n-gram matches, Token Recycling, a
-      draft model's top-k runners-up) is accepted with probability p(x_c); on rejection x_c's
-      mass is removed (p <- norm(max(0, p - onehot(x_c)))), recursive rejection sampling of
-      candidates without probabilities.
-
-    Accepting moves the walk to c; when every child is rejected (or t is a leaf) the next token is
-    drawn from what is left of p. The drawn child comes first because the runners-up may depend on
-    its token (the draft's top-k without it): examined before it, they would tell which token was
-    drawn, and the ratio test needs x_c ~ q. After its rejection what is left is an exact sampler of
-    the residual for any candidates, so each emitted token is distributed exactly as the target's
-    sampling (tested in tests/engine/test_tree_sampling.py, with the wrong order as a negative control).
-
-    Args:
-        sampler: The row's sampler (its ``torch.Generator``).
-        target_probs: (T, V) float32, the target's warped distributions at the tree's nodes.
-        tree: The row's tree.
-        tokens: T token ids, node by node (``tokens[0]`` not checked).
-        draft_probs: Node -> (V,) float32 q that node's token was drawn from (a sampling draft
-            model's chain), or None: every candidate is deterministic.
-
-    Returns:
-        ``(path, next_token)`` as ``greedy_tree_verify``.
-
-    Reads a few values per examined candidate back to the host (the mass left, a uniform, p and q at
-    its token; sampling tree rows only).
-    """
-    draft_probs = draft_probs or {}
-    node, path = 0, [0]
-    while True:
-        p, owned, moved = target_probs[node], False, False
-        children = tree.children[node]
-        for child in [c for c in children if c in draft_probs] + [c for c in children if c not in draft_probs]:
-            total = float(p.sum())
-            if not total > 0.0:  # rounding: every remaining token was rejected; or a NaN q's residual
-                break
-            x, q = tokens[child], draft_probs.get(child)
-            u = float(sampler.uniform(1, p.device)[0])
-            if (u * total < float(p[x])) if q is None else (u * total * float(q[x]) < float(p[x])):
-                node, moved = child, True
-                path.append(child)
-                break
-            if q is None:
-                if not owned:
-                    p, owned = p.clone(), True
-                p[x] = 0.0
-            else:  # Chen et al.'s residual, against p as it stands (normalised)
-                p, owned = torch.clamp(p / total - q, min=0.0), True
-        if not moved:
-            if not float(p.sum()) > 0.0:  # as above: drawing from p at the node is exact
-                p = target_probs[node]
-            token = int(sampler.sample((p / p.sum()).unsqueeze(0))[0])
-            if token < 0:
-                raise NonFiniteLogitsError(INVALID_DISTRIBUTION)
-            return path, token
-
-
 def round_trees(draft, k: list[int], rows: Sequence, takes_trees: bool) -> tuple:
     """The trees a round of the batched engine verifies (``draft``: the round's ``protocol.Draft``, ``rows``:
     its ``BatchRow``s; ``takes_trees``: whether the target's runner takes tree forwards): ``(trees, tokens,
@@ -265,12 +197,3 @@ def round_trees(draft, k: list[int], rows: Sequence, takes_trees: bool) -> tuple
             k[b] = len(index)
             trees.append(None)
     return (trees if any(t is not None for t in trees) else None), tokens, probs
-
-
-def draft_q(draft, probs: list | None, b: int) -> dict[int, torch.Tensor] | None:
-    """Row b's draft distributions by tree node (``Draft.prob_nodes``), or None: every node is a
-    candidate without q (deterministic drafters; greedy rows never ask)."""
-    nodes = draft.prob_nodes[b] if draft.prob_nodes is not None else None
-    if nodes is None or probs is None or probs[b] is None:
-        return None
-    return {node: probs[b][i] for i, node in enumerate(nodes)}

@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 import torch
 
 from specdecode.engine.batch_cache import to_device
-from specdecode.engine.sampling import (Sampler, draw_or_retry, draw_tokens, finite_rows, generator_groups,
+from specdecode.engine.sampling import (Sampler, draw_tokens, draw_uniforms, finite_rows, generator_groups,
                                        greedy_tokens, safe_logits, warped_probs)
+from specdecode.engine.tree_sampling import tree_rejection_sample_rows
 from specdecode.errors import INVALID_DISTRIBUTION, InvalidArgumentError, NonFiniteLogitsError
 
 
@@ -109,21 +110,38 @@ class SampledRows:
     """The rows of a round whose speculative sampling was decided on the device (``sample_rows``).
 
     Attributes:
-        rows: The row indices decided, in order.
+        rows: The row indices decided, in order: rows with a linear block, then rows with a token tree.
         verdicts: (len(rows), 2) long on the device, row ``rows[j]``'s accepted draft tokens and next token at
             ``[j]`` (-1: its law was not a distribution, ``sampling.race``; the engine fails the row); None when
             ``rows`` is empty. Nothing is read back: the round reads them with its one sync.
+        paths: (t, D) long on the device, the accepted tree nodes after node 0 of the last t rows (tree rows), -1
+            past each one's accepted count; None when no tree row was decided.
         errors: Row index -> the message of its sampling, which raised (that row fails alone); the engine adds
             the rows whose verdict is -1.
     """
 
     rows: list[int] = field(default_factory=list)
     verdicts: torch.Tensor | None = None
+    paths: torch.Tensor | None = None
     errors: dict[int, str] = field(default_factory=dict)
 
     def tokens(self) -> torch.Tensor:
         """(len(rows),) long on the device: each decided row's next token."""
         return self.verdicts[:, 1]
+
+    def to_read(self) -> list[torch.Tensor]:
+        """What the round reads back, flattened: the verdicts, then the paths (``read``)."""
+        return [t.flatten() for t in (self.verdicts, self.paths) if t is not None]
+
+    def read(self, values: list[int]) -> tuple[dict[int, tuple[int, int]], dict[int, list[int]], int]:
+        """``to_read``'s values, read, from the start of ``values``: (row -> (accepted, next token); tree row ->
+        its accepted path from node 0; how many values they took)."""
+        decided = {b: (values[2 * j], values[2 * j + 1]) for j, b in enumerate(self.rows)}
+        depth = self.paths.shape[1] if self.paths is not None else 0
+        trees = self.rows[len(self.rows) - self.paths.shape[0]:] if self.paths is not None else []
+        at = 2 * len(self.rows)
+        paths = {b: [0, *values[at + i * depth : at + i * depth + decided[b][0]]] for i, b in enumerate(trees)}
+        return decided, paths, at + depth * len(trees)
 
 
 def rejection_sample_rows(samplers: Sequence[Sampler], probs: torch.Tensor, drafted: torch.Tensor,
@@ -202,7 +220,7 @@ def rejection_sample_rows(samplers: Sequence[Sampler], probs: torch.Tensor, draf
         host = ([] if full else list(num_tokens), [] if in_order else flat, one_hots)
         packed = to_device([*host[0], *host[1], *host[2]], device) if any(host) else None
         k, flat_index, one_hot = packed.split([len(h) for h in host]) if packed is not None else (None, None, None)
-        drawn = [_uniforms(samplers, rows, num_tokens[rows[0]] if len(rows) == 1 else gamma, device,
+        drawn = [draw_uniforms(samplers, rows, num_tokens[rows[0]] if len(rows) == 1 else gamma, device,
                            failed if contain_errors else None) for rows in draws]
         if in_order:
             uniforms = (drawn[0] if len(drawn) == 1 else torch.cat(drawn)).view(m, gamma)
@@ -249,14 +267,6 @@ def rejection_sample_rows(samplers: Sequence[Sampler], probs: torch.Tensor, draf
     return torch.stack([num_accepted.index_select(0, to_device(kept, device)), tokens], dim=1), failed
 
 
-def _uniforms(samplers: Sequence[Sampler], rows: list[int], count: int, device: torch.device,
-              failed: dict[int, Exception] | None) -> torch.Tensor:
-    """``count`` uniforms for each of ``rows`` (whose samplers share one generator) in one draw, (len(rows) *
-    count,) float32; a failed row's are ones, its verdict dropped (``sampling.draw_or_retry``)."""
-    return torch.cat(draw_or_retry(lambda group: samplers[group[0]].uniform(len(group) * count, device), rows,
-                                   failed, lambda j: torch.ones(count, device=device)))
-
-
 def _padded(rows: Sequence[torch.Tensor | None] | None, num_tokens: Sequence[int], gamma: int,
             probs: torch.Tensor) -> torch.Tensor | None:
     """Per-row draft distributions ((>= k_j, V) or None) as one (m, γ, V) float32 block, zero where a row has
@@ -272,47 +282,45 @@ def _padded(rows: Sequence[torch.Tensor | None] | None, num_tokens: Sequence[int
 
 def sample_rows(rows, logits: torch.Tensor, finite: torch.Tensor, ids: torch.Tensor, num_tokens: list[int], trees,
                 draft_probs, contain_errors: bool, live: Sequence[int] | None = None,
-                probs_block: torch.Tensor | None = None) -> SampledRows:
-    """The batched round's speculative sampling on the device (``rejection_sample_rows``), by default for each
-    sampling row whose block is final before the round's read: no token tree, no banned words (whose cut needs
-    the draft on the host). Rows that share their warpers' settings are warped in one call (``warped_probs``; if
-    that raises, each row alone, so only a row whose warping fails ends).
-    Nothing is read back: the round reads the verdicts with its one host sync (the rows whose blocks are known
-    only after it, ``live``, with one more).
+                probs_block: torch.Tensor | None = None, prob_nodes=None) -> SampledRows:
+    """The batched round's speculative sampling on the device, by default for each sampling row whose block is
+    final before the round's read (no banned words, whose cut needs the draft on the host): linear blocks by
+    ``rejection_sample_rows``, token trees by ``tree_sampling.tree_rejection_sample_rows``. Rows that share their
+    warpers' settings are warped in one call (``warped_probs``; if that raises, each row alone, so only a row
+    whose warping fails ends). Nothing is read back: the round reads the verdicts with its one host sync (the
+    rows whose blocks are known only after it, ``live``, with one more).
 
     Args:
         rows: The round's rows (``engine.batch_rows.BatchRow``: ``sampler``, ``banned``, ``request_id``).
         logits: (n, K + 1, V') the target's logits, processed as the rows' verification sees them.
-        finite: (n, K + 1) bool (or long, 1 for True), whether each position's raw logits were all finite: a row with non-finite
-            ones draws safely (``safe_logits``) and fails once the round reads the flags.
-        ids: (n, K + 1) the verification's input: each row's pending token, then its draft.
+        finite: (n, K + 1) bool (or long, 1 for True), whether each position's raw logits were all finite: a row
+            with non-finite ones draws safely (``safe_logits``) and fails once the round reads the flags.
+        ids: (n, K + 1) the verification's input: each row's pending token, then its draft (or its tree's nodes).
         num_tokens: Per row, k_b, its drafted tokens.
         trees: Per row, a ``TokenTree`` or None, or None altogether.
         draft_probs: Per row, the (k_b, V) draft distributions q or None, or None altogether.
         contain_errors: False: a sampling that raises propagates.
-        live: The rows to sample (sampling rows without a tree, ``num_tokens`` their final blocks), or None: every
-            row whose block is final before the read.
+        live: The rows to sample (sampling rows, ``num_tokens`` their final blocks), or None: every row whose
+            block is final before the read.
         probs_block: ``draft_probs`` as one (n, S, V) tensor (``Draft.probs_block``), read in their place; or None.
+        prob_nodes: Per tree row, the nodes whose q's are its ``draft_probs`` rows (``Draft.prob_nodes``); None.
 
     Returns:
-        The rows decided and their verdicts (accepted draft tokens, next token), and the message of each row
-        whose sampling raised (it fails alone).
+        The rows decided, their verdicts (accepted draft tokens, next token) and tree paths, and the message of
+        each row whose sampling raised (it fails alone).
     """
     out = SampledRows()
     if live is None:
-        live = [b for b, row in enumerate(rows) if not row.sampler.greedy and row.banned is None
-                and (trees is None or trees[b] is None)]
+        live = [b for b, row in enumerate(rows) if not row.sampler.greedy and row.banned is None]
     live = list(live)
     if not live:
         return out
     width = max(num_tokens[b] for b in live) + 1
     live_logits, live_finite, live_ids = logits[:, :width], finite[:, :width].bool(), ids[:, 1:width]
-    q = probs_block
     if len(live) < len(rows):
         index = to_device(live, logits.device)  # pinned, non-blocking: no wait for the device
         live_logits, live_finite = live_logits.index_select(0, index), live_finite.index_select(0, index)
         live_ids = live_ids.index_select(0, index)
-        q = q.index_select(0, index) if q is not None else None
     safe = safe_logits(live_logits, live_finite)
     samplers = [rows[b].sampler for b in live]
 
@@ -330,21 +338,49 @@ def sample_rows(rows, logits: torch.Tensor, finite: torch.Tensor, ids: torch.Ten
                 if not contain_errors:
                     raise
                 out.errors[b] = failure(b, exc)
-        if out.errors:
-            kept = [j for j, b in enumerate(live) if b not in out.errors]
-            if not kept:
-                return out
-            live, samplers = [live[j] for j in kept], [samplers[j] for j in kept]
-            kept_index = to_device(kept, logits.device)
-            live_ids = live_ids.index_select(0, kept_index)
-            q = q.index_select(0, kept_index) if q is not None else None
+        if not warped:
+            return out
         probs = torch.stack(warped)
-    ks = [num_tokens[b] for b in live]
-    if q is None and draft_probs is not None:
-        q = [draft_probs[b] for b in live]
-    verdicts, failed = rejection_sample_rows(samplers, probs, live_ids, ks, q, contain_errors)
-    for j, exc in failed.items():
-        out.errors[live[j]] = failure(live[j], exc)
-    out.rows = [b for j, b in enumerate(live) if j not in failed]
-    out.verdicts = verdicts if out.rows else None
+    kept = [j for j, b in enumerate(live) if b not in out.errors]
+    linear = [j for j in kept if trees is None or trees[live[j]] is None]
+    grown = [j for j in kept if trees is not None and trees[live[j]] is not None]
+    parts = []  # (rows, verdicts) of the linear rows, then of the tree rows
+
+    def subset(js: list[int], tensor: torch.Tensor, among: list[int] | None = None) -> torch.Tensor:
+        among = kept if among is None else among
+        return tensor if js == among else tensor.index_select(0, to_device([among.index(j) for j in js], tensor.device))
+
+    if linear:
+        q = probs_block.index_select(0, to_device([live[j] for j in linear], logits.device)) \
+            if probs_block is not None else [draft_probs[live[j]] for j in linear] if draft_probs is not None else None
+        verdicts, failed = rejection_sample_rows([samplers[j] for j in linear], subset(linear, probs),
+                                                 subset(linear, live_ids, list(range(len(live)))),
+                                                 [num_tokens[live[j]] for j in linear], q, contain_errors)
+        parts.append(([live[j] for j in linear], verdicts, failed))
+    if grown:
+        q = [_by_node(probs_block, draft_probs, prob_nodes, live[j]) for j in grown]
+        verdicts, failed = tree_rejection_sample_rows([samplers[j] for j in grown], subset(grown, probs),
+                                                      [trees[live[j]] for j in grown],
+                                                      subset(grown, live_ids, list(range(len(live)))), q,
+                                                      contain_errors)
+        parts.append(([live[j] for j in grown], verdicts, failed))
+        out.paths = verdicts[:, 2:]
+    for decided, verdicts, failed in parts:
+        for i, exc in failed.items():
+            out.errors[decided[i]] = failure(decided[i], exc)
+        out.rows += [b for i, b in enumerate(decided) if i not in failed]
+    if out.rows:
+        out.verdicts = torch.cat([verdicts[:, :2] for _, verdicts, _ in parts])
+    if out.paths is not None and not out.paths.shape[0]:
+        out.paths = None
     return out
+
+
+def _by_node(probs_block: torch.Tensor | None, draft_probs, prob_nodes, b: int) -> dict[int, torch.Tensor] | None:
+    """Row b's draft distributions by tree node (``Draft.prob_nodes``), or None: every node is a candidate without q
+    (deterministic drafters)."""
+    nodes = prob_nodes[b] if prob_nodes is not None else None
+    q = draft_probs[b] if draft_probs is not None else probs_block[b] if probs_block is not None else None
+    if nodes is None or q is None:
+        return None
+    return {node: q[i] for i, node in enumerate(nodes)}
