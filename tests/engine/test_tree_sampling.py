@@ -305,14 +305,15 @@ def _walk(probs: torch.Tensor, tree: TokenTree, tokens: list[int], q_of: dict, u
 
 def _tree_case(generator: torch.Generator, vocab: int) -> tuple[TokenTree, list[int], torch.Tensor, dict, int]:
     """A random tree of 1..9 nodes (tokens from a small vocabulary, so siblings repeat tokens), its target p, q's
-    along a path from node 0 (kinds 1-4 of 0-4), and the kind: a draft's q; p's own (always accepted); one-hot at
-    a token p lacks; and p's own with p(x) = q(x) = 0 at the drawn token x, p of exact binary fractions summing to
-    exactly 1, so the residual max(0, p - q) is exactly 0 and p itself is drawn from."""
+    along a path from node 0 (kinds 1-5 of 0-5), and the kind: a draft's q; p's own (always accepted); one-hot at
+    a token p lacks; p's own with p(x) = q(x) = 0 at the drawn token x, p of exact binary fractions summing to
+    exactly 1, so the residual max(0, p - q) is exactly 0 and p itself is drawn from; a NaN q (a draft whose
+    logits overflowed: its token is rejected, the residual is NaN, and p itself is drawn from)."""
     num = int(torch.randint(1, 10, (1,), generator=generator))
     tree = TokenTree((-1, *(int(torch.randint(0, t, (1,), generator=generator)) for t in range(1, num))))
     tokens = torch.randint(0, vocab, (num,), generator=generator).tolist()
     probs = torch.softmax(torch.randn(num, vocab, generator=generator) * 2.5, -1)
-    q_of, kind, node = {}, int(torch.randint(0, 5, (1,), generator=generator)), 0
+    q_of, kind, node = {}, int(torch.randint(0, 6, (1,), generator=generator)), 0
     while kind and tree.children[node]:
         node = tree.children[node][int(torch.randint(0, len(tree.children[node]), (1,), generator=generator))]
         parent, x = tree.parents[node], tokens[node]
@@ -323,7 +324,8 @@ def _tree_case(generator: torch.Generator, vocab: int) -> tuple[TokenTree, list[
             others = torch.tensor([t for t in range(vocab) if t != x])[torch.randperm(vocab - 1, generator=generator)]
             probs[parent] = torch.zeros(vocab).index_copy(0, others, torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.0625]))
         q_of[node] = torch.softmax(torch.randn(vocab, generator=generator) * 2.5, -1) if kind == 1 else \
-            torch.nn.functional.one_hot(torch.tensor(x), vocab).float() if kind == 3 else probs[parent].clone()
+            torch.nn.functional.one_hot(torch.tensor(x), vocab).float() if kind == 3 else \
+            torch.full((vocab,), float("nan")) if kind == 5 else probs[parent].clone()
     return tree, tokens, probs, q_of, kind
 
 
@@ -372,7 +374,7 @@ def test_tree_rows_draw_what_a_plain_walk_draws_with_the_same_draws():
             assert all(n == -1 for n in got_path[a:])
             accepted += len(path) > 1
             drawn_accepted += any(n in q_of for n in path[1:])
-            fallbacks += kind == 4 and any(tree.parents[n] == path[-1] for n in q_of)  # p itself drawn from
+            fallbacks += kind in (4, 5) and any(tree.parents[n] == path[-1] for n in q_of)  # p itself drawn from
     assert accepted > 100 and drawn_accepted > 20 and fallbacks > 10, (accepted, drawn_accepted, fallbacks)
 
 
@@ -388,21 +390,28 @@ def test_tree_rejection_sample_rows_refuses_bad_input():
         tree_rejection_sample_rows([sampler], probs, [chain, chain], drafted, None)
     with pytest.raises(InvalidArgumentError, match="tree of 4 nodes"):
         tree_rejection_sample_rows([sampler], probs, [TokenTree((-1, 0, 1, 2))], drafted, None)
-    with pytest.raises(InvalidArgumentError, match=r"q at nodes \[0\]"):
+    with pytest.raises(InvalidArgumentError, match=r"q at nodes \[0\] .* q at nodes 1..2 of shape \(5,\)"):
         tree_rejection_sample_rows([sampler], probs, [chain], drafted, [{0: q}])
     with pytest.raises(InvalidArgumentError, match=r"shapes \[\(4,\)\]"):
         tree_rejection_sample_rows([sampler], probs, [chain], drafted, [{1: q[:4]}])
     with pytest.raises(InvalidArgumentError, match=r"node 0 has 2 drawn children \[1, 2\]; at most one"):
         tree_rejection_sample_rows([sampler], probs, [fork], drafted, [{1: q, 2: q}])
+    with pytest.raises(InvalidArgumentError, match="2 draft_probs for 1 rows"):
+        tree_rejection_sample_rows([sampler], probs, [chain], drafted, [None, None])
     with pytest.raises(InvalidArgumentError, match="2 tokens and target_probs"):
         tree_rejection_sample(sampler, probs[0], chain, [0, 1])
+    empty, failed = tree_rejection_sample_rows([], probs[:0], [], drafted[:0], None)
+    assert empty.shape == (0, 2) and not failed
 
 
 @pytest.mark.parametrize("method, broken_row", [("exponential", 1), ("uniform", 0)])
-def test_tree_rows_fail_only_the_row_whose_draws_raise(method, broken_row):
+@pytest.mark.parametrize("shared", [False, True], ids=["own-seeds", "shared"])
+def test_tree_rows_fail_only_the_row_whose_draws_raise(method, broken_row, shared):
     """A row whose draw of its token (``exponential``) or of its uniforms (``uniform``) raises is left out and
-    reported (``contain_errors``); the others get the walk their own draws give (``_walk``). Without
-    ``contain_errors`` the error propagates."""
+    reported (``contain_errors``); the others get the walk their own draws give (``_walk``). "shared": the rows
+    share one generator and draw through row 0's sampler, which raises; the draw is retried row by row
+    (``sampling.draw_or_retry``), so only row 0 fails. Without ``contain_errors`` the error propagates."""
+    broken_row = 0 if shared else broken_row
     generator = torch.Generator().manual_seed(3)
     cases = [_tree_case(generator, 6) for _ in range(3)]
     while any(c[0].num_nodes < 2 for c in cases):  # candidates in every row
@@ -411,8 +420,11 @@ def test_tree_rows_fail_only_the_row_whose_draws_raise(method, broken_row):
     probs, drafted = torch.full((3, width, 6), 1 / 6), torch.zeros((3, width - 1), dtype=torch.long)
     for j, (tree, tokens, p, *_) in enumerate(cases):
         probs[j, : tree.num_nodes], drafted[j, : tree.num_nodes - 1] = p, torch.tensor(tokens[1:])
-    samplers = [Sampler(GenerationConfig(temperature=1.0, seed=s), 6, "cpu") for s in range(3)]
-    alone = [Sampler(GenerationConfig(temperature=1.0, seed=s), 6, "cpu") for s in range(3)]
+    one, again = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    samplers = [Sampler(GenerationConfig(temperature=1.0, seed=None if shared else s), 6, "cpu",
+                        generator=one if shared else None) for s in range(3)]
+    alone = [Sampler(GenerationConfig(temperature=1.0, seed=None if shared else s), 6, "cpu",
+                     generator=again if shared else None) for s in range(3)]
 
     def broken(*args):
         raise RuntimeError(f"{method} failed")
@@ -422,10 +434,20 @@ def test_tree_rows_fail_only_the_row_whose_draws_raise(method, broken_row):
     verdicts, failed = tree_rejection_sample_rows(samplers, probs, trees, drafted, qs, contain_errors=True)
     assert list(failed) == [broken_row] and str(failed[broken_row]) == f"{method} failed"
     others = [j for j in range(3) if j != broken_row]
+    cpu = torch.device("cpu")
+    if not shared:  # each row its own: its uniforms, then its noise
+        uniforms = {j: alone[j].uniform(cases[j][0].num_nodes - 1, cpu).tolist() for j in others}
+        noise = {j: alone[j].exponential(torch.empty(6)) for j in others}
+    elif method == "uniform":  # retried row by row (W - 1 each); then rows 1 and 2's noise in one draw
+        uniforms = {j: alone[j].uniform(width - 1, cpu).tolist() for j in others}
+        noise = dict(zip(others, alone[1].exponential(torch.empty(2, 6))))
+    else:  # the uniforms in one draw; the noise retried row by row
+        together = alone[0].uniform(3 * (width - 1), cpu).tolist()
+        uniforms = {j: together[j * (width - 1) : (j + 1) * (width - 1)] for j in others}
+        noise = {j: alone[j].exponential(torch.empty(6)) for j in others}
     for row, j in zip(verdicts.tolist(), others):
         tree, tokens, p, q_of, _ = cases[j]
-        uniforms = alone[j].uniform(tree.num_nodes - 1, torch.device("cpu")).tolist()
-        path, token = _walk(p, tree, tokens, q_of, uniforms, alone[j].exponential(torch.empty(6)))
+        path, token = _walk(p, tree, tokens, q_of, uniforms[j], noise[j])
         assert ([0, *row[2 : 2 + row[0]]], row[1]) == (path, token)
     with pytest.raises(RuntimeError, match=f"{method} failed"):
         tree_rejection_sample_rows(samplers, probs, trees, drafted, qs)

@@ -8,8 +8,9 @@
   and reach the engine only through these;
 - ``verification``: greedy verification and speculative sampling's rejection step;
 - ``tree``: token trees (``TokenTree``): tree positions and ancestor masks for one verification
-  forward over several candidates, greedy tree verification and multi-candidate speculative
-  sampling (``BatchKVCache.prepare(trees=)`` and ``keep_path`` do the cache side);
+  forward over several candidates, and greedy tree verification (``BatchKVCache.prepare(trees=)`` and
+  ``keep_path`` do the cache side); ``tree_sampling``: multi-candidate speculative sampling of many rows' trees
+  on the device;
 - ``sampling``: the ``Sampler`` shared by target and drafters (temperature, top-k, top-p, min-p);
 - ``processors``: penalties, ``logit_bias`` and logprobs, applied to a verification block row by
   row as autoregressive decoding would (``LogitsProcessing``, ``TokenLogprob``);

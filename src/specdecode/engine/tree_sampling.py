@@ -21,8 +21,9 @@ as a negative control).
 On the device, without reading anything back: what each candidate's test compares depends only on its siblings
 examined before it (all rejected, or the walk would not reach it), so every node's tests run at once, each with a
 uniform of its own, and the walk then follows each node's first accepted child for the trees' depth. A uniform is
-drawn for every candidate, reached or not, so a round draws a fixed number (one per drafted node) and the round
-reads the paths with its one host sync (issue 28).
+drawn for every candidate, reached or not (``tree_rejection_sample_rows`` says how many), and the round reads the
+paths with its one host sync (issue 28). Each node's p is taken to sum to 1, as ``verification.rejection_sample_rows``
+takes it (the warped distributions ``Sampler.probs`` gives), so the residual is max(0, p - q) unnormalised.
 """
 
 from __future__ import annotations
@@ -42,16 +43,18 @@ def tree_rejection_sample_rows(samplers: Sequence[Sampler], probs: torch.Tensor,
                                contain_errors: bool = False) -> tuple[torch.Tensor, dict[int, Exception]]:
     """Speculative sampling of m rows' token trees at once (module docstring), each with its own sampler.
 
-    Each row draws its T_j - 1 uniforms (one per candidate, in the order examined: node by node, the drawn child
-    first), then the noise of its next token (``sampling.draw_tokens``); rows whose samplers share a generator
-    draw together, W - 1 uniforms each. Nothing is read back.
+    A row alone on its generator (a seed) draws its T_j - 1 uniforms (one per candidate, in the order examined:
+    node by node, the drawn child first), then the noise of its next token (``sampling.draw_tokens``), so its draws
+    do not depend on the batch; rows whose samplers share a generator draw together, W - 1 uniforms each (their
+    first T_j - 1 used). Nothing is read back.
 
     Args:
         samplers: Per row, its sampler.
-        probs: (m, W, V) float32, the target's warped distributions at each row's nodes (node t at ``[j, t]``);
-            a row's positions past its T_j nodes are padding.
+        probs: (m, W, V) float32, the target's warped distributions at each row's nodes (node t at ``[j, t]``), each
+            summing to 1; a row's positions past its T_j nodes are padding.
         trees: Per row, its ``TokenTree`` of T_j <= W nodes.
-        drafted: (m, W - 1) long on ``probs``' device: row j's node t >= 1 holds ``drafted[j, t - 1]``.
+        drafted: (m, W - 1) long on ``probs``' device: row j's node t >= 1 holds ``drafted[j, t - 1]``; past
+            T_j - 1, padding, any id in 0..V - 1 (it is gathered, never used).
         draft_probs: Per row, node -> the (V,) float32 q its token was drawn from (at most one drawn child a
             node: a draft model's sampled path), or None (every candidate deterministic); None altogether.
         contain_errors: True: a row whose draws raise is left out and reported; False: the error propagates.
@@ -59,12 +62,12 @@ def tree_rejection_sample_rows(samplers: Sequence[Sampler], probs: torch.Tensor,
     Returns:
         ((m', 2 + D) long on the device, per row in order: the accepted drafted nodes a, the next token (-1 where
         what it is drawn from is not a distribution, ``sampling.race``), then the accepted nodes along the path
-        from node 0 (their first a entries; -1 after), D the trees' largest depth; row j -> the exception of
-        each row left out).
+        from node 0 (their first a entries; -1 after), D the trees' largest depth (m = 0: an empty (0, 2)); row j
+        -> the exception of each row left out).
 
     Raises:
         InvalidArgumentError: If the shapes disagree, a tree is wider than W, a node has two drawn children, or a
-            q names node 0, a node outside its tree, or another vocabulary.
+            q is at a node outside 1..T_j - 1 or not of shape (V,).
     """
     if probs.dim() != 3:
         raise InvalidArgumentError(f"tree_rejection_sample_rows: probs {tuple(probs.shape)} must be (m, W, V)")
@@ -87,7 +90,8 @@ def tree_rejection_sample_rows(samplers: Sequence[Sampler], probs: torch.Tensor,
         if tree.num_nodes > width or any(not 0 < c < tree.num_nodes or q.shape != (vocab,) for c, q in q_of.items()):
             raise InvalidArgumentError(
                 f"tree_rejection_sample_rows: row {j}'s tree of {tree.num_nodes} nodes with q at nodes "
-                f"{sorted(q_of)} (shapes {[tuple(q.shape) for q in q_of.values()]}) for width {width} over {vocab}")
+                f"{sorted(q_of)} (shapes {[tuple(q.shape) for q in q_of.values()]}) for width {width} over {vocab}: "
+                f"at most {width} nodes, q at nodes 1..{tree.num_nodes - 1} of shape ({vocab},)")
         places.append([])
         for t, kids in enumerate(tree.children):
             drawn = [c for c in kids if c in q_of]
@@ -203,7 +207,7 @@ def tree_rejection_sample(sampler: Sampler, target_probs: torch.Tensor, tree: To
 
     Args:
         sampler: The row's sampler (its ``torch.Generator``).
-        target_probs: (T, V) float32, the target's warped distributions at the tree's nodes.
+        target_probs: (T, V) float32, the target's warped distributions at the tree's nodes, each summing to 1.
         tree: The row's tree.
         tokens: T token ids, node by node (``tokens[0]``, the pending token, is not checked).
         draft_probs: Node -> (V,) float32 q that node's token was drawn from (a sampling draft model's chain), or

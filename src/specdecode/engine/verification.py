@@ -282,7 +282,8 @@ def _padded(rows: Sequence[torch.Tensor | None] | None, num_tokens: Sequence[int
 
 def sample_rows(rows, logits: torch.Tensor, finite: torch.Tensor, ids: torch.Tensor, num_tokens: list[int], trees,
                 draft_probs, contain_errors: bool, live: Sequence[int] | None = None,
-                probs_block: torch.Tensor | None = None, prob_nodes=None) -> SampledRows:
+                probs_block: torch.Tensor | None = None,
+                prob_nodes: Sequence[list[int] | None] | None = None) -> SampledRows:
     """The batched round's speculative sampling on the device, by default for each sampling row whose block is
     final before the round's read (no banned words, whose cut needs the draft on the host): linear blocks by
     ``rejection_sample_rows``, token trees by ``tree_sampling.tree_rejection_sample_rows``. Rows that share their
