@@ -23,7 +23,8 @@ Usage (from the project root, alone on the machine; the figures name its CPU)::
 
     flock /tmp/specdecode-bench.lock env OMP_NUM_THREADS=2 python docs/benchmarks/tree_sampling_cost.py
 
-About a minute on a 2-core AMD EPYC.
+About a minute on a 2-core AMD EPYC. ``--acceptance 4000`` instead compares the mean accepted length of the
+two over 4,000 random draft trees over V = 2,000 (about a minute).
 """
 
 from __future__ import annotations
@@ -153,13 +154,39 @@ def timed(run, calls: int) -> float:
     return (time.perf_counter() - start) / calls * 1e3
 
 
+def acceptance(before, trees: int, vocab: int) -> None:
+    """The mean accepted drafted nodes a round, old walk against new, over ``trees`` random draft trees over
+    ``vocab`` tokens (each its own p, q and drawn chain): the same algorithm, so the same mean up to chance."""
+    global VOCAB
+    VOCAB = vocab
+    generator = torch.Generator().manual_seed(0)
+    old, new = samplers_for([0], False)[0], samplers_for([0], False)[0]
+    new.generator.manual_seed(123)
+    counts = {"before": [], "after": []}
+    for _ in range(trees):
+        rows = [draft_row(generator)]
+        probs, tree, tokens, q_of = rows[0]
+        counts["before"].append(len(before.tree_rejection_sample(old, probs, tree, tokens, q_of)[0]) - 1)
+        probs, drafted, trees_, qs = after_inputs(rows)
+        counts["after"].append(int(tree_rejection_sample_rows([new], probs, trees_, drafted, qs)[0][0, 0]))
+    for name, values in counts.items():
+        t = torch.tensor(values, dtype=torch.float64)
+        print(f"{name}: mean accepted nodes {t.mean():.3f} ± {t.std() / len(values) ** 0.5:.3f} (standard error), "
+              f"rounds by accepted count {torch.bincount(t.long(), minlength=DEPTH + 1).tolist()}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--before", default="44e2e91", help="the revision with the row-by-row walk")
     parser.add_argument("--calls", type=int, default=40, help="timed rounds per measurement (m = 4: a quarter)")
     parser.add_argument("--repeats", type=int, default=3, help="ABAB pairs per case")
+    parser.add_argument("--acceptance", type=int, default=0, metavar="N",
+                        help="instead of timing: the mean accepted length of both over N draft trees, V = 2,000")
     args = parser.parse_args()
     before = old_module(args.before)
+    if args.acceptance:
+        acceptance(before, args.acceptance, 2000)
+        return
     flags = ""
     if Path("/proc/cpuinfo").exists():
         line = next(x for x in open("/proc/cpuinfo") if x.startswith("flags"))
