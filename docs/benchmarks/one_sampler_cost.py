@@ -25,17 +25,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import platform
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-ROOT = Path(__file__).resolve().parents[2]
+from revisions import ROOT, OpCount, machine_line, module_at
+
 if importlib.util.find_spec("specdecode") is None:  # not installed, no PYTHONPATH: this tree's src
     sys.path.insert(0, str(ROOT / "src"))
 
@@ -44,21 +40,6 @@ from specdecode.engine import verification  # noqa: E402
 from specdecode.engine.sampling import Sampler  # noqa: E402
 
 VOCAB, GAMMA = 151_936, 5
-
-
-def old_module(rev: str):
-    """``engine/verification.py`` as it was at ``rev``, imported under another name (its imports are this tree's
-    ``specdecode``, unchanged since)."""
-    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:src/specdecode/engine/verification.py"],
-                            check=True, capture_output=True, text=True).stdout
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "verification_before.py"
-        path.write_text(source)
-        spec = importlib.util.spec_from_file_location("verification_before", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["verification_before"] = module  # dataclasses look their module up
-        spec.loader.exec_module(module)
-    return module
 
 
 def cases(generator: torch.Generator):
@@ -84,18 +65,6 @@ def time_calls(module, probs, drafted, q, calls: int) -> float:
     return (time.perf_counter() - start) / calls * 1e3
 
 
-class OpCount(TorchDispatchMode):
-    """Counts the aten operations dispatched (views included): on CUDA, each that computes is a kernel launch."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += 1
-        return func(*args, **(kwargs or {}))
-
-
 def count_ops(module, probs, drafted, q) -> int:
     """aten operations in one call of ``module.rejection_sample_rows``."""
     m = probs.shape[0]
@@ -112,13 +81,8 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=200, help="timed calls per measurement (m = 8: a quarter)")
     parser.add_argument("--repeats", type=int, default=3, help="ABAB pairs per case")
     args = parser.parse_args()
-    before = old_module(args.before)
-    flags = ""
-    if Path("/proc/cpuinfo").exists():
-        line = next(x for x in open("/proc/cpuinfo") if x.startswith("flags"))
-        flags = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in line.split())
-    print(f"torch {torch.__version__}, {platform.processor() or platform.machine()} ({flags}), "
-          f"{torch.get_num_threads()} threads; before = {args.before}, after = this tree")
+    before = module_at(args.before, "src/specdecode/engine/verification.py", "verification_before")
+    print(f"{machine_line()}; before = {args.before}, after = this tree")
     print("| case | before, ms a call | after, ms a call | after ÷ before | aten ops a call, before → after |\n"
           "|---|---:|---:|---:|---:|")
     for name, probs, drafted, q in cases(torch.Generator().manual_seed(0)):

@@ -31,17 +31,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import platform
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-ROOT = Path(__file__).resolve().parents[2]
+from revisions import ROOT, OpCount, machine_line, module_at
+
 if importlib.util.find_spec("specdecode") is None:  # not installed, no PYTHONPATH: this tree's src
     sys.path.insert(0, str(ROOT / "src"))
 
@@ -51,21 +47,6 @@ from specdecode.engine.tree import TokenTree  # noqa: E402
 from specdecode.engine.tree_sampling import tree_rejection_sample_rows  # noqa: E402
 
 VOCAB, DEPTH = 151_936, 4
-
-
-def old_module(rev: str):
-    """``engine/tree.py`` as it was at ``rev``, imported under another name (its imports are this tree's
-    ``specdecode``: ``cost_model.check_count`` and the errors, unchanged since)."""
-    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:src/specdecode/engine/tree.py"],
-                            check=True, capture_output=True, text=True).stdout
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "tree_before.py"
-        path.write_text(source)
-        spec = importlib.util.spec_from_file_location("tree_before", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["tree_before"] = module  # dataclasses look their module up
-        spec.loader.exec_module(module)
-    return module
 
 
 def draft_row(generator: torch.Generator):
@@ -132,19 +113,6 @@ def after_round(samplers, inputs) -> None:
     verdicts.tolist()  # what the round's one sync reads
 
 
-class OpCount(TorchDispatchMode):
-    """Counts the aten operations dispatched (views included) and the scalar reads among them."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops = self.reads = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += 1
-        self.reads += func is torch.ops.aten._local_scalar_dense.default
-        return func(*args, **(kwargs or {}))
-
-
 def timed(run, calls: int) -> float:
     for _ in range(3):
         run()
@@ -183,16 +151,11 @@ def main() -> None:
     parser.add_argument("--acceptance", type=int, default=0, metavar="N",
                         help="instead of timing: the mean accepted length of both over N draft trees, V = 2,000")
     args = parser.parse_args()
-    before = old_module(args.before)
+    before = module_at(args.before, "src/specdecode/engine/tree.py", "tree_before")
     if args.acceptance:
         acceptance(before, args.acceptance, 2000)
         return
-    flags = ""
-    if Path("/proc/cpuinfo").exists():
-        line = next(x for x in open("/proc/cpuinfo") if x.startswith("flags"))
-        flags = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in line.split())
-    print(f"torch {torch.__version__}, {platform.processor() or platform.machine()} ({flags}), "
-          f"{torch.get_num_threads()} threads; before = {args.before}, after = this tree")
+    print(f"{machine_line()}; before = {args.before}, after = this tree")
     print("| case | before, ms a round | after | after ÷ before | aten ops a round, before → after "
           "| scalar reads a round, before → after |\n|---|---:|---:|---:|---:|---:|")
     for name, rows, shared in cases(torch.Generator().manual_seed(0)):
