@@ -1,0 +1,7 @@
+for arm in today now today now today now; do
+  i=$((i + 1)); out=/tmp/ar8/$i-$arm
+  ( cd /tmp/wt-$arm && flock /tmp/specdecode-bench.lock env PYTHONPATH=/tmp/wt-$arm/src OMP_NUM_THREADS=2 \
+    /work/main/.venv/bin/specdecode bench --dataset humaneval --limit 8 --batch-size 8 \
+    --methods autoregressive --dtype bfloat16 --max-new-tokens 64 --out "$out" > "$out.log" 2>&1 )
+  echo "$i $arm rc=$? $(date +%T) $(grep '^| 8 | autoregressive' $out/batched_results.md | cut -d'|' -f4)" >> /tmp/ar8/progress
+done
