@@ -10,9 +10,10 @@ controls issue (31) added modules of their own to the same folders. This script 
 - code: lines holding a token that is not a comment and not part of a docstring (module, class or function);
 - docs: lines of docstrings; comments: lines holding only a comment; blank lines are the rest.
 
-and attributes each module to the issue whose commit added it (``git log --diff-filter=A``, first commit naming
-"issue NN"; a module split out of an older one counts as the older one's). It reads files with ``git show``, so it
-needs this repository's history.
+and marks the modules that later issues added (``LATER``, written by hand from ``git log --diff-filter=A`` and
+what each module is for: not every adding commit names its issue); every other module new since ``--before`` is
+shown as issue 28's or a split of an older module. It reads files with ``git show``, so it needs this repository's
+history.
 
 Usage (from the project root)::
 

@@ -189,7 +189,7 @@ def test_sampling_rounds_read_back_once_and_once_more_for_blocks_known_after_the
     assert all(r.finish_reason == "length" and len(r.token_ids) == 24 for r in results)
     assert max(drawn_together) == (2 if "unseeded" in case else 1)  # the rows without a seed: one draw
     assert len(rounds) > 5 and max(rounds) == 4 and engine.stats.num_drafted_tokens > 0
-    if case.endswith("trees"):  # blocks deeper than a chain's: trees were verified
+    if case.endswith("trees"):  # the tree sampler ran: sampling rows' trees were verified as trees
         assert verified_trees, "no round verified a sampling row's tree"
     # two: blocks known after the read; or a draft model's tree, grown on the host from its chain's values (one
     # sync in the drafter, ``draft_tree.grow_trees``), then verified and read with the round's one

@@ -334,7 +334,8 @@ def test_tree_rows_draw_what_a_plain_walk_draws_with_the_same_draws():
     a-time walk (``_walk``) fed the draws the row makes (one uniform per candidate, then the noise of its token),
     and leaves each generator where those draws leave it. Batches of 1..4 rows with seeds of their own or sharing
     one generator, padded to a common width; trees with repeated tokens among siblings, drawn paths with a draft's
-    q, with q = p (a residual of no mass) and with a one-hot q at a token p lacks."""
+    q, with q = p, with a one-hot q at a token p lacks, with q = p of no mass at the drawn token (a residual of
+    exactly no mass: p itself is drawn from) and with a NaN q (``_tree_case``)."""
     generator = torch.Generator().manual_seed(7)
     vocab, accepted, fallbacks, drawn_accepted = 6, 0, 0, 0  # vocab: 5 fractions of kind 4, and x
     for trial in range(200):

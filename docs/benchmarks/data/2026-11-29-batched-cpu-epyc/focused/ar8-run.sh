@@ -1,3 +1,6 @@
+#!/bin/bash
+# Focused reruns of single cells (2026-11-29): worktrees /tmp/wt-today (25df2e7) and /tmp/wt-now (ff8335a).
+set -u; i=0; mkdir -p /tmp/ar8
 for arm in today now today now today now; do
   i=$((i + 1)); out=/tmp/ar8/$i-$arm
   ( cd /tmp/wt-$arm && flock /tmp/specdecode-bench.lock env PYTHONPATH=/tmp/wt-$arm/src OMP_NUM_THREADS=2 \
