@@ -352,8 +352,11 @@ def sample_rows(rows, logits: torch.Tensor, finite: torch.Tensor, ids: torch.Ten
         return tensor if js == among else tensor.index_select(0, to_device([among.index(j) for j in js], tensor.device))
 
     if linear:
-        q = probs_block.index_select(0, to_device([live[j] for j in linear], logits.device)) \
-            if probs_block is not None else [draft_probs[live[j]] for j in linear] if draft_probs is not None else None
+        at = [live[j] for j in linear]
+        q = [draft_probs[b] for b in at] if draft_probs is not None else None
+        if probs_block is not None:  # in place when every row of the block is sampled here, in order
+            q = probs_block if at == list(range(probs_block.shape[0])) else \
+                probs_block.index_select(0, to_device(at, logits.device))
         verdicts, failed = rejection_sample_rows([samplers[j] for j in linear], subset(linear, probs),
                                                  subset(linear, live_ids, list(range(len(live)))),
                                                  [num_tokens[live[j]] for j in linear], q, contain_errors)
