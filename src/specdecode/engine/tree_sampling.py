@@ -119,7 +119,8 @@ def tree_rejection_sample_rows(samplers: Sequence[Sampler], probs: torch.Tensor,
                        for rows, count in zip(groups, counts)])
     uniforms = torch.ones(m * width * fan, device=device).index_copy_(0, where_t, drawn.index_select(0, taken_t))
     nodes = probs.reshape(m * width, vocab)  # (m·W, V): node g = j·W + t
-    next_node, residual = _first_accepted(nodes, child_t.view(m * width, fan), drawn_t, drafted, qs,
+    token = _tokens(child_t.view(m * width, fan), drafted)  # (m·W, C): each candidate's token
+    next_node, residual = _first_accepted(nodes, child_t.view(m * width, fan), token, drawn_t, qs,
                                           uniforms.view(m * width, fan))
     # the walk: from node 0, each node's first accepted candidate, for the trees' depth
     at = torch.zeros(m, dtype=torch.long, device=device)
@@ -130,7 +131,7 @@ def tree_rejection_sample_rows(samplers: Sequence[Sampler], probs: torch.Tensor,
         steps.append(step)
         at = torch.where(step >= 0, step, at)
     path = torch.stack(steps, 1) if steps else torch.empty((m, 0), dtype=torch.long, device=device)
-    end = _left_at(nodes, base + at, child_t.view(m * width, fan), drawn_t, drafted, residual)
+    end = _left_at(nodes, base + at, child_t.view(m * width, fan), token, drawn_t, residual)
     drawing = [j for j in range(m) if j not in failed]
     drew: dict[int, Exception] = {}
     tokens = draw_tokens([samplers[j] for j in drawing], end, drawing, drew if contain_errors else None)
@@ -143,21 +144,22 @@ def tree_rejection_sample_rows(samplers: Sequence[Sampler], probs: torch.Tensor,
     return torch.cat([(path >= 0).sum(1, keepdim=True), tokens.unsqueeze(1), path], 1), failed
 
 
-def _tokens(child: torch.Tensor, drafted: torch.Tensor, node: torch.Tensor) -> torch.Tensor:
-    """(G, C) long: the tokens of nodes ``node``'s (G,) candidates ``child`` (node c of row j holds
+def _tokens(child: torch.Tensor, drafted: torch.Tensor) -> torch.Tensor:
+    """(m·W, C) long: the tokens of every node's candidates ``child`` (node g = j·W + t; node c of row j holds
     ``drafted[j, c - 1]``; where there is none, any id)."""
     width = drafted.shape[1] + 1
     flat = drafted if width > 1 else drafted.new_zeros((drafted.shape[0], 1))
-    return flat[(node // width).unsqueeze(1), (child - 1).clamp_min(0)]
+    row = torch.arange(child.shape[0], device=child.device) // width
+    return flat[row.unsqueeze(1), (child - 1).clamp_min(0)]
 
 
-def _first_accepted(nodes: torch.Tensor, child: torch.Tensor, drawn_at: torch.Tensor, drafted: torch.Tensor,
+def _first_accepted(nodes: torch.Tensor, child: torch.Tensor, token: torch.Tensor, drawn_at: torch.Tensor,
                     qs: list[torch.Tensor], uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Every node's candidates tested at once. ``nodes``: (G, V) p, each summing to 1 (as
-    ``verification.rejection_sample_rows`` takes them); ``child``, ``uniforms``: (G, C); ``drawn_at`` (G,): the
-    index in ``qs`` of each node's drawn child's q, or -1. Returns ((G,) long, each node's first accepted child or
-    -1; the (N, V) residuals max(0, p - q) of the N nodes with a drawn child, in ``qs``' order, or None)."""
-    token = _tokens(child, drafted, torch.arange(child.shape[0], device=child.device))
+    ``verification.rejection_sample_rows`` takes them); ``child``, ``token`` (``_tokens``), ``uniforms``: (G, C);
+    ``drawn_at`` (G,): the index in ``qs`` of each node's drawn child's q, or -1. Returns ((G,) long, each node's
+    first accepted child or -1; the (N, V) residuals max(0, p - q) of the N nodes with a drawn child, in ``qs``'
+    order, or None)."""
     p_x = nodes.gather(1, token)  # (G, C): p at each candidate's token
     base, total = p_x, torch.ones_like(p_x[:, 0])  # what the candidates without q are tested against: p, or
     drawn_ok, residual = torch.zeros_like(child, dtype=torch.bool), None  # the residual, and its mass
@@ -182,8 +184,8 @@ def _first_accepted(nodes: torch.Tensor, child: torch.Tensor, drawn_at: torch.Te
     return torch.where(accepted.any(1), child.gather(1, first).squeeze(1), -1), residual
 
 
-def _left_at(nodes: torch.Tensor, end: torch.Tensor, child: torch.Tensor, drawn_at: torch.Tensor,
-             drafted: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+def _left_at(nodes: torch.Tensor, end: torch.Tensor, child: torch.Tensor, token: torch.Tensor,
+             drawn_at: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
     """(m, V): what is left of p at each row's last node ``end`` (m,) once its candidates are all rejected: p, or
     its residual after the drawn child, with the candidates' tokens zeroed (the drawn one's is 0 already: it is
     rejected only where q > p), not normalised (the race does not need it); p itself where nothing is left
@@ -194,9 +196,9 @@ def _left_at(nodes: torch.Tensor, end: torch.Tensor, child: torch.Tensor, drawn_
     else:
         drawn = drawn_at.index_select(0, end)
         out = torch.where((drawn >= 0).unsqueeze(1), residual.index_select(0, drawn.clamp_min(0)), p)
-    kids, vocab = child.index_select(0, end), nodes.shape[1]
-    token = torch.where(kids >= 0, _tokens(kids, drafted, end), vocab)  # vocab: an extra column, dropped
-    removed = torch.zeros((end.shape[0], vocab + 1), dtype=torch.bool, device=p.device).scatter_(1, token, True)
+    vocab = nodes.shape[1]
+    removed = torch.where(child.index_select(0, end) >= 0, token.index_select(0, end), vocab)  # vocab: dropped
+    removed = torch.zeros((end.shape[0], vocab + 1), dtype=torch.bool, device=p.device).scatter_(1, removed, True)
     out.masked_fill_(removed[:, :vocab], 0.0)
     return torch.where(out.sum(-1, keepdim=True) > 0, out, p, out=out)
 
