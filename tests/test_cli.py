@@ -398,6 +398,8 @@ def test_generate_prompt_limit_and_context_window(tiny_folders, capsys, flags, l
                                                                "'prompt-lookup'"),
     (["--draft-tree-depth", "3", "--draft-tree-expand", "0"], "--draft-tree-expand 0 is out of range: use M in 1..64"),
     (["--draft-tree-expand", "2"], "--draft-tree-expand 2 expands a draft tree: give --draft-tree-depth D too"),
+    (["--draft-tree-shape", "previous-round"],
+     "--draft-tree-shape previous-round shapes a draft tree: give --draft-tree-depth D too"),
     (["--method", "draft", "--draft-tree-depth", "3", "--adaptive-draft-exit"], "drafts a linear chain, never a tree"),
     (["--method", "cascade", "--draft-tree-depth", "3", "--draft-tree-expand", "2"],
      "--draft-tree-expand applies to --method draft (the draft model's token tree), not 'cascade'"),

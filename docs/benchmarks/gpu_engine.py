@@ -53,6 +53,11 @@ What it prints (each as a Markdown table; warm-up and compilation seconds apart 
    ``--tree-nodes`` (16) nodes a round, the chain and its steps' runners-up; α counts every node.
    ``draft-tree-expand``: ``draft`` growing EAGLE-2's dynamic tree, the ``--draft-tree-expand`` (4) best
    nodes of each depth expanded by one draft tree forward (``--draft-tree-depth`` - 1 of them).
+   On CUDA the tree rows take its default shapes, chosen from each row's earlier rounds (``tree_shape=
+   "previous-round"``, ``drafters.draft_tree.shaped_trees``): no host sync in the drafter, the target's tree
+   forward enqueued behind the draft's steps (on a CPU, ``draft-tree`` is ``draft-tree-per-round``).
+   ``draft-tree-per-round``: ``draft-tree`` with each tree grown from its round's own values, read back first
+   (the CPU default): the A/B of that sync against the older shape's τ.
    ``prompt-lookup-datastore`` (issue 30): ``prompt-lookup`` with the standard library's datastore
    (``prompt_lookup_datastore="python-stdlib"``; its default with a llama.cpp target, none with torch's:
    this row says whether it pays where verification is flat).
@@ -184,6 +189,7 @@ METHODS = (
     ("prompt-lookup-datastore", "ours", "prompt-lookup-datastore", False, True, False),
     ("token-recycling", "ours", "token-recycling", False, True, False),
     ("draft-tree", "ours", "draft-tree", False, True, False),
+    ("draft-tree-per-round", "ours", "draft-tree-per-round", False, True, False),
     ("cascade-tree", "ours", "cascade-tree", False, True, False),
     ("draft-tree-expand", "ours", "draft-tree-expand", False, True, False),
     ("autoregressive-captured", "ours", "autoregressive-captured", False, True, False),
@@ -200,13 +206,18 @@ METHODS = (
 TABLE_ORDER = ("hf-generate", "hf-generate-static", "hf-assisted", "autoregressive-eager", "autoregressive",
                "autoregressive-serial",
                "draft", "draft-fused", "draft+adaptive", "draft+adaptive-previous-round", "draft+adaptive-masked",
-               "cascade+adaptive", "cascade+adaptive-previous-round", "draft-tree", "cascade-tree", "draft-tree-expand",
+               "cascade+adaptive", "cascade+adaptive-previous-round", "draft-tree", "draft-tree-per-round",
+               "cascade-tree", "draft-tree-expand",
                "prompt-lookup", "prompt-lookup-datastore", "token-recycling", "autoregressive-captured",
                "draft-captured", "prompt-lookup-captured", "autoregressive-after-hf", "draft-after-hf")
 #: The draft-model tree rows (issue 29): base name -> the method, run with ``draft_tree_depth=--draft-tree-depth``
 #: and a budget of ``--tree-nodes`` nodes a round (``specdecode.drafters.draft_tree``); draft-tree-expand also
 #: with ``draft_tree_expand=--draft-tree-expand`` (EAGLE-2's expansion, a draft tree forward per depth).
-TREE_BASES = {"draft-tree": "draft", "cascade-tree": "cascade", "draft-tree-expand": "draft"}
+TREE_BASES = {"draft-tree": "draft", "cascade-tree": "cascade", "draft-tree-expand": "draft",
+              "draft-tree-per-round": "draft"}
+#: Tree rows shaped from each round's own values (``DraftModelDrafter.tree_shape="per-round"``, one host sync more a
+#: round), against the other tree rows' CUDA default, shapes from earlier rounds (nothing read before verifying).
+PER_ROUND_BASES = {"draft-tree-per-round"}
 #: Rows that run another method with options: base name -> (the method, its options).
 OPTION_BASES = {"prompt-lookup-datastore": ("prompt-lookup", {"prompt_lookup_datastore": "python-stdlib"})}
 #: Rows that run another method with its drafter's fused draft steps on (``fused_draft_steps=True``): the
@@ -513,6 +524,8 @@ class Run:
                 made.overlap_rounds = OVERLAP[self.args.overlap_rounds]
             if base in FUSED_BASES:
                 made.drafter.fused_draft_steps = True
+            if base in PER_ROUND_BASES:
+                made.drafter.tree_shape = "per-round"
             if base in CAPTURED_BASES and made.runner.compile:  # a runner of their own: buckets of their own
                 if self._captured is None:
                     self._captured = ModelRunner(made.target, compile=True, graphs="captured", name="target model")

@@ -20,7 +20,7 @@ import torch
 from specdecode import defaults, method_registry
 from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS, GenerationConfig, check_unicode, parse_logit_bias
 from specdecode.drafters.control import LENGTH_SCHEDULES, DraftControl
-from specdecode.drafters.draft_tree import MAX_TREE_DEPTH
+from specdecode.drafters.draft_tree import MAX_TREE_DEPTH, TREE_SHAPES
 from specdecode.errors import InvalidArgumentError, SpecDecodeError
 from specdecode.models.llama_cpp_target import TARGET_BACKENDS, check_llama_cpp_target_options
 from specdecode.models.loading import resolve_device
@@ -291,6 +291,11 @@ def add_generate_parser(sub) -> None:
                    help="draft, with --draft-tree-depth: EAGLE-2's dynamic tree, the M best nodes of each depth "
                         "expanded by one draft tree forward (D - 1 of them) instead of the chain's runners-up; "
                         "greedy rows (a round with a sampling row grows the chain's trees)")
+    p.add_argument("--draft-tree-shape", choices=TREE_SHAPES, default=None,
+                   help="draft and cascade, with --draft-tree-depth: per-round shapes each tree from its round's own "
+                        "draft values (one host read more a round), previous-round from the row's earlier rounds "
+                        "(nothing read before the verification); default: previous-round on CUDA, else per-round; "
+                        "not used by --draft-tree-expand's rounds")
     c = p.add_argument_group("draft length control")
     c.add_argument("--adaptive-draft-exit", action=argparse.BooleanOptionalAction, default=None,
                    help="Draft & Verify adaptive draft exit: stop drafting below a self-tuning confidence "
@@ -402,6 +407,9 @@ def _check_method_options(args) -> None:
     if args.draft_tree_expand is not None and args.draft_tree_depth is None:
         raise InvalidArgumentError(f"--draft-tree-expand {args.draft_tree_expand} expands a draft tree: give "
                                    "--draft-tree-depth D too")
+    if args.draft_tree_shape is not None and args.draft_tree_depth is None:
+        raise InvalidArgumentError(f"--draft-tree-shape {args.draft_tree_shape} shapes a draft tree: give "
+                                   "--draft-tree-depth D too")
     if args.draft_tree_depth is not None and getattr(args, "adaptive_draft_exit", None):
         raise InvalidArgumentError("--draft-tree-depth with --adaptive-draft-exit: a row with an exit policy drafts a linear chain, "
                                    "never a tree; leave one of them out")
@@ -499,6 +507,8 @@ def run_generate(args) -> int:
         options["draft_tree_depth"] = args.draft_tree_depth
     if args.draft_tree_expand is not None:
         options["draft_tree_expand"] = args.draft_tree_expand
+    if args.draft_tree_shape is not None:
+        options["draft_tree_shape"] = args.draft_tree_shape
     if args.draft_backend is not None:
         options["draft_backend"] = args.draft_backend
     draft = args.draft if method_registry.REGISTRY[args.method].needs_draft_model else None
@@ -541,6 +551,7 @@ def run_generate(args) -> int:
             "draft_context_window": args.draft_context_window,
             "draft_tree_depth": args.draft_tree_depth,
             "draft_tree_expand": args.draft_tree_expand,
+            "draft_tree_shape": args.draft_tree_shape,
             "max_model_prompt_tokens": limit,
             "draft_control": dataclasses.asdict(control) if control.active else None,
             "ngram_check": args.ngram_check if "ngram_check" in method_registry.REGISTRY[args.method].options else None,

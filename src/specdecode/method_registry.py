@@ -51,6 +51,8 @@ class DrafterOptions:
             tree of the round's budget of nodes (``drafters.draft_tree``); None: linear drafts.
         draft_tree_expand: M for "draft" (with ``draft_tree_depth``): EAGLE-2's expansion, the M best nodes
             of each depth expanded by one draft tree forward; None: the chain's tree.
+        draft_tree_shape: How a draft-model tree's shape is chosen ("per-round", "previous-round",
+            ``drafters.draft_tree.TREE_SHAPES``); None: the device's default.
         max_model_prompt_tokens: The cascade's prompt limit for the draft model (None: none).
         compile: The fast path for the drafter's forwards (None: the device default).
         draft_backend: "torch" or "llama-cpp" (None: ``SpeculativeGenerator.default_draft_backend``).
@@ -69,6 +71,7 @@ class DrafterOptions:
     draft_context_window: int | None = None
     draft_tree_depth: int | None = None
     draft_tree_expand: int | None = None
+    draft_tree_shape: str | None = None
     max_model_prompt_tokens: int | None = None
     compile: bool | None = None
     draft_backend: str | None = None
@@ -141,14 +144,15 @@ def _draft_model_kwargs(generator, method: str, o: DrafterOptions) -> dict:
 
 def _draft(generator, o: DrafterOptions) -> DraftModelDrafter:
     return DraftModelDrafter(context_window=o.draft_context_window, tree_depth=o.draft_tree_depth,
-                             tree_expand=o.draft_tree_expand, **_draft_model_kwargs(generator, "draft", o))
+                             tree_expand=o.draft_tree_expand, tree_shape=o.draft_tree_shape,
+                             **_draft_model_kwargs(generator, "draft", o))
 
 
 def _cascade(generator, o: DrafterOptions) -> CascadeDrafter:
     return CascadeDrafter(max_ngram=o.prompt_lookup_max_ngram, min_ngram=o.prompt_lookup_min_ngram,
                           ngram_check=o.ngram_check, max_model_prompt_tokens=o.max_model_prompt_tokens,
                           context_window=o.draft_context_window, tree_depth=o.draft_tree_depth,
-                          **_draft_model_kwargs(generator, "cascade", o))
+                          tree_shape=o.draft_tree_shape, **_draft_model_kwargs(generator, "cascade", o))
 
 
 def _layer_skip(generator, o: DrafterOptions) -> LayerSkipDrafter:
@@ -194,7 +198,8 @@ def _token_recycling(generator, o: DrafterOptions) -> TokenRecyclingDrafter:
 # --- the registry ----------------------------------------------------------------------------
 
 _NGRAMS = frozenset({"prompt_lookup_max_ngram", "prompt_lookup_min_ngram"})
-_DRAFT_MODEL = frozenset({"draft_vocab_size", "draft_context_window", "draft_backend", "draft_tree_depth", "compile"})
+_DRAFT_MODEL = frozenset({"draft_vocab_size", "draft_context_window", "draft_backend", "draft_tree_depth",
+                          "draft_tree_shape", "compile"})
 
 #: Every method, in the order users see them (``METHODS``).
 REGISTRY: Mapping[str, Method] = MappingProxyType({m.name: m for m in (
@@ -246,6 +251,7 @@ METHOD_ONLY_OPTIONS: tuple[MethodOnlyOption, ...] = (
     MethodOnlyOption("draft_backend", "the draft model"),
     MethodOnlyOption("draft_tree_depth", "the draft model's token tree"),
     MethodOnlyOption("draft_tree_expand", "the draft model's token tree"),
+    MethodOnlyOption("draft_tree_shape", "the draft model's token tree"),
     MethodOnlyOption("prompt_lookup_datastore", "prompt lookup's datastore"),
 )
 _DRAFT_LOADING_OPTIONS = ("draft_quantize", "draft_quantize_head")
@@ -379,7 +385,7 @@ def make_drafter(generator, method: str, options: DrafterOptions) -> Drafter | N
     refuse_on_llama_cpp_target(generator, method, options)
     refused = refused_option(method, {k: getattr(options, k) for k in (
         "draft_backend", "draft_vocab_size", "max_model_prompt_tokens", "draft_context_window", "draft_tree_depth",
-        "draft_tree_expand", "prompt_lookup_datastore")})
+        "draft_tree_expand", "draft_tree_shape", "prompt_lookup_datastore")})
     if refused is not None:
         keyword, value = refused
         raise InvalidArgumentError(

@@ -61,6 +61,15 @@ def test_cli_bench_errors(model_folders, tmp_path, capsys):
     assert cli.main(["bench", "--target", str(target), "--draft", "none", "--dataset", data,
                      "--draft-quantize-head", "int8", "--out", str(tmp_path / "o")]) == 2
     assert "--draft-quantize-head needs a draft model (--draft)" in capsys.readouterr().err
+    # tree flags without the depth: refused, not a run whose draft-model methods are all skipped
+    assert cli.main(["bench", "--target", str(target), "--dataset", data, "--draft-tree-shape", "previous-round",
+                     "--out", str(tmp_path / "o")]) == 2
+    assert "--draft-tree-shape previous-round shapes a draft tree: give --draft-tree-depth D too" in \
+        capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--target", str(target), "--dataset", data, "--draft-tree-depth", "3",
+                  "--draft-tree-shape", "eagle", "--out", str(tmp_path / "o")])
+    assert "'eagle' is not one of per-round, previous-round" in capsys.readouterr().err
 
 
 def test_cli_bench_compile_flag_and_variants(model_folders, tmp_path, capsys, monkeypatch):

@@ -23,7 +23,8 @@ TINY = ["--device", "cpu", "--dtype", "float32", "--no-compile", "--prompts", "1
         "--max-new-tokens", "8", "--warmup-tokens", "2", "--context", "24", "--repeats", "2",
         "--batch-sizes", "1,2", "--batch-groups", "1",
         "--methods", "autoregressive,draft,draft-fused,draft+adaptive,cascade+adaptive,draft+adaptive-previous-round,"
-        "draft+adaptive-masked,cascade+adaptive-previous-round,draft-tree,cascade-tree,prompt-lookup,"
+        "draft+adaptive-masked,cascade+adaptive-previous-round,draft-tree,draft-tree-per-round,cascade-tree,"
+        "prompt-lookup,"
         "prompt-lookup-datastore,"
         "draft-tree-expand,hf-generate,hf-assisted,autoregressive-after-hf,draft-after-hf,autoregressive-captured,"
         "draft-captured,prompt-lookup-captured", "--tree-nodes", "6", "--draft-tree-depth", "3",
@@ -64,7 +65,8 @@ def test_every_section_runs_and_prints_its_table(script, generator, capsys):
     for name in ("| hf-generate |", "| hf-assisted |", "| draft-fused |", "| draft-after-hf |", "| draft+adaptive |",
                  "| cascade+adaptive |", "| draft+adaptive-previous-round |", "| draft+adaptive-masked |",
                  "| cascade+adaptive-previous-round |",
-                 "| prompt-lookup |", "| draft-tree |", "| cascade-tree |", "| draft-tree-expand |"):
+                 "| prompt-lookup |", "| draft-tree |", "| draft-tree-per-round |", "| cascade-tree |",
+                 "| draft-tree-expand |"):
         assert name in out, name
     rounds = [line for line in out.splitlines() if line.startswith("| draft | code |")]
     assert rounds and rounds[0].endswith("| counted |"), rounds

@@ -6,6 +6,7 @@ and its top-2 is the target's choice; bad option values are refused."""
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -15,7 +16,20 @@ from helpers import perturbed_copy
 from specdecode import GenerationConfig, SpeculativeDecoder
 from specdecode.drafters import CascadeDrafter, DraftModelDrafter
 from specdecode.drafters.draft_head import DraftHead
-from specdecode.drafters.draft_tree import TopK, best_nodes, expand_trees, grow_trees
+from specdecode.drafters.draft_tree import (
+    SHAPE_PRIOR,
+    SHAPE_WEIGHT,
+    TREE_SHAPES,
+    RankEstimates,
+    TopK,
+    best_nodes,
+    default_tree_shape,
+    expand_trees,
+    grow_trees,
+    read_shapes,
+    shape_nodes,
+    shaped_trees,
+)
 from specdecode.engine.batched import BatchedSpeculativeDecoder
 from specdecode.engine.fast_path import ModelRunner
 from specdecode.engine.tree import TokenTree
@@ -27,8 +41,11 @@ PROMPTS = [[(5 * i + 3 * j) % 40 + 3 for j in range(n)] for i, n in enumerate((9
 CONFIG = GenerationConfig(max_new_tokens=20, num_speculative_tokens=8, stop_on_eos=False)  # γ: 8 nodes a tree
 
 
-def _make(method: str, draft, depth: int | None = 3):
-    return DraftModelDrafter(draft, tree_depth=depth) if method == "draft" else CascadeDrafter(draft, tree_depth=depth)
+def _make(method: str, draft, depth: int | None = 3, shape: str = "per-round"):
+    drafter = DraftModelDrafter(draft, tree_depth=depth) if method == "draft" else \
+        CascadeDrafter(draft, tree_depth=depth)
+    drafter.tree_shape = shape
+    return drafter
 
 
 def _spy(drafter) -> list:
@@ -93,13 +110,14 @@ def _swapped(target):
 # -- exactness ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("shape", TREE_SHAPES)
 @pytest.mark.parametrize("fast", [False, True])
 @pytest.mark.parametrize("method", ["draft", "cascade"])
-def test_tree_greedy_equals_target_only_one_row(arch, method, fast):
+def test_tree_greedy_equals_target_only_one_row(arch, method, fast, shape):
     target = make_tiny_model(arch, num_layers=3, seed=21)
     draft = perturbed_copy(target, noise=0.3, seed=1)
     runner = ModelRunner(target, compile=True, graphs=False, name="target") if fast else None
-    drafter = _make(method, draft)
+    drafter = _make(method, draft, shape=shape)
     trees = _spy(drafter)
     accepted = 0
     for prompt in PROMPTS:
@@ -113,14 +131,15 @@ def test_tree_greedy_equals_target_only_one_row(arch, method, fast):
     assert any(len(t.first_chain()) < t.num_nodes - 1 for t in trees)  # siblings beside the chain
 
 
+@pytest.mark.parametrize("shape", TREE_SHAPES)
 @pytest.mark.parametrize("fast", [False, True])
 @pytest.mark.parametrize("method", ["draft", "cascade"])
-def test_tree_greedy_equals_target_only_batched(arch, method, fast):
+def test_tree_greedy_equals_target_only_batched(arch, method, fast, shape):
     """4 prompts through 2 slots: rows join mid-flight, each row with its own tree."""
     target = make_tiny_model(arch, num_layers=3, seed=22)
     draft = perturbed_copy(target, noise=0.3, seed=2)
     expected = [SpeculativeDecoder(target, compile=False).generate(p, CONFIG).token_ids for p in PROMPTS]
-    drafter = _make(method, draft)
+    drafter = _make(method, draft, shape=shape)
     trees = _spy(drafter)
     dec = BatchedSpeculativeDecoder(target, drafter, max_batch_size=2, max_length=96, num_speculative_tokens=8,
                                     compile=fast, graphs=False)
@@ -152,8 +171,9 @@ def test_tree_rows_beside_sampling_and_processor_rows_stay_exact():
         assert len(results[2].token_ids) == 20
 
 
+@pytest.mark.parametrize("shape", TREE_SHAPES)
 @pytest.mark.parametrize("method", ["draft", "cascade"])
-def test_trees_with_a_truncated_head_propose_within_its_tokens(method):
+def test_trees_with_a_truncated_head_propose_within_its_tokens(method, shape):
     """FR-Spec's head: the top-k of its K columns are mapped to their token ids; output stays exact."""
     target = make_tiny_model("qwen2", num_layers=3, seed=26)
     draft = perturbed_copy(target, noise=0.3, seed=6)
@@ -161,6 +181,7 @@ def test_trees_with_a_truncated_head_propose_within_its_tokens(method):
     head = DraftHead.truncated(ids)
     drafter = DraftModelDrafter(draft, head=head, tree_depth=3) if method == "draft" else \
         CascadeDrafter(draft, head=head, tree_depth=3, ngram_check=True)
+    drafter.tree_shape = shape
     trees, tokens, propose = _spy(drafter), [], drafter.propose
 
     def spied(*args, **kwargs):
@@ -180,8 +201,9 @@ def test_trees_with_a_truncated_head_propose_within_its_tokens(method):
 # -- a tree is built, and its siblings are accepted -------------------------------------------------------
 
 
+@pytest.mark.parametrize("shape", TREE_SHAPES)
 @pytest.mark.parametrize("method", ["draft", "cascade"])
-def test_a_sibling_is_accepted_where_the_drafts_top_one_is_wrong(arch, method):
+def test_a_sibling_is_accepted_where_the_drafts_top_one_is_wrong(arch, method, shape):
     """The draft's first choice is always the target's second: a linear draft accepts nothing, while every
     tree round accepts its depth-1 sibling (the draft's second choice, the target's first), after which the
     draft cache re-feeds the accepted sibling in place of its chain token (else the next round's draft would
@@ -193,7 +215,7 @@ def test_a_sibling_is_accepted_where_the_drafts_top_one_is_wrong(arch, method):
                                        num_speculative_tokens=8, compile=False).generate(PROMPTS, CONFIG)
     assert [r.token_ids for r in linear] == expected
     assert sum(r.stats.num_accepted_tokens for r in linear) == 0
-    drafter = _make(method, draft, 3)
+    drafter = _make(method, draft, 3, shape)
     trees = _spy(drafter)
     results = BatchedSpeculativeDecoder(target, drafter, max_batch_size=2, max_length=96, num_speculative_tokens=8,
                                         compile=False).generate(PROMPTS, CONFIG)
@@ -209,12 +231,13 @@ def test_a_sibling_is_accepted_where_the_drafts_top_one_is_wrong(arch, method):
             assert 0 < r.stats.num_accepted_tokens <= r.stats.num_draft_blocks
 
 
-def test_after_an_accepted_sibling_the_draft_re_feeds_it(arch):
+@pytest.mark.parametrize("shape", TREE_SHAPES)
+def test_after_an_accepted_sibling_the_draft_re_feeds_it(arch, shape):
     """Only the chain is in the draft cache: when the target takes the depth-1 sibling, the next round's first
     draft forward feeds it in place of the chain's token (two tokens: the sibling and the bonus), not the
     bonus alone on top of a chain token the sequence does not have."""
     target = make_tiny_model(arch, num_layers=3, seed=25)
-    drafter = DraftModelDrafter(_swapped(target), tree_depth=3)
+    drafter = _make("draft", _swapped(target), 3, shape)
     dec = BatchedSpeculativeDecoder(target, drafter, max_batch_size=1, max_length=96, num_speculative_tokens=8,
                                     compile=False)
     runner, first_widths, calls = drafter.runner, [], []
@@ -272,7 +295,143 @@ def test_grow_trees_puts_the_tree_after_the_cascades_ngram_block():
     assert trees[0].parents == (-1, 0, 1, 2, 1) and trees[1] is None
 
 
+def test_shape_nodes_ranks_as_best_nodes_would_with_the_same_values():
+    """A shape chosen from estimates is the tree ``best_nodes`` grows from a round whose every step has those
+    probabilities at its ranks: the same nodes, order and parents (depth d, rank r stands for token 10 d + r)."""
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        k, depth, budget = int(torch.randint(1, 6, (1,), generator=generator)), \
+            int(torch.randint(1, 6, (1,), generator=generator)), int(torch.randint(0, 20, (1,), generator=generator))
+        probs = torch.rand(k, generator=generator).sort(descending=True).values
+        probs = (probs / probs.sum()).tolist()  # rank 0 the chain's (a greedy chain: the draft's top-1)
+        chain = [10 * d for d in range(1, depth + 1)]
+        tops = [[(10 * d + r, math.log(p)) for r, p in enumerate(probs)] for d in range(1, depth + 1)]
+        tokens, parents = best_nodes(chain, tops, budget)
+        nodes, shape_parents = shape_nodes(probs, depth, budget)
+        assert [10 * d + r for d, r in nodes] == tokens and shape_parents == parents, (probs, depth, budget)
+    # Runners-up of a step outrank the chain's deeper nodes: 0.3 > 0.5 * 0.5; a parent always comes first.
+    assert shape_nodes([0.5, 0.3, 0.2], 3, 4) == ([(1, 0), (1, 1), (2, 0), (1, 2)], [0, 0, 1, 0])
+    assert shape_nodes([0.5, 0.3], 2, 0) == ([], [])
+    nodes, parents = shape_nodes([1.0, 1.0, float("nan"), 0.0], 3, 12)  # ties; NaN and 0 count as 1e-9
+    assert all(p < j + 1 for j, p in enumerate(parents)) and nodes[:3] == [(1, 0), (1, 1), (2, 0)]
+    # A runner-up above its depth's chain node (a sampling row's estimates) is capped at the chain node's value:
+    # the chain node comes first, at every depth the shape reaches.
+    assert shape_nodes([0.3, 0.4, 0.2], 2, 1) == ([(1, 0)], [0])
+    assert shape_nodes([0.3, 0.4, 0.2], 2, 3) == ([(1, 0), (1, 1), (1, 2)], [0, 0, 0])
+    assert shape_nodes([0.9, 0.95], 3, 4) == ([(1, 0), (1, 1), (2, 0), (2, 1)], [0, 0, 1, 1])
+    # A sampling row's drawn chain comes first, whole (up to the budget); the runners-up fill the rest by value.
+    assert shape_nodes([0.3, 0.25, 0.2], 3, 5, keep_chain=True) == ([(1, 0), (2, 0), (3, 0), (1, 1), (1, 2)],
+                                                                    [0, 1, 2, 0, 0])
+    assert shape_nodes([0.3, 0.25], 3, 2, keep_chain=True) == ([(1, 0), (2, 0)], [0, 1])
+
+
+def test_shaped_trees_gather_each_nodes_token_and_read_back_the_values():
+    """Node (d, r) of a shape holds the chain's token at depth d (r = 0) or the r-th of step d's top-k without the
+    chain's token; the cascade's n-gram block comes first; ``read_shapes`` gives back the chains and every
+    candidate's probability."""
+    torch.manual_seed(0)
+    n, steps, vocab, k = 3, 3, 12, 4
+    logits = torch.randn(n, steps, vocab)
+    tops = TopK(k)
+    for i in range(steps):
+        tops.add(logits[:, i])
+    tokens = logits.argmax(-1)
+    tokens[1, 1] = logits[1, 1].argsort(descending=True)[5]  # a chain token outside the top-k (a drawn one)
+    shapes = [shape_nodes([0.5, 0.3, 0.15, 0.05], 3, 6), shape_nodes([0.9, 0.05, 0.03, 0.02], 2, 3), None]
+    ids, num, trees, sampled, readback = shaped_trees(tokens, [3, 2, 2], tops, shapes, [[], [9, 8], [7]])
+    probs = logits.softmax(-1)
+    for b in range(n):
+        nodes = shapes[b][0] if shapes[b] is not None else [(d, 0) for d in (1, 2)]
+        want = [[], [9, 8], [7]][b]
+        for d, r in nodes:
+            chain = int(tokens[b, d - 1])
+            others = [t for t in logits[b, d - 1].topk(k).indices.tolist() if t != chain]
+            want.append(chain if r == 0 else others[r - 1])
+        assert num[b] == len(want) and ids[b, : num[b]].tolist() == want, b
+    assert trees[0].parents == (-1, *shapes[0][1]) and trees[2] is None and sampled == [None] * n
+    assert trees[1].parents == (-1, 0, 1, *(p + 2 for p in shapes[1][1]))  # hung from the n-gram block
+    chains, read = read_shapes(readback.tolist(), n, steps, k)
+    assert chains == tokens.tolist()
+    for b, i in ((0, 0), (1, 1), (2, 2)):
+        chain = int(tokens[b, i])
+        others = [t for t in logits[b, i].topk(k).indices.tolist() if t != chain][: k - 1]
+        # rank 0: a greedy chain's own value, its top-1's (row 1's token outside the top-k stands for a drawn one)
+        assert read[b][i] == pytest.approx([float(probs[b, i].max()), *(float(probs[b, i, t]) for t in others)],
+                                           rel=1e-5)
+    with pytest.raises(InvalidArgumentError, match="needs more than its 2 draft steps"):
+        shaped_trees(tokens, [2, 2, 2], tops, [shapes[0], None, None])
+
+
+def test_rank_estimates_start_from_the_prior_and_follow_each_rows_rounds():
+    estimates = RankEstimates(3, k=3)
+    assert estimates.of(0) == list(SHAPE_PRIOR[:3])
+    estimates.update(1, [[0.8, 0.1, 0.05], [0.6, float("nan"), 0.3]])  # per depth; NaN counts 0
+    mean = [0.7, 0.05, 0.175]
+    assert estimates.of(1) == pytest.approx([SHAPE_WEIGHT * m + (1 - SHAPE_WEIGHT) * p
+                                             for m, p in zip(mean, SHAPE_PRIOR)])
+    assert estimates.of(0) == list(SHAPE_PRIOR[:3]) and estimates.of(2) == list(SHAPE_PRIOR[:3])  # its own only
+    moved = estimates.of(1)
+    estimates.move(1, 0)
+    assert estimates.of(0) == moved and estimates.of(1) == list(SHAPE_PRIOR[:3])
+    estimates.update(0, [[0.5, 0.2]])  # a round with fewer candidates a step: the rest count 0
+    assert estimates.of(0)[2] == pytest.approx((1 - SHAPE_WEIGHT) * moved[2])
+    estimates.reset(0)
+    assert estimates.of(0) == list(SHAPE_PRIOR[:3])
+
+
+def test_previous_round_shapes_follow_each_rows_own_draft():
+    """A confident draft's rows grow deep chains, an unsure one's wide trees: each from its own rounds (the
+    prior's shape, depth 4 with 8 nodes, in the first only)."""
+    target = make_tiny_model("llama", num_layers=3, seed=27)
+    for factor, deep in ((8.0, True), (0.2, False)):
+        drafter = _make("draft", _sharpened(perturbed_copy(target, noise=0.3, seed=7), factor), 4, "previous-round")
+        trees = _spy(drafter)
+        BatchedSpeculativeDecoder(target, drafter, max_batch_size=2, max_length=96, num_speculative_tokens=8,
+                                  compile=False).generate(PROMPTS[:2], CONFIG)  # both rows from the first round
+        assert max(trees[0].depths) == max(trees[1].depths) == 4
+        later = [max(t.depths) for t in trees[2:]]  # (budgets shrink near each row's end)
+        mean = sum(later) / max(1, len(later))
+        assert len(later) >= 4 and ((mean > 3.0) if deep else (mean < 2.0)), (factor, later)
+
+
 # -- options ---------------------------------------------------------------------------------------
+
+
+def test_an_unknown_tree_shape_is_refused():
+    target = make_tiny_model("llama", num_layers=1)
+    message = "draft_tree_shape='eagle' is not a tree shape: allowed per-round, previous-round, or None"
+    with pytest.raises(InvalidArgumentError, match=message):
+        DraftModelDrafter(target, tree_depth=2, tree_shape="eagle")
+    drafter = _make("draft", perturbed_copy(target, noise=0.3, seed=1), 2, "eagle")  # the attribute: at bind
+    with pytest.raises(InvalidArgumentError, match=message):
+        BatchedSpeculativeDecoder(target, drafter, max_batch_size=1, max_length=32, compile=False)
+
+
+def test_the_default_tree_shape_is_the_devices():
+    assert default_tree_shape("cuda") == default_tree_shape(torch.device("cuda", 0)) == "previous-round"
+    assert default_tree_shape("cpu") == "per-round"
+    drafter = DraftModelDrafter(make_tiny_model("llama", num_layers=1), tree_depth=2)
+    assert drafter.tree_shape is None  # resolved at bind, on the engine's device
+
+
+def test_a_tree_shape_set_after_the_engine_binds_takes_effect(monkeypatch):
+    """The shape is read each round (as ``gpu_engine.py`` and ``tree_shape_cpu.py`` switch it between runs)."""
+    from specdecode.drafters import draft_model
+
+    target = make_tiny_model("llama", num_layers=3, seed=28)
+    drafter = _make("draft", perturbed_copy(target, noise=0.3, seed=8), 3, None)  # a CPU's default: per-round
+    dec = BatchedSpeculativeDecoder(target, drafter, max_batch_size=1, max_length=96, num_speculative_tokens=8,
+                                    compile=False)
+    shaped, grown = [], []
+    for name, calls in (("shaped_trees", shaped), ("grow_trees", grown)):
+        monkeypatch.setattr(draft_model, name, lambda *a, f=getattr(draft_model, name), c=calls, **k: (
+            c.append(1), f(*a, **k))[1])
+    expected = dec.generate(PROMPTS[:1], CONFIG)[0].token_ids
+    assert grown and not shaped
+    drafter.tree_shape = "previous-round"
+    grown.clear()
+    assert dec.generate(PROMPTS[:1], CONFIG)[0].token_ids == expected
+    assert shaped and not grown
 
 
 @pytest.mark.parametrize("bad", [0, 65, -1, True, 2.5, "3"])
@@ -302,6 +461,16 @@ def test_the_tree_option_reaches_draft_and_cascade_only():
     with pytest.raises(InvalidArgumentError, match=r"draft_tree_expand=2 \(--draft-tree-expand\) applies to the "
                                                    r"method 'draft', not to 'cascade'"):
         gen.batch_decoder("cascade", draft_tree_depth=3, draft_tree_expand=2)
+    shaped = gen.batch_decoder("cascade", draft_tree_depth=3, draft_tree_shape="previous-round").drafter
+    assert shaped.tree_shape == shaped._tree_shape() == "previous-round"
+    unset = gen.batch_decoder("draft", draft_tree_depth=3).drafter
+    assert unset.tree_shape is None and unset._tree_shape() == "per-round"  # a CPU's default, at bind
+    with pytest.raises(InvalidArgumentError, match=r"draft_tree_shape='previous-round' \(--draft-tree-shape\) "
+                                                   r"applies to the methods with a draft model"):
+        gen.make_drafter("prompt-lookup", draft_tree_shape="previous-round")
+    with pytest.raises(InvalidArgumentError, match="draft_tree_shape='per-round' shapes a draft tree: give "
+                                                   "draft_tree_depth too"):
+        gen.make_drafter("draft", draft_tree_shape="per-round")
 
 
 # -- EAGLE-2's expansion (tree_expand) -------------------------------------------------------------------

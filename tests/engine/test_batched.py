@@ -404,7 +404,7 @@ def test_max_verify_tokens_shrinks_blocks_as_the_batch_grows():
 
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("method", ["draft", "draft+masked-exit", "draft+nucleus", "cascade", "prompt-lookup",
-                                    "draft+trees", "prompt-lookup+trees"])
+                                    "draft+trees", "draft+shaped-trees", "prompt-lookup+trees"])
 def test_a_seeded_sampling_row_draws_the_same_tokens_in_a_batch_as_alone(method, monkeypatch):
     """Each seeded sampling row draws from its own generator, in a batch as alone: a greedy row first (so the
     sampling rows are not the batch's first rows), sampling rows with different settings, requests without a seed
@@ -414,7 +414,9 @@ def test_a_seeded_sampling_row_draws_the_same_tokens_in_a_batch_as_alone(method,
     top-p row's nucleus (its draft q's and its target p's, 25-34 of these 48 tokens) is looked for among its 28,
     then 32, most likely tokens (``Sampler.nucleus_probs``; a spy checks that both counts looked at rows), in a
     batch as alone. "+trees": token trees (a draft model's, prompt lookup's branches), sampled by
-    ``tree_sampling.tree_rejection_sample_rows`` in the same calls as the linear rows' ``rejection_sample_rows``."""
+    ``tree_sampling.tree_rejection_sample_rows`` in the same calls as the linear rows' ``rejection_sample_rows``;
+    "+shaped-trees": a draft model's trees shaped from each row's own earlier rounds (``tree_shape=
+    "previous-round"``), which must move with the row and start afresh for each request."""
     found, tree_rows, verify = [], [], verification.tree_rejection_sample_rows
     monkeypatch.setattr(verification, "tree_rejection_sample_rows",
                         lambda samplers, *a, **k: tree_rows.append(len(samplers)) or verify(samplers, *a, **k))
@@ -434,6 +436,7 @@ def test_a_seeded_sampling_row_draws_the_same_tokens_in_a_batch_as_alone(method,
             "cascade": lambda: CascadeDrafter(draft),
             "prompt-lookup": lambda: PromptLookupDrafter(),
             "draft+trees": lambda: DraftModelDrafter(draft, tree_depth=2),
+            "draft+shaped-trees": lambda: DraftModelDrafter(draft, tree_depth=2, tree_shape="previous-round"),
             "prompt-lookup+trees": lambda: PromptLookupDrafter(branches=3)}[method]
     control = DraftControl(adaptive_exit=True, exit_mode="masked") if method.endswith("masked-exit") else None
     settings = [dict(), dict(temperature=0.9, top_p=0.9), dict(temperature=1.0), dict(temperature=0.7, top_k=10),
@@ -452,7 +455,7 @@ def test_a_seeded_sampling_row_draws_the_same_tokens_in_a_batch_as_alone(method,
              .token_ids for p, c in zip(PROMPTS, configs)]
     assert together == alone
     assert bool(tree_rows) == method.endswith("trees")  # trees were sampled; a draft model's, rows together
-    assert max(tree_rows, default=0) > 1 or method != "draft+trees"
+    assert max(tree_rows, default=0) > 1 or method not in ("draft+trees", "draft+shaped-trees")
     if method == "draft+nucleus":
         rows = {k: sum(r for kk, r in found if kk == k) for k in (28, 32)}
         assert rows[28] > rows[32] > 0, rows

@@ -13,10 +13,14 @@ The bounds, greedy decoding, no adaptive exit:
   target's choices and the finiteness flags, read together); autoregressive with overlapped rounds
   (``engine.overlap``: the next forward enqueued before the read) too;
 - cascade: one more in a round whose n-gram match the draft model checks (how many of the
-  n-gram tokens it agrees with decides what it drafts next, a host decision).
+  n-gram tokens it agrees with decides what it drafts next, a host decision);
+- a draft model's token trees (draft and cascade) whose shapes come from earlier rounds
+  (``tree_shape="previous-round"``, CUDA's default): as the linear drafts. With "per-round" shapes (a CPU's
+  default) the drafter reads each round's values once more (``drafters.draft_tree.grow_trees``).
 
 Sampling rows (the batched engine, B = 4): one sync per round; two where some blocks are known only after the
-first (an exit read with it, banned words' cut), whose rows are then sampled together.
+first (an exit read with it, banned words' cut), whose rows are then sampled together, or where a draft model's
+trees are grown from each round's own values ("per-round").
 """
 
 from __future__ import annotations
@@ -86,6 +90,13 @@ class SyncCounter:
                 del model.forward  # back to the class's forward
 
 
+def _shaped(drafter):
+    """The drafter with ``tree_shape="previous-round"``: its trees' shapes come from earlier rounds, read with their
+    syncs, so that nothing is read before the verification (``drafters.draft_tree.shaped_trees``)."""
+    drafter.tree_shape = "previous-round"
+    return drafter
+
+
 def _counted(find, checks: list, *args, **kwargs):
     found = find(*args, **kwargs)
     if len(found):
@@ -100,7 +111,7 @@ def _prompt() -> torch.Tensor:
 
 
 @pytest.mark.parametrize("method", ["autoregressive", "autoregressive-overlapped", "draft", "prompt-lookup",
-                                    "cascade"])
+                                    "cascade", "draft-tree", "cascade-tree"])
 def test_one_host_sync_per_round_on_the_fast_path(method, monkeypatch):
     target = make_tiny_model("llama", num_layers=3)
     draft = perturbed_copy(target, noise=0.3, seed=1)
@@ -111,6 +122,8 @@ def test_one_host_sync_per_round_on_the_fast_path(method, monkeypatch):
         "draft": lambda: DraftModelDrafter(draft),
         "prompt-lookup": lambda: PromptLookupDrafter(),
         "cascade": lambda: CascadeDrafter(draft),
+        "draft-tree": lambda: _shaped(DraftModelDrafter(draft, tree_depth=3)),
+        "cascade-tree": lambda: _shaped(CascadeDrafter(draft, tree_depth=3)),
     }[method]()
     checks = []  # rounds with n-gram candidates: the cascade's check reads how many it kept (one sync)
     find = cascade_module.find_continuation
@@ -118,6 +131,10 @@ def test_one_host_sync_per_round_on_the_fast_path(method, monkeypatch):
     config = GenerationConfig(max_new_tokens=40, num_speculative_tokens=4, stop_on_eos=False)
     expected = SpeculativeDecoder(target, runner=target_runner).generate(_prompt(), config).token_ids
 
+    trees = []
+    if method.endswith("tree"):
+        propose = drafter.propose
+        drafter.propose = lambda *a, **k: (lambda d: trees.extend(t for t in d.trees or [] if t) or d)(propose(*a, **k))
     counter = SyncCounter([target, draft])
     overlap = method == "autoregressive-overlapped"
     staged = []
@@ -138,14 +155,17 @@ def test_one_host_sync_per_round_on_the_fast_path(method, monkeypatch):
         assert stream.stats.num_drafted_tokens > 0, "the prompt should give n-gram matches"
     allowed = num_rounds + len(checks)
     assert counter.count <= allowed, f"{counter.count} host syncs in {num_rounds} rounds ({len(checks)} checks)"
-    if method != "cascade":
+    if not method.startswith("cascade"):
         assert not checks
+    if method.endswith("tree"):  # trees of shapes chosen before their rounds, verified as trees
+        assert stream.stats.num_drafted_tokens > stream.stats.num_target_forwards * 2 and trees, trees
     if overlap:
         assert len(staged) >= num_rounds - 2  # every round but the last ones ran its successor ahead
 
 
 @pytest.mark.parametrize("case", ["sampling", "sampling+unseeded", "sampling+masked-exit", "sampling+banned-words",
-                                  "sampling+trees", "sampling+unseeded+trees", "sampling+lookup-trees"])
+                                  "sampling+trees", "sampling+unseeded+trees", "sampling+lookup-trees",
+                                  "sampling+shaped-trees", "sampling+unseeded+shaped-trees"])
 def test_sampling_rounds_read_back_once_and_once_more_for_blocks_known_after_the_read(case, monkeypatch):
     """Batched rounds with three sampling rows (each its own settings and seed, or rows 0 and 2 without a seed,
     drawing together) and a greedy one: their speculative sampling is decided on the device and read with the
@@ -157,6 +177,7 @@ def test_sampling_rounds_read_back_once_and_once_more_for_blocks_known_after_the
     control = DraftControl(adaptive_exit=True, exit_mode="masked") if case.endswith("masked-exit") else None
     banned = ("w5", "w9", "w17", "w30 w31") if case.endswith("banned-words") else ()
     drafter = PromptLookupDrafter(branches=3) if case.endswith("lookup-trees") else \
+        _shaped(DraftModelDrafter(draft, tree_depth=2)) if case.endswith("shaped-trees") else \
         DraftModelDrafter(draft, tree_depth=2) if case.endswith("trees") else DraftModelDrafter(draft)
     engine = BatchedSpeculativeDecoder(target, drafter, max_batch_size=4, num_speculative_tokens=4,
                                        draft_control=control, compile=True, graphs=False,
@@ -192,7 +213,8 @@ def test_sampling_rounds_read_back_once_and_once_more_for_blocks_known_after_the
     if case.endswith("trees"):  # the tree sampler ran: sampling rows' trees were verified as trees
         assert verified_trees, "no round verified a sampling row's tree"
     # two: blocks known after the read; or a draft model's tree, grown on the host from its chain's values (one
-    # sync in the drafter, ``draft_tree.grow_trees``), then verified and read with the round's one
+    # sync in the drafter, ``draft_tree.grow_trees``), then verified and read with the round's one; one with shapes
+    # chosen before the round (``draft_tree.shaped_trees``)
     per_round = 2 if case.endswith(("masked-exit", "banned-words")) or case in ("sampling+trees",
                                                                                   "sampling+unseeded+trees") else 1
     assert counter.count <= per_round * len(rounds), f"{counter.count} host syncs in {len(rounds)} rounds"

@@ -13,7 +13,7 @@ from conftest import make_tiny_model
 from helpers import perturbed_copy
 from selfspec_helpers import exact_marginals, spread_pair, violations
 from specdecode import CascadeDrafter, DraftModelDrafter, GenerationConfig, SpeculativeDecoder
-from specdecode.drafters.draft_tree import TREE_TOP_K, TopK, grow_trees
+from specdecode.drafters.draft_tree import TREE_SHAPES, TREE_TOP_K, TopK, grow_trees
 from specdecode.drafters.token_recycling import TokenRecyclingDrafter
 from specdecode.engine.batched import BatchedSpeculativeDecoder
 from specdecode.engine.sampling import Sampler, race
@@ -168,10 +168,12 @@ def test_tree_rejection_sample_with_draft_q_emits_the_target_law():
         assert not _within(_wrong_root_law(sampler, probs[0], drafts, N // 3, wrong), probs[0], N // 3), wrong
 
 
+@pytest.mark.parametrize("shape", TREE_SHAPES)
 @pytest.mark.parametrize("method", ["draft", "cascade"])
-def test_draft_model_trees_sample_the_target_distribution(method, monkeypatch):
+def test_draft_model_trees_sample_the_target_distribution(method, shape, monkeypatch):
     """A sampling draft model's tree (its drawn chain and the runners-up of each step) emits the target's
-    law, and its runners-up are accepted: the tree is verified as a tree, not as its chain."""
+    law, and its runners-up are accepted: the tree is verified as a tree, not as its chain. With
+    ``tree_shape="previous-round"`` the shape comes before the draws (a fresh row's: ``SHAPE_PRIOR``'s)."""
     import specdecode.engine.verification as verification
 
     V, N, steps = 8, 1500, 3
@@ -201,6 +203,7 @@ def test_draft_model_trees_sample_the_target_distribution(method, monkeypatch):
     monkeypatch.setattr(verification, "tree_rejection_sample_rows", counting)
     drafter = (DraftModelDrafter(draft, tree_depth=2) if method == "draft"
                else CascadeDrafter(draft, tree_depth=2, max_ngram=1))
+    drafter.tree_shape = shape
     dec = SpeculativeDecoder(target, drafter)
     counts = torch.zeros(len(keys))
     longer = {**base, "max_new_tokens": 6}  # room for a 4-node tree in the first round; its first 3 tokens are checked
@@ -220,7 +223,47 @@ def test_draft_model_trees_sample_the_target_distribution(method, monkeypatch):
     assert not _within(draft_law, want, N)
 
 
-def test_greedy_and_sampling_tree_rows_share_a_batch():
+@pytest.mark.parametrize("budget", [1, 3])
+def test_a_shape_whose_runner_up_outranks_the_drawn_token_keeps_the_law(budget, monkeypatch):
+    """A sampling row's estimates may put its second rank above its first (the drawn token's own q): q = (.4, .3,
+    .3) gives .34 to the drawn token and .36 to the best one left. Valued as they are, a budget of one node would
+    keep the runner-up alone, a chain that the engine verifies as a linear draft, as if drawn from q: not the
+    target's law. A sampling row's shape keeps its drawn chain first (``shape_nodes(keep_chain=True)``), and a
+    runner-up is capped at its depth's drawn node: every depth the shape reaches holds its drawn node."""
+    from specdecode.drafters import draft_tree
+
+    V, N, steps = 8, 1500, 3
+    target = make_tiny_model("llama", num_layers=1, vocab_size=V, hidden_size=16, intermediate_size=32)
+    with torch.no_grad():
+        target.get_output_embeddings().weight.mul_(3.0)
+    draft = perturbed_copy(target, noise=0.2, seed=3)
+    with torch.no_grad():
+        draft.get_output_embeddings().weight.mul_(0.3)
+    monkeypatch.setattr(draft_tree.RankEstimates, "of", lambda self, slot: [0.3, 0.4, 0.2, 0.1, 0.0, 0.0, 0.0, 0.0])
+    prompt = torch.tensor([[3, 5, 4]])
+    base = dict(temperature=1.0, max_new_tokens=steps, stop_on_eos=False)
+    exact = _exact_joint(target, prompt, GenerationConfig(**base), steps)
+    keys, want = _verified_cells(exact)
+    index = {k: i for i, k in enumerate(keys)}
+    drafter = DraftModelDrafter(draft, tree_depth=2)
+    drafter.tree_shape = "previous-round"
+    shapes, shape_of = [], drafter._shapes
+    monkeypatch.setattr(drafter, "_shapes", lambda *a: (lambda found: shapes.append(found) or found)(shape_of(*a)))
+    dec = SpeculativeDecoder(target, drafter)
+    counts = torch.zeros(len(keys))
+    longer = {**base, "max_new_tokens": 6}  # room for the budget in the first round; its first 3 tokens are checked
+    for seed in range(N):
+        s = dec.generate(prompt, GenerationConfig(**longer, seed=seed, num_speculative_tokens=budget)).token_ids
+        counts[index[(1, s[1])]] += 1
+        counts[index[(2, s[2])]] += 1
+        counts[index[("pair", s[1], s[2])]] += 1
+    first = shapes[0][0]  # the first round's shape of its one row: (nodes, parents)
+    assert first == ([(1, 0)], [0]) if budget == 1 else first == ([(1, 0), (2, 0), (1, 1)], [0, 1, 0]), first
+    assert _within(counts / N, want, N)
+
+
+@pytest.mark.parametrize("shape", TREE_SHAPES)
+def test_greedy_and_sampling_tree_rows_share_a_batch(shape):
     """B = 2: a greedy row and a sampling row both grow draft trees; the greedy row's tokens are the
     target's own greedy tokens every time, the sampling row's first three follow the target's law."""
     vocab, n = 8, 500
@@ -228,8 +271,9 @@ def test_greedy_and_sampling_tree_rows_share_a_batch():
     sampling = GenerationConfig(max_new_tokens=6, stop_on_eos=False, temperature=1.0)
     greedy = GenerationConfig(max_new_tokens=6, stop_on_eos=False, temperature=0.0)
     expected = SpeculativeDecoder(model).generate(torch.tensor([prompts[0]]), greedy).token_ids
-    dec = BatchedSpeculativeDecoder(model, DraftModelDrafter(draft, tree_depth=2), max_batch_size=2, max_length=32,
-                                    num_speculative_tokens=4)
+    drafter = DraftModelDrafter(draft, tree_depth=2)
+    drafter.tree_shape = shape
+    dec = BatchedSpeculativeDecoder(model, drafter, max_batch_size=2, max_length=32, num_speculative_tokens=4)
     firsts = torch.zeros((n, 3), dtype=torch.long)
     for i in range(n):
         rows = dec.generate(prompts, [greedy, dataclasses.replace(sampling, seed=i)])

@@ -49,6 +49,7 @@ def reference(folders, tmp_path_factory):
     ("--method", "draft", "--draft-tree-depth", "2", "-g", "6"),
     ("--method", "draft", "--draft-tree-depth", "2", "--draft-tree-expand", "2", "-g", "6"),
     ("--method", "cascade", "--draft-tree-depth", "2", "-g", "6", "--draft-quantize", "none"),
+    ("--method", "draft", "--draft-tree-depth", "2", "--draft-tree-shape", "previous-round", "-g", "6"),
 ])
 def test_tree_flags_reach_the_drafter_and_keep_the_greedy_text(folders, tmp_path, reference, flags):
     text, drafter = completion(folders, tmp_path, *flags)
@@ -59,6 +60,8 @@ def test_tree_flags_reach_the_drafter_and_keep_the_greedy_text(folders, tmp_path
         assert isinstance(drafter, CascadeDrafter if "cascade" in flags else DraftModelDrafter)
         assert drafter.tree_depth == 2
         assert drafter.tree_expand == (2 if "--draft-tree-expand" in flags else None)
+        shaped = "--draft-tree-shape" in flags
+        assert drafter._tree_shape() == ("previous-round" if shaped else "per-round")  # a CPU's default
 
 
 @pytest.mark.parametrize(("args", "needle"), [
@@ -67,6 +70,8 @@ def test_tree_flags_reach_the_drafter_and_keep_the_greedy_text(folders, tmp_path
     (["--method", "draft", "--draft-tree-depth", "0"], "--draft-tree-depth must be >= 1"),
     (["--method", "draft", "--draft-tree-depth", "65"], "--draft-tree-depth must be in 1..64, got 65"),
     (["--method", "draft", "--draft-tree-expand", "2"], "give --draft-tree-depth D too"),
+    (["--method", "draft", "--draft-tree-shape", "per-round"], "--draft-tree-shape per-round shapes a draft tree: "
+                                                               "give --draft-tree-depth D too"),
     (["--method", "prompt-lookup", "--draft-tree-depth", "3"], "not to 'prompt-lookup'"),
     (["--method", "cascade", "--draft-tree-depth", "3", "--draft-tree-expand", "2"], "not to 'cascade'"),
     (["--method", "draft", "--draft-tree-depth", "3", "--adaptive-draft-exit"], "drafts a linear chain, never a tree"),

@@ -196,7 +196,7 @@ def _options(method: BatchMethod, settings: BenchSettings, takes: set[str] | Non
     # Run-wide draft-model options go to the methods that take them (the registry's) alone.
     run_wide = {k: v for k, v in settings.drafter_options.items()
                 if k not in ("draft_vocab_size", "draft_context_window", "max_model_prompt_tokens", "draft_tree_depth",
-                             "draft_tree_expand", "prompt_lookup_datastore")
+                             "draft_tree_expand", "draft_tree_shape", "prompt_lookup_datastore")
                 or k in takes_method}
     options = {**run_wide, **method.spec.options}
     if takes is not None and not set(options) <= takes:

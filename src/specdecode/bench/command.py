@@ -74,13 +74,19 @@ def _bench_draft_scheme(args) -> tuple[str, str]:
 def _check_draft_flags(args) -> None:
     """--draft-quantize and --draft-quantize-head need a draft model, and --draft-quantize-head
     one quantized to fit it (the draft's quantization here: --draft-quantize, else --quantize);
-    --quantize-group-size other than 32 needs an int4 target or draft.
+    --quantize-group-size other than 32 needs an int4 target or draft; --draft-tree-expand and
+    --draft-tree-shape need --draft-tree-depth (else every draft-model method would be skipped as unavailable).
 
     Raises:
         InvalidArgumentError: One of them is given without a draft; --draft-quantize-head int4
             with a draft that is not int4, or any --draft-quantize-head with a dense draft;
-            --quantize-group-size 64, 128 or 256 with neither model int4.
+            --quantize-group-size 64, 128 or 256 with neither model int4; a tree flag without the depth.
     """
+    for flag, what in (("draft_tree_expand", "expands"), ("draft_tree_shape", "shapes")):
+        value = getattr(args, f"drafter_{flag}", None)
+        if value is not None and getattr(args, "drafter_draft_tree_depth", None) is None:
+            raise InvalidArgumentError(f"--{flag.replace('_', '-')} {value} {what} a draft tree: give "
+                                       "--draft-tree-depth D too")
     for flag in ("draft_quantize", "draft_quantize_head"):
         if getattr(args, flag, None) is not None and _draft_spec(args) is None:
             raise InvalidArgumentError(

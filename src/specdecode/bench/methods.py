@@ -10,6 +10,7 @@ by ``resolve_methods``; and the prompt prefix a run shares between them (``Promp
 
 from __future__ import annotations
 
+import argparse
 import copy
 import dataclasses
 import inspect
@@ -31,6 +32,7 @@ from specdecode.bench.report import BASELINES, LLAMA_CPP, LLAMA_CPP_LOOKUP, LLAM
 from specdecode.bench.settings import BenchSettings
 from specdecode.config import check_num_speculative_tokens
 from specdecode.drafters.control import DraftControl
+from specdecode.drafters.draft_tree import TREE_SHAPES
 from specdecode.engine.decoder import SpeculativeDecoder
 from specdecode.engine.runner_target import is_runner_target
 from specdecode.errors import InvalidArgumentError
@@ -58,6 +60,17 @@ class DrafterOption:
     help: str
 
 
+def _choice(value: str, allowed: Sequence[str]) -> str:
+    """``value`` if it is one of ``allowed``, for a flag's ``type``.
+
+    Raises:
+        argparse.ArgumentTypeError: Anything else, naming the value and the allowed ones.
+    """
+    if value not in allowed:
+        raise argparse.ArgumentTypeError(f"{value!r} is not one of {', '.join(allowed)}")
+    return value
+
+
 DRAFTER_OPTIONS = (
     DrafterOption("--skip-layers", "skip_layers", str, "layer-skip: sublayers the draft pass skips, "
                   "e.g. 'attn=2,15,18;mlp=2,15,18'"),
@@ -74,6 +87,9 @@ DRAFTER_OPTIONS = (
                   "draft and cascade: the draft's chain steps of a token tree of γ nodes (unset: linear)"),
     DrafterOption("--draft-tree-expand", "draft_tree_expand", int,
                   "draft, with --draft-tree-depth: EAGLE-2's expansion of the M best nodes a depth"),
+    DrafterOption("--draft-tree-shape", "draft_tree_shape", lambda value: _choice(value, TREE_SHAPES),
+                  "draft and cascade, with --draft-tree-depth: per-round or previous-round tree shapes (default: "
+                  "previous-round on CUDA, else per-round)"),
 )
 
 
@@ -500,7 +516,8 @@ def resolve_methods(
                 takes = entry.options if entry is not None else frozenset()
                 # Run-wide draft-model options go to the methods that take them (the registry's) alone.
                 for keyword in ("draft_vocab_size", "draft_context_window", "max_model_prompt_tokens",
-                                "draft_tree_depth", "draft_tree_expand", "prompt_lookup_datastore"):
+                                "draft_tree_depth", "draft_tree_expand", "draft_tree_shape",
+                                "prompt_lookup_datastore"):
                     if keyword not in takes:
                         run_wide.pop(keyword, None)
                 options = {} if spec.base == "autoregressive" else {**run_wide, **spec.options}

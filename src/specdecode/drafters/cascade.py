@@ -90,7 +90,7 @@ from specdecode.drafters.base import draft_batch, draft_views, reads_per_step
 from specdecode.drafters.control import check_optional_count
 from specdecode.drafters.draft_head import DraftHead
 from specdecode.drafters.draft_model import DraftModelDrafter
-from specdecode.drafters.draft_tree import TREE_TOP_K, TopK, grow_trees, tree_draft
+from specdecode.drafters.draft_tree import TREE_TOP_K, TopK
 from specdecode.drafters.prompt_lookup import HostSequences, check_ngram_sizes, find_continuation
 from specdecode.engine.batch_cache import to_device
 from specdecode.engine.protocol import Draft
@@ -120,6 +120,7 @@ class CascadeDrafter(DraftModelDrafter):
             draft; ``DraftModelDrafter``'s).
         tree_depth: D, the model part's chain steps per round of a token tree, or None: linear
             (``DraftModelDrafter``'s; the tree hangs from the block's last n-gram token, module docstring).
+        tree_shape: How its trees are shaped (``DraftModelDrafter``'s); None: the device's default.
 
     Attributes:
         num_forwards: Draft-model forwards since ``bind`` (prefills included).
@@ -149,12 +150,13 @@ class CascadeDrafter(DraftModelDrafter):
         runner=None,
         one_sequence_reason: str = "the draft model runs one sequence",
         tree_depth: int | None = None,
+        tree_shape: str | None = None,
     ) -> None:
         check_ngram_sizes(max_ngram, min_ngram)
         if not isinstance(ngram_check, bool):
             raise InvalidArgumentError(f"ngram_check must be True or False, got {ngram_check!r}")
         super().__init__(model, context_window, head, runner=runner, one_sequence_reason=one_sequence_reason,
-                         tree_depth=tree_depth)
+                         tree_depth=tree_depth, tree_shape=tree_shape)
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.ngram_check = ngram_check
         self.max_model_prompt_tokens = check_optional_count(
@@ -330,14 +332,15 @@ class CascadeDrafter(DraftModelDrafter):
         blocks = [ng[:k] if f else ng for ng, f, k in zip(ngrams, fed, kept)]  # the n-gram tokens proposed
         valid = [length + k if own else 0 for length, k, own in zip(lengths, kept, uses_model)]
         model_tokens = [cap - len(blk) if own else 0 for cap, blk, own in zip(max_tokens, blocks, uses_model)]
-        model = tops = None
+        model = tops = shapes = None
         steps = 1
         if max(model_tokens) > 0:
             at = [v - o for v, o in zip(valid, offsets)]  # draft-cache positions
             views = draft_views(samplers, [s + blk for s, blk in zip(sequences, blocks)], self.head)  # [processors]
             tree_rows = [t and c > 0 for t, c in zip(self._tree_rows(n, exits, views), model_tokens)]
             tops = TopK(TREE_TOP_K, self.head.ids) if any(tree_rows) else None
-            caps = [min(c, self.tree_depth) if t else c for c, t in zip(model_tokens, tree_rows)]
+            shapes = self._shapes(tree_rows, model_tokens)
+            caps = self._tree_caps(model_tokens, tree_rows, shapes)
             model, steps = draft_batch(self._step, first, at, caps, samplers, exits, exit_rule, self.who,
                                        self.head, views, tops, self._steps_runner(), self.fused_draft_steps,
                                        first_greedy)
@@ -350,12 +353,9 @@ class CascadeDrafter(DraftModelDrafter):
         self.num_ngram_tokens += sum(len(blk) for blk in blocks)
         if model is not None and model.finite is not None:
             finite = model.finite if finite is None else finite & model.finite
-        trees = None
         if tops is not None:  # [trees] the model part's tree hangs from each row's n-gram block
-            tokens, num, trees, chains, sampled = grow_trees(model.tokens, model.num_tokens, tops, tree_rows,
-                                                             model_tokens, blocks, model.probs)
-            self._keep_chains(tree_rows, valid, chains, steps)
-            return tree_draft(tokens, num, self._probs(blocks, model, samplers), finite, self.who, trees, sampled)
+            return self._trees(model, tops, tree_rows, model_tokens, shapes, valid, steps,
+                               self._probs(blocks, model, samplers), finite, blocks)
         with_tops = exits is not None and not reads_per_step(exits)  # the n-gram tokens count as sure
         tokens, tops = self._join(blocks, num, model, with_tops)
         block = model.probs_block if model is not None and not any(blocks) else None  # no n-gram part: aligned

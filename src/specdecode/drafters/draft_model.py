@@ -53,7 +53,10 @@ width bucket.
 et al. 2024): a row with no logits processors and no adaptive exit drafts a chain of min(D, c)
 tokens (c, the row's budget; greedy, or drawn from q when sampling) and keeps, among the chain and
 each step's runners-up, the c nodes of highest joint draft probability (a drawn chain whole), as a
-token tree (one more host sync per round).
+token tree: with ``tree_shape="per-round"`` (a CPU's default) from the round's own values, one more host sync per
+round; with "previous-round" (CUDA's default) the shape is chosen before the draft from the row's earlier rounds
+(its chain as deep as the shape), read with the engine's round sync (``on_readback``): no host sync in the drafter
+(``draft_tree.shaped_trees``). ``tree_expand``'s rounds grow their own trees, whatever the shape setting.
 Only the chain is fed to the draft cache; when the target accepts a sibling, the next
 ``propose`` finds the chain's token at that position differs from the sequence's and re-feeds
 from there (``_forget_rejected``). ``tree_expand=M`` grows EAGLE-2's dynamic tree instead, with one
@@ -71,6 +74,12 @@ from specdecode.drafters.base import Drafter, draft_batch, draft_views, first_fo
 from specdecode.drafters.control import check_optional_count
 from specdecode.drafters.draft_head import DraftHead
 from specdecode.drafters.draft_tree import (
+    RankEstimates,
+    check_tree_shape,
+    default_tree_shape,
+    read_shapes,
+    shape_nodes,
+    shaped_trees,
     TREE_TOP_K,
     TopK,
     check_tree_depth,
@@ -112,14 +121,17 @@ class DraftModelDrafter(Drafter):
             linear drafts.
         tree_expand: M, with ``tree_depth``: EAGLE-2's expansion instead of the chain (module docstring),
             the M best nodes of each depth expanded by one draft tree forward; None: the chain's tree.
+        tree_shape: How the chain's tree is shaped (``tree_shape``, ``draft_tree.TREE_SHAPES``); None: the
+            device's default.
 
     Raises:
         InvalidArgumentError: ``context_window`` not None or an integer >= 1; ``tree_depth`` not None or
             an integer in 1 .. ``draft_tree.MAX_TREE_DEPTH``; ``tree_expand`` likewise, or without
-            ``tree_depth``; neither or both of
-            ``model`` and ``runner``; a truncated head with ``runner``; a truncated head's id past
-            the model's head rows, or (at ``join``) past the target's vocabulary; at ``bind``, more
-            than one slot with ``runner``.
+            ``tree_depth``; ``tree_shape`` (the argument, or the attribute at ``bind`` and each round) not None
+            or one of ``draft_tree.TREE_SHAPES``, or the argument given without ``tree_depth``; neither or both
+            of ``model`` and ``runner``; a truncated head with ``runner``; a truncated head's id past the
+            model's head rows, or (at ``join``) past the target's vocabulary; at ``bind``, more than one slot
+            with ``runner``.
         UnsupportedModelError: At ``bind``, if the model's attention cannot take batch masks; a
             truncated head the model's forward does not apply.
     """
@@ -132,12 +144,23 @@ class DraftModelDrafter(Drafter):
     #: Rows joining together share their deferred prompt prefill's forwards (``engine.shared_prefill``): True,
     #: False, or None for the device's default (CUDA only); the engine that binds the drafter sets it to its own.
     shared_prefill: bool | None = None
+    #: How a token tree's shape is chosen (``draft_tree.TREE_SHAPES``): "per-round", from the round's own draft
+    #: values, read back by one host sync in the drafter (``draft_tree.grow_trees``); "previous-round", from the row's
+    #: earlier rounds, so that nothing is read before the verification (``draft_tree.shaped_trees``); None (the
+    #: default): ``draft_tree.default_tree_shape`` of the engine's device. Checked at ``bind``, read each round.
+    tree_shape: str | None = None
 
     def __init__(self, model=None, context_window: int | None = None, head: DraftHead | None = None, *,
                  runner=None, one_sequence_reason: str = "the draft model runs one sequence",
-                 tree_depth: int | None = None, tree_expand: int | None = None) -> None:
+                 tree_depth: int | None = None, tree_expand: int | None = None,
+                 tree_shape: str | None = None) -> None:
         self.context_window = check_optional_count("context_window", context_window, "the whole prompt")
         self.tree_depth = check_tree_depth(tree_depth)
+        if tree_shape is not None:
+            self.tree_shape = check_tree_shape(tree_shape)
+            if tree_depth is None:
+                raise InvalidArgumentError(f"draft_tree_shape={tree_shape!r} shapes a draft tree: give "
+                                           "draft_tree_depth too")
         self.tree_expand = check_tree_expand(tree_expand, tree_depth)
         if (model is None) == (runner is None):
             raise InvalidArgumentError("DraftModelDrafter takes a draft model or a one-sequence runner, not "
@@ -211,6 +234,9 @@ class DraftModelDrafter(Drafter):
         self._offsets = [0] * target_cache.num_slots
         self._samplers = [None] * target_cache.num_slots
         self._chains = [None] * target_cache.num_slots
+        self._tree_shape()  # checked now, read each round
+        self._estimates = RankEstimates(target_cache.num_slots)  # [trees] "previous-round"
+        self._read = None  # [trees] what ``on_readback`` reads: (tree rows, starts, steps, chain lengths, k)
         self.num_forwards = 0
         self.prefill_time_s = 0.0
 
@@ -241,6 +267,7 @@ class DraftModelDrafter(Drafter):
         self._num_cached[slot] = self._offsets[slot]  # nothing in the draft cache yet
         self._samplers[slot] = sampler
         self._chains[slot] = None
+        self._estimates.reset(slot)
 
     def _catch_up(self, sequences: list[list[int]], rows: list[bool] | None = None) -> None:
         """Before a round's first forward: each row (of ``rows``, all when None) whose draft cache holds
@@ -320,7 +347,8 @@ class DraftModelDrafter(Drafter):
                     and getattr(self.runner, "takes_trees", False):
                 return self._expand(sequences, first, [a - 1 for a in at], max_tokens)
             tops = TopK(TREE_TOP_K, self.head.ids) if any(tree_rows) else None
-            caps = [min(c, self.tree_depth) if t else c for c, t in zip(max_tokens, tree_rows)]
+            shapes = self._shapes(tree_rows, max_tokens)
+            caps = self._tree_caps(max_tokens, tree_rows, shapes)
             draft, steps = draft_batch(self._step, first, at, caps, self._samplers[:n], exits, exit_rule,
                                        self.who, self.head, views, tops, self._steps_runner(), self.fused_draft_steps,
                                        first_greedy, ids[:, -1])  # each row's pending token: its feed's last
@@ -329,10 +357,64 @@ class DraftModelDrafter(Drafter):
             self._num_cached[b] = lengths[b] + min(draft.num_tokens[b], steps - 1)
         if tops is None:
             return draft
-        ids, num, trees, chains, sampled = grow_trees(draft.tokens, draft.num_tokens, tops, tree_rows, max_tokens,
-                                                      probs=draft.probs)
-        self._keep_chains(tree_rows, lengths, chains, steps)
-        return tree_draft(ids, num, draft.probs, draft.finite, self.who, trees, sampled)
+        return self._trees(draft, tops, tree_rows, max_tokens, shapes, lengths, steps, draft.probs, draft.finite)
+
+    def _shapes(self, tree_rows: list[bool], budgets: list[int]) -> list | None:
+        """[trees] With ``tree_shape="previous-round"``, per tree row its shape (``draft_tree.shape_nodes``) from its
+        rank estimates and its budget of nodes, else None; None altogether for "per-round" or no tree row. A step
+        gives ``TREE_TOP_K`` candidates, or as many as the head has columns (``TopK``)."""
+        if not any(tree_rows) or self._tree_shape() != "previous-round":
+            return None
+        k = min(TREE_TOP_K, len(self.head.ids) if self.head.ids is not None else self._samplers[0].vocab_size)
+        return [shape_nodes(self._estimates.of(b)[:k], self.tree_depth, budgets[b], not self._samplers[b].greedy)
+                if t else None for b, t in enumerate(tree_rows)]
+
+    def _tree_shape(self) -> str:
+        """[trees] The shape the trees take now: ``tree_shape``, or the engine device's default where it is None.
+
+        Raises:
+            InvalidArgumentError: ``tree_shape`` not None or one of ``draft_tree.TREE_SHAPES``.
+        """
+        shape = check_tree_shape(self.tree_shape)
+        return shape if shape is not None else default_tree_shape(self._device)
+
+    def _tree_caps(self, caps: list[int], tree_rows: list[bool], shapes: list | None) -> list[int]:
+        """[trees] Per row, the draft steps of the round: a tree row's chain depth (its shape's depth), else its cap."""
+        if shapes is None:
+            return [min(c, self.tree_depth) if t else c for c, t in zip(caps, tree_rows)]
+        return [max((d for d, _ in s[0]), default=0) if s is not None else c for c, s in zip(caps, shapes)]
+
+    def _trees(self, draft: Draft, tops: TopK, tree_rows: list[bool], budgets: list[int], shapes: list | None,
+               starts: list[int], steps: int, probs, finite, prefixes: list[list[int]] | None = None) -> Draft:
+        """[trees] The round's ``Draft`` of trees from the draft loop's ``draft`` (its chains) and ``tops``: grown
+        from their values (one host sync, ``grow_trees``), or of the ``shapes`` chosen before the round
+        (``shaped_trees``: the chains and values are read with the round's sync, ``on_readback``). ``starts``: per
+        row, the sequence position its chain was fed from; ``probs``, ``finite``: the round's (with ``prefixes``,
+        the cascade's n-gram blocks, their one-hot q's first)."""
+        if shapes is None:
+            ids, num, trees, chains, sampled = grow_trees(draft.tokens, draft.num_tokens, tops, tree_rows, budgets,
+                                                          prefixes, draft.probs)
+            self._keep_chains(tree_rows, starts, chains, steps)
+            return tree_draft(ids, num, probs, finite, self.who, trees, sampled)
+        ids, num, trees, sampled, readback = shaped_trees(draft.tokens, draft.num_tokens, tops, shapes, prefixes,
+                                                          draft.probs)
+        self._read = (tree_rows, starts, steps, list(draft.num_tokens), tops.log_probs[0].shape[-1])
+        self._keep_chains(tree_rows, starts, [[] for _ in tree_rows], steps)  # the chains: once read back
+        return tree_draft(ids, num, probs, finite, self.who, trees, sampled, readback)
+
+    def on_readback(self, values: list[int]) -> None:
+        """[trees] "previous-round" shapes: the round's chains and candidates' probabilities, read with its sync
+        (``draft_tree.read_shapes``): each tree row's chain tokens fed to the draft cache (``_forget_rejected``) and
+        its rank estimates (``draft_tree.RankEstimates``)."""
+        if self._read is None:
+            return
+        tree_rows, starts, steps, num, k = self._read
+        self._read = None
+        chains, probs = read_shapes(values, len(tree_rows), steps, k)
+        for b, is_tree in enumerate(tree_rows):
+            if is_tree and num[b]:
+                self._chains[b] = (starts[b], chains[b][: min(num[b], steps - 1)])
+                self._estimates.update(b, probs[b][: num[b]])
 
     def _expand(self, sequences: list[list[int]], first: torch.Tensor, starts: list[int],
                 budgets: list[int]) -> Draft:
@@ -409,3 +491,4 @@ class DraftModelDrafter(Drafter):
         self._samplers[dst] = self._samplers[src]
         self._samplers[src] = None
         self._chains[dst], self._chains[src] = self._chains[src], None
+        self._estimates.move(src, dst)

@@ -31,11 +31,25 @@ lose its place to a shallow sibling: its draft forward is then spent for nothing
 (the linear draft of greedy rows reads nothing back until the engine's round), then builds the
 trees on the host (a few dozen candidates per row) and moves the rows' tokens back in one copy.
 
+**Shapes chosen before the round** (``tree_shape="previous-round"``, ``DraftModelDrafter.tree_shape``). The
+host sync above stalls a GPU's queue: the target's tree forward cannot be launched before the tree is built. So
+the shape can be chosen instead from what the host already holds: per row, a running estimate of the draft's
+probability at each top-k rank (rank 0: the chain's own token), read with the engine's round sync
+(``Draft.readback``, ``read_shapes``) and averaged over rounds (``RankEstimates``). ``shape_nodes`` ranks the
+candidates by those estimates as ``best_nodes`` ranks them by their values (chain node d: d times rank 0's log;
+a sibling of rank r at depth d: d - 1 times rank 0's, plus rank r's), the draft runs as many steps as the shape is
+deep, and ``shaped_trees`` gathers the nodes' tokens on the device: nothing is read back before the verification.
+Every row, greedy or sampling, gets a shape fixed before its draft, so a drawn node's verification never depends
+on the token drawn; a sampling row keeps its drawn chain whole, as here, and a runner-up is never valued above its
+depth's chain node, so every depth the tree reaches has its drawn node. ``sampled_candidates`` and
+``shaped_trees``' runners-up are each step's top-k without the chain's token, as here.
+
 **Which rows.** Rows with no logits processors and no adaptive draft exit; the others draft
 linearly, as without the option. A greedy row's chain is the draft's argmax. A sampling row's
 chain is drawn from the draft's q, as a linear draft's; its candidates are the top-k of each
 step's q beside the drawn token, ranked with the drawn token's own q (siblings outside the
-sampler's support are left out), and ``Draft.prob_nodes`` names the drawn nodes: the engine verifies
+sampler's support are left out; "previous-round" shapes keep them, ``shaped_trees``), and ``Draft.prob_nodes`` names
+the drawn nodes: the engine verifies
 the tree by multi-candidate speculative sampling (``engine.tree_sampling.tree_rejection_sample_rows``), a drawn
 node by Chen et al.'s ratio test against its q, a runner-up as a candidate without q. The drawn
 chain is kept whole and the runners-up fill the rest of the budget by value: whether a drawn node
@@ -57,6 +71,10 @@ torch draft); otherwise the round falls back to the chain's tree.
 
 from __future__ import annotations
 
+import math
+import struct
+from collections.abc import Sequence
+
 import torch
 
 from specdecode.engine.batch_cache import to_device
@@ -69,6 +87,33 @@ from specdecode.errors import InvalidArgumentError
 TREE_TOP_K = 8
 #: The deepest chain ``tree_depth`` allows (draft forwards per round).
 MAX_TREE_DEPTH = 64
+#: How a draft-model tree's shape is chosen each round (module docstring): from the round's own draft values, read
+#: back by a host sync of the drafter's ("per-round", EAGLE-2's reranking), or from the row's earlier rounds
+#: ("previous-round": no read before the verification).
+TREE_SHAPES = ("per-round", "previous-round")
+#: "previous-round": the draft's probability at each top-k rank assumed for a row before its first tree is read.
+SHAPE_PRIOR = (0.6, 0.2, 0.1, 0.05, 0.025, 0.0125, 0.00625, 0.003125)
+#: "previous-round": the weight of a round's own probabilities in a row's running estimate (the rest: its last).
+SHAPE_WEIGHT = 0.5
+
+
+def check_tree_shape(value: object) -> str | None:
+    """Return ``value`` if it is None (the device's default, ``default_tree_shape``) or one of ``TREE_SHAPES``.
+
+    Raises:
+        InvalidArgumentError: Anything else, naming the value and the allowed ones.
+    """
+    if value is not None and value not in TREE_SHAPES:
+        raise InvalidArgumentError(f"draft_tree_shape={value!r} is not a tree shape: allowed {', '.join(TREE_SHAPES)}, "
+                                   "or None for the device's default (previous-round on CUDA, per-round elsewhere)")
+    return value
+
+
+def default_tree_shape(device) -> str:
+    """The shape a tree takes where none is given: "previous-round" on CUDA, where the drafter's read of each
+    round's values would stall the queue of graphs; "per-round" elsewhere, where a read costs no wait and
+    per-round's τ measured 0.6-1.5% higher (``docs/benchmarks/2026-11-29-tree-shape.md``)."""
+    return "previous-round" if torch.device(device).type == "cuda" else "per-round"
 
 
 def check_tree_depth(value: object) -> int | None:
@@ -199,20 +244,9 @@ def grow_trees(tokens: torch.Tensor, num_tokens: list[int], tops: TopK, tree_row
     """
     n, steps = tokens.shape
     prefixes = prefixes if prefixes is not None else [[] for _ in range(n)]
-    log_probs, top_ids = torch.stack(tops.log_probs, 1), torch.stack(tops.tokens, 1)  # (n, S, k)
-    k = log_probs.shape[-1]
     sampling = [bool(tree_rows[b] and probs is not None and probs[b] is not None) for b in range(n)]
-    own = None  # a greedy round reads no chain values
-    if any(sampling):  # [sampling] the candidates and the chain's values from each row's own q
-        own = torch.zeros((n, steps), dtype=torch.float64, device=tokens.device)
-        log_probs, top_ids = log_probs.clone(), top_ids.clone()
-        for b in (b for b in range(n) if sampling[b]):
-            d = num_tokens[b]
-            q = probs[b][:d].float()
-            values, index = q.topk(min(k, q.shape[-1]), dim=-1)
-            log_probs[b, :d, : values.shape[-1]] = values.log()
-            top_ids[b, :d, : values.shape[-1]] = index
-            own[b, :d] = q.gather(1, tokens[b, :d, None]).squeeze(1).double().log()
+    log_probs, top_ids, own = sampled_candidates(tokens, num_tokens, tops, sampling, probs)  # own: a sampling round's
+    k = log_probs.shape[-1]
     parts = [tokens.double().flatten(), top_ids.double().flatten(), log_probs.double().flatten()]
     host = torch.cat(parts if own is None else [*parts, own.flatten()]).tolist()  # the one host sync
     width = n * steps * k
@@ -244,14 +278,201 @@ def grow_trees(tokens: torch.Tensor, num_tokens: list[int], tops: TopK, tree_row
     return ids, num, trees, chains, sampled
 
 
+def sampled_candidates(tokens: torch.Tensor, num_tokens: list[int], tops: TopK, sampling: list[bool],
+                       probs: list[torch.Tensor | None] | None, every_row: bool = False) -> tuple:
+    """Each step's candidates and values: the loop's ``tops``, and on a sampling row the top-k of its own q instead.
+
+    Args:
+        tokens, num_tokens, tops, probs: As ``grow_trees``'s.
+        sampling: Per row, whether its candidates come from its q (``probs[b]``, (>= d_b, V)).
+        every_row: Whether to give every row's chain values (a greedy row's: its top-1's), not only sampling rows'.
+
+    Returns:
+        ``(log_probs, top_ids, own)``: (n, S, k) float32 and long, and (n, S) float64 log-probabilities of the
+        chain's tokens (a sampling row's under its q), or None where no row samples and not ``every_row``.
+    """
+    n, steps = tokens.shape
+    log_probs, top_ids = torch.stack(tops.log_probs, 1), torch.stack(tops.tokens, 1)  # (n, S, k)
+    k = log_probs.shape[-1]
+    own = log_probs[..., 0].double() if every_row else None  # greedy: the chain's token is the top-1
+    if any(sampling):  # [sampling] the candidates and the chain's values from each row's own q
+        own = own.clone() if own is not None else torch.zeros((n, steps), dtype=torch.float64, device=tokens.device)
+        log_probs, top_ids = log_probs.clone(), top_ids.clone()
+        for b in (b for b in range(n) if sampling[b]):
+            d = num_tokens[b]
+            q = probs[b][:d].float()
+            values, index = q.topk(min(k, q.shape[-1]), dim=-1)
+            log_probs[b, :d, : values.shape[-1]] = values.log()
+            top_ids[b, :d, : values.shape[-1]] = index
+            own[b, :d] = q.gather(1, tokens[b, :d, None]).squeeze(1).double().log()
+    return log_probs, top_ids, own
+
+
+def shape_nodes(rank_probs: Sequence[float], depth: int, budget: int,
+                keep_chain: bool = False) -> tuple[list[tuple[int, int]], list[int]]:
+    """A tree's shape chosen before its round ("previous-round", module docstring): the ``budget`` most valuable
+    nodes of a chain of ``depth`` steps and its steps' runners-up, valued by estimates as ``best_nodes`` values
+    them by the round's own log-probabilities, except that a runner-up is never worth more than its depth's chain
+    node. So a shape holds the chain's node wherever it holds a runner-up: a sampling row's drawn token is
+    verified at every depth its tree reaches (a runner-up alone, or a chain of runners-up, would be verified as a
+    linear draft, as if drawn from q), and the draft never runs a step whose own token goes unused. With a greedy
+    row's estimates (rank 0 the top-1's) the cap changes nothing. A sampling row keeps its drawn chain whole
+    (``keep_chain``), as ``best_nodes`` does: a runner-up there is tested on what the rejected drawn token left,
+    max(0, p - q), so its q overstates its chance, and ranked by q the runners-up would displace drawn nodes
+    (before the chain was kept, τ measured 3.32 against per-round's 3.52 on HumanEval and 2.62 against 2.72 on
+    Spec-Bench, one seed, 1.3 standard errors each; after, 3.44 against 3.55 and 2.65 against 2.69, two seeds).
+
+    Args:
+        rank_probs: k estimates in [0, 1]: the draft's probability at top-k rank r (0: the chain's own token).
+        depth: D >= 1, the chain's most steps.
+        budget: Nodes to keep (>= 0).
+        keep_chain: Whether the chain's nodes come first, from depth 1 (a sampling row's drawn chain), the
+            runners-up filling the rest of the budget by value.
+
+    Returns:
+        ``(nodes, parents)``: node j + 1 is ``nodes[j] = (d, r)`` (depth d >= 1; rank 0 the chain's token at depth
+        d, r >= 1 the r-th runner-up of step d), its parent the node ``parents[j]`` (0: the root); best first (a
+        higher value, then shallower, then the lower rank), so every parent comes before its children.
+    """
+    logs = [math.log(min(1.0, max(p, 1e-9))) if p == p else math.log(1e-9) for p in rank_probs]
+    chain = [d * logs[0] for d in range(depth + 1)]  # chain node d's value; a runner-up's: its parent's plus its own,
+    candidates = sorted((-(chain[d] if r == 0 else chain[d - 1] + min(logs[r], logs[0])), d, r)  # at most node d's
+                        for d in range(1, depth + 1) for r in range(len(logs)))
+    if keep_chain:  # the drawn chain first, by depth (its values decrease with depth: the order stands)
+        candidates = [c for c in candidates if c[2] == 0] + [c for c in candidates if c[2] != 0]
+    nodes, parents, chain_node = [], [], {0: 0}  # chain depth -> its node index
+    for _, d, r in candidates[: max(0, budget)]:
+        parents.append(chain_node[d - 1])
+        nodes.append((d, r))
+        if r == 0:
+            chain_node[d] = len(nodes)
+    return nodes, parents
+
+
+class RankEstimates:
+    """Per slot, a running estimate of the draft's probability at each top-k rank ("previous-round" shapes).
+
+    A row starts from ``SHAPE_PRIOR`` (not from other rows' estimates: a seeded row's tokens must not depend on
+    its batch); each round's read probabilities, averaged over the depths it drafted, weigh ``SHAPE_WEIGHT`` in
+    its next estimate.
+
+    Args:
+        num_slots: The engine's slots.
+        k: Ranks (a round with fewer candidates a step, a head of fewer columns, counts the rest 0).
+    """
+
+    def __init__(self, num_slots: int, k: int = TREE_TOP_K) -> None:
+        self.k = k
+        self.slots: list[list[float] | None] = [None] * num_slots
+
+    def of(self, slot: int) -> list[float]:
+        """The slot's estimate, k probabilities."""
+        estimate = self.slots[slot]
+        return estimate if estimate is not None else list(SHAPE_PRIOR[: self.k]) + [0.0] * (self.k - len(SHAPE_PRIOR))
+
+    def update(self, slot: int, probs: Sequence[Sequence[float]]) -> None:
+        """Fold in one round of the slot's row: per drafted depth, its k probabilities by rank (NaN counts 0)."""
+        if not probs:
+            return
+        mean = [sum(p[r] for p in probs if r < len(p) and p[r] == p[r]) / len(probs) for r in range(self.k)]
+        self.slots[slot] = [SHAPE_WEIGHT * m + (1 - SHAPE_WEIGHT) * e for m, e in zip(mean, self.of(slot))]
+
+    def reset(self, slot: int) -> None:
+        """A new row in ``slot``: it starts from ``SHAPE_PRIOR``."""
+        self.slots[slot] = None
+
+    def move(self, src: int, dst: int) -> None:
+        """The row in ``src`` moves to ``dst``."""
+        self.slots[dst], self.slots[src] = self.slots[src], None
+
+
+def shaped_trees(tokens: torch.Tensor, num_tokens: list[int], tops: TopK,
+                 shapes: list[tuple[list[tuple[int, int]], list[int]] | None],
+                 prefixes: list[list[int]] | None = None, probs: list[torch.Tensor | None] | None = None) -> tuple:
+    """Per row, its tree of a shape chosen before the round (``shape_nodes``), its tokens gathered on the device.
+
+    Args:
+        tokens, num_tokens, tops, prefixes, probs: As ``grow_trees``'s; row b's chain ran ``num_tokens[b]`` steps,
+            the depth of its shape.
+        shapes: Per row, ``shape_nodes``'s ``(nodes, parents)``, or None: a linear row (its chain).
+
+    Returns:
+        ``(ids, num, trees, sampled, readback)``: ids, num, trees and sampled as ``grow_trees``'s (a tree that is a
+        chain: None), and ``readback``, (n S + n S k,) long on the device for the engine's round sync
+        (``Draft.readback``, ``read_shapes``): the chains' tokens, then the float32 bits of every step's k
+        candidates' probabilities (rank 0 the chain's token, then its runners-up). Unlike ``grow_trees``, a
+        sampling row keeps runners-up outside its sampler's support (q = 0) where its shape has room: candidates
+        chosen without the target, they keep the law exact.
+
+    Raises:
+        InvalidArgumentError: A shape deeper than its row's draft steps, or of a rank past the steps' k candidates.
+
+    No host sync: the shapes are known, the tokens stay on the device (one host-to-device copy of the index).
+    """
+    n, steps = tokens.shape
+    prefixes = prefixes if prefixes is not None else [[] for _ in range(n)]
+    sampling = [bool(shapes[b] is not None and probs is not None and probs[b] is not None) for b in range(n)]
+    log_probs, top_ids, own = sampled_candidates(tokens, num_tokens, tops, sampling, probs, every_row=True)
+    k = log_probs.shape[-1]
+    # each step's runners-up: its top-k without the chain's token, in order (the first k - 1 where it is not there)
+    order = (top_ids == tokens[..., None]).to(torch.uint8).argsort(dim=-1, stable=True)[..., : k - 1]
+    candidates = torch.cat([tokens[..., None], top_ids.gather(-1, order)], dim=-1).reshape(n, steps * k)
+    values = torch.cat([own[..., None], log_probs.double().gather(-1, order)], dim=-1)  # (n, S, k)
+    before = max(len(p) for p in prefixes)
+    index, num, trees, sampled = [], [], [], []
+    for b in range(n):
+        m, shape = len(prefixes[b]), shapes[b]
+        tree = nodes_of_q = None
+        if shape is None or not shape[0]:  # a linear row: its chain
+            nodes = [(d, 0) for d in range(1, num_tokens[b] + 1)]
+        else:
+            nodes, parents = shape
+            if max(d for d, _ in nodes) > num_tokens[b] or max(r for _, r in nodes) >= k:
+                raise InvalidArgumentError(f"row {b}'s tree shape needs more than its {num_tokens[b]} draft steps of "
+                                           f"{k} candidates: {nodes}")
+            tree = TokenTree((-1, *range(m), *(p + m for p in parents)))
+            if sampling[b] and not tree.is_chain:  # its drawn chain's nodes, by depth (parents come first)
+                nodes_of_q = [*range(1, m + 1), *(j + 1 + m for j, (_, r) in enumerate(nodes) if r == 0)]
+            tree = None if tree.is_chain else tree
+        index.append([*range(m), *(before + (d - 1) * k + r for d, r in nodes)])
+        num.append(len(index[-1]))
+        trees.append(tree)
+        sampled.append(nodes_of_q)
+    longest = max(1, max(num))
+    packed = to_device([[*p, *[0] * (before - len(p)), *i, *[0] * (longest - len(i))] for p, i in zip(prefixes, index)],
+                       tokens.device)
+    ids = torch.cat([packed[:, :before], candidates], dim=1).gather(1, packed[:, before:])
+    bits = values.exp().float().contiguous().view(torch.int32).long()
+    return ids, num, trees, sampled, torch.cat([tokens.reshape(-1), bits.reshape(-1)])
+
+
+def read_shapes(values: Sequence[int], n: int, steps: int, k: int) -> tuple[list[list[int]], list[list[list[float]]]]:
+    """``shaped_trees``' ``readback``, read.
+
+    Args:
+        values: Its n S (1 + k) Python ints: n S chain tokens, then n S k float32 probabilities as int32 bits.
+        n, steps, k: Rows, draft steps S and candidates a step.
+
+    Returns:
+        ``(chains, probs)``: per row its S chain tokens; per row and step its k probabilities (rank 0 the chain's).
+    """
+    chains = [list(values[b * steps : (b + 1) * steps]) for b in range(n)]
+    count = n * steps * k
+    flat = struct.unpack(f"{count}f", struct.pack(f"{count}i", *values[n * steps : n * steps + count]))
+    probs = [[list(flat[(b * steps + i) * k : (b * steps + i + 1) * k]) for i in range(steps)] for b in range(n)]
+    return chains, probs
+
+
 def tree_draft(tokens: torch.Tensor, num: list[int], probs: list[torch.Tensor | None] | None, finite, who: str,
-               trees: list[TokenTree | None], sampled: list[list[int] | None]) -> Draft:
-    """The ``Draft`` of rows that ``grow_trees`` grew: a sampling tree row's ``probs`` are cut to its
-    ``sampled`` nodes' rows (``Draft.prob_nodes``); ``trees`` and ``prob_nodes`` are None where no row has any."""
+               trees: list[TokenTree | None], sampled: list[list[int] | None],
+               readback: torch.Tensor | None = None) -> Draft:
+    """The ``Draft`` of rows that ``grow_trees`` or ``shaped_trees`` grew: a sampling tree row's ``probs`` are cut to
+    its ``sampled`` nodes' rows (``Draft.prob_nodes``); ``trees`` and ``prob_nodes`` are None where no row has any;
+    ``readback`` is ``shaped_trees``' (``Draft.readback``)."""
     if probs is not None:
         probs = [q[: len(nodes)] if q is not None and nodes is not None else q for q, nodes in zip(probs, sampled)]
     return Draft(tokens, num, probs, finite, who, trees if any(t is not None for t in trees) else None,
-                 sampled if any(nodes is not None for nodes in sampled) else None)
+                 sampled if any(nodes is not None for nodes in sampled) else None, readback=readback)
 
 
 def check_tree_expand(value: object, depth: int | None) -> int | None:

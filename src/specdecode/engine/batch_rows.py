@@ -169,3 +169,21 @@ def trimmed_blocks(rows, k: list[int], draft, caps: list[int]) -> tuple[list[int
             row.stats.num_gated_steps += n == 0
         kept[b] = n
     return kept, stat_caps
+
+
+def observe_gates(rows, logits: torch.Tensor, gate_rows: list[tuple[int, int, int]]) -> None:
+    """Feed confidence gates the target's probability of each row's new token (one host sync).
+
+    Args:
+        rows: The round's ``BatchRow``s.
+        logits: (n, K + 1, V) the verification's logits (after processors and masks).
+        gate_rows: Per gated row, (row index b, the node its new token follows, the new token).
+    """
+    values = []
+    for b, node, token in gate_rows:
+        row = rows[b]
+        p = torch.softmax(logits[b, node].float(), -1) if row.sampler.greedy else \
+            row.sampler.probs(logits[b, node : node + 1])[0]
+        values.append(p[token])
+    for (b, _, _), p in zip(gate_rows, torch.stack(values).tolist()):
+        rows[b].controller.gate.observe(p)

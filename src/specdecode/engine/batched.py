@@ -51,7 +51,7 @@ from specdecode.engine.banned_rows import mask_batch
 from specdecode.engine.batch_cache import (PREFILL_CHUNK_TOKENS, PREFILL_PAD_MULTIPLE, BatchKVCache, check_graphs,
                                            engine_fast_path, to_device, warm_up_widths)
 from specdecode.engine.batch_requests import BatchRequests
-from specdecode.engine.batch_rows import BatchEvent, trimmed_blocks
+from specdecode.engine.batch_rows import BatchEvent, observe_gates, trimmed_blocks
 from specdecode.engine.batch_runner import BatchRunner
 from specdecode.engine.bucket_functions import check_row_buckets
 from specdecode.engine.cost_model import check_count
@@ -477,7 +477,9 @@ class BatchedSpeculativeDecoder(BatchRequests):
         verdicts = sampled.to_read()
         processed = logits is not target_logits or masked
         choice = greedy_tokens(logits) if processed else greedy[..., 0]  # (n, K + 1): the target's greedy choices
-        host = torch.cat([*parts, *verdicts, choice.flatten(), finite.flatten(), draft_finite.long()])
+        readback = draft.readback if draft is not None else None  # what the drafter reads with the sync
+        host = torch.cat([*parts, *verdicts, choice.flatten(), finite.flatten(),
+                          *([readback] if readback is not None else []), draft_finite.long()])
         # [overlap] the next forward first, where no request can join (or the batch is full: one joins only
         # where a row leaves)
         joinable = bool(self._waiting)
@@ -486,6 +488,10 @@ class BatchedSpeculativeDecoder(BatchRequests):
             self._ahead, host = run_ahead(self.runner, self._reader, host, choice, sampled, rows, starts)
         else:
             host = host.tolist()
+        if readback is not None:
+            at = len(host) - 1 - readback.shape[0]
+            self.drafter.on_readback(host[at:-1])
+            del host[at:-1]
         exit_at = host[n * K : n * K + n] if points is not None else None
         if exit_at is not None:
             del host[n * K : n * K + n]
@@ -571,7 +577,7 @@ class BatchedSpeculativeDecoder(BatchRequests):
             self.stats.num_new_tokens += len(out)
             self._event(events, row, out)
         if gate_rows:
-            self._observe_gates(logits, gate_rows)
+            observe_gates(rows, logits, gate_rows)
         if self.drafter is not None and self.drafter.observes_target:  # [trees] Token Recycling learns
             self.drafter.observe(ids, target_logits, [kb + 1 for kb in k])
         draft_forwards = 0
@@ -592,15 +598,4 @@ class BatchedSpeculativeDecoder(BatchRequests):
             row.stats.decode_time_s += elapsed
             row.stats.warmup_s += compiled
             row.stats.num_draft_forwards += draft_forwards
-
-    def _observe_gates(self, logits: torch.Tensor, gate_rows: list[tuple[int, int, int]]) -> None:
-        """Feed confidence gates the target's probability of each row's new token (one host sync)."""
-        values = []
-        for b, node, token in gate_rows:
-            row = self._rows[b]
-            p = torch.softmax(logits[b, node].float(), -1) if row.sampler.greedy else \
-                row.sampler.probs(logits[b, node : node + 1])[0]
-            values.append(p[token])
-        for (b, _, _), p in zip(gate_rows, torch.stack(values).tolist()):
-            self._rows[b].controller.gate.observe(p)
 

@@ -283,6 +283,9 @@ class Draft:
             row sampled from the draft model, no deterministic tokens before): row b's q is ``[b, :num_tokens[b]]``,
             the rest is padding. The engine's speculative sampling reads it in place of the rows' list
             (``verification.rejection_sample_rows``); None otherwise.
+        readback: (m,) long on the device that the drafter wants read with the round's one host sync and handed
+            to its ``on_readback`` (a tree whose shape the next round takes from this one's values,
+            ``drafters.draft_tree.shaped_trees``); None: nothing.
     """
 
     tokens: torch.Tensor
@@ -297,6 +300,7 @@ class Draft:
     top_probs: torch.Tensor | None = None
     block_ids: torch.Tensor | None = None
     probs_block: torch.Tensor | None = None
+    readback: torch.Tensor | None = None
 
 
 class Drafter(abc.ABC):
@@ -308,7 +312,8 @@ class Drafter(abc.ABC):
     1. ``bind(target_cache)`` once: a drafter with a model of its own makes a cache with the
        same slots and capacity; a self-speculative one keeps the target's.
     2. ``join(slot, prompt_ids, sampler)`` when a row joins, after the target's prefill.
-    3. Each round, ``propose(sequences, max_tokens, exits)`` for all active rows, in slot order.
+    3. Each round, ``propose(sequences, max_tokens, exits)`` for all active rows, in slot order; where its
+       draft has a ``readback``, ``on_readback(values)`` right after the round's host sync.
     4. After verification, ``rollback(num_valid)``: row b's first ``num_valid[b]`` tokens are
        confirmed.
     5. When a row leaves, ``move(src, dst, num_valid)``: the row in slot ``src`` now lives in
@@ -387,6 +392,10 @@ class Drafter(abc.ABC):
         """After a verification: (n, W) ids fed (the pending token, then the draft), (n, W, V) the
         target's logits there (after no processor), ``num_nodes[b]`` the real nodes of row b (the
         rest is padding). Called only when ``observes_target``."""
+
+    def on_readback(self, values: list[int]) -> None:
+        """After the round's host sync: its draft's ``Draft.readback``, read (Python ints). Called only for a draft
+        that has one, before ``rollback``."""
 
     def check_context(self, num_prompt_tokens: int, max_new_tokens: int) -> None:
         """Before a row joins: raise ``InvalidArgumentError`` where a model of the drafter's own could not hold

@@ -130,6 +130,7 @@ class SpeculativeGenerator(ModelPair):
         draft_backend: str | None = None,
         draft_tree_depth: int | None = None,
         draft_tree_expand: int | None = None,
+        draft_tree_shape: str | None = None,
     ) -> Drafter | None:
         """The drafter for ``method`` (None for autoregressive), built by its factory in the method
         registry (``specdecode.method_registry``).
@@ -169,6 +170,10 @@ class SpeculativeGenerator(ModelPair):
                 in one target forward; None: linear drafts. 1 .. ``draft_tree.MAX_TREE_DEPTH``.
             draft_tree_expand: M for "draft", with ``draft_tree_depth``: EAGLE-2's expansion instead of the
                 chain, the M best nodes of each depth expanded by one draft tree forward (D - 1 of them).
+            draft_tree_shape: With ``draft_tree_depth``, how each round's tree is shaped: "per-round" (from the
+                round's own draft values, one host sync in the drafter) or "previous-round" (from the row's
+                earlier rounds, nothing read before the verification); None: the device's default
+                (``drafters.draft_tree.default_tree_shape``: previous-round on CUDA, per-round elsewhere).
 
         Options a method does not use are ignored, so one set of options can serve
         several methods (as in ``specdecode bench``); ``draft_vocab_size``,
@@ -194,7 +199,7 @@ class SpeculativeGenerator(ModelPair):
             prompt_lookup_datastore=prompt_lookup_datastore,
             draft_vocab_size=draft_vocab_size, ngram_check=ngram_check, draft_context_window=draft_context_window,
             max_model_prompt_tokens=max_model_prompt_tokens, compile=compile, draft_backend=draft_backend,
-            draft_tree_depth=draft_tree_depth, draft_tree_expand=draft_tree_expand,
+            draft_tree_depth=draft_tree_depth, draft_tree_expand=draft_tree_expand, draft_tree_shape=draft_tree_shape,
         )
         return method_registry.make_drafter(self, method, options)
 
@@ -232,6 +237,7 @@ class SpeculativeGenerator(ModelPair):
         draft_backend: str | None = None,
         draft_tree_depth: int | None = None,
         draft_tree_expand: int | None = None,
+        draft_tree_shape: str | None = None,
     ) -> SpeculativeDecoder:
         """A ``SpeculativeDecoder`` over the target with the drafter of ``method``.
 
@@ -242,7 +248,7 @@ class SpeculativeGenerator(ModelPair):
                 forwards are kept per model in this generator and reused by later decoders.
             draft_control: Adaptive draft exit, length schedule and confidence gating
                 (``specdecode.drafters.control.DraftControl``); ignored by "autoregressive".
-            skip_set .. max_model_prompt_tokens, draft_backend, draft_tree_depth, draft_tree_expand: See
+            skip_set .. max_model_prompt_tokens, draft_backend, draft_tree_depth .. draft_tree_shape: See
                 ``make_drafter``.
 
         A llama.cpp target with no ``draft_control``: draft lengths from its measured costs and, for
@@ -270,6 +276,7 @@ class SpeculativeGenerator(ModelPair):
             draft_backend=draft_backend,
             draft_tree_depth=draft_tree_depth,
             draft_tree_expand=draft_tree_expand,
+            draft_tree_shape=draft_tree_shape,
         )
         llama = self.backend == "llama-cpp"  # the target in llama.cpp: one row, nothing compiled (runner_target)
         draft_control = self._measured_policy(method, draft_control, drafter)
@@ -322,6 +329,7 @@ class SpeculativeGenerator(ModelPair):
         draft_backend: str | None = None,
         draft_tree_depth: int | None = None,
         draft_tree_expand: int | None = None,
+        draft_tree_shape: str | None = None,
         row_buckets: Sequence[int] | None = None,
         shared_prefill: bool | None = None,
         overlap_rounds: bool | None = None,
@@ -339,7 +347,7 @@ class SpeculativeGenerator(ModelPair):
                 (on a CPU ``BATCH_VERIFY_TOKENS_CPU``, or the longest block + 1 where that is more,
                 so a lone row drafts what ``decoder``'s one-row engine drafts; no limit on other
                 devices, not measured).
-            skip_set .. draft_vocab_size, draft_tree_depth, draft_tree_expand: See ``make_drafter`` (a tree's
+            skip_set .. draft_vocab_size, draft_tree_depth .. draft_tree_shape: See ``make_drafter`` (a tree's
                 nodes count against ``num_speculative_tokens`` and ``max_verify_tokens``).
             compile: The batched fast path (compiled (rows, width) buckets, CUDA graphs on CUDA):
                 True, False, or None for the device's default (``BatchedSpeculativeDecoder``).
@@ -369,6 +377,7 @@ class SpeculativeGenerator(ModelPair):
             ngram_check=ngram_check, max_model_prompt_tokens=max_model_prompt_tokens,
             draft_context_window=draft_context_window, draft_vocab_size=draft_vocab_size,
             draft_backend=draft_backend, draft_tree_depth=draft_tree_depth, draft_tree_expand=draft_tree_expand,
+            draft_tree_shape=draft_tree_shape,
         ))
         control = self._measured_policy(method, draft_control, drafter) if drafter is not None else None
         check_drafter_compilable(drafter, resolve_compile(compile, target.device))

@@ -25,7 +25,7 @@ from specdecode import defaults, method_registry
 from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS
 from specdecode.defaults import LLAMA_CPP_COMMAND_METHOD
 from specdecode.drafters.control import DraftControl
-from specdecode.drafters.draft_tree import MAX_TREE_DEPTH
+from specdecode.drafters.draft_tree import MAX_TREE_DEPTH, TREE_SHAPES
 from specdecode.engine.runner_target import ONE_SEQUENCE
 from specdecode.errors import InvalidArgumentError, SpecDecodeError
 from specdecode.method_registry import who_takes
@@ -151,6 +151,9 @@ def add_arguments(p: argparse.ArgumentParser, *, default_target: str, default_dr
                    help="draft, with --draft-tree-depth: EAGLE-2's dynamic tree, the M best nodes of each depth "
                         "expanded by one draft tree forward (greedy rows; a round with a sampling row grows the chain's "
                         "trees)")
+    p.add_argument("--draft-tree-shape", choices=TREE_SHAPES, default=None,
+                   help="draft and cascade, with --draft-tree-depth: per-round or previous-round shapes, as specdecode "
+                        "generate; default: previous-round on CUDA, else per-round")
     p.add_argument("--ngram-check", action=argparse.BooleanOptionalAction, default=True,
                    help="cascade: keep only the n-gram tokens the draft model would draft itself (default); "
                         "--no-ngram-check proposes the whole match")
@@ -213,6 +216,9 @@ def _check_draft_options(args) -> None:
                                    f"not to {args.method!r}")
     if args.draft_tree_expand is not None and args.draft_tree_depth is None:
         raise InvalidArgumentError(f"--draft-tree-expand {args.draft_tree_expand} expands a draft tree: give "
+                                   "--draft-tree-depth D too")
+    if getattr(args, "draft_tree_shape", None) is not None and args.draft_tree_depth is None:
+        raise InvalidArgumentError(f"--draft-tree-shape {args.draft_tree_shape} shapes a draft tree: give "
                                    "--draft-tree-depth D too")
     if args.draft_tree_depth is not None and args.adaptive_draft_exit:
         raise InvalidArgumentError("--draft-tree-depth with --adaptive-draft-exit: a row with an exit policy drafts a linear chain, "
@@ -413,7 +419,8 @@ def build_decoder(gen, args, plan: ServePlan, *, max_length: int | None = None, 
         ngram_check=args.ngram_check, max_model_prompt_tokens=plan.max_model_prompt_tokens,
         draft_context_window=args.draft_context_window, draft_vocab_size=args.draft_vocab_size,
         prompt_lookup_branches=args.prompt_lookup_branches, draft_tree_depth=args.draft_tree_depth,
-        draft_tree_expand=args.draft_tree_expand, prompt_lookup_datastore=args.prompt_lookup_datastore,
+        draft_tree_expand=args.draft_tree_expand, draft_tree_shape=args.draft_tree_shape,
+        prompt_lookup_datastore=args.prompt_lookup_datastore,
     )
 
 
