@@ -74,18 +74,18 @@ from specdecode.drafters.base import Drafter, draft_batch, draft_views, first_fo
 from specdecode.drafters.control import check_optional_count
 from specdecode.drafters.draft_head import DraftHead
 from specdecode.drafters.draft_tree import (
-    RankEstimates,
-    check_tree_shape,
-    default_tree_shape,
-    read_shapes,
-    shape_nodes,
-    shaped_trees,
     TREE_TOP_K,
+    RankEstimates,
     TopK,
     check_tree_depth,
     check_tree_expand,
+    check_tree_shape,
+    default_tree_shape,
     expand_trees,
     grow_trees,
+    read_shapes,
+    shape_nodes,
+    shaped_trees,
     tree_draft,
 )
 from specdecode.engine.batch_cache import BatchKVCache, batch_prefill, to_device, warm_up_forwards, warm_up_widths
