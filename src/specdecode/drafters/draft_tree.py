@@ -112,7 +112,7 @@ def check_tree_shape(value: object) -> str | None:
 def default_tree_shape(device) -> str:
     """The shape a tree takes where none is given: "previous-round" on CUDA, where the drafter's read of each
     round's values would stall the queue of graphs; "per-round" elsewhere, where a read costs no wait and
-    per-round's τ measured 0.6-1.5% higher (``docs/benchmarks/2026-11-29-tree-shape.md``)."""
+    per-round's τ measured up to about 1.5% higher (``docs/benchmarks/2026-11-29-tree-shape.md``)."""
     return "previous-round" if torch.device(device).type == "cuda" else "per-round"
 
 
