@@ -291,7 +291,7 @@ def test_sampling_check_catches_sampling_from_the_draft(small_model, monkeypatch
     config = GenerationConfig(max_new_tokens=4, num_speculative_tokens=3, stop_on_eos=False, temperature=1.0)
     exact = exact_marginals(small_model, PROMPT, config, V_SMALL)
 
-    def accept_all(samplers, probs, drafted, num_tokens, draft_probs, contain_errors=False):
+    def accept_all(samplers, probs, drafted, num_tokens, draft_probs, contain_errors=False, cut=None):
         tokens = [s.sample(probs[j, k : k + 1]) for j, (s, k) in enumerate(zip(samplers, num_tokens))]
         return torch.stack([torch.tensor(num_tokens), torch.cat(tokens)], dim=1), {}
 

@@ -17,7 +17,7 @@ from specdecode.drafters.cascade import CascadeDrafter
 from specdecode.drafters.control import AdaptiveDraftExit, DraftControl
 from specdecode.engine.batch_runner import BatchRunner
 from specdecode.engine.batched import BatchedSpeculativeDecoder
-from specdecode.engine.draft_exit import exit_points, observe_exits
+from specdecode.engine.draft_exit import exit_blocks, exit_points, observe_exits
 from specdecode.engine.fast_path import ModelRunner
 from specdecode.engine.speculation_cost import SpeculationCostController
 from specdecode.errors import InvalidArgumentError
@@ -112,6 +112,26 @@ def test_observe_cuts_masked_rows_at_their_exit_point_or_the_batchs_latest():
     assert observe_exits(exits + [None], [6, 6, 5, 3], [2, 4, 7, 1], "row") == [2, 4, 5, 3]
     assert observe_exits(exits, [6, 6, 3], [2, 4, 7], "batch") == [4, 4, 3]  # the loop's end: row 1's 4
     assert observe_exits(exits[:2], [6, 6], [2, 3], "batch") == [3, 3]
+
+
+def test_exit_blocks_on_the_device_are_the_blocks_observe_keeps():
+    """``exit_blocks`` (before the read, on the device) gives every row the block ``observe_exits`` keeps once the
+    points are read: masked rows, other modes, rows without an exit or without tokens, both rules."""
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        n = int(torch.randint(1, 6, (1,), generator=generator))
+        drafted = torch.randint(0, 7, (n,), generator=generator).tolist()
+        points = [int(torch.randint(1, k + 3, (1,), generator=generator)) for k in drafted]
+        kinds = torch.randint(0, 3, (n,), generator=generator).tolist()  # no exit, masked, previous-round
+        exits = []
+        for kind in kinds:
+            e = AdaptiveDraftExit(0.5, max_draft_tokens=8) if kind else None
+            if e is not None:
+                e.mode = "masked" if kind == 1 else "previous-round"
+            exits.append(e)
+        for rule in ("row", "batch"):
+            on_device = exit_blocks(torch.tensor(points), exits, drafted, rule).tolist()
+            assert on_device == observe_exits(exits, drafted, points, rule), (drafted, points, kinds, rule)
 
 
 def test_exit_points_are_the_first_unsure_position_per_row():

@@ -18,9 +18,10 @@ The bounds, greedy decoding, no adaptive exit:
   (``tree_shape="previous-round"``, CUDA's default): as the linear drafts. With "per-round" shapes (a CPU's
   default) the drafter reads each round's values once more (``drafters.draft_tree.grow_trees``).
 
-Sampling rows (the batched engine, B = 4): one sync per round; two where some blocks are known only after the
-first (an exit read with it, banned words' cut), whose rows are then sampled together, or where a draft model's
-trees are grown from each round's own values ("per-round").
+Sampling rows (the batched engine, B = 4): one sync per round, an exit read with it included (each row's kept
+block cut on the device, ``draft_exit.exit_blocks``); two where some blocks are known only after the first (banned
+words' cut, matched on the host), whose rows are then sampled together, or where a draft model's trees are grown
+from each round's own values ("per-round").
 """
 
 from __future__ import annotations
@@ -169,9 +170,10 @@ def test_one_host_sync_per_round_on_the_fast_path(method, monkeypatch):
 def test_sampling_rounds_read_back_once_and_once_more_for_blocks_known_after_the_read(case, monkeypatch):
     """Batched rounds with three sampling rows (each its own settings and seed, or rows 0 and 2 without a seed,
     drawing together) and a greedy one: their speculative sampling is decided on the device and read with the
-    round's one sync, token trees (a draft model's, with its drawn path; prompt lookup's branches, without q)
-    included; where blocks are known only after it (an exit read with the sync, ``exit_mode="masked"``, or
-    banned words' cut), every such row is sampled together and read with one more sync, not one per row."""
+    round's one sync, token trees (a draft model's, with its drawn path; prompt lookup's branches, without q) and
+    blocks cut at an exit read with the sync (``exit_mode="masked"``: the cut made on the device) included; where
+    blocks are known only after it (banned words' cut), every such row is sampled together and read with one more
+    sync, not one per row."""
     target = make_tiny_model("llama", num_layers=3)
     draft = perturbed_copy(target, noise=0.3, seed=1)
     control = DraftControl(adaptive_exit=True, exit_mode="masked") if case.endswith("masked-exit") else None
@@ -215,6 +217,6 @@ def test_sampling_rounds_read_back_once_and_once_more_for_blocks_known_after_the
     # two: blocks known after the read; or a draft model's tree, grown on the host from its chain's values (one
     # sync in the drafter, ``draft_tree.grow_trees``), then verified and read with the round's one; one with shapes
     # chosen before the round (``draft_tree.shaped_trees``)
-    per_round = 2 if case.endswith(("masked-exit", "banned-words")) or case in ("sampling+trees",
+    per_round = 2 if case.endswith("banned-words") or case in ("sampling+trees",
                                                                                   "sampling+unseeded+trees") else 1
     assert counter.count <= per_round * len(rounds), f"{counter.count} host syncs in {len(rounds)} rounds"

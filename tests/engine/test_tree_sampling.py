@@ -17,6 +17,7 @@ from specdecode.drafters.draft_tree import TREE_SHAPES, TREE_TOP_K, TopK, grow_t
 from specdecode.drafters.token_recycling import TokenRecyclingDrafter
 from specdecode.engine.batched import BatchedSpeculativeDecoder
 from specdecode.engine.sampling import Sampler, race
+from specdecode.engine.stats import SpecDecodingStats
 from specdecode.engine.tree import TokenTree
 from specdecode.engine.tree_sampling import tree_rejection_sample, tree_rejection_sample_rows
 from specdecode.errors import InvalidArgumentError
@@ -260,6 +261,46 @@ def test_a_shape_whose_runner_up_outranks_the_drawn_token_keeps_the_law(budget, 
     first = shapes[0][0]  # the first round's shape of its one row: (nodes, parents)
     assert first == ([(1, 0)], [0]) if budget == 1 else first == ([(1, 0), (2, 0), (1, 1)], [0, 1, 0]), first
     assert _within(counts / N, want, N)
+
+
+def test_sampling_rows_cut_at_a_masked_exit_on_the_device_keep_the_law(monkeypatch):
+    """``exit_mode="masked"``: each row's block is cut at its first unsure token on the device
+    (``draft_exit.exit_blocks``) and sampled with the round's other rows, before its one sync. A cut row whose kept
+    tokens are all accepted draws its next token from p there, not from a residual: the first three tokens of the
+    sampling row follow the target's law, and the greedy row beside it is the target's greedy output."""
+    from specdecode.drafters.control import DraftControl
+    from specdecode.engine import verification
+
+    vocab, n = 8, 500
+    model, draft, prompts = spread_pair(vocab)
+    cuts, verify = [], verification.rejection_sample_rows
+
+    def spied(samplers, probs, drafted, num_tokens, draft_probs, contain_errors=False, cut=None):
+        cuts.append(cut is not None and bool((cut < torch.tensor(num_tokens)).any()))  # a block cut on the device
+        return verify(samplers, probs, drafted, num_tokens, draft_probs, contain_errors, cut)
+
+    monkeypatch.setattr(verification, "rejection_sample_rows", spied)
+    blocks, record = [], SpecDecodingStats.record_block
+    monkeypatch.setattr(SpecDecodingStats, "record_block", lambda self, kb, a, *r: (
+        blocks.append((kb, a)), record(self, kb, a, *r))[1])
+    sampling = GenerationConfig(max_new_tokens=6, stop_on_eos=False, temperature=1.0)
+    greedy = GenerationConfig(max_new_tokens=6, stop_on_eos=False, temperature=0.0)
+    expected = SpeculativeDecoder(model).generate(torch.tensor([prompts[0]]), greedy).token_ids
+    control = DraftControl(adaptive_exit=True, exit_mode="masked")
+    dec = BatchedSpeculativeDecoder(model, DraftModelDrafter(draft), max_batch_size=2, max_length=32,
+                                    num_speculative_tokens=4, draft_control=control)
+    firsts = torch.zeros((n, 3), dtype=torch.long)
+    for i in range(n):
+        rows = dec.generate(prompts, [greedy, dataclasses.replace(sampling, seed=i)])
+        assert rows[0].token_ids == expected
+        firsts[i] = torch.tensor(rows[1].token_ids[:3])
+    assert sum(cuts) > n // 10, "blocks must be cut on the device often for this test to mean anything"
+    assert all(a <= kb for kb, a in blocks), "a row accepted tokens past its kept block"
+    freq = {f"x{j + 1}": torch.bincount(firsts[:, j], minlength=vocab).double() / n for j in range(3)}
+    pairs = torch.bincount(firsts[:, 0] * vocab + firsts[:, 1], minlength=vocab**2)
+    freq["x1x2"] = pairs.double().view(vocab, vocab) / n
+    config = dataclasses.replace(sampling, max_new_tokens=3)
+    assert violations(exact_marginals(model, prompts[1], config, vocab), freq, n) == []
 
 
 @pytest.mark.parametrize("shape", TREE_SHAPES)

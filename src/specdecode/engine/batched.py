@@ -9,10 +9,10 @@ Each round (Medusa's four steps, for every active row at once):
    token and its draft, padded on the right. Each row continues at its own position
    in the ``batch_cache.BatchKVCache`` (per-row position ids and attention masks), so
    its logits are those it would get alone. Greedy rows accept the longest prefix
-   equal to the target's argmax; sampling rows run speculative sampling with their
-   own temperature, top-k, top-p and ``torch.Generator`` (Leviathan et al. 2022), on the
-   device (``verification.sample_rows``), read back with the round's one host sync (rows whose
-   blocks are known only after it, a read-free exit's or a banned word's cut: together, with one more);
+   equal to the target's argmax; sampling rows run speculative sampling with their own temperature, top-k,
+   top-p and ``torch.Generator`` (Leviathan et al. 2022), on the device (``verification.sample_rows``), read back
+   with the round's one host sync (a "masked" exit's cut made on the device, ``draft_exit.exit_blocks``; rows
+   whose blocks are known only after it, a banned word's cut: together, with one more);
 3. **accept**: each row's length grows by its own n_b + 1; rejected and padded
    positions stay in the cache past the row's length and are overwritten by the next
    round (never copied);
@@ -55,7 +55,7 @@ from specdecode.engine.batch_rows import BatchEvent, observe_gates, trimmed_bloc
 from specdecode.engine.batch_runner import BatchRunner
 from specdecode.engine.bucket_functions import check_row_buckets
 from specdecode.engine.cost_model import check_count
-from specdecode.engine.draft_exit import exit_points, observe_exits
+from specdecode.engine.draft_exit import exit_blocks, exit_points, observe_exits
 from specdecode.engine.fast_path import default_compile
 from specdecode.engine.overlap import HostReader, can_run_ahead, engine_overlap_rounds, run_ahead, taken
 from specdecode.engine.processors import process_rows
@@ -66,7 +66,7 @@ from specdecode.engine.sampling import (check_finite, greedy_tokens, logits_widt
 from specdecode.engine.shared_prefill import admit_shared, engine_shared_prefill, load_prompt_cache
 from specdecode.engine.stats import SpecDecodingStats
 from specdecode.engine.tree import TokenTree, greedy_tree_verify, round_trees
-from specdecode.engine.verification import SampledRows, greedy_epilogue, greedy_verify, sample_rows
+from specdecode.engine.verification import greedy_epilogue, greedy_verify, sample_rows
 from specdecode.errors import INVALID_DISTRIBUTION, InvalidArgumentError
 
 logger = logging.getLogger(__name__)
@@ -472,8 +472,9 @@ class BatchedSpeculativeDecoder(BatchRequests):
         # [sampling] rows whose block is known before the read sample on the device: (accepted, next token)
         block = draft.probs_block if draft is not None and probs is draft.probs else None  # the q's as one tensor
         prob_nodes = draft.prob_nodes if draft is not None else None
+        cut = exit_blocks(points, exits, k, self.exit_rule) if points is not None else None  # [exits] kept blocks
         sampled = sample_rows(rows, logits, finite, ids, k, trees, probs, self.contain_errors, probs_block=block,
-                              prob_nodes=prob_nodes) if points is None else SampledRows()
+                              prob_nodes=prob_nodes, cut=cut)
         verdicts = sampled.to_read()
         processed = logits is not target_logits or masked
         choice = greedy_tokens(logits) if processed else greedy[..., 0]  # (n, K + 1): the target's greedy choices
@@ -488,10 +489,9 @@ class BatchedSpeculativeDecoder(BatchRequests):
             self._ahead, host = run_ahead(self.runner, self._reader, host, choice, sampled, rows, starts)
         else:
             host = host.tolist()
-        if readback is not None:
-            at = len(host) - 1 - readback.shape[0]
-            self.drafter.on_readback(host[at:-1])
-            del host[at:-1]
+        if readback is not None:  # the drafter's values, just before the draft's finiteness flag
+            self.drafter.on_readback(host[len(host) - 1 - readback.shape[0] : -1])
+            del host[len(host) - 1 - readback.shape[0] : -1]
         exit_at = host[n * K : n * K + n] if points is not None else None
         if exit_at is not None:
             del host[n * K : n * K + n]
@@ -512,7 +512,7 @@ class BatchedSpeculativeDecoder(BatchRequests):
         late = [b for b, row in enumerate(rows) if not row.sampler.greedy and b not in decided
                 and b not in sampled.errors
                 and all(flags[b * (K + 1) : b * (K + 1) + blocks[b] + 1])]  # a row with non-finite logits fails below
-        if late:  # [sampling] blocks known only after the read (a banned word's cut, a read-free exit's)
+        if late:  # [sampling] blocks known only after the read (a banned word's cut)
             more = sample_rows(rows, logits, finite, ids, blocks, trees, probs, self.contain_errors, live=late,
                                probs_block=block, prob_nodes=prob_nodes)
             if more.rows:  # the round's second host sync, for all of them

@@ -6,7 +6,10 @@ it launches the next step, one host sync per drafted token. On CUDA that read st
 (issue 28: nothing is read back between draft steps). Two modes keep a greedy round's steps on the device
 (a round with a sampling row still checks each step's logits on the host); the draft carries each step's
 top probability (``Draft.top_probs``), and the engine reads where each row's first unsure token is
-(``exit_points``) with the round's one sync. On the fast path their steps run as one graph where the
+(``exit_points``) with the round's one sync. A sampling row's block is cut on the device before that sync
+(``exit_blocks``, what ``observe_exits`` keeps once the points are read) and sampled with the round's other rows
+(``verification.rejection_sample_rows``' ``cut``; the row draws the uniforms of every token it drafted, so a seeded
+row's draws differ from "per-step"'s, its law does not). On the fast path their steps run as one graph where the
 round drafts the engine's longest block (``BatchRunner.draft_steps``):
 
 * **"masked"**: every row drafts its cap (the exit's ``max_draft_tokens``); its block is cut after its
@@ -58,6 +61,28 @@ def exit_points(top_probs: torch.Tensor, exits: Sequence[ExitPolicy | None]) -> 
     unsure = top_probs.double() < thresholds  # (n, K)
     first = unsure.long().argmax(dim=1) + 1  # argmax gives the first of equal values
     return torch.where(unsure.any(dim=1), first, torch.full_like(first, width + 1))
+
+
+def exit_blocks(points: torch.Tensor, exits: Sequence[ExitPolicy | None], num_drafted: Sequence[int],
+                exit_rule: str) -> torch.Tensor:
+    """On the device, before the round's sync: per row, the tokens of its block that ``observe_exits`` will keep, so
+    that its speculative sampling runs with the round's other rows and is read with their one sync.
+
+    Args:
+        points: (n,) long, ``exit_points`` (on the device).
+        exits, num_drafted, exit_rule: As ``observe_exits``'s.
+
+    Returns:
+        (n,) long on ``points``' device: k_b, or less for a "masked" row cut at its exit point (under "batch", the
+        latest of the rows' ends), as ``observe_exits`` returns once the points are read.
+    """
+    n, device = len(exits), points.device
+    host = [*num_drafted, *(int(e is not None and k > 0) for e, k in zip(exits, num_drafted)),
+            *(int(e is not None and k > 0 and e.mode == "masked") for e, k in zip(exits, num_drafted))]
+    k, has_exit, masked = to_device(host, device).split(n)  # one host-to-device copy
+    ends = torch.where(has_exit.bool() & (points <= k), points, k)  # a row's end: its exit point, or k_b
+    cut = ends if exit_rule == "row" else ends.max().expand(n)
+    return torch.where(masked.bool(), torch.minimum(k, cut), k)
 
 
 def observe_exits(exits: Sequence[ExitPolicy | None], num_drafted: Sequence[int], points: Sequence[int],

@@ -146,7 +146,8 @@ class SampledRows:
 
 def rejection_sample_rows(samplers: Sequence[Sampler], probs: torch.Tensor, drafted: torch.Tensor,
                           num_tokens: Sequence[int], draft_probs: torch.Tensor | Sequence[torch.Tensor | None] | None,
-                          contain_errors: bool = False) -> tuple[torch.Tensor, dict[int, Exception]]:
+                          contain_errors: bool = False,
+                          cut: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[int, Exception]]:
     """Speculative sampling of m rows at once, each with its own block length k_j and sampler
     (Leviathan et al. 2022, Algorithm 1; the batch layout of vLLM's rejection sampler). The acceptance test,
     the accepted counts, the residual ``norm(max(0, p_n - q_n))`` and the bonus law are computed for every row
@@ -170,6 +171,9 @@ def rejection_sample_rows(samplers: Sequence[Sampler], probs: torch.Tensor, draf
             drafter's row (a one-hot q), padded into that layout here; None altogether: every row's is one-hot.
         contain_errors: True: a row whose draws (its uniforms or its token) raise is left out and reported; False:
             the error propagates.
+        cut: (m,) long on the device, each row's block as verified, at most its k_j (a block cut at an exit point
+            known only on the device, ``draft_exit.exit_blocks``): tokens past it are neither accepted nor used; the
+            row still draws the uniforms of its k_j tokens. None: every row's k_j.
 
     Returns:
         ((m', 2) long on the device, per row in order the accepted draft tokens and the next token (-1 where the
@@ -213,13 +217,14 @@ def rejection_sample_rows(samplers: Sequence[Sampler], probs: torch.Tensor, draf
         draws = [[drawing[i] for i in group] for group in generator_groups([samplers[j] for j in drawing])]
         flat = [j * gamma + i for rows in draws for j in rows
                 for i in range(num_tokens[j] if len(rows) == 1 else gamma)]
-        full = all(k == gamma for k in num_tokens)  # every row drafted γ: nothing to mask, no k_j on the device
+        full = cut is None and all(k == gamma for k in num_tokens)  # every row drafted γ: nothing to mask
         in_order = bool(flat) and flat == list(range(m * gamma))  # the draws fill the (m, γ) layout as they come
         one_hots = deterministic if q_block is not None else []
         # one copy of what the device needs: k_j per row, the uniforms' places in (m, γ), the one-hot q's rows
         host = ([] if full else list(num_tokens), [] if in_order else flat, one_hots)
         packed = to_device([*host[0], *host[1], *host[2]], device) if any(host) else None
         k, flat_index, one_hot = packed.split([len(h) for h in host]) if packed is not None else (None, None, None)
+        k = torch.minimum(k, cut) if cut is not None else k  # the verified blocks
         drawn = [draw_uniforms(samplers, rows, num_tokens[rows[0]] if len(rows) == 1 else gamma, device,
                            failed if contain_errors else None) for rows in draws]
         if in_order:
@@ -283,7 +288,7 @@ def _padded(rows: Sequence[torch.Tensor | None] | None, num_tokens: Sequence[int
 def sample_rows(rows, logits: torch.Tensor, finite: torch.Tensor, ids: torch.Tensor, num_tokens: list[int], trees,
                 draft_probs, contain_errors: bool, live: Sequence[int] | None = None,
                 probs_block: torch.Tensor | None = None,
-                prob_nodes: Sequence[list[int] | None] | None = None) -> SampledRows:
+                prob_nodes: Sequence[list[int] | None] | None = None, cut: torch.Tensor | None = None) -> SampledRows:
     """The batched round's speculative sampling on the device, by default for each sampling row whose block is
     final before the round's read (no banned words, whose cut needs the draft on the host): linear blocks by
     ``rejection_sample_rows``, token trees by ``tree_sampling.tree_rejection_sample_rows``. Rows that share their
@@ -305,6 +310,8 @@ def sample_rows(rows, logits: torch.Tensor, finite: torch.Tensor, ids: torch.Ten
             block is final before the read.
         probs_block: ``draft_probs`` as one (n, S, V) tensor (``Draft.probs_block``), read in their place; or None.
         prob_nodes: Per tree row, the nodes whose q's are its ``draft_probs`` rows (``Draft.prob_nodes``); None.
+        cut: (n,) long on the device, each linear row's block as verified, at most k_b (exits read with the sync,
+            ``draft_exit.exit_blocks``; ``rejection_sample_rows``), or None: k_b.
 
     Returns:
         The rows decided, their verdicts (accepted draft tokens, next token) and tree paths, and the message of
@@ -359,7 +366,9 @@ def sample_rows(rows, logits: torch.Tensor, finite: torch.Tensor, ids: torch.Ten
                 probs_block.index_select(0, to_device(at, logits.device))
         verdicts, failed = rejection_sample_rows([samplers[j] for j in linear], subset(linear, probs),
                                                  subset(linear, live_ids, list(range(len(live)))),
-                                                 [num_tokens[live[j]] for j in linear], q, contain_errors)
+                                                 [num_tokens[live[j]] for j in linear], q, contain_errors,
+                                                 cut.index_select(0, to_device(at, cut.device)) if cut is not None
+                                                 else None)
         parts.append(([live[j] for j in linear], verdicts, failed))
     if grown:
         q = [_by_node(probs_block, draft_probs, prob_nodes, live[j]) for j in grown]
