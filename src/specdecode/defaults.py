@@ -178,11 +178,10 @@ def add_exit_mode_flag(parser) -> None:
 
 
 DRAFT_EXIT_MODE_HELP = ("with --adaptive-draft-exit, how the exit reads the draft's confidence: per-step (default: "
-                        "after each draft token, stopping at the first unsure one), masked (in greedy rounds "
-                        "nothing read between draft steps: the whole cap drafted, cut after the first unsure "
-                        "token with the round's one read), previous-round (in greedy rounds nothing read between "
-                        "draft steps: each block as long as the previous round's up to its first unsure token, "
-                        "kept whole)")
+                        "after each draft token, stopping at the first unsure one), masked (nothing read between "
+                        "draft steps: the whole cap drafted, cut after the first unsure token on the device, read "
+                        "with the round's one read), previous-round (nothing read between draft steps: each block "
+                        "as long as the previous round's up to its first unsure token, kept whole)")
 
 def check_exit_mode_flag(mode: str, adaptive: bool) -> None:
     """generate's and serve's ``--draft-exit-mode``: anything but the default needs the adaptive draft exit on.

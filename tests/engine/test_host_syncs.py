@@ -164,7 +164,8 @@ def test_one_host_sync_per_round_on_the_fast_path(method, monkeypatch):
         assert len(staged) >= num_rounds - 2  # every round but the last ones ran its successor ahead
 
 
-@pytest.mark.parametrize("case", ["sampling", "sampling+unseeded", "sampling+masked-exit", "sampling+banned-words",
+@pytest.mark.parametrize("case", ["sampling", "sampling+unseeded", "sampling+masked-exit",
+                                  "sampling+previous-round-exit", "sampling+banned-words",
                                   "sampling+trees", "sampling+unseeded+trees", "sampling+lookup-trees",
                                   "sampling+shaped-trees", "sampling+unseeded+shaped-trees"])
 def test_sampling_rounds_read_back_once_and_once_more_for_blocks_known_after_the_read(case, monkeypatch):
@@ -176,7 +177,8 @@ def test_sampling_rounds_read_back_once_and_once_more_for_blocks_known_after_the
     sync, not one per row."""
     target = make_tiny_model("llama", num_layers=3)
     draft = perturbed_copy(target, noise=0.3, seed=1)
-    control = DraftControl(adaptive_exit=True, exit_mode="masked") if case.endswith("masked-exit") else None
+    control = DraftControl(adaptive_exit=True, exit_mode="masked") if case.endswith("masked-exit") else \
+        DraftControl(adaptive_exit=True, exit_mode="previous-round") if case.endswith("previous-round-exit") else None
     banned = ("w5", "w9", "w17", "w30 w31") if case.endswith("banned-words") else ()
     drafter = PromptLookupDrafter(branches=3) if case.endswith("lookup-trees") else \
         _shaped(DraftModelDrafter(draft, tree_depth=2)) if case.endswith("shaped-trees") else \

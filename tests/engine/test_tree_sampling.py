@@ -276,7 +276,7 @@ def test_sampling_rows_cut_at_a_masked_exit_on_the_device_keep_the_law(monkeypat
     cuts, verify = [], verification.rejection_sample_rows
 
     def spied(samplers, probs, drafted, num_tokens, draft_probs, contain_errors=False, cut=None):
-        cuts.append(cut is not None and bool((cut < torch.tensor(num_tokens)).any()))  # a block cut on the device
+        cuts.append(cut is not None and bool((cut < torch.tensor(num_tokens, device=cut.device)).any()))  # a cut
         return verify(samplers, probs, drafted, num_tokens, draft_probs, contain_errors, cut)
 
     monkeypatch.setattr(verification, "rejection_sample_rows", spied)

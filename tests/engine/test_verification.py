@@ -336,6 +336,8 @@ def test_rejection_sample_rows_first_token_law_and_refusals():
     assert not _within(drafted_counts / N, p[0, 0], N)
     with pytest.raises(InvalidArgumentError, match=r"block lengths \[1, 2\] must lie in 0..1"):
         rejection_sample_rows(samplers, p, torch.zeros((2, 1), dtype=torch.long), [1, 2], None)
+    with pytest.raises(InvalidArgumentError, match=r"cut \(1,\) for 2 rows: must be \(2,\)"):
+        rejection_sample_rows(samplers, p, torch.zeros((2, 1), dtype=torch.long), [1, 1], None, cut=torch.ones(1))
     with pytest.raises(InvalidArgumentError, match=r"1 samplers, 2 block lengths and drafted \(2, 1\)"):
         rejection_sample_rows(samplers[:1], p, torch.zeros((2, 1), dtype=torch.long), [1, 1], None)
     with pytest.raises(InvalidArgumentError, match=r"draft_probs \[\(0, 6\), None\] for block lengths \[1, 1\]"):

@@ -472,7 +472,8 @@ class BatchedSpeculativeDecoder(BatchRequests):
         # [sampling] rows whose block is known before the read sample on the device: (accepted, next token)
         block = draft.probs_block if draft is not None and probs is draft.probs else None  # the q's as one tensor
         prob_nodes = draft.prob_nodes if draft is not None else None
-        cut = exit_blocks(points, exits, k, self.exit_rule) if points is not None else None  # [exits] kept blocks
+        cut = exit_blocks(points, exits, k, self.exit_rule) if points is not None and any(
+            e is not None and e.mode == "masked" for e in exits) else None  # [exits] masked rows' kept blocks
         sampled = sample_rows(rows, logits, finite, ids, k, trees, probs, self.contain_errors, probs_block=block,
                               prob_nodes=prob_nodes, cut=cut)
         verdicts = sampled.to_read()

@@ -3,9 +3,9 @@
 Draft & Verify's exit (Zhang et al. 2023, Sec. 3.3) stops drafting after the first token whose draft top
 probability is below a threshold: read as written, the host reads every draft step's probability before
 it launches the next step, one host sync per drafted token. On CUDA that read stalls the queue of graphs
-(issue 28: nothing is read back between draft steps). Two modes keep a greedy round's steps on the device
-(a round with a sampling row still checks each step's logits on the host); the draft carries each step's
-top probability (``Draft.top_probs``), and the engine reads where each row's first unsure token is
+(issue 28: nothing is read back between draft steps). Two modes keep a round's steps on the device (a
+sampling row draws from safe logits, its finiteness flag read with the round's sync); the draft carries each
+step's top probability (``Draft.top_probs``), and the engine reads where each row's first unsure token is
 (``exit_points``) with the round's one sync. A sampling row's block is cut on the device before that sync
 (``exit_blocks``, what ``observe_exits`` keeps once the points are read) and sampled with the round's other rows
 (``verification.rejection_sample_rows``' ``cut``; the row draws the uniforms of every token it drafted, so a seeded

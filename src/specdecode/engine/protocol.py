@@ -121,8 +121,8 @@ class ExitPolicy(Protocol):
         mode: How the exit reads the draft's confidence (``DRAFT_EXIT_MODES``).
             "per-step": the draft loop reads each step's top probability on the host and stops a row at its
             first unsure token (one host sync per draft step). "previous-round" and "masked": the loop reads
-            nothing between a greedy round's draft steps (a sampling row's logits are still checked on the
-            host each step); it drafts every row's ``max_tokens`` and returns the steps' top
+            nothing between draft steps (a sampling row draws from safe logits, its finiteness flag read with
+            the round's sync); it drafts every row's ``max_tokens`` and returns the steps' top
             probabilities on the device (``Draft.top_probs``), which the engine reads with the round's one
             sync. "masked" keeps each block up to its first unsure token (the rest is verified but not
             counted); "previous-round" keeps the whole block, and the engine sizes the next round's from

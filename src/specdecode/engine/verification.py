@@ -171,9 +171,10 @@ def rejection_sample_rows(samplers: Sequence[Sampler], probs: torch.Tensor, draf
             drafter's row (a one-hot q), padded into that layout here; None altogether: every row's is one-hot.
         contain_errors: True: a row whose draws (its uniforms or its token) raise is left out and reported; False:
             the error propagates.
-        cut: (m,) long on the device, each row's block as verified, at most its k_j (a block cut at an exit point
-            known only on the device, ``draft_exit.exit_blocks``): tokens past it are neither accepted nor used; the
-            row still draws the uniforms of its k_j tokens. None: every row's k_j.
+        cut: (m,) long on the device, each row's block as verified, in 0..k_j (a block cut at an exit point
+            known only on the device, ``draft_exit.exit_blocks``; its values are not checked: that would read the
+            device): tokens past it are neither accepted nor used; the row still draws the uniforms of its k_j
+            tokens. None: every row's k_j.
 
     Returns:
         ((m', 2) long on the device, per row in order the accepted draft tokens and the next token (-1 where the
@@ -182,7 +183,7 @@ def rejection_sample_rows(samplers: Sequence[Sampler], probs: torch.Tensor, draf
 
     Raises:
         InvalidArgumentError: If a k_j is outside 0..W - 1, or the shapes of ``samplers``, ``num_tokens``,
-            ``drafted`` or ``draft_probs`` (a row's q: fewer than k_j positions or another vocabulary) disagree
+            ``cut``, ``drafted`` or ``draft_probs`` (a row's q: fewer than k_j positions or another vocabulary) disagree
             with ``probs``.
     """
     if probs.dim() != 3:
@@ -194,6 +195,8 @@ def rejection_sample_rows(samplers: Sequence[Sampler], probs: torch.Tensor, draf
                                    f"lengths and drafted {tuple(drafted.shape)} for probs {tuple(probs.shape)}")
     if any(not 0 <= k <= gamma for k in num_tokens):
         raise InvalidArgumentError(f"rejection_sample_rows: block lengths {list(num_tokens)} must lie in 0..{gamma}")
+    if cut is not None and tuple(cut.shape) != (m,):
+        raise InvalidArgumentError(f"rejection_sample_rows: cut {tuple(cut.shape)} for {m} rows: must be ({m},)")
     block = isinstance(draft_probs, torch.Tensor)
     if block and (draft_probs.dim() != 3 or draft_probs.shape[0] != m or draft_probs.shape[1] < gamma
                   or draft_probs.shape[2] != probs.shape[-1]):
@@ -367,8 +370,8 @@ def sample_rows(rows, logits: torch.Tensor, finite: torch.Tensor, ids: torch.Ten
         verdicts, failed = rejection_sample_rows([samplers[j] for j in linear], subset(linear, probs),
                                                  subset(linear, live_ids, list(range(len(live)))),
                                                  [num_tokens[live[j]] for j in linear], q, contain_errors,
-                                                 cut.index_select(0, to_device(at, cut.device)) if cut is not None
-                                                 else None)
+                                                 None if cut is None else cut if at == list(range(len(cut)))
+                                                 else cut.index_select(0, to_device(at, cut.device)))
         parts.append(([live[j] for j in linear], verdicts, failed))
     if grown:
         q = [_by_node(probs_block, draft_probs, prob_nodes, live[j]) for j in grown]
