@@ -20,7 +20,7 @@ import torch
 from specdecode import defaults, method_registry
 from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS, GenerationConfig, check_unicode, parse_logit_bias
 from specdecode.drafters.control import LENGTH_SCHEDULES, DraftControl
-from specdecode.drafters.draft_tree import MAX_TREE_DEPTH, TREE_SHAPES
+from specdecode.drafters.draft_tree import MAX_TREE_DEPTH, TREE_SHAPES, check_tree_flags
 from specdecode.errors import InvalidArgumentError, SpecDecodeError
 from specdecode.models.llama_cpp_target import TARGET_BACKENDS, check_llama_cpp_target_options
 from specdecode.models.loading import resolve_device
@@ -404,12 +404,7 @@ def _check_method_options(args) -> None:
             f"--draft-tree-expand {args.draft_tree_expand} is out of range: use M in 1..{MAX_TREE_DEPTH} (nodes "
             "expanded per depth), or leave it out"
         )
-    if args.draft_tree_expand is not None and args.draft_tree_depth is None:
-        raise InvalidArgumentError(f"--draft-tree-expand {args.draft_tree_expand} expands a draft tree: give "
-                                   "--draft-tree-depth D too")
-    if args.draft_tree_shape is not None and args.draft_tree_depth is None:
-        raise InvalidArgumentError(f"--draft-tree-shape {args.draft_tree_shape} shapes a draft tree: give "
-                                   "--draft-tree-depth D too")
+    check_tree_flags(args.draft_tree_depth, args.draft_tree_expand, args.draft_tree_shape)
     if args.draft_tree_depth is not None and getattr(args, "adaptive_draft_exit", None):
         raise InvalidArgumentError("--draft-tree-depth with --adaptive-draft-exit: a row with an exit policy drafts a linear chain, "
                                    "never a tree; leave one of them out")

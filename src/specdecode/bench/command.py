@@ -25,6 +25,7 @@ from specdecode.bench.report import (ACCEPTANCE_PNG, DRAFT_SIZES_PNG, LLAMA_CPP,
 from specdecode.bench.runner import run_bench
 from specdecode.bench.settings import BenchSettings
 from specdecode.config import parse_logit_bias
+from specdecode.drafters.draft_tree import check_tree_flags
 from specdecode.engine.banned_words import read_banned_words
 from specdecode.errors import InvalidArgumentError
 from specdecode.models.llama_cpp_target import check_llama_cpp_target_options
@@ -82,11 +83,7 @@ def _check_draft_flags(args) -> None:
             with a draft that is not int4, or any --draft-quantize-head with a dense draft;
             --quantize-group-size 64, 128 or 256 with neither model int4; a tree flag without the depth.
     """
-    for flag, what in (("draft_tree_expand", "expands"), ("draft_tree_shape", "shapes")):
-        value = getattr(args, f"drafter_{flag}", None)
-        if value is not None and getattr(args, "drafter_draft_tree_depth", None) is None:
-            raise InvalidArgumentError(f"--{flag.replace('_', '-')} {value} {what} a draft tree: give "
-                                       "--draft-tree-depth D too")
+    check_tree_flags(*(getattr(args, f"drafter_draft_tree_{name}", None) for name in ("depth", "expand", "shape")))
     for flag in ("draft_quantize", "draft_quantize_head"):
         if getattr(args, flag, None) is not None and _draft_spec(args) is None:
             raise InvalidArgumentError(

@@ -109,6 +109,18 @@ def check_tree_shape(value: object) -> str | None:
     return value
 
 
+def check_tree_flags(depth: int | None, expand: int | None, shape: str | None) -> None:
+    """The commands' check, before any model loads: ``--draft-tree-expand`` and ``--draft-tree-shape`` need
+    ``--draft-tree-depth``.
+
+    Raises:
+        InvalidArgumentError: Either given without the depth, naming the flag and its value.
+    """
+    for flag, value, what in (("--draft-tree-expand", expand, "expands"), ("--draft-tree-shape", shape, "shapes")):
+        if value is not None and depth is None:
+            raise InvalidArgumentError(f"{flag} {value} {what} a draft tree: give --draft-tree-depth D too")
+
+
 def default_tree_shape(device) -> str:
     """The shape a tree takes where none is given: "previous-round" on CUDA, where the drafter's read of each
     round's values would stall the queue of graphs; "per-round" elsewhere, where a read costs no wait and

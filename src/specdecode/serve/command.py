@@ -25,7 +25,7 @@ from specdecode import defaults, method_registry
 from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS
 from specdecode.defaults import LLAMA_CPP_COMMAND_METHOD
 from specdecode.drafters.control import DraftControl
-from specdecode.drafters.draft_tree import MAX_TREE_DEPTH, TREE_SHAPES
+from specdecode.drafters.draft_tree import MAX_TREE_DEPTH, TREE_SHAPES, check_tree_flags
 from specdecode.engine.runner_target import ONE_SEQUENCE
 from specdecode.errors import InvalidArgumentError, SpecDecodeError
 from specdecode.method_registry import who_takes
@@ -214,12 +214,7 @@ def _check_draft_options(args) -> None:
     if args.prompt_lookup_branches > 1 and args.method != "prompt-lookup":
         raise InvalidArgumentError(f"--prompt-lookup-branches applies to {who_takes('prompt_lookup_branches')}, "
                                    f"not to {args.method!r}")
-    if args.draft_tree_expand is not None and args.draft_tree_depth is None:
-        raise InvalidArgumentError(f"--draft-tree-expand {args.draft_tree_expand} expands a draft tree: give "
-                                   "--draft-tree-depth D too")
-    if getattr(args, "draft_tree_shape", None) is not None and args.draft_tree_depth is None:
-        raise InvalidArgumentError(f"--draft-tree-shape {args.draft_tree_shape} shapes a draft tree: give "
-                                   "--draft-tree-depth D too")
+    check_tree_flags(args.draft_tree_depth, args.draft_tree_expand, args.draft_tree_shape)
     if args.draft_tree_depth is not None and args.adaptive_draft_exit:
         raise InvalidArgumentError("--draft-tree-depth with --adaptive-draft-exit: a row with an exit policy drafts a linear chain, "
                                    "never a tree; leave one of them out")
