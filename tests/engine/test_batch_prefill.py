@@ -13,7 +13,7 @@ from helpers import perturbed_copy
 from selfspec_helpers import one_thread  # noqa: F401 (a fixture)
 from specdecode import GenerationConfig, SpeculativeDecoder
 from specdecode.drafters import DraftModelDrafter, PromptLookupDrafter
-from specdecode.engine import batched, verification
+from specdecode.engine import verification
 from specdecode.engine.batch_cache import BatchKVCache
 from specdecode.engine.batched import BatchedSpeculativeDecoder
 from specdecode.engine.sampling import Sampler
@@ -157,13 +157,13 @@ def test_a_sampling_failure_ends_only_its_row(trees, monkeypatch):
 
 
 @pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("late", [False, True, "trees"], ids=["read", "late", "trees"])
-def test_a_distribution_that_is_not_one_ends_only_its_row(late, monkeypatch):
+@pytest.mark.parametrize("case", ["read", "banned-words", "trees"])
+def test_a_distribution_that_is_not_one_ends_only_its_row(case, monkeypatch):
     """A sampled row whose warped target distribution comes out NaN in a round (finite logits whose warping
     overflowed; ``sampling.race`` gives -1 on the device) ends with "error" at the round's read, and the other
-    rows finish as they would have. "late": the row has banned words, so its block is known only after the
-    read and it samples after it (``sample_rows``' ``live``); its -1 still ends it. "trees": the rows verify draft
-    trees, the broken row's walk ends at a node whose p is NaN and draws -1 from it. One sequence
+    rows finish as they would have. "banned-words": the row has banned words, whose cut is known only after the
+    read; its whole block is sampled before it (``sample_rows``), and its -1 still ends it. "trees": the rows
+    verify draft trees, the broken row's walk ends at a node whose p is NaN and draws -1 from it. One sequence
     (``SpeculativeDecoder``, errors not contained): the round raises ``NonFiniteLogitsError``; so does a NaN
     first token after the prefill."""
     target = make_tiny_model("qwen2", num_layers=2)
@@ -172,26 +172,17 @@ def test_a_distribution_that_is_not_one_ends_only_its_row(late, monkeypatch):
     base = GenerationConfig(max_new_tokens=10, stop_on_eos=False)
     configs = [dataclasses.replace(base, temperature=0.7 if r == 0 else 0.8, seed=7 + r) for r in range(3)]
     engine = {}
-    if late is True:  # a word no output holds: every round cuts nothing, but the row's block waits for the read
+    if case == "banned-words":  # a word no output holds: nothing is cut, but the row has a banned-word state
         configs[0] = dataclasses.replace(configs[0], banned_words=("not-a-word",))
         engine = dict(tokenizer=make_tiny_tokenizer())
-        lives, sample_rows = [], batched.sample_rows
-
-        def spied(*args, **kwargs):
-            lives.append(kwargs.get("live"))
-            return sample_rows(*args, **kwargs)
-
-        monkeypatch.setattr(batched, "sample_rows", spied)
     tree_rows, verify = [], verification.tree_rejection_sample_rows
     monkeypatch.setattr(verification, "tree_rejection_sample_rows",
                         lambda samplers, *a, **k: tree_rows.append(len(samplers)) or verify(samplers, *a, **k))
     vocab = target.get_output_embeddings().weight.shape[0]
     expected, ids, out, ended = _with_first_row_broken(
-        lambda: DraftModelDrafter(draft, tree_depth=2 if late == "trees" else None), target, prompts, configs,
+        lambda: DraftModelDrafter(draft, tree_depth=2 if case == "trees" else None), target, prompts, configs,
         lambda logits: torch.full((logits.shape[0], vocab), float("nan")), **engine)
-    if late is True:
-        assert [0] in lives  # row 0 sampled late, alone
-    assert bool(tree_rows) == (late == "trees")
+    assert bool(tree_rows) == (case == "trees")
     assert ended[ids[0]].finish_reason == "error"
     assert ended[ids[0]].error == f"request {ids[0]} failed in its sampling: {INVALID_DISTRIBUTION}"
     assert ended[ids[1]].finish_reason == ended[ids[2]].finish_reason == "length"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
@@ -249,3 +250,72 @@ def test_sampling_rows_never_stream_a_banned_word(method):
             text = TOK.decode(sum(shown[:i], []))
             assert not any(w in text for w in configs[b].banned_words), (b, text)
     assert sum(r.stats.num_banned_word_rollbacks for r in results) > 0
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_sampling_rows_cut_by_a_banned_word_keep_the_law(monkeypatch):
+    """A sampling row's whole block is sampled before the round's read; a banned word's cut, matched on the host
+    after it, keeps the first kb + 1 tokens of what the block drew (its accepted tokens, then the token at the
+    cut: the next draft token where more were accepted, else the drawn one). Single-token words make rollback
+    and masking exact conditioning: each position's token follows the target's law without the banned tokens.
+    The first three tokens of the sampling row are checked against that law, and the greedy row beside it is
+    the target-only decoder's output with the same words. Then the cut itself: a seeded row (one sequence) draws
+    the same blocks with and without its words until the first cut, which keeps the start of that round's
+    unbanned tokens."""
+    from selfspec_helpers import exact_marginals, violations
+    from specdecode.engine.banned_rows import BannedRow
+    from specdecode.engine.batch_rows import BatchRow
+
+    vocab, n, banned = 8, 600, (3, 7)  # token 3: the target's first choice, 0.56 of its first token's law
+    model = make_tiny_model("llama", num_layers=1, vocab_size=vocab, hidden_size=16, intermediate_size=32)
+    with torch.no_grad():  # peaked: each token's law depends much on the one before
+        model.get_output_embeddings().weight.mul_(2.0)
+    draft, prompts = perturbed_copy(model, noise=0.3, seed=1), [[5, 3, 6, 5, 3, 4, 6, 5, 7], [4, 4, 6, 1]]
+    tok = make_tiny_tokenizer(vocab)
+    words = tuple(f"w{t}" for t in banned)
+    cuts, cut_draft = [], BannedRow.cut_draft
+    monkeypatch.setattr(BannedRow, "cut_draft", lambda self, tokens, first: (lambda keep: cuts.append(
+        keep < len(tokens)) or keep)(cut_draft(self, tokens, first)))
+    sampling = GenerationConfig(max_new_tokens=6, stop_on_eos=False, temperature=1.0, banned_words=words)
+    greedy = dataclasses.replace(sampling, temperature=0.0)
+    expected = SpeculativeDecoder(model, tokenizer=tok).generate(torch.tensor([prompts[0]]), greedy).token_ids
+    dec = BatchedSpeculativeDecoder(model, DraftModelDrafter(draft), max_batch_size=2, max_length=32,
+                                    num_speculative_tokens=4, tokenizer=tok)
+    firsts = torch.zeros((n, 3), dtype=torch.long)
+    for i in range(n):
+        rows = dec.generate(prompts, [greedy, dataclasses.replace(sampling, seed=i)])
+        assert rows[0].token_ids == expected
+        firsts[i] = torch.tensor(rows[1].token_ids[:3])
+    assert sum(cuts) > n // 5, f"{sum(cuts)} cuts: blocks must be cut often for this test to mean anything"
+    freq = {f"x{j + 1}": torch.bincount(firsts[:, j], minlength=vocab).double() / n for j in range(3)}
+    freq["x1x2"] = torch.bincount(firsts[:, 0] * vocab + firsts[:, 1], minlength=vocab**2).double().view(
+        vocab, vocab) / n
+
+    def without_banned(ids):  # the target with the banned tokens' logits at -inf
+        out = model(ids)
+        out.logits[..., list(banned)] = float("-inf")
+        return out
+
+    exact = exact_marginals(without_banned, prompts[1], dataclasses.replace(sampling, max_new_tokens=3), vocab)
+    assert violations(exact, freq, n) == []
+    # The cut keeps the start of what the block drew: a seeded row draws the same block with and without its
+    # banned words, so the first round they part is a cut, its tokens the first of the unbanned row's.
+    emitted, emit = [], BatchRow.emit
+    monkeypatch.setattr(BatchRow, "emit", lambda self, new, *stats: emitted.append(list(new)) or emit(
+        self, new, *stats))
+    one = SpeculativeDecoder(model, DraftModelDrafter(draft), tokenizer=tok)
+    cut_inside = 0  # cuts where the block drew more than the cut keeps
+    for seed in range(120):
+        config = dataclasses.replace(sampling, seed=seed, num_speculative_tokens=4)
+        runs = []
+        for ban in ((), words):
+            emitted.clear()
+            one.generate(torch.tensor([prompts[1]]), dataclasses.replace(config, banned_words=ban))
+            runs.append(list(emitted))
+        plain, kept = runs
+        part = next((i for i, (x, y) in enumerate(zip(plain, kept)) if x != y), None)
+        if part is None or any(t in banned for tokens in kept[:part] for t in tokens):
+            continue  # no banned token drawn, or a rollback first (the first token or a bonus token banned)
+        assert kept[part] == plain[part][: len(kept[part])], (seed, plain[part], kept[part])
+        cut_inside += len(kept[part]) < len(plain[part])
+    assert cut_inside >= 10, f"{cut_inside} cuts inside a drawn block"

@@ -11,8 +11,8 @@ Each round (Medusa's four steps, for every active row at once):
    its logits are those it would get alone. Greedy rows accept the longest prefix
    equal to the target's argmax; sampling rows run speculative sampling with their own temperature, top-k,
    top-p and ``torch.Generator`` (Leviathan et al. 2022), on the device (``verification.sample_rows``), read back
-   with the round's one host sync (a "masked" exit's cut made on the device, ``draft_exit.exit_blocks``; rows
-   whose blocks are known only after it, a banned word's cut: together, with one more);
+   with the round's one host sync (a "masked" exit's cut made on the device, ``draft_exit.exit_blocks``; a
+   banned word's cut, known only after it, keeps the start of what the whole block drew);
 3. **accept**: each row's length grows by its own n_b + 1; rejected and padded
    positions stay in the cache past the row's length and are overwritten by the next
    round (never copied);
@@ -510,17 +510,9 @@ class BatchedSpeculativeDecoder(BatchRequests):
         # [banned words] verify no token of a banned word: the rest of the block is ignored
         blocks = [row.banned.cut_draft(drafted[b][:kb], len(row.tokens)) if kb and row.banned is not None else kb
                   for b, (row, kb) in enumerate(zip(rows, k))]
-        late = [b for b, row in enumerate(rows) if not row.sampler.greedy and b not in decided
-                and b not in sampled.errors
-                and all(flags[b * (K + 1) : b * (K + 1) + blocks[b] + 1])]  # a row with non-finite logits fails below
-        if late:  # [sampling] blocks known only after the read (a banned word's cut)
-            more = sample_rows(rows, logits, finite, ids, blocks, trees, probs, self.contain_errors, live=late,
-                               probs_block=block, prob_nodes=prob_nodes)
-            if more.rows:  # the round's second host sync, for all of them
-                more_decided, more_paths, _ = more.read(torch.cat(more.to_read()).tolist())
-                decided.update(more_decided)
-                paths.update(more_paths)
-            sampled.errors.update(more.errors)
+        for b, (a, _) in list(decided.items()):  # [sampling] a cut keeps the first blocks[b] + 1 tokens that the
+            if a > blocks[b]:  # whole block drew: a prefix of a sample of the target's law, so one itself
+                decided[b] = (blocks[b], drafted[b][blocks[b]])
         for b in (b for b, verdict in decided.items() if verdict[1] < 0):  # not a distribution (``sampling.race``)
             if not self.contain_errors:
                 if self.drafter is not None:  # the rows did not move: keep the drafter in step with them
@@ -555,7 +547,7 @@ class BatchedSpeculativeDecoder(BatchRequests):
                 verdict = greedy_verify(drafted[b][:kb], argmax[b * (K + 1) : (b + 1) * (K + 1)])
                 a = node = verdict.num_accepted
                 new = drafted[b][:a] + [verdict.next_token]
-            else:  # [sampling] decided on the device, read with the round's sync (or the late rows' one)
+            else:  # [sampling] decided on the device, read with the round's sync
                 a = node = decided[b][0]
                 new = drafted[b][:a] + [decided[b][1]]
             if row.sampler.processors is not None:  # [processors] logprobs of the new tokens, when asked

@@ -289,18 +289,17 @@ def _padded(rows: Sequence[torch.Tensor | None] | None, num_tokens: Sequence[int
 
 
 def sample_rows(rows, logits: torch.Tensor, finite: torch.Tensor, ids: torch.Tensor, num_tokens: list[int], trees,
-                draft_probs, contain_errors: bool, live: Sequence[int] | None = None,
-                probs_block: torch.Tensor | None = None,
+                draft_probs, contain_errors: bool, probs_block: torch.Tensor | None = None,
                 prob_nodes: Sequence[list[int] | None] | None = None, cut: torch.Tensor | None = None) -> SampledRows:
-    """The batched round's speculative sampling on the device, by default for each sampling row whose block is
-    final before the round's read (no banned words, whose cut needs the draft on the host): linear blocks by
+    """The batched round's speculative sampling on the device, for each sampling row: linear blocks by
     ``rejection_sample_rows``, token trees by ``tree_sampling.tree_rejection_sample_rows``. Rows that share their
     warpers' settings are warped in one call (``warped_probs``; if that raises, each row alone, so only a row
-    whose warping fails ends). Nothing is read back: the round reads the verdicts with its one host sync (the
-    rows whose blocks are known only after it, ``live``, with one more).
+    whose warping fails ends). Nothing is read back: the round reads the verdicts with its one host sync. A row
+    with banned words samples its whole block: the cut that its words make, known only after the read, keeps the
+    start of what the block drew (``batched``), a prefix of a sample of the target's law and so one itself.
 
     Args:
-        rows: The round's rows (``engine.batch_rows.BatchRow``: ``sampler``, ``banned``, ``request_id``).
+        rows: The round's rows (``engine.batch_rows.BatchRow``: ``sampler``, ``request_id``).
         logits: (n, K + 1, V') the target's logits, processed as the rows' verification sees them.
         finite: (n, K + 1) bool (or long, 1 for True), whether each position's raw logits were all finite: a row
             with non-finite ones draws safely (``safe_logits``) and fails once the round reads the flags.
@@ -309,8 +308,6 @@ def sample_rows(rows, logits: torch.Tensor, finite: torch.Tensor, ids: torch.Ten
         trees: Per row, a ``TokenTree`` or None, or None altogether.
         draft_probs: Per row, the (k_b, V) draft distributions q or None, or None altogether.
         contain_errors: False: a sampling that raises propagates.
-        live: The rows to sample (sampling rows, ``num_tokens`` their final blocks), or None: every row whose
-            block is final before the read.
         probs_block: ``draft_probs`` as one (n, S, V) tensor (``Draft.probs_block``), read in their place; or None.
         prob_nodes: Per tree row, the nodes whose q's are its ``draft_probs`` rows (``Draft.prob_nodes``); None.
         cut: (n,) long on the device, each linear row's block as verified, at most k_b (exits read with the sync,
@@ -321,9 +318,7 @@ def sample_rows(rows, logits: torch.Tensor, finite: torch.Tensor, ids: torch.Ten
         each row whose sampling raised (it fails alone).
     """
     out = SampledRows()
-    if live is None:
-        live = [b for b, row in enumerate(rows) if not row.sampler.greedy and row.banned is None]
-    live = list(live)
+    live = [b for b, row in enumerate(rows) if not row.sampler.greedy]
     if not live:
         return out
     width = max(num_tokens[b] for b in live) + 1
