@@ -11,8 +11,10 @@ keeps:
 * the **masks**: position in the sequence (prompt included) -> token ids the target may not
   produce there, applied to a verification's logits before the token choice
   (``mask_batch``);
-* the **draft cut**: a draft block ends before a banned word it would spell or before a
-  forbidden token (``cut_draft``), so no forward verifies tokens that would be rolled back;
+* the **draft cut**: a greedy row's draft block ends before a banned word it would spell or
+  before a forbidden token (``cut_draft``), so it accepts no token that would be rolled back
+  (a sampling row keeps its whole block: a cut that depends on draft tokens past the ones
+  kept would bias its law; its check rolls the word back);
 * the **check after emit** (``check``): the newly emitted tokens are matched; on a banned word
   the output is cut back to the token where the word began, that token is forbidden there,
   and the decoder rewinds its caches to that length. Tokens already released to the caller

@@ -11,8 +11,8 @@ Each round (Medusa's four steps, for every active row at once):
    its logits are those it would get alone. Greedy rows accept the longest prefix
    equal to the target's argmax; sampling rows run speculative sampling with their own temperature, top-k,
    top-p and ``torch.Generator`` (Leviathan et al. 2022), on the device (``verification.sample_rows``), read back
-   with the round's one host sync (a "masked" exit's cut made on the device, ``draft_exit.exit_blocks``; a
-   banned word's cut, known only after it, keeps the start of what the whole block drew);
+   with the round's one host sync (a "masked" exit's cut made on the device, ``draft_exit.exit_blocks``;
+   with banned words, a sampling row keeps all its block drew, and its emit rolls back a word);
 3. **accept**: each row's length grows by its own n_b + 1; rejected and padded
    positions stay in the cache past the row's length and are overwritten by the next
    round (never copied);
@@ -469,7 +469,7 @@ class BatchedSpeculativeDecoder(BatchRequests):
         points = exit_points(draft.top_probs, exits) if draft is not None and draft.top_probs is not None else None
         if points is not None:  # [exits read with the sync] each row's first unsure position
             parts = [*parts, points]
-        # [sampling] rows whose block is known before the read sample on the device: (accepted, next token)
+        # [sampling] every sampling row samples on the device: (accepted, next token)
         block = draft.probs_block if draft is not None and probs is draft.probs else None  # the q's as one tensor
         prob_nodes = draft.prob_nodes if draft is not None else None
         cut = exit_blocks(points, exits, k, self.exit_rule) if points is not None and any(
@@ -507,12 +507,11 @@ class BatchedSpeculativeDecoder(BatchRequests):
         drafted = [host[b * K : (b + 1) * K] for b in range(n)]
         argmax = host[n * K : n * K + n * (K + 1)]
         flags = host[n * (2 * K + 1) : n * (3 * K + 2)]
-        # [banned words] verify no token of a banned word: the rest of the block is ignored
-        blocks = [row.banned.cut_draft(drafted[b][:kb], len(row.tokens)) if kb and row.banned is not None else kb
-                  for b, (row, kb) in enumerate(zip(rows, k))]
-        for b, (a, _) in list(decided.items()):  # [sampling] a cut keeps the first blocks[b] + 1 tokens that the
-            if a > blocks[b]:  # whole block drew: a prefix of a sample of the target's law, so one itself
-                decided[b] = (blocks[b], drafted[b][blocks[b]])
+        # [banned words] a greedy row accepts no token of a banned word: the rest of its block is ignored. A sampling
+        # row keeps all its block drew (a cut chosen by the draft's tokens would bias it), and its emit rolls back to
+        # where a word begins, as one token at a time would
+        blocks = [row.banned.cut_draft(drafted[b][:kb], len(row.tokens)) if kb and row.banned is not None
+                  and row.sampler.greedy else kb for b, (row, kb) in enumerate(zip(rows, k))]
         for b in (b for b, verdict in decided.items() if verdict[1] < 0):  # not a distribution (``sampling.race``)
             if not self.contain_errors:
                 if self.drafter is not None:  # the rows did not move: keep the drafter in step with them

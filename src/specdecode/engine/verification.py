@@ -295,8 +295,10 @@ def sample_rows(rows, logits: torch.Tensor, finite: torch.Tensor, ids: torch.Ten
     ``rejection_sample_rows``, token trees by ``tree_sampling.tree_rejection_sample_rows``. Rows that share their
     warpers' settings are warped in one call (``warped_probs``; if that raises, each row alone, so only a row
     whose warping fails ends). Nothing is read back: the round reads the verdicts with its one host sync. A row
-    with banned words samples its whole block: the cut that its words make, known only after the read, keeps the
-    start of what the block drew (``batched``), a prefix of a sample of the target's law and so one itself.
+    with banned words samples its whole block too and keeps all it drew; its words are matched after the read, and
+    a completed one rolls the row back to where it begins (``banned_rows.BannedRow.check``), as when the tokens come
+    one at a time. Cutting the block before a word its draft spells would bias the law: the cut depends on draft
+    tokens past the ones kept.
 
     Args:
         rows: The round's rows (``engine.batch_rows.BatchRow``: ``sampler``, ``request_id``).
