@@ -161,8 +161,8 @@ def test_a_sampling_failure_ends_only_its_row(trees, monkeypatch):
 def test_a_distribution_that_is_not_one_ends_only_its_row(case, monkeypatch):
     """A sampled row whose warped target distribution comes out NaN in a round (finite logits whose warping
     overflowed; ``sampling.race`` gives -1 on the device) ends with "error" at the round's read, and the other
-    rows finish as they would have. "banned-words": the row has banned words, whose cut is known only after the
-    read; its whole block is sampled before it (``sample_rows``), and its -1 still ends it. "trees": the rows
+    rows finish as they would have. "banned-words": the row has banned words, matched only after the read; its
+    whole block is sampled before it (``sample_rows``), and its -1 still ends it. "trees": the rows
     verify draft trees, the broken row's walk ends at a node whose p is NaN and draws -1 from it. One sequence
     (``SpeculativeDecoder``, errors not contained): the round raises ``NonFiniteLogitsError``; so does a NaN
     first token after the prefill."""

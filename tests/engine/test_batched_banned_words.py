@@ -232,7 +232,8 @@ def test_a_row_with_every_token_banned_ends_with_banned_word(method):
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("method", ["autoregressive", "draft"])
 def test_sampling_rows_never_stream_a_banned_word(method):
-    """Sampling rows (speculative sampling on the cut block) with banned words next to greedy rows."""
+    """Sampling rows (speculative sampling on the whole block, a drawn word rolled back) with banned words next
+    to greedy rows."""
     target = make_tiny_model("llama")
     draft = perturbed_copy(target, noise=0.3, seed=1)
     plain = [SpeculativeDecoder(target).generate(p, BASE).token_ids for p in PROMPTS]
@@ -252,7 +253,6 @@ def test_sampling_rows_never_stream_a_banned_word(method):
     assert sum(r.stats.num_banned_word_rollbacks for r in results) > 0
 
 
-@pytest.mark.usefixtures("one_thread")
 def _peaked_pair(noise: float):
     """A tiny llama target whose token 3 is 0.56 of the first token's law and token 5 0.27 after a 3 (each
     token's law depends much on the one before), a draft ``noise`` away, and two prompts."""
@@ -294,11 +294,17 @@ def test_sampling_rows_with_banned_words_follow_the_rollback_law():
 
     banned, probs, memo = BannedWords(words), {}, {}
 
-    def law_from(prefix: tuple, masks: frozenset) -> dict:
-        """The law of the output from ``prefix`` with ``masks`` ((position, token) pairs): one token at a time;
-        a completed word cuts back to where it begins and masks that token there."""
-        if (prefix, masks) in memo:
-            return memo[prefix, masks]
+    def safe(tokens: tuple) -> int:
+        matcher = banned.matcher(tok)
+        matcher.extend(tokens)
+        return matcher.num_safe()
+
+    def law_from(prefix: tuple, masks: frozenset, released: int) -> dict:
+        """The law of the output from ``prefix`` with ``masks`` ((position, token) pairs) and ``released`` tokens
+        (no longer part of any word when they came): one token at a time; a completed word cuts back to where it
+        begins, or to the first token not released, and masks that token there."""
+        if (prefix, masks, released) in memo:
+            return memo[prefix, masks, released]
         if prefix not in probs:
             with torch.no_grad():
                 probs[prefix] = model(torch.tensor([prompts[1] + list(prefix)])).logits[0, -1]
@@ -313,24 +319,24 @@ def test_sampling_rows_with_banned_words_follow_the_rollback_law():
             matcher.extend(new)
             start = matcher.violation(final=len(new) == steps)
             if start is None:
-                rest = {new: 1.0} if len(new) == steps else law_from(new, masks)
+                rest = {new: 1.0} if len(new) == steps else law_from(new, masks, max(released, safe(new)))
             else:
-                kept = frozenset({(at, t) for at, t in masks if at <= start} | {(start, new[start])})
-                rest = law_from(new[:start], kept)
+                cut = max(start, released)
+                kept = frozenset({(at, t) for at, t in masks if at <= cut} | {(cut, new[cut])})
+                rest = law_from(new[:cut], kept, max(released, safe(new[:cut])))
             for seq, q in rest.items():
                 out[seq] = out.get(seq, 0.0) + p * q
-        memo[prefix, masks] = out
+        memo[prefix, masks, released] = out
         return out
 
     joint = torch.zeros((vocab,) * steps, dtype=torch.float64)
-    for seq, p in law_from((), frozenset()).items():
+    for seq, p in law_from((), frozenset(), 0).items():
         joint[seq] += p
     exact = {"x1": joint.sum((1, 2)), "x2": joint.sum((0, 2)), "x3": joint.sum((0, 1)), "x1x2": joint.sum(2)}
     assert abs(float(joint.sum()) - 1.0) < 1e-6  # float32 softmaxes
     assert violations(exact, freq, n) == []
     plain = exact_marginals(model, prompts[1], dataclasses.replace(sampling, banned_words=()), vocab)
     assert violations(plain, freq, n) != [], "the words must change the law for this test to mean anything"
-
 
 
 @pytest.mark.usefixtures("one_thread")

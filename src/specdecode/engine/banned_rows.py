@@ -145,6 +145,12 @@ class BannedRow:
         Afterwards ``released`` is how many tokens of ``output`` the caller may have: those
         that can no longer become part of a banned word (all of them once generation ends).
 
+        The new tokens are matched one at a time, each judged as if it had come alone: the first
+        word to complete decides the cut (not the longest, which may begin earlier: with the words
+        "bc" and "abcd", the tokens a, b, c, d roll back to b), and the tokens before it count as
+        released as they would have been. So a block of tokens ends as the same tokens one round
+        each would, for greedy and sampling rows alike.
+
         Args:
             output: The generated tokens (prompt excluded), the new ones emitted already
                 (cut at EOS, stop strings and the budget); truncated in place on a rollback.
@@ -156,8 +162,15 @@ class BannedRow:
             prompt included, to go back to: its last token becomes the pending token again).
         """
         matcher, released = self.matcher, self.released
-        matcher.extend(output[len(matcher.token_ids) :])
-        cut = matcher.violation(final=finish_reason is not None)
+        new, cut = output[len(matcher.token_ids) :], None
+        for i, token in enumerate(new):  # one at a time, as when each came in a round of its own
+            matcher.extend((token,))
+            last = i == len(new) - 1
+            cut = matcher.violation(final=last and finish_reason is not None)
+            if cut is not None:
+                break
+            if not last:
+                released = max(released, matcher.num_safe())
         if cut is None:
             safe = len(output) if finish_reason is not None else matcher.num_safe()
             self.released = max(released, safe)
