@@ -360,7 +360,7 @@ def test_a_disconnected_client_is_cancelled_and_its_row_freed(generator):
         assert metric(url, "specdecode_request_success_total", '{finish_reason="stop"}') == 0
         labels = re.findall(r'^specdecode_request_success_total\{finish_reason="([^"]*)"\}', httpx.get(f"{url}/metrics").text,
                             re.M)
-        assert sorted(labels) == ["length", "stop"]
+        assert sorted(labels) == ["content_filter", "length", "stop"]
 
 
 def test_sixteen_concurrent_streams_each_get_their_own_tokens(generator):

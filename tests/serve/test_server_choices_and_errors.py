@@ -142,7 +142,7 @@ def test_metrics_count_the_api_finish_reasons(server):
     r = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0, stop=[text.split()[2]])
     assert r.choices[0].finish_reason == "stop"
     after = successes()
-    assert set(after) == {"stop", "length"}  # never the engine's own eos / stop_string
+    assert set(after) == {"stop", "length", "content_filter"}  # never the engine's own eos / stop_string / banned_word
     assert after["stop"] == before["stop"] + 1 and after["length"] == before["length"] + 1
 
 

@@ -310,7 +310,7 @@ def create_app(generator, engine: EngineLoop, settings: ServeSettings, metrics: 
             configs = [GenerationConfig(max_new_tokens=max_tokens, temperature=temperature, top_k=max(body.top_k, 0),
                                         top_p=body.top_p, seed=None if body.seed is None else body.seed + i,
                                         stop_strings=body.stop_strings,
-                                        **body.processor_options())  # [processors] penalties, bias, logprobs
+                                        **body.processor_options())  # [processors] penalties, bias, logprobs; bad_words
                        for i in range(body.n)]
         except InvalidArgumentError as e:
             raise ApiError(400, str(e), code="invalid_value") from e

@@ -19,8 +19,9 @@ from specdecode.engine.stats import SpecDecodingStats
 from specdecode.errors import SpecDecodeError
 from specdecode.serve.text import REPLACEMENT, TextAssembler, TokenText
 
-#: The engine's finish reasons -> OpenAI's.
-FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "length": "length"}
+#: The engine's finish reasons -> OpenAI's ("banned_word": ``bad_words`` left no token to continue with, what
+#: OpenAI calls content omitted by a filter).
+FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "length": "length", "banned_word": "content_filter"}
 
 
 class ApiError(Exception):

@@ -8,6 +8,10 @@ something else than it asked for. ``top_k`` is an extension (as in vLLM; 0 or -1
 so are ``repetition_penalty``, ``min_p`` and ``stop_token_ids`` (vLLM's names and ranges).
 ``presence_penalty``, ``frequency_penalty``, ``logit_bias`` and ``logprobs`` / ``top_logprobs``
 are OpenAI's (``GenerationConfig`` validates the values and ``engine.processors`` applies them).
+``bad_words`` is vLLM's name for words the output must not contain; here they are matched on the
+generated text and rolled back (``GenerationConfig.banned_words``, ``engine.banned_rows``), so no
+tokenization of a word gets through, where vLLM masks the last token of each word's one
+tokenization; a stream never shows one.
 """
 
 from __future__ import annotations
@@ -82,6 +86,15 @@ class _Sampling(_Request):
     repetition_penalty: float = Field(default=1.0, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     stop_token_ids: list[TokenId] | None = None
+    bad_words: list[str] | None = None  # vLLM's name; matched on the text, with rollback (module docstring)
+
+    @field_validator("bad_words")
+    @classmethod
+    def _check_bad_words(cls, v):
+        for word in v or ():
+            if not word.strip():
+                raise ValueError(f"bad_words must be non-empty strings with a non-space character, got {word!r}")
+        return v
 
     @field_validator("logit_bias")
     @classmethod
@@ -99,7 +112,7 @@ class _Sampling(_Request):
         return v
 
     def processor_options(self) -> dict[str, Any]:
-        """The ``GenerationConfig`` fields of the processors and logprobs this request asks for."""
+        """The ``GenerationConfig`` fields of the processors, banned words and logprobs this request asks for."""
         return dict(
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
@@ -107,6 +120,7 @@ class _Sampling(_Request):
             min_p=self.min_p,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
             stop_token_ids=tuple(self.stop_token_ids or ()),
+            banned_words=tuple(self.bad_words or ()),
             logprobs=self.logprobs_wanted,
             top_logprobs=self.top_logprobs_wanted,
         )

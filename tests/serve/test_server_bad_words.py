@@ -1,0 +1,118 @@
+"""The server's ``bad_words`` (vLLM's name) through the official openai client on real HTTP: the output is
+target-only decoding with the same banned words (matched on the text, rolled back), for completions and chat;
+a stream never shows a word, not even in part; a request whose words leave no token ends with
+"content_filter"; bad values are refused with OpenAI's error body."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+from tokenizers import Tokenizer, decoders, models
+from transformers import PreTrainedTokenizerFast
+
+from conftest import make_tiny_model
+from helpers import perturbed_copy, save_tiny_folders
+from serve_helpers import folders, generator, running_server, server  # noqa: F401 -- fixtures
+from specdecode.config import GenerationConfig
+
+PROMPT = "w5 w9 w11 w7"
+CHAT = [{"role": "user", "content": "w9 w11"}]
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def alone(generator, prompt: str, chat: bool, **options):
+    """Target-only decoding of one prompt with ``options`` (the reference)."""
+    config = GenerationConfig(max_new_tokens=options.pop("max_new_tokens", 20), **options)
+    return generator.generate(prompt, config, method="autoregressive", chat=chat)
+
+
+def text(generator, ids: list[int]) -> str:
+    return generator.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_bad_words_give_target_only_decoding_with_the_same_words(server, generator, chat):
+    """Greedy: a phrase of the output's own (two words) is banned; the server's text is target-only decoding with
+    that word list, has no phrase, and differs from the output without it."""
+    url, _, _ = server
+    prompt = CHAT[0]["content"] if chat else PROMPT
+    plain = text(generator, alone(generator, prompt, chat).token_ids)
+    phrase = " ".join(plain.split()[2:4])
+    assert len(phrase.split()) == 2, plain
+    want = text(generator, alone(generator, prompt, chat, banned_words=(phrase,)).token_ids)
+    assert phrase not in want and want != plain
+    c = client(url)
+    if chat:
+        got = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=20, temperature=0,
+                                        extra_body={"bad_words": [phrase]})
+        assert got.choices[0].message.content == want
+    else:
+        got = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0,
+                                   extra_body={"bad_words": [phrase]})
+        assert got.choices[0].text == want
+    assert got.choices[0].finish_reason == "length"
+
+
+def test_a_stream_never_shows_a_bad_word_and_ends_as_the_whole_answer(server, generator):
+    """Sampling, several seeds, a word drawn often: no prefix of the streamed text holds it, and the streamed text
+    is the non-streamed answer with the same seed."""
+    url, _, _ = server
+    c = client(url)
+    words = [w for w in text(generator, alone(generator, PROMPT, False).token_ids).split()][:2]
+    rolled = 0
+    for seed in range(4):
+        options = dict(model="tiny", prompt=PROMPT, max_tokens=20, temperature=1.0, seed=seed,
+                       extra_body={"bad_words": words})
+        whole = c.completions.create(**options).choices[0].text
+        shown = ""
+        for chunk in c.completions.create(stream=True, **options):
+            shown += chunk.choices[0].text if chunk.choices else ""
+            assert not any(w in shown for w in words), (seed, shown)
+        assert shown == whole
+        free = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=1.0, seed=seed)
+        rolled += any(w in free.choices[0].text for w in words)
+    assert rolled, "without bad_words some answer must hold a word for this test to mean anything"
+
+
+@pytest.mark.parametrize(("bad_words", "message"), [
+    ([""], "bad_words must be non-empty strings with a non-space character, got ''"),
+    (["w5", "  "], "bad_words must be non-empty strings with a non-space character, got '  '"),
+    ("w5", "bad_words"),
+    ([5], "bad_words"),
+])
+def test_bad_values_are_refused_with_openai_errors(server, bad_words, message):
+    url, _, _ = server
+    with pytest.raises(openai.BadRequestError) as info:
+        client(url).completions.create(model="tiny", prompt=PROMPT, max_tokens=4,
+                                       extra_body={"bad_words": bad_words})
+    error = info.value.body
+    assert info.value.status_code == 400 and error["param"].startswith("bad_words") and message in error["message"]
+
+
+def _four_token_folders(root):
+    """A tiny llama of four text tokens, "a" to "d" (no special token), its draft and tokenizer."""
+    inner = Tokenizer(models.WordLevel(vocab={"a": 0, "b": 1, "c": 2, "d": 3}, unk_token="a"))
+    inner.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=inner, clean_up_tokenization_spaces=False)
+    target = make_tiny_model("llama", vocab_size=4, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    return save_tiny_folders(root, tok, target, perturbed_copy(target, noise=0.1, seed=1))
+
+
+def test_words_that_leave_no_token_end_with_content_filter(tmp_path):
+    """Every token of the vocabulary banned: the answer is empty, its finish_reason "content_filter"; three of
+    four banned: the fourth fills it."""
+    from specdecode.pipeline import SpeculativeGenerator
+
+    target, draft = _four_token_folders(tmp_path)
+    gen = SpeculativeGenerator.from_pretrained(str(target), str(draft), dtype="float32", device="cpu")
+    with running_server(gen) as (url, _, _):
+        c = client(url)
+        none = c.completions.create(model="tiny", prompt=[0, 1, 2, 3, 0, 1], max_tokens=6, temperature=0,
+                                    extra_body={"bad_words": ["a", "b", "c", "d"]})
+        assert (none.choices[0].text, none.choices[0].finish_reason) == ("", "content_filter")
+        one = c.completions.create(model="tiny", prompt=[0, 1, 2, 3, 0, 1], max_tokens=6, temperature=0,
+                                   extra_body={"bad_words": ["a", "b", "c"]})
+        assert (one.choices[0].text, one.choices[0].finish_reason) == ("dddddd", "length")
