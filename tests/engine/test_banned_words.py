@@ -121,6 +121,24 @@ def test_truncate_forgets_the_tail_and_matching_resumes():
     assert m.violation() == 2
 
 
+def test_truncate_back_into_half_a_character_keeps_it_open():
+    """A draft's cut (``BannedRow.cut_draft``) feeds tokens and truncates back. Where the kept text ends in half a
+    character, the next token still completes that character: a word beginning with it is cut at its first
+    byte's token, and that token is not released."""
+    banned = BannedWords(["é!"])
+    first, second = ID["é".encode()[:1]], ID["é".encode()[1:]]
+    m = banned.matcher(TOK)
+    m.extend([ID[b"x"], first])
+    assert m.num_safe() == 1
+    m.extend([second, ID[b"!"]])  # the draft completes the character ...
+    m.truncate(2)  # ... and is put back
+    assert m.text == "x" and m.num_safe() == 1
+    m.extend([second])
+    assert m.text == "xé" and m.num_safe() == 1
+    m.extend(ids("!"))
+    assert m.violation() == 1  # the first byte's token, not the second
+
+
 @pytest.mark.parametrize("words", [[], [""], ["   "], ["ok", "\n\t"], [None]])
 def test_bad_words_are_refused_with_the_value(words):
     with pytest.raises(InvalidArgumentError, match="banned"):

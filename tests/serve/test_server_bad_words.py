@@ -80,8 +80,11 @@ def test_a_stream_never_shows_a_bad_word_and_ends_as_the_whole_answer(server, ge
 @pytest.mark.parametrize(("bad_words", "message"), [
     ([""], "bad_words must be non-empty strings with a non-space character, got ''"),
     (["w5", "  "], "bad_words must be non-empty strings with a non-space character, got '  '"),
-    ("w5", "bad_words"),
-    ([5], "bad_words"),
+    (["w"] * 1001, "at most 1000 bad_words are allowed, got 1001"),
+    (["w5", "x" * 101], "a bad word may have at most 100 characters, got 101: 'xxxxxxxxxxxxxxxxxxxx'..."),
+    ("w5", "valid list"),
+    ([5], "valid string"),
+    ([["w5"]], "valid string"),
 ])
 def test_bad_values_are_refused_with_openai_errors(server, bad_words, message):
     url, _, _ = server
@@ -89,7 +92,23 @@ def test_bad_values_are_refused_with_openai_errors(server, bad_words, message):
         client(url).completions.create(model="tiny", prompt=PROMPT, max_tokens=4,
                                        extra_body={"bad_words": bad_words})
     error = info.value.body
-    assert info.value.status_code == 400 and error["param"].startswith("bad_words") and message in error["message"]
+    assert info.value.status_code == 400 and error["param"].startswith("bad_words"), error
+    assert message in error["message"] and error["code"] == "invalid_value", error
+
+
+def test_null_and_an_empty_list_mean_no_words_and_each_choice_keeps_its_own(server, generator):
+    """``null`` and ``[]`` change nothing; with n = 3 sampled choices, none holds a word."""
+    url, _, _ = server
+    c = client(url)
+    plain = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
+    for empty in (None, []):
+        got = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0,
+                                   extra_body={"bad_words": empty})
+        assert got.choices[0].text == plain
+    words = plain.split()[:2]
+    got = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=1.0, seed=5, n=3,
+                               extra_body={"bad_words": words})
+    assert len(got.choices) == 3 and not any(w in ch.text for ch in got.choices for w in words), got.choices
 
 
 def _four_token_folders(root):

@@ -162,7 +162,8 @@ class BannedRow:
             prompt included, to go back to: its last token becomes the pending token again).
         """
         matcher, released = self.matcher, self.released
-        new, cut = output[len(matcher.token_ids) :], None
+        new = output[len(matcher.token_ids) :]
+        cut = None if new else matcher.violation(final=finish_reason is not None)  # a word waiting at the end
         for i, token in enumerate(new):  # one at a time, as when each came in a round of its own
             matcher.extend((token,))
             last = i == len(new) - 1

@@ -125,6 +125,7 @@ class BannedWordMatcher:
         self._ends: list[int] = []  # character end of each token's text
         self._group: list[int] = []  # first token of the bytes that make each token's first character
         self._pending_from: int | None = None  # first token of a group whose bytes are not a whole character yet
+        self._pending: list[int | None] = []  # ``_pending_from`` after each token, for ``truncate``
         self._checked = 0  # text length at the last ``violation`` call
 
     def _decode(self, ids: list[int]) -> str:
@@ -141,6 +142,7 @@ class BannedWordMatcher:
             self._group.append(start)
             if full.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the rest of its bytes
                 self._pending_from = start
+                self._pending.append(start)
                 self._ends.append(len(self.text))
                 continue
             base = self._decode(self.token_ids[ctx:start])
@@ -149,6 +151,7 @@ class BannedWordMatcher:
             else:  # the context decodes differently once extended: diff against the whole text
                 piece = self._decode(self.token_ids)[len(self.text) :]
             self._pending_from = None
+            self._pending.append(None)
             self.text += piece
             self._folded += _fold(piece, self.banned.ignore_case)
             self._ends.append(len(self.text))
@@ -158,10 +161,11 @@ class BannedWordMatcher:
         del self.token_ids[num_tokens:]
         del self._ends[num_tokens:]
         del self._group[num_tokens:]
+        del self._pending[num_tokens:]
         end = self._ends[-1] if self._ends else 0
         self.text, self._folded = self.text[:end], self._folded[:end]
-        if self._pending_from is not None and self._pending_from >= num_tokens:
-            self._pending_from = None
+        # as it was after the last token kept: a character whose bytes that token left open is open again
+        self._pending_from = self._pending[-1] if self._pending else None
         self._checked = min(self._checked, end)
 
     def _is_violation(self, start: int, end: int, final: bool) -> bool | None:

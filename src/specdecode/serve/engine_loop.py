@@ -51,7 +51,7 @@ class Delivery:
         token_ids: New verified tokens (possibly several: a speculative round delivers blocks).
         time_s: ``time.perf_counter()`` when the step that made them ended (seconds).
         finish_reason: None while running; else the engine's reason ("eos", "stop_string",
-            "length", "cancelled", "error").
+            "length", "banned_word", "cancelled", "error").
         result: The request's ``GenerationResult`` (with its statistics) once finished.
         error: Why it ended with "error".
         index: Its handle's ``index`` (the choice it belongs to, in a group of ``n`` choices).

@@ -44,7 +44,7 @@ class ServerMetrics:
         self.generation_tokens = Counter("specdecode_generation_tokens", "Tokens generated.", registry=r)
         self.finished = Counter(
             "specdecode_request_success", "Choices (one per request with n = 1) that finished, by the finish "
-            "reason the API reports (stop, length).", ["finish_reason"], registry=r,
+            "reason the API reports (stop, length, content_filter).", ["finish_reason"], registry=r,
         )
         for reason in sorted(set(FINISH_REASONS.values())):
             self.finished.labels(reason)  # shown at 0 from the start

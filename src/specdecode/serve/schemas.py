@@ -9,9 +9,11 @@ so are ``repetition_penalty``, ``min_p`` and ``stop_token_ids`` (vLLM's names an
 ``presence_penalty``, ``frequency_penalty``, ``logit_bias`` and ``logprobs`` / ``top_logprobs``
 are OpenAI's (``GenerationConfig`` validates the values and ``engine.processors`` applies them).
 ``bad_words`` is vLLM's name for words the output must not contain; here they are matched on the
-generated text and rolled back (``GenerationConfig.banned_words``, ``engine.banned_rows``), so no
-tokenization of a word gets through, where vLLM masks the last token of each word's one
-tokenization; a stream never shows one.
+generated text, as case-sensitive substrings, and rolled back (``GenerationConfig.banned_words``,
+``engine.banned_rows``), so no tokenization of a word gets through, where vLLM masks the last token
+of each word's tokenizations with and without a leading space; a stream never shows one. At most
+``MAX_BAD_WORDS`` words of at most ``MAX_BAD_WORD_CHARS`` characters: the engine thread builds each
+list's automaton while every row waits, and a word's length bounds the work of each token's check.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from specdecode.config import REPETITION_PENALTY_RANGE
 
 #: OpenAI allows at most 4 stop sequences.
 MAX_STOP_SEQUENCES = 4
+#: The most ``bad_words`` a request may give, and the longest word in characters.
+MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 1000, 100
 
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 
@@ -91,9 +95,14 @@ class _Sampling(_Request):
     @field_validator("bad_words")
     @classmethod
     def _check_bad_words(cls, v):
+        if v is not None and len(v) > MAX_BAD_WORDS:
+            raise ValueError(f"at most {MAX_BAD_WORDS} bad_words are allowed, got {len(v)}")
         for word in v or ():
             if not word.strip():
                 raise ValueError(f"bad_words must be non-empty strings with a non-space character, got {word!r}")
+            if len(word) > MAX_BAD_WORD_CHARS:
+                raise ValueError(f"a bad word may have at most {MAX_BAD_WORD_CHARS} characters, got {len(word)}: "
+                                 f"{word[:20]!r}...")
         return v
 
     @field_validator("logit_bias")
