@@ -82,3 +82,34 @@ def test_nested_words_roll_back_to_the_first_word_to_complete():
     row, output = _row(("bc", "abcd"), whole_word=False), [1, 2, 3, 4]
     assert row.check(output, None) == (None, PROMPT + 1)
     assert output == [1] and row.forbidden == {PROMPT + 1: [2]}
+
+
+def test_a_whole_word_waiting_at_the_end_is_judged_when_the_generation_ends():
+    """Whole-word matching holds a word at the end until the next character; a finish with no new token ends the
+    text there, so the word counts: it rolls back."""
+    row, output = _row(("ab",), whole_word=True), [1, 2]
+    assert row.check(output, None) == (None, None) and row.released == 0
+    assert row.check(output, "length") == (None, PROMPT)
+    assert output == [] and row.forbidden == {PROMPT: [1]}
+
+
+def test_requests_with_the_same_list_share_one_compiled_list():
+    """``from_config`` with an engine's ``compiled`` lists: the same words, case and whole-word setting give the same
+    ``BannedWords``; another setting another; the oldest is dropped past ``COMPILED_LISTS``."""
+    from collections import OrderedDict
+
+    from specdecode.config import GenerationConfig
+    from specdecode.engine.banned_rows import COMPILED_LISTS
+
+    compiled = OrderedDict()
+
+    def words_of(**options):
+        row = BannedRow.from_config(GenerationConfig(**options), TOK, len(TOK.PIECES), PROMPT, compiled)
+        return row.matcher.banned
+
+    first = words_of(banned_words=("ab", "cd"))
+    assert words_of(banned_words=("ab", "cd")) is first
+    assert words_of(banned_words=("ab", "cd"), banned_words_ignore_case=True) is not first
+    for i in range(COMPILED_LISTS):
+        words_of(banned_words=(f"a{'b' * i}",))
+    assert len(compiled) == COMPILED_LISTS and words_of(banned_words=("ab", "cd")) is not first

@@ -106,6 +106,7 @@ def test_null_and_an_empty_list_mean_no_words_and_each_choice_keeps_its_own(serv
                                    extra_body={"bad_words": empty})
         assert got.choices[0].text == plain
     words = plain.split()[:2]
+    assert len(words) == 2, plain
     got = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=1.0, seed=5, n=3,
                                extra_body={"bad_words": words})
     assert len(got.choices) == 3 and not any(w in ch.text for ch in got.choices for w in words), got.choices

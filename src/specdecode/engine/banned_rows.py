@@ -29,6 +29,7 @@ conditioning on "contains no banned word" (see ``GenerationStream``).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
@@ -40,6 +41,8 @@ from specdecode.engine.batch_cache import to_device
 #: ``finish_reason`` of a generation that could not avoid a banned word without taking back
 #: tokens already released.
 BANNED_WORD = "banned_word"
+#: How many compiled banned-word lists an engine keeps for reuse (``BannedRow.from_config``).
+COMPILED_LISTS = 16
 
 
 class BannedRow:
@@ -66,20 +69,29 @@ class BannedRow:
 
     @classmethod
     def from_config(
-        cls, config: GenerationConfig, tokenizer, vocab_size: int, num_prompt_tokens: int
+        cls, config: GenerationConfig, tokenizer, vocab_size: int, num_prompt_tokens: int,
+        compiled: OrderedDict | None = None,
     ) -> BannedRow | None:
         """The state for ``config.banned_words``, or None when it has none.
+
+        ``compiled``: the lists compiled so far (an engine's; the last ``COMPILED_LISTS`` kept), so that the choices
+        of one request, or requests with the same list, share one automaton (a ``BannedWords`` is reusable).
 
         Raises:
             InvalidArgumentError: If banned words are asked for without a tokenizer.
         """
         if not config.banned_words:
             return None
-        words = BannedWords(
-            config.banned_words,
-            ignore_case=config.banned_words_ignore_case,
-            whole_word=config.banned_words_whole_word,
-        )
+        key = (config.banned_words, config.banned_words_ignore_case, config.banned_words_whole_word)
+        words = compiled.get(key) if compiled is not None else None
+        if words is None:
+            words = BannedWords(key[0], ignore_case=key[1], whole_word=key[2])
+            if compiled is not None:
+                compiled[key] = words
+                while len(compiled) > COMPILED_LISTS:
+                    compiled.popitem(last=False)
+        elif compiled is not None:
+            compiled.move_to_end(key)
         return cls(words.matcher(tokenizer), vocab_size, num_prompt_tokens)
 
     @property

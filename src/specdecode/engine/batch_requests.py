@@ -48,6 +48,7 @@ class BatchRequests:
         self._finished: OrderedDict[int, str] = OrderedDict()
         self._next_id = 0
         self._ahead: RoundAhead | None = None  # [overlap] a forward enqueued before the last round's read
+        self.banned_lists: OrderedDict = OrderedDict()  # [banned words] compiled lists, shared by rows that ask alike
 
     @property
     def num_running(self) -> int:

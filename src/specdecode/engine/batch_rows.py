@@ -61,7 +61,7 @@ class BatchRow:
         self.stop = StopStrings(dec.tokenizer, config.stop_strings)
         self.eos = (dec.eos_token_ids if config.stop_on_eos else frozenset()) | frozenset(config.stop_token_ids)
         self.stats = SpecDecodingStats(num_prompt_tokens=len(prompt))
-        self.banned = BannedRow.from_config(config, dec.tokenizer, dec.vocab_size, len(prompt))
+        self.banned = BannedRow.from_config(config, dec.tokenizer, dec.vocab_size, len(prompt), dec.banned_lists)
         self.finish_reason: str | None = None
         self.prompt_cache = None  # a DynamicCache of the first prompt tokens, until the row joins
         if self.controller is not None and self.controller.exit is not None:

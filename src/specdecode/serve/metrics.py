@@ -93,7 +93,7 @@ class ServerMetrics:
 
     def observe_finish(self, engine_reason: str) -> None:
         """Count a choice that ended with the engine's ``engine_reason`` ("eos", "stop_string", "length",
-        "cancelled", "error", ...): a success under the API's finish reason (``FINISH_REASONS``),
+        "banned_word", "cancelled", "error", ...): a success under the API's finish reason (``FINISH_REASONS``),
         else cancelled, else failed."""
         if engine_reason in FINISH_REASONS:
             self.finished.labels(FINISH_REASONS[engine_reason]).inc()

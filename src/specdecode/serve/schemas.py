@@ -98,11 +98,11 @@ class _Sampling(_Request):
         if v is not None and len(v) > MAX_BAD_WORDS:
             raise ValueError(f"at most {MAX_BAD_WORDS} bad_words are allowed, got {len(v)}")
         for word in v or ():
-            if not word.strip():
-                raise ValueError(f"bad_words must be non-empty strings with a non-space character, got {word!r}")
             if len(word) > MAX_BAD_WORD_CHARS:
                 raise ValueError(f"a bad word may have at most {MAX_BAD_WORD_CHARS} characters, got {len(word)}: "
                                  f"{word[:20]!r}...")
+            if not word.strip():
+                raise ValueError(f"bad_words must be non-empty strings with a non-space character, got {word!r}")
         return v
 
     @field_validator("logit_bias")
