@@ -99,6 +99,27 @@ def serving(app, engine, before_stop=lambda: None):
         sock.close()
 
 
+def openai_client(url: str):
+    """The official openai client on ``url``, no retries."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def target_only(generator, prompt: str, chat: bool, **options):
+    """Target-only decoding of one prompt with ``GenerationConfig`` ``options`` (20 new tokens unless
+    ``max_new_tokens`` is given): the reference a server's answer is compared with."""
+    from specdecode.config import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=options.pop("max_new_tokens", 20), **options)
+    return generator.generate(prompt, config, method="autoregressive", chat=chat)
+
+
+def decoded(generator, ids: list[int]) -> str:
+    """``ids`` as text, without special tokens (as the server answers)."""
+    return generator.tokenizer.decode(ids, skip_special_tokens=True)
+
+
 # Fixtures shared by the server test modules (imported by name there): the tiny chat model pair,
 # a generator over it, and a real server on loopback, one of each per test module.
 

@@ -8,24 +8,10 @@ import openai
 import pytest
 
 from serve_helpers import folders, generator, server  # noqa: F401 -- fixtures
-from specdecode.config import GenerationConfig
+from serve_helpers import decoded as text, openai_client as client, target_only as alone
 
 PROMPT = "w5 w9 w11 w7"
 CHAT = [{"role": "user", "content": "w9 w11"}]
-
-
-def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-def alone(generator, prompt: str, chat: bool, **options):
-    """Target-only decoding of one prompt with ``options`` (the reference)."""
-    config = GenerationConfig(max_new_tokens=options.pop("max_new_tokens", 20), **options)
-    return generator.generate(prompt, config, method="autoregressive", chat=chat)
-
-
-def text(generator, ids: list[int]) -> str:
-    return generator.tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def added(generator, ids: list[int]) -> list[str]:
