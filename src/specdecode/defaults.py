@@ -183,6 +183,35 @@ DRAFT_EXIT_MODE_HELP = ("with --adaptive-draft-exit, how the exit reads the draf
                         "with the round's one read), previous-round (nothing read between draft steps: each block "
                         "as long as the previous round's up to its first unsure token, kept whole)")
 
+def add_banned_word_flags(parser, *, who: str = "the output") -> None:
+    """generate's and serve's banned words (``GenerationConfig.banned_words``), a group on ``parser``;
+    ``banned_words_from_flags`` reads them. ``who``: whose output the help names."""
+    group = parser.add_argument_group("banned words (matched on the text, any tokenization; rollback and mask)")
+    group.add_argument("--banned-word", action="append", default=[], metavar="WORD",
+                       help=f"a word or phrase {who} must never contain (repeatable)")
+    group.add_argument("--banned-words-file", metavar="FILE", default=None,
+                       help="UTF-8 text file with one banned word or phrase per line (blank lines ignored)")
+    group.add_argument("--banned-words-ignore-case", action="store_true", help="match banned words regardless of case")
+    group.add_argument("--banned-words-whole-word", action="store_true",
+                       help="match banned words only as whole words (a banned 'ass' does not block 'class')")
+
+
+def banned_words_from_flags(args) -> tuple[str, ...]:
+    """The words of --banned-word and --banned-words-file, in order (``add_banned_word_flags``).
+
+    Raises:
+        InvalidArgumentError: The file cannot be read, is not UTF-8 or holds no word; a word is blank
+            (``config.check_banned_words``).
+    """
+    from specdecode.config import check_banned_words
+    from specdecode.engine.banned_words import read_banned_words
+
+    words = list(args.banned_word)
+    if args.banned_words_file is not None:
+        words += read_banned_words(args.banned_words_file)
+    return check_banned_words(words, allow_empty=True)
+
+
 def check_exit_mode_flag(mode: str, adaptive: bool) -> None:
     """generate's and serve's ``--draft-exit-mode``: anything but the default needs the adaptive draft exit on.
 

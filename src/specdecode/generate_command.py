@@ -223,14 +223,7 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     add_processor_arguments(p)
-    b = p.add_argument_group("banned words (matched on the text, any tokenization; rollback and mask)")
-    b.add_argument("--banned-word", action="append", default=[], metavar="WORD",
-                   help="a word or phrase the output must never contain (repeatable)")
-    b.add_argument("--banned-words-file", metavar="FILE", default=None,
-                   help="UTF-8 text file with one banned word or phrase per line (blank lines ignored)")
-    b.add_argument("--banned-words-ignore-case", action="store_true", help="match banned words regardless of case")
-    b.add_argument("--banned-words-whole-word", action="store_true",
-                   help="match banned words only as whole words (a banned 'ass' does not block 'class')")
+    defaults.add_banned_word_flags(p)
     p.add_argument("--num-speculative-tokens", "-g", type=int, default=None,
                    help=f"gamma: tokens drafted per target forward (default "
                         f"{DEFAULT_NUM_SPECULATIVE_TOKENS}); given, it turns the default adaptive "
@@ -429,12 +422,9 @@ def run_generate(args) -> int:
     import torch
     from transformers import TextStreamer
 
-    from specdecode.engine.banned_words import read_banned_words
     from specdecode.pipeline import SpeculativeGenerator
 
-    banned = list(args.banned_word)
-    if args.banned_words_file is not None:
-        banned += read_banned_words(args.banned_words_file)
+    banned = defaults.banned_words_from_flags(args)
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -444,7 +434,7 @@ def run_generate(args) -> int:
         num_speculative_tokens=(DEFAULT_NUM_SPECULATIVE_TOKENS if args.num_speculative_tokens is None
                                 else args.num_speculative_tokens),
         stop_strings=tuple(args.stop),
-        banned_words=tuple(banned),
+        banned_words=banned,
         banned_words_ignore_case=args.banned_words_ignore_case,
         banned_words_whole_word=args.banned_words_whole_word,
         **processor_options(args),

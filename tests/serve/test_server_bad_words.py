@@ -122,3 +122,41 @@ def test_words_that_leave_no_token_end_with_content_filter(tmp_path):
         one = c.completions.create(model="tiny", prompt=[0, 1, 2, 3, 0, 1], max_tokens=6, temperature=0,
                                    extra_body={"bad_words": ["a", "b", "c"]})
         assert (one.choices[0].text, one.choices[0].finish_reason) == ("dddddd", "length")
+
+
+def test_the_servers_words_apply_to_every_request_with_its_own(generator, tmp_path):
+    """``serve --banned-word`` / ``--banned-words-file`` (``ServeSettings.banned_words``): a request without
+    ``bad_words`` gets target-only decoding with the server's words; one with its own gets both lists;
+    ``--banned-words-ignore-case`` applies to both."""
+    plain = text(generator, alone(generator, PROMPT, False).token_ids).split()
+    assert len(set(plain)) >= 4, plain
+    server_word, request_word = " ".join(plain[2:4]), plain[0]
+    with running_server(generator, banned_words=(server_word,), banned_words_ignore_case=True) as (url, _, _):
+        c = client(url)
+        for words, sent in (((server_word,), None), ((server_word, request_word.upper()), [request_word.upper()])):
+            want = alone(generator, PROMPT, False, banned_words=words, banned_words_ignore_case=True).token_ids
+            got = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0,
+                                       extra_body={"bad_words": sent})
+            assert got.choices[0].text == text(generator, want), words
+            assert not any(w.lower() in got.choices[0].text.lower() for w in words)
+        assert text(generator, want) != text(generator, alone(generator, PROMPT, False, banned_words=(
+            server_word,)).token_ids), "the request's word must change the answer for this test to mean anything"
+
+
+def test_serve_reads_its_banned_word_flags_before_loading(tmp_path):
+    """The flags become ``ServeSettings``' words (the file's after --banned-word's); a file that cannot be read is
+    refused with its name, as generate refuses it."""
+    from specdecode.cli import build_parser
+    from specdecode.errors import InvalidArgumentError
+    from specdecode.serve.command import serve_settings
+
+    words = tmp_path / "words.txt"
+    words.write_text("w9\n\n  w11 w7  \n", encoding="utf-8")
+    args = build_parser().parse_args(["serve", "--banned-word", "w5", "--banned-words-file", str(words),
+                                      "--banned-words-whole-word"])
+    settings = serve_settings(args, 256, 5)
+    assert settings.banned_words == ("w5", "w9", "w11 w7") and settings.banned_words_whole_word
+    assert not settings.banned_words_ignore_case
+    args = build_parser().parse_args(["serve", "--banned-words-file", str(tmp_path / "missing.txt")])
+    with pytest.raises(InvalidArgumentError, match="missing.txt"):
+        serve_settings(args, 256, 5)

@@ -34,7 +34,7 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specdecode.config import MIN_SAMPLING_TEMPERATURE, GenerationConfig
+from specdecode.config import MIN_SAMPLING_TEMPERATURE, GenerationConfig, check_banned_words
 from specdecode.engine import kv_cache
 from specdecode.errors import InvalidArgumentError
 from specdecode.serve.engine_loop import Delivery, EngineLoop, EngineStoppedError, QueueFullError, RequestHandle
@@ -49,6 +49,7 @@ from specdecode.serve.openai_format import (
     logprobs_json,
     speculative,
     usage,
+    validation_error,
 )
 from specdecode.serve.schemas import ChatCompletionRequest, CompletionRequest
 from specdecode.serve.text import TextAssembler
@@ -89,9 +90,12 @@ class ServeSettings:
         shutdown_timeout_s: On SIGTERM, seconds running requests may take to finish before they
             are cancelled.
         retry_after_s: ``Retry-After`` seconds on a 429.
+        banned_words: Words no answer may contain (``serve --banned-word``, ``--banned-words-file``), before each
+            request's ``bad_words``; ``banned_words_ignore_case`` and ``banned_words_whole_word`` apply to both
+            (``GenerationConfig``'s).
 
     Raises:
-        InvalidArgumentError: On a limit below 1 (or a negative timeout).
+        InvalidArgumentError: On a limit below 1 (or a negative timeout); a blank banned word.
     """
 
     model_name: str
@@ -102,8 +106,12 @@ class ServeSettings:
     max_body_bytes: int = 1 << 20
     shutdown_timeout_s: float = 30.0
     retry_after_s: int = 1
+    banned_words: tuple[str, ...] = ()
+    banned_words_ignore_case: bool = False
+    banned_words_whole_word: bool = False
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "banned_words", check_banned_words(self.banned_words, allow_empty=True))
         for name in ("max_prompt_tokens", "max_tokens_limit", "max_body_bytes", "retry_after_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -203,7 +211,7 @@ def create_app(generator, engine: EngineLoop, settings: ServeSettings, metrics: 
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
-        return await _api_error(request, _validation_error(exc, request.headers.get("content-type")))
+        return await _api_error(request, validation_error(exc.errors(), request.headers.get("content-type")))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
@@ -307,10 +315,13 @@ def create_app(generator, engine: EngineLoop, settings: ServeSettings, metrics: 
                            code="invalid_value")
         try:
             # n choices: one row each, each with its own sampler (seed + i when a seed is given)
+            options = body.processor_options()  # [processors] penalties, bias, logprobs; bad_words
+            options.update(banned_words=settings.banned_words + options["banned_words"],  # the server's words first
+                           banned_words_ignore_case=settings.banned_words_ignore_case,
+                           banned_words_whole_word=settings.banned_words_whole_word)
             configs = [GenerationConfig(max_new_tokens=max_tokens, temperature=temperature, top_k=max(body.top_k, 0),
                                         top_p=body.top_p, seed=None if body.seed is None else body.seed + i,
-                                        stop_strings=body.stop_strings,
-                                        **body.processor_options())  # [processors] penalties, bias, logprobs; bad_words
+                                        stop_strings=body.stop_strings, **options)
                        for i in range(body.n)]
         except InvalidArgumentError as e:
             raise ApiError(400, str(e), code="invalid_value") from e
@@ -527,75 +538,3 @@ def _check_common(body, settings: ServeSettings) -> None:
     bad = body.unsupported()
     if bad is not None:
         raise ApiError(400, bad[1], param=bad[0], code="unsupported_parameter")
-
-
-def _validation_error(exc: RequestValidationError, content_type: str | None = None) -> ApiError:
-    """The 400 of a body that pydantic (or FastAPI's JSON decoding) refused; ``content_type``: the
-    request's header, named when a body that is not JSON was sent under another type."""
-    errors = exc.errors()
-    first = errors[0] if errors else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    locs = [[str(p) for p in e["loc"] if p != "body"] for e in errors]
-    tag = _union_position(locs, first.get("type", ""))
-    if tag is not None:  # a value that matches none of a union's types ("prompt", "stop", a message's "content")
-        prefix = loc[:tag]
-        tried = [e for e, where in zip(errors, locs) if where[:tag] == prefix and len(where) > tag]
-        # an error past the type check (a value out of range, a wrong literal) says the most
-        specific = [e for e in tried if not e["type"].endswith("_type")]
-        if not specific:
-            members = dict.fromkeys(where[tag] for where in locs if where[:tag] == prefix and len(where) > tag)
-            value = first.get("input")
-            return ApiError(400, f"invalid value for {'.'.join(prefix)!r}: {_shown(value)} (it must be "
-                                 f"{' or '.join(_member_name(m) for m in members)})", param=".".join(prefix),
-                            code="invalid_value")
-        first = specific[0]
-        loc = [str(p) for p in first["loc"] if p != "body"]
-        loc = loc[:tag] + loc[tag + 1:]
-    param = ".".join(loc) or None
-    kind = first.get("type", "")
-    if kind == "json_invalid":
-        return ApiError(400, "the request body is not valid JSON", code="invalid_json")
-    if param is None and kind == "missing":  # FastAPI's reading of an empty body
-        return ApiError(400, "the request body is empty: send a JSON object (Content-Type: application/json)",
-                        code="invalid_json")
-    if param is None and isinstance(first.get("input"), (bytes, bytearray)):  # not read as JSON at all
-        return ApiError(400, f"the request body must be JSON, sent with Content-Type: application/json; got "
-                             f"Content-Type {content_type or '(none)'!r}", code="invalid_json")
-    if kind == "extra_forbidden":
-        return ApiError(400, f"Unrecognized request argument supplied: {param}", param=param,
-                        code="unrecognized_argument")
-    if kind == "missing":
-        return ApiError(400, f"{param!r} is a required property", param=param, code="missing_required_parameter")
-    return ApiError(400, f"invalid value for {param or 'the body'!r}: {_shown(first.get('input'))} "
-                         f"({first.get('msg', kind)})", param=param, code="invalid_value")
-
-
-#: The request fields whose type is a union (serve/schemas.py), "*" for a list index: pydantic names the
-#: union's member tried right after them in an error's location ("prompt", "list[constrained-int]", "1").
-UNION_FIELDS = (("prompt",), ("stop",), ("messages", "*", "content"), ("tool_choice",))
-
-
-def _union_position(locs: list[list[str]], kind: str = "") -> int | None:
-    """Where the first error's location names a union's member: the position right after a union field
-    of the request schemas, or None (an ``extra_forbidden`` key is a field the client sent, never a member)."""
-    loc = locs[0] if locs else []
-    for field in UNION_FIELDS:
-        n = len(field)
-        if len(loc) > n and _matches(loc[:n], field):
-            return None if kind == "extra_forbidden" and len(loc) == n + 1 else n
-    return None
-
-
-def _matches(loc: list[str], field: tuple[str, ...]) -> bool:
-    return all(f == p or (f == "*" and p.isdigit()) for p, f in zip(loc, field))
-
-
-def _member_name(member: str) -> str:
-    """A union member as the JSON a client sends."""
-    names = {"str": "a string", "list[str]": "a list of strings", "list[constrained-int]": "a list of token ids "
-             "(integers >= 0)", "list[TextPart]": "a list of text parts ({\"type\": \"text\", \"text\": ...})"}
-    return names.get(member, member.replace("dict[str,any]", "an object").replace("dict[any,any]", "an object"))
-
-
-def _shown(value) -> str:
-    return json.dumps(value)[:80] if isinstance(value, (int, float, str, bool, type(None))) else type(value).__name__

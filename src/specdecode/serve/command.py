@@ -96,6 +96,7 @@ def add_arguments(p: argparse.ArgumentParser, *, default_target: str, default_dr
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds running requests may take before they are cancelled (default 30)")
+    defaults.add_banned_word_flags(p, who="every answer")  # with each request's bad_words
     p.add_argument("--num-speculative-tokens", "-g", type=int, default=None,
                    help=f"gamma for every row (default {DEFAULT_NUM_SPECULATIVE_TOKENS}); given, it turns the "
                         "default adaptive draft exit off")
@@ -405,7 +406,8 @@ def serve_settings(args, max_length: int, block: int):
     ``max_tokens`` up to ``max_length``.
 
     Raises:
-        InvalidArgumentError: A limit below 1 (``ServeSettings``).
+        InvalidArgumentError: A limit below 1 (``ServeSettings``); a --banned-words-file that cannot be read or
+            holds no word, a blank --banned-word (``defaults.banned_words_from_flags``).
     """
     from specdecode.serve.app import ServeSettings
 
@@ -414,6 +416,8 @@ def serve_settings(args, max_length: int, block: int):
         max_prompt_tokens=max(max_length - block - 2, 1) if args.max_prompt_tokens is None else args.max_prompt_tokens,
         max_tokens_limit=max_length if args.max_tokens_limit is None else args.max_tokens_limit,
         max_body_bytes=args.max_body_bytes, shutdown_timeout_s=args.shutdown_timeout,
+        banned_words=defaults.banned_words_from_flags(args), banned_words_ignore_case=args.banned_words_ignore_case,
+        banned_words_whole_word=args.banned_words_whole_word,
     )
 
 

@@ -8,6 +8,7 @@ an extra attribute and otherwise ignore.
 from __future__ import annotations
 
 import functools
+import json
 import re
 import time
 import uuid
@@ -294,3 +295,75 @@ def _byte_level_table() -> dict[str, int]:
             table[chr(256 + extra)] = b
             extra += 1
     return table
+
+
+def validation_error(errors: Sequence[dict], content_type: str | None = None) -> ApiError:
+    """The 400 of a body that pydantic (or FastAPI's JSON decoding) refused: ``errors``, a
+    ``RequestValidationError``'s ``errors()``; ``content_type``: the request's header, named when a body
+    that is not JSON was sent under another type."""
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    locs = [[str(p) for p in e["loc"] if p != "body"] for e in errors]
+    tag = _union_position(locs, first.get("type", ""))
+    if tag is not None:  # a value that matches none of a union's types ("prompt", "stop", a message's "content")
+        prefix = loc[:tag]
+        tried = [e for e, where in zip(errors, locs) if where[:tag] == prefix and len(where) > tag]
+        # an error past the type check (a value out of range, a wrong literal) says the most
+        specific = [e for e in tried if not e["type"].endswith("_type")]
+        if not specific:
+            members = dict.fromkeys(where[tag] for where in locs if where[:tag] == prefix and len(where) > tag)
+            value = first.get("input")
+            return ApiError(400, f"invalid value for {'.'.join(prefix)!r}: {_shown(value)} (it must be "
+                                 f"{' or '.join(_member_name(m) for m in members)})", param=".".join(prefix),
+                            code="invalid_value")
+        first = specific[0]
+        loc = [str(p) for p in first["loc"] if p != "body"]
+        loc = loc[:tag] + loc[tag + 1:]
+    param = ".".join(loc) or None
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        return ApiError(400, "the request body is not valid JSON", code="invalid_json")
+    if param is None and kind == "missing":  # FastAPI's reading of an empty body
+        return ApiError(400, "the request body is empty: send a JSON object (Content-Type: application/json)",
+                        code="invalid_json")
+    if param is None and isinstance(first.get("input"), (bytes, bytearray)):  # not read as JSON at all
+        return ApiError(400, f"the request body must be JSON, sent with Content-Type: application/json; got "
+                             f"Content-Type {content_type or '(none)'!r}", code="invalid_json")
+    if kind == "extra_forbidden":
+        return ApiError(400, f"Unrecognized request argument supplied: {param}", param=param,
+                        code="unrecognized_argument")
+    if kind == "missing":
+        return ApiError(400, f"{param!r} is a required property", param=param, code="missing_required_parameter")
+    return ApiError(400, f"invalid value for {param or 'the body'!r}: {_shown(first.get('input'))} "
+                         f"({first.get('msg', kind)})", param=param, code="invalid_value")
+
+
+#: The request fields whose type is a union (serve/schemas.py), "*" for a list index: pydantic names the
+#: union's member tried right after them in an error's location ("prompt", "list[constrained-int]", "1").
+UNION_FIELDS = (("prompt",), ("stop",), ("messages", "*", "content"), ("tool_choice",))
+
+
+def _union_position(locs: list[list[str]], kind: str = "") -> int | None:
+    """Where the first error's location names a union's member: the position right after a union field
+    of the request schemas, or None (an ``extra_forbidden`` key is a field the client sent, never a member)."""
+    loc = locs[0] if locs else []
+    for field in UNION_FIELDS:
+        n = len(field)
+        if len(loc) > n and _matches(loc[:n], field):
+            return None if kind == "extra_forbidden" and len(loc) == n + 1 else n
+    return None
+
+
+def _matches(loc: list[str], field: tuple[str, ...]) -> bool:
+    return all(f == p or (f == "*" and p.isdigit()) for p, f in zip(loc, field))
+
+
+def _member_name(member: str) -> str:
+    """A union member as the JSON a client sends."""
+    names = {"str": "a string", "list[str]": "a list of strings", "list[constrained-int]": "a list of token ids "
+             "(integers >= 0)", "list[TextPart]": "a list of text parts ({\"type\": \"text\", \"text\": ...})"}
+    return names.get(member, member.replace("dict[str,any]", "an object").replace("dict[any,any]", "an object"))
+
+
+def _shown(value) -> str:
+    return json.dumps(value)[:80] if isinstance(value, (int, float, str, bool, type(None))) else type(value).__name__
