@@ -183,17 +183,21 @@ DRAFT_EXIT_MODE_HELP = ("with --adaptive-draft-exit, how the exit reads the draf
                         "with the round's one read), previous-round (nothing read between draft steps: each block "
                         "as long as the previous round's up to its first unsure token, kept whole)")
 
-def add_banned_word_flags(parser, *, who: str = "the output") -> None:
+def add_banned_word_flags(parser, *, server: bool = False) -> None:
     """generate's and serve's banned words (``GenerationConfig.banned_words``), a group on ``parser``;
-    ``banned_words_from_flags`` reads them. ``who``: whose output the help names."""
+    ``banned_words_from_flags`` reads them. ``server``: the help speaks of every answer and of requests'
+    ``bad_words``."""
+    also = " (also to requests' bad_words)" if server else ""
     group = parser.add_argument_group("banned words (matched on the text, any tokenization; rollback and mask)")
     group.add_argument("--banned-word", action="append", default=[], metavar="WORD",
-                       help=f"a word or phrase {who} must never contain (repeatable)")
+                       help="a word or phrase no answer may contain (repeatable; a request's bad_words add to them)"
+                       if server else "a word or phrase the output must never contain (repeatable)")
     group.add_argument("--banned-words-file", metavar="FILE", default=None,
                        help="UTF-8 text file with one banned word or phrase per line (blank lines ignored)")
-    group.add_argument("--banned-words-ignore-case", action="store_true", help="match banned words regardless of case")
+    group.add_argument("--banned-words-ignore-case", action="store_true",
+                       help=f"match banned words regardless of case{also}")
     group.add_argument("--banned-words-whole-word", action="store_true",
-                       help="match banned words only as whole words (a banned 'ass' does not block 'class')")
+                       help=f"match banned words only as whole words (a banned 'ass' does not block 'class'){also}")
 
 
 def banned_words_from_flags(args) -> tuple[str, ...]:

@@ -124,7 +124,7 @@ def test_words_that_leave_no_token_end_with_content_filter(tmp_path):
         assert (one.choices[0].text, one.choices[0].finish_reason) == ("dddddd", "length")
 
 
-def test_the_servers_words_apply_to_every_request_with_its_own(generator, tmp_path):
+def test_the_servers_words_apply_to_every_request_with_its_own(generator):
     """``serve --banned-word`` / ``--banned-words-file`` (``ServeSettings.banned_words``): a request without
     ``bad_words`` gets target-only decoding with the server's words; one with its own gets both lists;
     ``--banned-words-ignore-case`` applies to both."""
@@ -160,3 +160,25 @@ def test_serve_reads_its_banned_word_flags_before_loading(tmp_path):
     args = build_parser().parse_args(["serve", "--banned-words-file", str(tmp_path / "missing.txt")])
     with pytest.raises(InvalidArgumentError, match="missing.txt"):
         serve_settings(args, 256, 5)
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--banned-words-file", "/nonexistent/banned.txt"], "banned-words file '/nonexistent/banned.txt' does not exist"),
+    (["--banned-word", "ok", "--banned-word", "  "], "got '  '"),
+])
+def test_serve_refuses_bad_banned_word_flags_before_loading_models(tmp_path, monkeypatch, flags, message):
+    from serve_helpers import tiny_chat_folders
+    from specdecode.cli import build_parser
+    from specdecode.errors import InvalidArgumentError
+    from specdecode.pipeline import SpeculativeGenerator
+    from specdecode.serve.command import load_server
+
+    def no_loading(*a, **k):
+        raise AssertionError("models were loaded before the banned words were checked")
+
+    monkeypatch.setattr(SpeculativeGenerator, "from_pretrained", no_loading)
+    target, draft = tiny_chat_folders(tmp_path)
+    args = build_parser().parse_args(["serve", "--target", str(target), "--draft", str(draft), "--dtype", "float32",
+                                      "--device", "cpu", "--port", "0", "--no-warmup", *flags])
+    with pytest.raises(InvalidArgumentError, match=message):
+        load_server(args)

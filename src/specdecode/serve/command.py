@@ -96,7 +96,7 @@ def add_arguments(p: argparse.ArgumentParser, *, default_target: str, default_dr
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds running requests may take before they are cancelled (default 30)")
-    defaults.add_banned_word_flags(p, who="every answer")  # with each request's bad_words
+    defaults.add_banned_word_flags(p, server=True)  # with each request's bad_words
     p.add_argument("--num-speculative-tokens", "-g", type=int, default=None,
                    help=f"gamma for every row (default {DEFAULT_NUM_SPECULATIVE_TOKENS}); given, it turns the "
                         "default adaptive draft exit off")
@@ -329,7 +329,7 @@ def load_server(args):
     stored = stored_context_limits(args.target, plan.draft, cache_dir=args.cache_dir, backend=backend)
     max_length = fit_max_length(args.max_length, block, stored)
     check_max_length(max_length, block, args.method, args.max_prompt_tokens)
-    serve_settings(args, max_length, block)  # the limits' ranges (the settings are made once the engine is)
+    words = serve_settings(args, max_length, block).banned_words  # the limits' ranges, the words' file, read once
     check_address(args.host, args.port)  # the flags' last check: the models take minutes to load
     _configure_logging(args.log_level)
     started = time.perf_counter()
@@ -357,7 +357,7 @@ def load_server(args):
     control = plan.draft_control  # None under a llama.cpp target: batch_decoder measures its costs
     measured = gen.backend == "llama-cpp" and control is None and args.method != "autoregressive"
     decoder = build_decoder(gen, args, plan, max_length=max_length, max_verify_tokens=verify)
-    settings = serve_settings(args, decoder.max_length, decoder.max_block)
+    settings = serve_settings(args, decoder.max_length, decoder.max_block, words)
     logger.info("start-up: batched engine built in %.1f s: method %s, %d rows%s, %s, max_model_prompt_tokens %s",
                 time.perf_counter() - t0, args.method, args.max_batch_size,
                 " (the target in llama.cpp: one request at a time, the others wait in the queue)"
@@ -400,10 +400,11 @@ def build_decoder(gen, args, plan: ServePlan, *, max_length: int | None = None, 
     )
 
 
-def serve_settings(args, max_length: int, block: int):
+def serve_settings(args, max_length: int, block: int, banned_words: tuple[str, ...] | None = None):
     """The HTTP layer's ``ServeSettings`` from the flags, for rows of ``max_length`` positions that keep
     ``block`` + 1 for a draft block: by default a prompt may take what is left beside one new token, and
-    ``max_tokens`` up to ``max_length``.
+    ``max_tokens`` up to ``max_length``. ``banned_words``: the words of the banned-word flags as read before
+    (None: read them now).
 
     Raises:
         InvalidArgumentError: A limit below 1 (``ServeSettings``); a --banned-words-file that cannot be read or
@@ -416,7 +417,8 @@ def serve_settings(args, max_length: int, block: int):
         max_prompt_tokens=max(max_length - block - 2, 1) if args.max_prompt_tokens is None else args.max_prompt_tokens,
         max_tokens_limit=max_length if args.max_tokens_limit is None else args.max_tokens_limit,
         max_body_bytes=args.max_body_bytes, shutdown_timeout_s=args.shutdown_timeout,
-        banned_words=defaults.banned_words_from_flags(args), banned_words_ignore_case=args.banned_words_ignore_case,
+        banned_words=defaults.banned_words_from_flags(args) if banned_words is None else banned_words,
+        banned_words_ignore_case=args.banned_words_ignore_case,
         banned_words_whole_word=args.banned_words_whole_word,
     )
 

@@ -9,7 +9,8 @@ so are ``repetition_penalty``, ``min_p`` and ``stop_token_ids`` (vLLM's names an
 ``presence_penalty``, ``frequency_penalty``, ``logit_bias`` and ``logprobs`` / ``top_logprobs``
 are OpenAI's (``GenerationConfig`` validates the values and ``engine.processors`` applies them).
 ``bad_words`` is vLLM's name for words the output must not contain; here they are matched on the
-generated text, as case-sensitive substrings, and rolled back (``GenerationConfig.banned_words``,
+generated text (as case-sensitive substrings unless the server's flags say otherwise), after the server's
+own words, and rolled back (``GenerationConfig.banned_words``,
 ``engine.banned_rows``), so no tokenization of a word gets through, where vLLM masks the last token
 of each word's tokenizations with and without a leading space; a stream never shows one. At most
 ``MAX_BAD_WORDS`` words of at most ``MAX_BAD_WORD_CHARS`` characters: the engine thread builds each
