@@ -122,9 +122,9 @@ def test_truncate_forgets_the_tail_and_matching_resumes():
 
 
 def test_truncate_back_into_half_a_character_keeps_it_open():
-    """A draft's cut (``BannedRow.cut_draft``) feeds tokens and truncates back. Where the kept text ends in half a
-    character, the next token still completes that character: a word beginning with it is cut at its first
-    byte's token, and that token is not released."""
+    """A rollback truncates the matcher, possibly into half a character (a cut that backs off, or that stops at
+    released tokens). The next token still completes that character: a word beginning with it is cut at its
+    first byte's token, and that token is not released."""
     banned = BannedWords(["é!"])
     first, second = ID["é".encode()[:1]], ID["é".encode()[1:]]
     m = banned.matcher(TOK)

@@ -1,6 +1,6 @@
 """Banned words in the batched engine: per row, exactly the single-sequence decoder's output.
 
-Both decoders run the same ``engine.banned_rows.BannedRow`` (masks, draft cut, rollback). On
+Both decoders run the same ``engine.banned_rows.BannedRow`` (masks, rollback). On
 the random tiny models with the word-level tokenizer (float32, greedy), each row's banned
 words are two-word phrases of its own unbanned output, so they do trigger rollbacks; rows
 without banned words, and a row with the same prompt as a rolled-back one, must come out as
@@ -174,25 +174,32 @@ def test_the_n_gram_match_sees_each_rows_sequence_through_rewinds_joins_and_move
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_drafts_are_cut_before_a_banned_word_as_in_the_single_decoder():
-    """The draft model spells the banned phrase too: its block is cut before it, in both engines,
-    so the rows verify (and discard) exactly what the single decoder does."""
+def test_a_drafted_banned_word_is_verified_and_rolled_back_as_one_token_at_a_time():
+    """The draft model spells the banned phrase too. Its whole block is verified, and the check rolls the word back
+    as target-only decoding does: the same output and rollbacks, with more tokens discarded (those of the block
+    after the word, which a cut before the word never verified). B = 3 with joins equals B = 1, stats included."""
     target = make_tiny_model("llama")
     draft = perturbed_copy(target, noise=0.05, seed=1)  # a close draft: it proposes the phrase
     plain = [SpeculativeDecoder(target).generate(p, BASE).token_ids for p in PROMPTS[:3]]
     configs = _configs(plain)
+    reference = [_single(target, None, p, c)[0] for p, c in zip(PROMPTS[:3], configs)]
     expected = [_single(target, DraftModelDrafter(draft), p, c)[0] for p, c in zip(PROMPTS[:3], configs)]
     dec = BatchedSpeculativeDecoder(
         target, DraftModelDrafter(draft), max_batch_size=3, max_length=64, num_speculative_tokens=4,
         tokenizer=TOK,
     )
     results, _ = _batched(dec, PROMPTS[:3], configs)
-    for b, (stream, result) in enumerate(zip(expected, results)):
+    more = 0
+    for b, (ref, stream, result) in enumerate(zip(reference, expected, results)):
+        assert stream.token_ids == ref.token_ids, b
+        assert stream.stats.num_banned_word_rollbacks == ref.stats.num_banned_word_rollbacks, b
+        more += stream.stats.num_banned_word_discarded_tokens > ref.stats.num_banned_word_discarded_tokens
         assert result.token_ids == stream.token_ids, b
         got = (result.stats.num_drafted_tokens, result.stats.num_accepted_tokens)
         assert got == (stream.stats.num_drafted_tokens, stream.stats.num_accepted_tokens), b
         assert result.stats.num_banned_word_discarded_tokens == stream.stats.num_banned_word_discarded_tokens, b
-    assert expected[0].stats.num_banned_word_rollbacks > 0
+    assert reference[0].stats.num_banned_word_rollbacks > 0
+    assert more, "no block verified tokens past a banned word"
 
 
 def _four_token_tokenizer() -> PreTrainedTokenizerFast:

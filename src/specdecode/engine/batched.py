@@ -12,7 +12,7 @@ Each round (Medusa's four steps, for every active row at once):
    equal to the target's argmax; sampling rows run speculative sampling with their own temperature, top-k,
    top-p and ``torch.Generator`` (Leviathan et al. 2022), on the device (``verification.sample_rows``), read back
    with the round's one host sync (a "masked" exit's cut made on the device, ``draft_exit.exit_blocks``;
-   with banned words, a sampling row keeps all its block drew, and its emit rolls back a word);
+   with banned words, a row keeps all its block drew, and its emit rolls back a word);
 3. **accept**: each row's length grows by its own n_b + 1; rejected and padded
    positions stay in the cache past the row's length and are overwritten by the next
    round (never copied);
@@ -507,11 +507,6 @@ class BatchedSpeculativeDecoder(BatchRequests):
         drafted = [host[b * K : (b + 1) * K] for b in range(n)]
         argmax = host[n * K : n * K + n * (K + 1)]
         flags = host[n * (2 * K + 1) : n * (3 * K + 2)]
-        # [banned words] a greedy row accepts no token of a banned word: the rest of its block is ignored. A sampling
-        # row keeps all its block drew (a cut chosen by the draft's tokens would bias it), and its emit rolls back to
-        # where a word begins, as one token at a time would
-        blocks = [row.banned.cut_draft(drafted[b][:kb], len(row.tokens)) if kb and row.banned is not None
-                  and row.sampler.greedy else kb for b, (row, kb) in enumerate(zip(rows, k))]
         for b in (b for b, verdict in decided.items() if verdict[1] < 0):  # not a distribution (``sampling.race``)
             if not self.contain_errors:
                 if self.drafter is not None:  # the rows did not move: keep the drafter in step with them
@@ -520,7 +515,7 @@ class BatchedSpeculativeDecoder(BatchRequests):
             sampled.errors[b] = f"request {rows[b].request_id} failed in its sampling: {INVALID_DISTRIBUTION}"
         gate_rows = []
         for b, row in enumerate(rows):
-            kb = blocks[b]
+            kb = k[b]
             if not all(flags[b * (K + 1) : b * (K + 1) + kb + 1]):  # the row's own positions, not padding
                 if not self.contain_errors:
                     if self.drafter is not None:

@@ -50,7 +50,7 @@ class GenerationStream:
     become part of a banned word (the tail that may still start one is held back), so
     no prefix of the stream ever contains a banned word. ``forbidden_tokens`` then maps
     each generated position (0 = the first new token) to the token ids masked there.
-    The rollback, the masks and the draft cut are ``engine.banned_rows.BannedRow``'s,
+    The rollback and the masks are ``engine.banned_rows.BannedRow``'s,
     the batched engine's per-row state.
 
     Semantics: under greedy decoding the output is the target's greedy output with
