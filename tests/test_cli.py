@@ -116,7 +116,6 @@ def test_a_prompt_that_is_not_utf8_is_an_error_not_a_traceback(capsys):
     (["--method", "draft"], "draft", True, None),
     (["--method", "draft", "--no-adaptive-draft-exit"], "draft", False, None),
     (["--method", "prompt-lookup"], "prompt-lookup", False, None),  # no draft probabilities: off by default
-    (["--method", "autoregressive", "--adaptive-draft-exit"], "autoregressive", True, None),
 ])
 def test_generate_defaults_to_the_cascade_with_adaptive_exit(tiny_folders, capsys, flags, method, adaptive,
                                                              ngram_check):
@@ -255,28 +254,52 @@ def test_generate_refuses_a_draft_quantize_head_the_draft_does_not_have(monkeypa
     assert "loaded" not in err
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--method", "prompt-lookup", "--adaptive-draft-exit"],
+     "--adaptive-draft-exit needs a method whose drafts carry probabilities; 'prompt-lookup' has none"),
+    (["--method", "autoregressive", "--adaptive-draft-exit"],
+     "--adaptive-draft-exit needs a method whose drafts carry probabilities; 'autoregressive' has none"),
+])
+def test_generate_refuses_the_adaptive_exit_for_a_method_without_draft_probabilities(monkeypatch, capsys, flags,
+                                                                                       message):
+    """As serve does (``defaults.plan_command``), in the flags' words and before anything loads (prompt lookup's
+    was refused by the engine after loading, autoregressive's ignored)."""
+    from specdecode.errors import SpecDecodeError
+    from specdecode.pipeline import SpeculativeGenerator
+
+    def from_pretrained(*args, **kwargs):
+        raise SpecDecodeError("loaded")
+
+    monkeypatch.setattr(SpeculativeGenerator, "from_pretrained", from_pretrained)
+    code, out, err = _run(capsys, "--prompt", "w5", *flags)
+    assert code == 2 and out == ""
+    assert message in err
+    assert "loaded" not in err
+
+
 @pytest.mark.usefixtures("avx512_cpu")
 @pytest.mark.parametrize("flags, device, expected", [
     ([], "cpu", "int4"),
     (["--method", "draft"], "cpu", "int4"),
     ([], "cuda", None),  # int4 runs on CPU only: the draft follows --quantize (none)
-    (["--draft-quantize", "none"], "cpu", None),  # given: the rule is not consulted
+    (["--draft-quantize", "none"], "cpu", "none"),  # given: the rule is not consulted
     (["--quantize", "int4"], "cpu", None),
     (["--method", "prompt-lookup"], "cpu", None),
     (["--method", "early-exit", "--exit-layer", "1"], "cpu", None),
 ])
 def test_draft_quantize_by_default_rule(flags, device, expected):
     from specdecode.cli import build_parser
-    from specdecode.generate_command import _check_method_options, _draft_quantize_by_default
+    from specdecode.defaults import plan_command
+    from specdecode.generate_command import _check_method_options
 
     args = build_parser().parse_args(["generate", "--prompt", "w5", *flags])
-    _check_method_options(args)  # the default never trips the --draft-quantize check
-    assert _draft_quantize_by_default(args, torch.device(device)) == expected
+    _check_method_options(args)
+    assert plan_command(args, torch.device(device)).draft_quantize == expected  # the default trips no flag check
 
 
 def test_draft_quantize_default_needs_the_int4_kernel(monkeypatch):
     """A torch build without the int4 CPU kernel keeps a dense draft rather than failing."""
-    from specdecode import cli, defaults, generate_command
+    from specdecode import cli, defaults
     from specdecode.errors import InvalidArgumentError
 
     def refuse(scheme, device=None):
@@ -284,7 +307,7 @@ def test_draft_quantize_default_needs_the_int4_kernel(monkeypatch):
 
     monkeypatch.setattr(defaults, "check_quantize", refuse)
     args = cli.build_parser().parse_args(["generate", "--prompt", "w5"])
-    assert generate_command._draft_quantize_by_default(args, torch.device("cpu")) is None
+    assert defaults.plan_command(args, torch.device("cpu")).draft_quantize is None
 
 
 @pytest.mark.usefixtures("avx512_cpu")
@@ -421,16 +444,16 @@ def test_generate_refuses_bad_long_prompt_flags(capsys, flags, message):
 def test_draft_quantize_default_is_dense_where_torch_s_int4_kernel_is_slow(monkeypatch):
     """Below AVX512 (measured on AVX2: the int4 draft 3.2x slower than the dense one) the commands keep a
     dense draft, and say why."""
-    from specdecode import cli, defaults, generate_command
+    from specdecode import cli, defaults
 
     args = cli.build_parser().parse_args(["generate", "--prompt", "w5"])
     for capability in ("AVX2", "DEFAULT", None):
         monkeypatch.setattr(defaults, "cpu_capability", lambda: capability)
-        assert generate_command._draft_quantize_by_default(args, torch.device("cpu")) is None
+        assert defaults.plan_command(args, torch.device("cpu")).draft_quantize is None
         why = defaults.why_no_int4_draft("cascade", "none", torch.device("cpu"))
         assert f"this CPU's capability is {capability or 'unknown to this torch'}" in why
     monkeypatch.setattr(defaults, "cpu_capability", lambda: "AVX512")
-    assert generate_command._draft_quantize_by_default(args, torch.device("cpu")) == "int4"
+    assert defaults.plan_command(args, torch.device("cpu")).draft_quantize == "int4"
 
 
 def test_cpu_capability_is_torch_s():

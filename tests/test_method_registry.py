@@ -124,7 +124,9 @@ def test_gamma_has_one_default():
     assert args.num_speculative_tokens is None  # as generate's: unset, so that adaptive exit can be the default
     import torch
 
-    assert serve_command.resolve_defaults(args, torch.device("cpu")).num_speculative_tokens == (
+    from specdecode.defaults import plan_command
+
+    assert plan_command(args, torch.device("cpu")).num_speculative_tokens == (
         DEFAULT_NUM_SPECULATIVE_TOKENS)
 
 

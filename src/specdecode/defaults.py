@@ -7,17 +7,19 @@ commands (``specdecode generate`` and ``specdecode serve``) share, each with the
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
 from specdecode import method_registry
+from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS
 from specdecode.drafters.control import DraftControl
 from specdecode.engine.protocol import DRAFT_EXIT_MODES
 from specdecode.errors import InvalidArgumentError
 from specdecode.models import LoadedModel
 from specdecode.models.loading import resolve_dtype
 from specdecode.models.llama_cpp_target import LlamaCppTargetRunner
-from specdecode.models.quantize import check_quantize
+from specdecode.models.quantize import check_draft_quantize_head_flag, check_quantize, check_quantize_group_size_flag
 
 logger = logging.getLogger(__name__)
 
@@ -214,6 +216,116 @@ def banned_words_from_flags(args) -> tuple[str, ...]:
     if args.banned_words_file is not None:
         words += read_banned_words(args.banned_words_file)
     return check_banned_words(words, allow_empty=True)
+
+
+@dataclass(frozen=True)
+class CommandPlan:
+    """What ``generate`` and ``serve`` load and run once the commands' defaults are applied to their flags
+    (``plan_command``).
+
+    Attributes:
+        draft: The draft model to load, or None (the method has none).
+        draft_quantize: The draft's quantization (None: as --quantize, or a llama.cpp draft's own).
+        draft_quantize_note: "<scheme>: <why>" for the start-up log; "" without a torch draft.
+        draft_control: The draft control (adaptive exit, length schedule, gate), or None when inactive.
+        num_speculative_tokens: γ (``config.DEFAULT_NUM_SPECULATIVE_TOKENS`` when not given).
+        max_model_prompt_tokens: The cascade's prompt limit for the draft model, or None.
+    """
+
+    draft: str | None
+    draft_quantize: str | None
+    draft_quantize_note: str
+    draft_control: DraftControl | None
+    num_speculative_tokens: int
+    max_model_prompt_tokens: int | None
+
+
+def plan_command(args, device: torch.device) -> CommandPlan:
+    """The commands' defaults applied to ``generate``'s or ``serve``'s flags (``args``) on ``device``, and the
+    flags that depend on them checked, before anything loads. One place for both commands, so a server runs
+    what ``generate`` runs. Flags that ``serve`` lacks (--draft-backend, --draft-length-schedule,
+    --confidence-gate, --draft-exit-threshold, --max-draft-tokens) count as not given.
+
+    * the draft: --draft for a method with a draft model, else None;
+    * its quantization: --draft-quantize, else ``draft_quantize_by_default``;
+    * the adaptive draft exit: --adaptive-draft-exit / --no-adaptive-draft-exit, else
+      ``adaptive_exit_by_default``, off with a draft tree (its rows draft without an exit policy), under
+      --backend llama-cpp (the draft length comes from measured costs, ``engine.runner_target``), with
+      --draft-length-schedule cost-model, and for a method whose drafts carry no probabilities;
+    * the length schedule: --draft-length-schedule, else ``length_schedule_by_default``;
+    * the cascade's prompt limit: --max-model-prompt-tokens (0: none), else ``prompt_limit_by_default``.
+
+    Raises:
+        InvalidArgumentError: In the flags' words: --draft-quantize or --draft-quantize-head for a method
+            without a draft model, or with --draft-backend llama-cpp; --draft-quantize-head or
+            --quantize-group-size that does not fit the draft's quantization; --adaptive-draft-exit for a
+            method without draft probabilities; --draft-exit-mode other than per-step with the exit off.
+    """
+    method = method_registry.REGISTRY[args.method]
+    draft_backend = getattr(args, "draft_backend", None)
+    llama_draft = draft_backend == "llama-cpp"
+    for flag in ("draft_quantize", "draft_quantize_head"):
+        if getattr(args, flag) is None:
+            continue
+        if not method.needs_draft_model:
+            raise InvalidArgumentError(f"--{flag.replace('_', '-')} applies to {method_registry.who_takes(flag)}, "
+                                       f"not to {args.method!r}; use --quantize for the target")
+        if llama_draft:
+            raise InvalidArgumentError(f"--{flag.replace('_', '-')} quantizes a torch draft; --draft-backend "
+                                       "llama-cpp runs the draft's GGUF file with its own quantization: leave it out")
+    draft = args.draft if method.needs_draft_model else None
+    draft_quantize = args.draft_quantize
+    if draft_quantize is None and draft is not None:
+        draft_quantize = draft_quantize_by_default(args.method, args.quantize, device, draft_backend=draft_backend)
+    # the quantization flags against the draft's (a llama.cpp draft: --quantize-group-size is the target's alone)
+    torch_draft = draft is not None and not llama_draft
+    scheme = (args.quantize if draft_quantize is None else draft_quantize) if torch_draft else None
+    if llama_draft:
+        why = "--draft-backend llama-cpp keeps the GGUF file's quantization"
+    elif draft is None:
+        why = f"--method {args.method} loads none"
+    elif args.draft_quantize is not None:
+        why = f"--draft-quantize {args.draft_quantize}"
+    elif draft_quantize is not None:
+        why = "generate's default on CPU"
+    else:
+        why = why_no_int4_draft(args.method, args.quantize, device) or f"as --quantize {args.quantize}"
+    if torch_draft and args.draft_quantize_head is not None:
+        check_draft_quantize_head_flag(args.draft_quantize_head, scheme, why)
+    check_quantize_group_size_flag(args.quantize_group_size, args.quantize, scheme, why)
+    schedule = getattr(args, "draft_length_schedule", None)
+    gate = getattr(args, "confidence_gate", None)
+    if args.adaptive_draft_exit is None:
+        adaptive = (adaptive_exit_by_default(args.method, args.quantize, args.num_speculative_tokens)
+                    and getattr(args, "draft_tree_depth", None) is None
+                    and getattr(args, "backend", "torch") != "llama-cpp" and schedule != "cost-model")
+    elif args.adaptive_draft_exit and not method.adaptive_exit:
+        raise InvalidArgumentError(f"--adaptive-draft-exit needs a method whose drafts carry probabilities; "
+                                   f"{args.method!r} has none")
+    else:
+        adaptive = args.adaptive_draft_exit
+    check_exit_mode_flag(args.draft_exit_mode, adaptive)
+    float32_cpu = target_float32_on_cpu(args.dtype, device, getattr(args, "backend", "torch"))
+    if schedule is None:  # the cost model over the default exit where the target computes in float32 on a CPU
+        default_exit = args.adaptive_draft_exit is None and adaptive and gate is None
+        schedule = length_schedule_by_default(default_exit, float32_cpu)
+    control = DraftControl(adaptive_exit=adaptive,
+                           exit_threshold=getattr(args, "draft_exit_threshold", DraftControl.exit_threshold),
+                           max_draft_tokens=getattr(args, "max_draft_tokens", DraftControl.max_draft_tokens),
+                           length_schedule=schedule, confidence_gate=gate, exit_mode=args.draft_exit_mode)
+    limit = args.max_model_prompt_tokens
+    if limit is None and draft is not None:
+        limit = prompt_limit_by_default(args.method, args.quantize if draft_quantize is None else draft_quantize,
+                                        draft_backend, float32_cpu=float32_cpu)
+    return CommandPlan(
+        draft=draft,
+        draft_quantize=draft_quantize,
+        draft_quantize_note=f"{scheme}: {why}" if scheme is not None else "",
+        draft_control=control if control.active else None,
+        num_speculative_tokens=(DEFAULT_NUM_SPECULATIVE_TOKENS if args.num_speculative_tokens is None
+                                else args.num_speculative_tokens),
+        max_model_prompt_tokens=limit or None,
+    )
 
 
 def check_exit_mode_flag(mode: str, adaptive: bool) -> None:

@@ -15,8 +15,6 @@ import json
 import logging
 import sys
 
-import torch
-
 from specdecode import defaults, method_registry
 from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS, GenerationConfig, check_unicode, parse_logit_bias
 from specdecode.drafters.control import LENGTH_SCHEDULES, DraftControl
@@ -28,8 +26,6 @@ from specdecode.models.quantize import (
     INT4_GROUP_SIZES,
     QUANTIZE_HEADS,
     QUANTIZE_SCHEMES,
-    check_draft_quantize_head_flag,
-    check_quantize_group_size_flag,
 )
 from specdecode.pipeline import (
     ADAPTIVE_BY_DEFAULT,
@@ -39,89 +35,12 @@ from specdecode.pipeline import (
     DRAFT_BACKENDS,
     MAX_MODEL_PROMPT_TOKENS,
     METHODS,
-    adaptive_exit_by_default,
-    draft_quantize_by_default,
-    length_schedule_by_default,
-    prompt_limit_by_default,
-    target_float32_on_cpu,
-    why_no_int4_draft,
 )
 
 logger = logging.getLogger(__name__)
 
 #: ``generate``'s method under --backend llama-cpp when --method is not given (``serve``'s too).
 LLAMA_CPP_COMMAND_METHOD = defaults.LLAMA_CPP_COMMAND_METHOD
-
-
-def _prompt_limit_by_default(args, draft_quantize: str | None, device: torch.device | None = None) -> int | None:
-    """The cascade's prompt limit when --max-model-prompt-tokens is not given (``draft_quantize``: the
-    draft's quantization, None = as --quantize; ``device``: None = ``--device`` resolved):
-    ``pipeline.prompt_limit_by_default``."""
-    scheme = draft_quantize if draft_quantize is not None else args.quantize
-    return prompt_limit_by_default(args.method, scheme, args.draft_backend,
-                                   float32_cpu=_float32_cpu(args, device or resolve_device(args.device)))
-
-
-def _float32_cpu(args, device: torch.device) -> bool:
-    """Whether the target computes in float32 on a CPU (``device``) with torch (``--dtype``, ``--backend``)."""
-    return target_float32_on_cpu(args.dtype, device, getattr(args, "backend", "torch"))
-
-
-def _adaptive_by_default(args) -> bool:
-    """Adaptive draft exit when --adaptive-draft-exit is not given: ``pipeline.adaptive_exit_by_default``;
-    off under --backend llama-cpp, where the draft length per round comes from the measured costs
-    (``engine.runner_target.measured_cost_policy``; a draft control given replaces it)."""
-    if getattr(args, "backend", "torch") == "llama-cpp" or getattr(args, "draft_tree_depth", None) is not None:
-        return False  # a tree row drafts without adaptive exit (drafters.draft_tree)
-    return adaptive_exit_by_default(args.method, args.quantize, args.num_speculative_tokens)
-
-
-def _draft_quantize_by_default(args, device) -> str | None:
-    """The draft's quantization when --draft-quantize is not given: ``pipeline.draft_quantize_by_default``
-    ("int4" for draft and cascade with an unquantized target on a CPU with the int4 kernel, else None =
-    as --quantize). ``serve`` applies the same rule.
-
-    Args:
-        args: The parsed ``generate`` arguments.
-        device: The resolved device (``resolve_device(args.device)``).
-    """
-    return draft_quantize_by_default(args.method, args.quantize, device, draft_quantize=args.draft_quantize,
-                                     draft_backend=args.draft_backend)
-
-
-def _why_no_int4_default(args, device) -> str | None:
-    """Why ``generate``'s int4 draft default does not apply (for error messages), or None when it
-    applies. --draft-quantize is not consulted: given, there is no default to apply."""
-    return why_no_int4_draft(args.method, args.quantize, device)
-
-
-def _check_generate_quantize_flags(args, draft: str | None, draft_quantize: str | None) -> None:
-    """``generate``'s --draft-quantize-head and --quantize-group-size against the draft's effective
-    quantization (``draft``: the draft model or None; ``draft_quantize``: --draft-quantize or the int4
-    default; None: as --quantize), in the flags' words (the messages bench gives too)."""
-    if args.draft_backend == "llama-cpp":
-        for flag in ("draft_quantize", "draft_quantize_head"):
-            if getattr(args, flag) is not None:
-                raise InvalidArgumentError(
-                    f"--{flag.replace('_', '-')} quantizes a torch draft; --draft-backend llama-cpp runs the draft's "
-                    "GGUF file with its own quantization: leave it out"
-                )
-        if draft is not None:
-            draft = None  # no torch draft: --quantize-group-size applies to an int4 target alone
-    scheme = (args.quantize if draft_quantize is None else draft_quantize) if draft is not None else None
-    if draft is None and args.draft_backend == "llama-cpp":
-        why = "--draft-backend llama-cpp keeps the GGUF file's quantization"
-    elif draft is None:
-        why = f"--method {args.method} loads none"
-    elif args.draft_quantize is not None:
-        why = f"--draft-quantize {args.draft_quantize}"
-    elif draft_quantize is not None:
-        why = "generate's default on CPU"
-    else:
-        why = _why_no_int4_default(args, resolve_device(args.device)) or f"as --quantize {args.quantize}"
-    if draft is not None and args.draft_quantize_head is not None:
-        check_draft_quantize_head_flag(args.draft_quantize_head, scheme, why)
-    check_quantize_group_size_flag(args.quantize_group_size, args.quantize, scheme, why)
 
 
 def add_quantize_arguments(p: argparse.ArgumentParser, draft_default: str = "as --quantize") -> None:
@@ -418,6 +337,7 @@ def _check_method_options(args) -> None:
             f"{args.method!r}{option.hint}"
         )
 
+
 def run_generate(args) -> int:
     import torch
     from transformers import TextStreamer
@@ -457,21 +377,10 @@ def run_generate(args) -> int:
         if method_registry.REGISTRY[args.method].needs_draft_model:
             args.draft_backend = "llama-cpp"  # the only draft beside a llama.cpp target
     _check_method_options(args)  # before minutes of model loading
-    adaptive = (_adaptive_by_default(args) and args.draft_length_schedule != "cost-model"
-                if args.adaptive_draft_exit is None else args.adaptive_draft_exit)
-    defaults.check_exit_mode_flag(args.draft_exit_mode, adaptive)
-    schedule = args.draft_length_schedule
-    if schedule is None:  # the cost model over the default exit where the target computes in float32 on a CPU
-        default_exit = args.adaptive_draft_exit is None and adaptive and args.confidence_gate is None
-        schedule = length_schedule_by_default(default_exit, _float32_cpu(args, resolve_device(args.device)))
-    control = DraftControl(
-        adaptive_exit=adaptive,
-        exit_threshold=args.draft_exit_threshold,
-        max_draft_tokens=args.max_draft_tokens,
-        length_schedule=schedule,
-        confidence_gate=args.confidence_gate,
-        exit_mode=args.draft_exit_mode,
-    )
+    plan = defaults.plan_command(args, resolve_device(args.device))  # checks the flags it resolves, before loading
+    if plan.draft_quantize is not None and args.draft_quantize is None:
+        logger.info("quantizing the draft to %s by default on CPU (output unchanged, faster drafting; the "
+                    "first start quantizes it); --draft-quantize none keeps it dense", plan.draft_quantize)
     options = dict(
         skip_layers=args.skip_layers,
         skip_config=args.skip_config,
@@ -481,7 +390,7 @@ def run_generate(args) -> int:
         prompt_lookup_branches=args.prompt_lookup_branches,
         ngram_check=args.ngram_check,
         prompt_lookup_datastore=args.prompt_lookup_datastore,
-        draft_control=control if control.active else None,
+        draft_control=plan.draft_control,
         compile=args.compile,  # None: the pipeline's device default
     )
     if args.draft_vocab_size:
@@ -496,16 +405,7 @@ def run_generate(args) -> int:
         options["draft_tree_shape"] = args.draft_tree_shape
     if args.draft_backend is not None:
         options["draft_backend"] = args.draft_backend
-    draft = args.draft if method_registry.REGISTRY[args.method].needs_draft_model else None
-    draft_quantize = args.draft_quantize
-    if draft_quantize is None and draft is not None:
-        draft_quantize = _draft_quantize_by_default(args, resolve_device(args.device))
-        if draft_quantize is not None:
-            logger.info("quantizing the draft to %s by default on CPU (output unchanged, faster drafting; the "
-                        "first start quantizes it); --draft-quantize none keeps it dense", draft_quantize)
-    _check_generate_quantize_flags(args, draft, draft_quantize)  # in the flags' words, before loading
-    limit = (_prompt_limit_by_default(args, draft_quantize) if args.max_model_prompt_tokens is None
-             else args.max_model_prompt_tokens or None)
+    draft, draft_quantize, limit = plan.draft, plan.draft_quantize, plan.max_model_prompt_tokens
     if limit is not None:
         options["max_model_prompt_tokens"] = limit
     gen = SpeculativeGenerator.from_pretrained(args.target, draft, dtype=args.dtype, device=args.device,
@@ -538,7 +438,7 @@ def run_generate(args) -> int:
             "draft_tree_expand": args.draft_tree_expand,
             "draft_tree_shape": args.draft_tree_shape,
             "max_model_prompt_tokens": limit,
-            "draft_control": dataclasses.asdict(control) if control.active else None,
+            "draft_control": dataclasses.asdict(plan.draft_control) if plan.draft_control is not None else None,
             "ngram_check": args.ngram_check if "ngram_check" in method_registry.REGISTRY[args.method].options else None,
             "compile": args.compile,
             "quantize": gen.target.quantize,

@@ -135,30 +135,20 @@ def test_sigterm_finishes_or_cancels_requests_and_exits_cleanly(tmp_path):
     (["--max-model-prompt-tokens", "0"], "cpu"), (["--no-adaptive-draft-exit"], "cpu"),
 ])
 def test_serve_takes_generate_s_defaults_on_the_same_device(flags, device):
-    """The same method, draft quantization, adaptive draft exit, γ and prompt limit as ``generate``."""
+    """Both commands' flags resolve (``defaults.plan_command``) to the same method, draft, draft quantization,
+    draft control, γ and prompt limit: serve's flags take generate's defaults."""
     import torch
 
-    from specdecode import generate_command
     from specdecode.cli import build_parser
-    from specdecode.serve.command import resolve_defaults
+    from specdecode.defaults import plan_command
 
     serve = build_parser().parse_args(["serve", *flags])
     gen = build_parser().parse_args(["generate", "--prompt", "w5", *flags])
-    plan = resolve_defaults(serve, torch.device(device))
+    plan = plan_command(serve, torch.device(device))
     assert serve.method == gen.method
-    expected_quantize = generate_command._draft_quantize_by_default(gen, torch.device(device))
-    if gen.draft_quantize is not None:
-        expected_quantize = gen.draft_quantize
-    assert plan.draft_quantize == expected_quantize
-    adaptive = (generate_command._adaptive_by_default(gen) if gen.adaptive_draft_exit is None
-                else gen.adaptive_draft_exit)
-    assert (plan.draft_control is not None) == adaptive
-    limit = (generate_command._prompt_limit_by_default(gen, plan.draft_quantize, torch.device(device))
-             if gen.max_model_prompt_tokens is None else gen.max_model_prompt_tokens or None)
-    assert plan.max_model_prompt_tokens == limit
-    assert plan.num_speculative_tokens == (gen.num_speculative_tokens or 5)
-    if adaptive:  # as generate: the cost model over the default exit where the target runs float32 on a CPU
-        from specdecode.models.loading import resolve_dtype
+    assert plan == plan_command(gen, torch.device(device))
+    if plan.draft_control is not None:  # as generate: the cost model over the default exit where the target
+        from specdecode.models.loading import resolve_dtype  # computes in float32 on a CPU
 
         float32_cpu = device == "cpu" and resolve_dtype("auto", torch.device(device)) == torch.float32
         default_exit = gen.adaptive_draft_exit is None
@@ -333,12 +323,13 @@ def test_the_draft_block_known_before_loading_is_the_engine_s(tiny_folders, flag
 
     from specdecode.cli import build_parser
     from specdecode.pipeline import SpeculativeGenerator
-    from specdecode.serve.command import build_decoder, check_llama_cpp_backend, resolve_defaults
+    from specdecode.defaults import plan_command
+    from specdecode.serve.command import build_decoder, check_llama_cpp_backend
     from specdecode.serve.limits import longest_draft_block
 
     args = build_parser().parse_args(serve_args(tiny_folders, "--max-length", 256, *flags))
     check_llama_cpp_backend(args)
-    plan = resolve_defaults(args, torch.device("cpu"))
+    plan = plan_command(args, torch.device("cpu"))
     target, draft = tiny_folders
     gen = SpeculativeGenerator.from_pretrained(str(target), str(draft) if plan.draft else None, dtype="float32",
                                                device="cpu")
@@ -353,12 +344,13 @@ def test_dynamic_shapes_reach_the_engine_and_need_the_fast_path(tiny_folders):
     from specdecode.cli import build_parser
     from specdecode.errors import InvalidArgumentError
     from specdecode.pipeline import SpeculativeGenerator
-    from specdecode.serve.command import build_decoder, check_llama_cpp_backend, resolve_defaults
+    from specdecode.defaults import plan_command
+    from specdecode.serve.command import build_decoder, check_llama_cpp_backend
 
     def engine(*flags):
         args = build_parser().parse_args(serve_args(tiny_folders, "--method", "draft", "--max-length", 256, *flags))
         check_llama_cpp_backend(args)
-        return build_decoder(gen, args, resolve_defaults(args, torch.device("cpu")))
+        return build_decoder(gen, args, plan_command(args, torch.device("cpu")))
 
     target, draft = tiny_folders
     # stock linears: where float32 CPU layers are prepacked by default (an AVX2-only CPU), the fast path refuses them

@@ -226,7 +226,8 @@ def test_the_draft_block_known_before_loading_is_the_engine_s(tiny_gguf, tmp_pat
     """--max-length's bounds are checked before loading with the longest draft block the flags give: under
     llama.cpp, prompt lookup's γ capped at the widest forward whose cost is measured (8 tokens: blocks of 7)."""
     from specdecode.models import llama_cpp_target
-    from specdecode.serve.command import check_llama_cpp_backend, load_server, resolve_defaults
+    from specdecode.defaults import plan_command
+    from specdecode.serve.command import check_llama_cpp_backend, load_server
     from specdecode.serve.limits import longest_draft_block
 
     monkeypatch.setattr(llama_cpp_target, "_target_tokenizer", lambda spec, path, cache_dir: make_tiny_tokenizer())
@@ -235,7 +236,7 @@ def test_the_draft_block_known_before_loading_is_the_engine_s(tiny_gguf, tmp_pat
     _, engine = load_server(build_parser().parse_args(argv))
     args = build_parser().parse_args(argv)
     check_llama_cpp_backend(args)
-    block = longest_draft_block(args, resolve_defaults(args, torch.device("cpu")))
+    block = longest_draft_block(args, plan_command(args, torch.device("cpu")))
     assert block == engine.decoder.max_block == {(): 5, ("-g", "9"): 7}.get(tuple(flags), 0)
 
 

@@ -90,9 +90,9 @@ def test_bad_tree_flags_exit_2_before_loading(args, needle, capsys):
 def test_a_draft_tree_turns_the_default_adaptive_exit_off():
     import torch
 
-    from specdecode.serve.command import resolve_defaults
+    from specdecode.defaults import plan_command
 
-    plain = resolve_defaults(build_parser().parse_args(["serve", "--method", "draft"]), torch.device("cpu"))
-    tree = resolve_defaults(build_parser().parse_args(["serve", "--method", "draft", "--draft-tree-depth", "3"]),
+    plain = plan_command(build_parser().parse_args(["serve", "--method", "draft"]), torch.device("cpu"))
+    tree = plan_command(build_parser().parse_args(["serve", "--method", "draft", "--draft-tree-depth", "3"]),
                             torch.device("cpu"))
     assert plain.draft_control is not None and tree.draft_control is None

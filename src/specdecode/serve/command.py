@@ -22,7 +22,7 @@ import time
 
 from specdecode import defaults, method_registry
 from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS
-from specdecode.defaults import LLAMA_CPP_COMMAND_METHOD
+from specdecode.defaults import LLAMA_CPP_COMMAND_METHOD, CommandPlan, plan_command
 from specdecode.drafters.draft_tree import MAX_TREE_DEPTH, TREE_SHAPES, check_tree_flags
 from specdecode.errors import InvalidArgumentError, SpecDecodeError
 from specdecode.method_registry import who_takes
@@ -41,7 +41,7 @@ from specdecode.serve.limits import (
     stored_context_limits,
     tightest_limit,
 )
-from specdecode.serve.plan import DEFAULT_MAX_BATCH_SIZE, ServePlan, check_llama_cpp_backend, resolve_defaults
+from specdecode.serve.plan import DEFAULT_MAX_BATCH_SIZE, check_llama_cpp_backend
 
 logger = logging.getLogger(__name__)
 
@@ -322,7 +322,7 @@ def load_server(args):
         raise InvalidArgumentError(f"--max-queue must be >= 0, got {args.max_queue}")
     verify = _max_verify_tokens(args.max_verify_tokens)
     backend = getattr(args, "backend", "torch")
-    plan = resolve_defaults(args, resolve_device("cpu" if backend == "llama-cpp" else args.device))
+    plan = plan_command(args, resolve_device("cpu" if backend == "llama-cpp" else args.device))
     block = longest_draft_block(args, plan)
     # What needs no model: the rows' room for a request, within the models' context lengths where their files
     # state them (read without loading the weights: an over-long --max-length fails before minutes of loading)
@@ -376,8 +376,8 @@ def load_server(args):
     return app, engine
 
 
-def build_decoder(gen, args, plan: ServePlan, *, max_length: int | None = None, max_verify_tokens="auto"):
-    """The server's batched engine over ``gen`` from its flags and ``resolve_defaults``' plan (its caches are
+def build_decoder(gen, args, plan: CommandPlan, *, max_length: int | None = None, max_verify_tokens="auto"):
+    """The server's batched engine over ``gen`` from its flags and ``defaults.plan_command``'s plan (its caches are
     allocated at the first forward); ``max_length``: as ``fit_max_length`` gives (None: --max-length or
     ``DEFAULT_MAX_LENGTH``).
 
