@@ -22,7 +22,8 @@ import time
 
 import torch
 
-from specdecode.engine.batch_cache import BatchKVCache, FastPath, batch_prefill
+from specdecode.engine.batch_cache import BatchKVCache, batch_prefill
+from specdecode.engine.fast_path import FastPath
 from specdecode.engine.batch_runner import BatchRunner
 from specdecode.models import load_model
 

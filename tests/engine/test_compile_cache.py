@@ -19,7 +19,8 @@ import json, os
 import torch
 from torch._dynamo.utils import counters
 from transformers import LlamaConfig, LlamaForCausalLM
-from specdecode.engine.batch_cache import BatchKVCache, FastPath, batch_prefill
+from specdecode.engine.batch_cache import BatchKVCache, batch_prefill
+from specdecode.engine.fast_path import FastPath
 from specdecode.engine.batch_runner import BatchRunner
 
 torch.set_num_threads(1)

@@ -280,7 +280,7 @@ def test_captured_graphs_option_is_checked_and_on_a_cpu_compiles_as_true(fresh_d
     by name; on a CPU there is nothing to capture, so its buckets are the compiled ones of ``graphs=True``, with
     the autoregressive tokens. (The capture itself needs CUDA: ``docs/benchmarks/gpu_engine.py``'s
     ``-captured`` rows.)"""
-    from specdecode.engine.batch_cache import FastPath
+    from specdecode.engine.fast_path import FastPath
     from specdecode.engine.compat import compile_kwargs
 
     target = make_tiny_model("llama", num_layers=2)

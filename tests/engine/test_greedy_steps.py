@@ -27,7 +27,8 @@ from specdecode.drafters import base
 from specdecode.drafters.control import DraftControl
 from specdecode.drafters.draft_head import DraftHead
 from specdecode.engine import batch_runner
-from specdecode.engine.batch_cache import BatchKVCache, FastPath
+from specdecode.engine.batch_cache import BatchKVCache
+from specdecode.engine.fast_path import FastPath
 from specdecode.engine.batch_runner import BatchRunner
 from specdecode.engine.verification import greedy_epilogue
 from specdecode.errors import InvalidArgumentError, NonFiniteLogitsError

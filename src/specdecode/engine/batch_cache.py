@@ -36,12 +36,12 @@ config has ``layer_types`` (Gemma 2/3, Qwen2) gets one mask per attention type.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, StaticLayer
 
+from specdecode.engine.fast_path import FastPath
 from specdecode.engine.tree import TokenTree, tree_inputs
 from specdecode.errors import InvalidArgumentError, UnsupportedModelError
 
@@ -52,75 +52,6 @@ PREFILL_CHUNK_TOKENS = 256
 #: Default multiple a prefill chunk is padded to, in tokens (``BatchKVCache``).
 PREFILL_PAD_MULTIPLE = 16
 _EMBEDDING_ROWS_PER_LOOKUP = 8192
-
-
-@dataclass(frozen=True)
-class FastPath:
-    """The batched fast path's settings (``engine.batch_runner``), shared by the engine's caches. Two compare
-    equal when their compiled buckets can serve each other's engines (``max_width`` and ``draft_steps`` aside).
-
-    Attributes:
-        rows: Rows buckets, ascending, the last one the cache's ``num_slots``.
-        max_width: The widest width bucket of any runner: positions allocated past the capacity,
-            where padding tokens land.
-        graphs: True compiles each bucket (``torch.compile``; its CUDA graphs on CUDA); "captured"
-            compiles each without them and, on CUDA, captures and replays one ``torch.cuda.CUDAGraph``
-            per bucket itself (``batch_runner``; elsewhere as True); False runs the same static-shape
-            forwards eagerly (tests, debugging).
-        draft_steps: What a draft runner on these caches fuses (``BatchRunner.draft_steps``): (steps,
-            with top probabilities) pairs; each engine on them adds its longest block less one, with top
-            probabilities where its adaptive exit reads them with the round's sync, so engines that share
-            a cache (one row at a time, ``SpeculativeDecoder``) each fuse their own full rounds.
-        dynamic_shapes: Buckets share compiled functions traced with symbolic rows and widths above 1: at most
-            four per runner (tree forwards up to four more), as vLLM compiles once for every batch size; CUDA
-            graphs stay one per bucket. False compiles each (rows, width) bucket apart.
-    """
-
-    rows: tuple[int, ...]
-    max_width: int = field(compare=False)
-    graphs: bool | str = True
-    dynamic_shapes: bool = False
-    draft_steps: set[tuple[int, bool]] = field(default_factory=set, compare=False)
-
-    def __post_init__(self) -> None:
-        check_graphs(self.graphs)
-        check_dynamic_shapes(self.dynamic_shapes, True, self.graphs)
-
-
-def engine_fast_path(compile: bool, rows: tuple[int, ...], max_width: int, graphs: bool | str = True,
-                     dynamic_shapes: bool = False) -> FastPath | None:
-    """An engine's ``FastPath`` with ``compile``, else None (``InvalidArgumentError``: ``check_dynamic_shapes``'
-    and ``FastPath``'s)."""
-    check_dynamic_shapes(dynamic_shapes, compile, graphs)
-    return FastPath(rows, max_width, graphs, dynamic_shapes) if compile else None
-
-
-def check_dynamic_shapes(dynamic_shapes, compile: bool, graphs) -> None:
-    """Refuse a ``dynamic_shapes`` that is not a bool, or True where nothing compiles (``compile`` off, or
-    ``graphs=False``): it shapes compiled forwards only, so it is never silently ignored.
-
-    Raises:
-        InvalidArgumentError: Naming the value, ``compile`` and ``graphs``.
-    """
-    if dynamic_shapes is not False and (dynamic_shapes is not True or not compile or graphs is False):
-        raise InvalidArgumentError(
-            f"dynamic_shapes must be True or False, and True only where forwards compile (compile=True, --compile; "
-            f"graphs True or 'captured'): got {dynamic_shapes!r} with compile={compile}, graphs={graphs!r}")
-
-
-#: ``FastPath.graphs``' values.
-GRAPHS = (True, False, "captured")
-
-
-def check_graphs(graphs) -> bool | str:
-    """``graphs`` if it is one of ``GRAPHS``.
-
-    Raises:
-        InvalidArgumentError: Any other value (named, with the allowed ones).
-    """
-    if not any(graphs is g or (isinstance(graphs, str) and graphs == g) for g in GRAPHS):
-        raise InvalidArgumentError(f"graphs must be True, False or 'captured', got {graphs!r}")
-    return graphs
 
 
 class _Window:

@@ -97,7 +97,7 @@ class BatchRunner:
     Args:
         model: The model (for a self-speculative draft, the target in ``draft_mode``: give it
             a runner of its own, so its graphs are those of the skipped model).
-        cache: Its batch cache; its ``fast`` settings (``batch_cache.FastPath``) decide the
+        cache: Its batch cache; its ``fast`` settings (``fast_path.FastPath``) decide the
             path: None runs every forward eagerly (``batch_forward``), as the engine did before.
         widths: Width buckets (tokens per row), each an integer in 1 .. ``cache.fast.max_width``.
         name: For log messages ("target model", "draft model", "layer-skip draft").

@@ -48,15 +48,15 @@ from transformers import PreTrainedModel
 
 from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS, check_num_speculative_tokens
 from specdecode.engine.banned_rows import mask_batch
-from specdecode.engine.batch_cache import (PREFILL_CHUNK_TOKENS, PREFILL_PAD_MULTIPLE, BatchKVCache, check_graphs,
-                                           engine_fast_path, to_device, warm_up_widths)
+from specdecode.engine.batch_cache import (PREFILL_CHUNK_TOKENS, PREFILL_PAD_MULTIPLE, BatchKVCache, to_device,
+                                           warm_up_widths)
 from specdecode.engine.batch_requests import BatchRequests
 from specdecode.engine.batch_rows import BatchEvent, observe_gates, trimmed_blocks
 from specdecode.engine.batch_runner import BatchRunner
 from specdecode.engine.bucket_functions import check_row_buckets
 from specdecode.engine.cost_model import check_count
 from specdecode.engine.draft_exit import exit_blocks, exit_points, observe_exits
-from specdecode.engine.fast_path import default_compile
+from specdecode.engine.fast_path import check_graphs, default_compile, engine_fast_path
 from specdecode.engine.overlap import HostReader, can_run_ahead, engine_overlap_rounds, run_ahead, taken
 from specdecode.engine.processors import process_rows
 from specdecode.engine.protocol import BATCH_EXIT_RULES, Draft, Drafter, DraftPolicy
@@ -109,10 +109,10 @@ class BatchedSpeculativeDecoder(BatchRequests):
             forwards: True, False, or None for the device's default (``fast_path.default_compile``).
         graphs: With ``compile``, False runs the fast path's static-shape forwards without
             ``torch.compile`` (tests, debugging); "captured": CUDA graphs of specdecode's own
-            (``batch_cache.FastPath``; CUDA only, elsewhere as True).
+            (``fast_path.FastPath``; CUDA only, elsewhere as True).
         row_buckets, dynamic_shapes: With ``compile``, the rows buckets (integers in 1 .. ``max_batch_size``;
             None: 1, 2, 4, .. and it, ``bucket_functions.row_buckets``; fewer compile faster, padding more rows),
-            and whether buckets share compiled functions with symbolic sizes (``batch_cache.FastPath``).
+            and whether buckets share compiled functions with symbolic sizes (``fast_path.FastPath``).
         shared_prefill: Requests admitted in one step share 2 prefill forwards (``shared_prefill``;
             plus the leading chunks of prompts longer than ``prefill_chunk_tokens``, alone) rather
             than one each: True, False, or None for the device's default (CUDA only; never with a

@@ -1,4 +1,5 @@
-"""The fast path's settings for a model: whether its forwards compile, and the one-row engine it keeps.
+"""The fast path's settings: an engine's (``FastPath``: its rows buckets, widest width, graphs and dynamic
+shapes, shared by its caches), and a model's (whether its forwards compile, and the one-row engine it keeps).
 
 The fast path itself is the round's: a static batch cache with per-row positions
 (``batch_cache.BatchKVCache``) and forwards compiled at (rows, width) buckets, CUDA graphs on
@@ -17,19 +18,89 @@ cache: eager 142 ms per forward, inductor-compiled 244 ms (35 s to compile each 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from transformers import PreTrainedModel
 
-from specdecode.engine.batch_cache import check_dynamic_shapes, check_graphs
 from specdecode.engine.compat import RECOMPILE_LIMIT  # noqa: F401 (the fast path's limit, defined with the options)
 from specdecode.errors import InvalidArgumentError
 
-__all__ = ["DRAFT_BUCKETS", "ModelRunner", "check_compilable", "check_drafter_compilable", "default_compile",
-           "resolve_compile"]
+__all__ = ["DRAFT_BUCKETS", "GRAPHS", "FastPath", "ModelRunner", "check_compilable", "check_drafter_compilable",
+           "check_dynamic_shapes", "check_graphs", "default_compile", "engine_fast_path", "resolve_compile"]
 
 #: Widest draft-model forward the fast path pads to (the cascade's n-gram check feeds several
 #: tokens); a one-row engine's cache leaves room for it.
 DRAFT_BUCKETS = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class FastPath:
+    """The batched fast path's settings (``engine.batch_runner``), shared by the engine's caches. Two compare
+    equal when their compiled buckets can serve each other's engines (``max_width`` and ``draft_steps`` aside).
+
+    Attributes:
+        rows: Rows buckets, ascending, the last one the cache's ``num_slots``.
+        max_width: The widest width bucket of any runner: positions allocated past the capacity,
+            where padding tokens land.
+        graphs: True compiles each bucket (``torch.compile``; its CUDA graphs on CUDA); "captured"
+            compiles each without them and, on CUDA, captures and replays one ``torch.cuda.CUDAGraph``
+            per bucket itself (``batch_runner``; elsewhere as True); False runs the same static-shape
+            forwards eagerly (tests, debugging).
+        draft_steps: What a draft runner on these caches fuses (``BatchRunner.draft_steps``): (steps,
+            with top probabilities) pairs; each engine on them adds its longest block less one, with top
+            probabilities where its adaptive exit reads them with the round's sync, so engines that share
+            a cache (one row at a time, ``SpeculativeDecoder``) each fuse their own full rounds.
+        dynamic_shapes: Buckets share compiled functions traced with symbolic rows and widths above 1: at most
+            four per runner (tree forwards up to four more), as vLLM compiles once for every batch size; CUDA
+            graphs stay one per bucket. False compiles each (rows, width) bucket apart.
+    """
+
+    rows: tuple[int, ...]
+    max_width: int = field(compare=False)
+    graphs: bool | str = True
+    dynamic_shapes: bool = False
+    draft_steps: set[tuple[int, bool]] = field(default_factory=set, compare=False)
+
+    def __post_init__(self) -> None:
+        check_graphs(self.graphs)
+        check_dynamic_shapes(self.dynamic_shapes, True, self.graphs)
+
+
+def engine_fast_path(compile: bool, rows: tuple[int, ...], max_width: int, graphs: bool | str = True,
+                     dynamic_shapes: bool = False) -> FastPath | None:
+    """An engine's ``FastPath`` with ``compile``, else None (``InvalidArgumentError``: ``check_dynamic_shapes``'
+    and ``FastPath``'s)."""
+    check_dynamic_shapes(dynamic_shapes, compile, graphs)
+    return FastPath(rows, max_width, graphs, dynamic_shapes) if compile else None
+
+
+def check_dynamic_shapes(dynamic_shapes, compile: bool, graphs) -> None:
+    """Refuse a ``dynamic_shapes`` that is not a bool, or True where nothing compiles (``compile`` off, or
+    ``graphs=False``): it shapes compiled forwards only, so it is never silently ignored.
+
+    Raises:
+        InvalidArgumentError: Naming the value, ``compile`` and ``graphs``.
+    """
+    if dynamic_shapes is not False and (dynamic_shapes is not True or not compile or graphs is False):
+        raise InvalidArgumentError(
+            f"dynamic_shapes must be True or False, and True only where forwards compile (compile=True, --compile; "
+            f"graphs True or 'captured'): got {dynamic_shapes!r} with compile={compile}, graphs={graphs!r}")
+
+
+#: ``FastPath.graphs``' values.
+GRAPHS = (True, False, "captured")
+
+
+def check_graphs(graphs) -> bool | str:
+    """``graphs`` if it is one of ``GRAPHS``.
+
+    Raises:
+        InvalidArgumentError: Any other value (named, with the allowed ones).
+    """
+    if not any(graphs is g or (isinstance(graphs, str) and graphs == g) for g in GRAPHS):
+        raise InvalidArgumentError(f"graphs must be True, False or 'captured', got {graphs!r}")
+    return graphs
 
 
 def default_compile(device: torch.device | str) -> bool:
@@ -98,10 +169,10 @@ class ModelRunner:
         name: For messages ("target model").
         graphs: False keeps every forward eager even with ``compile`` (the fast path's cache
             logic without its compile time, for tests and debugging); "captured": specdecode's own
-            CUDA graphs rather than torch.compile's (``batch_cache.FastPath``; CUDA only).
+            CUDA graphs rather than torch.compile's (``FastPath``; CUDA only).
         dynamic_shapes: Compile each model's forwards once for every width above 1 (and, batched, every rows
-            count above 1), with CUDA graphs still one per bucket (``batch_cache.FastPath``); True needs compiled
-            forwards (``batch_cache.check_dynamic_shapes``).
+            count above 1), with CUDA graphs still one per bucket (``FastPath``); True needs compiled
+            forwards (``check_dynamic_shapes``).
 
     Attributes:
         model, name, compile, graphs, dynamic_shapes: As given (``compile`` resolved); ``dynamic_shapes`` may be
