@@ -1,11 +1,12 @@
 """The library's defaults: the default models, the methods and draft backends, and the defaults the
 commands (``specdecode generate`` and ``specdecode serve``) share, each with the measurement behind it.
 
-``specdecode.pipeline`` re-exports every name here.
+``specdecode.pipeline`` re-exports the names the commands and tools take from it.
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 from dataclasses import dataclass
 
@@ -13,7 +14,7 @@ import torch
 
 from specdecode import method_registry
 from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS
-from specdecode.drafters.control import DraftControl
+from specdecode.drafters.control import LENGTH_SCHEDULES, DraftControl
 from specdecode.engine.protocol import DRAFT_EXIT_MODES
 from specdecode.errors import InvalidArgumentError
 from specdecode.models import LoadedModel
@@ -172,11 +173,34 @@ def prompt_limit_by_default(method: str, draft_scheme: str, draft_backend: str |
     return MAX_MODEL_PROMPT_TOKENS if method == "cascade" and costly_prefill else None
 
 
-def add_exit_mode_flag(parser) -> None:
-    """generate's and serve's ``--draft-exit-mode`` (``DraftControl.exit_mode``; bench: the option
-    ``draft_exit_mode=``), on ``parser`` (an argparse parser or group); ``check_exit_mode_flag`` checks it."""
-    parser.add_argument("--draft-exit-mode", choices=DRAFT_EXIT_MODES, default=DraftControl.exit_mode,
-                        help=DRAFT_EXIT_MODE_HELP)
+def add_draft_control_flags(parser, *, server: bool = False) -> None:
+    """generate's and serve's draft length control, a group on ``parser`` (``plan_command`` reads it into a
+    ``DraftControl``; serve's applies to every row, each with its own state): --adaptive-draft-exit,
+    --draft-exit-threshold, --max-draft-tokens, --draft-exit-mode (``check_exit_mode_flag``),
+    --draft-length-schedule and --confidence-gate."""
+    c = parser.add_argument_group("draft length control" + (" (per row)" if server else ""))
+    c.add_argument("--adaptive-draft-exit", action=argparse.BooleanOptionalAction, default=None,
+                   help="Draft & Verify adaptive draft exit: stop drafting below a self-tuning confidence "
+                        "threshold (blocks up to --max-draft-tokens instead of -g); default"
+                        f"{', as specdecode generate' if server else ''}: on for {' and '.join(ADAPTIVE_BY_DEFAULT)} "
+                        "with an unquantized target and no -g, else off; by default on a CPU with a float32 target "
+                        "under the cost model (drafting or a plain step by measured tokens per second), given "
+                        "explicitly alone")
+    c.add_argument("--draft-exit-threshold", type=float, default=DraftControl.exit_threshold,
+                   help="initial adaptive draft-exit threshold")
+    c.add_argument("--max-draft-tokens", type=int, default=DraftControl.max_draft_tokens,
+                   help="most tokens per block with --adaptive-draft-exit")
+    c.add_argument("--draft-exit-mode", choices=DRAFT_EXIT_MODES, default=DraftControl.exit_mode,
+                   help=DRAFT_EXIT_MODE_HELP)
+    c.add_argument("--draft-length-schedule", choices=LENGTH_SCHEDULES, default=None,
+                   help="default: cost-model over the default adaptive exit where the target computes in float32 on "
+                        "a CPU, else constant. constant: -g tokens per block; heuristic: +2 after a fully accepted "
+                        "block, -1 otherwise; cost-model: each round the size (up to -g tokens, or tree nodes) with "
+                        "the most expected tokens per second from the target's measured forward costs and acceptance "
+                        "by depth (0: a plain step); with --adaptive-draft-exit, drafting (the exit sets the length) "
+                        "or a plain step by their measured tokens per second; not with --confidence-gate")
+    c.add_argument("--confidence-gate", type=float, metavar="THRESHOLD", default=None,
+                   help="make a plain target step whenever the target's probability of its last token is below this")
 
 
 DRAFT_EXIT_MODE_HELP = ("with --adaptive-draft-exit, how the exit reads the draft's confidence: per-step (default: "
@@ -184,6 +208,7 @@ DRAFT_EXIT_MODE_HELP = ("with --adaptive-draft-exit, how the exit reads the draf
                         "draft steps: the whole cap drafted, cut after the first unsure token on the device, read "
                         "with the round's one read), previous-round (nothing read between draft steps: each block "
                         "as long as the previous round's up to its first unsure token, kept whole)")
+
 
 def add_banned_word_flags(parser, *, server: bool = False) -> None:
     """generate's and serve's banned words (``GenerationConfig.banned_words``), a group on ``parser``;
@@ -243,8 +268,9 @@ class CommandPlan:
 def plan_command(args, device: torch.device) -> CommandPlan:
     """The commands' defaults applied to ``generate``'s or ``serve``'s flags (``args``) on ``device``, and the
     flags that depend on them checked, before anything loads. One place for both commands, so a server runs
-    what ``generate`` runs. Flags that ``serve`` lacks (--draft-backend, --draft-length-schedule,
-    --confidence-gate, --draft-exit-threshold, --max-draft-tokens) count as not given.
+    what ``generate`` runs (``add_draft_control_flags`` defines their draft control flags). --draft-backend, which
+    ``serve`` lacks, counts as not given there; a draft beside a llama.cpp target (--backend llama-cpp) runs in
+    llama.cpp too, whatever --draft-backend says (``generate`` refuses another value before this).
 
     * the draft: --draft for a method with a draft model, else None;
     * its quantization: --draft-quantize, else ``draft_quantize_by_default``;
@@ -263,6 +289,8 @@ def plan_command(args, device: torch.device) -> CommandPlan:
     """
     method = method_registry.REGISTRY[args.method]
     draft_backend = getattr(args, "draft_backend", None)
+    if args.backend == "llama-cpp" and method.needs_draft_model:
+        draft_backend = "llama-cpp"  # the only draft beside a llama.cpp target (``ModelPair.from_pretrained``)
     llama_draft = draft_backend == "llama-cpp"
     for flag in ("draft_quantize", "draft_quantize_head"):
         if getattr(args, flag) is None:
@@ -293,26 +321,24 @@ def plan_command(args, device: torch.device) -> CommandPlan:
     if torch_draft and args.draft_quantize_head is not None:
         check_draft_quantize_head_flag(args.draft_quantize_head, scheme, why)
     check_quantize_group_size_flag(args.quantize_group_size, args.quantize, scheme, why)
-    schedule = getattr(args, "draft_length_schedule", None)
-    gate = getattr(args, "confidence_gate", None)
+    schedule, gate = args.draft_length_schedule, args.confidence_gate
     if args.adaptive_draft_exit is None:
         adaptive = (adaptive_exit_by_default(args.method, args.quantize, args.num_speculative_tokens)
-                    and getattr(args, "draft_tree_depth", None) is None
-                    and getattr(args, "backend", "torch") != "llama-cpp" and schedule != "cost-model")
+                    and method.adaptive_exit and args.draft_tree_depth is None and args.backend != "llama-cpp"
+                    and schedule != "cost-model")
     elif args.adaptive_draft_exit and not method.adaptive_exit:
         raise InvalidArgumentError(f"--adaptive-draft-exit needs a method whose drafts carry probabilities; "
                                    f"{args.method!r} has none")
     else:
         adaptive = args.adaptive_draft_exit
     check_exit_mode_flag(args.draft_exit_mode, adaptive)
-    float32_cpu = target_float32_on_cpu(args.dtype, device, getattr(args, "backend", "torch"))
+    float32_cpu = target_float32_on_cpu(args.dtype, device, args.backend)
     if schedule is None:  # the cost model over the default exit where the target computes in float32 on a CPU
         default_exit = args.adaptive_draft_exit is None and adaptive and gate is None
         schedule = length_schedule_by_default(default_exit, float32_cpu)
-    control = DraftControl(adaptive_exit=adaptive,
-                           exit_threshold=getattr(args, "draft_exit_threshold", DraftControl.exit_threshold),
-                           max_draft_tokens=getattr(args, "max_draft_tokens", DraftControl.max_draft_tokens),
-                           length_schedule=schedule, confidence_gate=gate, exit_mode=args.draft_exit_mode)
+    control = DraftControl(adaptive_exit=adaptive, exit_threshold=args.draft_exit_threshold,
+                           max_draft_tokens=args.max_draft_tokens, length_schedule=schedule, confidence_gate=gate,
+                           exit_mode=args.draft_exit_mode)
     limit = args.max_model_prompt_tokens
     if limit is None and draft is not None:
         limit = prompt_limit_by_default(args.method, args.quantize if draft_quantize is None else draft_quantize,

@@ -17,7 +17,6 @@ import sys
 
 from specdecode import defaults, method_registry
 from specdecode.config import DEFAULT_NUM_SPECULATIVE_TOKENS, GenerationConfig, check_unicode, parse_logit_bias
-from specdecode.drafters.control import LENGTH_SCHEDULES, DraftControl
 from specdecode.drafters.draft_tree import MAX_TREE_DEPTH, TREE_SHAPES, check_tree_flags
 from specdecode.errors import InvalidArgumentError, SpecDecodeError
 from specdecode.models.llama_cpp_target import TARGET_BACKENDS, check_llama_cpp_target_options
@@ -28,7 +27,6 @@ from specdecode.models.quantize import (
     QUANTIZE_SCHEMES,
 )
 from specdecode.pipeline import (
-    ADAPTIVE_BY_DEFAULT,
     COMMAND_METHOD,
     DEFAULT_DRAFT,
     DEFAULT_TARGET,
@@ -208,27 +206,7 @@ def add_generate_parser(sub) -> None:
                         "draft values (one host read more a round), previous-round from the row's earlier rounds "
                         "(nothing read before the verification); default: previous-round on CUDA, else per-round; "
                         "not used by --draft-tree-expand's rounds")
-    c = p.add_argument_group("draft length control")
-    c.add_argument("--adaptive-draft-exit", action=argparse.BooleanOptionalAction, default=None,
-                   help="Draft & Verify adaptive draft exit: stop drafting below a self-tuning confidence "
-                        "threshold (blocks up to --max-draft-tokens instead of -g); default: on for "
-                        f"{' and '.join(ADAPTIVE_BY_DEFAULT)} with an unquantized target and no -g, else off; "
-                        "by default on a CPU with a float32 target under the cost model (drafting or a plain "
-                        "step by measured tokens per second), given explicitly alone")
-    c.add_argument("--draft-exit-threshold", type=float, default=DraftControl.exit_threshold,
-                   help="initial adaptive draft-exit threshold")
-    c.add_argument("--max-draft-tokens", type=int, default=DraftControl.max_draft_tokens,
-                   help="most tokens per block with --adaptive-draft-exit")
-    defaults.add_exit_mode_flag(c)
-    c.add_argument("--draft-length-schedule", choices=LENGTH_SCHEDULES, default=None,
-                   help="default: cost-model over the default adaptive exit where the target computes in float32 on "
-                        "a CPU, else constant. constant: -g tokens per block; heuristic: +2 after a fully accepted block, -1 otherwise; "
-                        "cost-model: each round the size (up to -g tokens, or tree nodes) with the most expected "
-                        "tokens per second from the target's measured forward costs and acceptance by depth "
-                        "(0: a plain step); with --adaptive-draft-exit, drafting (the exit sets the length) or a plain "
-                        "step by their measured tokens per second; not with --confidence-gate")
-    c.add_argument("--confidence-gate", type=float, metavar="THRESHOLD", default=None,
-                   help="make a plain target step whenever the target's probability of its last token is below this")
+    defaults.add_draft_control_flags(p)
 
 
 def _fmt(v) -> str:

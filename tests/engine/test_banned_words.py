@@ -130,8 +130,8 @@ def test_truncate_back_into_half_a_character_keeps_it_open():
     m = banned.matcher(TOK)
     m.extend([ID[b"x"], first])
     assert m.num_safe() == 1
-    m.extend([second, ID[b"!"]])  # the draft completes the character ...
-    m.truncate(2)  # ... and is put back
+    m.extend([second, ID[b"!"]])  # the next tokens complete the character ...
+    m.truncate(2)  # ... and a rollback truncates back into it
     assert m.text == "x" and m.num_safe() == 1
     m.extend([second])
     assert m.text == "xé" and m.num_safe() == 1

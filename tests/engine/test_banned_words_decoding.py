@@ -378,7 +378,7 @@ def test_stream_holds_back_the_start_of_a_banned_word(ham_models):
 
 
 class RecordingDrafter(DraftModelDrafter):
-    """A draft-model drafter that remembers what it proposed (before the decoder cuts it)."""
+    """A draft-model drafter that remembers what it proposed."""
 
     def __init__(self, model) -> None:
         super().__init__(model)

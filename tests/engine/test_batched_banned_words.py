@@ -348,9 +348,9 @@ def test_sampling_rows_with_banned_words_follow_the_rollback_law():
 
 @pytest.mark.usefixtures("one_thread")
 def test_a_banned_word_drawn_inside_a_block_is_rolled_back_not_cut(monkeypatch):
-    """Inside a block, a sampling row's word is rolled back after the read, not cut before it as a greedy row's
-    is: a cut chosen by the draft's next token would keep the word's first token where the target drew the word
-    (here 3.99 3s in 16 tokens against 3.17, z = 6.8). Sixteen tokens with a close draft: the number of
+    """Inside a block, a sampling row's word is rolled back after the read, not cut before it: a cut chosen by
+    the draft's next token would keep the word's first token where the target drew the word (here 3.99 3s in 16
+    tokens against 3.17, z = 6.8). Sixteen tokens with a close draft: the number of
     3s (the word's first token) matches the target-only decoder's, which checks each token as it comes. Then a
     seeded row draws the same blocks with and without its words up to the round whose check rolls a word back."""
     from specdecode.engine.batch_rows import BatchRow

@@ -120,6 +120,24 @@ def decoded(generator, ids: list[int]) -> str:
     return generator.tokenizer.decode(ids, skip_special_tokens=True)
 
 
+def command_completion(folders, cache_dir, prompt: str, *flags: str) -> tuple[str, object]:
+    """The greedy 24-token completion of ``prompt`` over real HTTP (the openai client) by a server built as
+    ``specdecode serve`` builds it from ``flags`` (``load_server``) on the tiny pair in ``folders``, and its engine."""
+    from specdecode.cli import build_parser
+    from specdecode.serve.command import load_server
+
+    target, draft = folders
+    args = build_parser().parse_args([
+        "serve", "--target", str(target), "--draft", str(draft), "--dtype", "float32", "--device", "cpu",
+        "--max-length", "256", "--max-batch-size", "2", "--served-model-name", "tiny", "--no-warmup",
+        "--cache-dir", str(cache_dir), "--log-level", "warning", *flags,
+    ])
+    app, engine = load_server(args)
+    with serving(app, engine) as url:
+        r = openai_client(url).completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0)
+    return r.choices[0].text, engine
+
+
 # Fixtures shared by the server test modules (imported by name there): the tiny chat model pair,
 # a generator over it, and a real server on loopback, one of each per test module.
 

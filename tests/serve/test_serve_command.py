@@ -129,33 +129,41 @@ def test_sigterm_finishes_or_cancels_requests_and_exits_cleanly(tmp_path):
 
 
 @pytest.mark.usefixtures("avx512_cpu")
-@pytest.mark.parametrize(("flags", "device"), [
-    ([], "cpu"), ([], "cuda"), (["--method", "draft"], "cpu"), (["--quantize", "int8"], "cpu"),
-    (["-g", "3"], "cpu"), (["--draft-quantize", "none"], "cpu"), (["--method", "prompt-lookup"], "cpu"),
-    (["--max-model-prompt-tokens", "0"], "cpu"), (["--no-adaptive-draft-exit"], "cpu"),
+@pytest.mark.parametrize(("flags", "device", "draft_quantize", "adaptive"), [
+    ([], "cpu", "int4", True), ([], "cuda", None, True), (["--method", "draft"], "cpu", "int4", True),
+    (["--quantize", "int8"], "cpu", None, False), (["-g", "3"], "cpu", "int4", False),
+    (["--draft-quantize", "none"], "cpu", "none", True), (["--method", "prompt-lookup"], "cpu", None, False),
+    (["--max-model-prompt-tokens", "0"], "cpu", "int4", True), (["--no-adaptive-draft-exit"], "cpu", "int4", False),
+    (["--backend", "llama-cpp", "--method", "cascade"], "cpu", None, False),  # the draft in llama.cpp too
 ])
-def test_serve_takes_generate_s_defaults_on_the_same_device(flags, device):
-    """Both commands' flags resolve (``defaults.plan_command``) to the same method, draft, draft quantization,
-    draft control, γ and prompt limit: serve's flags take generate's defaults."""
+def test_serve_takes_generate_s_defaults_on_the_same_device(flags, device, draft_quantize, adaptive):
+    """Both commands' flags resolve (``defaults.plan_command``) to the same plan, and that plan is generate's
+    documented defaults: the int4 draft on an AVX512 CPU, the adaptive draft exit for draft and cascade with an
+    unquantized target and no -g, the cascade's 512-token prompt limit with an int4 or llama.cpp draft or a
+    float32 target on a CPU, the cost model over the default exit where the target computes in float32 on a CPU."""
     import torch
 
     from specdecode.cli import build_parser
     from specdecode.defaults import plan_command
+    from specdecode.models.loading import resolve_dtype
 
     serve = build_parser().parse_args(["serve", *flags])
     gen = build_parser().parse_args(["generate", "--prompt", "w5", *flags])
     plan = plan_command(serve, torch.device(device))
     assert serve.method == gen.method
     assert plan == plan_command(gen, torch.device(device))
-    if plan.draft_control is not None:  # as generate: the cost model over the default exit where the target
-        from specdecode.models.loading import resolve_dtype  # computes in float32 on a CPU
-
-        float32_cpu = device == "cpu" and resolve_dtype("auto", torch.device(device)) == torch.float32
-        default_exit = gen.adaptive_draft_exit is None
+    assert plan.draft_quantize == draft_quantize
+    assert (plan.draft_control is not None and plan.draft_control.adaptive_exit) == adaptive
+    float32_cpu = device == "cpu" and resolve_dtype("auto", torch.device(device)) == torch.float32
+    costly_prefill = draft_quantize == "int4" or "llama-cpp" in flags or float32_cpu
+    limit = 512 if serve.method == "cascade" and costly_prefill and "--max-model-prompt-tokens" not in flags else None
+    assert plan.max_model_prompt_tokens == limit
+    assert plan.num_speculative_tokens == (3 if "-g" in flags else 5)
+    if adaptive:  # the cost model over the default exit where the target computes in float32 on a CPU
+        default_exit = "--adaptive-draft-exit" not in flags
         assert plan.draft_control.length_schedule == ("cost-model" if float32_cpu and default_exit else "constant")
     if not flags and device == "cpu":  # the issue's case, stated outright
         assert (serve.method, plan.draft_quantize, plan.max_model_prompt_tokens) == ("cascade", "int4", 512)
-        assert plan.draft_control.adaptive_exit
 
 
 def test_listening_url_names_the_bound_address():

@@ -4,10 +4,9 @@ is the autoregressive server's, token for token (float32, tiny models)."""
 
 from __future__ import annotations
 
-import openai
 import pytest
 
-from serve_helpers import serving, tiny_chat_folders
+from serve_helpers import command_completion, tiny_chat_folders
 from specdecode.cli import build_parser, main
 from specdecode.drafters.cascade import CascadeDrafter
 from specdecode.drafters.draft_model import DraftModelDrafter
@@ -23,19 +22,8 @@ def folders(tmp_path_factory):
 
 def completion(folders, tmp_path, *flags: str) -> tuple[str, object]:
     """The greedy 24-token completion of ``PROMPT`` by a server built as the command builds it, and its drafter."""
-    from specdecode.serve.command import load_server
-
-    target, draft = folders
-    args = build_parser().parse_args([
-        "serve", "--target", str(target), "--draft", str(draft), "--dtype", "float32", "--device", "cpu",
-        "--max-length", "256", "--max-batch-size", "2", "--served-model-name", "tiny", "--no-warmup",
-        "--cache-dir", str(tmp_path), "--log-level", "warning", *flags,
-    ])
-    app, engine = load_server(args)
-    with serving(app, engine) as url:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-        r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0)
-    return r.choices[0].text, engine.decoder.drafter
+    text, engine = command_completion(folders, tmp_path, PROMPT, *flags)
+    return text, engine.decoder.drafter
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ from specdecode.method_registry import who_takes
 from specdecode.models.llama_cpp_target import TARGET_BACKENDS
 from specdecode.models.loading import resolve_device
 from specdecode.models.quantize import INT4_GROUP_SIZES, QUANTIZE_HEADS, QUANTIZE_SCHEMES
-from specdecode.pipeline import ADAPTIVE_BY_DEFAULT, COMMAND_METHOD, MAX_MODEL_PROMPT_TOKENS
+from specdecode.pipeline import COMMAND_METHOD, MAX_MODEL_PROMPT_TOKENS
 from specdecode.serve.limits import (
     DEFAULT_MAX_LENGTH,
     check_cache_memory,
@@ -100,14 +100,9 @@ def add_arguments(p: argparse.ArgumentParser, *, default_target: str, default_dr
     p.add_argument("--num-speculative-tokens", "-g", type=int, default=None,
                    help=f"gamma for every row (default {DEFAULT_NUM_SPECULATIVE_TOKENS}); given, it turns the "
                         "default adaptive draft exit off")
-    p.add_argument("--adaptive-draft-exit", action=argparse.BooleanOptionalAction, default=None,
-                   help="per-row adaptive draft exit; default, as specdecode generate: on for "
-                        f"{' and '.join(ADAPTIVE_BY_DEFAULT)} with an unquantized target and no -g, else off; "
-                        "by default on a CPU with a float32 target under the cost model (drafting or a plain "
-                        "step by measured tokens per second), given explicitly alone")
     p.add_argument("--exit-rule", default="row", choices=("row", "batch"),
                    help="with --adaptive-draft-exit: a row stops at its own unsure token, or the batch at the last")
-    defaults.add_exit_mode_flag(p)
+    defaults.add_draft_control_flags(p, server=True)
     p.add_argument("--max-verify-tokens", default="auto",
                    help="most tokens one verification forward takes ('auto': on CPU 12, or the longest draft "
                         "block + 1 where more, so one request drafts as specdecode generate; none elsewhere; "

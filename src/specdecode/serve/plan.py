@@ -22,8 +22,8 @@ def check_llama_cpp_backend(args) -> None:
 
     Raises:
         InvalidArgumentError: With --backend llama-cpp: --max-batch-size other than 1 (one request at a
-            time), a method it refuses (``method_registry.LLAMA_CPP_TARGET_REFUSALS``: layer-skip,
-            early-exit, and for now draft and cascade), --compile, or the torch loading flags
+            time), a method it refuses (``method_registry.LLAMA_CPP_TARGET_REFUSALS``: layer-skip and
+            early-exit; draft and cascade run with the draft in llama.cpp), --compile, or the torch loading flags
             (``check_llama_cpp_target_options``: --quantize, --draft-quantize, --draft-quantize-head,
             --quantize-group-size, a --dtype other than auto/float32, a --device other than the CPU).
     """
