@@ -267,3 +267,27 @@ def test_a_max_length_past_the_gguf_target_s_context_is_refused_before_loading(t
     assert ("--max-length 100000 is more than a row can use: the target's context length is 512 positions (the GGUF "
             "file's qwen2.context_length) and a row keeps 6 more for a draft block; allowed: --max-length 8..518"
             ) in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("avx512_cpu")
+def test_a_draft_beside_the_llama_cpp_target_runs_in_llama_cpp_too(tiny_gguf, tmp_path, monkeypatch):
+    """``serve --backend llama-cpp --method draft``: the draft runs in llama.cpp, as with ``generate`` (the plan once
+    gave it generate's int4 torch-draft default on an AVX512 CPU, which loading refused), and the completion is
+    llama.cpp's own greedy output."""
+    from specdecode.models import llama_cpp_target
+    from specdecode.serve.command import load_server
+
+    tok = make_tiny_tokenizer()
+    monkeypatch.setattr(llama_cpp_target, "_target_tokenizer", lambda spec, path, cache_dir: tok)
+    args = build_parser().parse_args([
+        "serve", "--backend", "llama-cpp", "--target", str(tiny_gguf), "--draft", str(tiny_gguf), "--method", "draft",
+        "--max-length", "256", "--served-model-name", "tiny", "--no-warmup", "--cache-dir", str(tmp_path),
+        "--log-level", "warning",
+    ])
+    app, engine = load_server(args)
+    assert type(engine.decoder.drafter).__name__ == "DraftModelDrafter"
+    with serving(app, engine) as url:
+        r = client(url).completions.create(model="tiny", prompt=TEXT_A, max_tokens=16, temperature=0)
+    ids, text = expected(tiny_gguf, tok, TEXT_A, 16)
+    assert r.choices[0].text == text
+    assert r.model_extra["speculative"]["method"] == "draft"
