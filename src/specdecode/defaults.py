@@ -283,15 +283,20 @@ def plan_command(args, device: torch.device) -> CommandPlan:
 
     Raises:
         InvalidArgumentError: In the flags' words: --draft-quantize or --draft-quantize-head for a method
-            without a draft model, or with --draft-backend llama-cpp; --draft-quantize-head or
+            without a draft model, or with a llama.cpp draft, and --draft-vocab-size with one; --draft-quantize-head or
             --quantize-group-size that does not fit the draft's quantization; --adaptive-draft-exit for a
             method without draft probabilities; --draft-exit-mode other than per-step with the exit off.
+            ``DraftControl``'s range errors, named by its fields (max_draft_tokens, confidence gate threshold).
     """
     method = method_registry.REGISTRY[args.method]
     draft_backend = getattr(args, "draft_backend", None)
     if args.backend == "llama-cpp" and method.needs_draft_model:
         draft_backend = "llama-cpp"  # the only draft beside a llama.cpp target (``ModelPair.from_pretrained``)
     llama_draft = draft_backend == "llama-cpp"
+    if llama_draft and getattr(args, "draft_vocab_size", None):
+        raise InvalidArgumentError(f"--draft-vocab-size {args.draft_vocab_size} truncates a torch draft's LM head; a "
+                                   "llama.cpp draft (--draft-backend llama-cpp, or beside --backend llama-cpp) "
+                                   "computes every logit: leave it out")
     for flag in ("draft_quantize", "draft_quantize_head"):
         if getattr(args, flag) is None:
             continue

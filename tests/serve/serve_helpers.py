@@ -134,7 +134,8 @@ def command_completion(folders, cache_dir, prompt: str, *flags: str) -> tuple[st
     ])
     app, engine = load_server(args)
     with serving(app, engine) as url:
-        r = openai_client(url).completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0)
+        r = openai_client(url).with_options(timeout=120).completions.create(model="tiny", prompt=prompt,
+                                                                          max_tokens=24, temperature=0)
     return r.choices[0].text, engine
 
 

@@ -38,6 +38,7 @@ def reference(folders, tmp_path_factory):
 def test_draft_control_flags_reach_the_rows_and_keep_the_greedy_text(folders, tmp_path, reference, flags, control):
     text, engine = command_completion(folders, tmp_path, PROMPT, *flags)
     assert engine.decoder.draft_control == control
+    assert engine.decoder.max_block == control.controller(3 if "-g" in flags else 5).max_tokens  # rows sized by it
     assert text == reference
 
 

@@ -35,6 +35,9 @@ TEXT_B = "w30 w31 w32 w30 w31 w8 w30 w31"
     (["--compile"], "--compile compiles torch forwards, but with --backend llama-cpp"),
     (["--quantize", "int8"], "quantize='int8' quantize torch weights, but backend='llama-cpp'"),
     (["--dtype", "bfloat16"], "dtype='bfloat16': backend='llama-cpp' runs the GGUF file's own weight types"),
+    (["--method", "draft", "--draft-vocab-size", "64"], "--draft-vocab-size 64 truncates a torch draft's LM head; a "
+                                                        "llama.cpp draft (--draft-backend llama-cpp, or beside "
+                                                        "--backend llama-cpp) computes every logit"),
 ])
 def test_what_llama_cpp_cannot_do_exits_2_before_loading(flags, needle, capsys):
     code = main(["serve", "--backend", "llama-cpp", "--target", "/nonexistent/model.gguf", *flags])
@@ -285,7 +288,9 @@ def test_a_draft_beside_the_llama_cpp_target_runs_in_llama_cpp_too(tiny_gguf, tm
         "--log-level", "warning",
     ])
     app, engine = load_server(args)
-    assert type(engine.decoder.drafter).__name__ == "DraftModelDrafter"
+    drafter = engine.decoder.drafter
+    assert type(drafter).__name__ == "DraftModelDrafter" and drafter.model is None  # no torch draft: llama.cpp's
+    assert type(drafter._sequence_runner).__name__.startswith("LlamaCpp")  # a llama.cpp runner
     with serving(app, engine) as url:
         r = client(url).completions.create(model="tiny", prompt=TEXT_A, max_tokens=16, temperature=0)
     ids, text = expected(tiny_gguf, tok, TEXT_A, 16)

@@ -15,7 +15,8 @@
 - ``processors``: penalties, ``logit_bias`` and logprobs, applied to a verification block row by
   row as autoregressive decoding would (``LogitsProcessing``, ``TokenLogprob``);
 - ``kv_cache``: ``DynamicCache`` helpers (prompt caches) and context lengths;
-- ``fast_path``: the fast path's settings per model (``ModelRunner``);
+- ``fast_path``: the fast path's settings: an engine's (``FastPath``, ``engine_fast_path``, ``check_graphs``,
+  ``check_dynamic_shapes``) and a model's (``ModelRunner``);
 - ``batch_rows``: a batched request's state (``BatchRow``) and ``BatchEvent``;
 - ``batched``: ``BatchedSpeculativeDecoder``, many rows at once with continuous batching,
   on ``batch_cache.BatchKVCache`` (per-row positions and masks); ``batch_runner``: its fast path (``BatchRunner``, forwards

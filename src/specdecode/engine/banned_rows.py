@@ -21,8 +21,8 @@ had come alone, so a block ends as its tokens would one round each, and the outp
 law (sampling) is that of the target-only decoder. There is no draft cut before a word the draft would
 spell: under sampling it biased the law (a cut chosen by draft tokens past the ones kept), and under
 greedy decoding it gave the same output in as many target forwards (5 Spec-Bench prompts, 1,000 words,
-174 against 173 for ``draft``) at a matcher pass per row and round, verifying 20-27% fewer tokens: those
-after a word, now verified and rolled back with it (``docs/benchmarks/2026-11-29-banned-words-no-cut.md``).
+174 against 173 for ``draft``) at a matcher pass per row and round, with 17-22% less verification input (the
+block's tokens from a word on, which the target now verifies) (``docs/benchmarks/2026-11-29-banned-words-no-cut.md``).
 
 Semantics (as ``decoder.GenerationStream`` documents them): under greedy decoding the output is
 the target's greedy output with the (position, token) masks applied, a deterministic function

@@ -67,9 +67,10 @@ def add_arguments(p: argparse.ArgumentParser, *, default_target: str, default_dr
                         f"--backend llama-cpp: {LLAMA_CPP_COMMAND_METHOD}, as generate --backend llama-cpp)")
     p.add_argument("--backend", default="torch", choices=TARGET_BACKENDS,
                    help="what runs the target: torch (default) or llama-cpp (its GGUF file in llama.cpp, no torch "
-                        "weights; methods autoregressive and prompt-lookup). With llama-cpp the server decodes ONE "
-                        "REQUEST AT A TIME (llama.cpp's multi-sequence batches are not built): --max-batch-size is 1 "
-                        "and further requests wait in the queue (--max-queue); needs pip install "
+                        "weights; methods autoregressive, prompt-lookup, draft and cascade, the draft model in "
+                        "llama.cpp too). With llama-cpp the server decodes ONE REQUEST AT A TIME (llama.cpp's "
+                        "multi-sequence batches are not built): --max-batch-size is 1 and further requests wait in "
+                        "the queue (--max-queue); needs pip install "
                         "'specdecode[llamacpp]'")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --target)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
@@ -170,6 +171,19 @@ def add_arguments(p: argparse.ArgumentParser, *, default_target: str, default_dr
                    help="skip the start-up forwards at every width the engine uses (without them, a CPU "
                         "server's memory grows while new matmul shapes turn up)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+
+
+def describe_control(control) -> str:
+    """The draft length control of every row, for the start-up log: the adaptive draft exit on or off, and the
+    length schedule and confidence gate where they are not the default."""
+    if control is None:
+        return "adaptive draft exit off"
+    parts = [f"adaptive draft exit {'on' if control.adaptive_exit else 'off'}"]
+    if control.length_schedule != "constant":
+        parts.append(f"length schedule {control.length_schedule}")
+    if control.confidence_gate is not None:
+        parts.append(f"confidence gate {control.confidence_gate}")
+    return ", ".join(parts)
 
 
 def _check_draft_options(args) -> None:
@@ -329,7 +343,7 @@ def load_server(args):
     _configure_logging(args.log_level)
     started = time.perf_counter()
     logger.info("start-up: loading target %s%s%s", args.target, " in llama.cpp" if backend == "llama-cpp" else "",
-                f" and draft {plan.draft} ({plan.draft_quantize_note})" if plan.draft else "")
+                f" and draft {plan.draft} ({plan.draft_quantize_note or 'in llama.cpp'})" if plan.draft else "")
     gen = SpeculativeGenerator.from_pretrained(
         args.target, plan.draft, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir,
         quantize=args.quantize, draft_quantize=plan.draft_quantize, draft_quantize_head=args.draft_quantize_head,
@@ -349,7 +363,7 @@ def load_server(args):
     check_cache_memory(gen, args.method, max_batch_size=args.max_batch_size, max_length=max_length, block=block,
                        compile=args.compile)
     t0 = time.perf_counter()
-    control = plan.draft_control  # None under a llama.cpp target: batch_decoder measures its costs
+    control = plan.draft_control  # under a llama.cpp target None unless flags ask: batch_decoder measures its costs
     measured = gen.backend == "llama-cpp" and control is None and args.method != "autoregressive"
     decoder = build_decoder(gen, args, plan, max_length=max_length, max_verify_tokens=verify)
     settings = serve_settings(args, decoder.max_length, decoder.max_block, words)
@@ -357,8 +371,7 @@ def load_server(args):
                 time.perf_counter() - t0, args.method, args.max_batch_size,
                 " (the target in llama.cpp: one request at a time, the others wait in the queue)"
                 if gen.backend == "llama-cpp" else "",
-                "draft length from measured costs" if measured
-                else f"adaptive draft exit {'on' if plan.draft_control is not None else 'off'}",
+                "draft length from measured costs" if measured else describe_control(control),
                 plan.max_model_prompt_tokens)
     app, engine, _ = build(gen, decoder, max_queue=args.max_queue, settings=settings)  # checks the rows' room
     warm_s = 0.0

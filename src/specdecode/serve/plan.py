@@ -43,7 +43,7 @@ def check_llama_cpp_backend(args) -> None:
     why = method_registry.LLAMA_CPP_TARGET_REFUSALS.get(args.method)
     if why is not None:
         raise InvalidArgumentError(f"--method {args.method} does not run with --backend llama-cpp: {why}; use "
-                                   "--method prompt-lookup or autoregressive, or --backend torch")
+                                   "--method prompt-lookup, draft, cascade or autoregressive, or --backend torch")
     if args.compile:
         raise InvalidArgumentError("--compile compiles torch forwards, but with --backend llama-cpp the target runs "
                                    "in llama.cpp: leave --compile out")
