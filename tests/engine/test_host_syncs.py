@@ -18,6 +18,9 @@ The bounds, greedy decoding, no adaptive exit:
   (``tree_shape="previous-round"``, CUDA's default): as the linear drafts. With "per-round" shapes (a CPU's
   default) the drafter reads each round's values once more (``drafters.draft_tree.grow_trees``).
 
+Draft length controls (the batched engine, B = 4, greedy and sampling rows): the heuristic schedule and the cost
+model one sync per round (its calibration's timed forwards aside); a confidence gate one more, its probability.
+
 Sampling rows (the batched engine, B = 4): one sync per round, an exit read with it included (each row's kept
 block cut on the device, ``draft_exit.exit_blocks``) and banned words (matched on the host after the read: the
 whole block is sampled and kept, and a word drawn is rolled back); two where a draft model's trees are grown from
@@ -223,4 +226,61 @@ def test_sampling_rounds_read_back_once(case, monkeypatch):
     # ``draft_tree.grow_trees``), then verified and read with the round's one; one with shapes chosen before the
     # round (``draft_tree.shaped_trees``)
     per_round = 2 if case in ("sampling+trees", "sampling+unseeded+trees") else 1
+    assert counter.count <= per_round * len(rounds), f"{counter.count} host syncs in {len(rounds)} rounds"
+
+
+GATE = 0.1  # the tiny target's probability of its token lies on both sides of it: some rounds gated, some not
+
+
+@pytest.mark.parametrize("case", ["heuristic", "cost-model", "adaptive+cost-model", "gate"])
+def test_draft_length_controls_read_back_once_a_round(case, monkeypatch):
+    """Batched rounds (B = 4, two greedy rows and two sampling rows, a draft model) under serve's and generate's
+    draft length controls: the heuristic schedule and the cost model (alone, or over an adaptive exit read with the
+    round's sync, ``exit_mode="masked"``) decide
+    each row's next block from values the round's one read brings; the cost model's calibration, which times
+    target forwards before the first round, is not a round's read. A confidence gate reads once more a round:
+    the target's probability of each gated row's new token (``batch_rows.observe_gates``; computing it on the
+    device for every position a row may stop at costs about 2 ms a gated row on a 2-core CPU, a softmax over
+    13 x 151,936 logits, against 0.08 ms for the one it needs)."""
+    target = make_tiny_model("llama", num_layers=3)
+    draft = perturbed_copy(target, noise=0.3, seed=1)
+    control = {"heuristic": DraftControl(length_schedule="heuristic"),
+               "cost-model": DraftControl(length_schedule="cost-model"),
+               "adaptive+cost-model": DraftControl(adaptive_exit=True, length_schedule="cost-model",
+                                                   exit_mode="masked"),  # per-step exits read after each step
+               "gate": DraftControl(confidence_gate=GATE)}[case]
+    engine = BatchedSpeculativeDecoder(target, DraftModelDrafter(draft), max_batch_size=4, num_speculative_tokens=4,
+                                       draft_control=control, compile=True, graphs=False)
+    counter, rounds = SyncCounter([target, draft]), []
+    original, measure = BatchedSpeculativeDecoder._round, BatchedSpeculativeDecoder._measure_forwards
+
+    def counted_round(self, events):
+        counter.active = True
+        try:
+            return original(self, events)
+        finally:
+            counter.active = False
+            rounds.append(len(self._rows))
+
+    def uncounted_measure(self, *args, **kwargs):  # the cost model's calibration: timed forwards, each read
+        active, counter.active = counter.active, False
+        try:
+            return measure(self, *args, **kwargs)
+        finally:
+            counter.active = active
+
+    monkeypatch.setattr(BatchedSpeculativeDecoder, "_round", counted_round)
+    monkeypatch.setattr(BatchedSpeculativeDecoder, "_measure_forwards", uncounted_measure)
+    prompts = [_prompt()[0].tolist()[: 10 + 3 * i] for i in range(4)]
+    configs = [GenerationConfig(max_new_tokens=24, stop_on_eos=False, temperature=0.8 if i % 2 else 0.0, seed=i)
+               for i in range(4)]
+    with counter.counting():
+        results = engine.generate(prompts, configs)
+    assert all(len(r.token_ids) == 24 for r in results)
+    assert len(rounds) > 5 and engine.stats.num_drafted_tokens > 0
+    if case == "gate":
+        gated = sum(r.stats.num_gated_steps for r in results)
+        assert gated > 0, "the gate should stop some rounds' drafting"
+        assert engine.stats.num_gated_steps == gated  # the engine's stats: the sum of its rows' (was 0)
+    per_round = 2 if case == "gate" else 1
     assert counter.count <= per_round * len(rounds), f"{counter.count} host syncs in {len(rounds)} rounds"

@@ -149,10 +149,10 @@ def check_prompt_cache(prompt_cache, num_prompt_tokens: int) -> None:
         )
 
 
-def trimmed_blocks(rows, k: list[int], draft, caps: list[int]) -> tuple[list[int], list[int]]:
+def trimmed_blocks(rows, k: list[int], draft, caps: list[int], *stats) -> tuple[list[int], list[int]]:
     """Each row's block (``k``: tokens proposed per row; ``draft``: the round's ``protocol.Draft``) after its
     controller's ``trim`` (``Draft.ngram_sizes``, ``match_sources``), and the caps the stats record (a trimmed
-    row's: what it kept; a block trimmed to nothing is a gated step).
+    row's: what it kept; a block trimmed to nothing is a gated step, counted in the row's stats and ``stats``).
 
     Raises:
         InvalidArgumentError: A controller kept a count outside 0 .. the tokens proposed.
@@ -166,7 +166,8 @@ def trimmed_blocks(rows, k: list[int], draft, caps: list[int]) -> tuple[list[int
                                        f"got {n!r}")
         if n < k[b]:
             stat_caps[b] = n
-            row.stats.num_gated_steps += n == 0
+            for s in (row.stats, *stats):
+                s.num_gated_steps += n == 0
         kept[b] = n
     return kept, stat_caps
 

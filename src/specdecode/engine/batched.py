@@ -357,6 +357,7 @@ class BatchedSpeculativeDecoder(BatchRequests):
             if row.controller is not None:
                 if row.controller.gated and row.remaining > 1:
                     row.stats.num_gated_steps += 1
+                    self.stats.num_gated_steps += 1
                 cap = min(row.controller.round_cap(), self.max_block, share)
             caps.append(max(0, min(cap, row.remaining - 1)))
         if self.exit_mode != "previous-round":
@@ -440,7 +441,7 @@ class BatchedSpeculativeDecoder(BatchRequests):
             draft_s = time.perf_counter() - t_draft - (self.drafter.compile_time_s - draft_compiling) - draft_prefill
             k = list(draft.num_tokens)
             if draft.ngram_sizes is not None:  # each row's policy keeps what its match's evidence pays for
-                k, stat_caps = trimmed_blocks(rows, k, draft, limits)
+                k, stat_caps = trimmed_blocks(rows, k, draft, limits, self.stats)
         trees, tokens, probs = round_trees(draft, k, rows, getattr(self.runner, "takes_trees", False)) \
             if draft is not None else (None, None, None)
         K = max(k)
