@@ -108,6 +108,24 @@ def _counted(find, checks: list, *args, **kwargs):
     return found
 
 
+def _count_rounds(monkeypatch, counter: SyncCounter) -> list[int]:
+    """Count ``counter``'s syncs inside the batched engine's rounds only; returns the list that gets each round's
+    row count."""
+    rounds: list[int] = []
+    original = BatchedSpeculativeDecoder._round
+
+    def counted_round(self, events):
+        counter.active = True
+        try:
+            return original(self, events)
+        finally:
+            counter.active = False
+            rounds.append(len(self._rows))
+
+    monkeypatch.setattr(BatchedSpeculativeDecoder, "_round", counted_round)
+    return rounds
+
+
 def _prompt() -> torch.Tensor:
     """A prompt that repeats itself, so prompt lookup and the cascade find matches."""
     half = torch.randint(3, VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
@@ -193,18 +211,8 @@ def test_sampling_rounds_read_back_once(case, monkeypatch):
     configs = [GenerationConfig(max_new_tokens=24, stop_on_eos=False, banned_words=banned, **kw,
                                 seed=None if "unseeded" in case and i in (0, 2) else i)
                for i, kw in enumerate(settings)]
-    counter, rounds = SyncCounter([target, draft]), []
-    original = BatchedSpeculativeDecoder._round
-
-    def counted_round(self, events):
-        counter.active = True
-        try:
-            return original(self, events)
-        finally:
-            counter.active = False
-            rounds.append(len(self._rows))
-
-    monkeypatch.setattr(BatchedSpeculativeDecoder, "_round", counted_round)
+    counter = SyncCounter([target, draft])
+    rounds = _count_rounds(monkeypatch, counter)
     verified_trees, tree_rows = [], verification.tree_rejection_sample_rows
     monkeypatch.setattr(verification, "tree_rejection_sample_rows",
                         lambda *a, **k: verified_trees.append(1) or tree_rows(*a, **k))
@@ -251,16 +259,8 @@ def test_draft_length_controls_read_back_once_a_round(case, monkeypatch):
                "gate": DraftControl(confidence_gate=GATE)}[case]
     engine = BatchedSpeculativeDecoder(target, DraftModelDrafter(draft), max_batch_size=4, num_speculative_tokens=4,
                                        draft_control=control, compile=True, graphs=False)
-    counter, rounds = SyncCounter([target, draft]), []
-    original, measure = BatchedSpeculativeDecoder._round, BatchedSpeculativeDecoder._measure_forwards
-
-    def counted_round(self, events):
-        counter.active = True
-        try:
-            return original(self, events)
-        finally:
-            counter.active = False
-            rounds.append(len(self._rows))
+    counter = SyncCounter([target, draft])
+    rounds, measure = _count_rounds(monkeypatch, counter), BatchedSpeculativeDecoder._measure_forwards
 
     def uncounted_measure(self, *args, **kwargs):  # the cost model's calibration: timed forwards, each read
         active, counter.active = counter.active, False
@@ -269,7 +269,6 @@ def test_draft_length_controls_read_back_once_a_round(case, monkeypatch):
         finally:
             counter.active = active
 
-    monkeypatch.setattr(BatchedSpeculativeDecoder, "_round", counted_round)
     monkeypatch.setattr(BatchedSpeculativeDecoder, "_measure_forwards", uncounted_measure)
     prompts = [_prompt()[0].tolist()[: 10 + 3 * i] for i in range(4)]
     configs = [GenerationConfig(max_new_tokens=24, stop_on_eos=False, temperature=0.8 if i % 2 else 0.0, seed=i)
