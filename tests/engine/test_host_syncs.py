@@ -19,7 +19,8 @@ The bounds, greedy decoding, no adaptive exit:
   default) the drafter reads each round's values once more (``drafters.draft_tree.grow_trees``).
 
 Draft length controls (the batched engine, B = 4, greedy and sampling rows): the heuristic schedule and the cost
-model one sync per round (its calibration's timed forwards aside); a confidence gate one more, its probability.
+model one sync per round (its calibration's timed forwards aside); a confidence gate too where every gated row is
+greedy and linear (its probability computed on the device), else one more.
 
 Sampling rows (the batched engine, B = 4): one sync per round, an exit read with it included (each row's kept
 block cut on the device, ``draft_exit.exit_blocks``) and banned words (matched on the host after the read: the
@@ -41,6 +42,7 @@ from specdecode.drafters.cascade import CascadeDrafter
 from specdecode.drafters import cascade as cascade_module
 from specdecode.drafters.control import DraftControl
 from specdecode.engine import verification
+from specdecode.engine import batched as batched_module
 from specdecode.engine.batched import BatchedSpeculativeDecoder
 from specdecode.engine.fast_path import ModelRunner
 from specdecode.engine.overlap import HostReader
@@ -240,46 +242,61 @@ def test_sampling_rounds_read_back_once(case, monkeypatch):
 GATE = 0.1  # the tiny target's probability of its token lies on both sides of it: some rounds gated, some not
 
 
-@pytest.mark.parametrize("case", ["heuristic", "cost-model", "adaptive+cost-model", "gate"])
+@pytest.mark.parametrize("case", ["heuristic", "cost-model", "adaptive+cost-model", "gate", "greedy-gate",
+                                  "masked-exit+greedy-gate"])
 def test_draft_length_controls_read_back_once_a_round(case, monkeypatch):
-    """Batched rounds (B = 4, two greedy rows and two sampling rows, a draft model) under serve's and generate's
-    draft length controls: the heuristic schedule and the cost model (alone, or over an adaptive exit read with the
-    round's sync, ``exit_mode="masked"``) decide
-    each row's next block from values the round's one read brings; the cost model's calibration, which times
-    target forwards before the first round, is not a round's read. A confidence gate reads once more a round:
-    the target's probability of each gated row's new token (``batch_rows.observe_gates``; computing it on the
-    device for every position a row may stop at costs about 2 ms a gated row on a 2-core CPU, a softmax over
-    13 x 151,936 logits, against 0.08 ms for the one it needs)."""
+    """Batched rounds (B = 4, a draft model; two greedy rows and two sampling rows, or four greedy rows) under serve's
+    and generate's draft length controls: the heuristic schedule and the cost model (alone, or over an adaptive exit
+    read with the round's sync, ``exit_mode="masked"``) decide each row's next block from values the round's one read
+    brings; the cost model's calibration, which times target forwards before the first round, is not a round's read.
+    A confidence gate over greedy linear rows reads its values with the round's sync too (``batch_rows.
+    greedy_gate_probs``: the acceptance counted on the device, one position's softmax), and its rounds are those of
+    the gate read after the round (``observe_gates``), which sampling rows still take: two reads a round."""
     target = make_tiny_model("llama", num_layers=3)
     draft = perturbed_copy(target, noise=0.3, seed=1)
     control = {"heuristic": DraftControl(length_schedule="heuristic"),
                "cost-model": DraftControl(length_schedule="cost-model"),
                "adaptive+cost-model": DraftControl(adaptive_exit=True, length_schedule="cost-model",
                                                    exit_mode="masked"),  # per-step exits read after each step
-               "gate": DraftControl(confidence_gate=GATE)}[case]
-    engine = BatchedSpeculativeDecoder(target, DraftModelDrafter(draft), max_batch_size=4, num_speculative_tokens=4,
-                                       draft_control=control, compile=True, graphs=False)
-    counter = SyncCounter([target, draft])
-    rounds, measure = _count_rounds(monkeypatch, counter), BatchedSpeculativeDecoder._measure_forwards
-
-    def uncounted_measure(self, *args, **kwargs):  # the cost model's calibration: timed forwards, each read
-        active, counter.active = counter.active, False
-        try:
-            return measure(self, *args, **kwargs)
-        finally:
-            counter.active = active
-
-    monkeypatch.setattr(BatchedSpeculativeDecoder, "_measure_forwards", uncounted_measure)
+               "masked-exit+greedy-gate": DraftControl(adaptive_exit=True, exit_mode="masked", confidence_gate=GATE),
+               }.get(case, DraftControl(confidence_gate=GATE))
     prompts = [_prompt()[0].tolist()[: 10 + 3 * i] for i in range(4)]
-    configs = [GenerationConfig(max_new_tokens=24, stop_on_eos=False, temperature=0.8 if i % 2 else 0.0, seed=i)
-               for i in range(4)]
-    with counter.counting():
-        results = engine.generate(prompts, configs)
+    greedy = case.endswith("greedy-gate")
+    configs = [GenerationConfig(max_new_tokens=24, stop_on_eos=False, seed=i,
+                                temperature=0.8 if i % 2 and not greedy else 0.0) for i in range(4)]
+
+    def run(count: bool):
+        engine = BatchedSpeculativeDecoder(target, DraftModelDrafter(draft), max_batch_size=4,
+                                           num_speculative_tokens=4, draft_control=control, compile=True, graphs=False)
+        if not count:
+            return engine.generate(prompts, configs), engine, []
+        counter = SyncCounter([target, draft])
+        with monkeypatch.context() as patch:
+            rounds, measure = _count_rounds(patch, counter), BatchedSpeculativeDecoder._measure_forwards
+
+            def uncounted_measure(self, *args, **kwargs):  # the cost model's calibration: timed forwards, each read
+                active, counter.active = counter.active, False
+                try:
+                    return measure(self, *args, **kwargs)
+                finally:
+                    counter.active = active
+
+            patch.setattr(BatchedSpeculativeDecoder, "_measure_forwards", uncounted_measure)
+            with counter.counting():
+                results = engine.generate(prompts, configs)
+        per_round = 2 if case == "gate" else 1
+        assert counter.count <= per_round * len(rounds), f"{counter.count} host syncs in {len(rounds)} rounds"
+        return results, engine, rounds
+
+    results, engine, rounds = run(count=True)
     assert all(len(r.token_ids) == 24 for r in results)
     assert len(rounds) > 5 and engine.stats.num_drafted_tokens > 0
-    if case == "gate":
+    if case.endswith("gate"):
         gated = sum(r.stats.num_gated_steps for r in results)
         assert gated > 0, "the gate should stop some rounds' drafting"
         assert engine.stats.num_gated_steps == gated  # the engine's stats: the sum of its rows' (was 0)
-    per_round = 2 if case == "gate" else 1
-    assert counter.count <= per_round * len(rounds), f"{counter.count} host syncs in {len(rounds)} rounds"
+    if greedy:  # the same gate decisions as when read after the round
+        monkeypatch.setattr(batched_module, "greedy_gate_probs", lambda *args: ([], None))
+        after, _, _ = run(count=False)
+        assert [(r.token_ids, r.stats.rounds_by_draft_cap, r.stats.num_gated_steps) for r in results] == \
+            [(r.token_ids, r.stats.rounds_by_draft_cap, r.stats.num_gated_steps) for r in after]

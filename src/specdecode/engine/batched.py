@@ -51,7 +51,7 @@ from specdecode.engine.banned_rows import mask_batch
 from specdecode.engine.batch_cache import (PREFILL_CHUNK_TOKENS, PREFILL_PAD_MULTIPLE, BatchKVCache, to_device,
                                            warm_up_widths)
 from specdecode.engine.batch_requests import BatchRequests
-from specdecode.engine.batch_rows import BatchEvent, observe_gates, trimmed_blocks
+from specdecode.engine.batch_rows import BatchEvent, greedy_gate_probs, observe_gates, take_gate_probs, trimmed_blocks
 from specdecode.engine.batch_runner import BatchRunner
 from specdecode.engine.bucket_functions import check_row_buckets
 from specdecode.engine.cost_model import check_count
@@ -481,8 +481,9 @@ class BatchedSpeculativeDecoder(BatchRequests):
         processed = logits is not target_logits or masked
         choice = greedy_tokens(logits) if processed else greedy[..., 0]  # (n, K + 1): the target's greedy choices
         readback = draft.readback if draft is not None else None  # what the drafter reads with the sync
-        host = torch.cat([*parts, *verdicts, choice.flatten(), finite.flatten(),
-                          *([readback] if readback is not None else []), draft_finite.long()])
+        gated, gate_probs = greedy_gate_probs(rows, logits, ids, choice, k, trees, cut)  # [gates] read with it
+        host = torch.cat([*parts, *verdicts, choice.flatten(), finite.flatten(), *([] if gate_probs is None else
+                          [gate_probs]), *([readback] if readback is not None else []), draft_finite.long()])
         # [overlap] the next forward first, where no request can join (or the batch is full: one joins only
         # where a row leaves)
         joinable = bool(self._waiting)
@@ -494,6 +495,7 @@ class BatchedSpeculativeDecoder(BatchRequests):
         if readback is not None:  # the drafter's values, just before the draft's finiteness flag
             self.drafter.on_readback(host[len(host) - 1 - readback.shape[0] : -1])
             del host[len(host) - 1 - readback.shape[0] : -1]
+        gate_probs = take_gate_probs(gated, host)
         exit_at = host[n * K : n * K + n] if points is not None else None
         if exit_at is not None:
             del host[n * K : n * K + n]
@@ -557,7 +559,9 @@ class BatchedSpeculativeDecoder(BatchRequests):
                     row.controller.record(limits[b], kb, a)
                 if row.controller.exit is not None:
                     row.stats.final_draft_threshold = row.controller.exit.threshold
-                if row.controller.gate is not None:
+                if b in gate_probs:
+                    row.controller.gate.observe(gate_probs[b])
+                elif row.controller.gate is not None:
                     gate_rows.append((b, node, new[-1]))
             self.stats.record_block(kb, a, depth)
             self.stats.record_cap(cap)
