@@ -40,7 +40,7 @@ from helpers import perturbed_copy
 from specdecode import DraftModelDrafter, GenerationConfig, PromptLookupDrafter, SpeculativeDecoder
 from specdecode.drafters.cascade import CascadeDrafter
 from specdecode.drafters import cascade as cascade_module
-from specdecode.drafters.control import DraftControl
+from specdecode.drafters.control import ConfidenceGate, DraftControl
 from specdecode.engine import verification
 from specdecode.engine import batched as batched_module
 from specdecode.engine.batched import BatchedSpeculativeDecoder
@@ -257,13 +257,20 @@ def test_draft_length_controls_read_back_once_a_round(case, monkeypatch):
     control = {"heuristic": DraftControl(length_schedule="heuristic"),
                "cost-model": DraftControl(length_schedule="cost-model"),
                "adaptive+cost-model": DraftControl(adaptive_exit=True, length_schedule="cost-model",
-                                                   exit_mode="masked"),  # per-step exits read after each step
+                                                   exit_mode="masked"),  # "per-step" would read after each step
                "masked-exit+greedy-gate": DraftControl(adaptive_exit=True, exit_mode="masked", confidence_gate=GATE),
                }.get(case, DraftControl(confidence_gate=GATE))
     prompts = [_prompt()[0].tolist()[: 10 + 3 * i] for i in range(4)]
     greedy = case.endswith("greedy-gate")
     configs = [GenerationConfig(max_new_tokens=24, stop_on_eos=False, seed=i,
                                 temperature=0.8 if i % 2 and not greedy else 0.0) for i in range(4)]
+
+    observed, cuts, exit_blocks = [], [], batched_module.exit_blocks
+    monkeypatch.setattr(ConfidenceGate, "observe", lambda self, p, observe=ConfidenceGate.observe: (
+        observed.append(p), observe(self, p))[1])
+    monkeypatch.setattr(batched_module, "exit_blocks", lambda points, exits, k, rule: (
+        lambda cut: cuts.append(any(c < kb for c, kb in zip(cut.tolist(), k))) or cut)(
+        exit_blocks(points, exits, k, rule)))  # whether a masked exit cut a block (a read outside the count)
 
     def run(count: bool):
         engine = BatchedSpeculativeDecoder(target, DraftModelDrafter(draft), max_batch_size=4,
@@ -284,6 +291,7 @@ def test_draft_length_controls_read_back_once_a_round(case, monkeypatch):
             patch.setattr(BatchedSpeculativeDecoder, "_measure_forwards", uncounted_measure)
             with counter.counting():
                 results = engine.generate(prompts, configs)
+                counter.count -= len(cuts)  # the test's own reads of the masked exits' cuts
         per_round = 2 if case == "gate" else 1
         assert counter.count <= per_round * len(rounds), f"{counter.count} host syncs in {len(rounds)} rounds"
         return results, engine, rounds
@@ -295,8 +303,30 @@ def test_draft_length_controls_read_back_once_a_round(case, monkeypatch):
         gated = sum(r.stats.num_gated_steps for r in results)
         assert gated > 0, "the gate should stop some rounds' drafting"
         assert engine.stats.num_gated_steps == gated  # the engine's stats: the sum of its rows' (was 0)
-    if greedy:  # the same gate decisions as when read after the round
+    if case.startswith("masked-exit"):
+        assert any(cuts), "no masked exit cut a block"
+    if greedy:  # the same probabilities, gate decisions and rounds as when read after the round
+        on_device, observed[:] = list(observed), []
         monkeypatch.setattr(batched_module, "greedy_gate_probs", lambda *args: ([], None))
         after, _, _ = run(count=False)
+        assert observed == on_device and len(observed) > len(rounds)  # every gated row's value, every round
         assert [(r.token_ids, r.stats.rounds_by_draft_cap, r.stats.num_gated_steps) for r in results] == \
             [(r.token_ids, r.stats.rounds_by_draft_cap, r.stats.num_gated_steps) for r in after]
+
+
+def test_gate_values_are_taken_from_the_read_after_the_readback():
+    """The round's read ends with the gate values, the drafter's readback and the draft's finiteness flag: once the
+    readback is taken out, ``take_gate_probs`` takes the gate values (float32 bits, read exactly, negative ints
+    included) from just before the flag and leaves the rest as it was."""
+    import struct
+
+    from specdecode.engine.batch_rows import take_gate_probs
+
+    probs = [0.5, 0.1234567, -0.25]  # a negative float's bits are a negative int
+    bits = list(struct.unpack("3i", struct.pack("3f", *probs)))
+    host = [7, 8, 9, *bits, 1]  # (the readback already taken out), then the flag
+    values = take_gate_probs([0, 2, 3], host)
+    assert host == [7, 8, 9, 1]
+    assert values[0] == 0.5 and values[2] == struct.unpack("f", struct.pack("f", 0.1234567))[0]
+    assert values[3] == -0.25 and bits[2] < 0
+    assert take_gate_probs([], host) == {} and host == [7, 8, 9, 1]

@@ -481,9 +481,9 @@ class BatchedSpeculativeDecoder(BatchRequests):
         processed = logits is not target_logits or masked
         choice = greedy_tokens(logits) if processed else greedy[..., 0]  # (n, K + 1): the target's greedy choices
         readback = draft.readback if draft is not None else None  # what the drafter reads with the sync
-        gated, gate_probs = greedy_gate_probs(rows, logits, ids, choice, k, trees, cut)  # [gates] read with it
-        host = torch.cat([*parts, *verdicts, choice.flatten(), finite.flatten(), *([] if gate_probs is None else
-                          [gate_probs]), *([readback] if readback is not None else []), draft_finite.long()])
+        gated, gate_bits = greedy_gate_probs(rows, logits, ids, choice, k, trees, cut)  # [gates] read with it
+        host = torch.cat([*parts, *verdicts, choice.flatten(), finite.flatten(), *([] if gate_bits is None else
+                          [gate_bits]), *([readback] if readback is not None else []), draft_finite.long()])
         # [overlap] the next forward first, where no request can join (or the batch is full: one joins only
         # where a row leaves)
         joinable = bool(self._waiting)
@@ -495,7 +495,7 @@ class BatchedSpeculativeDecoder(BatchRequests):
         if readback is not None:  # the drafter's values, just before the draft's finiteness flag
             self.drafter.on_readback(host[len(host) - 1 - readback.shape[0] : -1])
             del host[len(host) - 1 - readback.shape[0] : -1]
-        gate_probs = take_gate_probs(gated, host)
+        gate_values = take_gate_probs(gated, host)  # after the readback: just before the last value
         exit_at = host[n * K : n * K + n] if points is not None else None
         if exit_at is not None:
             del host[n * K : n * K + n]
@@ -559,8 +559,8 @@ class BatchedSpeculativeDecoder(BatchRequests):
                     row.controller.record(limits[b], kb, a)
                 if row.controller.exit is not None:
                     row.stats.final_draft_threshold = row.controller.exit.threshold
-                if b in gate_probs:
-                    row.controller.gate.observe(gate_probs[b])
+                if b in gate_values:
+                    row.controller.gate.observe(gate_values[b])
                 elif row.controller.gate is not None:
                     gate_rows.append((b, node, new[-1]))
             self.stats.record_block(kb, a, depth)
