@@ -96,12 +96,10 @@ def test_a_whole_word_waiting_at_the_end_is_judged_when_the_generation_ends():
 def test_requests_with_the_same_list_share_one_compiled_list():
     """``from_config`` with an engine's ``compiled`` lists: the same words, case and whole-word setting give the same
     ``BannedWords``; another setting another; the oldest is dropped past ``COMPILED_LISTS``."""
-    from collections import OrderedDict
-
     from specdecode.config import GenerationConfig
-    from specdecode.engine.banned_rows import COMPILED_LISTS
+    from specdecode.engine.banned_rows import COMPILED_LISTS, compiled_lists
 
-    compiled = OrderedDict()
+    compiled = compiled_lists()
 
     def words_of(**options):
         row = BannedRow.from_config(GenerationConfig(**options), TOK, len(TOK.PIECES), PROMPT, compiled)
@@ -112,4 +110,4 @@ def test_requests_with_the_same_list_share_one_compiled_list():
     assert words_of(banned_words=("ab", "cd"), banned_words_ignore_case=True) is not first
     for i in range(COMPILED_LISTS):
         words_of(banned_words=(f"a{'b' * i}",))
-    assert len(compiled) == COMPILED_LISTS and words_of(banned_words=("ab", "cd")) is not first
+    assert compiled.cache_info().currsize == COMPILED_LISTS and words_of(banned_words=("ab", "cd")) is not first

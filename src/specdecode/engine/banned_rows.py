@@ -33,8 +33,8 @@ conditioning on "contains no banned word" (see ``GenerationStream``).
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -47,6 +47,16 @@ from specdecode.engine.batch_cache import to_device
 BANNED_WORD = "banned_word"
 #: How many compiled banned-word lists an engine keeps for reuse (``BannedRow.from_config``).
 COMPILED_LISTS = 16
+
+
+def _compile(words: tuple[str, ...], ignore_case: bool, whole_word: bool) -> BannedWords:
+    return BannedWords(words, ignore_case=ignore_case, whole_word=whole_word)
+
+
+def compiled_lists() -> Callable[[tuple[str, ...], bool, bool], BannedWords]:
+    """An engine's compiled banned-word lists: (words, ignore case, whole word) -> ``BannedWords``, the last
+    ``COMPILED_LISTS`` kept (``functools.lru_cache``; ``cache_info`` counts them)."""
+    return functools.lru_cache(maxsize=COMPILED_LISTS)(_compile)
 
 
 class BannedRow:
@@ -74,28 +84,20 @@ class BannedRow:
     @classmethod
     def from_config(
         cls, config: GenerationConfig, tokenizer, vocab_size: int, num_prompt_tokens: int,
-        compiled: OrderedDict | None = None,
+        compiled: Callable[[tuple[str, ...], bool, bool], BannedWords] | None = None,
     ) -> BannedRow | None:
         """The state for ``config.banned_words``, or None when it has none.
 
-        ``compiled``: the lists compiled so far (an engine's; the last ``COMPILED_LISTS`` kept), so that the choices
-        of one request, or requests with the same list, share one automaton (a ``BannedWords`` is reusable).
+        ``compiled``: an engine's ``compiled_lists``, so that the choices of one request, or requests with the same
+        list, share one automaton (a ``BannedWords`` is reusable); None compiles the list for this row alone.
 
         Raises:
             InvalidArgumentError: If banned words are asked for without a tokenizer.
         """
         if not config.banned_words:
             return None
-        key = (config.banned_words, config.banned_words_ignore_case, config.banned_words_whole_word)
-        words = compiled.get(key) if compiled is not None else None
-        if words is None:
-            words = BannedWords(key[0], ignore_case=key[1], whole_word=key[2])
-            if compiled is not None:
-                compiled[key] = words
-                while len(compiled) > COMPILED_LISTS:
-                    compiled.popitem(last=False)
-        elif compiled is not None:
-            compiled.move_to_end(key)
+        words = (compiled or _compile)(config.banned_words, config.banned_words_ignore_case,
+                                       config.banned_words_whole_word)
         return cls(words.matcher(tokenizer), vocab_size, num_prompt_tokens)
 
     @property

@@ -24,6 +24,7 @@ from transformers import DynamicCache
 
 from specdecode.config import GenerationConfig
 from specdecode.engine import kv_cache
+from specdecode.engine.banned_rows import compiled_lists
 from specdecode.engine.batch_rows import BatchEvent, BatchRow, check_prompt_cache, request_prompt
 from specdecode.engine.overlap import RoundAhead, kept
 from specdecode.engine.results import GenerationResult
@@ -48,7 +49,7 @@ class BatchRequests:
         self._finished: OrderedDict[int, str] = OrderedDict()
         self._next_id = 0
         self._ahead: RoundAhead | None = None  # [overlap] a forward enqueued before the last round's read
-        self.banned_lists: OrderedDict = OrderedDict()  # [banned words] compiled lists, shared by rows that ask alike
+        self.banned_lists = compiled_lists()  # [banned words] compiled lists, shared by rows that ask alike
 
     @property
     def num_running(self) -> int:
